@@ -1,0 +1,3 @@
+from gym_rpc.cli import main
+
+main()

@@ -1,0 +1,201 @@
+"""The `gym-rpc` command: run a head, and ask one for its config and its servers' status."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from gym_rpc.config import GlobalConfig, default_config_text, load_config_file, parse_config_text
+from gym_rpc.control.channel import DEFAULT_TIMEOUT_SECONDS, HEAD_ADDRESS_ENV_VAR, default_head_address
+from gym_rpc.control.client import SyncControlClient
+from gym_rpc.control.convert import ServerInstance
+from gym_rpc.errors import GymRpcError, HeadUnreachableError
+from gym_rpc.status import StatusReport
+
+WATCH_MAX_CONSECUTIVE_FAILURES = 30
+WATCH_RETRY_SECONDS = 1.0
+
+
+def _add_head_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--head",
+        metavar="HOST:PORT",
+        default=None,
+        help=f"head server address (default: ${HEAD_ADDRESS_ENV_VAR}, else 127.0.0.1:11000)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS, help="deadline of each call in seconds"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gym-rpc", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    head = commands.add_parser("head", help="run a head server (the gRPC control plane)")
+    head.add_argument("--config", type=Path, help="global config YAML (default: the embedded example config)")
+    head.add_argument("--host", help="bind host (default: head_server.host of the config)")
+    head.add_argument("--port", type=int, help="bind port, 0 for a free one (default: head_server.port)")
+    head.add_argument("--probe-interval", type=float, default=2.0, help="seconds between status probe rounds")
+    head.add_argument("--probe-timeout", type=float, default=1.0, help="seconds a background probe may take")
+    head.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
+    head.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+    status = commands.add_parser("status", help="show every server's status")
+    _add_head_flags(status)
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument("--watch", action="store_true", help="redraw on every change until Ctrl-C")
+
+    config = commands.add_parser("config", help="print the global config (secrets redacted)")
+    _add_head_flags(config)
+    form = config.add_mutually_exclusive_group()
+    form.add_argument("--json", action="store_true", help="print JSON")
+    form.add_argument("--yaml", action="store_true", help="print YAML (the default)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        code = {"head": cmd_head, "status": cmd_status, "config": cmd_config}[args.command](args)
+    except KeyboardInterrupt:
+        code = 130
+    except GymRpcError as exc:
+        print(f"gym-rpc {args.command}: error: {exc}", file=sys.stderr)
+        code = 1
+    sys.exit(code)
+
+
+def cmd_head(args: argparse.Namespace) -> int:
+    from gym_rpc.control.head import HeadOptions, HeadServer, run_head
+
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
+    )
+    if args.config is not None:
+        config, source = load_config_file(args.config), str(args.config)
+    else:
+        config, source = GlobalConfig.from_document(parse_config_text(default_config_text())), "embedded default"
+    options = HeadOptions(
+        host=args.host,
+        port=args.port,
+        probe_interval_seconds=args.probe_interval,
+        probe_timeout_seconds=args.probe_timeout,
+        reflection=not args.no_reflection,
+    )
+    head = HeadServer(config, options, config_path=args.config)
+
+    def announce(started: HeadServer) -> None:
+        print(
+            f"gym-rpc head listening on {started.address} "
+            f"(config: {source}, version {config.version}, {len(config.servers)} servers)",
+            flush=True,
+        )
+
+    asyncio.run(run_head(head, announce))
+    return 0
+
+
+def _client(args: argparse.Namespace) -> SyncControlClient:
+    return SyncControlClient(args.head or default_head_address(), timeout_seconds=args.timeout)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    config = _client(args).get_global_config()
+    if args.json:
+        print(json.dumps(config.document, indent=2, ensure_ascii=False))
+    else:
+        print(yaml.safe_dump(config.document, sort_keys=False, allow_unicode=True), end="")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    client = _client(args)
+    instances = {i.name: i for i in client.list_server_instances()}
+    if args.watch:
+        return _watch(client, instances, as_json=args.json)
+    snapshot = client.list_server_statuses()
+    if args.json:
+        print(json.dumps([_row_dict(r, instances.get(r.server_name)) for r in snapshot.reports], indent=2))
+    else:
+        print(format_status_table(snapshot.reports, instances))
+    return 0
+
+
+def _watch(client: SyncControlClient, instances: dict[str, ServerInstance], *, as_json: bool) -> int:
+    """Redraw on every change; reconnect (resuming from the last revision) when the head goes away."""
+    reports: dict[str, StatusReport] = {}
+    revision = 0
+    failures = 0
+    while True:
+        try:
+            for event in client.watch_server_statuses(revision):
+                failures = 0
+                if event.kind == "snapshot":
+                    reports = {r.server_name: r for r in event.reports}
+                reports.update((r.server_name, r) for r in event.reports)
+                revision = event.revision
+                if event.kind == "heartbeat":
+                    continue
+                if as_json:
+                    rows = [_row_dict(r, instances.get(r.server_name)) for r in reports.values()]
+                    print(json.dumps({"revision": revision, "kind": event.kind, "servers": rows}), flush=True)
+                else:
+                    clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+                    print(f"{clear}revision {revision}\n{format_status_table(list(reports.values()), instances)}")
+                    sys.stdout.flush()
+        except HeadUnreachableError as exc:
+            failures += 1
+            if failures >= WATCH_MAX_CONSECUTIVE_FAILURES:
+                raise
+            print(
+                f"gym-rpc status: {exc}; retrying ({failures}/{WATCH_MAX_CONSECUTIVE_FAILURES})", file=sys.stderr
+            )
+            time.sleep(WATCH_RETRY_SECONDS)
+
+
+def _status_text(report: StatusReport) -> str:
+    return report.status or "pending"
+
+
+def _row_dict(report: StatusReport, instance: ServerInstance | None) -> dict[str, object]:
+    return {
+        "name": report.server_name,
+        "type": instance.server_type if instance else "",
+        "url": report.url,
+        "status": report.status,
+        "latency_ms": round(report.latency_seconds * 1000, 3) if report.checked_at else None,
+        "checked_at": report.checked_at or None,
+        "detail": report.detail,
+    }
+
+
+def format_status_table(reports: Sequence[StatusReport], instances: dict[str, ServerInstance]) -> str:
+    header = ("NAME", "TYPE", "URL", "STATUS", "LATENCY", "LAST CHECKED")
+    now = time.time()
+    rows = [header]
+    for report in reports:
+        instance = instances.get(report.server_name)
+        checked = report.checked_at
+        rows.append(
+            (
+                report.server_name,
+                instance.server_type if instance else "",
+                report.url,
+                _status_text(report),
+                f"{report.latency_seconds * 1000:.1f} ms" if checked else "-",
+                f"{max(0.0, now - checked):.1f}s ago" if checked else "never",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    )

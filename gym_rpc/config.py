@@ -1,0 +1,288 @@
+"""Global config: loading NeMo Gym-shaped documents and the typed view every part of gym_rpc looks things up in.
+
+A document maps server names to `{server_type: {impl_name: {host, port, ...}}}`, beside global keys such as
+`head_server`, `checkpoint` and `observability_enabled`. `GlobalConfig` is built once per document (on the head
+at load and reload, on the client once per fetch), so no caller walks the document per lookup.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import ipaddress
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict
+
+from gym_rpc.errors import ConfigError, UnknownServerError
+
+HEAD_SERVER_KEY = "head_server"
+DEFAULT_HEAD_HOST = "127.0.0.1"
+DEFAULT_HEAD_PORT = 11000
+REDACTED = "<redacted>"
+SECRET_KEY_MARKERS = ("api_key", "token", "secret", "password")
+_WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
+
+
+class BaseServerConfig(BaseModel):
+    """Where a server listens."""
+
+    model_config = ConfigDict(extra="allow")
+
+    host: str
+    port: int
+
+
+class ServerEntry(BaseModel):
+    """One Gym server of the global config, with the URL clients connect to."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    server_type: str
+    impl_name: str
+    host: str
+    port: int
+    url: str
+    config: dict[str, Any]
+
+
+def connectable_host(host: str) -> str:
+    """Map a bind address to one a client can dial: wildcards become loopback of the same family."""
+    host = host.strip()
+    if host in _WILDCARD_HOSTS:
+        return "::1" if ":" in host else "127.0.0.1"
+    return host
+
+
+def url_host(host: str) -> str:
+    """Bracket IPv6 literals so they can stand in a URL authority."""
+    bare = host.strip("[]")
+    try:
+        if ipaddress.ip_address(bare.split("%", 1)[0]).version == 6:
+            return f"[{bare}]"
+    except ValueError:
+        pass
+    return host
+
+
+def base_url(host: str, port: int) -> str:
+    """The http:// base URL of a server bound at host:port."""
+    return f"http://{url_host(connectable_host(host))}:{port}"
+
+
+def is_secret_key(key: str) -> bool:
+    lowered = key.lower()
+    return any(marker in lowered for marker in SECRET_KEY_MARKERS)
+
+
+def redact_secrets(value: Any) -> Any:
+    """A copy of a JSON-like value with the values of secret-looking keys replaced."""
+    if isinstance(value, Mapping):
+        return {
+            k: (REDACTED if isinstance(k, str) and is_secret_key(k) else redact_secrets(v))
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [redact_secrets(v) for v in value]
+    return value
+
+
+def get_first_server_config_dict(document: Mapping[str, Any], server_name: str) -> Mapping[str, Any]:
+    """The entry two levels under `server_name` (`{server_type: {impl_name: entry}}` -> entry)."""
+    node = document.get(server_name)
+    if node is None:
+        raise UnknownServerError(server_name, [k for k, v in document.items() if _server_entry(k, v)])
+    for _ in range(2):
+        if not isinstance(node, Mapping) or not node:
+            raise ConfigError(
+                f"config entry {server_name!r} is not of the form {{server_type: {{impl: {{...}}}}}}"
+            )
+        node = next(iter(node.values()))
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"config entry {server_name!r} is not of the form {{server_type: {{impl: {{...}}}}}}")
+    return node
+
+
+def _server_entry(name: str, node: Any) -> ServerEntry | None:
+    """The ServerEntry a top-level key describes, or None when it is not a server (a global key)."""
+    if name == HEAD_SERVER_KEY or not isinstance(node, Mapping) or len(node) != 1:
+        return None
+    server_type, impls = next(iter(node.items()))
+    if not isinstance(impls, Mapping) or len(impls) != 1:
+        return None
+    impl_name, entry = next(iter(impls.items()))
+    if not isinstance(entry, Mapping) or "host" not in entry or "port" not in entry:
+        return None
+    host, port = entry["host"], entry["port"]
+    if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ConfigError(f"server {name!r}: host must be a string and port an integer in 1..65535")
+    return ServerEntry(
+        name=name,
+        server_type=str(server_type),
+        impl_name=str(impl_name),
+        host=host,
+        port=port,
+        url=base_url(host, port),
+        config=dict(entry),
+    )
+
+
+def _enabled(value: Any) -> bool:
+    """`checkpoint: {enabled: true}` or a bare boolean."""
+    if isinstance(value, Mapping):
+        return bool(value.get("enabled", False))
+    return bool(value)
+
+
+@dataclass(frozen=True)
+class GlobalConfig:
+    """The typed, read-only view of one global-config document."""
+
+    document: dict[str, Any]
+    head_server: BaseServerConfig
+    servers: dict[str, ServerEntry] = field(repr=False)
+    checkpoint_enabled: bool
+    observability_enabled: bool
+    config_json: str = field(repr=False)
+    version: str
+
+    @classmethod
+    def from_document(cls, document: Mapping[str, Any]) -> GlobalConfig:
+        doc = _resolved(document)
+        head = doc.get(HEAD_SERVER_KEY) or {"host": DEFAULT_HEAD_HOST, "port": DEFAULT_HEAD_PORT}
+        if not isinstance(head, Mapping):
+            raise ConfigError("head_server must be a mapping with host and port")
+        try:
+            head_server = BaseServerConfig.model_validate(dict(head))
+        except ValueError as exc:
+            raise ConfigError(f"head_server: {exc}") from exc
+        servers = {name: entry for name, node in doc.items() if (entry := _server_entry(name, node)) is not None}
+        try:
+            config_json = json.dumps(doc, ensure_ascii=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"config is not representable as JSON: {exc}") from exc
+        return cls(
+            document=doc,
+            head_server=head_server,
+            servers=servers,
+            checkpoint_enabled=_enabled(doc.get("checkpoint", False)),
+            observability_enabled=bool(doc.get("observability_enabled", False)),
+            config_json=config_json,
+            version=hashlib.sha256(config_json.encode()).hexdigest()[:16],
+        )
+
+    def with_head_server(self, host: str, port: int) -> GlobalConfig:
+        """This config with `head_server` saying where the head really listens (e.g. after binding port 0)."""
+        if (host, port) == (self.head_server.host, self.head_server.port):
+            return self
+        head = self.document.get(HEAD_SERVER_KEY)
+        head_block = dict(head) if isinstance(head, Mapping) else {}
+        return GlobalConfig.from_document(
+            {**self.document, HEAD_SERVER_KEY: {**head_block, "host": host, "port": port}}
+        )
+
+    @cached_property
+    def redacted_json(self) -> str:
+        """config_json with the values of secret-looking keys replaced."""
+        return json.dumps(redact_secrets(self.document), ensure_ascii=False)
+
+    def server(self, name: str) -> ServerEntry:
+        try:
+            return self.servers[name]
+        except KeyError:
+            raise UnknownServerError(name, [*self.servers, HEAD_SERVER_KEY]) from None
+
+    def assistant_message_header(self, model_server_name: str) -> bytes | None:
+        """The header declared by the harnesses whose `model_server` is this server; None when none declares one.
+
+        Read from `assistant_message_header` in a harness's entry or the `ASSISTANT_MESSAGE_HEADER` attribute of
+        its light `harness_package` module, so model workers never import an agent's app.
+        """
+        found: dict[str, bytes] = {}
+        for entry in self.servers.values():
+            model_server = entry.config.get("model_server")
+            if not isinstance(model_server, Mapping) or model_server.get("name") != model_server_name:
+                continue
+            header = _declared_header(entry)
+            if header is not None:
+                found[entry.name] = header
+        if len(set(found.values())) > 1:
+            raise ConfigError(
+                f"harnesses using model server {model_server_name!r} declare different assistant message "
+                f"headers: {', '.join(sorted(found))}"
+            )
+        return next(iter(found.values()), None)
+
+
+def _declared_header(entry: ServerEntry) -> bytes | None:
+    value = entry.config.get("assistant_message_header")
+    if value is None and (package := entry.config.get("harness_package")):
+        try:
+            module = importlib.import_module(str(package))
+        except ImportError as exc:
+            raise ConfigError(f"server {entry.name!r}: cannot import harness_package {package!r}: {exc}") from exc
+        value = getattr(module, "ASSISTANT_MESSAGE_HEADER", None)
+    if value is None or isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    raise ConfigError(f"server {entry.name!r}: assistant_message_header must be text or bytes")
+
+
+def _resolved(document: Mapping[str, Any]) -> dict[str, Any]:
+    """A plain-dict copy of the document with OmegaConf interpolations (`${...}`) resolved."""
+    if not isinstance(document, Mapping):
+        raise ConfigError(f"a global config must be a mapping, not {type(document).__name__}")
+    if "${" not in json.dumps(document, default=str):
+        return dict(document)
+    from omegaconf import OmegaConf  # only documents with interpolations pay for OmegaConf
+
+    try:
+        resolved = OmegaConf.to_container(OmegaConf.create(dict(document)), resolve=True)
+    except Exception as exc:  # omegaconf raises many unrelated types
+        raise ConfigError(f"cannot resolve config interpolations: {exc}") from exc
+    assert isinstance(resolved, dict)
+    return {str(k): v for k, v in resolved.items()}
+
+
+def parse_config_text(text: str, source: str = "<config>") -> dict[str, Any]:
+    """Parse YAML (or JSON, a subset) into a document; errors name the source and the line."""
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{where}: invalid YAML: {problem}") from exc
+    if document is None:
+        return {}
+    if not isinstance(document, dict):
+        raise ConfigError(f"{source}: a global config must be a mapping, not {type(document).__name__}")
+    return {str(k): v for k, v in document.items()}
+
+
+def load_config_file(path: str | Path) -> GlobalConfig:
+    """Read and validate a YAML config file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    try:
+        return GlobalConfig.from_document(parse_config_text(text, str(path)))
+    except ConfigError as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith(str(path)) else f"{path}: {message}") from exc
+
+
+def default_config_text() -> str:
+    """The embedded default config, so `gym-rpc head` runs with no file."""
+    return resources.files("gym_rpc").joinpath("default_config.yaml").read_text(encoding="utf-8")

@@ -1,0 +1,102 @@
+"""Channels to the head: one per head address (and per event loop for grpc.aio), reused by every caller.
+
+This is the reserved control pool: a dedicated HTTP/2 connection that data-plane traffic never shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import weakref
+
+import grpc
+
+from gym_rpc.config import DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT, url_host
+
+HEAD_ADDRESS_ENV_VAR = "GYM_RPC_HEAD"
+DEFAULT_TIMEOUT_SECONDS = 5.0
+SERVICE = "gym_rpc.v1.ControlPlaneService"
+
+# Every ControlPlaneService RPC reads state (ReloadGlobalConfig re-reads a file), so all may be retried.
+_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": SERVICE}],
+                "retryPolicy": {
+                    "maxAttempts": 4,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+
+CHANNEL_OPTIONS: tuple[tuple[str, int | str], ...] = (
+    ("grpc.enable_http_proxy", 0),  # proxy variables must never divert control traffic away from the head
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", _SERVICE_CONFIG),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+)
+
+
+def head_address(host: str, port: int) -> str:
+    return f"{url_host(host)}:{port}"
+
+
+def default_head_address() -> str:
+    """The head address from GYM_RPC_HEAD, else 127.0.0.1:11000."""
+    return os.environ.get(HEAD_ADDRESS_ENV_VAR) or head_address(DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT)
+
+
+_sync_channels: dict[str, grpc.Channel] = {}
+# Keyed by the loop object itself (weakly): a new loop never inherits a channel bound to a dead one.
+_aio_channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, grpc.aio.Channel]] = (
+    weakref.WeakKeyDictionary()
+)
+_lock = threading.Lock()
+
+
+def sync_channel(address: str) -> grpc.Channel:
+    """The process's blocking channel to `address`; usable from any thread, with or without an event loop."""
+    with _lock:
+        channel = _sync_channels.get(address)
+        if channel is None:
+            channel = _sync_channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return channel
+
+
+def aio_channel(address: str) -> grpc.aio.Channel:
+    """The running event loop's channel to `address` (a grpc.aio channel belongs to one loop)."""
+    loop = asyncio.get_running_loop()
+    with _lock:
+        channels = _aio_channels.setdefault(loop, {})
+        channel = channels.get(address)
+        if channel is None:
+            channel = channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return channel
+
+
+async def close_aio_channels() -> None:
+    """Close the running loop's channels (call before the loop ends)."""
+    with _lock:
+        channels = _aio_channels.pop(asyncio.get_running_loop(), {})
+    for channel in channels.values():
+        await channel.close(None)
+
+
+def close_sync_channels() -> None:
+    with _lock:
+        channels = list(_sync_channels.values())
+        _sync_channels.clear()
+    for channel in channels:
+        channel.close()

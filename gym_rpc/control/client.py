@@ -1,0 +1,260 @@
+"""Typed wrappers of every ControlPlaneService RPC, blocking (`SyncControlClient`) and asyncio (`ControlClient`).
+
+Each call has a deadline (DEFAULT_TIMEOUT_SECONDS unless given) and turns gRPC failures into gym_rpc errors that
+name the head's address and what to check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import NoReturn
+
+import grpc
+
+from gym_rpc.config import BaseServerConfig, GlobalConfig
+from gym_rpc.control import convert
+from gym_rpc.control.channel import DEFAULT_TIMEOUT_SECONDS, aio_channel, default_head_address, sync_channel
+from gym_rpc.control.convert import ServerInstance
+from gym_rpc.errors import ControlPlaneError, HeadUnreachableError, UnknownServerError
+from gym_rpc.status import StatusReport
+from gym_rpc.v1 import control_plane_pb2 as pb
+from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
+
+
+@dataclass(frozen=True)
+class StatusSnapshot:
+    revision: int
+    reports: list[StatusReport]
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One message of a status watch: kind is "snapshot", "change" or "heartbeat"."""
+
+    kind: str
+    revision: int
+    reports: list[StatusReport]
+    compacted: bool
+
+
+_EVENT_KINDS = {
+    pb.WATCH_EVENT_TYPE_SNAPSHOT: "snapshot",
+    pb.WATCH_EVENT_TYPE_CHANGE: "change",
+    pb.WATCH_EVENT_TYPE_HEARTBEAT: "heartbeat",
+}
+
+
+def _watch_event(message: pb.WatchServerStatusesResponse) -> WatchEvent:
+    return WatchEvent(
+        kind=_EVENT_KINDS.get(message.type, "unknown"),
+        revision=message.revision,
+        reports=[convert.report_from_pb(r) for r in message.reports],
+        compacted=message.compacted,
+    )
+
+
+def _watch_request(start_revision: int, heartbeat_seconds: float | None) -> pb.WatchServerStatusesRequest:
+    request = pb.WatchServerStatusesRequest(start_revision=start_revision)
+    if heartbeat_seconds is not None:
+        request.heartbeat_interval.CopyFrom(convert.seconds_to_duration(heartbeat_seconds))
+    return request
+
+
+def _status_request(server_name: str, max_age_seconds: float | None) -> pb.GetServerStatusRequest:
+    request = pb.GetServerStatusRequest(server_name=server_name)
+    if max_age_seconds:
+        request.max_age.CopyFrom(convert.seconds_to_duration(max_age_seconds))
+    return request
+
+
+def raise_control_error(error: grpc.RpcError, address: str, subject: str = "") -> NoReturn:
+    """Turn a failed call into a typed gym_rpc error naming the head and what to check."""
+    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        raise HeadUnreachableError(
+            f"head server at {address} is unreachable ({details}); check that `gym-rpc head` runs there and that "
+            f"the address (--head or GYM_RPC_HEAD) is right",
+            address=address,
+            code=code.name,
+        ) from None
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        raise HeadUnreachableError(
+            f"head server at {address} did not answer in time; check that it runs and is not overloaded",
+            address=address,
+            code=code.name,
+        ) from None
+    if code == grpc.StatusCode.NOT_FOUND and subject and isinstance(error, grpc.Call):
+        trailing = dict(error.trailing_metadata() or ())
+        known = str(trailing.get(convert.KNOWN_SERVERS_METADATA_KEY, ""))
+        raise UnknownServerError(subject, [n for n in known.split(",") if n]) from None
+    raise ControlPlaneError(f"head server at {address}: {code.name}: {details}", address=address, code=code.name)
+
+
+class SyncControlClient:
+    """Blocking control-plane calls over the process's shared channel to one head."""
+
+    def __init__(self, address: str | None = None, *, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> None:
+        self.address = address or default_head_address()
+        self.timeout_seconds = timeout_seconds
+        self._stub = pb_grpc.ControlPlaneServiceStub(sync_channel(self.address))
+
+    def get_head_server_config(self, *, timeout: float | None = None) -> BaseServerConfig:
+        request = pb.GetHeadServerConfigRequest()
+        try:
+            response = self._stub.GetHeadServerConfig(request, timeout=timeout or self.timeout_seconds)
+        except grpc.RpcError as error:
+            raise_control_error(error, self.address)
+        return convert.head_server_from_pb(response.head_server)
+
+    def get_global_config(self, *, timeout: float | None = None) -> GlobalConfig:
+        try:
+            response = self._stub.GetGlobalConfig(
+                pb.GetGlobalConfigRequest(), timeout=timeout or self.timeout_seconds
+            )
+        except grpc.RpcError as error:
+            raise_control_error(error, self.address)
+        return convert.global_config_from_pb(response)
+
+    def get_server_status(
+        self, server_name: str, *, max_age_seconds: float | None = None, timeout: float | None = None
+    ) -> StatusReport:
+        request = _status_request(server_name, max_age_seconds)
+        try:
+            response = self._stub.GetServerStatus(request, timeout=timeout or self.timeout_seconds)
+        except grpc.RpcError as error:
+            raise_control_error(error, self.address, server_name)
+        return convert.report_from_pb(response.report)
+
+    def list_server_statuses(self, *, timeout: float | None = None) -> StatusSnapshot:
+        request = pb.ListServerStatusesRequest()
+        try:
+            response = self._stub.ListServerStatuses(request, timeout=timeout or self.timeout_seconds)
+        except grpc.RpcError as error:
+            raise_control_error(error, self.address)
+        return StatusSnapshot(response.revision, [convert.report_from_pb(r) for r in response.reports])
+
+    def watch_server_statuses(
+        self, start_revision: int = 0, *, heartbeat_seconds: float | None = None, timeout: float | None = None
+    ) -> Iterator[WatchEvent]:
+        """Stream events until the caller stops iterating (or `timeout`, when given, ends the stream)."""
+        stream = self._stub.WatchServerStatuses(_watch_request(start_revision, heartbeat_seconds), timeout=timeout)
+        try:
+            for message in stream:
+                yield _watch_event(message)
+        except grpc.RpcError as error:
+            raise_control_error(error, self.address)
+        finally:
+            stream.cancel()  # type: ignore[no-untyped-call]
+
+    def list_server_instances(self, *, timeout: float | None = None) -> list[ServerInstance]:
+        request = pb.ListServerInstancesRequest()
+        try:
+            response = self._stub.ListServerInstances(request, timeout=timeout or self.timeout_seconds)
+        except grpc.RpcError as error:
+            raise_control_error(error, self.address)
+        return [convert.instance_from_pb(i) for i in response.instances]
+
+    def get_assistant_message_header(
+        self, model_server_name: str, *, timeout: float | None = None
+    ) -> bytes | None:
+        request = pb.GetAssistantMessageHeaderRequest(model_server_name=model_server_name)
+        try:
+            response = self._stub.GetAssistantMessageHeader(request, timeout=timeout or self.timeout_seconds)
+        except grpc.RpcError as error:
+            raise_control_error(error, self.address, model_server_name)
+        return response.header if response.HasField("header") else None
+
+    def reload_global_config(self, *, timeout: float | None = None) -> tuple[str, bool]:
+        request = pb.ReloadGlobalConfigRequest()
+        try:
+            response = self._stub.ReloadGlobalConfig(request, timeout=timeout or self.timeout_seconds)
+        except grpc.RpcError as error:
+            raise_control_error(error, self.address)
+        return response.version, response.changed
+
+
+class ControlClient:
+    """asyncio control-plane calls over the running loop's shared channel to one head."""
+
+    def __init__(self, address: str | None = None, *, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> None:
+        self.address = address or default_head_address()
+        self.timeout_seconds = timeout_seconds
+
+    @property
+    def _stub(self) -> pb_grpc.ControlPlaneServiceAsyncStub:
+        return pb_grpc.ControlPlaneServiceStub(aio_channel(self.address))
+
+    async def get_head_server_config(self, *, timeout: float | None = None) -> BaseServerConfig:
+        request = pb.GetHeadServerConfigRequest()
+        try:
+            response = await self._stub.GetHeadServerConfig(request, timeout=timeout or self.timeout_seconds)
+        except grpc.RpcError as error:
+            raise_control_error(error, self.address)
+        return convert.head_server_from_pb(response.head_server)
+
+    async def get_global_config(self, *, timeout: float | None = None) -> GlobalConfig:
+        request = pb.GetGlobalConfigRequest()
+        try:
+            response = await self._stub.GetGlobalConfig(request, timeout=timeout or self.timeout_seconds)
+        except grpc.RpcError as error:
+            raise_control_error(error, self.address)
+        return convert.global_config_from_pb(response)
+
+    async def get_server_status(
+        self, server_name: str, *, max_age_seconds: float | None = None, timeout: float | None = None
+    ) -> StatusReport:
+        request = _status_request(server_name, max_age_seconds)
+        try:
+            response = await self._stub.GetServerStatus(request, timeout=timeout or self.timeout_seconds)
+        except grpc.RpcError as error:
+            raise_control_error(error, self.address, server_name)
+        return convert.report_from_pb(response.report)
+
+    async def list_server_statuses(self, *, timeout: float | None = None) -> StatusSnapshot:
+        request = pb.ListServerStatusesRequest()
+        try:
+            response = await self._stub.ListServerStatuses(request, timeout=timeout or self.timeout_seconds)
+        except grpc.RpcError as error:
+            raise_control_error(error, self.address)
+        return StatusSnapshot(response.revision, [convert.report_from_pb(r) for r in response.reports])
+
+    async def watch_server_statuses(
+        self, start_revision: int = 0, *, heartbeat_seconds: float | None = None, timeout: float | None = None
+    ) -> AsyncIterator[WatchEvent]:
+        """Stream events until the caller stops iterating (or `timeout`, when given, ends the stream)."""
+        stream = self._stub.WatchServerStatuses(_watch_request(start_revision, heartbeat_seconds), timeout=timeout)
+        try:
+            async for message in stream:
+                yield _watch_event(message)
+        except grpc.RpcError as error:
+            raise_control_error(error, self.address)
+        finally:
+            stream.cancel()
+
+    async def list_server_instances(self, *, timeout: float | None = None) -> list[ServerInstance]:
+        request = pb.ListServerInstancesRequest()
+        try:
+            response = await self._stub.ListServerInstances(request, timeout=timeout or self.timeout_seconds)
+        except grpc.RpcError as error:
+            raise_control_error(error, self.address)
+        return [convert.instance_from_pb(i) for i in response.instances]
+
+    async def get_assistant_message_header(
+        self, model_server_name: str, *, timeout: float | None = None
+    ) -> bytes | None:
+        request = pb.GetAssistantMessageHeaderRequest(model_server_name=model_server_name)
+        try:
+            response = await self._stub.GetAssistantMessageHeader(request, timeout=timeout or self.timeout_seconds)
+        except grpc.RpcError as error:
+            raise_control_error(error, self.address, model_server_name)
+        return response.header if response.HasField("header") else None
+
+    async def reload_global_config(self, *, timeout: float | None = None) -> tuple[str, bool]:
+        request = pb.ReloadGlobalConfigRequest()
+        try:
+            response = await self._stub.ReloadGlobalConfig(request, timeout=timeout or self.timeout_seconds)
+        except grpc.RpcError as error:
+            raise_control_error(error, self.address)
+        return response.version, response.changed

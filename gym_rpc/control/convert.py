@@ -1,0 +1,161 @@
+"""The conversion layer: the only hand-written module that builds or reads `gym_rpc.v1` messages field by field.
+
+Everything else speaks gym_rpc's own types (GlobalConfig, ServerEntry, StatusReport, ServerStatus).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from gym_rpc.config import HEAD_SERVER_KEY, BaseServerConfig, GlobalConfig, ServerEntry, base_url, redact_secrets
+from gym_rpc.status import ServerStatus, StatusReport
+from gym_rpc.v1 import control_plane_pb2 as pb
+
+# Trailing metadata of a NOT_FOUND answer: the known server names, comma-separated, for typed client errors.
+KNOWN_SERVERS_METADATA_KEY = "gym-rpc-known-servers"
+
+_STATUS_TO_PB: dict[ServerStatus | None, pb.ServerStatus.ValueType] = {
+    None: pb.SERVER_STATUS_UNSPECIFIED,
+    "success": pb.SERVER_STATUS_SUCCESS,
+    "connection_error": pb.SERVER_STATUS_CONNECTION_ERROR,
+    "timeout": pb.SERVER_STATUS_TIMEOUT,
+    "unknown_error": pb.SERVER_STATUS_UNKNOWN_ERROR,
+}
+_STATUS_FROM_PB: dict[int, ServerStatus | None] = {v: k for k, v in _STATUS_TO_PB.items()}
+
+
+def status_to_pb(status: ServerStatus | None) -> pb.ServerStatus.ValueType:
+    return _STATUS_TO_PB[status]
+
+
+def status_from_pb(status: int) -> ServerStatus | None:
+    """None for UNSPECIFIED (not probed yet) and for values a newer head may add."""
+    return _STATUS_FROM_PB.get(status)
+
+
+def seconds_to_duration(seconds: float) -> Duration:
+    duration = Duration()
+    duration.FromNanoseconds(round(seconds * 1e9))
+    return duration
+
+
+def epoch_to_timestamp(epoch_seconds: float) -> Timestamp:
+    timestamp = Timestamp()
+    timestamp.FromNanoseconds(round(epoch_seconds * 1e9))
+    return timestamp
+
+
+def report_to_pb(report: StatusReport) -> pb.ServerStatusReport:
+    message = pb.ServerStatusReport(
+        server_name=report.server_name,
+        status=status_to_pb(report.status),
+        url=report.url,
+        detail=report.detail,
+        http_status=report.http_status,
+    )
+    if report.checked_at:
+        message.latency.CopyFrom(seconds_to_duration(report.latency_seconds))
+        message.checked_at.CopyFrom(epoch_to_timestamp(report.checked_at))
+    return message
+
+
+def report_from_pb(message: pb.ServerStatusReport) -> StatusReport:
+    return StatusReport(
+        server_name=message.server_name,
+        status=status_from_pb(message.status),
+        url=message.url,
+        latency_seconds=message.latency.ToNanoseconds() / 1e9,
+        checked_at=message.checked_at.ToNanoseconds() / 1e9,
+        detail=message.detail,
+        http_status=message.http_status,
+    )
+
+
+def head_server_to_pb(config: GlobalConfig) -> pb.HeadServer:
+    return pb.HeadServer(host=config.head_server.host, port=config.head_server.port)
+
+
+def head_server_from_pb(message: pb.HeadServer) -> BaseServerConfig:
+    return BaseServerConfig(host=message.host, port=message.port)
+
+
+def global_config_to_pb(config: GlobalConfig, *, include_secrets: bool) -> pb.GetGlobalConfigResponse:
+    """Built once per config version on the head, then served as is."""
+    redact = not include_secrets
+    return pb.GetGlobalConfigResponse(
+        version=config.version,
+        head_server=head_server_to_pb(config),
+        servers=[_entry_to_pb(entry, redact) for entry in config.servers.values()],
+        checkpoint_enabled=config.checkpoint_enabled,
+        observability_enabled=config.observability_enabled,
+        config_json=config.redacted_json if redact else config.config_json,
+    )
+
+
+def _entry_to_pb(entry: ServerEntry, redact: bool) -> pb.ServerEntry:
+    return pb.ServerEntry(
+        name=entry.name,
+        server_type=entry.server_type,
+        impl_name=entry.impl_name,
+        host=entry.host,
+        port=entry.port,
+        url=entry.url,
+        config_json=json.dumps(redact_secrets(entry.config) if redact else entry.config, ensure_ascii=False),
+    )
+
+
+def global_config_from_pb(message: pb.GetGlobalConfigResponse) -> GlobalConfig:
+    """Rebuild the typed view from the exact JSON; the head already validated it."""
+    return GlobalConfig.from_document(json.loads(message.config_json))
+
+
+@dataclass(frozen=True)
+class ServerInstance:
+    """One row of `gym status`."""
+
+    name: str
+    server_type: str
+    impl_name: str
+    url: str
+    pid: int
+    start_time: float
+    status: ServerStatus | None
+
+
+def head_instance_to_pb(config: GlobalConfig, pid: int, start_time: float) -> pb.ServerInstance:
+    return pb.ServerInstance(
+        name=HEAD_SERVER_KEY,
+        server_type=HEAD_SERVER_KEY,
+        url=base_url(config.head_server.host, config.head_server.port),
+        pid=pid,
+        start_time=epoch_to_timestamp(start_time),
+        uptime=seconds_to_duration(time.time() - start_time),
+        status=pb.SERVER_STATUS_SUCCESS,
+    )
+
+
+def server_instance_to_pb(entry: ServerEntry, report: StatusReport) -> pb.ServerInstance:
+    return pb.ServerInstance(
+        name=entry.name,
+        server_type=entry.server_type,
+        impl_name=entry.impl_name,
+        url=entry.url,
+        status=status_to_pb(report.status),
+    )
+
+
+def instance_from_pb(message: pb.ServerInstance) -> ServerInstance:
+    return ServerInstance(
+        name=message.name,
+        server_type=message.server_type,
+        impl_name=message.impl_name,
+        url=message.url,
+        pid=message.pid,
+        start_time=message.start_time.ToNanoseconds() / 1e9 if message.HasField("start_time") else 0.0,
+        status=status_from_pb(message.status),
+    )

@@ -1,0 +1,177 @@
+"""The `gym_rpc.v1.ControlPlaneService` handlers of the head server.
+
+Handlers read the head's current state (config, prober) and never rebuild per call what a config version fixes:
+the GetGlobalConfig response is built once per version.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import grpc
+
+from gym_rpc.config import HEAD_SERVER_KEY, GlobalConfig, base_url
+from gym_rpc.control import convert
+from gym_rpc.control.prober import StatusProber
+from gym_rpc.errors import ConfigError, UnknownServerError
+from gym_rpc.status import StatusReport
+from gym_rpc.v1 import control_plane_pb2 as pb
+from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
+
+DEFAULT_HEARTBEAT_SECONDS = 5.0
+MIN_HEARTBEAT_SECONDS = 0.05
+# Time kept back from the caller's deadline so a TIMEOUT answer still reaches the caller before it gives up.
+DEADLINE_MARGIN_SECONDS = 0.1
+MAX_PROBE_SECONDS = 30.0
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class HeadState(Protocol):
+    """What the handlers need from the head server."""
+
+    config: GlobalConfig
+    prober: StatusProber
+    pid: int
+    start_time: float
+
+    async def reload(self) -> bool: ...
+
+
+class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
+    def __init__(self, head: HeadState) -> None:
+        self._head = head
+        self._config_response: tuple[str, pb.GetGlobalConfigResponse] | None = None
+
+    async def GetHeadServerConfig(
+        self, request: pb.GetHeadServerConfigRequest, context: Context
+    ) -> pb.GetHeadServerConfigResponse:
+        return pb.GetHeadServerConfigResponse(head_server=convert.head_server_to_pb(self._head.config))
+
+    async def GetGlobalConfig(
+        self, request: pb.GetGlobalConfigRequest, context: Context
+    ) -> pb.GetGlobalConfigResponse:
+        # Secrets stay redacted until authenticated callers exist to ask for them.
+        config = self._head.config
+        if self._config_response is None or self._config_response[0] != config.version:
+            self._config_response = (config.version, convert.global_config_to_pb(config, include_secrets=False))
+        return self._config_response[1]
+
+    async def GetServerStatus(
+        self, request: pb.GetServerStatusRequest, context: Context
+    ) -> pb.GetServerStatusResponse:
+        name = request.server_name
+        if not name:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "server_name is required")
+        if name == HEAD_SERVER_KEY:
+            return pb.GetServerStatusResponse(report=convert.report_to_pb(self._head_report()))
+        await self._require_server(name, context)
+        prober = self._head.prober
+        max_age = request.max_age.ToNanoseconds() / 1e9
+        cached = prober.report(name)
+        if max_age > 0 and cached.status is not None and time.time() - cached.checked_at <= max_age:
+            return pb.GetServerStatusResponse(report=convert.report_to_pb(cached))
+        report = await prober.probe_now(name, self._probe_budget(context, prober.probe_timeout_seconds))
+        return pb.GetServerStatusResponse(report=convert.report_to_pb(report))
+
+    async def ListServerStatuses(
+        self, request: pb.ListServerStatusesRequest, context: Context
+    ) -> pb.ListServerStatusesResponse:
+        prober = self._head.prober
+        return pb.ListServerStatusesResponse(
+            revision=prober.revision, reports=[convert.report_to_pb(r) for r in prober.reports()]
+        )
+
+    async def WatchServerStatuses(
+        self, request: pb.WatchServerStatusesRequest, context: Context
+    ) -> AsyncIterator[pb.WatchServerStatusesResponse]:
+        prober = self._head.prober
+        heartbeat = DEFAULT_HEARTBEAT_SECONDS
+        if request.HasField("heartbeat_interval"):
+            heartbeat = max(MIN_HEARTBEAT_SECONDS, request.heartbeat_interval.ToNanoseconds() / 1e9)
+        seen = request.start_revision
+        if seen == 0 or seen > prober.revision:  # a revision from the future was issued by another head
+            yield _snapshot(prober.revision, prober.reports(), compacted=seen != 0)
+            seen = prober.revision
+        while True:
+            changes = prober.changes_since(seen)
+            if changes.compacted:
+                yield _snapshot(changes.revision, changes.reports, compacted=True)
+            elif changes.reports:
+                yield pb.WatchServerStatusesResponse(
+                    type=pb.WATCH_EVENT_TYPE_CHANGE,
+                    revision=changes.revision,
+                    reports=[convert.report_to_pb(r) for r in changes.reports],
+                )
+            seen = changes.revision
+            if not await prober.wait_for_change(seen, heartbeat):
+                yield pb.WatchServerStatusesResponse(type=pb.WATCH_EVENT_TYPE_HEARTBEAT, revision=prober.revision)
+
+    async def ListServerInstances(
+        self, request: pb.ListServerInstancesRequest, context: Context
+    ) -> pb.ListServerInstancesResponse:
+        head = self._head
+        instances = [convert.head_instance_to_pb(head.config, head.pid, head.start_time)]
+        instances += [
+            convert.server_instance_to_pb(entry, head.prober.report(name))
+            for name, entry in head.config.servers.items()
+        ]
+        return pb.ListServerInstancesResponse(instances=instances)
+
+    async def GetAssistantMessageHeader(
+        self, request: pb.GetAssistantMessageHeaderRequest, context: Context
+    ) -> pb.GetAssistantMessageHeaderResponse:
+        name = request.model_server_name
+        await self._require_server(name, context)
+        try:
+            header = self._head.config.assistant_message_header(name)
+        except ConfigError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return pb.GetAssistantMessageHeaderResponse(header=header)
+
+    async def ReloadGlobalConfig(
+        self, request: pb.ReloadGlobalConfigRequest, context: Context
+    ) -> pb.ReloadGlobalConfigResponse:
+        try:
+            changed = await self._head.reload()
+        except ConfigError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"reload refused, old config kept: {exc}")
+        return pb.ReloadGlobalConfigResponse(version=self._head.config.version, changed=changed)
+
+    async def _require_server(self, name: str, context: Context) -> None:
+        servers = self._head.config.servers
+        if name not in servers:
+            known = [*servers, HEAD_SERVER_KEY]
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                str(UnknownServerError(name, known)),
+                ((convert.KNOWN_SERVERS_METADATA_KEY, ",".join(known)),),
+            )
+
+    def _head_report(self) -> StatusReport:
+        head = self._head.config.head_server
+        return StatusReport(
+            server_name=HEAD_SERVER_KEY,
+            status="success",
+            url=base_url(head.host, head.port),
+            checked_at=time.time(),
+        )
+
+    @staticmethod
+    def _probe_budget(context: Context, default: float) -> float:
+        """Probe for as long as the caller waits (less a margin to deliver the answer), default without one."""
+        remaining = context.time_remaining()
+        if remaining is None:
+            return default
+        return max(0.001, min(MAX_PROBE_SECONDS, remaining - DEADLINE_MARGIN_SECONDS))
+
+
+def _snapshot(revision: int, reports: list[StatusReport], *, compacted: bool) -> pb.WatchServerStatusesResponse:
+    return pb.WatchServerStatusesResponse(
+        type=pb.WATCH_EVENT_TYPE_SNAPSHOT,
+        revision=revision,
+        reports=[convert.report_to_pb(r) for r in reports],
+        compacted=compacted,
+    )

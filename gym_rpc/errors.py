@@ -1,0 +1,37 @@
+"""Typed errors raised by gym_rpc. Every message names what was wrong and, where it helps, what to check."""
+
+from __future__ import annotations
+
+
+class GymRpcError(Exception):
+    """Base class of every error gym_rpc raises on purpose."""
+
+
+class ConfigError(GymRpcError, ValueError):
+    """A config document or file is malformed (the message names the file and line when known)."""
+
+
+class UnknownServerError(GymRpcError, KeyError):
+    """A server name is not in the global config; the message lists the known names."""
+
+    def __init__(self, server_name: str, known: list[str]) -> None:
+        self.server_name = server_name
+        self.known = known
+        listed = ", ".join(sorted(known)) or "(none)"
+        super().__init__(f"unknown server {server_name!r}; known servers: {listed}")
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class ControlPlaneError(GymRpcError):
+    """A control-plane call failed; `code` is the gRPC status code name, `address` the head's address."""
+
+    def __init__(self, message: str, *, address: str, code: str) -> None:
+        self.address = address
+        self.code = code
+        super().__init__(message)
+
+
+class HeadUnreachableError(ControlPlaneError, ConnectionError):
+    """The head server could not be reached (refused, no route, or no answer within the deadline)."""
