@@ -48,7 +48,9 @@ class StatusProber:
     ) -> None:
         self.interval_seconds = interval_seconds
         self.probe_timeout_seconds = probe_timeout_seconds
-        self.revision = 0
+        # Start at the wall clock in milliseconds, so revisions keep rising across head restarts and a watch
+        # resuming with a revision issued by an earlier head is never mistaken for one from this head's history.
+        self.revision = time.time_ns() // 1_000_000
         self._urls: dict[str, str] = {}
         self._reports: dict[str, StatusReport] = {}
         self._history: deque[tuple[int, StatusReport]] = deque(maxlen=history_size)
