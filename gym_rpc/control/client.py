@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -20,6 +20,9 @@ from gym_rpc.errors import ControlPlaneError, HeadUnreachableError, UnknownServe
 from gym_rpc.status import StatusReport
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
 
 
 @dataclass(frozen=True)
@@ -68,10 +71,14 @@ def _status_request(server_name: str, max_age_seconds: float | None) -> pb.GetSe
     return request
 
 
+# grpc.aio's AioRpcError is no grpc.Call, yet carries the same code, details and trailing metadata.
+_CALL_ERRORS = (grpc.Call, grpc.aio.AioRpcError)
+
+
 def raise_control_error(error: grpc.RpcError, address: str, subject: str = "") -> NoReturn:
     """Turn a failed call into a typed gym_rpc error naming the head and what to check."""
-    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
+    code = error.code() if isinstance(error, _CALL_ERRORS) else grpc.StatusCode.UNKNOWN
+    details = (error.details() if isinstance(error, _CALL_ERRORS) else None) or str(error)
     if code == grpc.StatusCode.UNAVAILABLE:
         raise HeadUnreachableError(
             f"head server at {address} is unreachable ({details}); check that `gym-rpc head` runs there and that "
@@ -85,8 +92,9 @@ def raise_control_error(error: grpc.RpcError, address: str, subject: str = "") -
             address=address,
             code=code.name,
         ) from None
-    if code == grpc.StatusCode.NOT_FOUND and subject and isinstance(error, grpc.Call):
-        trailing = dict(error.trailing_metadata() or ())
+    if code == grpc.StatusCode.NOT_FOUND and subject and isinstance(error, _CALL_ERRORS):
+        metadata: Any = error.trailing_metadata() or ()  # sync: (key, value) pairs; aio: a Mapping
+        trailing = dict(metadata)
         known = str(trailing.get(convert.KNOWN_SERVERS_METADATA_KEY, ""))
         raise UnknownServerError(subject, [n for n in known.split(",") if n]) from None
     raise ControlPlaneError(f"head server at {address}: {code.name}: {details}", address=address, code=code.name)
@@ -100,39 +108,37 @@ class SyncControlClient:
         self.timeout_seconds = timeout_seconds
         self._stub = pb_grpc.ControlPlaneServiceStub(sync_channel(self.address))
 
+    def _call(
+        self,
+        method: grpc.UnaryUnaryMultiCallable[Request, Response],
+        request: Request,
+        timeout: float | None,
+        subject: str = "",
+    ) -> Response:
+        try:
+            return method(request, timeout=timeout or self.timeout_seconds)
+        except grpc.RpcError as error:
+            raise_control_error(error, self.address, subject)
+
     def get_head_server_config(self, *, timeout: float | None = None) -> BaseServerConfig:
         request = pb.GetHeadServerConfigRequest()
-        try:
-            response = self._stub.GetHeadServerConfig(request, timeout=timeout or self.timeout_seconds)
-        except grpc.RpcError as error:
-            raise_control_error(error, self.address)
+        response = self._call(self._stub.GetHeadServerConfig, request, timeout)
         return convert.head_server_from_pb(response.head_server)
 
     def get_global_config(self, *, timeout: float | None = None) -> GlobalConfig:
-        try:
-            response = self._stub.GetGlobalConfig(
-                pb.GetGlobalConfigRequest(), timeout=timeout or self.timeout_seconds
-            )
-        except grpc.RpcError as error:
-            raise_control_error(error, self.address)
+        response = self._call(self._stub.GetGlobalConfig, pb.GetGlobalConfigRequest(), timeout)
         return convert.global_config_from_pb(response)
 
     def get_server_status(
         self, server_name: str, *, max_age_seconds: float | None = None, timeout: float | None = None
     ) -> StatusReport:
         request = _status_request(server_name, max_age_seconds)
-        try:
-            response = self._stub.GetServerStatus(request, timeout=timeout or self.timeout_seconds)
-        except grpc.RpcError as error:
-            raise_control_error(error, self.address, server_name)
+        response = self._call(self._stub.GetServerStatus, request, timeout, server_name)
         return convert.report_from_pb(response.report)
 
     def list_server_statuses(self, *, timeout: float | None = None) -> StatusSnapshot:
         request = pb.ListServerStatusesRequest()
-        try:
-            response = self._stub.ListServerStatuses(request, timeout=timeout or self.timeout_seconds)
-        except grpc.RpcError as error:
-            raise_control_error(error, self.address)
+        response = self._call(self._stub.ListServerStatuses, request, timeout)
         return StatusSnapshot(response.revision, [convert.report_from_pb(r) for r in response.reports])
 
     def watch_server_statuses(
@@ -150,28 +156,19 @@ class SyncControlClient:
 
     def list_server_instances(self, *, timeout: float | None = None) -> list[ServerInstance]:
         request = pb.ListServerInstancesRequest()
-        try:
-            response = self._stub.ListServerInstances(request, timeout=timeout or self.timeout_seconds)
-        except grpc.RpcError as error:
-            raise_control_error(error, self.address)
+        response = self._call(self._stub.ListServerInstances, request, timeout)
         return [convert.instance_from_pb(i) for i in response.instances]
 
     def get_assistant_message_header(
         self, model_server_name: str, *, timeout: float | None = None
     ) -> bytes | None:
         request = pb.GetAssistantMessageHeaderRequest(model_server_name=model_server_name)
-        try:
-            response = self._stub.GetAssistantMessageHeader(request, timeout=timeout or self.timeout_seconds)
-        except grpc.RpcError as error:
-            raise_control_error(error, self.address, model_server_name)
+        response = self._call(self._stub.GetAssistantMessageHeader, request, timeout, model_server_name)
         return response.header if response.HasField("header") else None
 
     def reload_global_config(self, *, timeout: float | None = None) -> tuple[str, bool]:
         request = pb.ReloadGlobalConfigRequest()
-        try:
-            response = self._stub.ReloadGlobalConfig(request, timeout=timeout or self.timeout_seconds)
-        except grpc.RpcError as error:
-            raise_control_error(error, self.address)
+        response = self._call(self._stub.ReloadGlobalConfig, request, timeout)
         return response.version, response.changed
 
 
@@ -186,38 +183,38 @@ class ControlClient:
     def _stub(self) -> pb_grpc.ControlPlaneServiceAsyncStub:
         return pb_grpc.ControlPlaneServiceStub(aio_channel(self.address))
 
+    async def _call(
+        self,
+        method: grpc.aio.UnaryUnaryMultiCallable[Request, Response],
+        request: Request,
+        timeout: float | None,
+        subject: str = "",
+    ) -> Response:
+        try:
+            return await method(request, timeout=timeout or self.timeout_seconds)
+        except grpc.RpcError as error:
+            raise_control_error(error, self.address, subject)
+
     async def get_head_server_config(self, *, timeout: float | None = None) -> BaseServerConfig:
         request = pb.GetHeadServerConfigRequest()
-        try:
-            response = await self._stub.GetHeadServerConfig(request, timeout=timeout or self.timeout_seconds)
-        except grpc.RpcError as error:
-            raise_control_error(error, self.address)
+        response = await self._call(self._stub.GetHeadServerConfig, request, timeout)
         return convert.head_server_from_pb(response.head_server)
 
     async def get_global_config(self, *, timeout: float | None = None) -> GlobalConfig:
         request = pb.GetGlobalConfigRequest()
-        try:
-            response = await self._stub.GetGlobalConfig(request, timeout=timeout or self.timeout_seconds)
-        except grpc.RpcError as error:
-            raise_control_error(error, self.address)
+        response = await self._call(self._stub.GetGlobalConfig, request, timeout)
         return convert.global_config_from_pb(response)
 
     async def get_server_status(
         self, server_name: str, *, max_age_seconds: float | None = None, timeout: float | None = None
     ) -> StatusReport:
         request = _status_request(server_name, max_age_seconds)
-        try:
-            response = await self._stub.GetServerStatus(request, timeout=timeout or self.timeout_seconds)
-        except grpc.RpcError as error:
-            raise_control_error(error, self.address, server_name)
+        response = await self._call(self._stub.GetServerStatus, request, timeout, server_name)
         return convert.report_from_pb(response.report)
 
     async def list_server_statuses(self, *, timeout: float | None = None) -> StatusSnapshot:
         request = pb.ListServerStatusesRequest()
-        try:
-            response = await self._stub.ListServerStatuses(request, timeout=timeout or self.timeout_seconds)
-        except grpc.RpcError as error:
-            raise_control_error(error, self.address)
+        response = await self._call(self._stub.ListServerStatuses, request, timeout)
         return StatusSnapshot(response.revision, [convert.report_from_pb(r) for r in response.reports])
 
     async def watch_server_statuses(
@@ -235,26 +232,17 @@ class ControlClient:
 
     async def list_server_instances(self, *, timeout: float | None = None) -> list[ServerInstance]:
         request = pb.ListServerInstancesRequest()
-        try:
-            response = await self._stub.ListServerInstances(request, timeout=timeout or self.timeout_seconds)
-        except grpc.RpcError as error:
-            raise_control_error(error, self.address)
+        response = await self._call(self._stub.ListServerInstances, request, timeout)
         return [convert.instance_from_pb(i) for i in response.instances]
 
     async def get_assistant_message_header(
         self, model_server_name: str, *, timeout: float | None = None
     ) -> bytes | None:
         request = pb.GetAssistantMessageHeaderRequest(model_server_name=model_server_name)
-        try:
-            response = await self._stub.GetAssistantMessageHeader(request, timeout=timeout or self.timeout_seconds)
-        except grpc.RpcError as error:
-            raise_control_error(error, self.address, model_server_name)
+        response = await self._call(self._stub.GetAssistantMessageHeader, request, timeout, model_server_name)
         return response.header if response.HasField("header") else None
 
     async def reload_global_config(self, *, timeout: float | None = None) -> tuple[str, bool]:
         request = pb.ReloadGlobalConfigRequest()
-        try:
-            response = await self._stub.ReloadGlobalConfig(request, timeout=timeout or self.timeout_seconds)
-        except grpc.RpcError as error:
-            raise_control_error(error, self.address)
+        response = await self._call(self._stub.ReloadGlobalConfig, request, timeout)
         return response.version, response.changed
