@@ -42,6 +42,7 @@ class HeadOptions:
     probe_interval_seconds: float = 2.0
     probe_timeout_seconds: float = 1.0
     reflection: bool = True
+    watch_history_size: int = 1024  # status changes a watch can resume across
     shutdown_grace_seconds: float = 0.5
 
 
@@ -62,6 +63,7 @@ class HeadServer:
             config.servers,
             interval_seconds=options.probe_interval_seconds,
             probe_timeout_seconds=options.probe_timeout_seconds,
+            history_size=options.watch_history_size,
             on_change=self._follow_health,
         )
         self._server: grpc.aio.Server | None = None
@@ -134,8 +136,6 @@ async def run_head(head: HeadServer, on_started: Callable[[HeadServer], None]) -
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     reloads: set[asyncio.Task[None]] = set()
-    await head.start()
-    on_started(head)
 
     def reload_in_background() -> None:
         async def reload() -> None:
@@ -155,6 +155,9 @@ async def run_head(head: HeadServer, on_started: Callable[[HeadServer], None]) -
         loop.add_signal_handler(signum, stop.set)
     with contextlib.suppress(AttributeError):  # no SIGHUP on some platforms
         loop.add_signal_handler(signal.SIGHUP, reload_in_background)
+    # Announce only once the handlers are in place: a signal sent right after the banner must stop cleanly.
+    await head.start()
+    on_started(head)
     try:
         await stop.wait()
     finally:

@@ -1,0 +1,219 @@
+"""Real `gym-rpc` subprocesses for CLI tests: run one to completion, or keep one running and read its lines.
+
+Every wait is bounded, and every process started here is killed on exit, so a hung CLI fails a test instead of
+hanging the suite. A threaded aiohttp server gives synchronous tests a real data-plane server they can stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import IO
+
+from aiohttp import web
+
+from gym_rpc.control.channel import HEAD_ADDRESS_ENV_VAR
+
+LOOPBACK = "127.0.0.1"
+STARTUP_SECONDS = 15.0  # generous: two noisy cores, cold interpreter
+LISTENING_PATTERN = re.compile(r"listening on (\S+)")
+
+
+def cli_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The test process's environment without a stray head address, unbuffered, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k != HEAD_ADDRESS_ENV_VAR}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def cli_command(args: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "gym_rpc", *args]
+
+
+def run_cli(
+    args: Sequence[str], *, timeout: float = 20.0, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `gym-rpc ARGS` to completion (killed after `timeout` seconds)."""
+    return subprocess.run(
+        cli_command(args), capture_output=True, text=True, timeout=timeout, env=cli_env(env), check=False
+    )
+
+
+class CliProcess:
+    """A running `gym-rpc` subprocess whose stdout lines can be awaited with a deadline."""
+
+    def __init__(self, args: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+        self.args = list(args)
+        self.process = subprocess.Popen(
+            cli_command(args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=cli_env(env),
+        )
+        self._stdout: queue.Queue[str | None] = queue.Queue()
+        self._stderr: list[str | None] = []
+        assert self.process.stdout is not None and self.process.stderr is not None
+        self._readers = [
+            threading.Thread(target=self._drain, args=(self.process.stdout, self._stdout.put), daemon=True),
+            threading.Thread(target=self._drain, args=(self.process.stderr, self._stderr.append), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _drain(stream: IO[str], sink: Callable[[str | None], object]) -> None:
+        """Read until EOF so the child never blocks on a full pipe; None marks the end of the stream."""
+        for line in stream:
+            sink(line.rstrip("\n"))
+        sink(None)
+
+    @property
+    def stderr_text(self) -> str:
+        return "\n".join(line for line in list(self._stderr) if line is not None)
+
+    def read_line(self, timeout: float) -> str:
+        """The next stdout line; fails the test when none comes within `timeout` or stdout ends."""
+        try:
+            line = self._stdout.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(
+                f"`gym-rpc {' '.join(self.args)}` printed no line within {timeout}s; stderr: {self.stderr_text}"
+            ) from None
+        if line is None:
+            self.process.wait(timeout=5)
+            raise AssertionError(
+                f"`gym-rpc {' '.join(self.args)}` ended (exit {self.process.returncode}) before printing a line; "
+                f"stderr: {self.stderr_text}"
+            )
+        return line
+
+    def wait_for_line(self, pattern: re.Pattern[str], timeout: float) -> re.Match[str]:
+        """Skip stdout lines until one matches `pattern`, within `timeout` seconds in all."""
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.read_line(max(0.01, deadline - time.monotonic()))
+            if match := pattern.search(line):
+                return match
+
+    def wait_for_stderr(self, text: str, timeout: float) -> None:
+        """Poll stderr until it contains `text`; fails the test after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while text not in self.stderr_text:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"stderr of `gym-rpc {' '.join(self.args)}` lacks {text!r}: {self.stderr_text}"
+                )
+            time.sleep(0.02)
+
+    def wait(self, timeout: float) -> int:
+        """The exit code; fails the test when the process runs on past `timeout`."""
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"`gym-rpc {' '.join(self.args)}` still runs after {timeout}s") from None
+
+    def close(self) -> None:
+        """Kill the process if it still runs and collect its output threads."""
+        if self.process.poll() is None:
+            self.process.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=10)
+        for reader in self._readers:
+            reader.join(timeout=5)
+
+
+class HeadProcess(CliProcess):
+    """`gym-rpc head` on a free port; `address` is the HOST:PORT it printed."""
+
+    address: str
+
+
+@contextlib.contextmanager
+def running_cli(args: Sequence[str], env: Mapping[str, str] | None = None) -> Iterator[CliProcess]:
+    process = CliProcess(args, env)
+    try:
+        yield process
+    finally:
+        process.close()
+
+
+@contextlib.contextmanager
+def running_head(
+    config: Path | None = None, *extra_args: str, env: Mapping[str, str] | None = None
+) -> Iterator[HeadProcess]:
+    """Start `gym-rpc head --port 0 [--config F]`, wait for its "listening on" line, always kill it at exit."""
+    args = ["head", "--port", "0", "--probe-interval", "0.1", "--probe-timeout", "0.5", *extra_args]
+    if config is not None:
+        args += ["--config", str(config)]
+    head = HeadProcess(args, env)
+    try:
+        head.address = head.wait_for_line(LISTENING_PATTERN, STARTUP_SECONDS).group(1)
+        yield head
+    finally:
+        head.close()
+
+
+class ThreadedHttpServer:
+    """A real aiohttp server on its own event loop in a thread, for tests that are not async."""
+
+    def __init__(self, status: int = 200) -> None:
+        self.status = status
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    async def _answer(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": self.status}, status=self.status)
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._answer)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, LOOPBACK, 0).start()
+        self.port = int(self._runner.addresses[0][1])
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    def start(self) -> ThreadedHttpServer:
+        self._thread.start()
+        if not self._ready.wait(timeout=10):
+            raise AssertionError("the aiohttp server thread did not start within 10s")
+        return self
+
+    def stop(self) -> None:
+        """Close the listening socket and end the thread (idempotent)."""
+        if not self._thread.is_alive():
+            return
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=10)
+            self._runner = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+
+@contextlib.contextmanager
+def threaded_http_server(status: int = 200) -> Iterator[ThreadedHttpServer]:
+    server = ThreadedHttpServer(status).start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,367 @@
+"""The `gym-rpc` command as a user runs it: real subprocesses against a real head, real exit codes and output."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gym_rpc.config import (
+    DEFAULT_HEAD_HOST,
+    DEFAULT_HEAD_PORT,
+    GlobalConfig,
+    default_config_text,
+    redact_secrets,
+)
+from gym_rpc.control.channel import HEAD_ADDRESS_ENV_VAR
+from gym_rpc.control.client import SyncControlClient
+from tests.cli_helpers import (
+    LOOPBACK,
+    CliProcess,
+    HeadProcess,
+    ThreadedHttpServer,
+    run_cli,
+    running_cli,
+    running_head,
+    threaded_http_server,
+)
+from tests.conftest import closed_port, server_entry
+
+TABLE_HEADER = ["NAME", "TYPE", "URL", "STATUS", "LATENCY", "LAST CHECKED"]
+SECRET = "sk-do-not-print-me"
+WAIT_SECONDS = 10.0
+
+
+def write_config(path: Path, doc: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True), encoding="utf-8")
+    return path
+
+
+def head_port(head: HeadProcess) -> int:
+    return int(head.address.rsplit(":", 1)[1])
+
+
+def wait_until_probed(address: str) -> None:
+    """Block until the head has probed every server once, so status output is settled."""
+    client = SyncControlClient(address, timeout_seconds=2.0)
+    deadline = time.monotonic() + WAIT_SECONDS
+    while any(report.status is None for report in client.list_server_statuses().reports):
+        assert time.monotonic() < deadline, f"head at {address} did not probe every server in {WAIT_SECONDS}s"
+        time.sleep(0.05)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """A failed command: exit code 1, one stderr line naming every needle, no traceback, nothing on stdout."""
+    assert result.returncode == 1, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in lines[0]
+    assert result.stdout == ""
+    return lines[0]
+
+
+# --- one head with a live server, a server answering 500 and a closed port, shared by the read-only tests ---
+
+
+@pytest.fixture(scope="module")
+def data_servers() -> Iterator[tuple[ThreadedHttpServer, ThreadedHttpServer]]:
+    with threaded_http_server(200) as live, threaded_http_server(500) as failing:
+        yield live, failing
+
+
+@pytest.fixture(scope="module")
+def mixed_doc(data_servers: tuple[ThreadedHttpServer, ThreadedHttpServer]) -> dict[str, Any]:
+    live, failing = data_servers
+    return {
+        "head_server": {"host": LOOPBACK, "port": 0},
+        "live": server_entry(live.port, api_key=SECRET, note="héllo ✓", sizes=[1, 2, {"deep": [3]}]),
+        "failing": server_entry(failing.port, "resources_servers"),
+        "gone": server_entry(closed_port(), "responses_api_agents"),
+        "checkpoint": {"enabled": True},
+        "observability_enabled": False,
+    }
+
+
+@pytest.fixture(scope="module")
+def mixed_head(tmp_path_factory: pytest.TempPathFactory, mixed_doc: dict[str, Any]) -> Iterator[HeadProcess]:
+    path = write_config(tmp_path_factory.mktemp("mixed") / "config.yaml", mixed_doc)
+    with running_head(path) as head:
+        wait_until_probed(head.address)
+        yield head
+
+
+def expected_served_document(doc: dict[str, Any], head: HeadProcess) -> dict[str, Any]:
+    """What `gym-rpc config` shows: the document with the bound head port and secrets redacted."""
+    served: dict[str, Any] = redact_secrets({**doc, "head_server": {"host": LOOPBACK, "port": head_port(head)}})
+    return served
+
+
+def test_status_table_lists_every_server(mixed_head: HeadProcess) -> None:
+    result = run_cli(["status", "--head", mixed_head.address])
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.rstrip("\n").splitlines()
+    assert re.split(r"\s{2,}", lines[0]) == TABLE_HEADER
+    rows = {cells[0]: cells for cells in (re.split(r"\s{2,}", line) for line in lines[1:])}
+    assert set(rows) == {"live", "failing", "gone"}
+    assert rows["live"][1] == "responses_api_models"
+    assert rows["live"][3] == "success"
+    assert rows["live"][2].startswith(f"http://{LOOPBACK}:")
+    assert rows["failing"][1] == "resources_servers"
+    assert rows["failing"][3] == "success"  # any HTTP answer, a 500 included
+    assert rows["gone"][1] == "responses_api_agents"
+    assert rows["gone"][3] == "connection_error"
+    for cells in rows.values():
+        assert len(cells) == len(TABLE_HEADER), cells
+        assert re.fullmatch(r"\d+\.\d ms", cells[4]), cells
+        assert re.fullmatch(r"\d+\.\ds ago", cells[5]), cells
+
+
+def test_status_json_has_a_row_per_server(mixed_head: HeadProcess) -> None:
+    result = run_cli(["status", "--head", mixed_head.address, "--json"])
+    assert result.returncode == 0, result.stderr
+    rows = {row["name"]: row for row in json.loads(result.stdout)}
+    assert {name: row["status"] for name, row in rows.items()} == {
+        "live": "success",
+        "failing": "success",
+        "gone": "connection_error",
+    }
+    assert rows["gone"]["type"] == "responses_api_agents"
+    assert rows["gone"]["detail"]
+    for row in rows.values():
+        assert row["url"].startswith(f"http://{LOOPBACK}:")
+        assert isinstance(row["latency_ms"], float)
+        assert row["checked_at"] > 0
+
+
+def test_config_json_prints_the_document_with_secrets_redacted(
+    mixed_head: HeadProcess, mixed_doc: dict[str, Any]
+) -> None:
+    result = run_cli(["config", "--head", mixed_head.address, "--json"])
+    assert result.returncode == 0, result.stderr
+    printed = json.loads(result.stdout)
+    assert printed == expected_served_document(mixed_doc, mixed_head)
+    assert printed["live"]["responses_api_models"]["responses_api_models_impl"]["api_key"] == "<redacted>"
+    assert SECRET not in result.stdout
+    assert "héllo ✓" in result.stdout  # unicode printed as is
+
+
+def test_config_yaml_prints_the_same_document(mixed_head: HeadProcess, mixed_doc: dict[str, Any]) -> None:
+    result = run_cli(["config", "--head", mixed_head.address, "--yaml"])
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout) == expected_served_document(mixed_doc, mixed_head)
+    assert SECRET not in result.stdout
+    default_form = run_cli(["config", "--head", mixed_head.address])
+    assert default_form.stdout == result.stdout
+
+
+def test_head_address_comes_from_the_environment(mixed_head: HeadProcess) -> None:
+    result = run_cli(["status", "--json"], env={HEAD_ADDRESS_ENV_VAR: mixed_head.address})
+    assert result.returncode == 0, result.stderr
+    assert {row["name"] for row in json.loads(result.stdout)} == {"live", "failing", "gone"}
+
+
+def test_head_flag_wins_over_the_environment(mixed_head: HeadProcess) -> None:
+    elsewhere = f"{LOOPBACK}:{closed_port()}"
+    result = run_cli(["config", "--json", "--head", mixed_head.address], env={HEAD_ADDRESS_ENV_VAR: elsewhere})
+    assert result.returncode == 0, result.stderr
+    assert "live" in json.loads(result.stdout)
+
+
+def test_default_head_address_when_neither_flag_nor_environment() -> None:
+    with socket.socket() as probe:
+        if probe.connect_ex((DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT)) == 0:
+            pytest.skip(f"something listens on the default head address {DEFAULT_HEAD_HOST}:{DEFAULT_HEAD_PORT}")
+    result = run_cli(["config", "--timeout", "2"])
+    assert_one_line_error(result, f"{DEFAULT_HEAD_HOST}:{DEFAULT_HEAD_PORT}")
+
+
+# --- the embedded default ---
+
+
+def test_head_without_config_serves_the_embedded_default() -> None:
+    with running_head() as head:
+        result = run_cli(["config", "--head", head.address, "--json"])
+        status = run_cli(["status", "--head", head.address, "--json"])
+    assert result.returncode == 0, result.stderr
+    embedded = yaml.safe_load(default_config_text())
+    expected = redact_secrets({**embedded, "head_server": {**embedded["head_server"], "port": head_port(head)}})
+    assert json.loads(result.stdout) == expected
+    assert status.returncode == 0, status.stderr
+    assert {row["name"] for row in json.loads(status.stdout)} == set(GlobalConfig.from_document(embedded).servers)
+
+
+# --- failures: one line, no traceback, within the deadline ---
+
+
+@pytest.mark.parametrize(
+    "command", [["status"], ["status", "--json"], ["status", "--watch"], ["config", "--json"]]
+)
+def test_unreachable_head_fails_fast_with_one_line(command: list[str]) -> None:
+    address = f"{LOOPBACK}:{closed_port()}"
+    started = time.monotonic()
+    result = run_cli([*command, "--head", address, "--timeout", "2"], timeout=10)
+    elapsed = time.monotonic() - started
+    assert_one_line_error(result, address, "unreachable")
+    assert elapsed < 4.0, f"took {elapsed:.1f}s"
+
+
+def test_head_that_never_answers_fails_within_the_deadline() -> None:
+    with socket.create_server((LOOPBACK, 0)) as mute:  # accepts (backlog) and never speaks HTTP/2
+        address = f"{LOOPBACK}:{mute.getsockname()[1]}"
+        started = time.monotonic()
+        result = run_cli(["status", "--head", address, "--timeout", "1"], timeout=10)
+        elapsed = time.monotonic() - started
+    assert_one_line_error(result, address)
+    assert elapsed < 4.0, f"took {elapsed:.1f}s"
+
+
+def test_malformed_yaml_stops_the_head_naming_file_and_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("head_server:\n  host: 127.0.0.1\n  port: [0\nother: 1\n", encoding="utf-8")
+    result = run_cli(["head", "--config", str(bad), "--port", "0"], timeout=15)
+    line = assert_one_line_error(result, str(bad))
+    assert re.search(re.escape(str(bad)) + r":[34]:\d+", line), line
+    assert "YAML" in line
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("broken:\n  responses_api_models:\n    impl: {host: 127.0.0.1, port: 70000}\n", "port"),
+        ("- a\n- b\n", "mapping"),
+    ],
+)
+def test_invalid_config_stops_the_head_naming_the_file(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "invalid.yaml"
+    path.write_text(text, encoding="utf-8")
+    result = run_cli(["head", "--config", str(path), "--port", "0"], timeout=15)
+    assert_one_line_error(result, str(path), needle)
+
+
+def test_missing_config_file_stops_the_head(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere.yaml"
+    result = run_cli(["head", "--config", str(missing), "--port", "0"], timeout=15)
+    assert_one_line_error(result, str(missing))
+
+
+# --- signals ---
+
+
+def wait_for_version_change(client: SyncControlClient, old: str) -> str:
+    deadline = time.monotonic() + WAIT_SECONDS
+    while (version := client.get_global_config().version) == old:
+        assert time.monotonic() < deadline, f"version stayed {old} for {WAIT_SECONDS}s after SIGHUP"
+        time.sleep(0.05)
+    return version
+
+
+def test_sighup_reloads_the_config_file(tmp_path: Path) -> None:
+    doc = {"head_server": {"host": LOOPBACK, "port": 0}, "first": server_entry(closed_port())}
+    path = write_config(tmp_path / "config.yaml", doc)
+    with running_head(path, "--verbose") as head:
+        client = SyncControlClient(head.address, timeout_seconds=2.0)
+        before = client.get_global_config().version
+
+        head.process.send_signal(signal.SIGHUP)  # same content: no new version
+        head.wait_for_stderr("SIGHUP: config unchanged", WAIT_SECONDS)
+        assert client.get_global_config().version == before
+
+        write_config(path, {**doc, "second": server_entry(closed_port(), "resources_servers")})
+        head.process.send_signal(signal.SIGHUP)
+        after = wait_for_version_change(client, before)
+        printed = json.loads(run_cli(["config", "--json", "--head", head.address]).stdout)
+        assert set(printed) == {"head_server", "first", "second"}
+
+        path.write_text("first: [unclosed\n", encoding="utf-8")  # a bad file keeps the old config
+        head.process.send_signal(signal.SIGHUP)
+        head.wait_for_stderr("reload refused", WAIT_SECONDS)
+        assert client.get_global_config().version == after
+        assert head.process.poll() is None
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_head_stops_on_signal_within_a_second(signum: signal.Signals) -> None:
+    with running_head() as head:
+        started = time.monotonic()
+        head.process.send_signal(signum)
+        code = head.wait(timeout=5)
+        elapsed = time.monotonic() - started
+        assert code == 0, head.stderr_text
+        assert elapsed < 1.5, f"took {elapsed:.2f}s"
+        assert "Traceback" not in head.stderr_text
+
+
+# --- watch ---
+
+
+def read_watch_lines(
+    watcher: CliProcess, until: Callable[[dict[str, Any]], bool], timeout: float = WAIT_SECONDS
+) -> list[dict[str, Any]]:
+    """Watch lines (parsed) up to and including the first for which `until(line)` holds."""
+    deadline = time.monotonic() + timeout
+    lines: list[dict[str, Any]] = []
+    while not lines or not until(lines[-1]):
+        lines.append(json.loads(watcher.read_line(max(0.01, deadline - time.monotonic()))))
+    return lines
+
+
+def server_status(line: dict[str, Any], name: str) -> str | None:
+    status: str | None = next(row["status"] for row in line["servers"] if row["name"] == name)
+    return status
+
+
+def test_status_watch_prints_snapshot_then_change(tmp_path: Path) -> None:
+    with threaded_http_server() as watched:
+        doc = {
+            "head_server": {"host": LOOPBACK, "port": 0},
+            "watched": server_entry(watched.port),
+            "gone": server_entry(closed_port(), "resources_servers"),
+        }
+        with (
+            running_head(write_config(tmp_path / "config.yaml", doc)) as head,
+            running_cli(["status", "--head", head.address, "--watch", "--json"]) as watcher,
+        ):
+            settled = read_watch_lines(watcher, lambda line: server_status(line, "watched") == "success")
+            assert settled[0]["kind"] == "snapshot"
+            assert {row["name"] for row in settled[0]["servers"]} == {"watched", "gone"}
+
+            watched.stop()
+            changes = read_watch_lines(watcher, lambda line: server_status(line, "watched") == "connection_error")
+            assert changes[-1]["kind"] == "change"
+            assert changes[-1]["revision"] > settled[-1]["revision"]
+            assert server_status(changes[-1], "gone") == "connection_error"
+
+            watcher.process.send_signal(signal.SIGINT)
+            assert watcher.wait(timeout=5) == 130
+            assert "Traceback" not in watcher.stderr_text
+
+
+# --- entry points ---
+
+
+def test_python_dash_m_help() -> None:
+    result = run_cli(["--help"])
+    assert result.returncode == 0, result.stderr
+    for command in ("head", "status", "config"):
+        assert command in result.stdout
+
+
+def test_console_script_help() -> None:
+    script = Path(sys.executable).with_name("gym-rpc")
+    if not script.exists():
+        pytest.skip(f"no console script beside {sys.executable}")
+    result = subprocess.run([str(script), "status", "--help"], capture_output=True, text=True, timeout=20)
+    assert result.returncode == 0, result.stderr
+    assert "--watch" in result.stdout and "--head" in result.stdout
