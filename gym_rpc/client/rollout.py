@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import re
 from collections.abc import Iterator
 from urllib.parse import quote
@@ -24,6 +25,7 @@ MODEL_SERVER_TYPE = "responses_api_models"
 RESOURCES_SERVER_TYPE = "resources_servers"
 MODEL_SERVER_PATHS = frozenset({"/v1/responses", "/v1/chat/completions", "/v1/messages"})
 MAX_ROLLOUT_ID_LENGTH = 256
+_ROLLOUT_PATH_HEAD = f"/{ROLLOUT_SEGMENT}/"
 
 _TRACEPARENT_PATTERN = "00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}"
 TRACEPARENT_RE = re.compile(_TRACEPARENT_PATTERN)
@@ -58,13 +60,24 @@ def encode_rollout_id(rollout_id: str) -> str:
         raise InvalidRolloutIdError(f"invalid rollout id {rollout_id!r}: must be a non-empty string, not . or ..")
     if len(rollout_id) > MAX_ROLLOUT_ID_LENGTH:
         raise InvalidRolloutIdError(f"rollout id is {len(rollout_id)} characters; at most {MAX_ROLLOUT_ID_LENGTH}")
-    return quote(rollout_id, safe="")
+    try:
+        return quote(rollout_id, safe="")
+    except UnicodeEncodeError:  # a lone surrogate: not text that UTF-8 (or a URL) can carry
+        raise InvalidRolloutIdError(f"invalid rollout id {rollout_id!r}: not encodable as UTF-8") from None
 
 
 def rollout_path_prefix(rollout_id: str | None, token_capture: bool = False) -> str:
     """Return the leading model-server path prefix for a rollout, if available ("" without a rollout id)."""
     if rollout_id is None:
         return ""
+    if not isinstance(rollout_id, str):
+        encode_rollout_id(rollout_id)  # raises the typed error before the cache would raise "unhashable"
+    return _cached_prefix(rollout_id, bool(token_capture))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_prefix(rollout_id: str, token_capture: bool) -> str:
+    """Hot path: every call of a rollout builds the same prefix; encode it once (errors are not cached)."""
     prefix = f"/{ROLLOUT_SEGMENT}/{encode_rollout_id(rollout_id)}"
     return f"{prefix}/{TOKEN_CAPTURE_SEGMENT}" if token_capture else prefix
 
@@ -91,10 +104,10 @@ def apply_rollout_prefix(
 
 def prefixed_path(url_path: str, server_type: str, rollout_id: str | None) -> str:
     """The data-plane path rule: model-server API paths and every resources-server path get the rollout prefix;
-    a path that already carries one is left alone."""
-    if rollout_id is None or url_path.startswith(f"/{ROLLOUT_SEGMENT}/"):
+    a path that already carries one is left alone. A query string does not hide a model-server API path."""
+    if rollout_id is None or url_path.startswith(_ROLLOUT_PATH_HEAD):
         return url_path
-    is_model_call = server_type == MODEL_SERVER_TYPE and url_path in MODEL_SERVER_PATHS
+    is_model_call = server_type == MODEL_SERVER_TYPE and url_path.partition("?")[0] in MODEL_SERVER_PATHS
     if is_model_call or server_type == RESOURCES_SERVER_TYPE:
         return rollout_path_prefix(rollout_id) + url_path
     return url_path

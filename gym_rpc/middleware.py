@@ -1,0 +1,321 @@
+"""TraceContextPathMiddleware: turn `/ng-rollout/<id>[/training-token-capture][/ng-trace/<tp>]` back into state.
+
+Clients Gym does not instrument (a harness in a sandbox, a third-party SDK) are handed base URLs that carry the
+rollout id and the trace context in the path (see `gym_rpc.client.rollout.apply_rollout_prefix`). A receiving
+server strips those leading segments so its routes see the plain path, hands the rollout id to the handler, and
+turns `/ng-trace/<traceparent>` back into the `traceparent` header. A malformed segment is answered with 400 and
+a short reason instead of being routed somewhere surprising.
+
+Two forms share one pure parser, `split_gym_prefixes`, so the rules live in one place:
+
+* aiohttp.web: `web.Application(middlewares=[TraceContextPathMiddleware.aiohttp(), ...])`.
+* plain ASGI: `TraceContextPathMiddleware(asgi_app)`.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, NamedTuple
+from urllib.parse import quote, unquote
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+from multidict import CIMultiDict
+from yarl import URL
+
+from gym_rpc.client.rollout import (
+    ROLLOUT_SEGMENT,
+    TOKEN_CAPTURE_SEGMENT,
+    TRACE_SEGMENT,
+    TRACEPARENT_RE,
+    InvalidRolloutIdError,
+    encode_rollout_id,
+    rollout_context,
+)
+from gym_rpc.errors import GymRpcError
+
+ROLLOUT_ID_KEY = "rollout_id"
+TOKEN_CAPTURE_KEY = "token_capture"
+TRACEPARENT_HEADER = "traceparent"
+
+# Every Gym prefix starts with this: one startswith() decides the common case (no prefix) at near-zero cost.
+_GYM_PREFIX_HEAD = "/ng-"
+_ZERO_TRACE_ID = "0" * 32
+_ZERO_SPAN_ID = "0" * 16
+_PERCENT_ENCODED_SEGMENT = re.compile(r"(?:[^%/]|%[0-9A-Fa-f]{2})+")
+# Characters left as they are when a decoded ASGI path has to be re-encoded (RFC 3986 pchar minus '%').
+_PATH_SAFE = "/:@!$&'()*+,;=-._~"
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class MalformedGymPrefixError(GymRpcError, ValueError):
+    """A `/ng-rollout/...` or `/ng-trace/...` path prefix that cannot be honoured; answered with 400."""
+
+
+class GymPrefixes(NamedTuple):
+    """What `split_gym_prefixes` found: the path left for routing (still percent-encoded) and the prefix values."""
+
+    rest: str
+    rollout_id: str | None
+    token_capture: bool
+    traceparent: str | None
+
+    @property
+    def stripped(self) -> bool:
+        """Whether the path carried any Gym prefix (a rollout prefix always has an id)."""
+        return self.rollout_id is not None or self.traceparent is not None
+
+
+def split_gym_prefixes(path: str) -> GymPrefixes:
+    """Split the leading Gym segments off a percent-encoded path (no query string).
+
+    Accepted: optional `/ng-rollout/<percent-encoded id>` optionally followed by `/training-token-capture`, then
+    optional `/ng-trace/<traceparent>`. The rest ("/" when nothing is left) is returned still encoded; the rollout
+    id is returned decoded. Raises MalformedGymPrefixError for an empty or malformed rollout id, or a traceparent
+    that does not match `_TRACEPARENT_PATTERN` fully or has an all-zero trace or span id.
+    """
+    if not path.startswith(_GYM_PREFIX_HEAD):
+        return GymPrefixes(path, None, False, None)
+    rollout_id: str | None = None
+    token_capture = False
+    traceparent: str | None = None
+    rest = path  # what is not consumed yet; `after` is what follows its first segment
+    head, after = _first_segment(rest)
+    if head == ROLLOUT_SEGMENT:
+        encoded_id, rest = _first_segment(after)
+        rollout_id = _decode_rollout_id(encoded_id)
+        head, after = _first_segment(rest)
+        if head == TOKEN_CAPTURE_SEGMENT:
+            token_capture = True
+            rest = after
+            head, after = _first_segment(rest)
+    if head == TRACE_SEGMENT:
+        candidate, rest = _first_segment(after)
+        traceparent = _checked_traceparent(candidate)
+    return GymPrefixes(rest or "/", rollout_id, token_capture, traceparent)
+
+
+def _first_segment(path: str) -> tuple[str, str]:
+    """("seg", "/rest...") for "/seg/rest..."; ("", "") for "" — the remainder keeps its leading slash."""
+    if not path:
+        return "", ""
+    end = path.find("/", 1)
+    if end == -1:
+        return path[1:], ""
+    return path[1:end], path[end:]
+
+
+def _decode_rollout_id(encoded_id: str) -> str:
+    if not encoded_id:
+        raise MalformedGymPrefixError(f"empty rollout id after /{ROLLOUT_SEGMENT}/")
+    if not _PERCENT_ENCODED_SEGMENT.fullmatch(encoded_id):
+        raise MalformedGymPrefixError(f"malformed percent-encoding in rollout id segment {encoded_id!r}")
+    try:
+        rollout_id = unquote(encoded_id, errors="strict")
+        encode_rollout_id(rollout_id)  # the same rules the client applies when it builds the prefix
+    except UnicodeDecodeError:
+        raise MalformedGymPrefixError(f"rollout id segment {encoded_id!r} is not UTF-8") from None
+    except InvalidRolloutIdError as error:
+        raise MalformedGymPrefixError(str(error)) from None
+    return rollout_id
+
+
+def _checked_traceparent(candidate: str) -> str:
+    if not TRACEPARENT_RE.fullmatch(candidate):
+        raise MalformedGymPrefixError(
+            f"malformed traceparent segment {candidate[:80]!r}: expected 00-<32 hex>-<16 hex>-<2 hex>"
+        )
+    _, trace_id, span_id, _ = candidate.split("-")
+    if trace_id == _ZERO_TRACE_ID or span_id == _ZERO_SPAN_ID:
+        raise MalformedGymPrefixError(f"traceparent {candidate!r} has an all-zero trace id or span id")
+    return candidate
+
+
+# --- aiohttp.web ------------------------------------------------------------------------------------------------
+
+
+@web.middleware
+async def _aiohttp_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp form; see `TraceContextPathMiddleware`."""
+    raw_path = request.rel_url.raw_path
+    if not raw_path.startswith(_GYM_PREFIX_HEAD):
+        return await handler(request)
+    try:
+        prefixes = split_gym_prefixes(raw_path)
+    except MalformedGymPrefixError as error:
+        return web.Response(status=400, text=f"{error}\n")
+    if not prefixes.stripped:
+        return await handler(request)
+    rerouted = await _rerouted_request(request, prefixes)
+    # Written to the request's storage directly: `request[...] = ` with a str key makes aiohttp >= 3.14 warn
+    # (it prefers RequestKey), yet the documented keys are plain strings, as handlers written for Gym expect.
+    rerouted._state[ROLLOUT_ID_KEY] = prefixes.rollout_id
+    rerouted._state[TOKEN_CAPTURE_KEY] = prefixes.token_capture
+    with rollout_context(prefixes.rollout_id):
+        return await _inner_chain(rerouted)(rerouted)
+
+
+async def _rerouted_request(request: web.Request, prefixes: GymPrefixes) -> web.Request:
+    """A clone of the request at the stripped path, resolved against the root app's router like a fresh request."""
+    rel_url = URL.build(path=prefixes.rest, query_string=request.rel_url.raw_query_string, encoded=True)
+    headers = CIMultiDict(request.headers)
+    if prefixes.traceparent is not None:
+        headers[TRACEPARENT_HEADER] = prefixes.traceparent  # replaces every existing value
+    clone = request.clone(rel_url=rel_url, headers=headers)
+    root = request.app
+    match_info = await root.router.resolve(clone)
+    match_info.add_app(root)  # what Application._handle does: sub-app resolution already added the sub-app
+    match_info.freeze()
+    clone._match_info = match_info  # aiohttp has no public setter; Request.clone itself assigns it this way
+    return clone
+
+
+def _inner_chain(request: web.Request) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The handler the stripped path resolves to, wrapped in the middlewares aiohttp would run inside this one.
+
+    For the root app those are the ones listed after this middleware (all of them if it is not listed, e.g.
+    wrapped by the user); for sub-apps on the new route, all of theirs. Each app's layer runs with
+    `request.app` set to that app, as aiohttp does.
+    """
+    match_info = request.match_info
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]] = match_info.handler
+    apps = match_info.apps
+    for app in reversed(apps):
+        middlewares = list(app.middlewares)
+        if app is apps[0]:
+            middlewares = middlewares[_position_after_self(middlewares) :]
+        for middleware in reversed(middlewares):
+            handler = functools.partial(middleware, handler=handler)
+        handler = functools.partial(_with_current_app, app, handler)
+    return handler
+
+
+def _position_after_self(middlewares: list[Any]) -> int:
+    for index, middleware in enumerate(middlewares):
+        if middleware is _aiohttp_middleware:
+            return index + 1
+    return 0
+
+
+async def _with_current_app(
+    app: web.Application,
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    request: web.Request,
+) -> web.StreamResponse:
+    match_info = request.match_info
+    previous = match_info.current_app
+    match_info.current_app = app
+    try:
+        return await handler(request)
+    finally:
+        match_info.current_app = previous
+
+
+# --- the public class: plain ASGI, and aiohttp via .aiohttp() -----------------------------------------------
+
+
+class TraceContextPathMiddleware:
+    """Strip Gym's rollout and trace-context path prefixes before the wrapped app routes the request.
+
+    Plain ASGI: `app = TraceContextPathMiddleware(asgi_app)`. Only `http` scopes are rewritten (`lifespan` and
+    `websocket` pass through untouched). The handler gets `scope["state"]["rollout_id"]` and
+    `scope["state"]["token_capture"]` (present only when the path carried a prefix), `current_rollout_id()`
+    bound while the app runs, and `/ng-trace/<tp>` as the `traceparent` header. The path is parsed from
+    `raw_path` so an id containing an encoded "/" stays one segment; without `raw_path` the decoded `path` is
+    used, where an id with "/" in it cannot be told apart. Query strings are untouched.
+
+    aiohttp.web: `web.Application(middlewares=[TraceContextPathMiddleware.aiohttp(), ...])` on the root app, best
+    first in the list. aiohttp resolves the route before middlewares run, so for a prefixed path this middleware
+    clones the request at the stripped path (with the new `traceparent` header), resolves the clone against
+    `request.app.router` exactly as a fresh request would be (sub-apps included), then runs the resolved handler
+    through the middlewares aiohttp would have run inside this one. Middlewares listed before it see the original
+    request; the handler and those after it see the clone, with `request["rollout_id"]` and
+    `request["token_capture"]` set (absent on requests that carried no prefix: use `request.get`).
+    """
+
+    @staticmethod
+    def aiohttp() -> Middleware:
+        """The aiohttp.web form, for `web.Application(middlewares=[TraceContextPathMiddleware.aiohttp()])`."""
+        return _aiohttp_middleware
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        root_path: str = scope.get("root_path") or ""
+        mount = root_path if root_path and path.startswith(root_path) else ""
+        if not path.startswith(_GYM_PREFIX_HEAD, len(mount)):
+            await self.app(scope, receive, send)
+            return
+        raw_mount, raw_relative = _raw_relative_path(scope, mount)
+        try:
+            prefixes = split_gym_prefixes(raw_relative)
+        except MalformedGymPrefixError as error:
+            await _send_plain_text(send, 400, f"{error}\n")
+            return
+        if not prefixes.stripped:
+            await self.app(scope, receive, send)
+            return
+        with rollout_context(prefixes.rollout_id):
+            await self.app(_rewritten_scope(scope, mount, raw_mount, prefixes), receive, send)
+
+
+def _raw_relative_path(scope: Scope, mount: str) -> tuple[str, str]:
+    """(raw mount part, raw path below the mount) from `raw_path`, or re-encoded from `path` when that is absent
+    or does not agree with `path` (a proxy that rewrote one but not the other)."""
+    relative = scope["path"][len(mount) :]
+    raw: bytes | None = scope.get("raw_path")
+    if raw:
+        raw_text = raw.decode("utf-8", "surrogateescape").partition("?")[0]
+        for raw_mount in (mount, ""):
+            if raw_text.startswith(raw_mount) and _decodes_to(raw_text[len(raw_mount) :], relative):
+                return raw_mount, raw_text[len(raw_mount) :]
+    return mount, quote(relative, safe=_PATH_SAFE)
+
+
+def _decodes_to(raw: str, decoded: str) -> bool:
+    """Whether `raw` decodes to `decoded` the way servers decode `path` (invalid UTF-8 becomes U+FFFD)."""
+    return unquote(raw) == decoded
+
+
+def _rewritten_scope(scope: Scope, mount: str, raw_mount: str, prefixes: GymPrefixes) -> Scope:
+    """A copy of the scope at the stripped path, with the prefix values in its state and the traceparent header."""
+    rewritten = dict(scope)
+    rewritten["path"] = mount + unquote(prefixes.rest)
+    if scope.get("raw_path") is not None:
+        rewritten["raw_path"] = (raw_mount + prefixes.rest).encode("utf-8", "surrogateescape")
+    state = dict(scope.get("state") or {})
+    state[ROLLOUT_ID_KEY] = prefixes.rollout_id
+    state[TOKEN_CAPTURE_KEY] = prefixes.token_capture
+    rewritten["state"] = state
+    if prefixes.traceparent is not None:
+        headers = [(name, value) for name, value in scope.get("headers", ()) if name.lower() != b"traceparent"]
+        headers.append((b"traceparent", prefixes.traceparent.encode("ascii")))
+        rewritten["headers"] = headers
+    return rewritten
+
+
+async def _send_plain_text(send: Send, status: int, text: str) -> None:
+    body = text.encode("utf-8")
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"text/plain; charset=utf-8"),
+                (b"content-length", str(len(body)).encode("ascii")),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
