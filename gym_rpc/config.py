@@ -11,6 +11,7 @@ import hashlib
 import importlib
 import ipaddress
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -27,7 +28,7 @@ HEAD_SERVER_KEY = "head_server"
 DEFAULT_HEAD_HOST = "127.0.0.1"
 DEFAULT_HEAD_PORT = 11000
 REDACTED = "<redacted>"
-SECRET_KEY_MARKERS = ("api_key", "token", "secret", "password")
+SECRET_KEY_MARKERS = ("api_key", "apikey", "token", "secret", "secrets", "password")
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
 
 
@@ -79,8 +80,10 @@ def base_url(host: str, port: int) -> str:
 
 
 def is_secret_key(key: str) -> bool:
-    lowered = key.lower()
-    return any(marker in lowered for marker in SECRET_KEY_MARKERS)
+    """A marker must stand as whole words (`hf_token`, `apiKey`, `DB_PASSWORD`): `max_tokens` or `tokenizer`
+    hold ordinary settings that must reach clients unredacted."""
+    words = "_".join(re.findall(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])", key)).lower()
+    return any(re.search(rf"(?:^|_){marker}(?:_|$)", words) for marker in SECRET_KEY_MARKERS)
 
 
 def redact_secrets(value: Any) -> Any:
