@@ -34,5 +34,8 @@ test: lint
 run: $(STAMP)
 	$(BIN)/gym-rpc head
 
+demo: $(STAMP)
+	$(BIN)/gym-rpc demo
+
 clean:
 	rm -rf $(VENV) node_modules build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -59,13 +59,25 @@ def build_parser() -> argparse.ArgumentParser:
     form = config.add_mutually_exclusive_group()
     form.add_argument("--json", action="store_true", help="print JSON")
     form.add_argument("--yaml", action="store_true", help="print YAML (the default)")
+
+    demo = commands.add_parser("demo", help="run a head, demo servers and rollouts end to end on loopback")
+    demo.add_argument("--rollouts", type=_positive_int, default=300, help="how many rollouts to run")
+    demo.add_argument("--concurrency", type=_positive_int, default=32, help="rollouts in flight at once")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        code = {"head": cmd_head, "status": cmd_status, "config": cmd_config}[args.command](args)
+        commands = {"head": cmd_head, "status": cmd_status, "config": cmd_config, "demo": cmd_demo}
+        code = commands[args.command](args)
     except KeyboardInterrupt:
         code = 130
     except GymRpcError as exc:
@@ -102,6 +114,12 @@ def cmd_head(args: argparse.Namespace) -> int:
 
     asyncio.run(run_head(head, announce))
     return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gym_rpc.demo import run_demo
+
+    return asyncio.run(run_demo(args.rollouts, args.concurrency))
 
 
 def _client(args: argparse.Namespace) -> SyncControlClient:

@@ -35,3 +35,15 @@ class ControlPlaneError(GymRpcError):
 
 class HeadUnreachableError(ControlPlaneError, ConnectionError):
     """The head server could not be reached (refused, no route, or no answer within the deadline)."""
+
+
+class ServerUnreachableError(GymRpcError, ConnectionError):
+    """A Gym server refused or could not be reached at `url`, after the bounded retries."""
+
+    def __init__(self, url: str, attempts: int, reason: str) -> None:
+        self.url = url
+        self.attempts = attempts
+        super().__init__(
+            f"server at {url} is unreachable after {attempts} attempt(s) ({reason}); check that it runs and "
+            f"that its host and port in the global config are right"
+        )

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.control import convert
 from gym_rpc.control.channel import DEFAULT_TIMEOUT_SECONDS, aio_channel, default_head_address, sync_channel
 from gym_rpc.control.convert import ServerInstance
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError, UnknownServerError
-from gym_rpc.status import StatusReport
+from gym_rpc.status import ServerStatus, StatusReport
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 
@@ -170,6 +171,23 @@ class SyncControlClient:
         request = pb.ReloadGlobalConfigRequest()
         response = self._call(self._stub.ReloadGlobalConfig, request, timeout)
         return response.version, response.changed
+
+    def head_status(self, *, timeout: float | None = None) -> ServerStatus:
+        """The head's own status from its standard health service (`Check("")`), as a probe result."""
+        stub = health_pb2_grpc.HealthStub(sync_channel(self.address))
+        request = health_pb2.HealthCheckRequest(service="")
+        try:
+            response = stub.Check(request, timeout=timeout or self.timeout_seconds)
+        except grpc.RpcError as error:
+            code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+            return _HEALTH_ERROR_STATUSES.get(code, "unknown_error")
+        return "success" if response.status == health_pb2.HealthCheckResponse.SERVING else "unknown_error"
+
+
+_HEALTH_ERROR_STATUSES: dict[grpc.StatusCode, ServerStatus] = {
+    grpc.StatusCode.UNAVAILABLE: "connection_error",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+}
 
 
 class ControlClient:

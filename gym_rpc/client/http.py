@@ -1,0 +1,221 @@
+"""Data-plane HTTP pools: one shared aiohttp session per event loop for rollout traffic, and a small reserved one
+for `_control=True` calls, so a saturated data pool never delays them.
+
+Sessions belong to the loop that made them (an aiohttp session cannot outlive its loop), so they are kept per
+loop and a new loop never gets a session bound to a dead one. Close them with `close_http_sessions()` (or
+`ServerClient.aclose()`) before the loop ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
+
+from gym_rpc.errors import ConfigError, ServerUnreachableError
+
+if TYPE_CHECKING:
+    from aiohttp.client import _RequestOptions
+
+HTTP_CLIENT_KEY = "http_client"
+_TCP_KEEPALIVE_IDLE_SECONDS = 60
+_TCP_KEEPALIVE_INTERVAL_SECONDS = 10
+_TCP_KEEPALIVE_PROBES = 5
+
+
+class RetryPolicy(BaseModel):
+    """Bounded exponential backoff with jitter for resending after a dropped connection."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    attempts: PositiveInt = 3
+    initial_backoff_seconds: PositiveFloat = 0.05
+    max_backoff_seconds: PositiveFloat = 1.0
+    multiplier: float = 2.0
+
+    def backoff_seconds(self, failed_attempts: int) -> float:
+        """The pause after the n-th failure: exponential, capped, with half of it random (no thundering herd)."""
+        ceiling = min(
+            self.max_backoff_seconds, self.initial_backoff_seconds * self.multiplier ** (failed_attempts - 1)
+        )
+        return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+
+class HttpClientSettings(BaseModel):
+    """The optional `http_client:` block of the global config; every key has a default."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_connections: PositiveInt = 1024
+    max_connections_per_host: NonNegativeInt = 0  # 0: only max_connections bounds one host
+    control_max_connections: PositiveInt = 16
+    keepalive_timeout_seconds: PositiveFloat = 30.0  # how long an idle pooled connection is kept
+    connect_timeout_seconds: PositiveFloat = 10.0
+    total_timeout_seconds: PositiveFloat | None = None  # None: model calls of a rollout may take minutes
+    control_total_timeout_seconds: PositiveFloat = 30.0
+    retry: RetryPolicy = RetryPolicy()
+
+    @classmethod
+    def from_document(cls, document: Mapping[str, Any]) -> HttpClientSettings:
+        block = document.get(HTTP_CLIENT_KEY) or {}
+        if not isinstance(block, Mapping):
+            raise ConfigError(f"{HTTP_CLIENT_KEY} must be a mapping, not {type(block).__name__}")
+        try:
+            return cls.model_validate(dict(block))
+        except ValidationError as exc:
+            raise ConfigError(f"{HTTP_CLIENT_KEY}: {exc}") from exc
+
+
+def _keepalive_socket(addr_info: aiohttp.AddrInfoType) -> socket.socket:
+    """A client socket with TCP keepalive, so a peer that vanished is noticed on idle pooled connections."""
+    family, type_, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system defaults apply
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _TCP_KEEPALIVE_IDLE_SECONDS)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _TCP_KEEPALIVE_INTERVAL_SECONDS)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, _TCP_KEEPALIVE_PROBES)
+    return sock
+
+
+def _new_session(
+    limit: int, limit_per_host: int, keepalive: float, timeout: aiohttp.ClientTimeout
+) -> aiohttp.ClientSession:
+    """No proxies (trust_env=False: a proxy variable must never divert calls to Gym servers), no cookie jar."""
+    connector = aiohttp.TCPConnector(
+        limit=limit, limit_per_host=limit_per_host, keepalive_timeout=keepalive, socket_factory=_keepalive_socket
+    )
+    return aiohttp.ClientSession(
+        connector=connector, timeout=timeout, trust_env=False, cookie_jar=aiohttp.DummyCookieJar()
+    )
+
+
+class LoopSessions:
+    """The data and reserved control sessions of one event loop (for one HttpClientSettings)."""
+
+    __slots__ = ("control", "data", "is_closed", "loop")
+
+    def __init__(self, settings: HttpClientSettings) -> None:
+        self.loop = asyncio.get_running_loop()
+        connect = settings.connect_timeout_seconds
+        self.data = _new_session(
+            settings.max_connections,
+            settings.max_connections_per_host,
+            settings.keepalive_timeout_seconds,
+            aiohttp.ClientTimeout(total=settings.total_timeout_seconds, sock_connect=connect),
+        )
+        self.control = _new_session(
+            settings.control_max_connections,
+            0,
+            settings.keepalive_timeout_seconds,
+            aiohttp.ClientTimeout(total=settings.control_total_timeout_seconds, sock_connect=connect),
+        )
+        self.is_closed = False
+
+    async def close(self) -> None:
+        self.is_closed = True
+        await self.data.close()
+        await self.control.close()
+
+
+_sessions_by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[HttpClientSettings, LoopSessions]] = (
+    weakref.WeakKeyDictionary()
+)
+_lock = threading.Lock()
+
+
+def loop_sessions(settings: HttpClientSettings) -> LoopSessions:
+    """The running loop's sessions for `settings`, made on first use (the cold path)."""
+    loop = asyncio.get_running_loop()
+    with _lock:
+        _forget_closed_loops()
+        per_loop = _sessions_by_loop.setdefault(loop, {})
+        sessions = per_loop.get(settings)
+        if sessions is None or sessions.is_closed:
+            sessions = per_loop[settings] = LoopSessions(settings)
+        return sessions
+
+
+def _forget_closed_loops() -> None:
+    """Drop the sessions of loops that ended: they can never be used again (and their sessions refer to the loop,
+    so the weak key alone would never let it go)."""
+    for loop in [loop for loop in _sessions_by_loop if loop.is_closed()]:
+        del _sessions_by_loop[loop]
+
+
+async def close_loop_sessions(settings: HttpClientSettings) -> None:
+    """Close the running loop's sessions for `settings` and forget them."""
+    loop = asyncio.get_running_loop()
+    with _lock:
+        per_loop = _sessions_by_loop.get(loop, {})
+        sessions = per_loop.pop(settings, None)
+        if not per_loop:
+            _sessions_by_loop.pop(loop, None)
+    if sessions is not None:
+        await sessions.close()
+
+
+async def close_http_sessions() -> None:
+    """Close every session of the running loop (call before the loop ends)."""
+    with _lock:
+        per_loop = _sessions_by_loop.pop(asyncio.get_running_loop(), {})
+    for sessions in per_loop.values():
+        await sessions.close()
+
+
+class HttpPools:
+    """A client's way to its sessions: the running loop's, remembered so the hot path skips the registry."""
+
+    __slots__ = ("_last", "settings")
+
+    def __init__(self, settings: HttpClientSettings) -> None:
+        self.settings = settings
+        self._last: LoopSessions | None = None  # one attribute, so threads with their own loops cannot mix it up
+
+    def sessions(self) -> LoopSessions:
+        loop = asyncio.get_running_loop()
+        sessions = self._last
+        if sessions is None or sessions.loop is not loop or sessions.is_closed:
+            sessions = self._last = loop_sessions(self.settings)
+        return sessions
+
+    async def close(self) -> None:
+        """Close the running loop's sessions for these settings (shared with other clients using them)."""
+        self._last = None
+        await close_loop_sessions(self.settings)
+
+
+async def send(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    retry: RetryPolicy,
+    resend_after_disconnect: bool,
+    kwargs: _RequestOptions,
+) -> aiohttp.ClientResponse:
+    """One request with honest, bounded retries.
+
+    A dropped connection (ServerDisconnectedError, ClientOSError) is resent only when the caller allows it. A
+    refused or unreachable server (ClientConnectorError) never received the request, so it is retried as well and
+    then reported as ServerUnreachableError naming the URL. Nothing else is retried.
+    """
+    for attempt in range(1, retry.attempts + 1):
+        try:
+            return await session.request(method, url, **kwargs)
+        except aiohttp.ClientSSLError:  # a ClientConnectorError too, but retrying cannot fix a TLS failure
+            raise
+        except aiohttp.ClientConnectorError as error:  # before ClientOSError: it is one
+            if attempt == retry.attempts:
+                raise ServerUnreachableError(url, attempt, str(error.os_error or error)) from error
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            if not resend_after_disconnect or attempt == retry.attempts:
+                raise
+        await asyncio.sleep(retry.backoff_seconds(attempt))
+    raise AssertionError("unreachable: the last attempt returns or raises")
