@@ -3,9 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 BUF := node_modules/.bin/buf
+RELEASED_CONTRACT := proto/released/gym_rpc_v1.binpb
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto lint test run demo clean
+.PHONY: install proto stubs release-contract lint test run demo clean
 
 install: $(STAMP) $(BUF)
 
@@ -15,6 +16,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# `npm ci` installs every pinned npm tool at once (buf, protoc-gen-es, connect, tsx, tsc): buf stands for them all.
 $(BUF): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $(BUF)
@@ -22,11 +24,24 @@ $(BUF): package.json package-lock.json
 proto: $(STAMP)
 	$(BIN)/python tools/generate_python_stubs.py
 
+# TypeScript and Go stubs into stubs/ (git-ignored, made on demand) by buf.gen.yaml's local plugins. The Go
+# plugins are Debian's: apt-get install protoc-gen-go protoc-gen-go-grpc (.ci/run installs them).
+stubs: $(BUF)
+	@for plugin in protoc-gen-go protoc-gen-go-grpc; do command -v $$plugin >/dev/null || \
+		{ echo "$$plugin not found: apt-get install protoc-gen-go protoc-gen-go-grpc" >&2; exit 1; }; done
+	$(BUF) generate
+
+# Record proto/ as the released contract: `make lint` runs `buf breaking` against this image. Run it only when
+# releasing; within v1 the image must stay what it was, or breaking changes would slip through.
+release-contract: $(BUF)
+	$(BUF) build -o $(RELEASED_CONTRACT)
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BUF) lint
+	$(BUF) breaking --against $(RELEASED_CONTRACT)
 
 test: lint
 	$(BIN)/python -m pytest -q
