@@ -6,7 +6,7 @@ BUF := node_modules/.bin/buf
 RELEASED_CONTRACT := proto/released/gym_rpc_v1.binpb
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto stubs release-contract lint test run demo clean
+.PHONY: install proto stubs release-contract lint test run demo bench clean
 
 install: $(STAMP) $(BUF)
 
@@ -51,6 +51,11 @@ run: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/gym-rpc demo
+
+# Benchmarks against baselines measured in the same run (~2 min); prints the ratio table, writes bench/RESULTS.md.
+# Not part of `make test` (tests/test_bench_smoke.py runs `python -m bench --quick` so the code cannot rot).
+bench: $(STAMP)
+	$(BIN)/python -m bench
 
 clean:
 	rm -rf $(VENV) node_modules build *.egg-info .pytest_cache .mypy_cache .ruff_cache

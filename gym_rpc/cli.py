@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from gym_rpc.config import GlobalConfig, default_config_text, load_config_file, parse_config_text
+from gym_rpc.config import GlobalConfig, default_config_text, load_config_file, parse_config_text, url_host
 from gym_rpc.control.channel import DEFAULT_TIMEOUT_SECONDS, HEAD_ADDRESS_ENV_VAR, default_head_address
 from gym_rpc.control.client import SyncControlClient
 from gym_rpc.control.convert import ServerInstance
@@ -47,7 +47,26 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--probe-interval", type=float, default=2.0, help="seconds between status probe rounds")
     head.add_argument("--probe-timeout", type=float, default=1.0, help="seconds a background probe may take")
     head.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
+    head.add_argument(
+        "--http-port",
+        type=int,
+        help="also serve NeMo Gym's HTTP head on this port, 0 for a free one (default: head_server.http_port)",
+    )
     head.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+    bridge = commands.add_parser("bridge", help="serve the gRPC control plane in front of a NeMo Gym HTTP head")
+    bridge.add_argument("--upstream", required=True, metavar="URL", help="the NeMo Gym head, http://HOST:PORT")
+    bridge.add_argument(
+        "--listen", metavar="HOST:PORT", default="127.0.0.1:11000", help="gRPC address, port 0 for a free one"
+    )
+    bridge.add_argument(
+        "--refresh-interval", type=float, default=1.0, help="seconds between fetches from the upstream"
+    )
+    bridge.add_argument("--fetch-timeout", type=float, default=2.0, help="seconds one upstream request may take")
+    bridge.add_argument("--probe-interval", type=float, default=2.0, help="seconds between status probe rounds")
+    bridge.add_argument("--probe-timeout", type=float, default=1.0, help="seconds a background probe may take")
+    bridge.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
+    bridge.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
     status = commands.add_parser("status", help="show every server's status")
     _add_head_flags(status)
@@ -59,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     form = config.add_mutually_exclusive_group()
     form.add_argument("--json", action="store_true", help="print JSON")
     form.add_argument("--yaml", action="store_true", help="print YAML (the default)")
+    config.add_argument(
+        "--include-secrets",
+        action="store_true",
+        help="ask for the secrets too (needs the head's token, from $GYM_RPC_TOKEN; else they stay redacted)",
+    )
 
     demo = commands.add_parser("demo", help="run a head, demo servers and rollouts end to end on loopback")
     demo.add_argument("--rollouts", type=_positive_int, default=300, help="how many rollouts to run")
@@ -76,7 +100,13 @@ def _positive_int(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        commands = {"head": cmd_head, "status": cmd_status, "config": cmd_config, "demo": cmd_demo}
+        commands = {
+            "head": cmd_head,
+            "bridge": cmd_bridge,
+            "status": cmd_status,
+            "config": cmd_config,
+            "demo": cmd_demo,
+        }
         code = commands[args.command](args)
     except KeyboardInterrupt:
         code = 130
@@ -102,17 +132,49 @@ def cmd_head(args: argparse.Namespace) -> int:
         probe_interval_seconds=args.probe_interval,
         probe_timeout_seconds=args.probe_timeout,
         reflection=not args.no_reflection,
+        http_port=args.http_port,
     )
     head = HeadServer(config, options, config_path=args.config)
 
     def announce(started: HeadServer) -> None:
+        http = f"; NeMo Gym HTTP head on http://{url_host(started.host)}:{started.http_port}"
+        health = f"; plaintext health service on {url_host(started.host)}:{started.health_port}"
         print(
             f"gym-rpc head listening on {started.address} "
-            f"(config: {source}, version {config.version}, {len(config.servers)} servers)",
+            f"(config: {source}, version {config.version}, {len(config.servers)} servers, "
+            f"{started.security.describe()})"
+            f"{http if started.http_port is not None else ''}"
+            f"{health if started.health_port is not None else ''}",
             flush=True,
         )
 
     asyncio.run(run_head(head, announce))
+    return 0
+
+
+def cmd_bridge(args: argparse.Namespace) -> int:
+    from gym_rpc.control.bridge import BridgeHead, BridgeOptions, parse_listen_address
+    from gym_rpc.control.head import run_head
+
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
+    )
+    host, port = parse_listen_address(args.listen)
+    options = BridgeOptions(
+        upstream_url=args.upstream,
+        host=host,
+        port=port,
+        refresh_interval_seconds=args.refresh_interval,
+        fetch_timeout_seconds=args.fetch_timeout,
+        probe_interval_seconds=args.probe_interval,
+        probe_timeout_seconds=args.probe_timeout,
+        reflection=not args.no_reflection,
+    )
+
+    def announce(started: BridgeHead) -> None:
+        print(f"gym-rpc bridge listening on {started.address} ({started.upstream_url})", flush=True)
+
+    asyncio.run(run_head(BridgeHead(options), announce))
     return 0
 
 
@@ -127,7 +189,7 @@ def _client(args: argparse.Namespace) -> SyncControlClient:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    config = _client(args).get_global_config()
+    config = _client(args).get_global_config(include_secrets=args.include_secrets)
     if args.json:
         print(json.dumps(config.document, indent=2, ensure_ascii=False))
     else:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gym_rpc.errors import ConfigError, UnknownServerError
 
@@ -39,6 +39,40 @@ class BaseServerConfig(BaseModel):
 
     host: str
     port: int
+
+
+class HeadTlsConfig(BaseModel):
+    """`head_server.tls`: the head's certificate (and, for mutual TLS, the CA its clients' certificates come
+    from); clients read the CA they trust (and their own certificate) from the same block or the environment."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cert_file: str | None = None  # head: its certificate chain (PEM)
+    key_file: str | None = None  # head: its private key (PEM)
+    client_ca_file: str | None = None  # head: require client certificates signed by this CA (mutual TLS)
+    ca_file: str | None = None  # clients: the CA that signed the head's certificate (default: system roots)
+    client_cert_file: str | None = None  # clients: their certificate chain for mutual TLS
+    client_key_file: str | None = None  # clients: their private key for mutual TLS
+    server_name: str | None = None  # clients: the name to verify in the head's certificate (default: the host)
+
+
+class HeadSecurityConfig(BaseModel):
+    """The security keys of `head_server`: a bearer token, TLS, and a plaintext port serving only health."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    auth_token: str | None = None
+    tls: HeadTlsConfig | None = None
+    health_port: int | None = Field(default=None, ge=0, lt=65536)  # 0: a free port
+
+
+def head_security_config(head_server: Mapping[str, Any] | BaseServerConfig) -> HeadSecurityConfig:
+    """Validate the security keys of a head_server block (a mapping or a BaseServerConfig with extras)."""
+    block = head_server.model_dump() if isinstance(head_server, BaseServerConfig) else dict(head_server)
+    try:
+        return HeadSecurityConfig.model_validate(block)
+    except ValidationError as exc:
+        raise ConfigError(f"{HEAD_SERVER_KEY}: {exc}") from exc
 
 
 class ServerEntry(BaseModel):
@@ -87,15 +121,20 @@ def is_secret_key(key: str) -> bool:
 
 
 def redact_secrets(value: Any) -> Any:
-    """A copy of a JSON-like value with the values of secret-looking keys replaced."""
+    """A copy of a JSON-like value with the values of secret-looking keys replaced. Booleans, numbers and nulls
+    are no secrets and stay (NeMo Gym's `return_token_id_information: false` must not become a truthy string)."""
     if isinstance(value, Mapping):
         return {
-            k: (REDACTED if isinstance(k, str) and is_secret_key(k) else redact_secrets(v))
+            k: (REDACTED if isinstance(k, str) and is_secret_key(k) and _may_be_secret(v) else redact_secrets(v))
             for k, v in value.items()
         }
     if isinstance(value, list):
         return [redact_secrets(v) for v in value]
     return value
+
+
+def _may_be_secret(value: Any) -> bool:
+    return not (value is None or isinstance(value, bool | int | float))
 
 
 def get_first_server_config_dict(document: Mapping[str, Any], server_name: str) -> Mapping[str, Any]:
@@ -167,6 +206,7 @@ class GlobalConfig:
             head_server = BaseServerConfig.model_validate(dict(head))
         except ValueError as exc:
             raise ConfigError(f"head_server: {exc}") from exc
+        head_security_config(head_server)  # a malformed tls block fails at load, not at the first connection
         servers = {name: entry for name, node in doc.items() if (entry := _server_entry(name, node)) is not None}
         try:
             config_json = json.dumps(doc, ensure_ascii=False)
@@ -244,7 +284,11 @@ def _resolved(document: Mapping[str, Any]) -> dict[str, Any]:
     """A plain-dict copy of the document with OmegaConf interpolations (`${...}`) resolved."""
     if not isinstance(document, Mapping):
         raise ConfigError(f"a global config must be a mapping, not {type(document).__name__}")
-    if "${" not in json.dumps(document, default=str):
+    try:
+        text = json.dumps(document, default=str)
+    except (TypeError, ValueError) as exc:  # a self-referencing YAML anchor, a key JSON cannot carry
+        raise ConfigError(f"config is not representable as JSON: {exc}") from exc
+    if "${" not in text:
         return dict(document)
     from omegaconf import OmegaConf  # only documents with interpolations pay for OmegaConf
 

@@ -10,6 +10,8 @@ Two forms share one pure parser, `split_gym_prefixes`, so the rules live in one 
 
 * aiohttp.web: `web.Application(middlewares=[TraceContextPathMiddleware.aiohttp(), ...])`.
 * plain ASGI: `TraceContextPathMiddleware(asgi_app)`.
+
+With tracing on (`gym_rpc.telemetry`), both run the handler inside a SERVER span continuing the caller's trace.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from gym_rpc.client.rollout import (
     rollout_context,
 )
 from gym_rpc.errors import GymRpcError
+from gym_rpc.telemetry import record_failure, server_span, set_response_status, traced_asgi_call, tracing_enabled
 
 ROLLOUT_ID_KEY = "rollout_id"
 TOKEN_CAPTURE_KEY = "token_capture"
@@ -146,12 +149,16 @@ async def _aiohttp_middleware(request: web.Request, handler: Handler) -> web.Str
     """aiohttp form; see `TraceContextPathMiddleware`."""
     raw_path = request.rel_url.raw_path
     if not raw_path.startswith(_GYM_PREFIX_HEAD):
+        if tracing_enabled():
+            return await _traced_aiohttp(request, request, handler, None)
         return await handler(request)
     try:
         prefixes = split_gym_prefixes(raw_path)
     except MalformedGymPrefixError as error:
         return web.Response(status=400, text=f"{error}\n")
     if not prefixes.stripped:
+        if tracing_enabled():
+            return await _traced_aiohttp(request, request, handler, None)
         return await handler(request)
     rerouted = await _rerouted_request(request, prefixes)
     # Written to the request's storage directly: `request[...] = ` with a str key makes aiohttp >= 3.14 warn
@@ -159,7 +166,40 @@ async def _aiohttp_middleware(request: web.Request, handler: Handler) -> web.Str
     rerouted._state[ROLLOUT_ID_KEY] = prefixes.rollout_id
     rerouted._state[TOKEN_CAPTURE_KEY] = prefixes.token_capture
     with rollout_context(prefixes.rollout_id):
+        if tracing_enabled():
+            return await _traced_aiohttp(request, rerouted, _inner_chain(rerouted), prefixes.rollout_id)
         return await _inner_chain(rerouted)(rerouted)
+
+
+async def _traced_aiohttp(
+    original: web.Request,
+    request: web.Request,
+    call: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    rollout_id: str | None,
+) -> web.StreamResponse:
+    """Run the handler inside a SERVER span continuing the trace of `request`'s `traceparent` (which, for a
+    `/ng-trace/<tp>` path, is the one taken from the path)."""
+    resource = request.match_info.route.resource
+    url = request.url
+    with server_span(
+        request.method,
+        request.headers,
+        path=original.rel_url.raw_path,  # as received: an encoded '/' in a rollout id stays encoded
+        scheme=request.scheme,
+        rollout_id=rollout_id,
+        route=resource.canonical if resource is not None else None,
+        server_address=(url.host, url.port) if url.host and url.port else None,
+    ) as span:
+        try:
+            response = await call(request)
+        except web.HTTPException as answer:  # raised as an answer, e.g. HTTPNotFound
+            set_response_status(span, answer.status, server=True)
+            raise
+        except BaseException as error:
+            record_failure(span, error)
+            raise
+        set_response_status(span, response.status, server=True)
+        return response
 
 
 async def _rerouted_request(request: web.Request, prefixes: GymPrefixes) -> web.Request:
@@ -169,6 +209,10 @@ async def _rerouted_request(request: web.Request, prefixes: GymPrefixes) -> web.
     if prefixes.traceparent is not None:
         headers[TRACEPARENT_HEADER] = prefixes.traceparent  # replaces every existing value
     clone = request.clone(rel_url=rel_url, headers=headers)
+    # clone() sets raw_path to str(rel_url), which yarl writes with two extra slashes when the path starts with
+    # "//" (an empty authority): keep raw_path what was actually left after the prefix.
+    query = request.rel_url.raw_query_string
+    clone._message = clone._message._replace(path=prefixes.rest + (f"?{query}" if query else ""))
     root = request.app
     match_info = await root.router.resolve(clone)
     match_info.add_app(root)  # what Application._handle does: sub-app resolution already added the sub-app
@@ -238,6 +282,11 @@ class TraceContextPathMiddleware:
     through the middlewares aiohttp would have run inside this one. Middlewares listed before it see the original
     request; the handler and those after it see the clone, with `request["rollout_id"]` and
     `request["token_capture"]` set (absent on requests that carried no prefix: use `request.get`).
+
+    Tracing (`gym_rpc.telemetry`; off by default): while on, every request's handler runs inside a SERVER span that
+    continues the caller's trace from the `traceparent` header (the one the path segment became, or the one Gym's
+    clients send), with `gym.rollout_id` from the path and the http semantic-convention attributes. While off, no
+    span and no OpenTelemetry import: one boolean check per request.
     """
 
     @staticmethod
@@ -256,7 +305,10 @@ class TraceContextPathMiddleware:
         root_path: str = scope.get("root_path") or ""
         mount = root_path if root_path and path.startswith(root_path) else ""
         if not path.startswith(_GYM_PREFIX_HEAD, len(mount)):
-            await self.app(scope, receive, send)
+            if tracing_enabled():
+                await self._traced(scope, receive, send, None, scope)
+            else:
+                await self.app(scope, receive, send)
             return
         raw_mount, raw_relative = _raw_relative_path(scope, mount)
         try:
@@ -265,10 +317,34 @@ class TraceContextPathMiddleware:
             await _send_plain_text(send, 400, f"{error}\n")
             return
         if not prefixes.stripped:
-            await self.app(scope, receive, send)
+            if tracing_enabled():
+                await self._traced(scope, receive, send, None, scope)
+            else:
+                await self.app(scope, receive, send)
             return
+        rewritten = _rewritten_scope(scope, mount, raw_mount, prefixes)
         with rollout_context(prefixes.rollout_id):
-            await self.app(_rewritten_scope(scope, mount, raw_mount, prefixes), receive, send)
+            if tracing_enabled():
+                await self._traced(rewritten, receive, send, prefixes.rollout_id, scope)
+            else:
+                await self.app(rewritten, receive, send)
+
+    async def _traced(
+        self, scope: Scope, receive: Receive, send: Send, rollout_id: str | None, original: Scope
+    ) -> None:
+        """The wrapped app inside a SERVER span continuing the caller's trace (tracing on); `original` is the scope
+        as received, for the span's url.path."""
+
+        async def call(traced_send: Send) -> None:
+            await self.app(scope, receive, traced_send)
+
+        await traced_asgi_call(call, send, scope, rollout_id, _received_path(original))
+
+
+def _received_path(scope: Scope) -> str:
+    """The path as the client sent it (still percent-encoded when the server kept `raw_path`)."""
+    raw: bytes | None = scope.get("raw_path")
+    return raw.decode("latin-1").partition("?")[0] if raw else str(scope["path"])
 
 
 def _raw_relative_path(scope: Scope, mount: str) -> tuple[str, str]:

@@ -304,6 +304,15 @@ def test_redact_secrets_on_nested_keys() -> None:
     assert doc["model"]["t"]["i"]["api_key"] == "sk-1"  # the input is untouched
 
 
+def test_redaction_keeps_flags_and_numbers_under_secret_looking_keys() -> None:
+    doc = {
+        "vllm": {"return_token_id_information": False, "token_budget": 512, "hf_token": "hf_x", "api_key": None}
+    }
+    assert redact_secrets(doc) == {
+        "vllm": {"return_token_id_information": False, "token_budget": 512, "hf_token": REDACTED, "api_key": None}
+    }
+
+
 def test_redacted_json_hides_secrets_and_config_json_keeps_them() -> None:
     config = GlobalConfig.from_document({"model": entry(api_key="sk-live")})
     assert "sk-live" in config.config_json

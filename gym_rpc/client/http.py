@@ -192,6 +192,11 @@ class HttpPools:
         await close_loop_sessions(self.settings)
 
 
+# What may be worth another attempt: a dropped connection (ServerDisconnectedError, ClientOSError) and a refused
+# or unreachable server (ClientConnectorError, a ClientOSError too). `resend` decides; nothing else is retried.
+RESENDABLE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+
 async def send(
     session: aiohttp.ClientSession,
     method: str,
@@ -205,17 +210,46 @@ async def send(
     A dropped connection (ServerDisconnectedError, ClientOSError) is resent only when the caller allows it. A
     refused or unreachable server (ClientConnectorError) never received the request, so it is retried as well and
     then reported as ServerUnreachableError naming the URL. Nothing else is retried.
+
+    The hot path (ServerClient.request) inlines the first attempt and calls `resend` only after a failure, which
+    saves a coroutine level on every call; the two must stay in step.
     """
-    for attempt in range(1, retry.attempts + 1):
+    try:
+        return await session.request(method, url, **kwargs)
+    except RESENDABLE_ERRORS as error:
+        return await resend(session, method, url, retry, resend_after_disconnect, kwargs, error)
+
+
+async def resend(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    retry: RetryPolicy,
+    resend_after_disconnect: bool,
+    kwargs: _RequestOptions,
+    error: aiohttp.ClientError,
+) -> aiohttp.ClientResponse:
+    """The attempts after a first one failed with `error`, with backoff, until one returns or the last fails."""
+    attempt = 1
+    while True:
+        _raise_unless_resendable(error, url, attempt, retry, resend_after_disconnect)
+        await asyncio.sleep(retry.backoff_seconds(attempt))
+        attempt += 1
         try:
             return await session.request(method, url, **kwargs)
-        except aiohttp.ClientSSLError:  # a ClientConnectorError too, but retrying cannot fix a TLS failure
-            raise
-        except aiohttp.ClientConnectorError as error:  # before ClientOSError: it is one
-            if attempt == retry.attempts:
-                raise ServerUnreachableError(url, attempt, str(error.os_error or error)) from error
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-            if not resend_after_disconnect or attempt == retry.attempts:
-                raise
-        await asyncio.sleep(retry.backoff_seconds(attempt))
-    raise AssertionError("unreachable: the last attempt returns or raises")
+        except RESENDABLE_ERRORS as next_error:
+            error = next_error
+
+
+def _raise_unless_resendable(
+    error: aiohttp.ClientError, url: str, attempt: int, retry: RetryPolicy, resend_after_disconnect: bool
+) -> None:
+    """Raise what the caller sees when attempt number `attempt` failed with `error` and no other may follow."""
+    if isinstance(error, aiohttp.ClientSSLError):  # a ClientConnectorError too, but retrying cannot fix TLS
+        raise error
+    if isinstance(error, aiohttp.ClientConnectorError):
+        if attempt >= retry.attempts:
+            raise ServerUnreachableError(url, attempt, str(error.os_error or error)) from error
+        return
+    if not resend_after_disconnect or attempt >= retry.attempts:
+        raise error

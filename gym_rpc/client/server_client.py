@@ -17,9 +17,9 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from omegaconf import DictConfig, OmegaConf
-from pydantic import BaseModel, ConfigDict, PrivateAttr
+from pydantic import BaseModel, ConfigDict, PrivateAttr, field_serializer
 
-from gym_rpc.client.http import HttpClientSettings, HttpPools, send
+from gym_rpc.client.http import RESENDABLE_ERRORS, HttpClientSettings, HttpPools, resend
 from gym_rpc.client.rollout import (
     _TRACEPARENT_PATTERN,
     apply_rollout_prefix,
@@ -41,8 +41,10 @@ from gym_rpc.config import (
 )
 from gym_rpc.control.channel import HEAD_ADDRESS_ENV_VAR, head_address
 from gym_rpc.control.client import SyncControlClient
+from gym_rpc.control.security import client_security
 from gym_rpc.errors import ConfigError, ControlPlaneError, HeadUnreachableError, UnknownServerError
 from gym_rpc.status import ServerStatus
+from gym_rpc.telemetry import TRACING, setup_tracing, traced_send
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -75,8 +77,40 @@ NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR_NAME = "NEMO_GYM_MODEL_SERVER_BASE_URL"
 NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR_NAME = "NEMO_GYM_MODEL_SERVER_NAME"
 SESSION_ID_KEY = "session_id"
 
-# Validation-context key through which a classmethod hands the GlobalConfig it already has to model_post_init.
-_GLOBAL_CONFIG_CONTEXT_KEY = "gym_rpc_global_config"
+_GLOBAL_CONFIG_DICT_FIELD = "global_config_dict"
+
+
+class _PendingDictConfig:
+    """Stands in the instance's `__dict__` for a `global_config_dict` not built yet.
+
+    Building an OmegaConf DictConfig costs over 100 ms for 200 server entries (a node per value) and no flag
+    skips that path, while the client itself only needs the typed GlobalConfig. So a client made from a config it
+    already has keeps the GlobalConfig here and builds the DictConfig on first read of the field.
+    """
+
+    __slots__ = ("config",)
+
+    def __init__(self, config: GlobalConfig) -> None:
+        self.config = config
+
+    def __repr__(self) -> str:
+        return f"<DictConfig of {len(self.config.document)} keys, built on first access>"
+
+
+class _LazyDictConfigField:
+    """Data descriptor for the `global_config_dict` field: builds the DictConfig on first access, then caches it
+    in the instance's `__dict__` (where pydantic keeps field values), so later reads cost a dict lookup."""
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        value = instance.__dict__.get(_GLOBAL_CONFIG_DICT_FIELD)
+        if isinstance(value, _PendingDictConfig):
+            value = instance.__dict__[_GLOBAL_CONFIG_DICT_FIELD] = OmegaConf.create(value.config.document)
+        return value
+
+    def __set__(self, instance: Any, value: Any) -> None:
+        instance.__dict__[_GLOBAL_CONFIG_DICT_FIELD] = value
 
 
 def _connectable_client_host(host: str) -> str:
@@ -127,22 +161,29 @@ class ServerClient(BaseModel):
 
     def model_post_init(self, context: Any) -> None:
         """Build the typed view every lookup uses, once (or take the one the caller already has)."""
-        config = context.get(_GLOBAL_CONFIG_CONTEXT_KEY) if isinstance(context, dict) else None
-        if config is None:
+        pending = self.__dict__.get(_GLOBAL_CONFIG_DICT_FIELD)
+        if isinstance(pending, _PendingDictConfig):
+            config = pending.config
+        else:
             document = OmegaConf.to_container(self.global_config_dict, resolve=True)
             if not isinstance(document, dict):
                 raise ConfigError("global_config_dict must be a mapping")
             config = GlobalConfig.from_document({str(k): v for k, v in document.items()})
         self._global_config = config
         self._http = HttpPools(HttpClientSettings.from_document(config.document))
+        setup_tracing(config.observability_enabled)  # decided once per process (gym_rpc.telemetry)
+
+    @field_serializer(_GLOBAL_CONFIG_DICT_FIELD)
+    def _dump_global_config_dict(self, value: Any) -> DictConfig:
+        """model_dump() shows the DictConfig, never the stand-in."""
+        return self.global_config_dict
 
     @classmethod
     def _from_global_config(cls, head_server_config: BaseServerConfig, config: GlobalConfig) -> ServerClient:
-        fields = {
-            "head_server_config": head_server_config,
-            "global_config_dict": OmegaConf.create(config.document),
-        }
-        return cls.model_validate(fields, context={_GLOBAL_CONFIG_CONTEXT_KEY: config})
+        """A client on an already validated config; its DictConfig is built when first read."""
+        return cls.model_construct(
+            head_server_config=head_server_config, global_config_dict=_PendingDictConfig(config)
+        )
 
     @classmethod
     def load_head_server_config(cls) -> BaseServerConfig:
@@ -166,7 +207,11 @@ class ServerClient(BaseModel):
         if injected is not None:
             return cls._from_global_config(head_server_config or injected.head_server, injected)
         head = head_server_config or cls.load_head_server_config()
-        config = SyncControlClient(_head_address(head)).get_global_config()
+        # Token and TLS from head_server (auth_token, tls) or the environment. With the head's token the client
+        # is authenticated and gets the secrets (API keys) its server needs; without one they stay redacted.
+        security = client_security(head)
+        control = SyncControlClient(_head_address(head), security=security)
+        config = control.get_global_config(include_secrets=security.token is not None)
         return cls._from_global_config(head, config)
 
     def _build_server_base_url(self, server_config_dict: Any) -> str:
@@ -224,7 +269,18 @@ class ServerClient(BaseModel):
         pools: HttpPools = private["_http"]
         sessions = pools.sessions()
         session = sessions.control if _control else sessions.data
-        return await send(session, method, url + url_path, pools.settings.retry, _resend_after_disconnect, kwargs)
+        if TRACING.enabled:  # the one check tracing costs when off
+            retry = pools.settings.retry
+            return await traced_send(
+                session, method, url, url_path, retry, _resend_after_disconnect, kwargs, server_name
+            )
+        url += url_path
+        try:  # the first attempt of http.send, inlined: one coroutine level less per call
+            return await session.request(method, url, **kwargs)
+        except RESENDABLE_ERRORS as error:
+            return await resend(
+                session, method, url, pools.settings.retry, _resend_after_disconnect, kwargs, error
+            )
 
     async def get(
         self, server_name: str, url_path: str, **kwargs: Unpack[_RequestOptions]
@@ -257,7 +313,11 @@ class ServerClient(BaseModel):
     def poll_for_status(self, server_name: str, timeout_seconds: float = 5) -> ServerStatus:
         """The server's status as the head probes it within `timeout_seconds`; the head's own name asks the head's
         health service. An unreachable head gives "connection_error". Blocking; safe with or without a loop."""
-        control = SyncControlClient(_head_address(self.head_server_config), timeout_seconds=timeout_seconds)
+        control = SyncControlClient(
+            _head_address(self.head_server_config),
+            timeout_seconds=timeout_seconds,
+            security=client_security(self.head_server_config),
+        )
         if server_name == HEAD_SERVER_KEY:
             return control.head_status()
         try:
@@ -287,6 +347,10 @@ class ServerClient(BaseModel):
         if model_server_name not in config.servers:
             raise UnknownServerError(model_server_name, list(config.servers))
         return config.assistant_message_header(model_server_name)
+
+
+# Set after the class is made: pydantic keeps the field (required, typed DictConfig) and reads go through this.
+ServerClient.global_config_dict = _LazyDictConfigField()  # type: ignore[assignment]
 
 
 def _head_address(head_server_config: BaseServerConfig) -> str:

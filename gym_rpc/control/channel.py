@@ -1,6 +1,8 @@
-"""Channels to the head: one per head address (and per event loop for grpc.aio), reused by every caller.
+"""Channels to the head: one per head address and TLS setting (and per event loop for grpc.aio), reused by every
+caller.
 
-This is the reserved control pool: a dedicated HTTP/2 connection that data-plane traffic never shares.
+This is the reserved control pool: a dedicated HTTP/2 connection that data-plane traffic never shares. The bearer
+token is not part of a channel: clients send it as call metadata (gym_rpc.control.security).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import weakref
 import grpc
 
 from gym_rpc.config import DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT, url_host
+from gym_rpc.control.security import CLIENT_MESSAGE_OPTIONS, ClientTls
+from gym_rpc.telemetry import aio_client_interceptors, traced_sync_channel, tracing_enabled
 
 HEAD_ADDRESS_ENV_VAR = "GYM_RPC_HEAD"
 DEFAULT_TIMEOUT_SECONDS = 5.0
@@ -46,6 +50,7 @@ CHANNEL_OPTIONS: tuple[tuple[str, int | str], ...] = (
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2_000),
+    *CLIENT_MESSAGE_OPTIONS,
 )
 
 
@@ -58,31 +63,49 @@ def default_head_address() -> str:
     return os.environ.get(HEAD_ADDRESS_ENV_VAR) or head_address(DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT)
 
 
-_sync_channels: dict[str, grpc.Channel] = {}
+ChannelKey = tuple[str, ClientTls | None, bool]  # address, TLS, traced (gym_rpc.telemetry)
+
+_sync_channels: dict[ChannelKey, grpc.Channel] = {}
 # Keyed by the loop object itself (weakly): a new loop never inherits a channel bound to a dead one.
-_aio_channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, grpc.aio.Channel]] = (
+_aio_channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[ChannelKey, grpc.aio.Channel]] = (
     weakref.WeakKeyDictionary()
 )
 _lock = threading.Lock()
 
 
-def sync_channel(address: str) -> grpc.Channel:
-    """The process's blocking channel to `address`; usable from any thread, with or without an event loop."""
+def sync_channel(address: str, tls: ClientTls | None = None) -> grpc.Channel:
+    """The process's blocking channel to `address` (TLS when `tls` is given); usable from any thread, with or
+    without an event loop."""
+    key = (address, tls, tracing_enabled())
     with _lock:
-        channel = _sync_channels.get(address)
+        channel = _sync_channels.get(key)
         if channel is None:
-            channel = _sync_channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            if tls is None:
+                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            else:
+                options = CHANNEL_OPTIONS + tls.channel_options()
+                channel = grpc.secure_channel(address, tls.credentials(), options=options)
+            channel = _sync_channels[key] = traced_sync_channel(channel)  # itself when tracing is off
         return channel
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
+def aio_channel(address: str, tls: ClientTls | None = None) -> grpc.aio.Channel:
     """The running event loop's channel to `address` (a grpc.aio channel belongs to one loop)."""
     loop = asyncio.get_running_loop()
+    key = (address, tls, tracing_enabled())
     with _lock:
         channels = _aio_channels.setdefault(loop, {})
-        channel = channels.get(address)
+        channel = channels.get(key)
         if channel is None:
-            channel = channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            interceptors = aio_client_interceptors() or None  # none when tracing is off
+            if tls is None:
+                channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
+            else:
+                options = CHANNEL_OPTIONS + tls.channel_options()
+                channel = grpc.aio.secure_channel(
+                    address, tls.credentials(), options=options, interceptors=interceptors
+                )
+            channels[key] = channel
         return channel
 
 

@@ -1,7 +1,7 @@
 """Typed wrappers of every ControlPlaneService RPC, blocking (`SyncControlClient`) and asyncio (`ControlClient`).
 
-Each call has a deadline (DEFAULT_TIMEOUT_SECONDS unless given) and turns gRPC failures into gym_rpc errors that
-name the head's address and what to check.
+Each call has a deadline (DEFAULT_TIMEOUT_SECONDS unless given), carries the bearer token when one is configured,
+and turns gRPC failures into gym_rpc errors that name the head's address and what to check.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.control import convert
 from gym_rpc.control.channel import DEFAULT_TIMEOUT_SECONDS, aio_channel, default_head_address, sync_channel
 from gym_rpc.control.convert import ServerInstance
+from gym_rpc.control.security import TLS_CA_ENV_VAR, ClientSecurity, client_security
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError, UnknownServerError
 from gym_rpc.status import ServerStatus, StatusReport
 from gym_rpc.v1 import control_plane_pb2 as pb
@@ -82,8 +83,15 @@ def raise_control_error(error: grpc.RpcError, address: str, subject: str = "") -
     details = (error.details() if isinstance(error, _CALL_ERRORS) else None) or str(error)
     if code == grpc.StatusCode.UNAVAILABLE:
         raise HeadUnreachableError(
-            f"head server at {address} is unreachable ({details}); check that `gym-rpc head` runs there and that "
-            f"the address (--head or GYM_RPC_HEAD) is right",
+            f"head server at {address} is unreachable ({details}); check that `gym-rpc head` runs there, that "
+            f"the address (--head or GYM_RPC_HEAD) is right, and, with TLS, that the CA ({TLS_CA_ENV_VAR}) "
+            f"signed the head's certificate",
+            address=address,
+            code=code.name,
+        ) from None
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        raise ControlPlaneError(
+            f"head server at {address} refused the call: UNAUTHENTICATED: {details}",
             address=address,
             code=code.name,
         ) from None
@@ -102,12 +110,24 @@ def raise_control_error(error: grpc.RpcError, address: str, subject: str = "") -
 
 
 class SyncControlClient:
-    """Blocking control-plane calls over the process's shared channel to one head."""
+    """Blocking control-plane calls over the process's shared channel to one head.
 
-    def __init__(self, address: str | None = None, *, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> None:
+    `security` (token, TLS) defaults to what the environment says (GYM_RPC_TOKEN, GYM_RPC_TLS_CA, ...).
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        security: ClientSecurity | None = None,
+    ) -> None:
         self.address = address or default_head_address()
         self.timeout_seconds = timeout_seconds
-        self._stub = pb_grpc.ControlPlaneServiceStub(sync_channel(self.address))
+        self.security = security if security is not None else client_security()
+        self._metadata = self.security.metadata()
+        self._channel = sync_channel(self.address, self.security.tls)
+        self._stub = pb_grpc.ControlPlaneServiceStub(self._channel)
 
     def _call(
         self,
@@ -117,7 +137,7 @@ class SyncControlClient:
         subject: str = "",
     ) -> Response:
         try:
-            return method(request, timeout=timeout or self.timeout_seconds)
+            return method(request, timeout=timeout or self.timeout_seconds, metadata=self._metadata)
         except grpc.RpcError as error:
             raise_control_error(error, self.address, subject)
 
@@ -126,8 +146,10 @@ class SyncControlClient:
         response = self._call(self._stub.GetHeadServerConfig, request, timeout)
         return convert.head_server_from_pb(response.head_server)
 
-    def get_global_config(self, *, timeout: float | None = None) -> GlobalConfig:
-        response = self._call(self._stub.GetGlobalConfig, pb.GetGlobalConfigRequest(), timeout)
+    def get_global_config(self, *, include_secrets: bool = False, timeout: float | None = None) -> GlobalConfig:
+        """The global config; secrets only with include_secrets and the head's token (else redacted)."""
+        request = pb.GetGlobalConfigRequest(include_secrets=include_secrets)
+        response = self._call(self._stub.GetGlobalConfig, request, timeout)
         return convert.global_config_from_pb(response)
 
     def get_server_status(
@@ -146,7 +168,8 @@ class SyncControlClient:
         self, start_revision: int = 0, *, heartbeat_seconds: float | None = None, timeout: float | None = None
     ) -> Iterator[WatchEvent]:
         """Stream events until the caller stops iterating (or `timeout`, when given, ends the stream)."""
-        stream = self._stub.WatchServerStatuses(_watch_request(start_revision, heartbeat_seconds), timeout=timeout)
+        request = _watch_request(start_revision, heartbeat_seconds)
+        stream = self._stub.WatchServerStatuses(request, timeout=timeout, metadata=self._metadata)
         try:
             for message in stream:
                 yield _watch_event(message)
@@ -174,7 +197,7 @@ class SyncControlClient:
 
     def head_status(self, *, timeout: float | None = None) -> ServerStatus:
         """The head's own status from its standard health service (`Check("")`), as a probe result."""
-        stub = health_pb2_grpc.HealthStub(sync_channel(self.address))
+        stub = health_pb2_grpc.HealthStub(self._channel)
         request = health_pb2.HealthCheckRequest(service="")
         try:
             response = stub.Check(request, timeout=timeout or self.timeout_seconds)
@@ -191,15 +214,26 @@ _HEALTH_ERROR_STATUSES: dict[grpc.StatusCode, ServerStatus] = {
 
 
 class ControlClient:
-    """asyncio control-plane calls over the running loop's shared channel to one head."""
+    """asyncio control-plane calls over the running loop's shared channel to one head.
 
-    def __init__(self, address: str | None = None, *, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> None:
+    `security` (token, TLS) defaults to what the environment says (GYM_RPC_TOKEN, GYM_RPC_TLS_CA, ...).
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        security: ClientSecurity | None = None,
+    ) -> None:
         self.address = address or default_head_address()
         self.timeout_seconds = timeout_seconds
+        self.security = security if security is not None else client_security()
+        self._metadata = self.security.metadata()
 
     @property
     def _stub(self) -> pb_grpc.ControlPlaneServiceAsyncStub:
-        return pb_grpc.ControlPlaneServiceStub(aio_channel(self.address))
+        return pb_grpc.ControlPlaneServiceStub(aio_channel(self.address, self.security.tls))
 
     async def _call(
         self,
@@ -209,7 +243,7 @@ class ControlClient:
         subject: str = "",
     ) -> Response:
         try:
-            return await method(request, timeout=timeout or self.timeout_seconds)
+            return await method(request, timeout=timeout or self.timeout_seconds, metadata=self._metadata)
         except grpc.RpcError as error:
             raise_control_error(error, self.address, subject)
 
@@ -218,8 +252,11 @@ class ControlClient:
         response = await self._call(self._stub.GetHeadServerConfig, request, timeout)
         return convert.head_server_from_pb(response.head_server)
 
-    async def get_global_config(self, *, timeout: float | None = None) -> GlobalConfig:
-        request = pb.GetGlobalConfigRequest()
+    async def get_global_config(
+        self, *, include_secrets: bool = False, timeout: float | None = None
+    ) -> GlobalConfig:
+        """The global config; secrets only with include_secrets and the head's token (else redacted)."""
+        request = pb.GetGlobalConfigRequest(include_secrets=include_secrets)
         response = await self._call(self._stub.GetGlobalConfig, request, timeout)
         return convert.global_config_from_pb(response)
 
@@ -239,7 +276,8 @@ class ControlClient:
         self, start_revision: int = 0, *, heartbeat_seconds: float | None = None, timeout: float | None = None
     ) -> AsyncIterator[WatchEvent]:
         """Stream events until the caller stops iterating (or `timeout`, when given, ends the stream)."""
-        stream = self._stub.WatchServerStatuses(_watch_request(start_revision, heartbeat_seconds), timeout=timeout)
+        request = _watch_request(start_revision, heartbeat_seconds)
+        stream = self._stub.WatchServerStatuses(request, timeout=timeout, metadata=self._metadata)
         try:
             async for message in stream:
                 yield _watch_event(message)

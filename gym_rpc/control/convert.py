@@ -5,6 +5,7 @@ Everything else speaks gym_rpc's own types (GlobalConfig, ServerEntry, StatusRep
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -110,8 +111,10 @@ def _entry_to_pb(entry: ServerEntry, redact: bool) -> pb.ServerEntry:
 
 
 def global_config_from_pb(message: pb.GetGlobalConfigResponse) -> GlobalConfig:
-    """Rebuild the typed view from the exact JSON; the head already validated it."""
-    return GlobalConfig.from_document(json.loads(message.config_json))
+    """Rebuild the typed view from the exact JSON; the head already validated it. The version stays the head's:
+    one computed here from a redacted document would miss secret changes and disagree with ReloadGlobalConfig."""
+    config = GlobalConfig.from_document(json.loads(message.config_json))
+    return dataclasses.replace(config, version=message.version) if message.version else config
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -18,9 +19,17 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from grpc_reflection.v1alpha import reflection
 
 from gym_rpc.config import GlobalConfig, load_config_file, url_host
+from gym_rpc.control.http_head import HttpHead, configured_http_port
 from gym_rpc.control.prober import StatusProber
+from gym_rpc.control.security import (
+    DEFAULT_MAX_CONCURRENT_WATCHES,
+    SERVER_OPTIONS,
+    ServerSecurity,
+    build_health_server,
+)
 from gym_rpc.control.servicer import ControlPlaneServicer
 from gym_rpc.status import StatusReport
+from gym_rpc.telemetry import server_interceptors, setup_tracing
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 
@@ -44,6 +53,8 @@ class HeadOptions:
     reflection: bool = True
     watch_history_size: int = 1024  # status changes a watch can resume across
     shutdown_grace_seconds: float = 0.5
+    http_port: int | None = None  # NeMo Gym's HTTP head; None: head_server.http_port (absent: none); 0: free port
+    max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES  # more get RESOURCE_EXHAUSTED
 
 
 class HeadServer:
@@ -67,6 +78,10 @@ class HeadServer:
             on_change=self._follow_health,
         )
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None  # plaintext health only (head_server.health_port)
+        self.health_port: int | None = None
+        self.security = ServerSecurity()
+        self._http_head: HttpHead | None = None
         self._reload_lock = asyncio.Lock()
 
     @property
@@ -78,29 +93,58 @@ class HeadServer:
         """host:port the head listens on (IPv6 bracketed)."""
         return f"{url_host(self.host)}:{self.port}"
 
+    @property
+    def http_port(self) -> int | None:
+        """The port of NeMo Gym's HTTP endpoints, None when not served."""
+        return self._http_head.port if self._http_head is not None else None
+
     async def start(self) -> None:
-        server = grpc.aio.server()
-        pb_grpc.add_ControlPlaneServiceServicer_to_server(ControlPlaneServicer(self), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        if self.options.reflection:
-            names = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
-            reflection.enable_server_reflection(names, server)
+        http_port = (
+            self.options.http_port if self.options.http_port is not None else configured_http_port(self.config)
+        )
+        self.security = security = ServerSecurity.from_config(self.config)
+        setup_tracing(self.config.observability_enabled, service_name="gym-rpc-head")
+        servicer = ControlPlaneServicer(self, max_concurrent_watches=self.options.max_concurrent_watches)
+        server = build_control_server(
+            servicer, self._health, reflection_enabled=self.options.reflection, security=security
+        )
         port = self.options.port if self.options.port is not None else self.config.head_server.port
-        self.port = server.add_insecure_port(f"{url_host(self.host)}:{port}")
+        self.port = security.add_port(server, self.host, port)
+        health_server = None
+        if security.health_port is not None:  # bound before anything starts: a busy port starts nothing
+            health_server = build_health_server(self._health)
+            self.health_port = ServerSecurity().add_port(health_server, self.host, security.health_port)
         await server.start()
         self._server = server
+        if health_server is not None:
+            await health_server.start()
+            self._health_server = health_server
         self.config = self.config.with_head_server(self.host, self.port)
         await self._health.set("", _SERVING)
         await self._health.set(SERVICE_NAME, _SERVING)
         await self.prober.start()
+        if http_port is not None:
+            http_head = HttpHead(self)
+            try:
+                await http_head.start(self.host, http_port)
+            except BaseException:
+                await self.stop()  # a head that cannot serve all it was asked to serves nothing
+                raise
+            self._http_head = http_head
 
     async def stop(self) -> None:
         """Report NOT_SERVING, then finish in-flight calls within the grace period."""
         await self._health.enter_graceful_shutdown()
+        if self._http_head is not None:
+            await self._http_head.stop()
+            self._http_head = None
         await self.prober.stop()
         if self._server is not None:
             await self._server.stop(self.options.shutdown_grace_seconds)
             self._server = None
+        if self._health_server is not None:
+            await self._health_server.stop(None)
+            self._health_server = None
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:
@@ -121,18 +165,66 @@ class HeadServer:
             return True
 
     async def _follow_health(self, report: StatusReport | None, name: str) -> None:
-        """Mirror each server's probe result under its name in the standard health service."""
-        if report is None:
-            serving = _SERVICE_UNKNOWN
-        elif report.status is None:
-            serving = _UNKNOWN
-        else:
-            serving = _SERVING if report.status == "success" else _NOT_SERVING
-        await self._health.set(name, serving)
+        await mirror_status_in_health(self._health, report, name)
 
 
-async def run_head(head: HeadServer, on_started: Callable[[HeadServer], None]) -> None:
-    """Serve until SIGTERM or SIGINT; SIGHUP reloads the config file."""
+def build_control_server(
+    servicer: ControlPlaneServicer,
+    health_servicer: health_aio.HealthServicer,
+    *,
+    reflection_enabled: bool,
+    interceptors: Sequence[grpc.aio.ServerInterceptor[Any, Any]] = (),
+    security: ServerSecurity | None = None,
+) -> grpc.aio.Server:
+    """A grpc.aio server with the control plane, standard health and (optionally) reflection; not bound yet.
+
+    Shared by the head and the bridge, so both serve the same services the same way: the resource bounds of
+    SERVER_OPTIONS, and token authentication (from `security`, by default GYM_RPC_TOKEN) before any other
+    interceptor but tracing's. Bind it with `security.add_port` to serve TLS when configured.
+    """
+    security = security if security is not None else ServerSecurity.from_environment()
+    # Tracing outermost (no interceptor when off: gym_rpc.telemetry), so refused calls are traced too.
+    traced_and_guarded = [*server_interceptors(), *security.interceptors(), *interceptors]
+    server = grpc.aio.server(interceptors=traced_and_guarded, options=SERVER_OPTIONS)
+    pb_grpc.add_ControlPlaneServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if reflection_enabled:
+        names = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, server)
+    return server
+
+
+async def mirror_status_in_health(
+    health_servicer: health_aio.HealthServicer, report: StatusReport | None, name: str
+) -> None:
+    """Mirror a server's probe result under its name in the standard health service."""
+    if report is None:
+        serving = _SERVICE_UNKNOWN
+    elif report.status is None:
+        serving = _UNKNOWN
+    else:
+        serving = _SERVING if report.status == "success" else _NOT_SERVING
+    await health_servicer.set(name, serving)
+
+
+class Servable(Protocol):
+    """What `run_head` drives: the head server, or the bridge in front of a NeMo Gym head."""
+
+    @property
+    def config(self) -> GlobalConfig: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def reload(self) -> bool: ...
+
+
+ServableT = TypeVar("ServableT", bound=Servable)
+
+
+async def run_head(head: ServableT, on_started: Callable[[ServableT], None]) -> None:
+    """Serve until SIGTERM or SIGINT; SIGHUP reloads the config (the file, or the bridge's upstream)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     reloads: set[asyncio.Task[None]] = set()

@@ -1,20 +1,23 @@
 """The `gym_rpc.v1.ControlPlaneService` handlers of the head server.
 
 Handlers read the head's current state (config, prober) and never rebuild per call what a config version fixes:
-the GetGlobalConfig response is built once per version.
+the GetGlobalConfig responses (redacted, and with secrets) are built once per version.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 import grpc
 
-from gym_rpc.config import HEAD_SERVER_KEY, GlobalConfig, base_url
+from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url
 from gym_rpc.control import convert
 from gym_rpc.control.prober import StatusProber
+from gym_rpc.control.security import DEFAULT_MAX_CONCURRENT_WATCHES, caller_is_authenticated
 from gym_rpc.errors import ConfigError, UnknownServerError
 from gym_rpc.status import StatusReport
 from gym_rpc.v1 import control_plane_pb2 as pb
@@ -41,9 +44,11 @@ class HeadState(Protocol):
 
 
 class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
-    def __init__(self, head: HeadState) -> None:
+    def __init__(self, head: HeadState, *, max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES) -> None:
         self._head = head
-        self._config_response: tuple[str, pb.GetGlobalConfigResponse] | None = None
+        self._config_responses: dict[bool, tuple[str, pb.GetGlobalConfigResponse]] = {}
+        self._max_watches = max_concurrent_watches
+        self._watches = 0
 
     async def GetHeadServerConfig(
         self, request: pb.GetHeadServerConfigRequest, context: Context
@@ -53,11 +58,15 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
     async def GetGlobalConfig(
         self, request: pb.GetGlobalConfigRequest, context: Context
     ) -> pb.GetGlobalConfigResponse:
-        # Secrets stay redacted until authenticated callers exist to ask for them.
+        # Secrets only for a caller that presented the head's token and asks for them; with no token configured
+        # no caller is authenticated, so everyone gets the redacted config.
+        include_secrets = request.include_secrets and caller_is_authenticated()
         config = self._head.config
-        if self._config_response is None or self._config_response[0] != config.version:
-            self._config_response = (config.version, convert.global_config_to_pb(config, include_secrets=False))
-        return self._config_response[1]
+        cached = self._config_responses.get(include_secrets)
+        if cached is None or cached[0] != config.version:
+            response = _config_response(config, include_secrets)
+            cached = self._config_responses[include_secrets] = (config.version, response)
+        return cached[1]
 
     async def GetServerStatus(
         self, request: pb.GetServerStatusRequest, context: Context
@@ -86,6 +95,22 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
 
     async def WatchServerStatuses(
         self, request: pb.WatchServerStatusesRequest, context: Context
+    ) -> AsyncIterator[pb.WatchServerStatusesResponse]:
+        if self._watches >= self._max_watches:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the head already serves {self._max_watches} status watches; retry later or poll "
+                f"ListServerStatuses",
+            )
+        self._watches += 1
+        try:
+            async for message in self._watch(request):
+                yield message
+        finally:
+            self._watches -= 1
+
+    async def _watch(
+        self, request: pb.WatchServerStatusesRequest
     ) -> AsyncIterator[pb.WatchServerStatusesResponse]:
         prober = self._head.prober
         heartbeat = DEFAULT_HEARTBEAT_SECONDS
@@ -166,6 +191,19 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         if remaining is None:
             return default
         return max(0.001, min(MAX_PROBE_SECONDS, remaining - DEADLINE_MARGIN_SECONDS))
+
+
+def _config_response(config: GlobalConfig, include_secrets: bool) -> pb.GetGlobalConfigResponse:
+    """The GetGlobalConfig answer; even with secrets, the head's own token never leaves it."""
+    if not include_secrets:
+        return convert.global_config_to_pb(config, include_secrets=False)
+    head = config.document.get(HEAD_SERVER_KEY)
+    if isinstance(head, Mapping) and "auth_token" in head:
+        document = {**config.document, HEAD_SERVER_KEY: {**head, "auth_token": REDACTED}}
+        config = dataclasses.replace(
+            config, document=document, config_json=json.dumps(document, ensure_ascii=False)
+        )
+    return convert.global_config_to_pb(config, include_secrets=True)
 
 
 def _snapshot(revision: int, reports: list[StatusReport], *, compacted: bool) -> pb.WatchServerStatusesResponse:

@@ -1,0 +1,120 @@
+"""`python -m bench` (what `make bench` runs): every benchmark, a ratio table on stdout, bench/RESULTS.md.
+
+Progress goes to stderr. `--quick` runs tiny sizes in seconds (the smoke test uses it) and writes no file
+unless `--out` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import control_plane, data_plane, isolation, memory, report
+from bench.servers import ServerProcess
+from bench.stats import Row, table_lines
+
+RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
+SECTIONS = ("data", "control", "isolation", "memory")
+# Loopback only: no proxy may divert a request, and no parent's config may stand in for the heads measured here.
+_ENV_TO_DROP = ("http_proxy", "https_proxy", "all_proxy", "NEMO_GYM_CONFIG_DICT", "GYM_RPC_HEAD")
+
+
+@dataclass(frozen=True)
+class Plan:
+    data: data_plane.DataPlanePlan
+    control: control_plane.ControlPlan
+    isolation: isolation.IsolationPlan
+    memory: memory.MemoryPlan
+    head_probe_interval: float
+    head_probe_timeout: float
+
+
+FULL = Plan(
+    data_plane.DataPlanePlan(),
+    control_plane.ControlPlan(),
+    isolation.IsolationPlan(),
+    memory.MemoryPlan(),
+    head_probe_interval=2.0,
+    head_probe_timeout=1.0,
+)
+QUICK = Plan(
+    data_plane.QUICK_DATA_PLANE,
+    control_plane.QUICK_CONTROL,
+    isolation.QUICK_ISOLATION,
+    memory.QUICK_MEMORY,
+    head_probe_interval=0.5,
+    head_probe_timeout=0.2,
+)
+
+
+def _clean_environment() -> None:
+    for name in list(os.environ):
+        if name.lower() in _ENV_TO_DROP or name in _ENV_TO_DROP:
+            del os.environ[name]
+
+
+def _progress(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def run(plan: Plan, sections: set[str]) -> list[Row]:
+    rows: list[Row] = []
+    with ServerProcess("data") as data:
+        data_port = int(data.info["port"])
+        if "data" in sections:
+            _progress("data plane")
+            rows += asyncio.run(data_plane.run(data_port, plan.data))
+        if sections & {"control", "isolation"}:
+            control_args = [
+                f"--servers={plan.control.servers}",
+                f"--silent={plan.control.silent}",
+                f"--probe-interval={plan.head_probe_interval}",
+                f"--probe-timeout={plan.head_probe_timeout}",
+            ]
+            with ServerProcess("control", *control_args) as control:
+                if "control" in sections:
+                    _progress("control plane")
+                    rows += control_plane.run(control.info, plan.control)
+                if "isolation" in sections:
+                    _progress("isolation")
+                    head = f"127.0.0.1:{control.info['head_a']}"
+                    name = str(control.info["names_a"][0])
+                    rows += asyncio.run(isolation.run(data_port, head, name, plan.isolation))
+        if "memory" in sections:
+            _progress("memory")
+            rows += memory.import_rows(plan.memory)
+            rows += memory.in_flight_rows(data_port, plan.memory)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every benchmark")
+    parser.add_argument(
+        "--out", type=Path, help=f"where to write the results (default: {RESULTS_PATH}, none with --quick)"
+    )
+    parser.add_argument("--only", help=f"comma-separated subset of {','.join(SECTIONS)}")
+    args = parser.parse_args(argv)
+    sections = set(args.only.split(",")) if args.only else set(SECTIONS)
+    if not sections <= set(SECTIONS):
+        parser.error(f"--only takes {','.join(SECTIONS)}")
+    _clean_environment()
+    started = time.monotonic()
+    rows = run(QUICK if args.quick else FULL, sections)
+    elapsed = time.monotonic() - started
+    print("\n".join(table_lines(rows)))
+    print(report.summary_line(rows))
+    out = args.out or (None if args.quick else RESULTS_PATH)
+    if out is not None:
+        report.write(out, rows, elapsed, args.quick)
+        _progress(f"wrote {out} ({elapsed:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Data plane: `ServerClient.post(name, "/v1/responses", json=...)` against raw `aiohttp.ClientSession.post` to the
+same server in another process, at several concurrencies.
+
+Rounds alternate which side goes first (AB, BA, ...); each round yields one ratio (ours / raw requests per
+second), and the figure is the median of those ratios, so a noisy second on two shared cores moves single rounds,
+not the result. Client CPU per request (process time over requests) is reported beside it: it is what the
+client adds, and what the ratio hides once the server is the bottleneck.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from omegaconf import OmegaConf
+
+from bench.stats import Row, median, percentile, ratio_row
+from gym_rpc.client.http import close_http_sessions
+from gym_rpc.client.server_client import ServerClient
+from gym_rpc.config import BaseServerConfig
+
+SERVER_NAME = "policy_model"
+PATH = "/v1/responses"
+# A Responses API request of a typical short turn (~1 KB of JSON).
+PAYLOAD: dict[str, Any] = {
+    "model": "policy",
+    "input": [
+        {"role": "system", "content": "You are a careful math tutor. Think step by step. " * 4},
+        {"role": "user", "content": "What is 6 * 7? Explain the multiplication in detail. " * 8},
+    ],
+    "max_output_tokens": 256,
+    "temperature": 1.0,
+    "top_p": 1.0,
+}
+MAX_CONNECTIONS = 1024  # gym_rpc's default data pool; the raw session gets the same so both open alike
+
+Post = Callable[[], Awaitable[None]]
+
+
+def make_client(port: int, **global_keys: Any) -> ServerClient:
+    doc = {
+        "head_server": {"host": "127.0.0.1", "port": 1},  # never called: the data plane needs no head
+        SERVER_NAME: {"responses_api_models": {"bench_model": {"host": "127.0.0.1", "port": port}}},
+        **global_keys,
+    }
+    head = BaseServerConfig(host="127.0.0.1", port=1)
+    return ServerClient(head_server_config=head, global_config_dict=OmegaConf.create(doc))
+
+
+def raw_session(limit: int = MAX_CONNECTIONS) -> aiohttp.ClientSession:
+    """Raw aiohttp set up as gym_rpc's data pool is: its connection limit, no total timeout (a rollout's model call
+    may take minutes; aiohttp's default 300 s arms a timer per call) and no cookie jar (aiohttp's default jar
+    costs a few µs per call). So the ratio isolates what ServerClient adds on top of aiohttp, nothing else."""
+    connector = aiohttp.TCPConnector(limit=limit)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar())
+
+
+def ours_post(client: ServerClient) -> Post:
+    async def post() -> None:
+        async with await client.post(SERVER_NAME, PATH, json=PAYLOAD) as response:
+            await response.read()
+
+    return post
+
+
+def raw_post(session: aiohttp.ClientSession, url: str) -> Post:
+    async def post() -> None:
+        async with session.post(url, json=PAYLOAD) as response:
+            await response.read()
+
+    return post
+
+
+@dataclass
+class Block:
+    requests_per_second: float
+    cpu_us_per_request: float
+
+
+async def run_block(post: Post, requests: int, concurrency: int) -> Block:
+    """`requests` calls by `concurrency` workers; wall time and this process's CPU time."""
+    remaining = requests
+
+    async def worker() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            await post()
+
+    started_wall, started_cpu = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall, cpu = time.perf_counter() - started_wall, time.process_time() - started_cpu
+    return Block(requests / wall, cpu / requests * 1e6)
+
+
+@dataclass
+class Comparison:
+    concurrency: int
+    ratios: list[float] = field(default_factory=list)
+    ours: list[Block] = field(default_factory=list)
+    raw: list[Block] = field(default_factory=list)
+
+
+async def compare(ours: Post, raw: Post, concurrency: int, requests: int, rounds: int) -> Comparison:
+    """Rounds of four blocks, ABBA then BAAB: whichever side runs first after a switch pays for the switch (idle
+    connections, caches), and in a round each side runs once first and once second, so that cost cancels."""
+    await run_block(ours, max(requests // 4, concurrency), concurrency)  # warm: connections, caches
+    await run_block(raw, max(requests // 4, concurrency), concurrency)
+    result = Comparison(concurrency)
+    for index in range(rounds):
+        order = (ours, raw, raw, ours) if index % 2 == 0 else (raw, ours, ours, raw)
+        blocks = [(post, await run_block(post, requests, concurrency)) for post in order]
+        mine = [block for post, block in blocks if post is ours]
+        theirs = [block for post, block in blocks if post is raw]
+        result.ours += mine
+        result.raw += theirs
+        # Equal requests per block: the ratio of requests per second is the inverse ratio of summed times.
+        result.ratios.append(
+            sum(1 / b.requests_per_second for b in theirs) / sum(1 / b.requests_per_second for b in mine)
+        )
+    print(
+        f"  data plane c={concurrency}: per-round ratios {' '.join(f'{r:.2f}' for r in result.ratios)}",
+        file=sys.stderr,
+    )
+    return result
+
+
+def rows_of(comparison: Comparison) -> list[Row]:
+    ours_rps = median([b.requests_per_second for b in comparison.ours])
+    raw_rps = median([b.requests_per_second for b in comparison.raw])
+    ours_cpu = median([b.cpu_us_per_request for b in comparison.ours])
+    raw_cpu = median([b.cpu_us_per_request for b in comparison.raw])
+    ratios = comparison.ratios
+    spread = f"{len(ratios)} rounds, middle half {percentile(ratios, 0.25):.2f}-{percentile(ratios, 0.75):.2f}"
+    return [
+        ratio_row(
+            "data plane",
+            f"POST /v1/responses, concurrency {comparison.concurrency} (median of per-round ratios, {spread})",
+            f"{ours_rps:.0f} req/s, {ours_cpu:.0f} µs CPU/req",
+            f"raw aiohttp: {raw_rps:.0f} req/s, {raw_cpu:.0f} µs CPU/req",
+            median(comparison.ratios),
+            0.95,
+        )
+    ]
+
+
+@dataclass(frozen=True)
+class DataPlanePlan:
+    concurrencies: tuple[int, ...] = (1, 64, 512)
+    # Short blocks, many rounds: the blocks of a round run within a second of each other, so a burst of load from
+    # elsewhere hits both sides, and the median of the rounds' ratios shrugs off the rounds it hit unevenly.
+    requests: tuple[int, ...] = (400, 1500, 2000)
+    rounds: int = 20
+
+
+QUICK_DATA_PLANE = DataPlanePlan(requests=(40, 150, 200), rounds=1)
+
+
+async def run(port: int, plan: DataPlanePlan) -> list[Row]:
+    client = make_client(port)
+    url = f"http://127.0.0.1:{port}{PATH}"
+    session = raw_session()
+    rows: list[Row] = []
+    try:
+        for concurrency, requests in zip(plan.concurrencies, plan.requests, strict=True):
+            comparison = await compare(
+                ours_post(client), raw_post(session, url), concurrency, requests, plan.rounds
+            )
+            rows.extend(rows_of(comparison))
+    finally:
+        await session.close()
+        await close_http_sessions()
+    return rows

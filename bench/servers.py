@@ -1,0 +1,323 @@
+"""The processes the benchmarks measure against, each started as a subprocess so client and server never share an
+interpreter (`python -m bench.servers data|control`). Each prints one `READY {json}` line once it listens, then
+serves until SIGTERM or its stdin closes (so none outlives the bench).
+
+* data: an aiohttp server answering `POST /v1/responses` with a small Responses-API-shaped body, `GET /` with
+  `{"status": "ok"}`, and `/slow?seconds=S` after a pause (to saturate pools and hold requests in flight).
+* control: N answering Gym servers and K that accept connections and never answer; two gym_rpc heads (A: the N
+  answering servers; B: N-K answering plus the K silent ones); and a NeMo Gym-style HTTP head serving A's config
+  as `GET /global_config_dict_yaml` (a JSON string holding YAML, as NeMo Gym's FastAPI head answers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+LOOPBACK = "127.0.0.1"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+READY_PREFIX = "READY "
+RESPONSE_BODY = json.dumps(
+    {
+        "id": "resp_bench",
+        "object": "response",
+        "model": "policy",
+        "status": "completed",
+        "output": [
+            {
+                "type": "message",
+                "id": "msg_bench",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": "The answer is 42.", "annotations": []}],
+            }
+        ],
+        "usage": {"input_tokens": 120, "output_tokens": 8, "total_tokens": 128},
+    }
+).encode()
+OK_BODY = b'{"status": "ok"}'
+
+
+# --- data server -------------------------------------------------------------------------------------------------
+
+
+async def _responses(request: web.Request) -> web.Response:
+    await request.read()
+    return web.Response(body=RESPONSE_BODY, content_type="application/json")
+
+
+async def _ok(request: web.Request) -> web.Response:
+    return web.Response(body=OK_BODY, content_type="application/json")
+
+
+async def _slow(request: web.Request) -> web.Response:
+    await request.read()
+    await asyncio.sleep(min(float(request.query.get("seconds", "0.5")), 30.0))
+    return web.Response(body=OK_BODY, content_type="application/json")
+
+
+def data_app() -> web.Application:
+    app = web.Application()
+    app.router.add_post("/v1/responses", _responses)
+    app.router.add_route("*", "/slow", _slow)
+    app.router.add_get("/", _ok)
+    return app
+
+
+async def serve_data() -> dict[str, Any]:
+    runner = web.AppRunner(data_app(), access_log=None)
+    await runner.setup()
+    # A deep backlog: the memory bench opens thousands of connections at once.
+    site = web.TCPSite(runner, LOOPBACK, 0, backlog=8192)
+    await site.start()
+    return {"port": int(runner.addresses[0][1])}
+
+
+# --- control servers ---------------------------------------------------------------------------------------------
+
+
+def server_entry_doc(index: int, port: int) -> tuple[str, dict[str, Any]]:
+    """A NeMo Gym-like entry (models, resources servers and agents in turn), with the usual handful of keys."""
+    kind = index % 3
+    if kind == 0:
+        name = f"policy_model_{index}"
+        entry: dict[str, Any] = {
+            "responses_api_models": {
+                "vllm_model": {
+                    "host": LOOPBACK,
+                    "port": port,
+                    "entrypoint": "app.py",
+                    "base_url": f"http://{LOOPBACK}:{port + 1}/v1",
+                    "model": "Qwen/Qwen3-8B",
+                    "return_token_id_information": False,
+                    "uses_reasoning_parser": True,
+                }
+            }
+        }
+    elif kind == 1:
+        name = f"math_resources_{index}"
+        entry = {
+            "resources_servers": {
+                "math_with_judge": {
+                    "host": LOOPBACK,
+                    "port": port,
+                    "entrypoint": "app.py",
+                    "domain": "math",
+                    "verified": False,
+                    "judge_model_server": {"type": "responses_api_models", "name": "policy_model_0"},
+                }
+            }
+        }
+    else:
+        name = f"math_agent_{index}"
+        entry = {
+            "responses_api_agents": {
+                "simple_agent": {
+                    "host": LOOPBACK,
+                    "port": port,
+                    "entrypoint": "app.py",
+                    "resources_server": {"type": "resources_servers", "name": f"math_resources_{index - 1}"},
+                    "model_server": {"type": "responses_api_models", "name": "policy_model_0"},
+                    "datasets": [{"name": "train", "type": "train", "jsonl_fpath": f"data/train_{index}.jsonl"}],
+                }
+            }
+        }
+    return name, entry
+
+
+def config_doc(ports: list[int], names: list[str] | None = None) -> dict[str, Any]:
+    doc: dict[str, Any] = {"head_server": {"host": LOOPBACK, "port": 0}}
+    for index, port in enumerate(ports):
+        name, entry = server_entry_doc(index, port)
+        doc[names[index] if names else name] = entry
+    doc["checkpoint"] = {"enabled": False}
+    return doc
+
+
+def nemo_style_head_app(doc: dict[str, Any]) -> web.Application:
+    """NeMo Gym's head on the wire: the config rendered as YAML, returned as a JSON string literal.
+
+    Rendered once at start (NeMo Gym's head keeps the rendering cheap too): the baseline pays only what its client
+    does, so the comparison never flatters gym_rpc with server-side work.
+    """
+    from omegaconf import OmegaConf
+
+    body = json.dumps(OmegaConf.to_yaml(OmegaConf.create(doc))).encode()
+
+    async def global_config(request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/global_config_dict_yaml", global_config)
+    app.router.add_get("/", _ok)
+    return app
+
+
+@dataclass
+class ControlOptions:
+    servers: int
+    silent: int
+    probe_interval: float
+    probe_timeout: float
+
+
+async def _start_runner(app: web.Application, count: int) -> tuple[web.AppRunner, list[int]]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    for _ in range(count):
+        await web.TCPSite(runner, LOOPBACK, 0, backlog=1024).start()
+    return runner, [int(address[1]) for address in runner.addresses]
+
+
+async def _silent_ports(count: int, held: list[asyncio.StreamWriter]) -> list[int]:
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    ports = []
+    for _ in range(count):
+        server = await asyncio.start_server(hold, LOOPBACK, 0)
+        ports.append(int(server.sockets[0].getsockname()[1]))
+    return ports
+
+
+async def serve_control(options: ControlOptions) -> dict[str, Any]:
+    from gym_rpc.config import GlobalConfig
+    from gym_rpc.control.head import HeadOptions, HeadServer
+
+    answering_app = web.Application()
+    answering_app.router.add_get("/", _ok)
+    _, ports = await _start_runner(answering_app, options.servers)
+    silent_ports = await _silent_ports(options.silent, _HELD)
+    doc_a = config_doc(ports)
+    mixed_ports = ports[: options.servers - options.silent] + silent_ports
+    doc_b = config_doc(mixed_ports)
+    head_options = HeadOptions(
+        port=0,
+        probe_interval_seconds=options.probe_interval,
+        probe_timeout_seconds=options.probe_timeout,
+        reflection=False,
+    )
+    heads = [HeadServer(GlobalConfig.from_document(doc), head_options) for doc in (doc_a, doc_b)]
+    for head in heads:
+        await head.start()
+        _HEADS.append(head)
+    _, (http_head_port,) = await _start_runner(nemo_style_head_app(heads[0].config.document), 1)
+    return {
+        "head_a": heads[0].port,
+        "head_b": heads[1].port,
+        "http_head": http_head_port,
+        "names_a": list(heads[0].config.servers),
+        "urls_a": [f"http://{LOOPBACK}:{port}" for port in ports],
+        "urls_b": [f"http://{LOOPBACK}:{port}" for port in mixed_ports],
+    }
+
+
+_HELD: list[asyncio.StreamWriter] = []
+_HEADS: list[Any] = []
+
+
+# --- process plumbing --------------------------------------------------------------------------------------------
+
+
+async def _serve(kind: str, options: ControlOptions) -> None:
+    info = await (serve_data() if kind == "data" else serve_control(options))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    # The parent holds our stdin open; when it dies, stdin closes and we stop too.
+    threading.Thread(target=lambda: (sys.stdin.read(), loop.call_soon_threadsafe(stop.set)), daemon=True).start()
+    print(READY_PREFIX + json.dumps(info), flush=True)
+    await stop.wait()
+    for head in _HEADS:
+        with contextlib.suppress(Exception):
+            await head.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.servers")
+    parser.add_argument("kind", choices=["data", "control"])
+    parser.add_argument("--servers", type=int, default=200)
+    parser.add_argument("--silent", type=int, default=2)
+    parser.add_argument("--probe-interval", type=float, default=2.0)
+    parser.add_argument("--probe-timeout", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    options = ControlOptions(args.servers, args.silent, args.probe_interval, args.probe_timeout)
+    asyncio.run(_serve(args.kind, options))
+
+
+class ServerProcess:
+    """A `python -m bench.servers ...` child: started, waited for (bounded), stopped."""
+
+    def __init__(self, *args: str, ready_timeout: float = 60.0) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "bench.servers", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+        )
+        self.info = self._wait_ready(ready_timeout)
+
+    def _wait_ready(self, timeout: float) -> dict[str, Any]:
+        result: list[str] = []
+        reader = threading.Thread(target=lambda: result.append(self._read_ready_line()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not result or not result[0].startswith(READY_PREFIX):
+            self.stop()
+            raise RuntimeError(f"bench server {self.process.args!r} did not start within {timeout}s")
+        info: dict[str, Any] = json.loads(result[0][len(READY_PREFIX) :])
+        return info
+
+    def _read_ready_line(self) -> str:
+        assert self.process.stdout is not None
+        return self.process.stdout.readline()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_until(condition: Any, timeout: float, interval: float = 0.05) -> bool:
+    """Poll `condition()` until true or `timeout` (bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return False
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Figures and the ratio table: medians, p99, interleaved A/B sampling, and rows comparing ours with a baseline.
+
+The machine has two noisy cores, so no absolute time stands alone as a claim: each row carries the baseline
+measured in the same run, interleaved with ours, and the ratio between them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    """Nearest-rank percentile (p99 of 50 samples is their maximum: honest for small samples)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(fraction * len(ordered)))
+    return ordered[rank - 1]
+
+
+def p99(values: Sequence[float]) -> float:
+    return percentile(values, 0.99)
+
+
+@dataclass
+class Samples:
+    """Latencies in seconds."""
+
+    values: list[float] = field(default_factory=list)
+
+    @property
+    def p50_ms(self) -> float:
+        return median(self.values) * 1e3
+
+    @property
+    def p99_ms(self) -> float:
+        return p99(self.values) * 1e3
+
+    def describe(self) -> str:
+        return f"{fmt_ms(self.p50_ms)} / {fmt_ms(self.p99_ms)} ms"
+
+
+def timed(call: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
+def interleaved_latencies(
+    ours: Callable[[], object], baseline: Callable[[], object], pairs: int, warmup: int = 1
+) -> tuple[Samples, Samples]:
+    """Alternate the two calls (AB, BA, AB, ...) so drift and noise hit both alike."""
+    for _ in range(warmup):
+        ours()
+        baseline()
+    ours_samples, baseline_samples = Samples(), Samples()
+    for index in range(pairs):
+        if index % 2 == 0:
+            ours_samples.values.append(timed(ours))
+            baseline_samples.values.append(timed(baseline))
+        else:
+            baseline_samples.values.append(timed(baseline))
+            ours_samples.values.append(timed(ours))
+    return ours_samples, baseline_samples
+
+
+def fmt_ms(value: float) -> str:
+    if math.isnan(value):
+        return "n/a"
+    if value >= 100:
+        return f"{value:.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def fmt_ratio(value: float) -> str:
+    if math.isnan(value):
+        return "n/a"
+    if value >= 100:
+        return f"{value:.0f}x"
+    if value >= 10:
+        return f"{value:.1f}x"
+    return f"{value:.2f}x"
+
+
+@dataclass
+class Row:
+    """One line of the table: ours beside the baseline measured in the same run, and the ratio between them
+    ("times better": baseline / ours for latencies, ours / baseline for throughput). `met` is None when the row
+    only informs."""
+
+    area: str
+    measure: str
+    ours: str
+    baseline: str
+    ratio: float
+    goal_text: str = ""
+    met: bool | None = None
+
+
+def ratio_row(area: str, measure: str, ours: str, baseline: str, ratio: float, goal: float | None) -> Row:
+    """A row whose goal is a minimum ratio (None: no goal, the row informs)."""
+    if goal is None:
+        return Row(area, measure, ours, baseline, ratio)
+    met = not math.isnan(ratio) and ratio >= goal
+    return Row(area, measure, ours, baseline, ratio, f"≥ {fmt_ratio(goal)}", met)
+
+
+TABLE_HEADER = ("area", "measure", "gym_rpc", "baseline (same run)", "ratio", "goal", "met")
+
+
+def table_lines(rows: Sequence[Row]) -> list[str]:
+    """A Markdown table (it reads well on a terminal too)."""
+    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "|".join("---" for _ in TABLE_HEADER) + "|"]
+    for row in rows:
+        met = "—" if row.met is None else ("yes" if row.met else "NO")
+        cells = (row.area, row.measure, row.ours, row.baseline, fmt_ratio(row.ratio), row.goal_text or "—", met)
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines

@@ -1,0 +1,126 @@
+"""NeMo Gym's HTTP control endpoints, served from the head's state so unmodified NeMo Gym clients keep working.
+
+The wire format is NeMo Gym's FastAPI head's, byte for byte where it matters:
+
+* `GET /global_config_dict_yaml` answers the config rendered as YAML, as a JSON *string literal*
+  (`Content-Type: application/json`); NeMo Gym's client does `OmegaConf.create(json.loads(body))`.
+* `GET /server_instances` answers a JSON list of NeMo Gym's `ServerInstanceDisplayConfig` objects.
+* `GET /` answers `{"status": "ok"}`.
+
+Secret-looking keys are redacted exactly as in GetGlobalConfig: this endpoint has no authentication.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+from aiohttp import web
+
+from gym_rpc.config import HEAD_SERVER_KEY, GlobalConfig, redact_secrets
+from gym_rpc.control.servicer import HeadState
+from gym_rpc.errors import ConfigError, GymRpcError
+
+logger = logging.getLogger(__name__)
+
+HTTP_PORT_KEY = "http_port"
+_JSON = "application/json"
+
+
+def configured_http_port(config: GlobalConfig) -> int | None:
+    """`head_server.http_port` of the config: None when absent (no HTTP head), 0 for a free port."""
+    head = config.document.get(HEAD_SERVER_KEY)
+    value = head.get(HTTP_PORT_KEY) if isinstance(head, Mapping) else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 65536:
+        raise ConfigError(f"{HEAD_SERVER_KEY}.{HTTP_PORT_KEY} must be an integer in 0..65535, not {value!r}")
+    return value
+
+
+def config_yaml_body(config: GlobalConfig) -> bytes:
+    """The body of `GET /global_config_dict_yaml`: the redacted config as YAML, inside a JSON string literal."""
+    text = yaml.safe_dump(
+        redact_secrets(config.document), sort_keys=False, allow_unicode=True, default_flow_style=False
+    )
+    return json.dumps(text, ensure_ascii=False).encode()
+
+
+def server_instances(head: HeadState) -> list[dict[str, Any]]:
+    """One NeMo Gym `ServerInstanceDisplayConfig` per server: `process_name` (and `config_path`) is the top-level
+    key, `name` the implementation. The head launched none of them, so `pid` is unknown and `start_time` is the
+    head's own (NeMo Gym stamps the time it launched them)."""
+    now = time.time()
+    instances = []
+    for entry in head.config.servers.values():
+        report = head.prober.report(entry.name)
+        instances.append(
+            {
+                "config_path": entry.name,
+                "dir_path": None,
+                "entrypoint": entry.config.get("entrypoint"),
+                "host": entry.host,
+                "name": entry.impl_name,
+                "pid": None,
+                "port": entry.port,
+                "process_name": entry.name,
+                "server_type": entry.server_type,
+                "start_time": head.start_time,
+                "status": report.status,
+                "uptime_seconds": max(0.0, now - head.start_time),
+                "url": entry.url,
+            }
+        )
+    return instances
+
+
+class HttpHead:
+    """An aiohttp server answering NeMo Gym's head endpoints from a head's current state."""
+
+    def __init__(self, head: HeadState) -> None:
+        self._head = head
+        self._yaml_body: tuple[str, bytes] | None = None  # (version, body): rendered once per config version
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/", self._liveness)
+        app.router.add_get("/global_config_dict_yaml", self._global_config_dict_yaml)
+        app.router.add_get("/server_instances", self._server_instances)
+        return app
+
+    async def start(self, host: str, port: int) -> None:
+        runner = web.AppRunner(self.app(), access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host.strip("[]"), port).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise GymRpcError(
+                f"cannot serve NeMo Gym's HTTP head on {host}:{port}: {exc.strerror or exc}; "
+                f"choose another {HEAD_SERVER_KEY}.{HTTP_PORT_KEY} (or --http-port)"
+            ) from exc
+        self._runner = runner
+        self.port = int(runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _liveness(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _global_config_dict_yaml(self, request: web.Request) -> web.Response:
+        config = self._head.config
+        if self._yaml_body is None or self._yaml_body[0] != config.version:
+            self._yaml_body = (config.version, config_yaml_body(config))
+        return web.Response(body=self._yaml_body[1], content_type=_JSON)
+
+    async def _server_instances(self, request: web.Request) -> web.Response:
+        return web.json_response(server_instances(self._head))

@@ -1,0 +1,325 @@
+"""Who may talk to the control plane, over what, and how much one client may take.
+
+* Bearer tokens: with a token configured (`head_server.auth_token`, else `GYM_RPC_TOKEN`), every RPC but the
+  standard health service needs `authorization: Bearer <token>`, compared in constant time. The interceptor marks
+  authenticated calls (`caller_is_authenticated()`), which is what lets GetGlobalConfig hand out secrets.
+* TLS and mutual TLS from `head_server.tls`; clients trust a CA from the same block or `GYM_RPC_TLS_CA` (plus
+  `GYM_RPC_TLS_CERT` / `GYM_RPC_TLS_KEY` for a client certificate).
+* Bounds: message sizes, concurrent streams, keepalive enforcement and a handshake deadline, so one misbehaving
+  client cannot starve the others.
+
+Every server that serves the control plane (the head, the bridge) builds its grpc server through this module, so
+all of them get the same rules.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hmac
+import logging
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from gym_rpc.config import (
+    HEAD_SERVER_KEY,
+    REDACTED,
+    BaseServerConfig,
+    GlobalConfig,
+    HeadTlsConfig,
+    head_security_config,
+    url_host,
+)
+from gym_rpc.errors import ConfigError, GymRpcError
+
+logger = logging.getLogger(__name__)
+
+TOKEN_ENV_VAR = "GYM_RPC_TOKEN"
+TLS_CA_ENV_VAR = "GYM_RPC_TLS_CA"
+TLS_CERT_ENV_VAR = "GYM_RPC_TLS_CERT"
+TLS_KEY_ENV_VAR = "GYM_RPC_TLS_KEY"
+AUTHORIZATION_METADATA_KEY = "authorization"
+_BEARER_SCHEME = "bearer"
+HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+
+MIB = 1024 * 1024
+MAX_REQUEST_BYTES = 4 * MIB  # head: every request is a name or a few numbers
+MAX_RESPONSE_BYTES = 64 * MIB  # a global config with thousands of servers still fits
+MAX_CONCURRENT_STREAMS = 128  # per connection
+DEFAULT_MAX_CONCURRENT_WATCHES = 512  # per head, across all clients
+
+# The head's side of the bargain: small requests, bounded streams per connection, pings no more often than every
+# 10 s while no data flows (a client that pings harder is sent GOAWAY), dead peers noticed by the head's own
+# keepalive, and a connection that never completes its handshake dropped after 10 s.
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+    ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
+    ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 2),
+    ("grpc.server_handshake_timeout_ms", 10_000),
+    # Refuse to share the port with another process (grpc allows SO_REUSEPORT by default); SO_REUSEADDR stays
+    # on, so a restarted head binds its port again at once.
+    ("grpc.so_reuseport", 0),
+)
+CLIENT_MESSAGE_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
+    ("grpc.max_receive_message_length", MAX_RESPONSE_BYTES),
+)
+
+_authenticated: contextvars.ContextVar[bool] = contextvars.ContextVar("gym_rpc_authenticated", default=False)
+
+
+def caller_is_authenticated() -> bool:
+    """Whether the current RPC presented the configured token (False when no token is configured)."""
+    return _authenticated.get()
+
+
+def _configured_token(value: str | None) -> str | None:
+    """A usable token: neither empty nor the placeholder a redacted config carries."""
+    if value is None:
+        return None
+    value = value.strip()
+    return value if value and value != REDACTED else None
+
+
+# --- the server side ---
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """How a control-plane server guards its port."""
+
+    token: str | None = None
+    tls: HeadTlsConfig | None = None
+    health_port: int | None = None
+
+    @classmethod
+    def from_config(cls, config: GlobalConfig) -> ServerSecurity:
+        """From `head_server` of the config; the token falls back to GYM_RPC_TOKEN."""
+        settings = head_security_config(config.head_server)
+        token = _configured_token(settings.auth_token) or _configured_token(os.environ.get(TOKEN_ENV_VAR))
+        if settings.tls is not None and not (settings.tls.cert_file and settings.tls.key_file):
+            raise ConfigError(
+                f"{HEAD_SERVER_KEY}.tls needs cert_file and key_file for the head to serve TLS "
+                f"(refusing to fall back to plaintext)"
+            )
+        return cls(token=token, tls=settings.tls, health_port=settings.health_port)
+
+    @classmethod
+    def from_environment(cls) -> ServerSecurity:
+        """For a server without a head_server block of its own (the bridge): the token of GYM_RPC_TOKEN."""
+        return cls(token=_configured_token(os.environ.get(TOKEN_ENV_VAR)))
+
+    @property
+    def mutual_tls(self) -> bool:
+        return self.tls is not None and bool(self.tls.client_ca_file)
+
+    def describe(self) -> str:
+        """For the startup banner: what guards the port (never the token itself)."""
+        transport = "mutual TLS" if self.mutual_tls else "TLS" if self.tls is not None else "plaintext"
+        return f"{transport}, {'token required' if self.token else 'no token'}"
+
+    def interceptors(self) -> list[ServerInterceptor]:
+        return [TokenAuthInterceptor(self.token)] if self.token else []
+
+    def add_port(self, server: grpc.aio.Server, host: str, port: int) -> int:
+        """Bind `server` to host:port with TLS when configured; the port bound (port 0 picks a free one)."""
+        address = f"{url_host(host)}:{port}"
+        try:
+            if self.tls is None:
+                return server.add_insecure_port(address)
+            return server.add_secure_port(address, server_credentials(self.tls))
+        except RuntimeError as exc:
+            raise GymRpcError(f"cannot listen on {address}: {exc}; is another process using the port?") from exc
+
+
+def _read_file(path: str, what: str) -> bytes:
+    try:
+        return Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+
+
+def server_credentials(tls: HeadTlsConfig) -> grpc.ServerCredentials:
+    """TLS credentials of the head; with client_ca_file, clients must present a certificate that CA signed."""
+    assert tls.cert_file and tls.key_file, "checked by ServerSecurity.from_config"
+    key = _read_file(tls.key_file, f"{HEAD_SERVER_KEY}.tls.key_file")
+    chain = _read_file(tls.cert_file, f"{HEAD_SERVER_KEY}.tls.cert_file")
+    client_ca = (
+        _read_file(tls.client_ca_file, f"{HEAD_SERVER_KEY}.tls.client_ca_file") if tls.client_ca_file else None
+    )
+    return grpc.ssl_server_credentials(
+        [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+Context = grpc.aio.ServicerContext[Any, Any]
+if TYPE_CHECKING:  # generic only in the type stubs
+    Handler = grpc.RpcMethodHandler[Any, Any]
+    ServerInterceptor = grpc.aio.ServerInterceptor[Any, Any]
+else:
+    Handler = grpc.RpcMethodHandler
+    ServerInterceptor = grpc.aio.ServerInterceptor
+
+UNAUTHENTICATED_MESSAGE = (
+    "missing or invalid bearer token: send `authorization: Bearer <token>` with the head's token "
+    f"(set {TOKEN_ENV_VAR} or {HEAD_SERVER_KEY}.auth_token on the client)"
+)
+
+
+class TokenAuthInterceptor(ServerInterceptor):
+    """Every RPC but the health service needs `authorization: Bearer <token>`; others get UNAUTHENTICATED.
+
+    The comparison takes the same time whatever the presented token shares with the real one, and neither the
+    presented token nor the real one ever appears in an answer or a log line.
+    """
+
+    def __init__(self, token: str) -> None:
+        self._expected = token.encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
+        details: grpc.HandlerCallDetails,
+    ) -> Handler:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(HEALTH_METHOD_PREFIX):
+            return handler
+        if not self._valid(details.invocation_metadata):
+            logger.info("refused %s: missing or invalid bearer token", details.method)
+            return _rejecting_handler(handler)
+        _authenticated.set(True)  # the handler runs in this task's context
+        return handler
+
+    def _valid(self, metadata: Any) -> bool:
+        presented = _bearer_token(metadata)
+        if presented is None:
+            return False
+        return hmac.compare_digest(presented.encode(), self._expected)
+
+
+def _bearer_token(metadata: Any) -> str | None:
+    """The token of the first `authorization` entry, when it uses the Bearer scheme."""
+    for key, value in metadata or ():
+        if key == AUTHORIZATION_METADATA_KEY:
+            text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+            scheme, _, token = text.strip().partition(" ")
+            return token.strip() if scheme.lower() == _BEARER_SCHEME else None
+    return None
+
+
+def _rejecting_handler(handler: Handler) -> Handler:
+    """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
+
+    async def reject(request: Any, context: Context) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+
+    async def reject_stream(request: Any, context: Context) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+        yield  # pragma: no cover (abort raises): makes this an async generator, as a streaming handler is
+
+    codec = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(reject_stream, **codec)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(reject, **codec)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(reject_stream, **codec)
+    return grpc.unary_unary_rpc_method_handler(reject, **codec)
+
+
+def build_health_server(health_servicer: health_pb2_grpc.HealthServicer) -> grpc.aio.Server:
+    """A plaintext server with only the health service, for probes that cannot speak TLS (Kubernetes gRPC)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    return server
+
+
+# --- the client side ---
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """What a client channel needs for TLS, read from files once; hashable, so channels can be shared by it."""
+
+    root_certificates: bytes | None = None  # None: the system's roots
+    private_key: bytes | None = None
+    certificate_chain: bytes | None = None
+    server_name: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
+
+    def channel_options(self) -> tuple[tuple[str, str], ...]:
+        return (("grpc.ssl_target_name_override", self.server_name),) if self.server_name else ()
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """The token a client sends and the TLS it uses (None: plaintext)."""
+
+    token: str | None = None
+    tls: ClientTls | None = None
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((AUTHORIZATION_METADATA_KEY, f"Bearer {self.token}"),) if self.token else ()
+
+    def __repr__(self) -> str:  # never show the token
+        return f"ClientSecurity(token={'<set>' if self.token else None}, tls={self.tls is not None})"
+
+
+def _head_block(head_server: BaseServerConfig | Mapping[str, Any] | None) -> dict[str, Any]:
+    if head_server is None:
+        return {}
+    if isinstance(head_server, BaseServerConfig):
+        return head_server.model_dump()
+    return {str(k): v for k, v in head_server.items()}
+
+
+def client_security(
+    head_server: BaseServerConfig | Mapping[str, Any] | None = None, *, token: str | None = None
+) -> ClientSecurity:
+    """The token and TLS to use towards a head.
+
+    Token: `token`, else `auth_token` of the head_server block, else GYM_RPC_TOKEN. TLS: on when the block has
+    `tls` or GYM_RPC_TLS_CA is set; each file comes from the block, else its environment variable.
+    """
+    block = _head_block(head_server)
+    settings = head_security_config(block)
+    chosen_token = (
+        _configured_token(token)
+        or _configured_token(settings.auth_token)
+        or _configured_token(os.environ.get(TOKEN_ENV_VAR))
+    )
+    return ClientSecurity(token=chosen_token, tls=_client_tls(settings.tls))
+
+
+def _client_tls(tls: HeadTlsConfig | None) -> ClientTls | None:
+    ca_file = (tls.ca_file if tls else None) or os.environ.get(TLS_CA_ENV_VAR) or None
+    if tls is None and ca_file is None:
+        return None
+    cert_file = (tls.client_cert_file if tls else None) or os.environ.get(TLS_CERT_ENV_VAR) or None
+    key_file = (tls.client_key_file if tls else None) or os.environ.get(TLS_KEY_ENV_VAR) or None
+    if bool(cert_file) != bool(key_file):
+        raise ConfigError(
+            f"a client certificate needs both a certificate and a key ({TLS_CERT_ENV_VAR} and {TLS_KEY_ENV_VAR}, "
+            f"or {HEAD_SERVER_KEY}.tls.client_cert_file and client_key_file)"
+        )
+    return ClientTls(
+        root_certificates=_read_file(ca_file, f"CA file ({TLS_CA_ENV_VAR})") if ca_file else None,
+        private_key=_read_file(key_file, f"client key ({TLS_KEY_ENV_VAR})") if key_file else None,
+        certificate_chain=_read_file(cert_file, f"client certificate ({TLS_CERT_ENV_VAR})") if cert_file else None,
+        server_name=tls.server_name if tls else None,
+    )

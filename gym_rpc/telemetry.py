@@ -1,0 +1,474 @@
+"""One OpenTelemetry trace across the control plane, the data plane and the receiving server; off (and free) by
+default.
+
+When is tracing on? Decided once per process, by `setup_tracing()` or the first `tracing_enabled()`:
+
+1. `OTEL_SDK_DISABLED=true`, or `OTEL_TRACES_EXPORTER=none`: off, whatever the config says.
+2. `OTEL_TRACES_EXPORTER` naming an exporter, or `OTEL_EXPORTER_OTLP_ENDPOINT` /
+   `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` set: on.
+3. Otherwise `observability_enabled: true` in the global config turns it on when the application has installed
+   its own TracerProvider (spans have somewhere to go); a process that has already decided "off" turns on when
+   such a config arrives, e.g. a worker once it fetched the config; never the other way round.
+4. Otherwise off: `observability_enabled` alone (the rollout prefixes) costs no tracing, since spans that no
+   exporter takes would only slow every call.
+
+On means: the control channels carry OpenTelemetry's gRPC client interceptors and the head its server interceptor
+(rpc.* semantic conventions), every `ServerClient` call is a CLIENT span (http.* conventions, `gym.rollout_id`)
+whose context travels in the `traceparent` header, and `TraceContextPathMiddleware` continues the caller's trace
+in a SERVER span. Off means none of that exists: no interceptor, no SDK import, one boolean check per call.
+
+Spans go to the TracerProvider the application installed, if any (never replaced). Otherwise `setup_tracing`
+installs the SDK's, with an OTLP exporter when `OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT` is set (the `gym-rpc[otlp]`
+extra; `OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf` picks HTTP over the default gRPC) or `OTEL_TRACES_EXPORTER`
+asks for it, and a console exporter for `OTEL_TRACES_EXPORTER=console`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import threading
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from opentelemetry import trace
+
+if TYPE_CHECKING:
+    import aiohttp
+    import grpc
+    from aiohttp.client import _RequestOptions
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    from gym_rpc.client.http import RetryPolicy
+
+logger = logging.getLogger(__name__)
+
+SDK_DISABLED_ENV_VAR = "OTEL_SDK_DISABLED"
+TRACES_EXPORTER_ENV_VAR = "OTEL_TRACES_EXPORTER"
+OTLP_ENDPOINT_ENV_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+OTLP_PROTOCOL_ENV_VARS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+SERVICE_NAME_ENV_VAR = "OTEL_SERVICE_NAME"
+RESOURCE_ATTRIBUTES_ENV_VAR = "OTEL_RESOURCE_ATTRIBUTES"
+DEFAULT_SERVICE_NAME = "gym-rpc"
+TRACER_NAME = "gym_rpc"
+
+# Attribute names: OpenTelemetry's http semantic conventions, and Gym's own under `gym.`.
+HTTP_REQUEST_METHOD = "http.request.method"
+HTTP_REQUEST_METHOD_ORIGINAL = "http.request.method_original"
+HTTP_RESPONSE_STATUS_CODE = "http.response.status_code"
+HTTP_ROUTE = "http.route"
+URL_FULL = "url.full"
+URL_PATH = "url.path"
+URL_SCHEME = "url.scheme"
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
+ERROR_TYPE = "error.type"
+ROLLOUT_ID_ATTRIBUTE = "gym.rollout_id"
+SERVER_NAME_ATTRIBUTE = "gym.server.name"
+
+_KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
+_HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+_CONTROL_METHOD_PREFIX = "/gym_rpc.v1.ControlPlaneService/"
+# A watch is a stream that may stay open for hours: one span for it would tell nothing and end never.
+_UNTRACED_CONTROL_METHODS = frozenset({_CONTROL_METHOD_PREFIX + "WatchServerStatuses"})
+_TRACEPARENT_KEY = "traceparent"
+
+
+class TracingState:
+    """The process's decision; `enabled` is what hot paths read (one attribute, no call)."""
+
+    __slots__ = ("decided", "enabled", "environment_says")
+
+    def __init__(self) -> None:
+        self.decided = False
+        self.enabled = False
+        self.environment_says: bool | None = None
+
+
+TRACING = TracingState()
+_lock = threading.Lock()
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() == "true"
+
+
+def _exporter_names(environ: Mapping[str, str]) -> list[str]:
+    raw = environ.get(TRACES_EXPORTER_ENV_VAR) or ""
+    return [name.strip().lower() for name in raw.split(",") if name.strip()]
+
+
+def _otlp_endpoint_set(environ: Mapping[str, str]) -> bool:
+    return any((environ.get(name) or "").strip() for name in OTLP_ENDPOINT_ENV_VARS)
+
+
+def environment_choice(environ: Mapping[str, str]) -> bool | None:
+    """What the OTEL_* variables say: False (forced off), True (on), None (nothing: the config decides)."""
+    if _truthy(environ.get(SDK_DISABLED_ENV_VAR)):
+        return False
+    exporters = _exporter_names(environ)
+    if "none" in exporters:
+        return False
+    if exporters or _otlp_endpoint_set(environ):
+        return True
+    return None
+
+
+def decide_tracing(environ: Mapping[str, str], observability_enabled: bool, application_provider: bool) -> bool:
+    """The rule of this module's docstring, as a pure function."""
+    choice = environment_choice(environ)
+    return observability_enabled and application_provider if choice is None else choice
+
+
+def _application_provider_installed() -> bool:
+    """Whether the application (or OTEL_PYTHON_TRACER_PROVIDER) installed a TracerProvider of its own."""
+    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
+def tracing_enabled() -> bool:
+    """Whether this process traces; the first call decides from the environment alone."""
+    if not TRACING.decided:
+        setup_tracing()
+    return TRACING.enabled
+
+
+def setup_tracing(observability_enabled: bool = False, *, service_name: str | None = None) -> bool:
+    """Decide (once) whether to trace and, when on, make sure a TracerProvider records the spans.
+
+    Called by the head (with its config's observability_enabled) and by ServerClient (with the config it got);
+    applications may call it first to set `service_name`. Returns the decision.
+    """
+    if TRACING.enabled or (TRACING.decided and not observability_enabled):
+        return TRACING.enabled
+    with _lock:
+        if not TRACING.decided:
+            TRACING.environment_says = environment_choice(os.environ)
+            TRACING.decided = True
+        choice = TRACING.environment_says
+        turn_on = choice if choice is not None else observability_enabled and _application_provider_installed()
+        if turn_on and not TRACING.enabled:
+            _ensure_tracer_provider(service_name)
+            TRACING.enabled = True
+        return TRACING.enabled
+
+
+# --- the TracerProvider ------------------------------------------------------------------------------------------
+
+
+def _ensure_tracer_provider(service_name: str | None) -> None:
+    """Install the SDK's provider with the configured exporters, unless the application installed one."""
+    if _application_provider_installed():
+        return  # never replaced
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+    except ImportError:
+        logger.warning("tracing is on but opentelemetry-sdk is not installed: spans are not recorded")
+        return
+    provider = TracerProvider(resource=Resource.create(_resource_attributes(service_name)))
+    for processor in _span_processors(os.environ):
+        provider.add_span_processor(processor)
+    trace.set_tracer_provider(provider)
+
+
+def _resource_attributes(service_name: str | None) -> dict[str, str]:
+    """service.name: OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES win (the SDK reads them), else ours."""
+    named_by_environment = os.environ.get(SERVICE_NAME_ENV_VAR) or "service.name=" in (
+        os.environ.get(RESOURCE_ATTRIBUTES_ENV_VAR) or ""
+    )
+    return {} if named_by_environment else {"service.name": service_name or DEFAULT_SERVICE_NAME}
+
+
+def _span_processors(environ: Mapping[str, str]) -> list[SpanProcessor]:
+    names = _exporter_names(environ) or (["otlp"] if _otlp_endpoint_set(environ) else [])
+    processors: list[SpanProcessor] = []
+    for name in dict.fromkeys(names):
+        if name == "otlp":
+            processor = _otlp_processor(environ)
+            if processor is not None:
+                processors.append(processor)
+        elif name == "console":
+            from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
+
+            processors.append(SimpleSpanProcessor(ConsoleSpanExporter()))
+        else:
+            logger.warning(
+                "%s=%s: exporter %r is not supported (otlp, console)", TRACES_EXPORTER_ENV_VAR, name, name
+            )
+    return processors
+
+
+def _otlp_processor(environ: Mapping[str, str]) -> SpanProcessor | None:
+    """A batching processor with the OTLP exporter the protocol variable asks for (gRPC by default)."""
+    protocol = next((environ[name].strip() for name in OTLP_PROTOCOL_ENV_VARS if environ.get(name)), "grpc")
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+
+    try:
+        exporter: SpanExporter
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            exporter = OTLPSpanExporter()
+        elif protocol == "http/protobuf":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+            exporter = HttpExporter()
+        else:
+            logger.warning(
+                "OTLP protocol %r is not supported (grpc, http/protobuf): spans are not exported", protocol
+            )
+            return None
+    except ImportError:
+        logger.warning("an OTLP endpoint is set but the exporter is not installed: pip install 'gym-rpc[otlp]'")
+        return None
+    return BatchSpanProcessor(exporter)
+
+
+@functools.cache
+def _tracer() -> trace.Tracer:
+    """gym_rpc's tracer (a proxy until a provider is installed, then the provider's)."""
+    from gym_rpc import __version__
+
+    return trace.get_tracer(TRACER_NAME, __version__)
+
+
+# --- control plane: gRPC interceptors ----------------------------------------------------------------------------
+
+
+def _is_stream(client_info: Any) -> bool:
+    return bool(getattr(client_info, "is_server_stream", False) or getattr(client_info, "is_client_stream", False))
+
+
+def traced_sync_channel(channel: grpc.Channel) -> grpc.Channel:
+    """`channel` with OpenTelemetry's client interceptor on unary calls (streams stay plain: a watch is long-lived
+    and its call object must keep `cancel()`); the channel itself when tracing is off."""
+    if not tracing_enabled():
+        return channel
+    from opentelemetry.instrumentation.grpc import client_interceptor
+    from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
+
+    interceptor = client_interceptor(filter_=lambda info: not _is_stream(info))  # type: ignore[no-untyped-call]
+    traced: grpc.Channel = intercept_channel(channel, interceptor)  # type: ignore[no-untyped-call]
+    return traced
+
+
+def aio_client_interceptors() -> list[grpc.aio.ClientInterceptor]:
+    """OpenTelemetry's unary-unary grpc.aio client interceptor when tracing is on, else none."""
+    if not tracing_enabled():
+        return []
+    import grpc
+    from opentelemetry.instrumentation.grpc import aio_client_interceptors as otel_interceptors
+
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = otel_interceptors()  # type: ignore[no-untyped-call]
+    return [i for i in interceptors if isinstance(i, grpc.aio.UnaryUnaryClientInterceptor)]
+
+
+def _server_span_wanted(details: grpc.HandlerCallDetails) -> bool:
+    """Control-plane calls but watches; health checks only when they continue a trace (probes would flood)."""
+    method = details.method
+    if method.startswith(_CONTROL_METHOD_PREFIX):
+        return method not in _UNTRACED_CONTROL_METHODS
+    if method.startswith(_HEALTH_METHOD_PREFIX):
+        return any(key == _TRACEPARENT_KEY for key, _ in details.invocation_metadata or ())
+    return False
+
+
+def server_interceptors() -> list[grpc.aio.ServerInterceptor[Any, Any]]:
+    """OpenTelemetry's grpc.aio server interceptor when tracing is on, else none."""
+    if not tracing_enabled():
+        return []
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+    interceptor = aio_server_interceptor(filter_=_server_span_wanted)  # type: ignore[no-untyped-call]
+    return [interceptor]
+
+
+# --- data plane: CLIENT spans and propagation --------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1024)
+def _server_address(base_url: str) -> tuple[str, int]:
+    parts = urlsplit(base_url)
+    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+
+
+@functools.lru_cache(maxsize=64)
+def _method_attributes(method: str) -> Mapping[str, str]:
+    """http.request.method as the conventions spell it: a known method in upper case, else _OTHER + the original.
+    Shared and cached: callers copy it."""
+    upper = method.upper()
+    if upper in _KNOWN_METHODS:
+        return {HTTP_REQUEST_METHOD: upper}
+    return {HTTP_REQUEST_METHOD: "_OTHER", HTTP_REQUEST_METHOD_ORIGINAL: method}
+
+
+def _span_name(method: str) -> str:
+    """The conventions' span name: the method, or HTTP for one they do not know."""
+    upper = method.upper()
+    return upper if upper in _KNOWN_METHODS else "HTTP"
+
+
+@functools.cache
+def _propagate() -> Any:
+    """opentelemetry.propagate, imported on first traced call (its import loads the configured propagators)."""
+    from opentelemetry import propagate
+
+    return propagate
+
+
+@functools.cache
+def _data_plane() -> tuple[Any, Any, Any]:
+    """What traced_send needs from aiohttp's side, imported once on first use: this module is imported by
+    control-plane-only processes too, which must not pay for aiohttp."""
+    from multidict import CIMultiDict
+
+    from gym_rpc.client.http import send
+    from gym_rpc.client.rollout import current_rollout_id
+
+    return send, CIMultiDict, current_rollout_id
+
+
+async def traced_send(
+    session: aiohttp.ClientSession,
+    method: str,
+    base_url: str,
+    url_path: str,
+    retry: RetryPolicy,
+    resend_after_disconnect: bool,
+    kwargs: _RequestOptions,
+    server_name: str,
+) -> aiohttp.ClientResponse:
+    """`gym_rpc.client.http.send` as a CLIENT span whose context goes out in the `traceparent` header.
+
+    The span ends when the response headers arrive (the caller reads the body) and covers the resends. It is never
+    made the current span: nothing runs under it in this process, and attaching a context costs a few µs.
+    """
+    send, multidict_type, current_rollout_id = _data_plane()
+    url = base_url + url_path
+    host, port = _server_address(base_url)
+    attributes: dict[str, Any] = {
+        **_method_attributes(method),
+        URL_FULL: url,
+        SERVER_ADDRESS: host,
+        SERVER_PORT: port,
+        SERVER_NAME_ATTRIBUTE: server_name,
+    }
+    rollout_id = current_rollout_id()
+    if rollout_id is not None:
+        attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
+    span = _tracer().start_span(_span_name(method), kind=trace.SpanKind.CLIENT, attributes=attributes)
+    try:
+        given = kwargs.get("headers")
+        # A copy (the caller's headers stay untouched) in which ours replaces any traceparent, whatever its case.
+        headers: MutableMapping[str, str] = multidict_type(given) if given else {}
+        _propagate().inject(headers, context=trace.set_span_in_context(span))
+        kwargs["headers"] = headers
+        response: aiohttp.ClientResponse = await send(session, method, url, retry, resend_after_disconnect, kwargs)
+    except BaseException as error:
+        record_failure(span, error)
+        raise
+    else:
+        set_response_status(span, response.status, server=False)
+        return response
+    finally:
+        span.end()
+
+
+def record_failure(span: trace.Span, error: BaseException) -> None:
+    """An exception instead of an answer: error.type, the exception event and the span's error status."""
+    span.set_attribute(ERROR_TYPE, type(error).__qualname__)
+    span.record_exception(error)
+    span.set_status(trace.Status(trace.StatusCode.ERROR, str(error) or type(error).__name__))
+
+
+def set_response_status(span: trace.Span, status: int, *, server: bool) -> None:
+    """The status code, and the span's error status as the http conventions say (server: 5xx; client: 4xx too)."""
+    span.set_attribute(HTTP_RESPONSE_STATUS_CODE, status)
+    if status >= 500 or (status >= 400 and not server):
+        span.set_attribute(ERROR_TYPE, str(status))
+        span.set_status(trace.Status(trace.StatusCode.ERROR))
+
+
+# --- receiving servers: SERVER spans continuing the caller's trace -----------------------------------------------
+
+
+@contextlib.contextmanager
+def server_span(
+    method: str,
+    headers: Mapping[str, str],
+    *,
+    path: str,
+    scheme: str,
+    rollout_id: str | None,
+    route: str | None = None,
+    server_address: tuple[str, int] | None = None,
+) -> Iterator[trace.Span]:
+    """A SERVER span continuing the trace of `headers` (`traceparent`, read with the global propagator); the
+    handler runs inside it, so its own spans and calls are children of the caller's span.
+
+    For servers that do not use `TraceContextPathMiddleware` but want the same: `with server_span(...) as span:`
+    around the handler, then `set_response_status(span, status, server=True)` (or `record_failure(span, error)`
+    for an exception that is no HTTP answer).
+    """
+    context = _propagate().extract(headers)
+    attributes: dict[str, Any] = {**_method_attributes(method), URL_PATH: path, URL_SCHEME: scheme}
+    if route:
+        attributes[HTTP_ROUTE] = route
+    if server_address is not None:
+        attributes[SERVER_ADDRESS], attributes[SERVER_PORT] = server_address
+    if rollout_id is not None:
+        attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
+    name = f"{_span_name(method)} {route}" if route else _span_name(method)
+    with _tracer().start_as_current_span(
+        name,
+        context=context,
+        kind=trace.SpanKind.SERVER,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        yield span
+
+
+def asgi_trace_headers(raw_headers: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The propagation headers of an ASGI scope, as the propagator reads them (lower-case names)."""
+    wanted = _propagate().get_global_textmap().fields
+    headers: dict[str, str] = {}
+    for name, value in raw_headers:
+        key = name.decode("latin-1").lower()
+        if key in wanted:
+            headers[key] = value.decode("latin-1")
+    return headers
+
+
+async def traced_asgi_call(
+    call: Callable[[Callable[[MutableMapping[str, Any]], Awaitable[None]]], Awaitable[None]],
+    send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
+    scope: Mapping[str, Any],
+    rollout_id: str | None,
+    original_path: str,
+) -> None:
+    """Run an ASGI app (`call(send)`) inside a SERVER span; the status comes from `http.response.start`."""
+    server = scope.get("server")
+    with server_span(
+        scope.get("method", "GET"),
+        asgi_trace_headers(scope.get("headers") or ()),
+        path=original_path,
+        scheme=scope.get("scheme", "http"),
+        rollout_id=rollout_id,
+        server_address=(str(server[0]), int(server[1])) if server and server[1] is not None else None,
+    ) as span:
+
+        async def send_recording_status(message: MutableMapping[str, Any]) -> None:
+            if message.get("type") == "http.response.start":
+                set_response_status(span, int(message["status"]), server=True)
+            await send(message)
+
+        try:
+            await call(send_recording_status)
+        except BaseException as error:
+            record_failure(span, error)
+            raise

@@ -1,0 +1,44 @@
+"""`python -m bench --quick` runs every benchmark at tiny sizes (real server processes on loopback) and prints the
+ratio table, so the bench code cannot rot between `make bench` runs. The figures of a quick run mean nothing; only
+that each benchmark ran and reported is checked."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_bench_prints_the_ratio_table_and_writes_the_report(tmp_path: Path) -> None:
+    out = tmp_path / "RESULTS.md"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--out", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert table[0] == "| area | measure | gym_rpc | baseline (same run) | ratio | goal | met |"
+    rows = [line.split(" | ") for line in table[1:]]
+    areas = {cells[0].lstrip("| ") for cells in rows}
+    assert areas == {"data plane", "control plane", "isolation", "memory"}
+    for cells in rows:
+        ratio = cells[4]
+        assert ratio.endswith("x") and float(ratio[:-1]) > 0, cells
+    measures = " ".join(cells[1] for cells in rows)
+    for expected in (
+        "concurrency 1 ",
+        "concurrency 64 ",
+        "concurrency 512 ",
+        "config fetch",
+        "ListServerStatuses",
+    ):
+        assert expected in measures
+    assert "goals met" in done.stdout
+    report = out.read_text(encoding="utf-8")
+    assert "## Machine" in report and "nproc:" in report and "grpcio" in report and "aiohttp" in report
+    assert table[0] in report

@@ -1,0 +1,396 @@
+"""`gym-rpc bridge` in front of an HTTP head speaking exactly NeMo Gym's wire format (written here with aiohttp):
+the config as a JSON string literal of YAML, the /server_instances list, `{"status": "ok"}` at `/`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import pytest
+from aiohttp import web
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from omegaconf import OmegaConf
+
+from gym_rpc.client.server_client import ServerClient
+from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, BaseServerConfig, redact_secrets
+from gym_rpc.control.bridge import BridgeHead, BridgeOptions
+from gym_rpc.control.channel import aio_channel, close_aio_channels
+from gym_rpc.control.client import ControlClient
+from gym_rpc.errors import HeadUnreachableError
+from tests.cli_helpers import STARTUP_SECONDS, run_cli, running_cli
+from tests.conftest import LOOPBACK, closed_port, document, server_entry
+
+T = TypeVar("T")
+UPSTREAM_PID = 4242
+UPSTREAM_START = 1_700_000_000.0
+CALL_TIMEOUT = 2.0
+
+
+class NemoGymHead:
+    """NeMo Gym's FastAPI head on the wire: what its handlers return, encoded as FastAPI encodes it."""
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.doc = doc
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def instances(self) -> list[dict[str, Any]]:
+        """NeMo Gym's ServerInstanceDisplayConfig dump per launched server (process_name = top-level key)."""
+        rows = []
+        for process_name, node in self.doc.items():
+            if process_name == HEAD_SERVER_KEY or not isinstance(node, dict):
+                continue
+            server_type, impls = next(iter(node.items()))
+            if not isinstance(impls, dict):
+                continue  # a global key such as `checkpoint: {enabled: true}`
+            name, entry = next(iter(impls.items()))
+            rows.append(
+                {
+                    "process_name": process_name,
+                    "server_type": server_type,
+                    "name": name,
+                    "dir_path": f"/opt/gym/{server_type}/{name}",
+                    "entrypoint": entry.get("entrypoint", "app.py"),
+                    "host": entry["host"],
+                    "port": entry["port"],
+                    "url": f"http://{entry['host']}:{entry['port']}",
+                    "pid": UPSTREAM_PID,
+                    "config_path": process_name,
+                    "start_time": UPSTREAM_START,
+                }
+            )
+        return rows
+
+    async def _config(self, request: web.Request) -> web.Response:
+        # FastAPI returns the handler's str (OmegaConf.to_yaml) JSON-encoded: a string literal.
+        text = OmegaConf.to_yaml(OmegaConf.create(self.doc))
+        return web.Response(text=json.dumps(text, ensure_ascii=False), content_type="application/json")
+
+    async def _instances(self, request: web.Request) -> web.Response:
+        return web.json_response(self.instances())
+
+    async def _liveness(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def start(self, port: int = 0) -> NemoGymHead:
+        app = web.Application()
+        app.router.add_get("/", self._liveness)
+        app.router.add_get("/global_config_dict_yaml", self._config)
+        app.router.add_get("/server_instances", self._instances)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, LOOPBACK, port or self.port).start()
+        self.port = int(self._runner.addresses[0][1])
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+@pytest.fixture
+async def nemo_head() -> AsyncIterator[Callable[..., Awaitable[NemoGymHead]]]:
+    heads: list[NemoGymHead] = []
+
+    async def start(doc: dict[str, Any], port: int = 0) -> NemoGymHead:
+        head = await NemoGymHead(doc).start(port)
+        heads.append(head)
+        return head
+
+    yield start
+    for head in heads:
+        await head.stop()
+
+
+@pytest.fixture
+async def bridge_factory() -> AsyncIterator[Callable[..., Awaitable[BridgeHead]]]:
+    bridges: list[BridgeHead] = []
+
+    async def start(upstream_url: str, **options: Any) -> BridgeHead:
+        settings = {
+            "port": 0,
+            "refresh_interval_seconds": 0.1,
+            "fetch_timeout_seconds": 1.0,
+            "probe_interval_seconds": 0.1,
+            "probe_timeout_seconds": 0.5,
+            **options,
+        }
+        bridge = BridgeHead(BridgeOptions(upstream_url=upstream_url, host=LOOPBACK, **settings))
+        await bridge.start()
+        bridges.append(bridge)
+        return bridge
+
+    yield start
+    await close_aio_channels()
+    for bridge in bridges:
+        await bridge.stop()
+
+
+def upstream_document(model_port: int, agent_port: int, **global_keys: Any) -> dict[str, Any]:
+    """A NeMo Gym-shaped config whose head_server is the NeMo Gym head itself (its HTTP port)."""
+    doc = document(
+        {
+            "policy_model": server_entry(model_port, entrypoint="app.py", api_key="sk-live-123"),
+            "simple_agent": server_entry(
+                agent_port,
+                "responses_api_agents",
+                entrypoint="app.py",
+                model_server={"type": "responses_api_models", "name": "policy_model"},
+                assistant_message_header="<|assistant|>",
+            ),
+        },
+        checkpoint={"enabled": True},
+        observability_enabled=True,
+        **global_keys,
+    )
+    doc[HEAD_SERVER_KEY] = {"host": LOOPBACK, "port": 11000}
+    return doc
+
+
+def as_served_by(bridge: BridgeHead, doc: dict[str, Any]) -> dict[str, Any]:
+    """The document the bridge serves for an upstream `doc`: head_server is the bridge, secrets are redacted."""
+    served: dict[str, Any] = redact_secrets({**doc, HEAD_SERVER_KEY: {"host": LOOPBACK, "port": bridge.port}})
+    return served
+
+
+async def eventually(probe: Callable[[], Awaitable[T]], accept: Callable[[T], bool], timeout: float = 8.0) -> T:
+    """Call `probe` until `accept` takes its result, within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await probe()
+        if accept(result):
+            return result
+        assert time.monotonic() < deadline, f"last result not accepted: {result!r}"
+        await asyncio.sleep(0.05)
+
+
+async def refusal(client: ControlClient) -> str:
+    """The error message of GetGlobalConfig, "" when it succeeds."""
+    try:
+        await client.get_global_config(timeout=CALL_TIMEOUT)
+    except HeadUnreachableError as exc:
+        return str(exc)
+    return ""
+
+
+async def health_status(bridge: BridgeHead, service: str = "") -> int:
+    stub = health_pb2_grpc.HealthStub(aio_channel(bridge.address))
+    response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=CALL_TIMEOUT)
+    return int(response.status)
+
+
+async def test_bridge_serves_the_upstream_config_with_secrets_redacted(nemo_head, bridge_factory):
+    upstream = await nemo_head(upstream_document(closed_port(), closed_port()))
+    bridge = await bridge_factory(upstream.url)
+    client = ControlClient(bridge.address)
+
+    config = await client.get_global_config()
+    head = await client.get_head_server_config()
+
+    assert config.document == as_served_by(bridge, upstream.doc)
+    assert config.version == bridge.config.version
+    assert set(config.servers) == {"policy_model", "simple_agent"}
+    assert config.checkpoint_enabled and config.observability_enabled
+    assert config.document["policy_model"]["responses_api_models"]["responses_api_models_impl"]["api_key"] == (
+        REDACTED
+    )
+    assert (head.host, head.port) == (LOOPBACK, bridge.port)
+    assert await client.get_assistant_message_header("policy_model") == b"<|assistant|>"
+    assert await health_status(bridge) == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_bridge_probes_servers_itself_and_lists_upstream_processes(nemo_head, bridge_factory, http_server):
+    live_port, dead_port = await http_server(), closed_port()
+    upstream = await nemo_head(upstream_document(live_port, dead_port))
+    bridge = await bridge_factory(upstream.url)
+    client = ControlClient(bridge.address)
+
+    snapshot = await eventually(
+        client.list_server_statuses,
+        lambda s: (
+            {r.server_name: r.status for r in s.reports}
+            == {"policy_model": "success", "simple_agent": "connection_error"}
+        ),
+    )
+    instances = {i.name: i for i in await client.list_server_instances()}
+
+    assert {r.url for r in snapshot.reports} == {
+        f"http://{LOOPBACK}:{live_port}",
+        f"http://{LOOPBACK}:{dead_port}",
+    }
+    assert (await client.get_server_status("policy_model")).status == "success"
+    model = instances["policy_model"]
+    assert (model.pid, model.start_time, model.status) == (UPSTREAM_PID, UPSTREAM_START, "success")
+    assert model.impl_name == "responses_api_models_impl"
+    assert instances[HEAD_SERVER_KEY].pid == os.getpid()  # the bridge answers for itself
+    assert await health_status(bridge, "policy_model") == health_pb2.HealthCheckResponse.SERVING
+    assert await health_status(bridge, "simple_agent") == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_upstream_down_is_unavailable_naming_it_then_recovers_on_restart(nemo_head, bridge_factory):
+    upstream = await nemo_head(upstream_document(closed_port(), closed_port()))
+    bridge = await bridge_factory(upstream.url)
+    client = ControlClient(bridge.address)
+    version = (await client.get_global_config()).version
+
+    await upstream.stop()
+    message = await eventually(lambda: refusal(client), bool)
+
+    assert f"NeMo Gym head at {upstream.url} is unavailable" in message
+    with pytest.raises(HeadUnreachableError, match=re.escape(upstream.url)):
+        await client.list_server_instances(timeout=CALL_TIMEOUT)
+    with pytest.raises(HeadUnreachableError, match=re.escape(upstream.url)):
+        async for _ in client.watch_server_statuses(timeout=CALL_TIMEOUT):
+            pass
+    assert await health_status(bridge) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+    await upstream.start(upstream.port)  # the same head back on the same port
+    await eventually(lambda: refusal(client), lambda m: m == "")
+
+    assert (await client.get_global_config()).version == version
+    assert await health_status(bridge) == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_before_the_first_fetch_every_call_is_unavailable_not_a_crash(nemo_head, bridge_factory):
+    port = closed_port()
+    bridge = await bridge_factory(f"http://{LOOPBACK}:{port}")
+    client = ControlClient(bridge.address)
+
+    message = await refusal(client)
+
+    assert f"NeMo Gym head at http://{LOOPBACK}:{port} is unavailable (no config fetched yet)" in message
+    with pytest.raises(HeadUnreachableError, match="no config fetched yet"):
+        await client.get_server_status("policy_model", timeout=CALL_TIMEOUT)
+
+    upstream = await nemo_head(upstream_document(closed_port(), closed_port()), port=port)
+    await eventually(lambda: refusal(client), lambda m: m == "")
+
+    assert (await client.get_global_config()).document == as_served_by(bridge, upstream.doc)
+
+
+async def test_a_changed_upstream_config_gives_a_new_version(nemo_head, bridge_factory, http_server):
+    upstream = await nemo_head(upstream_document(closed_port(), closed_port()))
+    bridge = await bridge_factory(upstream.url)
+    client = ControlClient(bridge.address)
+    before = await client.get_global_config()
+    extra_port = await http_server()
+
+    upstream.doc = {**upstream.doc, "example_resources": server_entry(extra_port, "resources_servers")}
+    after = await eventually(client.get_global_config, lambda c: c.version != before.version)
+
+    assert "example_resources" in after.servers
+    assert after.document == as_served_by(bridge, upstream.doc)
+    await eventually(
+        lambda: client.get_server_status("example_resources", timeout=CALL_TIMEOUT),
+        lambda r: r.status == "success",
+    )
+
+
+async def test_reload_fetches_from_the_upstream_at_once(nemo_head, bridge_factory):
+    upstream = await nemo_head(upstream_document(closed_port(), closed_port()))
+    bridge = await bridge_factory(upstream.url, refresh_interval_seconds=60.0)
+    client = ControlClient(bridge.address)
+    before = (await client.get_global_config()).version
+
+    assert await client.reload_global_config() == (before, False)
+    upstream.doc = {**upstream.doc, "checkpoint": {"enabled": False}}
+    version, changed = await client.reload_global_config()
+
+    assert changed and version != before
+    assert not (await client.get_global_config()).checkpoint_enabled
+
+
+async def test_a_malformed_upstream_answer_is_unavailable_with_the_reason(http_server, bridge_factory):
+    async def not_yaml_text(request: web.Request) -> web.Response:
+        return web.json_response(42)
+
+    app = web.Application()
+    app.router.add_get("/global_config_dict_yaml", not_yaml_text)
+    bridge = await bridge_factory(f"http://{LOOPBACK}:{await http_server(app)}")
+
+    message = await refusal(ControlClient(bridge.address))
+
+    assert "answered a JSON int, not the config's YAML text" in message
+
+
+async def test_a_silent_upstream_is_unavailable_within_the_fetch_timeout(silent_server, bridge_factory):
+    started = time.monotonic()
+    bridge = await bridge_factory(f"http://{LOOPBACK}:{silent_server}", fetch_timeout_seconds=0.3)
+
+    assert time.monotonic() - started < 2.0  # start() waited one bounded fetch, not forever
+    message = await refusal(ControlClient(bridge.address))
+
+    assert "no answer in time" in message
+
+
+async def test_server_client_loads_its_config_through_the_bridge(nemo_head, bridge_factory, http_server):
+    live_port = await http_server()
+    upstream = await nemo_head(upstream_document(live_port, closed_port()))
+    bridge = await bridge_factory(upstream.url)
+    head = BaseServerConfig(host=LOOPBACK, port=bridge.port)
+
+    client = await asyncio.to_thread(ServerClient.load_from_global_config, head)
+    try:
+        status = await asyncio.to_thread(client.poll_for_status, "policy_model")
+        response = await client.get("policy_model", "/")
+        body = await response.json()
+        response.release()
+    finally:
+        await client.aclose()
+
+    loaded = OmegaConf.to_container(client.global_config_dict, resolve=True)
+    assert loaded == as_served_by(bridge, upstream.doc)
+    assert status == "success"
+    assert body == {"status": "ok"}  # the data plane reached the server the bridge's config names
+    assert client.checkpoint_enabled()
+    assert client.assistant_message_header("policy_model") == b"<|assistant|>"
+
+
+async def test_bridge_in_front_of_our_own_heads_http_endpoints(head_factory, bridge_factory):
+    doc = upstream_document(closed_port(), closed_port())
+    doc[HEAD_SERVER_KEY] = {"host": LOOPBACK, "port": 0}
+    head = await head_factory(doc, http_port=0)
+    bridge = await bridge_factory(f"http://{LOOPBACK}:{head.http_port}")
+
+    config = await ControlClient(bridge.address).get_global_config()
+
+    assert config.document == as_served_by(bridge, head.config.document)
+
+
+async def test_cli_bridge_serves_gym_rpc_status_and_names_a_down_upstream(nemo_head, http_server):
+    upstream = await nemo_head(upstream_document(await http_server(), closed_port()))
+    args = ["bridge", "--upstream", upstream.url, "--listen", f"{LOOPBACK}:0", "--refresh-interval", "0.1"]
+    args += ["--probe-interval", "0.1", "--probe-timeout", "0.5"]
+    banner = re.compile(
+        rf"^gym-rpc bridge listening on ({re.escape(LOOPBACK)}:\d+) \({re.escape(upstream.url)}\)$"
+    )
+
+    with running_cli(args) as bridge:
+        address = (await asyncio.to_thread(bridge.wait_for_line, banner, STARTUP_SECONDS)).group(1)
+
+        async def status_rows() -> dict[str, str]:
+            result = await asyncio.to_thread(run_cli, ["status", "--head", address, "--json"])
+            assert result.returncode == 0, result.stderr
+            return {row["name"]: row["status"] for row in json.loads(result.stdout)}
+
+        rows = await eventually(status_rows, lambda r: r.get("policy_model") == "success")
+        assert rows["simple_agent"] == "connection_error"
+
+        await upstream.stop()
+        refused = await asyncio.to_thread(run_cli, ["status", "--head", address, "--timeout", "2"])
+        assert refused.returncode == 1
+        assert f"NeMo Gym head at {upstream.url} is unavailable" in refused.stderr
+
+        bridge.process.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(bridge.wait, 10) == 0

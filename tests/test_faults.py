@@ -1,0 +1,274 @@
+"""Faults with real processes: a head killed with SIGKILL and restarted on its port, a head that is not there, a
+data-plane server killed in the middle of a request, and clients that ask for more than their share."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import aiohttp
+import grpc
+import pytest
+import yaml
+
+from gym_rpc.client.http import close_http_sessions
+from gym_rpc.client.server_client import ServerClient
+from gym_rpc.config import BaseServerConfig, GlobalConfig
+from gym_rpc.control.client import ControlClient, SyncControlClient, WatchEvent
+from gym_rpc.control.head import SERVICE_NAME, HeadOptions, HeadServer
+from gym_rpc.control.security import MAX_REQUEST_BYTES
+from gym_rpc.errors import ControlPlaneError, GymRpcError, HeadUnreachableError, ServerUnreachableError
+from gym_rpc.v1 import control_plane_pb2 as pb
+from tests.cli_helpers import STARTUP_SECONDS, running_cli, running_head, threaded_http_server
+from tests.conftest import LOOPBACK, closed_port, document, server_entry
+
+T = TypeVar("T")
+RECOVERY_SECONDS = 15.0
+
+
+def eventually(probe: Callable[[], T], accept: Callable[[T], bool], timeout: float = RECOVERY_SECONDS) -> T:
+    """Call `probe` until `accept` takes its result (errors count as not yet); fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            result = probe()
+            if accept(result):
+                return result
+            last = result
+        except (ControlPlaneError, OSError) as error:
+            last = error
+        time.sleep(0.1)
+    raise AssertionError(f"no acceptable result within {timeout}s; last: {last!r}")
+
+
+# --- the head killed and restarted ---
+
+
+def test_restarted_head_is_picked_up_without_restarting_clients(tmp_path: Path) -> None:
+    with threaded_http_server(200) as live:
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump(document({"live": server_entry(live.port)})), encoding="utf-8")
+        with running_head(path) as first:
+            address = first.address
+            port = int(address.rsplit(":", 1)[1])
+            control = SyncControlClient(address, timeout_seconds=2.0)
+            client = ServerClient.load_from_global_config(BaseServerConfig(host=LOOPBACK, port=port))
+            eventually(lambda: client.poll_for_status("live"), lambda status: status == "success")
+            with running_cli(["status", "--watch", "--json", "--head", address]) as watch:
+                assert json.loads(watch.read_line(STARTUP_SECONDS))["kind"] == "snapshot"
+
+                first.process.kill()  # SIGKILL: no goodbye, no graceful shutdown
+                first.process.wait(timeout=10)
+                with pytest.raises(HeadUnreachableError, match=re.escape(address)):
+                    control.list_server_statuses()
+                assert client.poll_for_status("live") == "connection_error"
+                watch.wait_for_stderr("retrying", RECOVERY_SECONDS)
+
+                with running_head(path, "--port", str(port)) as second:
+                    assert second.address == address  # the port could be bound again at once
+                    instances = eventually(
+                        control.list_server_instances, lambda rows: rows[0].pid == second.process.pid
+                    )
+                    assert [row.name for row in instances] == ["head_server", "live"]
+                    eventually(lambda: client.poll_for_status("live"), lambda status: status == "success")
+                    assert client.poll_for_status("head_server") == "success"
+                    # The watch resumes by itself, with a fresh snapshot from the new head.
+                    resumed = watch.wait_for_line(re.compile(r'"kind": "snapshot"'), RECOVERY_SECONDS)
+                    assert [row["name"] for row in json.loads(resumed.string)["servers"]] == ["live"]
+                    assert watch.process.poll() is None
+
+
+# --- the head not there at all ---
+
+
+async def test_refused_head_fails_at_once_naming_the_address() -> None:
+    address = f"{LOOPBACK}:{closed_port()}"
+    started = time.monotonic()
+    with pytest.raises(HeadUnreachableError, match=re.escape(address)):
+        await asyncio.to_thread(SyncControlClient(address, timeout_seconds=3.0).get_global_config)
+    with pytest.raises(HeadUnreachableError, match=re.escape(address)):
+        await ControlClient(address, timeout_seconds=3.0).list_server_statuses()
+    head = BaseServerConfig(host=LOOPBACK, port=int(address.rsplit(":", 1)[1]))
+    with pytest.raises(HeadUnreachableError, match=re.escape(address)):
+        await asyncio.to_thread(ServerClient.load_from_global_config, head)
+    assert time.monotonic() - started < 6.0  # refused is known at once: no call waits for its deadline
+
+
+async def test_silent_head_fails_within_the_deadline_naming_the_address(silent_server: int) -> None:
+    address = f"{LOOPBACK}:{silent_server}"
+    for call in (
+        lambda: asyncio.to_thread(SyncControlClient(address, timeout_seconds=1.0).list_server_instances),
+        lambda: ControlClient(address, timeout_seconds=1.0).get_head_server_config(),
+    ):
+        started = time.monotonic()
+        with pytest.raises(HeadUnreachableError, match=re.escape(address)) as caught:
+            await call()
+        assert time.monotonic() - started < 2.5
+        assert caught.value.code == "DEADLINE_EXCEEDED"
+
+
+# --- a data-plane server killed in the middle of a request ---
+
+SLOW_SERVER = """
+import asyncio
+from aiohttp import web
+
+async def slow(request):
+    print("in flight", flush=True)
+    await asyncio.sleep(60)
+    return web.Response(text="too late")
+
+async def main():
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", slow)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    print(runner.addresses[0][1], flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+async def _read_line(process: asyncio.subprocess.Process, timeout: float) -> str:
+    assert process.stdout is not None
+    line = await asyncio.wait_for(process.stdout.readline(), timeout)
+    assert line, f"the data server ended early (exit {process.returncode})"
+    return line.decode().strip()
+
+
+@pytest.fixture
+async def slow_server() -> AsyncIterator[tuple[asyncio.subprocess.Process, int]]:
+    """A real aiohttp server in its own process whose every request takes a minute."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", SLOW_SERVER, stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        yield process, int(await _read_line(process, STARTUP_SECONDS))
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await asyncio.wait_for(process.wait(), 10.0)
+        await close_http_sessions()
+
+
+@pytest.mark.parametrize("resend", [True, False])
+async def test_data_server_killed_mid_request_is_a_clear_error_never_a_hang(slow_server, resend: bool) -> None:
+    process, port = slow_server
+    retry = {"attempts": 3, "initial_backoff_seconds": 0.01, "max_backoff_seconds": 0.05}
+    doc = document({"slow": server_entry(port)}, http_client={"retry": retry})
+    client = ServerClient._from_global_config(
+        BaseServerConfig(host=LOOPBACK, port=closed_port()), GlobalConfig.from_document(doc)
+    )
+    request = asyncio.create_task(
+        client.request("slow", "/v1/responses", "POST", _resend_after_disconnect=resend, json={})
+    )
+    assert await _read_line(process, 10.0) == "in flight"
+    started = time.monotonic()
+    process.kill()
+    if resend:
+        # Resent after the disconnect, then refused: the server is gone, and the error names where it was.
+        with pytest.raises(ServerUnreachableError, match=f"127.0.0.1:{port}") as caught:
+            await asyncio.wait_for(request, 10.0)
+        assert caught.value.attempts == 3
+    else:
+        with pytest.raises((aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)):
+            await asyncio.wait_for(request, 10.0)
+    assert time.monotonic() - started < 5.0
+
+
+# --- one client cannot take everything ---
+
+
+def watch_stream(client: ControlClient, **options: Any) -> AsyncGenerator[WatchEvent, None]:
+    """The client's watch, typed as what it is (an async generator), so a test can close it."""
+    return cast(AsyncGenerator[WatchEvent, None], client.watch_server_statuses(**options))
+
+
+async def test_oversized_request_is_refused_and_the_head_keeps_serving(head_factory) -> None:
+    head = await head_factory(document({}))
+    huge = pb.GetServerStatusRequest(server_name="x" * (MAX_REQUEST_BYTES + 1)).SerializeToString()
+    # A client of its own, without gym_rpc's send limit, so the head's own limit is what answers.
+    async with grpc.aio.insecure_channel(head.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            method = channel.unary_unary(f"/{SERVICE_NAME}/GetServerStatus", None, None)
+            await method(huge, timeout=5.0)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # gym_rpc's own client refuses to send it at all.
+    with pytest.raises(ControlPlaneError, match="RESOURCE_EXHAUSTED"):
+        await ControlClient(head.address).get_server_status("x" * (MAX_REQUEST_BYTES + 1))
+    assert (await ControlClient(head.address).list_server_statuses()).reports == []
+
+
+async def test_watches_beyond_the_bound_are_refused_until_one_ends(head_factory) -> None:
+    head = await head_factory(document({}), max_concurrent_watches=2)
+    client = ControlClient(head.address, timeout_seconds=5.0)
+    watches = [watch_stream(client, heartbeat_seconds=0.05) for _ in range(2)]
+    for watch in watches:
+        assert (await anext(watch)).kind == "snapshot"
+    with pytest.raises(ControlPlaneError, match="RESOURCE_EXHAUSTED") as caught:
+        await anext(client.watch_server_statuses())
+    assert "2 status watches" in str(caught.value)
+    assert (await client.list_server_statuses()).reports == []  # unary calls are not affected
+
+    await watches[0].aclose()  # one ends: its slot comes free
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            fresh = watch_stream(client)
+            assert (await anext(fresh)).kind == "snapshot"
+            await fresh.aclose()
+            break
+        except ControlPlaneError:
+            assert time.monotonic() < deadline, "the ended watch never gave its slot back"
+            await asyncio.sleep(0.05)
+    await watches[1].aclose()
+
+
+async def test_a_client_pinging_too_often_is_cut_off_and_others_are_served(head_factory) -> None:
+    head = await head_factory(document({}))
+    flood = [
+        ("grpc.keepalive_time_ms", 100),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    polite = ControlClient(head.address, timeout_seconds=2.0)
+    async with grpc.aio.insecure_channel(head.address, options=flood) as channel:
+        request = pb.WatchServerStatusesRequest()
+        request.heartbeat_interval.FromSeconds(30)  # no data flows after the snapshot: only pings
+        stream = channel.unary_stream(
+            f"/{SERVICE_NAME}/WatchServerStatuses",
+            request_serializer=pb.WatchServerStatusesRequest.SerializeToString,
+            response_deserializer=pb.WatchServerStatusesResponse.FromString,
+        )(request, timeout=15.0)
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in stream:
+                assert (await polite.list_server_statuses()).reports == []
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE  # GOAWAY: too many pings
+        assert time.monotonic() - started < 12.0
+    assert (await polite.list_server_statuses()).reports == []
+
+
+async def test_a_config_larger_than_a_request_may_be_still_arrives(head_factory) -> None:
+    note = "n" * (MAX_REQUEST_BYTES + 1024)  # beyond gRPC's default 4 MiB receive limit
+    head = await head_factory(document({"big": server_entry(closed_port(), note=note)}))
+    config = await ControlClient(head.address).get_global_config()
+    assert config.servers["big"].config["note"] == note
+
+
+async def test_a_second_process_cannot_share_the_heads_port(head_factory) -> None:
+    head = await head_factory(document({}))
+    intruder = HeadServer(GlobalConfig.from_document(document({})), HeadOptions(port=head.port))
+    with pytest.raises(GymRpcError, match=f"cannot listen on {re.escape(head.address)}"):
+        await intruder.start()
+    await intruder.stop()
+    assert (await ControlClient(head.address).list_server_statuses()).reports == []

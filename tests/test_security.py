@@ -1,0 +1,471 @@
+"""Token authentication, TLS and mutual TLS, secret redaction and the plaintext health port, against real heads.
+
+Certificates are made at test time (a throwaway CA, a server certificate for 127.0.0.1 / ::1 / localhost, a client
+certificate, and an unrelated CA that must not be trusted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from omegaconf import OmegaConf
+
+from gym_rpc.client.server_client import ServerClient
+from gym_rpc.config import REDACTED, BaseServerConfig, GlobalConfig
+from gym_rpc.control.client import ControlClient, SyncControlClient
+from gym_rpc.control.head import SERVICE_NAME, HeadOptions, HeadServer
+from gym_rpc.control.security import (
+    TLS_CA_ENV_VAR,
+    TLS_CERT_ENV_VAR,
+    TLS_KEY_ENV_VAR,
+    TOKEN_ENV_VAR,
+    UNAUTHENTICATED_MESSAGE,
+    ClientSecurity,
+    ServerSecurity,
+    client_security,
+)
+from gym_rpc.errors import ConfigError, ControlPlaneError, HeadUnreachableError
+from gym_rpc.v1 import control_plane_pb2 as pb
+from tests.cli_helpers import LISTENING_PATTERN, STARTUP_SECONDS, run_cli, running_cli
+from tests.conftest import LOOPBACK, closed_port, document, server_entry
+
+TOKEN = "tok-3f9c2a-never-printed"
+API_KEY = "sk-live-never-leaked"
+FAST = 2.0
+
+
+# --- throwaway certificates ---
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    other_ca: Path  # trusts nothing above
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> Path:
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return path
+
+
+def _write_cert(path: Path, cert: x509.Certificate) -> Path:
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return path
+
+
+def _certificate(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None,
+    *,
+    ca: bool = False,
+    server: bool = False,
+) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.UTC)
+    issuer_name, issuer_key = issuer or (_name(subject), key)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if server:
+        names: list[x509.GeneralName] = [
+            x509.DNSName("localhost"),
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            x509.IPAddress(ipaddress.ip_address("::1")),
+        ]
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+    elif not ca:
+        builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    folder = tmp_path_factory.mktemp("pki")
+    ca_key, other_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_cert = _certificate("gym-rpc test CA", ca_key, None, ca=True)
+    server_key, client_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    issuer = (ca_cert.subject, ca_key)
+    return Pki(
+        ca=_write_cert(folder / "ca.pem", ca_cert),
+        server_cert=_write_cert(folder / "server.pem", _certificate("head", server_key, issuer, server=True)),
+        server_key=_write_key(folder / "server.key", server_key),
+        client_cert=_write_cert(folder / "client.pem", _certificate("worker", client_key, issuer)),
+        client_key=_write_key(folder / "client.key", client_key),
+        other_ca=_write_cert(folder / "other.pem", _certificate("unrelated CA", other_key, None, ca=True)),
+    )
+
+
+def tls_block(pki: Pki, *, mutual: bool = False) -> dict[str, str]:
+    block = {"cert_file": str(pki.server_cert), "key_file": str(pki.server_key)}
+    return {**block, "client_ca_file": str(pki.ca)} if mutual else block
+
+
+def secured_doc(port: int, **head_keys: Any) -> dict[str, Any]:
+    doc = document({"policy": server_entry(port, api_key=API_KEY, max_tokens=512)})
+    doc["head_server"].update(head_keys)
+    return doc
+
+
+@pytest.fixture(autouse=True)
+def _no_security_from_the_outside(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (TOKEN_ENV_VAR, TLS_CA_ENV_VAR, TLS_CERT_ENV_VAR, TLS_KEY_ENV_VAR):
+        monkeypatch.delenv(name, raising=False)
+
+
+def authed(token: str = TOKEN) -> ClientSecurity:
+    return ClientSecurity(token=token)
+
+
+# --- token authentication ---
+
+
+def _unary_methods() -> list[str]:
+    service = pb.DESCRIPTOR.services_by_name["ControlPlaneService"]
+    return [m.name for m in service.methods if not m.server_streaming]
+
+
+async def _raw_call(channel: grpc.aio.Channel, method: str, metadata: tuple[tuple[str, str], ...]) -> Any:
+    """Call a ControlPlaneService method with an empty request, bypassing the typed client."""
+    path = f"/{SERVICE_NAME}/{method}"
+    if method == "WatchServerStatuses":
+        stream = channel.unary_stream(path, None, None)(b"", metadata=metadata, timeout=FAST)
+        return [message async for message in stream][:1]
+    return await channel.unary_unary(path, None, None)(b"", metadata=metadata, timeout=FAST)
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    [
+        None,
+        f"Bearer {TOKEN}x",
+        f"Bearer {TOKEN[:-1]}",
+        f"Basic {TOKEN}",
+        TOKEN,
+        "Bearer ",
+        f"Bearer  {TOKEN.upper()}",
+    ],
+    ids=["missing", "longer", "prefix", "basic-scheme", "no-scheme", "empty", "wrong-case"],
+)
+async def test_every_rpc_but_health_needs_the_token(head_factory, http_server, authorization) -> None:
+    head = await head_factory(secured_doc(await http_server(), auth_token=TOKEN))
+    metadata = (("authorization", authorization),) if authorization is not None else ()
+    async with grpc.aio.insecure_channel(head.address) as channel:
+        for method in [*_unary_methods(), "WatchServerStatuses"]:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await _raw_call(channel, method, metadata)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED, method
+            assert caught.value.details() == UNAUTHENTICATED_MESSAGE
+            assert TOKEN not in str(caught.value) and TOKEN.upper() not in str(caught.value)
+        health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=FAST)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_reflection_needs_the_token_too(head_factory) -> None:
+    head = await head_factory(document({}, head_server={"host": LOOPBACK, "port": 0, "auth_token": TOKEN}))
+    path = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+    async with grpc.aio.insecure_channel(head.address) as channel:
+        call = channel.stream_stream(path, None, None)(iter([b""]), timeout=FAST)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in call:
+                pass
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_the_right_token_opens_every_rpc_and_scheme_case_does_not_matter(head_factory, http_server) -> None:
+    head = await head_factory(secured_doc(await http_server(), auth_token=TOKEN))
+    for metadata in ((("authorization", f"Bearer {TOKEN}"),), (("authorization", f"bearer {TOKEN}"),)):
+        async with grpc.aio.insecure_channel(head.address) as channel:
+            for method in _unary_methods():
+                # Empty requests: some are answered with an error (no server name), none with UNAUTHENTICATED.
+                await _raw_call_past_authentication(channel, method, metadata)
+    client = ControlClient(head.address, security=authed())
+    assert (await client.get_head_server_config()).port == head.port
+    async for event in client.watch_server_statuses():
+        assert event.kind == "snapshot"
+        break
+
+
+async def _raw_call_past_authentication(channel: grpc.aio.Channel, method: str, metadata: Any) -> None:
+    try:
+        await _raw_call(channel, method, metadata)
+    except grpc.aio.AioRpcError as error:
+        assert error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), (method, error)
+
+
+async def test_typed_client_error_names_the_problem_not_the_token(head_factory) -> None:
+    head = await head_factory(document({}, head_server={"host": LOOPBACK, "port": 0, "auth_token": TOKEN}))
+    for security in (ClientSecurity(), authed("wrong-" + TOKEN)):
+        with pytest.raises(ControlPlaneError) as caught:
+            await ControlClient(head.address, security=security).list_server_statuses()
+        assert caught.value.code == "UNAUTHENTICATED"
+        assert head.address in str(caught.value) and TOKEN_ENV_VAR in str(caught.value)
+        assert TOKEN not in str(caught.value)
+
+
+async def test_token_from_the_environment_on_both_sides(head_factory, monkeypatch) -> None:
+    monkeypatch.setenv(TOKEN_ENV_VAR, TOKEN)
+    head = await head_factory(document({}))
+    assert head.security.token == TOKEN
+    assert (await ControlClient(head.address).list_server_statuses()).reports == []
+    monkeypatch.delenv(TOKEN_ENV_VAR)
+    with pytest.raises(ControlPlaneError, match="UNAUTHENTICATED"):
+        await ControlClient(head.address).list_server_statuses()
+
+
+def test_token_precedence_and_redacted_placeholders(monkeypatch) -> None:
+    monkeypatch.setenv(TOKEN_ENV_VAR, "from-env")
+    assert client_security().token == "from-env"
+    head = BaseServerConfig.model_validate({"host": LOOPBACK, "port": 1, "auth_token": "from-config"})
+    assert client_security(head).token == "from-config"
+    assert client_security(head, token="explicit").token == "explicit"
+    # A config fetched from a head carries the placeholder, never a usable token: fall back to the environment.
+    assert client_security({"host": LOOPBACK, "port": 1, "auth_token": REDACTED}).token == "from-env"
+    assert TOKEN not in repr(ClientSecurity(token=TOKEN))
+    assert TOKEN not in ServerSecurity(token=TOKEN).describe()
+
+
+# --- secret redaction ---
+
+
+async def test_secrets_only_for_authenticated_callers_who_ask(head_factory, http_server) -> None:
+    head = await head_factory(secured_doc(await http_server(), auth_token=TOKEN))
+    client = ControlClient(head.address, security=authed())
+    with_secrets = await client.get_global_config(include_secrets=True)
+    policy = with_secrets.document["policy"]["responses_api_models"]["responses_api_models_impl"]
+    assert policy["api_key"] == API_KEY and policy["max_tokens"] == 512
+    assert with_secrets.servers["policy"].config["api_key"] == API_KEY
+    # Even an authenticated caller never gets the head's own token back.
+    assert with_secrets.document["head_server"]["auth_token"] == REDACTED
+    assert TOKEN not in with_secrets.config_json
+    assert with_secrets.version == head.config.version
+
+    redacted = await client.get_global_config()
+    assert API_KEY not in redacted.config_json and TOKEN not in redacted.config_json
+    assert redacted.version == head.config.version
+
+
+async def test_without_a_token_nobody_gets_secrets(head_factory, http_server) -> None:
+    head = await head_factory(secured_doc(await http_server()))
+    for security in (ClientSecurity(), authed("anything")):
+        config = await ControlClient(head.address, security=security).get_global_config(include_secrets=True)
+        assert API_KEY not in config.config_json
+        assert config.servers["policy"].config["api_key"] == REDACTED
+
+
+async def test_server_client_sends_the_token_of_its_head_server_config(head_factory, http_server) -> None:
+    head = await head_factory(secured_doc(await http_server(), auth_token=TOKEN))
+    with_token = BaseServerConfig.model_validate({"host": LOOPBACK, "port": head.port, "auth_token": TOKEN})
+    client = await asyncio.to_thread(ServerClient.load_from_global_config, with_token)
+    # Authenticated: the server process gets the secrets it needs (an API key), never the head's token.
+    assert client.global_config_dict.policy.responses_api_models.responses_api_models_impl.api_key == API_KEY
+    assert await asyncio.to_thread(client.poll_for_status, "policy") == "success"
+
+    without = BaseServerConfig(host=LOOPBACK, port=head.port)
+    with pytest.raises(ControlPlaneError, match="UNAUTHENTICATED"):
+        await asyncio.to_thread(ServerClient.load_from_global_config, without)
+
+
+async def test_no_log_line_carries_a_secret(head_factory, http_server, caplog) -> None:
+    caplog.set_level(logging.DEBUG)
+    head = await head_factory(secured_doc(await http_server(), auth_token=TOKEN))
+    for security in (ClientSecurity(), authed("wrong"), authed()):
+        client = ControlClient(head.address, security=security)
+        try:
+            await client.get_global_config(include_secrets=True)
+        except ControlPlaneError as error:
+            logging.getLogger("test").warning("call failed: %s", error)
+    # A ServerClient without the token: its status poll is refused, and it logs that (without secrets).
+    tokenless = ServerClient(
+        head_server_config=BaseServerConfig(host=LOOPBACK, port=head.port),
+        global_config_dict=OmegaConf.create(head.config.document),
+    )
+    assert await asyncio.to_thread(tokenless.poll_for_status, "policy") == "unknown_error"
+    text = "\n".join(record.getMessage() for record in caplog.records)
+    assert "refused" in text and "status of policy" in text  # the head and the client did log the refusals
+    assert TOKEN not in text and API_KEY not in text
+
+
+# --- TLS and mutual TLS ---
+
+
+def _tls_client(
+    pki: Pki, ca: Path | None = None, *, cert: bool = False, token: str | None = None
+) -> ClientSecurity:
+    tls: dict[str, str] = {"ca_file": str(ca or pki.ca)}
+    if cert:
+        tls.update(client_cert_file=str(pki.client_cert), client_key_file=str(pki.client_key))
+    block: dict[str, Any] = {"host": LOOPBACK, "port": 1, "tls": tls}
+    return client_security(block, token=token)
+
+
+async def test_tls_head_serves_clients_that_trust_its_ca(head_factory, http_server, pki) -> None:
+    head = await head_factory(secured_doc(await http_server(), tls=tls_block(pki)))
+    assert head.security.describe() == "TLS, no token"
+    trusted = ControlClient(head.address, security=_tls_client(pki), timeout_seconds=FAST)
+    assert (await trusted.get_head_server_config()).port == head.port
+    for stranger in (ClientSecurity(), _tls_client(pki, pki.other_ca)):
+        with pytest.raises(HeadUnreachableError) as caught:
+            await ControlClient(head.address, security=stranger, timeout_seconds=FAST).get_head_server_config()
+        assert head.address in str(caught.value)
+
+
+async def test_mutual_tls_needs_a_client_certificate_from_the_ca(head_factory, pki) -> None:
+    head = await head_factory(
+        document({}, head_server={"host": LOOPBACK, "port": 0, "tls": tls_block(pki, mutual=True)})
+    )
+    assert head.security.describe() == "mutual TLS, no token"
+    with_cert = ControlClient(head.address, security=_tls_client(pki, cert=True), timeout_seconds=FAST)
+    assert (await with_cert.list_server_statuses()).reports == []
+    with pytest.raises(HeadUnreachableError):
+        await ControlClient(head.address, security=_tls_client(pki), timeout_seconds=FAST).list_server_statuses()
+
+
+async def test_tls_and_client_certificate_from_the_environment(head_factory, pki, monkeypatch) -> None:
+    head = await head_factory(
+        document(
+            {}, head_server={"host": LOOPBACK, "port": 0, "tls": tls_block(pki, mutual=True), "auth_token": TOKEN}
+        )
+    )
+    monkeypatch.setenv(TLS_CA_ENV_VAR, str(pki.ca))
+    monkeypatch.setenv(TLS_CERT_ENV_VAR, str(pki.client_cert))
+    monkeypatch.setenv(TLS_KEY_ENV_VAR, str(pki.client_key))
+    monkeypatch.setenv(TOKEN_ENV_VAR, TOKEN)
+    client = SyncControlClient(head.address, timeout_seconds=FAST)  # everything from the environment
+    assert await asyncio.to_thread(client.list_server_statuses)
+    assert await asyncio.to_thread(client.head_status) == "success"
+
+
+async def test_plaintext_health_port_serves_only_health(head_factory, pki) -> None:
+    head_server = {"host": LOOPBACK, "port": 0, "tls": tls_block(pki), "health_port": 0, "auth_token": TOKEN}
+    head = await head_factory(document({}, head_server=head_server))
+    assert head.health_port not in (None, 0, head.port)
+    async with grpc.aio.insecure_channel(f"{LOOPBACK}:{head.health_port}") as channel:
+        request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+        response = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=FAST)
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _raw_call(channel, "ListServerStatuses", (("authorization", f"Bearer {TOKEN}"),))
+        assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    await head.stop()
+    with pytest.raises(HeadUnreachableError):  # the health port closes with the head
+        await asyncio.to_thread(
+            SyncControlClient(f"{LOOPBACK}:{head.health_port}", timeout_seconds=1).get_global_config
+        )
+
+
+async def test_garbage_on_the_tls_port_leaves_the_head_serving(head_factory, pki) -> None:
+    head = await head_factory(document({}, head_server={"host": LOOPBACK, "port": 0, "tls": tls_block(pki)}))
+    held = []
+    for payload in (b"", os.urandom(2048), b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b"\x16\x03\x01\xff\xff"):
+        reader, writer = await asyncio.open_connection(LOOPBACK, head.port)
+        writer.write(payload)
+        await writer.drain()
+        held.append((reader, writer))
+    client = ControlClient(head.address, security=_tls_client(pki), timeout_seconds=FAST)
+    assert (await client.list_server_statuses()).reports == []
+    for reader, _ in held[1:3]:  # not TLS at all: the head hangs up
+        assert await asyncio.wait_for(reader.read(), 5.0) is not None
+    for _, writer in held:
+        writer.close()
+    assert (await client.get_head_server_config()).port == head.port
+
+
+def test_tls_settings_errors_are_config_errors(tmp_path: Path, pki: Pki) -> None:
+    with pytest.raises(ConfigError, match="tls"):
+        GlobalConfig.from_document({"head_server": {"host": LOOPBACK, "port": 0, "tls": {"cert": "x"}}})
+    with pytest.raises(ConfigError, match="health_port"):
+        GlobalConfig.from_document({"head_server": {"host": LOOPBACK, "port": 0, "health_port": 70000}})
+    half = GlobalConfig.from_document(
+        {"head_server": {"host": LOOPBACK, "port": 0, "tls": {"ca_file": str(pki.ca)}}}
+    )
+    with pytest.raises(ConfigError, match="cert_file and key_file"):
+        ServerSecurity.from_config(half)  # never a silent fall back to plaintext
+    missing = tmp_path / "missing.pem"
+    with pytest.raises(ConfigError, match=str(missing)):
+        client_security({"host": LOOPBACK, "port": 1, "tls": {"ca_file": str(missing)}})
+    with pytest.raises(ConfigError, match="both a certificate and a key"):
+        client_security({"host": LOOPBACK, "port": 1, "tls": {"client_cert_file": str(pki.client_cert)}})
+
+
+async def test_unreadable_key_stops_the_head_naming_the_file(tmp_path: Path, pki: Pki) -> None:
+    missing = tmp_path / "nope.key"
+    doc = document(
+        {},
+        head_server={
+            "host": LOOPBACK,
+            "port": 0,
+            "tls": {"cert_file": str(pki.server_cert), "key_file": str(missing)},
+        },
+    )
+    head = HeadServer(GlobalConfig.from_document(doc), HeadOptions(port=0))
+    with pytest.raises(ConfigError, match=str(missing)):
+        await head.start()
+    await head.stop()
+
+
+# --- the CLI, as a user runs it ---
+
+
+def test_cli_with_tls_and_token_from_the_environment(tmp_path: Path, pki: Pki) -> None:
+    doc = secured_doc(closed_port(), auth_token=TOKEN, tls=tls_block(pki, mutual=True))
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    with running_cli(["head", "--port", "0", "--config", str(path)]) as head:
+        banner = head.wait_for_line(LISTENING_PATTERN, STARTUP_SECONDS).string
+        address = LISTENING_PATTERN.search(banner).group(1)  # type: ignore[union-attr]
+        assert "mutual TLS, token required" in banner and TOKEN not in banner
+
+        tls_env = {
+            TLS_CA_ENV_VAR: str(pki.ca),
+            TLS_CERT_ENV_VAR: str(pki.client_cert),
+            TLS_KEY_ENV_VAR: str(pki.client_key),
+        }
+        shown = run_cli(
+            ["config", "--json", "--head", address, "--include-secrets"], env={**tls_env, TOKEN_ENV_VAR: TOKEN}
+        )
+        assert shown.returncode == 0, shown.stderr
+        served = json.loads(shown.stdout)
+        assert served["policy"]["responses_api_models"]["responses_api_models_impl"]["api_key"] == API_KEY
+        assert served["head_server"]["auth_token"] == REDACTED
+        assert TOKEN not in shown.stdout + shown.stderr
+
+        refused = run_cli(["status", "--head", address], env={**tls_env, TOKEN_ENV_VAR: "presented-wrong-token"})
+        assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
+        assert "presented-wrong-token" not in refused.stderr and TOKEN not in refused.stderr + refused.stdout
+    assert TOKEN not in head.stderr_text
