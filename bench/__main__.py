@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import control_plane, data_plane, isolation, memory, report
+from bench import control_plane, data_plane, isolation, memory, report, tracing_cost
 from bench.servers import ServerProcess
 from bench.stats import Row, table_lines
 
 RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
-SECTIONS = ("data", "control", "isolation", "memory")
+SECTIONS = ("data", "tracing", "control", "isolation", "memory")
 # Loopback only: no proxy may divert a request, and no parent's config may stand in for the heads measured here.
 _ENV_TO_DROP = ("http_proxy", "https_proxy", "all_proxy", "NEMO_GYM_CONFIG_DICT", "GYM_RPC_HEAD")
 
@@ -32,6 +32,7 @@ class Plan:
     memory: memory.MemoryPlan
     head_probe_interval: float
     head_probe_timeout: float
+    quick: bool = False
 
 
 FULL = Plan(
@@ -49,6 +50,7 @@ QUICK = Plan(
     memory.QUICK_MEMORY,
     head_probe_interval=0.5,
     head_probe_timeout=0.2,
+    quick=True,
 )
 
 
@@ -69,6 +71,9 @@ def run(plan: Plan, sections: set[str]) -> list[Row]:
         if "data" in sections:
             _progress("data plane")
             rows += asyncio.run(data_plane.run(data_port, plan.data))
+        if "tracing" in sections:
+            _progress("tracing cost")
+            rows += tracing_cost.rows_in_subprocess(data_port, quick=plan.quick)
         if sections & {"control", "isolation"}:
             control_args = [
                 f"--servers={plan.control.servers}",

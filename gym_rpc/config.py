@@ -18,6 +18,7 @@ from functools import cached_property
 from importlib import resources
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -106,6 +107,18 @@ def url_host(host: str) -> str:
     except ValueError:
         pass
     return host
+
+
+def parse_host_port(text: str, what: str) -> tuple[str, int]:
+    """HOST:PORT (IPv6 bracketed) as (host, port); `what` names the setting in the error."""
+    try:
+        parts = urlsplit(f"//{text.strip()}")
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host = port = None
+    if not host or port is None:
+        raise ConfigError(f"{what} {text!r}: expected HOST:PORT, e.g. 127.0.0.1:11000")
+    return host, port
 
 
 def base_url(host: str, port: int) -> str:

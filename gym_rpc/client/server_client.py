@@ -13,7 +13,6 @@ import os
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional
-from urllib.parse import urlsplit
 
 import aiohttp
 from omegaconf import DictConfig, OmegaConf
@@ -38,6 +37,7 @@ from gym_rpc.config import (
     base_url,
     connectable_host,
     parse_config_text,
+    parse_host_port,
 )
 from gym_rpc.control.channel import HEAD_ADDRESS_ENV_VAR, head_address
 from gym_rpc.control.client import SyncControlClient
@@ -136,13 +136,7 @@ def _injected_config() -> GlobalConfig | None:
 
 def _head_server_from_address(address: str) -> BaseServerConfig:
     """HOST:PORT (IPv6 bracketed) as a head server config."""
-    try:
-        parts = urlsplit(f"//{address.strip()}")
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        host = port = None
-    if not host or port is None:
-        raise ConfigError(f"{HEAD_ADDRESS_ENV_VAR}={address!r}: expected HOST:PORT, e.g. 127.0.0.1:11000")
+    host, port = parse_host_port(address, HEAD_ADDRESS_ENV_VAR)
     return BaseServerConfig(host=host, port=port)
 
 

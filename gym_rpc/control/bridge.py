@@ -30,12 +30,13 @@ from gym_rpc.config import (
     HEAD_SERVER_KEY,
     GlobalConfig,
     parse_config_text,
+    parse_host_port,
     url_host,
 )
 from gym_rpc.control import convert
 from gym_rpc.control.head import SERVICE_NAME, build_control_server, mirror_status_in_health
 from gym_rpc.control.prober import StatusProber
-from gym_rpc.control.security import ServerSecurity
+from gym_rpc.control.security import ServerSecurity, aborting_handler
 from gym_rpc.control.servicer import Context, ControlPlaneServicer
 from gym_rpc.errors import ConfigError, GymRpcError
 from gym_rpc.status import StatusReport
@@ -86,14 +87,7 @@ class UpstreamSnapshot:
 
 def parse_listen_address(text: str) -> tuple[str, int]:
     """HOST:PORT (IPv6 bracketed) as (host, port); port 0 asks for a free one."""
-    try:
-        parts = urlsplit(f"//{text.strip()}")
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        host = port = None
-    if not host or port is None:
-        raise ConfigError(f"listen address {text!r}: expected HOST:PORT, e.g. 127.0.0.1:11000")
-    return host, port
+    return parse_host_port(text, "listen address")
 
 
 def normalize_upstream_url(text: str) -> str:
@@ -349,23 +343,4 @@ class UpstreamGate(_ServerInterceptor):
         problem = self._reason()
         if problem is None:
             return handler
-        return _refusing_handler(handler, problem)
-
-
-def _refusing_handler(handler: Handler, problem: str) -> Handler:
-    """A handler of the same shape as `handler` that answers UNAVAILABLE with `problem`."""
-
-    async def refuse(request: Any, context: Context) -> Any:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, problem)
-
-    async def refuse_stream(request: Any, context: Context) -> Any:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, problem)
-        yield  # pragma: no cover (abort raises): makes this an async generator, as a streaming handler is
-
-    codec = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, **codec)
-    return grpc.unary_unary_rpc_method_handler(refuse, **codec)
+        return aborting_handler(handler, grpc.StatusCode.UNAVAILABLE, problem)

@@ -196,7 +196,7 @@ class TokenAuthInterceptor(ServerInterceptor):
             return handler
         if not self._valid(details.invocation_metadata):
             logger.info("refused %s: missing or invalid bearer token", details.method)
-            return _rejecting_handler(handler)
+            return aborting_handler(handler, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
         _authenticated.set(True)  # the handler runs in this task's context
         return handler
 
@@ -217,14 +217,15 @@ def _bearer_token(metadata: Any) -> str | None:
     return None
 
 
-def _rejecting_handler(handler: Handler) -> Handler:
-    """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
+def aborting_handler(handler: Handler, code: grpc.StatusCode, message: str) -> Handler:
+    """A handler of the same shape as `handler` that answers `code` with `message` (auth refusals, the bridge's
+    UNAVAILABLE while its upstream is down)."""
 
-    async def reject(request: Any, context: Context) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+    async def abort(request: Any, context: Context) -> Any:
+        await context.abort(code, message)
 
-    async def reject_stream(request: Any, context: Context) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+    async def abort_stream(request: Any, context: Context) -> Any:
+        await context.abort(code, message)
         yield  # pragma: no cover (abort raises): makes this an async generator, as a streaming handler is
 
     codec = {
@@ -232,12 +233,12 @@ def _rejecting_handler(handler: Handler) -> Handler:
         "response_serializer": handler.response_serializer,
     }
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(reject_stream, **codec)
+        return grpc.stream_stream_rpc_method_handler(abort_stream, **codec)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(reject, **codec)
+        return grpc.stream_unary_rpc_method_handler(abort, **codec)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(reject_stream, **codec)
-    return grpc.unary_unary_rpc_method_handler(reject, **codec)
+        return grpc.unary_stream_rpc_method_handler(abort_stream, **codec)
+    return grpc.unary_unary_rpc_method_handler(abort, **codec)
 
 
 def build_health_server(health_servicer: health_pb2_grpc.HealthServicer) -> grpc.aio.Server:
