@@ -90,6 +90,11 @@ class ServerEntry(BaseModel):
     config: dict[str, Any]
 
 
+def is_wildcard_host(host: str) -> bool:
+    """Whether a bind address means "every interface" (0.0.0.0, ::, empty): valid to bind, not to dial."""
+    return host.strip() in _WILDCARD_HOSTS
+
+
 def connectable_host(host: str) -> str:
     """Map a bind address to one a client can dial: wildcards become loopback of the same family."""
     host = host.strip()

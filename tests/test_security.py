@@ -12,9 +12,10 @@ import ipaddress
 import json
 import logging
 import os
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -216,9 +217,11 @@ async def test_the_right_token_opens_every_rpc_and_scheme_case_does_not_matter(h
                 await _raw_call_past_authentication(channel, method, metadata)
     client = ControlClient(head.address, security=authed())
     assert (await client.get_head_server_config()).port == head.port
-    async for event in client.watch_server_statuses():
-        assert event.kind == "snapshot"
-        break
+    events = client.watch_server_statuses()
+    try:
+        assert (await anext(events)).kind == "snapshot"
+    finally:  # closed in this loop: a stream left to the garbage collector can stall the next test's gRPC calls
+        await cast(AsyncGenerator[Any, None], events).aclose()
 
 
 async def _raw_call_past_authentication(channel: grpc.aio.Channel, method: str, metadata: Any) -> None:

@@ -7,12 +7,13 @@ typed GlobalConfig is built once per client, so no call walks the DictConfig.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Self
 
 import aiohttp
 from omegaconf import DictConfig, OmegaConf
@@ -36,13 +37,14 @@ from gym_rpc.config import (
     GlobalConfig,
     base_url,
     connectable_host,
+    is_wildcard_host,
     parse_config_text,
     parse_host_port,
 )
 from gym_rpc.control.channel import HEAD_ADDRESS_ENV_VAR, head_address
 from gym_rpc.control.client import SyncControlClient
 from gym_rpc.control.security import client_security
-from gym_rpc.errors import ConfigError, ControlPlaneError, HeadUnreachableError, UnknownServerError
+from gym_rpc.errors import ConfigError, ControlPlaneError, GymRpcError, HeadUnreachableError, UnknownServerError
 from gym_rpc.status import ServerStatus
 from gym_rpc.telemetry import TRACING, setup_tracing, traced_send
 
@@ -78,6 +80,11 @@ NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR_NAME = "NEMO_GYM_MODEL_SERVER_NAME"
 SESSION_ID_KEY = "session_id"
 
 _GLOBAL_CONFIG_DICT_FIELD = "global_config_dict"
+# Where a pickled client keeps its data-plane settings in place of its live HttpPools.
+_HTTP_SETTINGS_STATE_KEY = "gym_rpc_http_settings"
+# Bound on the one ListServerInstances call a client makes to learn where wildcard-bound servers registered.
+ADVERTISED_LOOKUP_TIMEOUT_SECONDS = 2.0
+_advertised_lock = threading.Lock()
 
 
 class _PendingDictConfig:
@@ -141,7 +148,11 @@ def _head_server_from_address(address: str) -> BaseServerConfig:
 
 
 class ServerClient(BaseModel):
-    """Finds Gym servers through the head and calls them over the shared data-plane pools."""
+    """Finds Gym servers through the head and calls them over the shared data-plane pools.
+
+    Pickles and copies (Ray tasks and actors, multiprocessing) with its config and caches but without its live
+    state: the aiohttp sessions belong to the event loops of the process that made them, and the control channel
+    is the process's own. The receiving process opens both on first use."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
@@ -152,6 +163,8 @@ class ServerClient(BaseModel):
     _checkpoint_enabled: Optional[bool] = PrivateAttr(default=None)  # noqa: UP045 (the seed's spelling)
     _global_config: GlobalConfig = PrivateAttr()
     _http: HttpPools = PrivateAttr()
+    # name -> advertised URL of the servers that registered with the head; None until first needed.
+    _advertised_urls: Optional[dict[str, str]] = PrivateAttr(default=None)  # noqa: UP045 (as the fields above)
 
     def model_post_init(self, context: Any) -> None:
         """Build the typed view every lookup uses, once (or take the one the caller already has)."""
@@ -166,6 +179,36 @@ class ServerClient(BaseModel):
         self._global_config = config
         self._http = HttpPools(HttpClientSettings.from_document(config.document))
         setup_tracing(config.observability_enabled)  # decided once per process (gym_rpc.telemetry)
+
+    def __getstate__(self) -> dict[Any, Any]:
+        """Pickle without the live HttpPools (its sessions are this process's), keeping its settings."""
+        state = super().__getstate__()
+        private = dict(state["__pydantic_private__"] or {})
+        pools: HttpPools = private.pop("_http")
+        state["__pydantic_private__"] = private
+        state[_HTTP_SETTINGS_STATE_KEY] = pools.settings
+        return state
+
+    def __setstate__(self, state: dict[Any, Any]) -> None:
+        """Unpickle with fresh HttpPools: sessions and the control channel are opened on first use here."""
+        state = dict(state)
+        settings: HttpClientSettings = state.pop(_HTTP_SETTINGS_STATE_KEY)
+        state["__pydantic_private__"] = {**(state["__pydantic_private__"] or {}), "_http": HttpPools(settings)}
+        super().__setstate__(state)
+        setup_tracing(self._global_config.observability_enabled)  # a new process decides too
+
+    def __copy__(self) -> Self:
+        """A shallow copy sharing config and caches, with its own HttpPools."""
+        clone = super().__copy__()
+        private: dict[str, Any] = clone.__pydantic_private__  # type: ignore[assignment]
+        private["_http"] = HttpPools(self._http.settings)
+        return clone
+
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> Self:
+        """A deep copy of config and caches; the live HttpPools is replaced, never copied."""
+        memo = {} if memo is None else memo
+        memo[id(self._http)] = HttpPools(self._http.settings)
+        return super().__deepcopy__(memo)
 
     @field_serializer(_GLOBAL_CONFIG_DICT_FIELD)
     def _dump_global_config_dict(self, value: Any) -> DictConfig:
@@ -227,15 +270,57 @@ class ServerClient(BaseModel):
         return connectable_host(host)
 
     def _resolve_base_url(self, server_name: str) -> str:
-        """The server's base URL, resolved once and cached."""
+        """The server's base URL, resolved once and cached.
+
+        A server whose config host is a wildcard (0.0.0.0, ::) is dialled where it registered with the head
+        (asked once per client, on the first such lookup), else on loopback.
+        """
         url = self._server_base_urls.get(server_name)
         if url is None:
             servers = self._global_config.servers
             entry = servers.get(server_name)
             if entry is None:
                 raise UnknownServerError(server_name, list(servers))
-            url = self._server_base_urls[server_name] = self._build_server_base_url(entry.config)
+            advertised = self._advertised_base_urls().get(server_name) if is_wildcard_host(entry.host) else None
+            url = self._server_base_urls[server_name] = advertised or self._build_server_base_url(entry.config)
         return url
+
+    async def _aresolve_base_url(self, server_name: str) -> str:
+        """`_resolve_base_url` for the event loop: the one call to the head runs in a thread, never in the loop
+        (which may be serving that head)."""
+        entry = self._global_config.servers.get(server_name)
+        if self._advertised_urls is None and entry is not None and is_wildcard_host(entry.host):
+            await asyncio.to_thread(self._advertised_base_urls)
+        return self._resolve_base_url(server_name)
+
+    def _advertised_base_urls(self) -> dict[str, str]:
+        """name -> advertised URL of every registered server, fetched from the head once (empty when the head
+        cannot say: then wildcard-bound servers are dialled on loopback, as without registration)."""
+        urls = self._advertised_urls
+        if urls is None:
+            with _advertised_lock:
+                urls = self._advertised_urls
+                if urls is None:
+                    urls = self._advertised_urls = self._fetch_advertised_urls()
+        return urls
+
+    def _fetch_advertised_urls(self) -> dict[str, str]:
+        head = self.head_server_config
+        address = _head_address(head)
+        try:
+            control = SyncControlClient(
+                address, timeout_seconds=ADVERTISED_LOOKUP_TIMEOUT_SECONDS, security=client_security(head)
+            )
+            instances = control.list_server_instances()
+        except GymRpcError as exc:
+            logger.warning(
+                "cannot ask the head at %s where wildcard-bound servers registered (%s); dialling them on "
+                "loopback",
+                address,
+                exc,
+            )
+            return {}
+        return {instance.name: instance.advertised_url for instance in instances if instance.advertised_url}
 
     async def request(
         self,
@@ -253,7 +338,7 @@ class ServerClient(BaseModel):
         """
         # One read of pydantic's private-attribute store: each `self._x` read costs about 1.7 µs via __getattr__.
         private: dict[str, Any] = self.__pydantic_private__  # type: ignore[assignment]
-        url = private["_server_base_urls"].get(server_name) or self._resolve_base_url(server_name)
+        url = private["_server_base_urls"].get(server_name) or await self._aresolve_base_url(server_name)
         config: GlobalConfig = private["_global_config"]
         if config.observability_enabled and (rollout_id := current_rollout_id()) is not None:
             url_path = prefixed_path(url_path, config.servers[server_name].server_type, rollout_id)

@@ -36,6 +36,7 @@ from gym_rpc.config import (
 from gym_rpc.control import convert
 from gym_rpc.control.head import SERVICE_NAME, build_control_server, mirror_status_in_health
 from gym_rpc.control.prober import StatusProber
+from gym_rpc.control.registry import InstanceRegistry
 from gym_rpc.control.security import ServerSecurity, aborting_handler
 from gym_rpc.control.servicer import Context, ControlPlaneServicer
 from gym_rpc.errors import ConfigError, GymRpcError
@@ -177,6 +178,7 @@ class BridgeHead:
             history_size=options.watch_history_size,
             on_change=self._follow_health,
         )
+        self.registry = InstanceRegistry()  # servers that registered with the bridge (RegisterServerInstance)
         self._server: grpc.aio.Server | None = None
         self._session: aiohttp.ClientSession | None = None
         self._refresher: asyncio.Task[None] | None = None
@@ -257,7 +259,7 @@ class BridgeHead:
             self._fetched = True
             if config.version != self.config.version:
                 self.config = config
-                await self.prober.set_servers(config.servers)
+                await self.registry.update_prober(self.prober, lambda: self.config.servers)
                 logger.info("config from %s: version %s", self.upstream_url, config.version)
             self.processes = snapshot.processes
             await self._set_problem(None)

@@ -195,6 +195,35 @@ class SyncControlClient:
         response = self._call(self._stub.ReloadGlobalConfig, request, timeout)
         return response.version, response.changed
 
+    def register_server_instance(
+        self,
+        server_name: str,
+        *,
+        listen_port: int,
+        listen_host: str = "",
+        pid: int = 0,
+        start_time: float = 0.0,
+        advertise_host: str = "",
+        timeout: float | None = None,
+    ) -> str:
+        """Register a running server process; returns the base URL the head advertises for it."""
+        request = convert.register_request_to_pb(
+            server_name,
+            pid=pid,
+            start_time=start_time,
+            listen_host=listen_host,
+            listen_port=listen_port,
+            advertise_host=advertise_host,
+        )
+        response = self._call(self._stub.RegisterServerInstance, request, timeout, server_name)
+        return response.advertised_url
+
+    def deregister_server_instance(self, server_name: str, *, pid: int = 0, timeout: float | None = None) -> bool:
+        """Forget the server's registration (of `pid`, or whatever it is with 0); True when one was removed."""
+        request = pb.DeregisterServerInstanceRequest(server_name=server_name, pid=pid)
+        response = self._call(self._stub.DeregisterServerInstance, request, timeout, server_name)
+        return response.deregistered
+
     def head_status(self, *, timeout: float | None = None) -> ServerStatus:
         """The head's own status from its standard health service (`Check("")`), as a probe result."""
         stub = health_pb2_grpc.HealthStub(self._channel)
@@ -302,3 +331,34 @@ class ControlClient:
         request = pb.ReloadGlobalConfigRequest()
         response = await self._call(self._stub.ReloadGlobalConfig, request, timeout)
         return response.version, response.changed
+
+    async def register_server_instance(
+        self,
+        server_name: str,
+        *,
+        listen_port: int,
+        listen_host: str = "",
+        pid: int = 0,
+        start_time: float = 0.0,
+        advertise_host: str = "",
+        timeout: float | None = None,
+    ) -> str:
+        """Register a running server process; returns the base URL the head advertises for it."""
+        request = convert.register_request_to_pb(
+            server_name,
+            pid=pid,
+            start_time=start_time,
+            listen_host=listen_host,
+            listen_port=listen_port,
+            advertise_host=advertise_host,
+        )
+        response = await self._call(self._stub.RegisterServerInstance, request, timeout, server_name)
+        return response.advertised_url
+
+    async def deregister_server_instance(
+        self, server_name: str, *, pid: int = 0, timeout: float | None = None
+    ) -> bool:
+        """Forget the server's registration (of `pid`, or whatever it is with 0); True when one was removed."""
+        request = pb.DeregisterServerInstanceRequest(server_name=server_name, pid=pid)
+        response = await self._call(self._stub.DeregisterServerInstance, request, timeout, server_name)
+        return response.deregistered

@@ -14,6 +14,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from gym_rpc.config import HEAD_SERVER_KEY, BaseServerConfig, GlobalConfig, ServerEntry, base_url, redact_secrets
+from gym_rpc.control.registry import InstanceRegistration, advertised_host
 from gym_rpc.status import ServerStatus, StatusReport
 from gym_rpc.v1 import control_plane_pb2 as pb
 
@@ -128,6 +129,7 @@ class ServerInstance:
     pid: int
     start_time: float
     status: ServerStatus | None
+    advertised_url: str = ""  # set when the server registered (RegisterServerInstance)
 
 
 def head_instance_to_pb(config: GlobalConfig, pid: int, start_time: float) -> pb.ServerInstance:
@@ -142,14 +144,23 @@ def head_instance_to_pb(config: GlobalConfig, pid: int, start_time: float) -> pb
     )
 
 
-def server_instance_to_pb(entry: ServerEntry, report: StatusReport) -> pb.ServerInstance:
-    return pb.ServerInstance(
+def server_instance_to_pb(
+    entry: ServerEntry, report: StatusReport, registration: InstanceRegistration | None = None
+) -> pb.ServerInstance:
+    message = pb.ServerInstance(
         name=entry.name,
         server_type=entry.server_type,
         impl_name=entry.impl_name,
         url=entry.url,
         status=status_to_pb(report.status),
     )
+    if registration is not None:
+        message.pid = registration.pid
+        message.advertised_url = registration.advertised_url
+        if registration.start_time > 0:
+            message.start_time.CopyFrom(epoch_to_timestamp(registration.start_time))
+            message.uptime.CopyFrom(seconds_to_duration(max(0.0, time.time() - registration.start_time)))
+    return message
 
 
 def instance_from_pb(message: pb.ServerInstance) -> ServerInstance:
@@ -161,4 +172,35 @@ def instance_from_pb(message: pb.ServerInstance) -> ServerInstance:
         pid=message.pid,
         start_time=message.start_time.ToNanoseconds() / 1e9 if message.HasField("start_time") else 0.0,
         status=status_from_pb(message.status),
+        advertised_url=message.advertised_url,
+    )
+
+
+def register_request_to_pb(
+    server_name: str, *, pid: int, start_time: float, listen_host: str, listen_port: int, advertise_host: str
+) -> pb.RegisterServerInstanceRequest:
+    request = pb.RegisterServerInstanceRequest(
+        server_name=server_name,
+        pid=pid,
+        listen_host=listen_host,
+        listen_port=listen_port,
+        advertise_host=advertise_host,
+    )
+    if start_time > 0:
+        request.start_time.CopyFrom(epoch_to_timestamp(start_time))
+    return request
+
+
+def registration_from_pb(
+    request: pb.RegisterServerInstanceRequest, peer: str, registered_at: float
+) -> InstanceRegistration:
+    """The head's record of a registration; `peer` is where the call came from (grpc's context.peer())."""
+    return InstanceRegistration(
+        server_name=request.server_name,
+        pid=request.pid,
+        start_time=request.start_time.ToNanoseconds() / 1e9 if request.HasField("start_time") else 0.0,
+        listen_host=request.listen_host,
+        port=request.listen_port,
+        advertised_host=advertised_host(request.listen_host, request.advertise_host, peer),
+        registered_at=registered_at,
     )

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from gym_rpc.config import GlobalConfig, load_config_file, url_host
 from gym_rpc.control.http_head import HttpHead, configured_http_port
 from gym_rpc.control.prober import StatusProber
+from gym_rpc.control.registry import InstanceRegistry
 from gym_rpc.control.security import (
     DEFAULT_MAX_CONCURRENT_WATCHES,
     SERVER_OPTIONS,
@@ -77,6 +78,7 @@ class HeadServer:
             history_size=options.watch_history_size,
             on_change=self._follow_health,
         )
+        self.registry = InstanceRegistry()  # servers that registered (RegisterServerInstance)
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None  # plaintext health only (head_server.health_port)
         self.health_port: int | None = None
@@ -160,7 +162,7 @@ class HeadServer:
             if config.version == self.config.version:
                 return False
             self.config = config
-            await self.prober.set_servers(config.servers)
+            await self.registry.update_prober(self.prober, lambda: self.config.servers)
             logger.info("config reloaded from %s: version %s", self.config_path, config.version)
             return True
 

@@ -17,6 +17,7 @@ import grpc
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url
 from gym_rpc.control import convert
 from gym_rpc.control.prober import StatusProber
+from gym_rpc.control.registry import InstanceRegistry
 from gym_rpc.control.security import DEFAULT_MAX_CONCURRENT_WATCHES, caller_is_authenticated
 from gym_rpc.errors import ConfigError, UnknownServerError
 from gym_rpc.status import StatusReport
@@ -37,6 +38,7 @@ class HeadState(Protocol):
 
     config: GlobalConfig
     prober: StatusProber
+    registry: InstanceRegistry
     pid: int
     start_time: float
 
@@ -140,7 +142,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         head = self._head
         instances = [convert.head_instance_to_pb(head.config, head.pid, head.start_time)]
         instances += [
-            convert.server_instance_to_pb(entry, head.prober.report(name))
+            convert.server_instance_to_pb(entry, head.prober.report(name), head.registry.get(name))
             for name, entry in head.config.servers.items()
         ]
         return pb.ListServerInstancesResponse(instances=instances)
@@ -164,6 +166,36 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         except ConfigError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"reload refused, old config kept: {exc}")
         return pb.ReloadGlobalConfigResponse(version=self._head.config.version, changed=changed)
+
+    async def RegisterServerInstance(
+        self, request: pb.RegisterServerInstanceRequest, context: Context
+    ) -> pb.RegisterServerInstanceResponse:
+        name = request.server_name
+        if not name:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "server_name is required")
+        await self._require_server(name, context)
+        if not 0 < request.listen_port < 65536:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "listen_port must be in 1..65535")
+        if request.pid < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pid must not be negative")
+        registration = convert.registration_from_pb(request, context.peer(), time.time())
+        head = self._head
+        head.registry.register(registration)
+        await head.registry.update_prober(head.prober, lambda: head.config.servers)
+        return pb.RegisterServerInstanceResponse(advertised_url=registration.advertised_url)
+
+    async def DeregisterServerInstance(
+        self, request: pb.DeregisterServerInstanceRequest, context: Context
+    ) -> pb.DeregisterServerInstanceResponse:
+        name = request.server_name
+        if not name:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "server_name is required")
+        await self._require_server(name, context)
+        head = self._head
+        deregistered = head.registry.deregister(name, request.pid)
+        if deregistered:
+            await head.registry.update_prober(head.prober, lambda: head.config.servers)
+        return pb.DeregisterServerInstanceResponse(deregistered=deregistered)
 
     async def _require_server(self, name: str, context: Context) -> None:
         servers = self._head.config.servers

@@ -509,6 +509,7 @@ class ServerInstance(_message.Message):
     START_TIME_FIELD_NUMBER: _builtins.int
     UPTIME_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
+    ADVERTISED_URL_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Server name ("head_server" for the head itself)."""
     server_type: _builtins.str
@@ -521,6 +522,10 @@ class ServerInstance(_message.Message):
     """Process id when known, 0 otherwise."""
     status: Global___ServerStatus.ValueType
     """Latest probe result."""
+    advertised_url: _builtins.str
+    """Base URL the server advertised by registering (RegisterServerInstance); empty when it has not registered.
+    Clients use it instead of loopback for servers whose config host is a wildcard.
+    """
     @_builtins.property
     def start_time(self) -> _timestamp_pb2.Timestamp:
         """Process start time when known."""
@@ -540,10 +545,11 @@ class ServerInstance(_message.Message):
         start_time: _timestamp_pb2.Timestamp | None = ...,
         uptime: _duration_pb2.Duration | None = ...,
         status: Global___ServerStatus.ValueType = ...,
+        advertised_url: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["start_time", b"start_time", "uptime", b"uptime"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["impl_name", b"impl_name", "name", b"name", "pid", b"pid", "server_type", b"server_type", "start_time", b"start_time", "status", b"status", "uptime", b"uptime", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertised_url", b"advertised_url", "impl_name", b"impl_name", "name", b"name", "pid", b"pid", "server_type", b"server_type", "start_time", b"start_time", "status", b"status", "uptime", b"uptime", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -661,3 +667,123 @@ class ReloadGlobalConfigResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReloadGlobalConfigResponse: _TypeAlias = ReloadGlobalConfigResponse  # noqa: Y015
+
+@_typing.final
+class RegisterServerInstanceRequest(_message.Message):
+    """RegisterServerInstanceRequest describes a server process that has started."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVER_NAME_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    LISTEN_HOST_FIELD_NUMBER: _builtins.int
+    LISTEN_PORT_FIELD_NUMBER: _builtins.int
+    ADVERTISE_HOST_FIELD_NUMBER: _builtins.int
+    server_name: _builtins.str
+    """Server name as in the global config."""
+    pid: _builtins.int
+    """Process id of the server (0 when not known)."""
+    listen_host: _builtins.str
+    """Host the server binds to. A wildcard (0.0.0.0, ::, or empty) lets the head advertise the address it saw
+    this call come from; any other host is advertised as given.
+    """
+    listen_port: _builtins.int
+    """TCP port the server listens on (1..65535)."""
+    advertise_host: _builtins.str
+    """Host clients should dial, when the server knows better than the head (NAT, several interfaces); empty
+    leaves the choice to the head as described for listen_host.
+    """
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """When the server process started; unset when not known."""
+
+    def __init__(
+        self,
+        *,
+        server_name: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+        listen_host: _builtins.str = ...,
+        listen_port: _builtins.int = ...,
+        advertise_host: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["start_time", b"start_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_host", b"advertise_host", "listen_host", b"listen_host", "listen_port", b"listen_port", "pid", b"pid", "server_name", b"server_name", "start_time", b"start_time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterServerInstanceRequest: _TypeAlias = RegisterServerInstanceRequest  # noqa: Y015
+
+@_typing.final
+class RegisterServerInstanceResponse(_message.Message):
+    """RegisterServerInstanceResponse says where clients will be sent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADVERTISED_URL_FIELD_NUMBER: _builtins.int
+    advertised_url: _builtins.str
+    """Base URL the head advertises for the server from now on (http://host:port, IPv6 bracketed)."""
+    def __init__(
+        self,
+        *,
+        advertised_url: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertised_url", b"advertised_url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterServerInstanceResponse: _TypeAlias = RegisterServerInstanceResponse  # noqa: Y015
+
+@_typing.final
+class DeregisterServerInstanceRequest(_message.Message):
+    """DeregisterServerInstanceRequest names a server process that is stopping."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVER_NAME_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    server_name: _builtins.str
+    """Server name as in the global config."""
+    pid: _builtins.int
+    """Process id given at registration: a registration of another pid (a newer process) is left alone. 0
+    removes the server's registration whatever its pid.
+    """
+    def __init__(
+        self,
+        *,
+        server_name: _builtins.str = ...,
+        pid: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pid", b"pid", "server_name", b"server_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeregisterServerInstanceRequest: _TypeAlias = DeregisterServerInstanceRequest  # noqa: Y015
+
+@_typing.final
+class DeregisterServerInstanceResponse(_message.Message):
+    """DeregisterServerInstanceResponse reports whether a registration was removed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEREGISTERED_FIELD_NUMBER: _builtins.int
+    deregistered: _builtins.bool
+    """True when a registration matched and was removed."""
+    def __init__(
+        self,
+        *,
+        deregistered: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deregistered", b"deregistered"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeregisterServerInstanceResponse: _TypeAlias = DeregisterServerInstanceResponse  # noqa: Y015

@@ -75,6 +75,16 @@ class ControlPlaneServiceStub:
                 request_serializer=gym__rpc_dot_v1_dot_control__plane__pb2.ReloadGlobalConfigRequest.SerializeToString,
                 response_deserializer=gym__rpc_dot_v1_dot_control__plane__pb2.ReloadGlobalConfigResponse.FromString,
                 _registered_method=True)
+        self.RegisterServerInstance = channel.unary_unary(
+                '/gym_rpc.v1.ControlPlaneService/RegisterServerInstance',
+                request_serializer=gym__rpc_dot_v1_dot_control__plane__pb2.RegisterServerInstanceRequest.SerializeToString,
+                response_deserializer=gym__rpc_dot_v1_dot_control__plane__pb2.RegisterServerInstanceResponse.FromString,
+                _registered_method=True)
+        self.DeregisterServerInstance = channel.unary_unary(
+                '/gym_rpc.v1.ControlPlaneService/DeregisterServerInstance',
+                request_serializer=gym__rpc_dot_v1_dot_control__plane__pb2.DeregisterServerInstanceRequest.SerializeToString,
+                response_deserializer=gym__rpc_dot_v1_dot_control__plane__pb2.DeregisterServerInstanceResponse.FromString,
+                _registered_method=True)
 
 
 class ControlPlaneServiceServicer:
@@ -138,6 +148,24 @@ class ControlPlaneServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterServerInstance(self, request, context):
+        """RegisterServerInstance records a running server process of the global config and the address clients
+        reach it at. For a server bound to a wildcard address (0.0.0.0, ::) the head advertises the address it saw
+        this call come from, so clients on other hosts stop dialling their own loopback. A later registration of the
+        same server replaces the earlier one. Unknown server names get NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeregisterServerInstance(self, request, context):
+        """DeregisterServerInstance forgets a server's registration (the server is stopping): clients and the prober go
+        back to the address in the config.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlPlaneServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -180,6 +208,16 @@ def add_ControlPlaneServiceServicer_to_server(servicer, server):
                     servicer.ReloadGlobalConfig,
                     request_deserializer=gym__rpc_dot_v1_dot_control__plane__pb2.ReloadGlobalConfigRequest.FromString,
                     response_serializer=gym__rpc_dot_v1_dot_control__plane__pb2.ReloadGlobalConfigResponse.SerializeToString,
+            ),
+            'RegisterServerInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterServerInstance,
+                    request_deserializer=gym__rpc_dot_v1_dot_control__plane__pb2.RegisterServerInstanceRequest.FromString,
+                    response_serializer=gym__rpc_dot_v1_dot_control__plane__pb2.RegisterServerInstanceResponse.SerializeToString,
+            ),
+            'DeregisterServerInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeregisterServerInstance,
+                    request_deserializer=gym__rpc_dot_v1_dot_control__plane__pb2.DeregisterServerInstanceRequest.FromString,
+                    response_serializer=gym__rpc_dot_v1_dot_control__plane__pb2.DeregisterServerInstanceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -399,6 +437,60 @@ class ControlPlaneService:
             '/gym_rpc.v1.ControlPlaneService/ReloadGlobalConfig',
             gym__rpc_dot_v1_dot_control__plane__pb2.ReloadGlobalConfigRequest.SerializeToString,
             gym__rpc_dot_v1_dot_control__plane__pb2.ReloadGlobalConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterServerInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gym_rpc.v1.ControlPlaneService/RegisterServerInstance',
+            gym__rpc_dot_v1_dot_control__plane__pb2.RegisterServerInstanceRequest.SerializeToString,
+            gym__rpc_dot_v1_dot_control__plane__pb2.RegisterServerInstanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeregisterServerInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gym_rpc.v1.ControlPlaneService/DeregisterServerInstance',
+            gym__rpc_dot_v1_dot_control__plane__pb2.DeregisterServerInstanceRequest.SerializeToString,
+            gym__rpc_dot_v1_dot_control__plane__pb2.DeregisterServerInstanceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,16 @@ class ControlPlaneServiceStub:
     """GetAssistantMessageHeader returns the header bytes the harnesses using a model server declare, if any."""
     ReloadGlobalConfig: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.ReloadGlobalConfigRequest, _control_plane_pb2.ReloadGlobalConfigResponse]
     """ReloadGlobalConfig re-reads the config file the head was started with (as SIGHUP does)."""
+    RegisterServerInstance: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.RegisterServerInstanceRequest, _control_plane_pb2.RegisterServerInstanceResponse]
+    """RegisterServerInstance records a running server process of the global config and the address clients
+    reach it at. For a server bound to a wildcard address (0.0.0.0, ::) the head advertises the address it saw
+    this call come from, so clients on other hosts stop dialling their own loopback. A later registration of the
+    same server replaces the earlier one. Unknown server names get NOT_FOUND.
+    """
+    DeregisterServerInstance: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.DeregisterServerInstanceRequest, _control_plane_pb2.DeregisterServerInstanceResponse]
+    """DeregisterServerInstance forgets a server's registration (the server is stopping): clients and the prober go
+    back to the address in the config.
+    """
 
 @_typing.type_check_only
 class ControlPlaneServiceAsyncStub(ControlPlaneServiceStub):
@@ -78,6 +88,16 @@ class ControlPlaneServiceAsyncStub(ControlPlaneServiceStub):
     """GetAssistantMessageHeader returns the header bytes the harnesses using a model server declare, if any."""
     ReloadGlobalConfig: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.ReloadGlobalConfigRequest, _control_plane_pb2.ReloadGlobalConfigResponse]  # type: ignore[assignment]
     """ReloadGlobalConfig re-reads the config file the head was started with (as SIGHUP does)."""
+    RegisterServerInstance: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.RegisterServerInstanceRequest, _control_plane_pb2.RegisterServerInstanceResponse]  # type: ignore[assignment]
+    """RegisterServerInstance records a running server process of the global config and the address clients
+    reach it at. For a server bound to a wildcard address (0.0.0.0, ::) the head advertises the address it saw
+    this call come from, so clients on other hosts stop dialling their own loopback. A later registration of the
+    same server replaces the earlier one. Unknown server names get NOT_FOUND.
+    """
+    DeregisterServerInstance: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.DeregisterServerInstanceRequest, _control_plane_pb2.DeregisterServerInstanceResponse]  # type: ignore[assignment]
+    """DeregisterServerInstance forgets a server's registration (the server is stopping): clients and the prober go
+    back to the address in the config.
+    """
 
 class ControlPlaneServiceServicer(metaclass=_abc_1.ABCMeta):
     """ControlPlaneService is served by the head server beside grpc.health.v1.Health and server reflection."""
@@ -147,5 +167,27 @@ class ControlPlaneServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_control_plane_pb2.ReloadGlobalConfigResponse, _abc.Awaitable[_control_plane_pb2.ReloadGlobalConfigResponse]]:
         """ReloadGlobalConfig re-reads the config file the head was started with (as SIGHUP does)."""
+
+    @_abc_1.abstractmethod
+    def RegisterServerInstance(
+        self,
+        request: _control_plane_pb2.RegisterServerInstanceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_control_plane_pb2.RegisterServerInstanceResponse, _abc.Awaitable[_control_plane_pb2.RegisterServerInstanceResponse]]:
+        """RegisterServerInstance records a running server process of the global config and the address clients
+        reach it at. For a server bound to a wildcard address (0.0.0.0, ::) the head advertises the address it saw
+        this call come from, so clients on other hosts stop dialling their own loopback. A later registration of the
+        same server replaces the earlier one. Unknown server names get NOT_FOUND.
+        """
+
+    @_abc_1.abstractmethod
+    def DeregisterServerInstance(
+        self,
+        request: _control_plane_pb2.DeregisterServerInstanceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_control_plane_pb2.DeregisterServerInstanceResponse, _abc.Awaitable[_control_plane_pb2.DeregisterServerInstanceResponse]]:
+        """DeregisterServerInstance forgets a server's registration (the server is stopping): clients and the prober go
+        back to the address in the config.
+        """
 
 def add_ControlPlaneServiceServicer_to_server(servicer: ControlPlaneServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,106 @@
+"""Registered server instances on the head: which process of a config server runs, and where clients reach it.
+
+A server bound to a wildcard address (0.0.0.0, ::) is listed in the config by that address, which no other host
+can dial. When it registers, the head records the address it saw the registration come from, and from then on
+advertises that address for it (ListServerInstances) and probes it there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+from urllib.parse import unquote
+
+from gym_rpc.config import ServerEntry, base_url, connectable_host, is_wildcard_host
+
+
+@dataclass(frozen=True)
+class InstanceRegistration:
+    """One running server process, as it registered."""
+
+    server_name: str
+    pid: int
+    start_time: float  # epoch seconds; 0 when not known
+    listen_host: str
+    port: int
+    advertised_host: str
+    registered_at: float
+
+    @property
+    def advertised_url(self) -> str:
+        return base_url(self.advertised_host, self.port)
+
+
+def peer_host(peer: str) -> str | None:
+    """The IP address in a gRPC peer string ("ipv4:10.0.0.2:5678", "ipv6:[::1]:5678"); None for other transports
+    (unix sockets) and anything unparsable. IPv4-mapped IPv6 addresses (a dual-stack head) become plain IPv4."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host = unquote(rest.rsplit(":", 1)[0]).strip("[]")  # gRPC percent-encodes an IPv6 zone's "%"
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return host if "%" in host else str(address)
+
+
+def advertised_host(listen_host: str, advertise_host: str, peer: str) -> str:
+    """Where clients should dial a server: the host it names, else its bind host unless that is a wildcard, else
+    the address its registration came from, else loopback."""
+    if advertise_host.strip():
+        return advertise_host.strip()
+    if not is_wildcard_host(listen_host):
+        return listen_host.strip()
+    return peer_host(peer) or connectable_host(listen_host)
+
+
+class StatusTargets(Protocol):
+    """What the registry steers: the prober's set of servers and URLs."""
+
+    async def set_servers(self, servers: Mapping[str, ServerEntry]) -> None: ...
+
+
+class InstanceRegistry:
+    """The head's registrations, one per server name (a newer registration replaces an older one)."""
+
+    def __init__(self) -> None:
+        self._registrations: dict[str, InstanceRegistration] = {}
+        self._lock = asyncio.Lock()  # one prober update at a time, each from the latest state
+
+    def get(self, server_name: str) -> InstanceRegistration | None:
+        return self._registrations.get(server_name)
+
+    def register(self, registration: InstanceRegistration) -> None:
+        self._registrations[registration.server_name] = registration
+
+    def deregister(self, server_name: str, pid: int) -> bool:
+        """Remove the server's registration if `pid` is its pid (or 0); a newer process's registration stays."""
+        current = self._registrations.get(server_name)
+        if current is None or (pid and current.pid != pid):
+            return False
+        del self._registrations[server_name]
+        return True
+
+    def effective_servers(self, servers: Mapping[str, ServerEntry]) -> Mapping[str, ServerEntry]:
+        """The servers as clients should dial them: a wildcard-bound server that registered is at its advertised
+        URL; every other entry is the config's."""
+        if not self._registrations:
+            return servers
+        effective = dict(servers)
+        for name, registration in self._registrations.items():
+            entry = servers.get(name)
+            if entry is not None and is_wildcard_host(entry.host):
+                effective[name] = entry.model_copy(update={"url": registration.advertised_url})
+        return effective
+
+    async def update_prober(self, prober: StatusTargets, servers: Callable[[], Mapping[str, ServerEntry]]) -> None:
+        """Point the prober at the effective servers of the config `servers()` returns when the lock is held,
+        so a registration racing a config reload never leaves a stale URL behind."""
+        async with self._lock:
+            await prober.set_servers(self.effective_servers(servers()))

@@ -1,0 +1,259 @@
+"""Register a Gym server with the head while it serves, so clients on other hosts can reach it.
+
+A server bound to a wildcard address (0.0.0.0, ::) appears in the global config under that address, which only
+its own host can dial. Registered, it is advertised by the head at the address the registration came from (or
+the one it names), and ServerClient dials it there. The helper never stops a server from serving: a head that is
+unreachable or refuses the call costs a warning in the log, within a bounded time.
+
+* aiohttp.web: `register_aiohttp_app(app, "policy_model", port=8000)` (an `app.cleanup_ctx` entry).
+* ASGI: `app = with_registration(app, "policy_model", port=8000)` (wraps the lifespan protocol).
+* anything else: `ServerRegistration(...)` as an async context manager, or its register()/deregister().
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from aiohttp import web
+
+from gym_rpc.config import BaseServerConfig, parse_host_port
+from gym_rpc.control.channel import head_address
+from gym_rpc.control.client import SyncControlClient
+from gym_rpc.control.security import client_security
+from gym_rpc.errors import GymRpcError
+
+logger = logging.getLogger(__name__)
+
+REGISTRATION_TIMEOUT_SECONDS = 2.0
+# A head keeps registrations in memory: re-registering now and then brings a restarted head up to date.
+DEFAULT_REFRESH_SECONDS = 30.0
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def process_start_time() -> float:
+    """When this process started (epoch seconds): from /proc on Linux, else the time gym_rpc was imported."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # field 22 of stat(5), counted after the command name
+        boot = next(
+            int(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime")
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED_AT
+
+
+_IMPORTED_AT = time.time()
+
+
+def _head_server(head: BaseServerConfig | str | None) -> BaseServerConfig:
+    if isinstance(head, BaseServerConfig):
+        return head
+    if isinstance(head, str):
+        host, port = parse_host_port(head, "head address")
+        return BaseServerConfig(host=host, port=port)
+    from gym_rpc.client.server_client import ServerClient  # the injected config, GYM_RPC_HEAD, or the default
+
+    return ServerClient.load_head_server_config()
+
+
+class ServerRegistration:
+    """Registers one server process with the head, keeps it registered, and deregisters it on stop.
+
+    `head`: a BaseServerConfig or "HOST:PORT"; None takes the injected config's head_server, else GYM_RPC_HEAD,
+    else 127.0.0.1:11000 (as ServerClient does). `listen_host`: the host the server binds; a wildcard lets the
+    head advertise the address it sees the registration come from. `advertise_host`: the host clients should
+    dial, when the server knows better (NAT, several interfaces). `refresh_seconds`: how often to register again
+    while serving (None: never), so a restarted head learns the address again.
+    """
+
+    def __init__(
+        self,
+        server_name: str,
+        port: int,
+        *,
+        listen_host: str = "0.0.0.0",
+        advertise_host: str = "",
+        head: BaseServerConfig | str | None = None,
+        timeout_seconds: float = REGISTRATION_TIMEOUT_SECONDS,
+        refresh_seconds: float | None = DEFAULT_REFRESH_SECONDS,
+    ) -> None:
+        self.server_name = server_name
+        self.port = port
+        self.listen_host = listen_host
+        self.advertise_host = advertise_host
+        self.head = _head_server(head)
+        self.timeout_seconds = timeout_seconds
+        self.refresh_seconds = refresh_seconds
+        self.pid = os.getpid()
+        self.start_time = process_start_time()
+        self.advertised_url: str | None = None  # set while registered
+        self._refresher: asyncio.Task[None] | None = None
+
+    @property
+    def head_address(self) -> str:
+        return head_address(self.head.host, self.head.port)
+
+    def _control(self) -> SyncControlClient:
+        return SyncControlClient(
+            self.head_address, timeout_seconds=self.timeout_seconds, security=client_security(self.head)
+        )
+
+    def register(self, *, quiet: bool = False) -> bool:
+        """Register now (blocking, bounded); False, warned unless `quiet`, when the head did not take it."""
+        try:
+            self.advertised_url = self._control().register_server_instance(
+                self.server_name,
+                listen_port=self.port,
+                listen_host=self.listen_host,
+                pid=self.pid,
+                start_time=self.start_time,
+                advertise_host=self.advertise_host,
+            )
+        except GymRpcError as exc:
+            if not quiet:
+                logger.warning(
+                    "%s: not registered with the head at %s (%s); serving anyway, but clients on other hosts "
+                    "may not find it",
+                    self.server_name,
+                    self.head_address,
+                    exc,
+                )
+            return False
+        logger.info(
+            "%s: registered with the head at %s as %s", self.server_name, self.head_address, self.advertised_url
+        )
+        return True
+
+    def deregister(self) -> bool:
+        """Tell the head this process stops (blocking, bounded); False when it could not be told."""
+        self.advertised_url = None
+        try:
+            return self._control().deregister_server_instance(self.server_name, pid=self.pid)
+        except GymRpcError as exc:
+            logger.warning(
+                "%s: could not deregister from the head at %s (%s)", self.server_name, self.head_address, exc
+            )
+            return False
+
+    async def aregister(self) -> bool:
+        """register() off the event loop, then keep registered every `refresh_seconds` until aderegister()."""
+        registered = await asyncio.to_thread(self.register)
+        if self.refresh_seconds is not None and self._refresher is None:
+            self._refresher = asyncio.create_task(self._keep_registered(self.refresh_seconds))
+        return registered
+
+    async def aderegister(self) -> bool:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+            self._refresher = None
+        return await asyncio.to_thread(self.deregister)
+
+    async def _keep_registered(self, interval: float) -> None:
+        registered = self.advertised_url is not None
+        while True:
+            await asyncio.sleep(interval)
+            now_registered = await asyncio.to_thread(self.register, quiet=not registered)
+            if now_registered and not registered:
+                logger.warning("%s: registered with the head at %s again", self.server_name, self.head_address)
+            registered = now_registered
+
+    async def __aenter__(self) -> ServerRegistration:
+        await self.aregister()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aderegister()
+
+    async def aiohttp_cleanup_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        """For `app.cleanup_ctx`: registered from startup to cleanup."""
+        await self.aregister()
+        yield
+        await self.aderegister()
+
+    def asgi(self, app: ASGIApp) -> ASGIApp:
+        """`app` with this registration tied to its lifespan."""
+        return RegistrationLifespan(app, self)
+
+
+def register_aiohttp_app(app: web.Application, server_name: str, port: int, **options: Any) -> ServerRegistration:
+    """Register the aiohttp app's server with the head on startup and deregister it on cleanup."""
+    registration = ServerRegistration(server_name, port, **options)
+    app.cleanup_ctx.append(registration.aiohttp_cleanup_ctx)
+    return registration
+
+
+def with_registration(app: ASGIApp, server_name: str, port: int, **options: Any) -> ASGIApp:
+    """An ASGI app that registers with the head at lifespan startup and deregisters at shutdown."""
+    return ServerRegistration(server_name, port, **options).asgi(app)
+
+
+class RegistrationLifespan:
+    """ASGI wrapper: registers once the app has started and deregisters when shutdown begins. An app that does
+    not speak the lifespan protocol (raises or returns on a lifespan scope) gets it spoken for it."""
+
+    def __init__(self, app: ASGIApp, registration: ServerRegistration) -> None:
+        self.app = app
+        self.registration = registration
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+        await self._lifespan(scope, receive, send)
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        seen: set[str] = set()  # lifespan message types received from the server or sent by the app
+
+        async def app_receive() -> Message:
+            message = await receive()
+            seen.add(message["type"])
+            if message["type"] == "lifespan.shutdown":
+                await self.registration.aderegister()
+            return message
+
+        async def app_send(message: Message) -> None:
+            seen.add(message["type"])
+            if message["type"] == "lifespan.startup.complete":
+                await self.registration.aregister()
+            await send(message)
+
+        try:
+            await self.app(scope, app_receive, app_send)
+        except Exception:
+            if seen & {"lifespan.startup.complete", "lifespan.startup.failed"}:
+                raise  # the app speaks lifespan and failed: not ours to hide
+            await self._speak_lifespan(receive, send, startup_received="lifespan.startup" in seen)
+            return
+        if "lifespan.startup.complete" not in seen and "lifespan.startup.failed" not in seen:
+            await self._speak_lifespan(receive, send, startup_received="lifespan.startup" in seen)
+
+    async def _speak_lifespan(self, receive: Receive, send: Send, *, startup_received: bool) -> None:
+        """The lifespan protocol for an app that has none: register at startup, deregister at shutdown."""
+        if not startup_received:
+            await receive()  # lifespan.startup
+        await self.registration.aregister()
+        await send({"type": "lifespan.startup.complete"})
+        while (await receive())["type"] != "lifespan.shutdown":
+            pass
+        await self.registration.aderegister()
+        await send({"type": "lifespan.shutdown.complete"})

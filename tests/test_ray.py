@@ -1,0 +1,218 @@
+"""ServerClient across process boundaries: it pickles and copies without its live state, and Ray actors post
+rollouts through pickled clients to a live data server.
+
+Ray runs on this machine only: a local cluster with two CPUs, no dashboard, no usage stats, a small object store,
+and the node address pinned to loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray take 127.0.0.1 as the
+node IP instead of the address of the machine's network interface).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib.util
+import multiprocessing
+import os
+import pickle
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from gym_rpc.client.http import HttpPools, close_http_sessions
+from gym_rpc.client.rollout import rollout_context
+from gym_rpc.client.server_client import ServerClient, _PendingDictConfig
+from gym_rpc.config import BaseServerConfig, GlobalConfig
+from gym_rpc.demo import MODEL_SERVER, RESOURCES_SERVER, DemoStats, model_app, resources_app
+from gym_rpc.registration import ServerRegistration
+from tests.conftest import LOOPBACK, closed_port, document, server_entry
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO_ROOT / "examples" / "ray_rollouts.py"
+RAY_TIME_BUDGET = 30
+RAY_ENVIRONMENT = {
+    "RAY_USAGE_STATS_ENABLED": "0",  # no usage report
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # "no cluster": node IP 127.0.0.1, not the interface's address
+}
+
+
+class Recorder:
+    """A data server that answers 200 with the path it saw, and remembers every path."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        self.app = web.Application()
+        self.app.router.add_route("*", "/{tail:.*}", self.record)
+
+    async def record(self, request: web.Request) -> web.Response:
+        self.paths.append(request.raw_path)
+        return web.json_response({"path": request.raw_path})
+
+
+def client_for(doc: dict[str, Any], head_port: int | None = None) -> ServerClient:
+    head = BaseServerConfig(host=LOOPBACK, port=head_port or closed_port())
+    return ServerClient._from_global_config(head, GlobalConfig.from_document(doc))
+
+
+# --- pickling and copying ----------------------------------------------------------------------------------------
+
+
+async def test_pickle_keeps_config_and_caches_and_drops_live_sessions() -> None:
+    doc = document(
+        {"policy": server_entry(8000), "tools": server_entry(8200, "resources_servers", host="0.0.0.0")},
+        checkpoint={"enabled": True},
+        http_client={"max_connections": 7},
+    )
+    client = client_for(doc)
+    client._resolve_base_url("policy")
+    client._advertised_urls = {"tools": "http://10.0.0.9:8200"}
+    assert client.checkpoint_enabled() is True
+    sessions = client._http.sessions()  # live aiohttp sessions of this loop: not picklable themselves
+    try:
+        with pytest.raises((TypeError, AttributeError)):
+            pickle.dumps(sessions)
+        restored = pickle.loads(pickle.dumps(client))
+        assert restored._server_base_urls == {"policy": "http://127.0.0.1:8000"}
+        assert restored._advertised_urls == {"tools": "http://10.0.0.9:8200"}
+        assert restored._checkpoint_enabled is True
+        assert restored._global_config == client._global_config
+        assert restored.head_server_config == client.head_server_config
+        assert isinstance(restored.__dict__["global_config_dict"], _PendingDictConfig)  # still built lazily
+        assert (
+            restored.global_config_dict["policy"]["responses_api_models"]["responses_api_models_impl"]["port"]
+            == 8000
+        )
+        assert isinstance(restored._http, HttpPools) and restored._http is not client._http
+        assert restored._http.settings.max_connections == 7
+        assert restored._http._last is None  # reconnects on first use
+        assert not sessions.data.closed  # the original keeps its sessions
+        assert restored._resolve_base_url("tools") == "http://10.0.0.9:8200"  # the cache travelled
+    finally:
+        await close_http_sessions()
+
+
+async def test_copies_get_their_own_pools() -> None:
+    client = client_for(document({"policy": server_entry(8000)}))
+    client._resolve_base_url("policy")
+    client._http.sessions()
+    try:
+        shallow, deep = copy.copy(client), copy.deepcopy(client)
+        for clone in (shallow, deep):
+            assert clone._http is not client._http and clone._http._last is None
+            assert clone._http.settings == client._http.settings
+            assert clone._resolve_base_url("policy") == "http://127.0.0.1:8000"
+        assert shallow._server_base_urls is client._server_base_urls  # shallow: the same cache
+        assert deep._server_base_urls is not client._server_base_urls
+        assert deep._server_base_urls == client._server_base_urls
+    finally:
+        await close_http_sessions()
+
+
+def post_rollouts_in_this_process(pickled_client: bytes, rollout_ids: list[str]) -> tuple[int, list[int]]:
+    """Runs in another process: unpickle the client and post one rollout per id."""
+    client: ServerClient = pickle.loads(pickled_client)
+
+    async def run() -> list[int]:
+        statuses = []
+        for rollout_id in rollout_ids:
+            with rollout_context(rollout_id):
+                response = await client.post("policy", "/v1/responses", json={"input": rollout_id})
+                statuses.append(response.status)
+                response.release()
+        await client.aclose()
+        return statuses
+
+    return os.getpid(), asyncio.run(run())
+
+
+async def test_a_pickled_client_works_in_a_spawned_process(http_server) -> None:
+    recorder = Recorder()
+    port = await http_server(recorder.app)
+    client = client_for(document({"policy": server_entry(port)}, observability_enabled=True))
+    client._http.sessions()  # the parent's live state must not travel
+    try:
+        pickled = pickle.dumps(client)
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            future = pool.submit(post_rollouts_in_this_process, pickled, ["spawned-1", "spawned-2"])
+            pid, statuses = await asyncio.to_thread(future.result, 60)
+        assert pid != os.getpid() and statuses == [200, 200]
+        assert recorder.paths == ["/ng-rollout/spawned-1/v1/responses", "/ng-rollout/spawned-2/v1/responses"]
+    finally:
+        await close_http_sessions()
+
+
+# --- Ray ---------------------------------------------------------------------------------------------------------
+
+
+def load_example() -> ModuleType:
+    """examples/ray_rollouts.py, whose actors the Ray test runs (so the example cannot rot)."""
+    spec = importlib.util.spec_from_file_location("ray_rollouts_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def start_local_ray(ray: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local Ray on loopback: no dashboard, no usage stats, a small object store, workers that import tests."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    constants = sys.modules.get("ray._private.ray_constants")  # read at import: right if ray came in earlier
+    if constants is not None:
+        monkeypatch.setattr(constants, "ENABLE_RAY_CLUSTER", False, raising=False)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=80 * 1024 * 1024,
+        log_to_driver=False,
+        configure_logging=False,
+        namespace=f"gym-rpc-test-{os.getpid()}",
+    )
+    addresses = {node["NodeManagerAddress"] for node in ray.nodes()}
+    if addresses != {LOOPBACK}:
+        ray.shutdown()
+        pytest.fail(f"Ray chose node addresses {addresses}, not loopback only")
+
+
+async def test_ray_actors_post_rollouts_through_pickled_clients(
+    head_factory, http_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in RAY_ENVIRONMENT.items():  # before the import: Ray reads some of them at import time
+        monkeypatch.setenv(name, value)
+    ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'gym-rpc[ray]' (in the dev extra)")
+    example = load_example()
+    started = time.monotonic()
+    stats = DemoStats()
+    model_port, resources_port = await http_server(model_app(stats)), await http_server(resources_app(stats))
+    # The model server binds a wildcard address on a port only its registration tells: every actor must ask the
+    # head (over its own, lazily opened channel) to reach it. The resources server is listed plainly.
+    doc = document(
+        {
+            MODEL_SERVER: server_entry(closed_port(), host="0.0.0.0"),
+            RESOURCES_SERVER: server_entry(resources_port, "resources_servers"),
+        },
+        observability_enabled=True,
+    )
+    head = await head_factory(doc)
+    head_server = BaseServerConfig(host=LOOPBACK, port=head.port)
+    registration = ServerRegistration(MODEL_SERVER, model_port, head=head_server, refresh_seconds=None)
+    assert await registration.aregister()
+    client = await asyncio.to_thread(ServerClient.load_from_global_config, head_server)
+    client._http.sessions()  # live state in the driver, which must not travel
+
+    await asyncio.to_thread(start_local_ray, ray, monkeypatch)
+    try:  # three actors, each given the client (Ray pickles it), four rollouts each
+        results = await asyncio.wait_for(asyncio.to_thread(example.run_rollouts, client, 3, 4), RAY_TIME_BUDGET)
+    finally:
+        await asyncio.to_thread(ray.shutdown)
+        await close_http_sessions()
+    assert [r["rewards"] for r in results] == [[1.0] * 4] * 3
+    assert len({r["pid"] for r in results} | {os.getpid()}) == 4  # three actor processes besides this one
+    every_id = {f"worker{w}-task{t}" for w in range(3) for t in range(4)}
+    assert stats.rollout_ids_seen == every_id  # from the /ng-rollout/<id> prefix of every model call
+    assert (stats.model_calls, stats.verify_calls) == (12, 12)
+    assert time.monotonic() - started < RAY_TIME_BUDGET
