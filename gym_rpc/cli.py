@@ -220,7 +220,7 @@ def _watch(client: SyncControlClient, instances: dict[str, ServerInstance], *, a
             for event in client.watch_server_statuses(revision):
                 failures = 0
                 if event.kind == "snapshot":
-                    reports = {r.server_name: r for r in event.reports}
+                    reports = {}
                 reports.update((r.server_name, r) for r in event.reports)
                 revision = event.revision
                 if event.kind == "heartbeat":

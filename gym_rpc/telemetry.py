@@ -119,8 +119,13 @@ def environment_choice(environ: Mapping[str, str]) -> bool | None:
 
 def decide_tracing(environ: Mapping[str, str], observability_enabled: bool, application_provider: bool) -> bool:
     """The rule of this module's docstring, as a pure function."""
-    choice = environment_choice(environ)
-    return observability_enabled and application_provider if choice is None else choice
+    return _decision(environment_choice(environ), observability_enabled, application_provider)
+
+
+def _decision(environment_says: bool | None, observability_enabled: bool, application_provider: bool) -> bool:
+    if environment_says is not None:
+        return environment_says
+    return observability_enabled and application_provider
 
 
 def _application_provider_installed() -> bool:
@@ -147,8 +152,7 @@ def setup_tracing(observability_enabled: bool = False, *, service_name: str | No
         if not TRACING.decided:
             TRACING.environment_says = environment_choice(os.environ)
             TRACING.decided = True
-        choice = TRACING.environment_says
-        turn_on = choice if choice is not None else observability_enabled and _application_provider_installed()
+        turn_on = _decision(TRACING.environment_says, observability_enabled, _application_provider_installed())
         if turn_on and not TRACING.enabled:
             _ensure_tracer_provider(service_name)
             TRACING.enabled = True

@@ -59,8 +59,11 @@ async def read_until(
     deadline = time.monotonic() + timeout
     while not seen or not done(seen[-1]):
         remaining = deadline - time.monotonic()
-        assert remaining > 0, f"no matching event within {timeout}s; saw {seen}"
-        seen.append(await next_event(events, remaining))
+        try:
+            assert remaining > 0
+            seen.append(await next_event(events, remaining))
+        except (AssertionError, TimeoutError):
+            raise AssertionError(f"no matching event within {timeout}s; saw {seen}") from None
     return seen
 
 

@@ -282,7 +282,7 @@ class ServerClient(BaseModel):
             if entry is None:
                 raise UnknownServerError(server_name, list(servers))
             advertised = self._advertised_base_urls().get(server_name) if is_wildcard_host(entry.host) else None
-            url = self._server_base_urls[server_name] = advertised or self._build_server_base_url(entry.config)
+            url = self._server_base_urls[server_name] = advertised or entry.url
         return url
 
     async def _aresolve_base_url(self, server_name: str) -> str:
@@ -403,8 +403,6 @@ class ServerClient(BaseModel):
             report = control.get_server_status(server_name)
         except HeadUnreachableError:
             return "connection_error"
-        except UnknownServerError:
-            raise
         except ControlPlaneError as exc:
             logger.warning("status of %s: %s", server_name, exc)
             return "unknown_error"

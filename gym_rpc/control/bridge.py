@@ -204,15 +204,15 @@ class BridgeHead:
             security=security,
         )
         self.port = security.add_port(server, self.options.host, self.options.port)
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.options.fetch_timeout_seconds), trust_env=False
+        )
+        await self.prober.start()  # before the first call can arrive: handlers read its reports
         await server.start()
         self._server = server
         self.config = self.config.with_head_server(self.options.host, self.port)
         await self._health.set("", _NOT_SERVING)
         await self._health.set(SERVICE_NAME, _NOT_SERVING)
-        self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.options.fetch_timeout_seconds), trust_env=False
-        )
-        await self.prober.start()
         await self.refresh()  # one bounded attempt, so a reachable upstream is served from the first call
         self._refresher = asyncio.create_task(self._refresh_forever(), name="gym_rpc bridge refresher")
 
@@ -224,17 +224,13 @@ class BridgeHead:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresher
             self._refresher = None
-        await self.prober.stop()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
         if self._server is not None:
             await self._server.stop(self.options.shutdown_grace_seconds)
             self._server = None
-
-    async def wait_for_termination(self) -> None:
-        if self._server is not None:
-            await self._server.wait_for_termination()
+        await self.prober.stop()  # after the last call: in-flight handlers still read and probe through it
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def reload(self) -> bool:
         """Fetch from the upstream now (ReloadGlobalConfig, SIGHUP); True when the config changed."""

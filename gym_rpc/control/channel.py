@@ -23,7 +23,8 @@ HEAD_ADDRESS_ENV_VAR = "GYM_RPC_HEAD"
 DEFAULT_TIMEOUT_SECONDS = 5.0
 SERVICE = "gym_rpc.v1.ControlPlaneService"
 
-# Every ControlPlaneService RPC reads state (ReloadGlobalConfig re-reads a file), so all may be retried.
+# Every ControlPlaneService RPC may be retried: most read state, and the ones that change it are idempotent
+# (ReloadGlobalConfig re-reads a file; Register/DeregisterServerInstance set or clear one entry).
 _SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
@@ -94,6 +95,9 @@ def aio_channel(address: str, tls: ClientTls | None = None) -> grpc.aio.Channel:
     loop = asyncio.get_running_loop()
     key = (address, tls, tracing_enabled())
     with _lock:
+        # A channel holds its loop, so the weak key alone never lets an ended loop go: drop those here.
+        for ended in [other for other in _aio_channels if other.is_closed()]:
+            del _aio_channels[ended]
         channels = _aio_channels.setdefault(loop, {})
         channel = channels.get(key)
         if channel is None:

@@ -116,6 +116,7 @@ class HeadServer:
         if security.health_port is not None:  # bound before anything starts: a busy port starts nothing
             health_server = build_health_server(self._health)
             self.health_port = ServerSecurity().add_port(health_server, self.host, security.health_port)
+        await self.prober.start()  # before the first call can arrive: handlers read its reports
         await server.start()
         self._server = server
         if health_server is not None:
@@ -124,7 +125,6 @@ class HeadServer:
         self.config = self.config.with_head_server(self.host, self.port)
         await self._health.set("", _SERVING)
         await self._health.set(SERVICE_NAME, _SERVING)
-        await self.prober.start()
         if http_port is not None:
             http_head = HttpHead(self)
             try:
@@ -140,17 +140,13 @@ class HeadServer:
         if self._http_head is not None:
             await self._http_head.stop()
             self._http_head = None
-        await self.prober.stop()
         if self._server is not None:
             await self._server.stop(self.options.shutdown_grace_seconds)
             self._server = None
+        await self.prober.stop()  # after the last call: in-flight handlers still read and probe through it
         if self._health_server is not None:
             await self._health_server.stop(None)
             self._health_server = None
-
-    async def wait_for_termination(self) -> None:
-        if self._server is not None:
-            await self._server.wait_for_termination()
 
     async def reload(self) -> bool:
         """Re-read the config file; True when its content changed. A bad file keeps the old config."""
