@@ -29,24 +29,42 @@ HEAD_SERVER_KEY = "head_server"
 DEFAULT_HEAD_HOST = "127.0.0.1"
 DEFAULT_HEAD_PORT = 11000
 REDACTED = "<redacted>"
-SECRET_KEY_MARKERS = ("api_key", "apikey", "token", "secret", "secrets", "password")
+SECRET_KEY_MARKERS = (
+    "api_key",
+    "apikey",
+    "token",
+    "secret",
+    "secrets",
+    "password",
+    "authorization",
+    "credential",
+    "credentials",
+    "private_key",
+)
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
 
 
 class BaseServerConfig(BaseModel):
     """Where a server listens."""
 
-    model_config = ConfigDict(extra="allow")
+    # Errors never quote the input: a head_server block carries auth_token.
+    model_config = ConfigDict(extra="allow", hide_input_in_errors=True)
 
     host: str
     port: int
+
+    def __repr_args__(self) -> Any:
+        """repr() and str() show extras such as auth_token redacted (ServerClient's repr nests this model)."""
+        for key, value in super().__repr_args__():
+            secret = key is not None and is_secret_key(key) and _may_be_secret(value)
+            yield key, REDACTED if secret else redact_secrets(value)
 
 
 class HeadTlsConfig(BaseModel):
     """`head_server.tls`: the head's certificate (and, for mutual TLS, the CA its clients' certificates come
     from); clients read the CA they trust (and their own certificate) from the same block or the environment."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     cert_file: str | None = None  # head: its certificate chain (PEM)
     key_file: str | None = None  # head: its private key (PEM)
@@ -60,7 +78,7 @@ class HeadTlsConfig(BaseModel):
 class HeadSecurityConfig(BaseModel):
     """The security keys of `head_server`: a bearer token, TLS, and a plaintext port serving only health."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, hide_input_in_errors=True)
 
     auth_token: str | None = None
     tls: HeadTlsConfig | None = None
@@ -206,8 +224,8 @@ def _enabled(value: Any) -> bool:
 class GlobalConfig:
     """The typed, read-only view of one global-config document."""
 
-    document: dict[str, Any]
-    head_server: BaseServerConfig
+    document: dict[str, Any] = field(repr=False)  # holds secrets (API keys, the head's token)
+    head_server: BaseServerConfig = field(repr=False)
     servers: dict[str, ServerEntry] = field(repr=False)
     checkpoint_enabled: bool
     observability_enabled: bool
@@ -288,8 +306,10 @@ def _declared_header(entry: ServerEntry) -> bytes | None:
     if value is None and (package := entry.config.get("harness_package")):
         try:
             module = importlib.import_module(str(package))
-        except ImportError as exc:
-            raise ConfigError(f"server {entry.name!r}: cannot import harness_package {package!r}: {exc}") from exc
+        except Exception as exc:  # a broken package raises anything at import (SyntaxError, RuntimeError, ...)
+            raise ConfigError(
+                f"server {entry.name!r}: cannot import harness_package {package!r}: {type(exc).__name__}: {exc}"
+            ) from exc
         value = getattr(module, "ASSISTANT_MESSAGE_HEADER", None)
     if value is None or isinstance(value, bytes):
         return value

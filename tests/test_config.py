@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from gym_rpc.client.http import HttpClientSettings
 from gym_rpc.config import (
     DEFAULT_HEAD_HOST,
     DEFAULT_HEAD_PORT,
@@ -18,6 +20,7 @@ from gym_rpc.config import (
     connectable_host,
     default_config_text,
     get_first_server_config_dict,
+    is_secret_key,
     load_config_file,
     parse_config_text,
     redact_secrets,
@@ -313,6 +316,32 @@ def test_redaction_keeps_flags_and_numbers_under_secret_looking_keys() -> None:
     }
 
 
+@pytest.mark.parametrize(
+    "key",
+    [
+        "Authorization",
+        "proxy_authorization",
+        "credential",
+        "gcp_credentials",
+        "private_key",
+        "privateKey",
+        "ssh_private_key_pem",
+        "hf_token",
+        "DB_PASSWORD",
+    ],
+)
+def test_secret_keys_match_markers_as_whole_words(key: str) -> None:
+    assert is_secret_key(key)
+    assert redact_secrets({key: "value"}) == {key: REDACTED}
+
+
+@pytest.mark.parametrize(
+    "key", ["max_tokens", "tokenizer", "private", "key", "private_keys_dir", "credentialing", "authorized"]
+)
+def test_ordinary_keys_are_not_secret(key: str) -> None:
+    assert not is_secret_key(key)
+
+
 def test_redacted_json_hides_secrets_and_config_json_keeps_them() -> None:
     config = GlobalConfig.from_document({"model": entry(api_key="sk-live")})
     assert "sk-live" in config.config_json
@@ -371,3 +400,35 @@ def test_with_head_server_when_the_document_has_none() -> None:
     config = GlobalConfig.from_document({"model": entry()})
     moved = config.with_head_server("::1", 12345)
     assert moved.document["head_server"] == {"host": "::1", "port": 12345}
+
+
+# --- http_client ---
+
+
+@pytest.mark.parametrize("multiplier", [0, -1, 0.5])
+def test_retry_multiplier_below_one_is_a_config_error(multiplier: float) -> None:
+    with pytest.raises(ConfigError, match="multiplier"):
+        HttpClientSettings.from_document({"http_client": {"retry": {"multiplier": multiplier}}})
+    assert HttpClientSettings.from_document({"http_client": {"retry": {"multiplier": 1}}}).retry.multiplier == 1
+
+
+# --- assistant message headers ---
+
+
+@pytest.mark.parametrize(
+    ("source", "error"),
+    [("raise RuntimeError('boom at import')\n", "RuntimeError"), ("def broken(:\n", "SyntaxError")],
+)
+def test_a_harness_package_that_fails_to_import_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, error: str
+) -> None:
+    module_name = f"gym_rpc_test_broken_harness_{error.lower()}"
+    (tmp_path / f"{module_name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module_name, raising=False)
+    harness = {"harness_package": module_name, "model_server": {"type": "responses_api_models", "name": "model"}}
+    config = GlobalConfig.from_document(
+        {"model": entry(8000), "agent": entry(8100, "127.0.0.1", "agents", **harness)}
+    )
+    with pytest.raises(ConfigError, match=rf"'agent'.*{module_name}.*{error}"):
+        config.assistant_message_header("model")

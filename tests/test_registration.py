@@ -23,7 +23,7 @@ from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.control.client import ControlClient, SyncControlClient
 from gym_rpc.control.head import HeadServer
-from gym_rpc.control.registry import advertised_host, peer_host
+from gym_rpc.control.registry import advertised_host, is_valid_host, peer_host
 from gym_rpc.errors import ControlPlaneError, UnknownServerError
 from gym_rpc.registration import (
     RegistrationLifespan,
@@ -148,6 +148,33 @@ async def test_register_errors(head_factory) -> None:
             await control.register_server_instance(name, listen_port=port)
     with pytest.raises(ControlPlaneError, match=r"INVALID_ARGUMENT.*pid"):
         await control.register_server_instance("policy", listen_port=1, pid=-1)
+
+
+@pytest.mark.parametrize("host", ["10.0.0.5:8000", "evil.example/x#", "user@node", "a b", "[10.0.0.5]", "-x.y"])
+def test_is_valid_host_refuses_what_could_rewrite_a_url(host: str) -> None:
+    assert not is_valid_host(host)
+
+
+async def test_register_refuses_hosts_that_are_not_hosts(head_factory) -> None:
+    head = await head_factory(wildcard_doc(policy=8000))
+    control = ControlClient(head.address)
+    for bad in ("10.0.0.5:8000", "evil.example/x#"):
+        for field in ("listen_host", "advertise_host"):
+            hosts: dict[str, Any] = {field: bad}
+            with pytest.raises(ControlPlaneError, match=f"INVALID_ARGUMENT.*{field}") as refused:
+                await control.register_server_instance("policy", listen_port=8001, **hosts)
+            assert refused.value.code == "INVALID_ARGUMENT"
+    assert (await instances(head))["policy"].advertised_url == ""  # nothing was registered
+    for good, url_host in [
+        ("10.0.0.5", "10.0.0.5"),
+        ("::1", "[::1]"),
+        ("[::1]", "[::1]"),
+        ("node-3.cluster.local", "node-3.cluster.local"),
+    ]:
+        for field in ("listen_host", "advertise_host"):
+            hosts = {field: good}
+            url = await control.register_server_instance("policy", listen_port=8001, **hosts)
+            assert url == f"http://{url_host}:8001", (field, good)
 
 
 async def test_registration_needs_the_token(head_factory, caplog) -> None:

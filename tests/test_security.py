@@ -266,6 +266,50 @@ def test_token_precedence_and_redacted_placeholders(monkeypatch) -> None:
 # --- secret redaction ---
 
 
+def test_reprs_never_show_the_token_or_keys(monkeypatch, pki: Pki) -> None:
+    doc = secured_doc(8000, auth_token=TOKEN)
+    config = GlobalConfig.from_document(doc)
+    head = BaseServerConfig.model_validate({"host": LOOPBACK, "port": 1, "auth_token": TOKEN, "max_tokens": 5})
+    client_tls = {
+        "ca_file": str(pki.ca),
+        "client_cert_file": str(pki.client_cert),
+        "client_key_file": str(pki.client_key),
+    }
+    security = client_security({"host": LOOPBACK, "port": 1, "tls": client_tls, "auth_token": TOKEN})
+    assert security.tls is not None and security.tls.private_key
+    key_text = security.tls.private_key.decode()
+    monkeypatch.setenv("NEMO_GYM_CONFIG_DICT", json.dumps(doc))
+    injected = ServerClient.load_from_global_config()
+    shown = {
+        "GlobalConfig": repr(config),
+        "BaseServerConfig": repr(head),
+        "str(BaseServerConfig)": str(head),
+        "ServerSecurity": repr(ServerSecurity(token=TOKEN)),
+        "ClientTls": repr(security.tls),
+        "ServerClient": repr(injected),
+    }
+    for what, text in shown.items():
+        assert TOKEN not in text and API_KEY not in text, what
+        assert "PRIVATE KEY" not in text and key_text[40:80] not in text, what
+    assert f"auth_token='{REDACTED}'" in repr(head) and "max_tokens=5" in repr(head)  # whole words only
+    assert "auth_token" in shown["ServerClient"]  # the nested head_server_config is shown, redacted
+    assert injected.head_server_config.model_extra == {"auth_token": TOKEN}  # the value itself is kept
+
+
+@pytest.mark.parametrize(
+    "head_server",
+    [
+        {"port": 1, "auth_token": "s3cret"},  # no host
+        {"host": LOOPBACK, "port": 1, "auth_token": "s3cret", "health_port": 70000},
+        {"host": LOOPBACK, "port": 1, "auth_token": "s3cret", "tls": {"cert": "s3cret"}},
+    ],
+)
+def test_config_errors_never_quote_the_head_server_block(head_server: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="head_server") as caught:
+        GlobalConfig.from_document({"head_server": head_server})
+    assert "s3cret" not in str(caught.value)
+
+
 async def test_secrets_only_for_authenticated_callers_who_ask(head_factory, http_server) -> None:
     head = await head_factory(secured_doc(await http_server(), auth_token=TOKEN))
     client = ControlClient(head.address, security=authed())

@@ -12,8 +12,11 @@ import yaml
 from aiohttp import web
 
 from gym_rpc.control.client import ControlClient, WatchEvent
+from gym_rpc.control.convert import seconds_to_duration
 from gym_rpc.control.head import HeadServer
+from gym_rpc.control.servicer import ControlPlaneServicer
 from gym_rpc.status import ServerStatus
+from gym_rpc.v1 import control_plane_pb2 as pb
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 PROBE_INTERVAL = 0.1
@@ -214,3 +217,28 @@ async def test_reload_removing_a_server_sends_a_fresh_snapshot(head_factory, htt
     fresh = seen[-1]
     assert fresh.compacted and [r.server_name for r in fresh.reports] == ["kept"]
     assert_revisions_rise(seen)
+
+
+async def test_changes_recorded_while_the_snapshot_is_being_sent_still_follow_it(head_factory, http_server):
+    """Regression: the stream's position is the snapshot's revision, taken before the snapshot is handed to gRPC,
+    not whatever the prober reached by the time the send finished."""
+    head = await head_factory(document({"live": server_entry(await http_server())}), probe_interval_seconds=3600.0)
+    await head.prober.stop()  # no background rounds: this test decides when the prober records
+    await head.prober.start()
+    servicer = ControlPlaneServicer(head)
+    request = pb.WatchServerStatusesRequest()
+    request.heartbeat_interval.CopyFrom(seconds_to_duration(0.05))
+    stream = cast(AsyncGenerator[pb.WatchServerStatusesResponse, None], servicer._watch(request))
+    try:
+        snapshot = await anext(stream)  # the generator now stands at the snapshot's yield, as during a send
+        assert snapshot.type == pb.WATCH_EVENT_TYPE_SNAPSHOT
+        assert [r.status for r in snapshot.reports] == [pb.SERVER_STATUS_UNSPECIFIED]
+        await head.prober.probe_all()  # a change lands before the stream resumes
+        change = await asyncio.wait_for(anext(stream), 2.0)
+        assert change.type == pb.WATCH_EVENT_TYPE_CHANGE
+        assert [(r.server_name, r.status) for r in change.reports] == [("live", pb.SERVER_STATUS_SUCCESS)]
+        assert change.revision == head.prober.revision > snapshot.revision
+        heartbeat = await asyncio.wait_for(anext(stream), 2.0)
+        assert heartbeat.type == pb.WATCH_EVENT_TYPE_HEARTBEAT and heartbeat.revision == change.revision
+    finally:
+        await stream.aclose()

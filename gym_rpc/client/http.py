@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
 
 from gym_rpc.errors import ConfigError, ServerUnreachableError
 
@@ -33,12 +33,12 @@ _TCP_KEEPALIVE_PROBES = 5
 class RetryPolicy(BaseModel):
     """Bounded exponential backoff with jitter for resending after a dropped connection."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
     attempts: PositiveInt = 3
     initial_backoff_seconds: PositiveFloat = 0.05
     max_backoff_seconds: PositiveFloat = 1.0
-    multiplier: float = 2.0
+    multiplier: float = Field(default=2.0, ge=1.0)  # below 1 the backoff shrinks (or flips sign) per attempt
 
     def backoff_seconds(self, failed_attempts: int) -> float:
         """The pause after the n-th failure: exponential, capped, with half of it random (no thundering herd)."""
@@ -51,7 +51,7 @@ class RetryPolicy(BaseModel):
 class HttpClientSettings(BaseModel):
     """The optional `http_client:` block of the global config; every key has a default."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
     max_connections: PositiveInt = 1024
     max_connections_per_host: NonNegativeInt = 0  # 0: only max_connections bounds one host

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional, Self
 
 import aiohttp
 from omegaconf import DictConfig, OmegaConf
-from pydantic import BaseModel, ConfigDict, PrivateAttr, field_serializer
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer
 
 from gym_rpc.client.http import RESENDABLE_ERRORS, HttpClientSettings, HttpPools, resend
 from gym_rpc.client.rollout import (
@@ -157,7 +157,7 @@ class ServerClient(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     head_server_config: BaseServerConfig
-    global_config_dict: DictConfig
+    global_config_dict: DictConfig = Field(repr=False)  # the whole document, API keys included
 
     _server_base_urls: dict[str, str] = PrivateAttr(default_factory=dict)
     _checkpoint_enabled: Optional[bool] = PrivateAttr(default=None)  # noqa: UP045 (the seed's spelling)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -48,6 +49,29 @@ def peer_host(peer: str) -> str | None:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return str(address.ipv4_mapped)
     return host if "%" in host else str(address)
+
+
+_HOSTNAME_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+_ZONE_ID = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def is_valid_host(host: str) -> bool:
+    """An IP literal (IPv6 optionally bracketed) or an RFC 1123 hostname: nothing that could smuggle a port, a
+    path, userinfo or a fragment into the URL the head advertises for a server."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    address, _, zone = bare.partition("%")  # an IPv6 zone ("fe80::1%eth0") names an interface
+    try:
+        version = ipaddress.ip_address(address).version
+    except ValueError:
+        pass
+    else:
+        if zone and not (version == 6 and _ZONE_ID.fullmatch(zone)):
+            return False
+        return bare == host or version == 6  # only IPv6 literals are bracketed
+    if bare != host or len(host) > 253:
+        return False
+    labels = host.removesuffix(".").split(".")
+    return all(_HOSTNAME_LABEL.fullmatch(label) for label in labels)
 
 
 def advertised_host(listen_host: str, advertise_host: str, peer: str) -> str:

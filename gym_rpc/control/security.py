@@ -19,7 +19,7 @@ import hmac
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -98,7 +98,7 @@ def _configured_token(value: str | None) -> str | None:
 class ServerSecurity:
     """How a control-plane server guards its port."""
 
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     tls: HeadTlsConfig | None = None
     health_port: int | None = None
 
@@ -256,7 +256,7 @@ class ClientTls:
     """What a client channel needs for TLS, read from files once; hashable, so channels can be shared by it."""
 
     root_certificates: bytes | None = None  # None: the system's roots
-    private_key: bytes | None = None
+    private_key: bytes | None = field(default=None, repr=False)
     certificate_chain: bytes | None = None
     server_name: str | None = None
 

@@ -14,10 +14,10 @@ from typing import Any, Protocol
 
 import grpc
 
-from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url
+from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url, is_wildcard_host
 from gym_rpc.control import convert
 from gym_rpc.control.prober import StatusProber
-from gym_rpc.control.registry import InstanceRegistry
+from gym_rpc.control.registry import InstanceRegistry, is_valid_host
 from gym_rpc.control.security import DEFAULT_MAX_CONCURRENT_WATCHES, caller_is_authenticated
 from gym_rpc.errors import ConfigError, UnknownServerError
 from gym_rpc.status import StatusReport
@@ -120,8 +120,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             heartbeat = max(MIN_HEARTBEAT_SECONDS, request.heartbeat_interval.ToNanoseconds() / 1e9)
         seen = request.start_revision
         if seen == 0 or seen > prober.revision:  # a revision from the future was issued by another head
-            yield _snapshot(prober.revision, prober.reports(), compacted=seen != 0)
-            seen = prober.revision
+            # Taken before the yield: the prober may record changes while the snapshot is being sent, and those
+            # must follow it rather than be skipped.
+            snapshot_revision = prober.revision
+            yield _snapshot(snapshot_revision, prober.reports(), compacted=seen != 0)
+            seen = snapshot_revision
         while True:
             changes = prober.changes_since(seen)
             if changes.compacted:
@@ -134,7 +137,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
                 )
             seen = changes.revision
             if not await prober.wait_for_change(seen, heartbeat):
-                yield pb.WatchServerStatusesResponse(type=pb.WATCH_EVENT_TYPE_HEARTBEAT, revision=prober.revision)
+                # The revision this stream has delivered: a resume from it misses nothing.
+                yield pb.WatchServerStatusesResponse(type=pb.WATCH_EVENT_TYPE_HEARTBEAT, revision=seen)
 
     async def ListServerInstances(
         self, request: pb.ListServerInstancesRequest, context: Context
@@ -178,6 +182,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "listen_port must be in 1..65535")
         if request.pid < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pid must not be negative")
+        await _require_valid_hosts(request, context)
         registration = convert.registration_from_pb(request, context.peer(), time.time())
         head = self._head
         head.registry.register(registration)
@@ -223,6 +228,20 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         if remaining is None:
             return default
         return max(0.001, min(MAX_PROBE_SECONDS, remaining - DEADLINE_MARGIN_SECONDS))
+
+
+async def _require_valid_hosts(request: pb.RegisterServerInstanceRequest, context: Context) -> None:
+    """Refuse hosts that are neither IP literals nor hostnames: the head builds advertised URLs from them, which
+    clients then dial (a host like "evil.example/x#" would rewrite the URL)."""
+    listen_host, advertise_host = request.listen_host.strip(), request.advertise_host.strip()
+    if listen_host and not (is_wildcard_host(listen_host) or is_valid_host(listen_host)):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _bad_host_message("listen_host", listen_host))
+    if advertise_host and not is_valid_host(advertise_host):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _bad_host_message("advertise_host", advertise_host))
+
+
+def _bad_host_message(field: str, host: str) -> str:
+    return f"{field} {host!r} is neither an IP address nor a hostname (letters, digits, hyphens and dots; no port)"
 
 
 def _config_response(config: GlobalConfig, include_secrets: bool) -> pb.GetGlobalConfigResponse:
