@@ -261,6 +261,23 @@ async def test_server_client_dials_the_registered_address(head_factory, http_ser
         await close_http_sessions()
 
 
+async def test_a_server_registering_after_the_first_lookup_is_found_later(head_factory, http_server, monkeypatch):
+    """The loopback stand-in of an unregistered wildcard server is not cached: once the retry interval passes,
+    the client asks the head again and dials the registered address from then on."""
+    import gym_rpc.client.server_client as server_client_module
+
+    port = await http_server()
+    head = await head_factory(wildcard_doc(policy=closed_port()))
+    client = await asyncio.to_thread(ServerClient.load_from_global_config, head_config(head))
+    loopback = f"http://127.0.0.1:{head.config.servers['policy'].port}"
+    assert await client._aresolve_base_url("policy") == loopback  # not registered yet
+    await ControlClient(head.address).register_server_instance("policy", listen_port=port)
+    assert await client._aresolve_base_url("policy") == loopback  # within the retry interval: not asked again
+    monkeypatch.setattr(server_client_module, "ADVERTISED_RETRY_SECONDS", 0.0)
+    assert await client._aresolve_base_url("policy") == f"http://127.0.0.1:{port}"
+    assert client._server_base_urls["policy"] == f"http://127.0.0.1:{port}"  # found: cached for good
+
+
 async def test_server_client_falls_back_to_loopback_when_the_head_cannot_say(caplog) -> None:
     config = GlobalConfig.from_document(wildcard_doc(policy=8000))
     client = ServerClient._from_global_config(BaseServerConfig(host=LOOPBACK, port=closed_port()), config)

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional, Self
 
@@ -43,7 +44,7 @@ from gym_rpc.config import (
 )
 from gym_rpc.control.channel import HEAD_ADDRESS_ENV_VAR, head_address
 from gym_rpc.control.client import SyncControlClient
-from gym_rpc.control.security import client_security
+from gym_rpc.control.security import ClientSecurity, client_security
 from gym_rpc.errors import ConfigError, ControlPlaneError, GymRpcError, HeadUnreachableError, UnknownServerError
 from gym_rpc.status import ServerStatus
 from gym_rpc.telemetry import TRACING, setup_tracing, traced_send
@@ -84,6 +85,9 @@ _GLOBAL_CONFIG_DICT_FIELD = "global_config_dict"
 _HTTP_SETTINGS_STATE_KEY = "gym_rpc_http_settings"
 # Bound on the one ListServerInstances call a client makes to learn where wildcard-bound servers registered.
 ADVERTISED_LOOKUP_TIMEOUT_SECONDS = 2.0
+# A wildcard-bound server not registered yet (or a head that could not say) is dialled on loopback meanwhile and
+# asked about again at most this often, so a server registering after the client started is still found.
+ADVERTISED_RETRY_SECONDS = 5.0
 _advertised_lock = threading.Lock()
 
 
@@ -165,6 +169,9 @@ class ServerClient(BaseModel):
     _http: HttpPools = PrivateAttr()
     # name -> advertised URL of the servers that registered with the head; None until first needed.
     _advertised_urls: Optional[dict[str, str]] = PrivateAttr(default=None)  # noqa: UP045 (as the fields above)
+    _advertised_fetched_at: float = PrivateAttr(default=0.0)  # wall clock (it crosses processes), 0: never
+    # Token and TLS for calls to the head, read once (TLS files included) rather than per poll.
+    _security: Optional[ClientSecurity] = PrivateAttr(default=None)  # noqa: UP045 (as the fields above)
 
     def model_post_init(self, context: Any) -> None:
         """Build the typed view every lookup uses, once (or take the one the caller already has)."""
@@ -272,44 +279,54 @@ class ServerClient(BaseModel):
     def _resolve_base_url(self, server_name: str) -> str:
         """The server's base URL, resolved once and cached.
 
-        A server whose config host is a wildcard (0.0.0.0, ::) is dialled where it registered with the head
-        (asked once per client, on the first such lookup), else on loopback.
+        A server whose config host is a wildcard (0.0.0.0, ::) is dialled where it registered with the head. Until
+        the head knows that address it is dialled on loopback, uncached, and the head is asked again at most every
+        ADVERTISED_RETRY_SECONDS.
         """
         url = self._server_base_urls.get(server_name)
-        if url is None:
-            servers = self._global_config.servers
-            entry = servers.get(server_name)
-            if entry is None:
-                raise UnknownServerError(server_name, list(servers))
-            advertised = self._advertised_base_urls().get(server_name) if is_wildcard_host(entry.host) else None
-            url = self._server_base_urls[server_name] = advertised or entry.url
-        return url
+        if url is not None:
+            return url
+        servers = self._global_config.servers
+        entry = servers.get(server_name)
+        if entry is None:
+            raise UnknownServerError(server_name, list(servers))
+        if not is_wildcard_host(entry.host):
+            url = self._server_base_urls[server_name] = entry.url
+            return url
+        advertised = self._advertised_base_urls().get(server_name)
+        if advertised is None:
+            return entry.url
+        self._server_base_urls[server_name] = advertised
+        return advertised
 
     async def _aresolve_base_url(self, server_name: str) -> str:
-        """`_resolve_base_url` for the event loop: the one call to the head runs in a thread, never in the loop
-        (which may be serving that head)."""
+        """`_resolve_base_url` for the event loop: a call to the head runs in a thread, never in the loop (which
+        may be serving that head)."""
         entry = self._global_config.servers.get(server_name)
-        if self._advertised_urls is None and entry is not None and is_wildcard_host(entry.host):
+        if entry is not None and is_wildcard_host(entry.host) and self._advertised_lookup_due():
             await asyncio.to_thread(self._advertised_base_urls)
         return self._resolve_base_url(server_name)
 
+    def _advertised_lookup_due(self) -> bool:
+        return (
+            self._advertised_urls is None or time.time() - self._advertised_fetched_at >= ADVERTISED_RETRY_SECONDS
+        )
+
     def _advertised_base_urls(self) -> dict[str, str]:
-        """name -> advertised URL of every registered server, fetched from the head once (empty when the head
-        cannot say: then wildcard-bound servers are dialled on loopback, as without registration)."""
-        urls = self._advertised_urls
-        if urls is None:
+        """name -> advertised URL of the servers registered with the head, fetched when a lookup is due (a head
+        that cannot say adds nothing: wildcard-bound servers are dialled on loopback meanwhile)."""
+        if self._advertised_lookup_due():
             with _advertised_lock:
-                urls = self._advertised_urls
-                if urls is None:
-                    urls = self._advertised_urls = self._fetch_advertised_urls()
-        return urls
+                if self._advertised_lookup_due():
+                    self._advertised_urls = {**(self._advertised_urls or {}), **self._fetch_advertised_urls()}
+                    self._advertised_fetched_at = time.time()
+        return self._advertised_urls or {}
 
     def _fetch_advertised_urls(self) -> dict[str, str]:
-        head = self.head_server_config
-        address = _head_address(head)
+        address = _head_address(self.head_server_config)
         try:
             control = SyncControlClient(
-                address, timeout_seconds=ADVERTISED_LOOKUP_TIMEOUT_SECONDS, security=client_security(head)
+                address, timeout_seconds=ADVERTISED_LOOKUP_TIMEOUT_SECONDS, security=self._head_security()
             )
             instances = control.list_server_instances()
         except GymRpcError as exc:
@@ -395,7 +412,7 @@ class ServerClient(BaseModel):
         control = SyncControlClient(
             _head_address(self.head_server_config),
             timeout_seconds=timeout_seconds,
-            security=client_security(self.head_server_config),
+            security=self._head_security(),
         )
         if server_name == HEAD_SERVER_KEY:
             return control.head_status()
@@ -407,6 +424,11 @@ class ServerClient(BaseModel):
             logger.warning("status of %s: %s", server_name, exc)
             return "unknown_error"
         return report.status or "unknown_error"
+
+    def _head_security(self) -> ClientSecurity:
+        if self._security is None:
+            self._security = client_security(self.head_server_config)
+        return self._security
 
     def checkpoint_enabled(self) -> bool:
         """Return whether the global checkpoint: block enables partial-rollout checkpointing."""
