@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from pathlib import Path
@@ -104,6 +105,10 @@ class ServerRegistration:
         self.start_time = process_start_time()
         self.advertised_url: str | None = None  # set while registered
         self._refresher: asyncio.Task[None] | None = None
+        # Register and deregister never overlap, and a refresh still running in its thread when deregister() is
+        # called cannot land after it: a cancelled task does not stop a thread.
+        self._lock = threading.Lock()
+        self._deregistered = False
 
     @property
     def head_address(self) -> str:
@@ -116,6 +121,16 @@ class ServerRegistration:
 
     def register(self, *, quiet: bool = False) -> bool:
         """Register now (blocking, bounded); False, warned unless `quiet`, when the head did not take it."""
+        with self._lock:
+            self._deregistered = False
+            return self._register(quiet)
+
+    def _refresh(self, quiet: bool) -> bool:
+        """Register again, unless deregister() came first."""
+        with self._lock:
+            return False if self._deregistered else self._register(quiet)
+
+    def _register(self, quiet: bool) -> bool:
         try:
             self.advertised_url = self._control().register_server_instance(
                 self.server_name,
@@ -142,14 +157,16 @@ class ServerRegistration:
 
     def deregister(self) -> bool:
         """Tell the head this process stops (blocking, bounded); False when it could not be told."""
-        self.advertised_url = None
-        try:
-            return self._control().deregister_server_instance(self.server_name, pid=self.pid)
-        except GymRpcError as exc:
-            logger.warning(
-                "%s: could not deregister from the head at %s (%s)", self.server_name, self.head_address, exc
-            )
-            return False
+        with self._lock:
+            self._deregistered = True
+            self.advertised_url = None
+            try:
+                return self._control().deregister_server_instance(self.server_name, pid=self.pid)
+            except GymRpcError as exc:
+                logger.warning(
+                    "%s: could not deregister from the head at %s (%s)", self.server_name, self.head_address, exc
+                )
+                return False
 
     async def aregister(self) -> bool:
         """register() off the event loop, then keep registered every `refresh_seconds` until aderegister()."""
@@ -170,7 +187,7 @@ class ServerRegistration:
         registered = self.advertised_url is not None
         while True:
             await asyncio.sleep(interval)
-            now_registered = await asyncio.to_thread(self.register, quiet=not registered)
+            now_registered = await asyncio.to_thread(self._refresh, not registered)
             if now_registered and not registered:
                 logger.warning("%s: registered with the head at %s again", self.server_name, self.head_address)
             registered = now_registered

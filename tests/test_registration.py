@@ -292,6 +292,20 @@ async def test_server_client_falls_back_to_loopback_when_the_head_cannot_say(cap
 # --- the helpers -----------------------------------------------------------------------------------------------
 
 
+async def test_a_refresh_after_deregister_does_not_register_again(head_factory) -> None:
+    """A refresh whose thread outlives the cancelled refresher must not undo deregister()."""
+    head = await head_factory(wildcard_doc(policy=closed_port()))
+    registration = ServerRegistration("policy", port=closed_port(), head=head.address, refresh_seconds=None)
+    assert await asyncio.to_thread(registration.register)
+    assert await asyncio.to_thread(registration.deregister)
+    assert await asyncio.to_thread(registration._refresh, True) is False  # the late refresh is dropped
+    instances = await ControlClient(head.address).list_server_instances()
+    assert [i.advertised_url for i in instances if i.name == "policy"] == [""]
+    assert await asyncio.to_thread(registration.register)  # an explicit register() starts over
+    instances = await ControlClient(head.address).list_server_instances()
+    assert [i.advertised_url for i in instances if i.name == "policy"] != [""]
+
+
 async def test_aiohttp_app_registers_while_it_serves(head_factory) -> None:
     head = await head_factory(wildcard_doc(policy=closed_port()))
     app = web.Application()
