@@ -40,8 +40,13 @@ def scenario_environment(**otel: str) -> dict[str, str]:
 
 
 def run_scenario(*args: str, **otel: str) -> dict[str, Any]:
+    return run_json([sys.executable, str(SCENARIO), *args], **otel)
+
+
+def run_json(command: list[str], **otel: str) -> dict[str, Any]:
+    """Run a traced scenario in a fresh interpreter (tracing is decided once per process) and read its JSON."""
     completed = subprocess.run(
-        [sys.executable, str(SCENARIO), *args],
+        command,
         env=scenario_environment(**otel),
         capture_output=True,
         text=True,
@@ -309,17 +314,7 @@ print(json.dumps({"steps": steps, "kept_app_provider": provider is app_provider,
 
 
 def run_decision(mode: str, **otel: str) -> dict[str, Any]:
-    completed = subprocess.run(
-        [sys.executable, "-c", DECISION_SCRIPT, mode],
-        env=scenario_environment(**otel),
-        capture_output=True,
-        text=True,
-        timeout=SCENARIO_TIMEOUT_SECONDS,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr
-    result: dict[str, Any] = json.loads(completed.stdout)
-    return result
+    return run_json([sys.executable, "-c", DECISION_SCRIPT, mode], **otel)
 
 
 def test_a_config_alone_does_not_trace_without_a_provider() -> None:
