@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
 
+from gym_rpc.config import validation_error_line
 from gym_rpc.errors import ConfigError, ServerUnreachableError
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class HttpClientSettings(BaseModel):
         try:
             return cls.model_validate(dict(block))
         except ValidationError as exc:
-            raise ConfigError(f"{HTTP_CLIENT_KEY}: {exc}") from exc
+            raise ConfigError(validation_error_line(exc, HTTP_CLIENT_KEY)) from None
 
 
 def _keepalive_socket(addr_info: aiohttp.AddrInfoType) -> socket.socket:
