@@ -98,7 +98,9 @@ def validation_error_line(error: ValidationError, block: str) -> str:
         return f"{block}: invalid"
     first = problems[0]
     where = ".".join([block, *(str(part) for part in first["loc"])])
-    more = f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
+    more = (
+        f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
+    )
     return f"{where}: {first['msg']}{more}"
 
 
@@ -205,9 +207,7 @@ def redact_secret_text(text: str) -> str:
     if "@" in text:
         text = _URL_USERINFO.sub(rf"\g<scheme>{REDACTED}@", text)
     if "=" in text:
-        text = _ASSIGNMENT.sub(
-            lambda m: f"{m['name']}={REDACTED}" if is_secret_key(m["name"]) else m[0], text
-        )
+        text = _ASSIGNMENT.sub(lambda m: f"{m['name']}={REDACTED}" if is_secret_key(m["name"]) else m[0], text)
     return text
 
 
@@ -442,7 +442,8 @@ class _BoundedYamlLoader(yaml.SafeLoader):
         self._open_sizes[-1] += size
         if sum(self._open_sizes) > MAX_CONFIG_VALUES:
             raise self._refuse(
-                f"refusing a config of more than {MAX_CONFIG_VALUES:,} values (with its YAML aliases expanded)", mark
+                f"refusing a config of more than {MAX_CONFIG_VALUES:,} values (with its YAML aliases expanded)",
+                mark,
             )
 
     def compose_node(self, parent: Any, index: Any) -> Any:

@@ -20,12 +20,13 @@ import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
 
 from gym_rpc.config import validation_error_line
-from gym_rpc.errors import ConfigError, ServerUnreachableError
+from gym_rpc.errors import ConfigError, RequestTimeoutError, ServerUnreachableError
 
 if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
 
 HTTP_CLIENT_KEY = "http_client"
+DEFAULT_TOTAL_TIMEOUT_SECONDS = 1800.0  # per data-plane call, headers included; see HttpClientSettings
 _TCP_KEEPALIVE_IDLE_SECONDS = 60
 _TCP_KEEPALIVE_INTERVAL_SECONDS = 10
 _TCP_KEEPALIVE_PROBES = 5
@@ -59,7 +60,9 @@ class HttpClientSettings(BaseModel):
     control_max_connections: PositiveInt = 16
     keepalive_timeout_seconds: PositiveFloat = 30.0  # how long an idle pooled connection is kept
     connect_timeout_seconds: PositiveFloat = 10.0
-    total_timeout_seconds: PositiveFloat | None = None  # None: model calls of a rollout may take minutes
+    # Long enough for the slowest model generation, short enough that a server that accepted and went silent
+    # fails the call instead of hanging the rollout; null turns the deadline off.
+    total_timeout_seconds: PositiveFloat | None = DEFAULT_TOTAL_TIMEOUT_SECONDS
     control_total_timeout_seconds: PositiveFloat = 30.0
     retry: RetryPolicy = RetryPolicy()
 
@@ -254,3 +257,13 @@ def _raise_unless_resendable(
         return
     if not resend_after_disconnect or attempt >= retry.attempts:
         raise error
+
+
+def request_timeout_error(
+    server_name: str, method: str, url: str, session: aiohttp.ClientSession, kwargs: Mapping[str, Any]
+) -> RequestTimeoutError:
+    """The error for a data-plane call that ran out of time: which server, which URL, which deadline."""
+    timeout = kwargs.get("timeout")
+    if not isinstance(timeout, aiohttp.ClientTimeout):
+        timeout = session.timeout
+    return RequestTimeoutError(server_name, method, url, timeout.total, timeout.sock_connect)
