@@ -11,6 +11,7 @@ import hashlib
 import importlib
 import ipaddress
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -166,6 +167,20 @@ def parse_host_port(text: str, what: str) -> tuple[str, int]:
     if not host or port is None:
         raise ConfigError(f"{what} {text!r}: expected HOST:PORT, e.g. 127.0.0.1:11000")
     return host, port
+
+
+def checked_port(value: int | None, what: str) -> int | None:
+    """A port to bind (0: a free one); anything outside 0..65535 is refused rather than wrapped by the OS."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535):
+        raise ConfigError(f"{what} must be in 0..65535 (0 picks a free port), not {value!r}")
+    return value
+
+
+def checked_seconds(value: float, what: str) -> float:
+    """A positive, finite duration: 0 would spin a core in a loop that waits it, nan and inf never end one."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{what} must be a positive number of seconds, not {value!r}")
+    return float(value)
 
 
 def base_url(host: str, port: int) -> str:

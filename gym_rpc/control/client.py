@@ -15,7 +15,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.control import convert
-from gym_rpc.control.channel import DEFAULT_TIMEOUT_SECONDS, aio_channel, default_head_address, sync_channel
+from gym_rpc.control.channel import (
+    DEFAULT_TIMEOUT_SECONDS,
+    aio_channel,
+    checked_head_address,
+    default_head_address,
+    sync_channel,
+)
 from gym_rpc.control.convert import ServerInstance
 from gym_rpc.control.security import TLS_CA_ENV_VAR, ClientSecurity, client_security
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError, UnknownServerError
@@ -122,7 +128,7 @@ class SyncControlClient:
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
         security: ClientSecurity | None = None,
     ) -> None:
-        self.address = address or default_head_address()
+        self.address = checked_head_address(address or default_head_address())
         self.timeout_seconds = timeout_seconds
         self.security = security if security is not None else client_security()
         self._metadata = self.security.metadata()
@@ -255,7 +261,7 @@ class ControlClient:
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
         security: ClientSecurity | None = None,
     ) -> None:
-        self.address = address or default_head_address()
+        self.address = checked_head_address(address or default_head_address())
         self.timeout_seconds = timeout_seconds
         self.security = security if security is not None else client_security()
         self._metadata = self.security.metadata()
