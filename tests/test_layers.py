@@ -7,12 +7,14 @@ loads.
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import grimp
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,3 +73,15 @@ def test_importing_server_client_loads_no_server_module() -> None:
     assert "gym_rpc.client._control" in loaded
     above_the_client = {"server", "integrations", "cli", "demo", "_render"}
     assert [m for m in loaded if m.split(".")[1:2] and m.split(".")[1] in above_the_client] == []
+
+
+@pytest.mark.parametrize(
+    "package", ["gym_rpc", "gym_rpc.wire", "gym_rpc.client", "gym_rpc.server", "gym_rpc.integrations"]
+)
+def test_every_curated_export_resolves(package: str) -> None:
+    """A lazy export names its module in a string: a rename that forgets it fails here, not at a user's call."""
+    module = importlib.import_module(package)
+    missing = [name for name in module.__all__ if getattr(module, name, None) is None]
+    assert missing == []
+    with pytest.raises(AttributeError, match="no_such_name"):
+        _ = module.no_such_name
