@@ -40,16 +40,16 @@ from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 # At least these many examples; the `fuzz` profile (tests/conftest.py) raises both for a long local run.
-# Whether
-# the examples are derandomised comes from the profile too (these settings do not override it).
+# Whether the examples are derandomised comes from the profile too (these settings do not override it).
+PROFILE_EXAMPLES = settings().max_examples  # settings() inherits the loaded profile
 FUZZ = settings(
-    max_examples=max(150, settings.default.max_examples),
+    max_examples=max(150, PROFILE_EXAMPLES),
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 FEW = settings(
-    max_examples=max(80, settings.default.max_examples // 4),
+    max_examples=max(80, PROFILE_EXAMPLES // 4),
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow],

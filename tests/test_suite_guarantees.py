@@ -51,5 +51,5 @@ async def test_a_test_may_serve_on_a_held_port_and_get_it_back_after_a_stop() ->
 
 @pytest.mark.skipif(os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci", reason="a local fuzzing profile is loaded")
 def test_hypothesis_examples_are_derandomised_by_default() -> None:
-    assert settings.default.derandomize is True
-    assert settings.default.database is None  # nothing remembered from an earlier run changes this one
+    assert settings().derandomize is True
+    assert settings().database is None  # nothing remembered from an earlier run changes this one
