@@ -114,6 +114,22 @@ def head_security_config(head_server: Mapping[str, Any] | BaseServerConfig) -> H
         raise ConfigError(validation_error_line(exc, HEAD_SERVER_KEY)) from None
 
 
+def configured_token(value: str | None) -> str | None:
+    """A usable token: neither empty nor the placeholder a redacted config carries."""
+    if value is None:
+        return None
+    value = value.strip()
+    return value if value and value != REDACTED else None
+
+
+def read_file_bytes(path: str, what: str) -> bytes:
+    """A key, certificate or CA file named by the config or the environment; a ConfigError names `what`."""
+    try:
+        return Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+
+
 class ServerEntry(BaseModel):
     """One Gym server of the global config, with the URL clients connect to."""
 
@@ -463,7 +479,7 @@ class _BoundedYamlLoader(yaml.SafeLoader):
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
+            event = self.peek_event()  # type: ignore[no-untyped-call]
             anchored = self.anchors.get(event.anchor)
             if anchored is not None:
                 size = self._sizes.get(id(anchored))
@@ -471,7 +487,7 @@ class _BoundedYamlLoader(yaml.SafeLoader):
                     raise self._refuse(f"the alias *{event.anchor} refers to itself", event.start_mark)
                 self._count(size, event.start_mark)
             return super().compose_node(parent, index)  # an unknown anchor: PyYAML's own error
-        mark = self.peek_event().start_mark
+        mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
         if len(self._open_sizes) > MAX_CONFIG_DEPTH:
             raise self._refuse(f"refusing a config nested more than {MAX_CONFIG_DEPTH} levels deep", mark)
         self._open_sizes.append(0)

@@ -63,6 +63,18 @@ class RequestTimeoutError(GymRpcError, TimeoutError):
         ]
         super().__init__(
             f"{method} {url} (server {server_name!r}) got no answer within its deadline "
-            f"({', '.join(x for x in limits if x) or 'none set'}); raise http_client.total_timeout_seconds or pass "
-            f"timeout=aiohttp.ClientTimeout(total=...) for slower calls"
+            f"({', '.join(x for x in limits if x) or 'none set'}); raise http_client.total_timeout_seconds "
+            f"or pass timeout=aiohttp.ClientTimeout(total=...) for slower calls"
         )
+
+
+class InvalidRolloutIdError(GymRpcError, ValueError):
+    """A rollout id that cannot stand as one URL path segment."""
+
+
+class MalformedGymPrefixError(GymRpcError, ValueError):
+    """A `/ng-rollout/...` or `/ng-trace/...` path prefix that cannot be honoured; answered with 400."""
+
+
+class UpstreamError(GymRpcError):
+    """The upstream NeMo Gym head could not be reached or gave an answer the bridge cannot use."""

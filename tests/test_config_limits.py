@@ -173,7 +173,9 @@ def test_badly_shaped_server_entries_are_reported_not_dropped_silently() -> None
     assert config.malformed_servers == {
         "no_host": "responses_api_models.impl has no host",
         "two_impls": "responses_api_models has 2 implementations (a, b); one server name holds one",
-        "two_types": "it has 2 server types (responses_api_models, resources_servers); one server name holds one type",
+        "two_types": (
+            "it has 2 server types (responses_api_models, resources_servers); one server name holds one type"
+        ),
     }
 
 
@@ -189,7 +191,9 @@ def test_badly_shaped_server_entries_are_reported_not_dropped_silently() -> None
         ({"host": "h", "port": 1, "tls": {"cert": "x"}}, "head_server.tls.cert: Extra inputs are not permitted"),
     ],
 )
-def test_validation_errors_are_one_line_without_a_docs_url(tmp_path: Path, head_server: Any, expected: str) -> None:
+def test_validation_errors_are_one_line_without_a_docs_url(
+    tmp_path: Path, head_server: Any, expected: str
+) -> None:
     import yaml
 
     path = tmp_path / "head.yaml"
@@ -200,7 +204,7 @@ def test_validation_errors_are_one_line_without_a_docs_url(tmp_path: Path, head_
 
 
 def test_http_client_errors_are_one_line() -> None:
-    from gym_rpc.client.http import HttpClientSettings
+    from gym_rpc.client import HttpClientSettings
 
     with pytest.raises(ConfigError) as caught:
         HttpClientSettings.from_document({"http_client": {"retry": {"multiplier": 0.5}, "bogus": 1}})

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from omegaconf import OmegaConf
 
-from gym_rpc.client.http import HttpClientSettings, close_http_sessions
+from gym_rpc.client._http import HttpClientSettings, close_http_sessions
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import GymRpcError, RequestTimeoutError
@@ -44,7 +44,10 @@ def make_client(port: int, **global_keys: Any) -> ServerClient:
 
 def test_data_plane_calls_have_a_default_total_deadline() -> None:
     assert HttpClientSettings().total_timeout_seconds == 1800.0
-    assert HttpClientSettings.from_document({"http_client": {"total_timeout_seconds": None}}).total_timeout_seconds is None
+    assert (
+        HttpClientSettings.from_document({"http_client": {"total_timeout_seconds": None}}).total_timeout_seconds
+        is None
+    )
 
 
 async def test_the_default_deadline_is_on_the_data_session(mute_server) -> None:
