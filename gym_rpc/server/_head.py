@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gym_rpc.config import GlobalConfig, checked_port, checked_seconds, load_config_file, url_host
 from gym_rpc.errors import ConfigError, GymRpcError
+from gym_rpc.server._bad_requests import DecodeGuardInterceptor
 from gym_rpc.server._http_head import HttpHead, configured_http_port
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import InstanceRegistry
@@ -113,11 +114,24 @@ class HeadServer:
         """The port of NeMo Gym's HTTP endpoints, None when not served."""
         return self._http_head.port if self._http_head is not None else None
 
+    def _checked(self, config: GlobalConfig) -> ServerSecurity:
+        """What start-up and every reload check alike (token, TLS files, HTTP port); errors name the file."""
+        try:
+            configured_http_port(config)
+            return ServerSecurity.from_config(config)
+        except ConfigError as exc:
+            where = str(self.config_path) if self.config_path is not None else ""
+            raise ConfigError(
+                f"{where}: {exc}" if where and not str(exc).startswith(where) else str(exc)
+            ) from None
+
     async def start(self) -> None:
+        self.security = security = self._checked(self.config)
         http_port = (
             self.options.http_port if self.options.http_port is not None else configured_http_port(self.config)
         )
-        self.security = security = ServerSecurity.from_config(self.config)
+        for name, problem in self.config.malformed_servers.items():
+            logger.warning("config entry %r is not served: %s", name, problem)
         setup_tracing(self.config.observability_enabled, service_name="gym-rpc-head")
         servicer = ControlPlaneServicer(self, max_concurrent_watches=self.options.max_concurrent_watches)
         server = build_control_server(
@@ -172,6 +186,19 @@ class HeadServer:
             config = loaded.with_head_server(self.host, self.port)
             if config.version == self.config.version:
                 return False
+            self._checked(config)
+            dropped = {
+                name: problem for name, problem in config.malformed_servers.items() if name in self.config.servers
+            }
+            if dropped:
+                name, problem = next(iter(dropped.items()))
+                raise ConfigError(
+                    f"{self.config_path}: server {name!r} is served but its new entry is malformed ({problem}); "
+                    f"fix the entry, or delete the key to stop serving it"
+                )
+            for name, problem in config.malformed_servers.items():
+                if name not in self.config.malformed_servers:
+                    logger.warning("config entry %r is not served: %s", name, problem)
             self.config = config
             await self.registry.update_prober(self.prober, lambda: self.config.servers)
             logger.info("config reloaded from %s: version %s", self.config_path, config.version)
@@ -223,7 +250,13 @@ def build_control_server(
     """
     security = security if security is not None else ServerSecurity.from_environment()
     # Tracing outermost (no interceptor when off: gym_rpc.telemetry), so refused calls are traced too.
-    traced_and_guarded = [*server_interceptors(), *security.interceptors(), *interceptors]
+    # Innermost, undecodable requests become INVALID_ARGUMENT; the token check above it never decodes one.
+    traced_and_guarded = [
+        *server_interceptors(),
+        *security.interceptors(),
+        *interceptors,
+        DecodeGuardInterceptor(),
+    ]
     server = grpc.aio.server(interceptors=traced_and_guarded, options=SERVER_OPTIONS)
     pb_grpc.add_ControlPlaneServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
