@@ -96,7 +96,7 @@ async def raw_call(address: str, method: str, payload: bytes, token: str | None)
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
     async with grpc.aio.insecure_channel(address) as channel:
         if method.endswith("WatchServerStatuses"):
-            call = channel.unary_stream(method)(payload, metadata=metadata, timeout=5)
+            call = channel.unary_stream(method, None, None)(payload, metadata=metadata, timeout=5)
             try:
                 async for _ in call:
                     pass
@@ -104,7 +104,7 @@ async def raw_call(address: str, method: str, payload: bytes, token: str | None)
                 return error.code()
             return grpc.StatusCode.OK
         try:
-            await channel.unary_unary(method)(payload, metadata=metadata, timeout=5)
+            await channel.unary_unary(method, None, None)(payload, metadata=metadata, timeout=5)
         except grpc.aio.AioRpcError as error:
             return error.code()
         return grpc.StatusCode.OK
@@ -126,7 +126,7 @@ async def test_malformed_protobuf_is_unauthenticated_or_invalid_argument_without
     # each, and not one ERROR or traceback.
     codes = []
     async with grpc.aio.insecure_channel(head.address) as channel:
-        bad = channel.unary_unary(SERVICE + "GetServerStatus")
+        bad = channel.unary_unary(SERVICE + "GetServerStatus", None, None)
         for _ in range(4):
             codes += await asyncio.gather(
                 *(bad(GARBAGE, metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10) for _ in range(50)),
@@ -176,7 +176,7 @@ async def test_reload_validates_tls_exactly_as_start_up(head_factory, tmp_path: 
     rewrite(head, document({}, head_server={"host": LOOPBACK, "port": 0, "tls": {}}))
     message = await reload_refused(head)
     assert "head_server.tls needs cert_file and key_file" in message
-    with pytest.raises(ConfigError, match="head_server.tls needs cert_file and key_file"):
+    with pytest.raises(ConfigError, match=r"head_server\.tls needs cert_file and key_file"):
         await head_factory(document({}, head_server={"host": LOOPBACK, "port": 0, "tls": {}}))
 
 
