@@ -207,7 +207,7 @@ async def test_poll_for_status_all_four(head_factory, http_server, silent_server
     assert (await asyncio.to_thread(poll, "head_server"))[0] == "success"
     status, elapsed = await asyncio.to_thread(poll, "silent", 1.0)
     assert status == "timeout"
-    assert 0.5 < elapsed < 2.0  # the head answers TIMEOUT within the caller's budget
+    assert elapsed < 2.0  # within the caller's budget (a background TIMEOUT in the freshness window is sooner)
     with pytest.raises(UnknownServerError, match="live"):
         await asyncio.to_thread(client.poll_for_status, "nope")
 
