@@ -13,10 +13,10 @@ import pytest
 import yaml
 from aiohttp import web
 
+from gym_rpc.client._control import ControlClient, SyncControlClient, WatchEvent
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
-from gym_rpc.control.client import ControlClient, SyncControlClient, WatchEvent
-from gym_rpc.control.head import HeadServer
+from gym_rpc.server._head import HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from tests.conftest import LOOPBACK, document, server_entry
 from tests.test_head_rpc import raw_stub, wait_until_probed
