@@ -520,8 +520,9 @@ def parse_config_text(text: str, source: str = "<config>") -> dict[str, Any]:
     """
     if len(text) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{source}: refusing a config larger than {MAX_CONFIG_BYTES // (1024 * 1024)} MiB")
-    loader = _BoundedYamlLoader(text, source)
+    loader = None
     try:
+        loader = _BoundedYamlLoader(text, source)  # its reader already refuses control characters
         document = loader.get_single_data()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -531,7 +532,8 @@ def parse_config_text(text: str, source: str = "<config>") -> dict[str, Any]:
     except RecursionError:  # a small recursion limit set by the embedding program; MAX_CONFIG_DEPTH is the rule
         raise ConfigError(f"{source}: config nested too deeply to parse") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if document is None:
         return {}
     if not isinstance(document, dict):

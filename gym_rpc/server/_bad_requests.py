@@ -8,6 +8,7 @@ answers INVALID_ARGUMENT when it saw a broken request. The token interceptor nev
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -61,7 +62,11 @@ def guard_handler(handler: Handler, method: str) -> Handler:
             async def unary_stream_guarded(request: Any, context: Context) -> AsyncIterator[Any]:
                 if isinstance(request, Undecodable):
                     await _refuse(context, request)
-                async for response in unary_stream(request, context):
+                responses = unary_stream(request, context)
+                if inspect.isawaitable(responses):  # a coroutine that writes with context.write (health's Watch)
+                    await responses
+                    return
+                async for response in responses:
                     yield response
 
             return grpc.unary_stream_rpc_method_handler(unary_stream_guarded, **codec)
@@ -70,7 +75,8 @@ def guard_handler(handler: Handler, method: str) -> Handler:
         async def unary_unary_guarded(request: Any, context: Context) -> Any:
             if isinstance(request, Undecodable):
                 await _refuse(context, request)
-            return await unary_unary(request, context)
+            response = unary_unary(request, context)
+            return await response if inspect.isawaitable(response) else response
 
         return grpc.unary_unary_rpc_method_handler(unary_unary_guarded, **codec)
 
@@ -84,14 +90,19 @@ def guard_handler(handler: Handler, method: str) -> Handler:
         stream_stream: Any = handler.stream_stream
 
         async def stream_stream_guarded(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
-            async for response in stream_stream(checked(requests, context), context):
+            responses = stream_stream(checked(requests, context), context)
+            if inspect.isawaitable(responses):
+                await responses
+                return
+            async for response in responses:
                 yield response
 
         return grpc.stream_stream_rpc_method_handler(stream_stream_guarded, **codec)
     stream_unary: Any = handler.stream_unary
 
     async def stream_unary_guarded(requests: AsyncIterator[Any], context: Context) -> Any:
-        return await stream_unary(checked(requests, context), context)
+        response = stream_unary(checked(requests, context), context)
+        return await response if inspect.isawaitable(response) else response
 
     return grpc.stream_unary_rpc_method_handler(stream_unary_guarded, **codec)
 
