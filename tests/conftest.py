@@ -124,6 +124,26 @@ async def silent_server() -> AsyncIterator[int]:
 
 
 @pytest.fixture
+async def malformed_server() -> AsyncIterator[int]:
+    """Answers every request with a line that is not an HTTP status line: the probe can only say unknown_error."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            writer.write(b"NOT-HTTP nonsense\r\n\r\n")
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(answer, LOOPBACK, 0)
+    yield int(server.sockets[0].getsockname()[1])
+    server.close()
+    await server.wait_closed()
+
+
+@pytest.fixture
 async def head_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[HeadServer]]]:
     """Factory: start a HeadServer serving `doc` (written to a file, so reload works) on a free port."""
     heads: list[HeadServer] = []

@@ -192,26 +192,6 @@ async def test_unknown_server_lists_known_names() -> None:
 # --- status over gRPC --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def malformed_server() -> AsyncIterator[int]:
-    """Answers every request with a line that is not an HTTP status line: the probe can only say unknown_error."""
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            writer.write(b"NOT-HTTP nonsense\r\n\r\n")
-            await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(answer, LOOPBACK, 0)
-    yield int(server.sockets[0].getsockname()[1])
-    server.close()
-    await server.wait_closed()
-
-
 async def test_poll_for_status_all_four(head_factory, http_server, silent_server, malformed_server) -> None:
     doc = document(
         {
