@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 import yaml
 
+from gym_rpc.client._control import SyncControlClient
 from gym_rpc.config import (
     DEFAULT_HEAD_HOST,
     DEFAULT_HEAD_PORT,
     GlobalConfig,
     default_config_text,
 )
-from gym_rpc.control.channel import HEAD_ADDRESS_ENV_VAR
-from gym_rpc.control.client import SyncControlClient
+from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR
 from tests.cli_helpers import (
     LOOPBACK,
     CliProcess,
