@@ -23,11 +23,13 @@ from grpc_reflection.v1alpha import reflection
 from gym_rpc.config import GlobalConfig, checked_port, checked_seconds, load_config_file, url_host
 from gym_rpc.errors import ConfigError, GymRpcError
 from gym_rpc.server._bad_requests import DecodeGuardInterceptor
+from gym_rpc.server._health import HealthServicer
 from gym_rpc.server._http_head import HttpHead, configured_http_port
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import InstanceRegistry
 from gym_rpc.server._security import (
     DEFAULT_MAX_CONCURRENT_WATCHES,
+    DEFAULT_MAX_WATCHES_PER_PEER,
     SERVER_OPTIONS,
     ServerSecurity,
     build_health_server,
@@ -61,6 +63,7 @@ class HeadOptions:
     shutdown_grace_seconds: float = 0.5
     http_port: int | None = None  # NeMo Gym's HTTP head; None: head_server.http_port (absent: none); 0: free port
     max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES  # more get RESOURCE_EXHAUSTED
+    max_watches_per_peer: int = DEFAULT_MAX_WATCHES_PER_PEER  # per client IP address; more get RESOURCE_EXHAUSTED
     status_max_age_seconds: float | None = None  # GetServerStatus freshness when unstated; None: half the interval
 
     def __post_init__(self) -> None:
@@ -69,8 +72,10 @@ class HeadOptions:
         checked_seconds(self.probe_timeout_seconds, "the probe timeout (--probe-timeout)")
         checked_port(self.port, "the head port (--port)")
         checked_port(self.http_port, "the HTTP head port (--http-port)")
-        if self.watch_history_size < 1 or self.max_concurrent_watches < 1:
-            raise ConfigError("watch_history_size and max_concurrent_watches must be at least 1")
+        if min(self.watch_history_size, self.max_concurrent_watches, self.max_watches_per_peer) < 1:
+            raise ConfigError(
+                "watch_history_size, max_concurrent_watches and max_watches_per_peer must be at least 1"
+            )
 
 
 class HeadServer:
@@ -85,7 +90,7 @@ class HeadServer:
         self.pid = os.getpid()
         self.start_time = time.time()
         self.port = 0
-        self._health = health_aio.HealthServicer()
+        self._health = HealthServicer()
         self.prober = StatusProber(
             config.servers,
             interval_seconds=options.probe_interval_seconds,
@@ -135,7 +140,11 @@ class HeadServer:
         for name, problem in self.config.malformed_servers.items():
             logger.warning("config entry %r is not served: %s", name, problem)
         setup_tracing(self.config.observability_enabled, service_name="gym-rpc-head")
-        servicer = ControlPlaneServicer(self, max_concurrent_watches=self.options.max_concurrent_watches)
+        servicer = ControlPlaneServicer(
+            self,
+            max_concurrent_watches=self.options.max_concurrent_watches,
+            max_watches_per_peer=self.options.max_watches_per_peer,
+        )
         server = build_control_server(
             servicer, self._health, reflection_enabled=self.options.reflection, security=security
         )
