@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from gym_rpc.config import GlobalConfig, checked_port, checked_seconds, load_config_file, url_host
 from gym_rpc.errors import ConfigError, GymRpcError
 from gym_rpc.server._bad_requests import DecodeGuardInterceptor
+from gym_rpc.server._connection_limits import raise_fd_soft_limit
 from gym_rpc.server._health import HealthServicer
 from gym_rpc.server._http_head import HttpHead, configured_http_port
 from gym_rpc.server._prober import StatusProber
@@ -310,6 +311,7 @@ ServableT = TypeVar("ServableT", bound=Servable)
 
 async def run_head(head: ServableT, on_started: Callable[[ServableT], None]) -> None:
     """Serve until SIGTERM or SIGINT; SIGHUP reloads the config (the file, or the bridge's upstream)."""
+    raise_fd_soft_limit()  # a head serves many connections: use what the hard limit allows
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     reloads: set[asyncio.Task[None]] = set()
