@@ -17,6 +17,7 @@ from urllib.parse import quote
 from opentelemetry import trace
 
 from gym_rpc.errors import GymRpcError
+from gym_rpc.telemetry import TRACING
 
 ROLLOUT_SEGMENT = "ng-rollout"
 TOKEN_CAPTURE_SEGMENT = "training-token-capture"
@@ -44,8 +45,8 @@ def current_rollout_id() -> str | None:
 
 @contextlib.contextmanager
 def rollout_context(rollout_id: str | None) -> Iterator[str | None]:
-    """Bind a rollout id for the calls made inside the block (and the tasks it starts)."""
-    if rollout_id is not None:
+    """Bind a rollout id for the calls made inside the block (and the tasks it starts); "" means no rollout."""
+    if rollout_id:
         encode_rollout_id(rollout_id)  # fail where the id is bound, not at the first call
     token = _rollout_id.set(rollout_id)
     try:
@@ -67,8 +68,9 @@ def encode_rollout_id(rollout_id: str) -> str:
 
 
 def rollout_path_prefix(rollout_id: str | None, token_capture: bool = False) -> str:
-    """Return the leading model-server path prefix for a rollout, if available ("" without a rollout id)."""
-    if rollout_id is None:
+    """Return the leading model-server path prefix for a rollout, if available ("" without a rollout id: None or
+    "", as in NeMo Gym)."""
+    if rollout_id is None or rollout_id == "":
         return ""
     if not isinstance(rollout_id, str):
         encode_rollout_id(rollout_id)  # raises the typed error before the cache would raise "unhashable"
@@ -83,7 +85,11 @@ def _cached_prefix(rollout_id: str, token_capture: bool) -> str:
 
 
 def trace_context_path_segment() -> str:
-    """Return `/ng-trace/<traceparent>` for the current span, or "" while traces are off or no span is current."""
+    """Return `/ng-trace/<traceparent>` for the current span, or "" while traces are off or no span is current.
+
+    "Off" is gym_rpc's tracing decision (gym_rpc.telemetry): an application's own span does not turn it on."""
+    if not TRACING.enabled:
+        return ""
     context = trace.get_current_span().get_span_context()
     if not context.is_valid:
         return ""
@@ -98,14 +104,16 @@ def apply_rollout_prefix(
     For URLs handed to clients Gym does not instrument. Pass trace_context=False for a URL built once and reused
     across rollouts, or every later rollout would be parented to the first one's span.
     """
-    url = base_url.rstrip("/") + rollout_path_prefix(rollout_id, token_capture)
-    return url + trace_context_path_segment() if trace_context else url
+    prefix = rollout_path_prefix(rollout_id, token_capture)
+    if trace_context:
+        prefix += trace_context_path_segment()
+    return base_url.rstrip("/") + prefix if prefix else base_url  # nothing to add: the URL as given
 
 
 def prefixed_path(url_path: str, server_type: str, rollout_id: str | None) -> str:
     """The data-plane path rule: model-server API paths and every resources-server path get the rollout prefix;
     a path that already carries one is left alone. A query string does not hide a model-server API path."""
-    if rollout_id is None or url_path.startswith(_ROLLOUT_PATH_HEAD):
+    if not rollout_id or url_path.startswith(_ROLLOUT_PATH_HEAD):
         return url_path
     is_model_call = server_type == MODEL_SERVER_TYPE and url_path.partition("?")[0] in MODEL_SERVER_PATHS
     if is_model_call or server_type == RESOURCES_SERVER_TYPE:

@@ -18,7 +18,7 @@ import contextvars
 import hmac
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,9 +29,9 @@ from grpc_health.v1 import health_pb2_grpc
 from gym_rpc.config import (
     HEAD_SERVER_KEY,
     REDACTED,
-    BaseServerConfig,
     GlobalConfig,
     HeadTlsConfig,
+    ServerConfigLike,
     head_security_config,
     url_host,
 )
@@ -281,24 +281,13 @@ class ClientSecurity:
         return f"ClientSecurity(token={'<set>' if self.token else None}, tls={self.tls is not None})"
 
 
-def _head_block(head_server: BaseServerConfig | Mapping[str, Any] | None) -> dict[str, Any]:
-    if head_server is None:
-        return {}
-    if isinstance(head_server, BaseServerConfig):
-        return head_server.model_dump()
-    return {str(k): v for k, v in head_server.items()}
-
-
-def client_security(
-    head_server: BaseServerConfig | Mapping[str, Any] | None = None, *, token: str | None = None
-) -> ClientSecurity:
-    """The token and TLS to use towards a head.
+def client_security(head_server: ServerConfigLike | None = None, *, token: str | None = None) -> ClientSecurity:
+    """The token and TLS to use towards a head (`head_server`: any shape `server_config_block` accepts).
 
     Token: `token`, else `auth_token` of the head_server block, else GYM_RPC_TOKEN. TLS: on when the block has
     `tls` or GYM_RPC_TLS_CA is set; each file comes from the block, else its environment variable.
     """
-    block = _head_block(head_server)
-    settings = head_security_config(block)
+    settings = head_security_config({} if head_server is None else head_server)
     chosen_token = (
         _configured_token(token)
         or _configured_token(settings.auth_token)
