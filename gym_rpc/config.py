@@ -127,8 +127,9 @@ def as_server_config(value: ServerConfigLike, what: str = HEAD_SERVER_KEY) -> Ba
     as the head's security settings are kept. Raises ConfigError naming a missing or malformed host or port."""
     if type(value) is BaseServerConfig:
         return value
-    block = server_config_block(value, what)
-    missing = [key for key in ("host", "port") if block.get(key) is None]
+    # Unset optional keys (NeMo Gym's `num_workers: None`) say nothing: two configs of one address compare equal.
+    block = {key: item for key, item in server_config_block(value, what).items() if item is not None}
+    missing = [key for key in ("host", "port") if key not in block]
     if missing:
         raise ConfigError(f"{what} has no {' and no '.join(missing)}: a server config needs host and port")
     try:

@@ -3,8 +3,9 @@
 NeMo Gym declares Python >= 3.13 and a heavy dependency list, so it gets a venv of its own, beside the project's:
 `nemo-gym` from the package registry without its dependencies, then the few it really imports
 (tests/nemo_gym_compat/requirements.txt), then gym_rpc itself, editable. The venv is rebuilt only when those
-requirements, pyproject.toml or the interpreter change (a stamp holds their digest), so it costs a few seconds
-after the first build. Without any Python >= 3.13 it prints `SKIP: <reason>` and exits 0: the test skips with it.
+requirements or the interpreter change (a stamp holds their digest); a changed pyproject.toml only reinstalls
+gym_rpc (a second stamp), so it costs a few seconds after the first build. Without any Python >= 3.13 it prints
+`SKIP: <reason>` and exits 0: the test skips with it.
 
     python tools/nemo_gym_venv.py          # build or reuse; the last line is the venv's python (or SKIP: ...)
 """
@@ -23,6 +24,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV_DIR = REPO_ROOT / ".venv-nemo-gym"
 REQUIREMENTS = REPO_ROOT / "tests" / "nemo_gym_compat" / "requirements.txt"
 STAMP = VENV_DIR / ".stamp"
+GYM_RPC_STAMP = VENV_DIR / ".stamp-gym-rpc"
+PYPROJECT = REPO_ROOT / "pyproject.toml"
 PYTHON_ENV_VAR = "NEMO_GYM_PYTHON"  # an interpreter to use instead of searching for one
 MINIMUM = (3, 13)
 NEMO_GYM_REQUIREMENT_PREFIX = "nemo-gym=="
@@ -52,11 +55,10 @@ def find_python() -> str | None:
     return None
 
 
-def _digest(python: str) -> str:
+def _digest(*parts: bytes) -> str:
     digest = hashlib.sha256()
-    for path in (REQUIREMENTS, REPO_ROOT / "pyproject.toml"):
-        digest.update(path.read_bytes())
-    digest.update(python.encode())
+    for part in parts:
+        digest.update(part)
     return digest.hexdigest()
 
 
@@ -67,9 +69,19 @@ def _pip(venv_python: Path, *args: str) -> None:
 def build(python: str) -> Path:
     """The venv's python, building the venv first unless its stamp says it is up to date."""
     venv_python = VENV_DIR / "bin" / "python"
-    wanted = _digest(python)
-    if venv_python.exists() and STAMP.exists() and STAMP.read_text() == wanted:
-        return venv_python
+    wanted = _digest(REQUIREMENTS.read_bytes(), python.encode())
+    if not (venv_python.exists() and STAMP.exists() and STAMP.read_text() == wanted):
+        _build_venv(python, venv_python)
+        STAMP.write_text(wanted)
+    gym_rpc_wanted = _digest(PYPROJECT.read_bytes(), wanted.encode())
+    if not (GYM_RPC_STAMP.exists() and GYM_RPC_STAMP.read_text() == gym_rpc_wanted):
+        _pip(venv_python, "-e", str(REPO_ROOT))
+        GYM_RPC_STAMP.write_text(gym_rpc_wanted)
+    return venv_python
+
+
+def _build_venv(python: str, venv_python: Path) -> None:
+    """A new venv with nemo-gym (without its declared dependencies) and the requirements beside it."""
     shutil.rmtree(VENV_DIR, ignore_errors=True)
     subprocess.run([python, "-m", "venv", str(VENV_DIR)], check=True)
     lines = [line.strip() for line in REQUIREMENTS.read_text().splitlines()]
@@ -79,9 +91,6 @@ def build(python: str) -> Path:
     print(f"building {VENV_DIR} with {python} ({len(requirements)} requirements)", file=sys.stderr, flush=True)
     _pip(venv_python, "--no-deps", "--ignore-requires-python", *nemo_gym)
     _pip(venv_python, *others)
-    _pip(venv_python, "-e", str(REPO_ROOT))
-    STAMP.write_text(wanted)
-    return venv_python
 
 
 def main() -> int:
