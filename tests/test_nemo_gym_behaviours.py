@@ -8,6 +8,7 @@ import datetime
 import importlib
 import json
 import logging
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -19,13 +20,13 @@ from typing import Any
 import pytest
 import yaml
 from aiohttp import web
-from gym_rpc.client._http import HttpClientSettings, close_http_sessions
 from omegaconf import OmegaConf
 from opentelemetry.sdk.trace import TracerProvider
 from pydantic import BaseModel
 
 from gym_rpc import telemetry
 from gym_rpc.client import server_client
+from gym_rpc.client._http import HttpClientSettings, close_http_sessions
 from gym_rpc.client.server_client import (
     ServerClient,
     _connectable_client_host,
@@ -326,6 +327,20 @@ async def test_request_honours_the_model_server_base_url(monkeypatch: pytest.Mon
     assert capture.paths == ["/ng-rollout/sub-1/v1/responses"]
     assert resources.paths == ["/seed_session"]
     assert get_server_url("policy") == f"http://{LOOPBACK}:{capture_port}/ng-rollout/sub-1/"
+
+
+async def test_a_client_unpickled_in_a_harness_uses_its_model_server_base_url(
+    monkeypatch: pytest.MonkeyPatch, http_server
+) -> None:
+    config_model, capture = Seen(), Seen()
+    client = client_for(observed_doc(closed_port(), await http_server(config_model.app())))
+    await client.post("policy", "/v1/responses", json={})  # the sender resolved (and cached) the config's URL
+    monkeypatch.setenv(MODEL_URL_ENV, f"http://{LOOPBACK}:{await http_server(capture.app())}/ng-rollout/h-1")
+    monkeypatch.setenv(MODEL_NAME_ENV, "policy")
+    harness_copy = pickle.loads(pickle.dumps(client))
+    await harness_copy.post("policy", "/v1/responses", json={})
+    assert config_model.paths == ["/v1/responses"]
+    assert capture.paths == ["/ng-rollout/h-1/v1/responses"]
 
 
 # --- errors that are also the builtin types NeMo Gym raises ---

@@ -185,6 +185,15 @@ def _injected_head_server(injected: GlobalConfig) -> BaseServerConfig:
     return injected.head_server
 
 
+def _model_server_override(server_name: str) -> str | None:
+    """NEMO_GYM_MODEL_SERVER_BASE_URL when NEMO_GYM_MODEL_SERVER_NAME names `server_name`: the URL a launcher gave
+    a harness it started where the head is unreachable, rollout prefix included (it binds no rollout context)."""
+    override = os.environ.get(NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR_NAME)
+    if override and os.environ.get(NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR_NAME) == server_name:
+        return override.rstrip("/")
+    return None
+
+
 def _head_server_from_address(address: str) -> BaseServerConfig:
     """HOST:PORT (IPv6 bracketed) as a head server config."""
     host, port = parse_host_port(address, HEAD_ADDRESS_ENV_VAR)
@@ -250,6 +259,9 @@ class ServerClient(BaseModel):
         state["__pydantic_private__"] = {**(state["__pydantic_private__"] or {}), "_http": HttpPools(settings)}
         super().__setstate__(state)
         setup_tracing(self._global_config.observability_enabled)  # a new process decides too
+        named = os.environ.get(NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR_NAME)
+        if named and _model_server_override(named) is not None:
+            self._server_base_urls.pop(named, None)  # this process's launcher URL wins over the sender's cache
 
     def __copy__(self) -> Self:
         """A shallow copy sharing config and caches, with its own HttpPools."""
@@ -337,11 +349,9 @@ class ServerClient(BaseModel):
         url = self._server_base_urls.get(server_name)
         if url is not None:
             return url
-        override = os.environ.get(NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR_NAME)
-        if override and os.environ.get(NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR_NAME) == server_name:
-            # A harness launched where the head is unreachable: the launcher's URL, rollout prefix included.
-            url = self._server_base_urls[server_name] = override.rstrip("/")
-            return url
+        override = _model_server_override(server_name)
+        if override is not None:
+            return override  # never cached: read again per call (only in a harness the launcher set it for)
         servers = self._global_config.servers
         entry = servers.get(server_name)
         if entry is None:
