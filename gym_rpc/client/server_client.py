@@ -527,6 +527,14 @@ class ServerClient(BaseModel):
             connection.close()
         return "success"
 
+    def _config_if_changed(self) -> GlobalConfig | None:
+        """The head's config when its version differs from this client's; None (nothing sent) when unchanged."""
+        security = self._head_security()
+        control = SyncControlClient(_head_address(self.head_server_config), security=security)
+        return control.get_global_config_if_changed(
+            self._global_config.version, include_secrets=security.token is not None
+        )
+
     def _head_security(self) -> ClientSecurity:
         if self._security is None:
             self._security = client_security(self.head_server_config)
@@ -578,12 +586,23 @@ _clients_lock = threading.Lock()
 def setup_server_client(head_server_config: Optional[ServerConfigLike] = None) -> ServerClient:  # noqa: UP045
     """The process's client for a head (the default head when None), never with a stale config.
 
-    Every call loads the config afresh, as NeMo Gym's does (from the injected NEMO_GYM_CONFIG_DICT, else from the
-    head), and returns the client it returned before while the config's version and the head are unchanged, so its
-    resolved URLs and pools stay warm; after the head reloads or the injected config changes, a new client."""
+    Every call checks the config, as NeMo Gym's fetches it afresh: a config injected in NEMO_GYM_CONFIG_DICT is
+    read again; from a head, the client asks whether its config version is still current (GetGlobalConfig with
+    `known_version`: no document travels while unchanged). While nothing changed it returns the same client, so
+    its resolved URLs and pools stay warm; after the head reloads or the injected config changes, a new client."""
     head = None if head_server_config is None else as_server_config(head_server_config)
     key = None if head is None else (head.host, head.port)
-    fresh = ServerClient.load_from_global_config(head)
+    with _clients_lock:
+        cached = _clients.get(key)
+    fresh: ServerClient | None = None
+    injected = bool(os.environ.get(NEMO_GYM_CONFIG_DICT_ENV_VAR_NAME))
+    if cached is not None and not injected and cached.head_server_config == (head or _default_head()):
+        changed = cached._config_if_changed()
+        if changed is None:
+            return cached
+        fresh = ServerClient._from_global_config(cached.head_server_config, changed)
+    if fresh is None:
+        fresh = ServerClient.load_from_global_config(head)
     with _clients_lock:
         cached = _clients.get(key)
         if (
@@ -594,6 +613,10 @@ def setup_server_client(head_server_config: Optional[ServerConfigLike] = None) -
             return cached
         _clients[key] = fresh
         return fresh
+
+
+def _default_head() -> BaseServerConfig:
+    return ServerClient.load_head_server_config()
 
 
 def get_server_url(server_name: str) -> str:
