@@ -24,11 +24,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gym_rpc.cli import build_parser
 from gym_rpc.client import ControlClient
 from gym_rpc.config import head_security_config, load_config_file, redact_secrets
-from gym_rpc.errors import HeadUnreachableError
+from gym_rpc.errors import ControlPlaneError, HeadUnreachableError
 from gym_rpc.server import _security as server_security
 from gym_rpc.server._head import HeadOptions, HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
-from gym_rpc.wire import SERVICE_NAME
+from gym_rpc.wire import MAX_RESPONSE_BYTES, SERVICE_NAME
 from tests.cli_helpers import cli_env, run_cli, running_head
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
@@ -123,6 +123,52 @@ def test_the_port_is_not_shared_with_a_second_process() -> None:
             intruder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             with pytest.raises(OSError, match="Address already in use"):
                 intruder.bind((LOOPBACK, port))
+
+
+async def test_at_most_512_status_watches_per_head(head_factory) -> None:
+    """SECURITY.md: "at most 512 status watches per head (more get RESOURCE_EXHAUSTED)", with the default options:
+    512 watches on four connections (128 streams each) are served, the 513th is refused, unary calls still work."""
+    head = await head_factory(document({}))
+    channels = [grpc.aio.insecure_channel(head.address, options=OWN_CONNECTION) for _ in range(5)]
+    try:
+        watches = [_watch_stream(channel) for channel in channels[:4] for _ in range(128)]
+        for watch in watches:
+            assert (await asyncio.wait_for(watch.read(), 20)).type == pb.WATCH_EVENT_TYPE_SNAPSHOT
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await asyncio.wait_for(_watch_stream(channels[4]).read(), 20)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "512 status watches" in str(refused.value.details())
+        assert (await _list_statuses(channels[4])(pb.ListServerStatusesRequest(), timeout=10)).reports == []
+        for watch in watches:
+            watch.cancel()
+    finally:
+        for channel in channels:
+            await channel.close(None)
+
+
+async def test_answers_up_to_64_mib_are_accepted_and_larger_ones_refused() -> None:
+    """SECURITY.md: the client "accepts answers up to 64 MiB" (tests/test_faults.py proves one above gRPC's 4 MiB
+    default arrives): a real gRPC server answering 64 MiB + 1 byte gets RESOURCE_EXHAUSTED naming the head, not a
+    hang or a crash."""
+
+    async def oversized(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return b"\x00" * (MAX_RESPONSE_BYTES + 1)
+
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE_NAME, {"GetGlobalConfig": grpc.unary_unary_rpc_method_handler(oversized)}
+    )
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", -1)])
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port(f"{LOOPBACK}:0")
+    await server.start()
+    try:
+        address = f"{LOOPBACK}:{port}"
+        with pytest.raises(ControlPlaneError, match="RESOURCE_EXHAUSTED") as caught:
+            await ControlClient(address, timeout_seconds=20).get_global_config()
+        assert address in str(caught.value)
+    finally:
+        await server.stop(None)
+    assert MAX_RESPONSE_BYTES == 64 * 1024 * 1024
 
 
 # --- shutdown ----------------------------------------------------------------------------------------------------
