@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gym_rpc.cli import format_status_table
+from gym_rpc._render import format_status_table
 from gym_rpc.client.rollout import rollout_context
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig, default_config_text, parse_config_text

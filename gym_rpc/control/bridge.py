@@ -33,7 +33,7 @@ from gym_rpc.config import (
     parse_host_port,
     url_host,
 )
-from gym_rpc.control import convert
+from gym_rpc.control import convert, events
 from gym_rpc.control.head import SERVICE_NAME, build_control_server, mirror_status_in_health
 from gym_rpc.control.prober import StatusProber
 from gym_rpc.control.registry import InstanceRegistry
@@ -236,8 +236,13 @@ class BridgeHead:
         """Fetch from the upstream now (ReloadGlobalConfig, SIGHUP); True when the config changed."""
         version = self.config.version
         if not await self.refresh():
-            raise ConfigError(self.problem or f"the NeMo Gym head at {self.upstream_url} did not answer")
-        return self.config.version != version
+            error = ConfigError(self.problem or f"the NeMo Gym head at {self.upstream_url} did not answer")
+            events.config_refused(self.upstream_url, version, error)
+            raise error
+        if self.config.version == version:
+            events.config_unchanged(self.upstream_url, version)
+            return False
+        return True  # refresh() logged the new version
 
     async def refresh(self) -> bool:
         """One fetch from the upstream; False (and RPCs refused) when it failed."""

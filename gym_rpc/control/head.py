@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -18,8 +18,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
-from gym_rpc.config import GlobalConfig, load_config_file, url_host
+from gym_rpc.config import GlobalConfig, ServerEntry, load_config_file, url_host
+from gym_rpc.control import events
+from gym_rpc.control import metrics as head_metrics
 from gym_rpc.control.http_head import HttpHead, configured_http_port
+from gym_rpc.control.metrics_http import MetricsServer
 from gym_rpc.control.prober import StatusProber
 from gym_rpc.control.registry import InstanceRegistry
 from gym_rpc.control.security import (
@@ -29,6 +32,8 @@ from gym_rpc.control.security import (
     build_health_server,
 )
 from gym_rpc.control.servicer import ControlPlaneServicer
+from gym_rpc.errors import ConfigError
+from gym_rpc.metrics import metrics_disabled, setup_metrics
 from gym_rpc.status import StatusReport
 from gym_rpc.telemetry import server_interceptors, setup_tracing
 from gym_rpc.v1 import control_plane_pb2 as pb
@@ -56,6 +61,7 @@ class HeadOptions:
     shutdown_grace_seconds: float = 0.5
     http_port: int | None = None  # NeMo Gym's HTTP head; None: head_server.http_port (absent: none); 0: free port
     max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES  # more get RESOURCE_EXHAUSTED
+    metrics_port: int | None = None  # GET /metrics alone on this port; None: only on the HTTP head (if any)
 
 
 class HeadServer:
@@ -84,6 +90,8 @@ class HeadServer:
         self.health_port: int | None = None
         self.security = ServerSecurity()
         self._http_head: HttpHead | None = None
+        self._metrics_server: MetricsServer | None = None
+        self._servicer: ControlPlaneServicer | None = None
         self._reload_lock = asyncio.Lock()
 
     @property
@@ -100,13 +108,38 @@ class HeadServer:
         """The port of NeMo Gym's HTTP endpoints, None when not served."""
         return self._http_head.port if self._http_head is not None else None
 
+    @property
+    def metrics_port(self) -> int | None:
+        """The port serving only GET /metrics (--metrics-port), None when not served."""
+        return self._metrics_server.port if self._metrics_server is not None else None
+
+    # What the head's gauges read (gym_rpc.control.metrics.ObservedHead).
+    @property
+    def observed_servers(self) -> Mapping[str, ServerEntry]:
+        return self.config.servers
+
+    @property
+    def observed_prober(self) -> StatusProber:
+        return self.prober
+
+    @property
+    def observed_watchers(self) -> int:
+        return self._servicer.watches if self._servicer is not None else 0
+
+    @property
+    def observed_registrations(self) -> int:
+        return len(self.registry)
+
     async def start(self) -> None:
         http_port = (
             self.options.http_port if self.options.http_port is not None else configured_http_port(self.config)
         )
         self.security = security = ServerSecurity.from_config(self.config)
         setup_tracing(self.config.observability_enabled, service_name="gym-rpc-head")
-        servicer = ControlPlaneServicer(self, max_concurrent_watches=self.options.max_concurrent_watches)
+        setup_metrics(service_name="gym-rpc-head", prometheus=True)
+        self._servicer = servicer = ControlPlaneServicer(
+            self, max_concurrent_watches=self.options.max_concurrent_watches
+        )
         server = build_control_server(
             servicer, self._health, reflection_enabled=self.options.reflection, security=security
         )
@@ -133,10 +166,23 @@ class HeadServer:
                 await self.stop()  # a head that cannot serve all it was asked to serves nothing
                 raise
             self._http_head = http_head
+        if self.options.metrics_port is not None:
+            metrics_server = MetricsServer()
+            try:
+                await metrics_server.start(self.host, self.options.metrics_port)
+            except BaseException:
+                await self.stop()
+                raise
+            self._metrics_server = metrics_server
+        head_metrics.observe(self)
 
     async def stop(self) -> None:
         """Report NOT_SERVING, then finish in-flight calls within the grace period."""
+        head_metrics.forget(self)
         await self._health.enter_graceful_shutdown()
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
+            self._metrics_server = None
         if self._http_head is not None:
             await self._http_head.stop()
             self._http_head = None
@@ -153,13 +199,21 @@ class HeadServer:
         if self.config_path is None:
             return False
         async with self._reload_lock:
-            loaded = await asyncio.to_thread(load_config_file, self.config_path)
+            old = self.config
+            try:
+                loaded = await asyncio.to_thread(load_config_file, self.config_path)
+            except ConfigError as exc:
+                events.config_refused(self.config_path, old.version, exc)
+                raise
             config = loaded.with_head_server(self.host, self.port)
-            if config.version == self.config.version:
+            if config.version == old.version:
+                events.config_unchanged(self.config_path, old.version)
                 return False
             self.config = config
             await self.registry.update_prober(self.prober, lambda: self.config.servers)
-            logger.info("config reloaded from %s: version %s", self.config_path, config.version)
+            added = [name for name in config.servers if name not in old.servers]
+            removed = [name for name in old.servers if name not in config.servers]
+            events.config_reloaded(self.config_path, old.version, config.version, added, removed)
             return True
 
     async def _follow_health(self, report: StatusReport | None, name: str) -> None:
@@ -181,8 +235,10 @@ def build_control_server(
     interceptor but tracing's. Bind it with `security.add_port` to serve TLS when configured.
     """
     security = security if security is not None else ServerSecurity.from_environment()
-    # Tracing outermost (no interceptor when off: gym_rpc.telemetry), so refused calls are traced too.
-    traced_and_guarded = [*server_interceptors(), *security.interceptors(), *interceptors]
+    # Tracing outermost (no interceptor when off: gym_rpc.telemetry), then metrics, so refused calls are traced and
+    # counted too.
+    measured = [] if metrics_disabled() else [head_metrics.RpcMetricsInterceptor()]
+    traced_and_guarded = [*server_interceptors(), *measured, *security.interceptors(), *interceptors]
     server = grpc.aio.server(interceptors=traced_and_guarded, options=SERVER_OPTIONS)
     pb_grpc.add_ControlPlaneServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -230,12 +286,11 @@ async def run_head(head: ServableT, on_started: Callable[[ServableT], None]) -> 
     def reload_in_background() -> None:
         async def reload() -> None:
             try:
-                changed = await head.reload()
-                logger.warning(
-                    "SIGHUP: config %s (version %s)", "reloaded" if changed else "unchanged", head.config.version
-                )
-            except Exception as exc:
-                logger.error("SIGHUP: reload refused, old config kept: %s", exc)
+                await head.reload()  # logs its outcome (gym_rpc.control.events)
+            except ConfigError:
+                pass  # logged by the reload itself; the old config stays
+            except Exception:
+                logger.exception("SIGHUP: reload failed, old config kept")
 
         task = loop.create_task(reload())
         reloads.add(task)

@@ -22,6 +22,7 @@ import yaml
 from aiohttp import web
 
 from gym_rpc.config import HEAD_SERVER_KEY, GlobalConfig, redact_secrets
+from gym_rpc.control.metrics_http import METRICS_PATH, metrics_handler
 from gym_rpc.control.servicer import HeadState
 from gym_rpc.errors import ConfigError, GymRpcError
 
@@ -92,6 +93,7 @@ class HttpHead:
         app.router.add_get("/", self._liveness)
         app.router.add_get("/global_config_dict_yaml", self._global_config_dict_yaml)
         app.router.add_get("/server_instances", self._server_instances)
+        app.router.add_get(METRICS_PATH, metrics_handler)
         return app
 
     async def start(self, host: str, port: int) -> None:
