@@ -104,7 +104,8 @@ async def nemo_head() -> AsyncIterator[Callable[..., Awaitable[NemoGymHead]]]:
     heads: list[NemoGymHead] = []
 
     async def start(doc: dict[str, Any], port: int = 0) -> NemoGymHead:
-        head = await NemoGymHead(doc).start(port)
+        # A held port (not port 0): a head stopped and started again gets its port back, nothing else can take it.
+        head = await NemoGymHead(doc).start(port or closed_port())
         heads.append(head)
         return head
 
