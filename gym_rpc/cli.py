@@ -455,6 +455,7 @@ def _watch_status(client: SyncControlClient, args: argparse.Namespace) -> int:
 
     table = args.output == "table"
     terminal = sys.stdout.isatty()
+    _require_known(args.allow_down, client.list_server_statuses().reports, "--allow-down")  # fails fast too
     for event in watch_events(client, heartbeat_seconds=WATCH_REFRESH_SECONDS if table else None):
         if event.kind == "heartbeat" and not (table and terminal):
             continue  # piped output gets a drawing per change, not per second
