@@ -17,8 +17,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from gym_rpc.control.convert import ServerInstance
-from gym_rpc.status import StatusReport
+from gym_rpc.wire import ServerInstance, StatusReport
 
 OutputFormat = Literal["table", "json", "jsonl", "yaml"]
 OUTPUT_FORMATS: tuple[OutputFormat, ...] = ("table", "json", "jsonl", "yaml")

@@ -18,12 +18,11 @@ from pathlib import Path
 from gym_rpc import __version__
 from gym_rpc._cli_flags import HelpFormatter, choice_of, env_errors, env_flag, port_number, positive_float
 from gym_rpc._logging import LOG_FORMATS, LOG_LEVELS, configure_logging
+from gym_rpc.client._channel import DEFAULT_TIMEOUT_SECONDS
+from gym_rpc.client._control import SyncControlClient, WatchEvent
 from gym_rpc.config import GlobalConfig, default_config_text, load_config_file, parse_config_text, url_host
-from gym_rpc.control.channel import DEFAULT_TIMEOUT_SECONDS, HEAD_ADDRESS_ENV_VAR
-from gym_rpc.control.client import SyncControlClient, WatchEvent
-from gym_rpc.control.convert import ServerInstance
 from gym_rpc.errors import GymRpcError, HeadUnreachableError, UnknownServerError
-from gym_rpc.status import StatusReport
+from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, ServerInstance, StatusReport
 
 EXIT_OK = 0
 EXIT_DOWN = 1  # also: the command failed
@@ -289,7 +288,8 @@ def _set_up_logging(args: argparse.Namespace) -> None:
 
 
 def cmd_head(args: argparse.Namespace) -> int:
-    from gym_rpc.control.head import HeadOptions, HeadServer, run_head
+    # The serving commands import the server layer when they run: `gym-rpc status` and friends start faster.
+    from gym_rpc.server import HeadOptions, HeadServer, run_head
 
     if args.config is not None:
         config, source = load_config_file(args.config), str(args.config)
@@ -325,8 +325,7 @@ def cmd_head(args: argparse.Namespace) -> int:
 
 
 def cmd_bridge(args: argparse.Namespace) -> int:
-    from gym_rpc.control.bridge import BridgeHead, BridgeOptions, parse_listen_address
-    from gym_rpc.control.head import run_head
+    from gym_rpc.server import BridgeHead, BridgeOptions, parse_listen_address, run_head  # lazy: see cmd_head
 
     host, port = parse_listen_address(args.listen)
     options = BridgeOptions(

@@ -172,6 +172,6 @@ def prometheus_text() -> bytes:
 
 
 def meter() -> metrics.Meter:
-    from gym_rpc import __version__
+    from gym_rpc._version import __version__
 
     return metrics.get_meter(METER_NAME, __version__)

@@ -19,9 +19,9 @@ import yaml
 from aiohttp import web
 from hypothesis import settings
 
+from gym_rpc.client._channel import close_aio_channels, close_sync_channels
 from gym_rpc.config import GlobalConfig
-from gym_rpc.control.channel import close_aio_channels, close_sync_channels
-from gym_rpc.control.head import HeadOptions, HeadServer
+from gym_rpc.server._head import HeadOptions, HeadServer
 
 LOOPBACK = "127.0.0.1"
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gym_rpc.client._control import SyncControlClient
 from gym_rpc.config import (
     DEFAULT_HEAD_HOST,
     DEFAULT_HEAD_PORT,
@@ -23,8 +24,7 @@ from gym_rpc.config import (
     default_config_text,
     redact_secrets,
 )
-from gym_rpc.control.channel import HEAD_ADDRESS_ENV_VAR
-from gym_rpc.control.client import SyncControlClient
+from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR
 from tests.cli_helpers import (
     LOOPBACK,
     CliProcess,

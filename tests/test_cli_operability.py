@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from gym_rpc import __version__
-from gym_rpc.control.client import SyncControlClient
+from gym_rpc.client._control import SyncControlClient
 from tests.cli_helpers import (
     LOOPBACK,
     HeadProcess,
@@ -298,7 +298,7 @@ def test_zsh_completion_script_names_every_command() -> None:
 def test_the_library_never_imports_rich() -> None:
     """rich is for the command: a rollout worker importing ServerClient (or gym_rpc) does not pay for it."""
     code = (
-        "import sys, gym_rpc, gym_rpc.client.server_client, gym_rpc.control.head; "
+        "import sys, gym_rpc, gym_rpc.client.server_client, gym_rpc.server; "
         "print(sorted(m for m in sys.modules if m == 'rich' or m.startswith('rich.') or m == 'shtab'))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=False)

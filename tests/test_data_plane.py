@@ -17,8 +17,8 @@ from aiohttp import web
 from omegaconf import OmegaConf
 from pydantic import BaseModel
 
-from gym_rpc.client import http
-from gym_rpc.client.http import close_http_sessions
+from gym_rpc.client import _http as http
+from gym_rpc.client._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient, rollout_context
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import GymRpcError, ServerUnreachableError

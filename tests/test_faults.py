@@ -17,14 +17,14 @@ import grpc
 import pytest
 import yaml
 
-from gym_rpc.client.http import close_http_sessions
+from gym_rpc.client._control import ControlClient, SyncControlClient, WatchEvent
+from gym_rpc.client._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
-from gym_rpc.control.client import ControlClient, SyncControlClient, WatchEvent
-from gym_rpc.control.head import SERVICE_NAME, HeadOptions, HeadServer
-from gym_rpc.control.security import MAX_REQUEST_BYTES
 from gym_rpc.errors import ControlPlaneError, GymRpcError, HeadUnreachableError, ServerUnreachableError
+from gym_rpc.server._head import HeadOptions, HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
+from gym_rpc.wire import MAX_REQUEST_BYTES, SERVICE_NAME
 from tests.cli_helpers import STARTUP_SECONDS, running_cli, running_head, threaded_http_server
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 

@@ -23,20 +23,15 @@ from aiohttp import web
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gym_rpc.client.rollout import (
-    TRACEPARENT_RE,
-    InvalidRolloutIdError,
-    encode_rollout_id,
-    prefixed_path,
-    rollout_path_prefix,
-)
+from gym_rpc.client._control import ControlClient
 from gym_rpc.config import GlobalConfig, parse_config_text
-from gym_rpc.control.client import ControlClient
-from gym_rpc.control.head import HeadOptions, HeadServer
-from gym_rpc.errors import ConfigError
-from gym_rpc.middleware import MalformedGymPrefixError, TraceContextPathMiddleware, split_gym_prefixes
+from gym_rpc.errors import ConfigError, InvalidRolloutIdError, MalformedGymPrefixError
+from gym_rpc.integrations._middleware import TraceContextPathMiddleware
+from gym_rpc.server._head import HeadOptions, HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
+from gym_rpc.wire import TRACEPARENT_RE, encode_rollout_id, prefixed_path, rollout_path_prefix
+from gym_rpc.wire._paths import split_gym_prefixes
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 # At least these many examples; the `fuzz` profile (tests/conftest.py) raises both for a long local run.

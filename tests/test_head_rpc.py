@@ -15,14 +15,14 @@ import pytest
 import yaml
 from aiohttp import web
 
+from gym_rpc.client._channel import aio_channel
+from gym_rpc.client._control import ControlClient, SyncControlClient
 from gym_rpc.config import REDACTED
-from gym_rpc.control.channel import aio_channel
-from gym_rpc.control.client import ControlClient, SyncControlClient
-from gym_rpc.control.head import HeadServer
 from gym_rpc.errors import ControlPlaneError, UnknownServerError
-from gym_rpc.status import StatusReport
+from gym_rpc.server._head import HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
+from gym_rpc.wire import StatusReport
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 # --- helpers ---------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gym_rpc.control.client import SyncControlClient
+from gym_rpc.client._control import SyncControlClient
 from tests.cli_helpers import LOOPBACK, ThreadedHttpServer, running_head, threaded_http_server
 from tests.conftest import closed_port, server_entry
 

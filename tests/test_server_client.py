@@ -17,11 +17,11 @@ import yaml
 from omegaconf import OmegaConf
 
 from gym_rpc.client import server_client
-from gym_rpc.client.http import close_http_sessions
+from gym_rpc.client._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient, get_server_url
 from gym_rpc.config import BaseServerConfig
-from gym_rpc.control.channel import HEAD_ADDRESS_ENV_VAR
 from gym_rpc.errors import ConfigError, HeadUnreachableError, UnknownServerError
+from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 CONFIG_ENV = "NEMO_GYM_CONFIG_DICT"

@@ -19,7 +19,7 @@ from opentelemetry.metrics import CallbackOptions, Histogram, Observation
 
 from gym_rpc.config import ServerEntry
 from gym_rpc.metrics import meter
-from gym_rpc.status import StatusReport
+from gym_rpc.wire import StatusReport
 
 SERVER_NAME = "gym.server.name"
 SERVER_TYPE = "gym.server.type"

@@ -19,25 +19,26 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from grpc_reflection.v1alpha import reflection
 
 from gym_rpc.config import GlobalConfig, ServerEntry, load_config_file, url_host
-from gym_rpc.control import events
-from gym_rpc.control import metrics as head_metrics
-from gym_rpc.control.http_head import HttpHead, configured_http_port
-from gym_rpc.control.metrics_http import MetricsServer
-from gym_rpc.control.prober import StatusProber
-from gym_rpc.control.registry import InstanceRegistry
-from gym_rpc.control.security import (
+from gym_rpc.errors import ConfigError
+from gym_rpc.metrics import metrics_disabled, setup_metrics
+from gym_rpc.server import _events as events
+from gym_rpc.server import _metrics as head_metrics
+from gym_rpc.server._http_head import HttpHead, configured_http_port
+from gym_rpc.server._metrics_http import MetricsServer
+from gym_rpc.server._prober import StatusProber
+from gym_rpc.server._registry import InstanceRegistry
+from gym_rpc.server._security import (
     DEFAULT_MAX_CONCURRENT_WATCHES,
     SERVER_OPTIONS,
     ServerSecurity,
     build_health_server,
 )
-from gym_rpc.control.servicer import ControlPlaneServicer
-from gym_rpc.errors import ConfigError
-from gym_rpc.metrics import metrics_disabled, setup_metrics
-from gym_rpc.status import StatusReport
-from gym_rpc.telemetry import server_interceptors, setup_tracing
+from gym_rpc.server._servicer import ControlPlaneServicer
+from gym_rpc.server._tracing import server_interceptors
+from gym_rpc.telemetry import setup_tracing
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
+from gym_rpc.wire import StatusReport
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class HeadServer:
         """The port serving only GET /metrics (--metrics-port), None when not served."""
         return self._metrics_server.port if self._metrics_server is not None else None
 
-    # What the head's gauges read (gym_rpc.control.metrics.ObservedHead).
+    # What the head's gauges read (gym_rpc.server._metrics.ObservedHead).
     @property
     def observed_servers(self) -> Mapping[str, ServerEntry]:
         return self.config.servers
@@ -286,7 +287,7 @@ async def run_head(head: ServableT, on_started: Callable[[ServableT], None]) -> 
     def reload_in_background() -> None:
         async def reload() -> None:
             try:
-                await head.reload()  # logs its outcome (gym_rpc.control.events)
+                await head.reload()  # logs its outcome (gym_rpc.server._events)
             except ConfigError:
                 pass  # logged by the reload itself; the old config stays
             except Exception:

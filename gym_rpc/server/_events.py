@@ -1,7 +1,7 @@
 """What the head tells its operators about, in one place: status changes, reloads, registrations.
 
 Each event is one log line (the text an operator greps for, plus `extra` fields that `--log-format json` keeps as
-keys) and, where it counts something, a metric (gym_rpc.control.metrics). The prober, the servicer and the head
+keys) and, where it counts something, a metric (gym_rpc.server._metrics). The prober, the servicer and the head
 call these functions instead of logging themselves, so every event has one wording and one level.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from gym_rpc.control import metrics
-from gym_rpc.status import StatusReport
+from gym_rpc.server import _metrics as metrics
+from gym_rpc.wire import StatusReport
 
 logger = logging.getLogger("gym_rpc.head")
 
