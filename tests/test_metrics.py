@@ -3,11 +3,12 @@ own text parser, real servers stopped and started again."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from pathlib import Path
 from typing import cast
 
@@ -138,6 +139,24 @@ def test_head_gauges_and_rpc_counts(tmp_path: Path) -> None:
                 )
                 == 1.0
             )
+    assert_dashboard_uses_only(sample.name for sample in not_found)
+
+
+DASHBOARD = Path(__file__).parent.parent / "examples" / "grafana-dashboard.json"
+METRIC_NAME = re.compile(r"\b((?:gym|rpc_server|http_client)_[a-z_]+)\{")  # a selector, not a label
+
+
+def assert_dashboard_uses_only(exposed: Iterable[str]) -> None:
+    """Every metric the Grafana dashboard queries is one the head exposes: a renamed metric fails here."""
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in METRIC_NAME.findall(target["expr"])
+    }
+    assert queried, "the dashboard queries no gym_rpc metric"
+    assert queried <= set(exposed), queried - set(exposed)
 
 
 def test_metrics_off_answers_404(tmp_path: Path) -> None:
