@@ -8,6 +8,7 @@ probes are stored; the RPC histogram by a server interceptor.
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -190,7 +191,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-ar
             return grpc.unary_unary_rpc_method_handler(
                 unary, handler.request_deserializer, handler.response_serializer
             )
-        if handler.unary_stream is not None:
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
             inner_stream: Any = handler.unary_stream
 
             async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
@@ -206,5 +207,21 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-ar
 
             return grpc.unary_stream_rpc_method_handler(
                 stream, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None:  # a coroutine that writes with context.write (grpc's health Watch)
+            inner_writer: Any = handler.unary_stream
+
+            async def writer(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+                started, error = time.perf_counter(), None
+                try:
+                    await inner_writer(request, context)
+                except BaseException as exc:
+                    error = exc
+                    raise
+                finally:
+                    _record_rpc(method, started, _code_of(context, error))
+
+            return grpc.unary_stream_rpc_method_handler(
+                writer, handler.request_deserializer, handler.response_serializer
             )
         return handler
