@@ -11,7 +11,7 @@ import argparse
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 ENV_ERRORS_ATTRIBUTE = "gym_rpc_env_errors"  # set on a parser: the bad variables found while building it
 
@@ -29,25 +29,43 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, with a usage mistake reported as one line (argparse prints the whole usage text first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def positive_float(text: str) -> float:
-    """A finite number above zero (seconds)."""
+    """A positive, finite number of seconds: 0 spins a core, nan and inf never end."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, not {text!r}") from None
     if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A number of seconds >= 0 (NaN and negatives refused with a clear message)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
     return value
 
 
 def port_number(text: str) -> int:
-    """A TCP port, 0 for a free one."""
+    """A port to bind, 0 for a free one: 70000 would silently bind 70000 - 65536."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a port number, not {text!r}") from None
     if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535, not {value}")
+        raise argparse.ArgumentTypeError(f"must be in 0..65535 (0 picks a free port), not {value}")
     return value
 
 

@@ -16,7 +16,16 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from gym_rpc import __version__
-from gym_rpc._cli_flags import HelpFormatter, choice_of, env_errors, env_flag, port_number, positive_float
+from gym_rpc._cli_flags import (
+    HelpFormatter,
+    OneLineErrorParser,
+    choice_of,
+    env_errors,
+    env_flag,
+    non_negative_float,
+    port_number,
+    positive_float,
+)
 from gym_rpc._logging import LOG_FORMATS, LOG_LEVELS, configure_logging
 from gym_rpc.client._channel import DEFAULT_TIMEOUT_SECONDS
 from gym_rpc.client._control import SyncControlClient, WatchEvent
@@ -141,7 +150,7 @@ def _add_probe_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gym-rpc", description=__doc__, formatter_class=HelpFormatter)
+    parser = OneLineErrorParser(prog="gym-rpc", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"gym-rpc {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -180,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
         "port too)",
     )
     _add_probe_flags(head)
+    head.add_argument(
+        "--status-max-age",
+        type=non_negative_float,
+        metavar="S",
+        help="seconds a cached status answers a status call stating no max_age (none: half the probe interval)",
+    )
 
     bridge = command("bridge", "serve the gRPC control plane in front of a NeMo Gym HTTP head")
     bridge.add_argument("--upstream", required=True, metavar="URL", help="the NeMo Gym head, http://HOST:PORT")
@@ -303,6 +318,7 @@ def cmd_head(args: argparse.Namespace) -> int:
         reflection=not args.no_reflection,
         http_port=args.http_port,
         metrics_port=args.metrics_port,
+        status_max_age_seconds=args.status_max_age,
     )
     head = HeadServer(config, options, config_path=args.config)
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,11 +20,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
-from gym_rpc.config import GlobalConfig, ServerEntry, load_config_file, url_host
-from gym_rpc.errors import ConfigError
+from gym_rpc.config import GlobalConfig, ServerEntry, checked_port, checked_seconds, load_config_file, url_host
+from gym_rpc.errors import ConfigError, GymRpcError
 from gym_rpc.metrics import metrics_disabled, setup_metrics
 from gym_rpc.server import _events as events
 from gym_rpc.server import _metrics as head_metrics
+from gym_rpc.server._bad_requests import DecodeGuardInterceptor
 from gym_rpc.server._http_head import HttpHead, configured_http_port
 from gym_rpc.server._metrics_http import MetricsServer
 from gym_rpc.server._prober import StatusProber
@@ -63,6 +66,17 @@ class HeadOptions:
     http_port: int | None = None  # NeMo Gym's HTTP head; None: head_server.http_port (absent: none); 0: free port
     max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES  # more get RESOURCE_EXHAUSTED
     metrics_port: int | None = None  # GET /metrics alone on this port; None: only on the HTTP head (if any)
+    status_max_age_seconds: float | None = None  # GetServerStatus freshness when unstated; None: half the interval
+
+    def __post_init__(self) -> None:
+        """Refuse what would spin (a 0 interval), never end (nan, inf) or bind another port (70000 wraps)."""
+        checked_seconds(self.probe_interval_seconds, "the probe interval (--probe-interval)")
+        checked_seconds(self.probe_timeout_seconds, "the probe timeout (--probe-timeout)")
+        checked_port(self.port, "the head port (--port)")
+        checked_port(self.http_port, "the HTTP head port (--http-port)")
+        checked_port(self.metrics_port, "the metrics port (--metrics-port)")
+        if self.watch_history_size < 1 or self.max_concurrent_watches < 1:
+            raise ConfigError("watch_history_size and max_concurrent_watches must be at least 1")
 
 
 class HeadServer:
@@ -84,6 +98,7 @@ class HeadServer:
             probe_timeout_seconds=options.probe_timeout_seconds,
             history_size=options.watch_history_size,
             on_change=self._follow_health,
+            default_max_age_seconds=options.status_max_age_seconds,
         )
         self.registry = InstanceRegistry()  # servers that registered (RegisterServerInstance)
         self._server: grpc.aio.Server | None = None
@@ -131,11 +146,24 @@ class HeadServer:
     def observed_registrations(self) -> int:
         return len(self.registry)
 
+    def _checked(self, config: GlobalConfig) -> ServerSecurity:
+        """What start-up and every reload check alike (token, TLS files, HTTP port); errors name the file."""
+        try:
+            configured_http_port(config)
+            return ServerSecurity.from_config(config)
+        except ConfigError as exc:
+            where = str(self.config_path) if self.config_path is not None else ""
+            raise ConfigError(
+                f"{where}: {exc}" if where and not str(exc).startswith(where) else str(exc)
+            ) from None
+
     async def start(self) -> None:
+        self.security = security = self._checked(self.config)
         http_port = (
             self.options.http_port if self.options.http_port is not None else configured_http_port(self.config)
         )
-        self.security = security = ServerSecurity.from_config(self.config)
+        for name, problem in self.config.malformed_servers.items():
+            logger.warning("config entry %r is not served: %s", name, problem)
         setup_tracing(self.config.observability_enabled, service_name="gym-rpc-head")
         setup_metrics(service_name="gym-rpc-head", prometheus=True)
         self._servicer = servicer = ControlPlaneServicer(
@@ -145,9 +173,11 @@ class HeadServer:
             servicer, self._health, reflection_enabled=self.options.reflection, security=security
         )
         port = self.options.port if self.options.port is not None else self.config.head_server.port
+        refuse_busy_port(self.host, port, "--port or head_server.port")
         self.port = security.add_port(server, self.host, port)
         health_server = None
         if security.health_port is not None:  # bound before anything starts: a busy port starts nothing
+            refuse_busy_port(self.host, security.health_port, "head_server.health_port")
             health_server = build_health_server(self._health)
             self.health_port = ServerSecurity().add_port(health_server, self.host, security.health_port)
         await self.prober.start()  # before the first call can arrive: handlers read its reports
@@ -157,6 +187,7 @@ class HeadServer:
             await health_server.start()
             self._health_server = health_server
         self.config = self.config.with_head_server(self.host, self.port)
+        self.prober.set_config_version(self.config.version)
         await self._health.set("", _SERVING)
         await self._health.set(SERVICE_NAME, _SERVING)
         if http_port is not None:
@@ -202,23 +233,71 @@ class HeadServer:
         async with self._reload_lock:
             old = self.config
             try:
-                loaded = await asyncio.to_thread(load_config_file, self.config_path)
+                config = await self._load_for_reload()
             except ConfigError as exc:
                 events.config_refused(self.config_path, old.version, exc)
                 raise
-            config = loaded.with_head_server(self.host, self.port)
             if config.version == old.version:
                 events.config_unchanged(self.config_path, old.version)
                 return False
+            for name, problem in config.malformed_servers.items():
+                if name not in old.malformed_servers:
+                    logger.warning("config entry %r is not served: %s", name, problem)
             self.config = config
             await self.registry.update_prober(self.prober, lambda: self.config.servers)
+            self.prober.set_config_version(config.version)
             added = [name for name in config.servers if name not in old.servers]
             removed = [name for name in old.servers if name not in config.servers]
             events.config_reloaded(self.config_path, old.version, config.version, added, removed)
             return True
 
+    async def _load_for_reload(self) -> GlobalConfig:
+        """The config file, checked exactly as at start-up; a served server whose entry broke is refused."""
+        assert self.config_path is not None
+        loaded = await asyncio.to_thread(load_config_file, self.config_path)
+        config = loaded.with_head_server(self.host, self.port)
+        if config.version == self.config.version:
+            return config
+        self._checked(config)
+        dropped = {
+            name: problem for name, problem in config.malformed_servers.items() if name in self.config.servers
+        }
+        if dropped:
+            name, problem = next(iter(dropped.items()))
+            raise ConfigError(
+                f"{self.config_path}: server {name!r} is served but its new entry is malformed ({problem}); "
+                f"fix the entry, or delete the key to stop serving it"
+            )
+        return config
+
     async def _follow_health(self, report: StatusReport | None, name: str) -> None:
         await mirror_status_in_health(self._health, report, name)
+
+
+def refuse_busy_port(host: str, port: int, setting: str) -> None:
+    """Raise a one-line GymRpcError when another process listens on host:port.
+
+    gRPC finds out too, but prints a C-core log line before its own error; binding a plain socket first (with
+    SO_REUSEADDR, as gRPC does) gives the one line without it. A port taken in between still fails in add_port.
+    """
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return  # an unresolvable host: gRPC reports it
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise GymRpcError(
+                        f"cannot listen on {url_host(host)}:{port}: the port is in use by another process; "
+                        f"stop it or choose another port ({setting})"
+                    ) from None
+                return
 
 
 def build_control_server(
@@ -237,9 +316,16 @@ def build_control_server(
     """
     security = security if security is not None else ServerSecurity.from_environment()
     # Tracing outermost (no interceptor when off: gym_rpc.telemetry), then metrics, so refused calls are traced and
-    # counted too.
+    # counted too. Innermost, undecodable requests become INVALID_ARGUMENT; the token check above it never decodes
+    # one.
     measured = [] if metrics_disabled() else [head_metrics.RpcMetricsInterceptor()]
-    traced_and_guarded = [*server_interceptors(), *measured, *security.interceptors(), *interceptors]
+    traced_and_guarded = [
+        *server_interceptors(),
+        *measured,
+        *security.interceptors(),
+        *interceptors,
+        DecodeGuardInterceptor(),
+    ]
     server = grpc.aio.server(interceptors=traced_and_guarded, options=SERVER_OPTIONS)
     pb_grpc.add_ControlPlaneServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
