@@ -76,8 +76,9 @@ def config_unchanged(source: Path | str, version: str) -> None:
 
 
 def config_refused(source: Path | str, version: str, error: Exception) -> None:
-    """A reload whose config was bad: one ERROR line; the old config stays."""
-    logger.error(
+    """A reload whose config was bad: one WARNING line (the head serves on, the old config stays; the caller of
+    ReloadGlobalConfig gets the reason too). No traceback: the reason is the operator's file."""
+    logger.warning(
         "config reload from %s refused, old config kept (version %s): %s",
         source,
         version,
