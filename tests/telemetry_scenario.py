@@ -43,7 +43,8 @@ from gym_rpc.telemetry import server_span, set_response_status, tracing_enabled
 
 LOOPBACK = "127.0.0.1"
 ROLLOUT_ID = "rollout/7"  # a '/' in it: the id must travel as one encoded segment
-WATCHED_MODULES = ("opentelemetry.sdk", "opentelemetry.instrumentation.grpc", "opentelemetry.propagate")
+# The tracing SDK, not the metrics one: the head in these scenarios always measures (gym_rpc.metrics).
+WATCHED_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.instrumentation.grpc", "opentelemetry.propagate")
 
 
 def seen_by_handler(traceparent: str | None) -> dict[str, Any]:

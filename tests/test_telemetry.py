@@ -278,7 +278,7 @@ def test_off_without_a_provider_imports_no_sdk() -> None:
     result = run_scenario("bare")
     assert result["tracing_enabled"] is False
     assert result["modules"] == {
-        "opentelemetry.sdk": False,
+        "opentelemetry.sdk.trace": False,
         "opentelemetry.instrumentation.grpc": False,
         "opentelemetry.propagate": False,
     }
@@ -384,7 +384,7 @@ async def test_otlp_endpoint_exports_the_trace(collector: tuple[Collector, int])
     assert process.returncode == 0, stderr.decode()
     result = json.loads(stdout)
     assert result["tracing_enabled"] is True
-    assert result["modules"]["opentelemetry.sdk"] is True
+    assert result["modules"]["opentelemetry.sdk.trace"] is True
     exported = [
         (resource_spans.resource, span)
         for request in servicer.requests
