@@ -16,6 +16,7 @@ import grpc
 
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url, is_wildcard_host
 from gym_rpc.errors import ConfigError, UnknownServerError
+from gym_rpc.server import _events as events
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import InstanceRegistry, advertised_host, is_valid_host
 from gym_rpc.server._security import (
@@ -65,6 +66,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         # client cannot take every slot of the head and lock the other watchers out.
         self._max_watches_per_peer = max_watches_per_peer
         self._watches_by_peer: dict[str, int] = {}
+
+    @property
+    def watches(self) -> int:
+        """Status watches open now (the head's `gym.head.watchers` gauge)."""
+        return self._watches
 
     async def GetHeadServerConfig(
         self, request: pb.GetHeadServerConfigRequest, context: Context
@@ -230,7 +236,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         host = advertised_host(request.listen_host, request.advertise_host, context.peer())
         registration = convert.registration_from_pb(request, host, time.time())
         head = self._head
+        replaced = head.registry.get(name)
         head.registry.register(registration)
+        events.server_registered(
+            name, registration.pid, registration.advertised_url, replaced.pid if replaced else None
+        )
         await head.registry.update_prober(head.prober, lambda: head.config.servers)
         return pb.RegisterServerInstanceResponse(advertised_url=registration.advertised_url)
 
@@ -242,8 +252,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "server_name is required")
         await self._require_server(name, context)
         head = self._head
+        current = head.registry.get(name)
         deregistered = head.registry.deregister(name, request.pid)
         if deregistered:
+            events.server_deregistered(name, current.pid if current else request.pid)
             await head.registry.update_prober(head.prober, lambda: head.config.servers)
         return pb.DeregisterServerInstanceResponse(deregistered=deregistered)
 
