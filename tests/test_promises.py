@@ -128,7 +128,7 @@ def test_the_port_is_not_shared_with_a_second_process() -> None:
 async def test_at_most_512_status_watches_per_head(head_factory) -> None:
     """SECURITY.md: "at most 512 status watches per head (more get RESOURCE_EXHAUSTED)", with the default options:
     512 watches on four connections (128 streams each) are served, the 513th is refused, unary calls still work."""
-    # All 512 come from one client address here, so its per-address cap (128 by default, tests/test_watch_limits.py)
+    # All 512 come from one client address here, so its per-address cap (128 by default; test_watch_limits.py)
     # is lifted to let the per-head bound be the one that answers.
     head = await head_factory(document({}), max_watches_per_peer=512)
     channels = [grpc.aio.insecure_channel(head.address, options=OWN_CONNECTION) for _ in range(5)]
