@@ -120,6 +120,7 @@ class HeadServer:
             health_server = build_health_server(self._health)
             self.health_port = ServerSecurity().add_port(health_server, self.host, security.health_port)
         await self.prober.start()  # before the first call can arrive: handlers read its reports
+        self.registry.start_expiry(self.prober, lambda: self.config.servers)
         await server.start()
         self._server = server
         if health_server is not None:
@@ -147,6 +148,7 @@ class HeadServer:
         if self._server is not None:
             await self._server.stop(self.options.shutdown_grace_seconds)
             self._server = None
+        await self.registry.stop_expiry()
         await self.prober.stop()  # after the last call: in-flight handlers still read and probe through it
         if self._health_server is not None:
             await self._health_server.stop(None)

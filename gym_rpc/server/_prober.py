@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from gym_rpc.config import ServerEntry
-from gym_rpc.wire import ServerStatus, StatusReport
+from gym_rpc.wire import RegistrationState, ServerStatus, StatusReport
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +145,14 @@ class StatusProber:
         for name, entry in servers.items():
             if self._urls.get(name) != entry.url:
                 self._urls[name] = entry.url
-                self._reports[name] = StatusReport(server_name=name, status=None, url=entry.url)
+                previous = self._reports.get(name)
+                self._reports[name] = StatusReport(
+                    server_name=name,
+                    status=None,
+                    url=entry.url,
+                    registration=previous.registration if previous is not None else None,
+                    advertised_url=previous.advertised_url if previous is not None else "",
+                )
                 self._record(self._reports[name])
                 await self._notify(self._reports[name], name)
 
@@ -254,9 +262,7 @@ class StatusProber:
         self, session: aiohttp.ClientSession, name: str, url: str, timeout: float
     ) -> StatusReport:
         try:
-            report = await probe(session, name, url, timeout)
-            await self._store(report)
-            return report
+            return await self._store(await probe(session, name, url, timeout))
         finally:
             current = self._in_flight.get(name)
             if current is not None and current[1] is asyncio.current_task():
@@ -273,14 +279,29 @@ class StatusProber:
                 logger.exception("status probe round failed")
             await asyncio.sleep(max(0.0, self.interval_seconds - (time.monotonic() - started)))
 
-    async def _store(self, report: StatusReport) -> None:
+    async def _store(self, report: StatusReport) -> StatusReport:
+        """Record a probe result (with the registration the server has now); the report as recorded."""
         previous = self._reports.get(report.server_name)
         if previous is None or self._urls.get(report.server_name) != report.url:
-            return  # the server left or moved while it was being probed
+            return report  # the server left or moved while it was being probed
+        report = dataclasses.replace(
+            report, registration=previous.registration, advertised_url=previous.advertised_url
+        )
         self._reports[report.server_name] = report
         if previous.status != report.status:
             self._record(report)
             await self._notify(report, report.server_name)
+        return report
+
+    async def set_registration(self, name: str, state: RegistrationState | None, advertised_url: str) -> None:
+        """Follow a server's registration; a change of it is recorded (and watched) like a status change."""
+        report = self._reports.get(name)
+        if report is None or (report.registration, report.advertised_url) == (state, advertised_url):
+            return
+        report = dataclasses.replace(report, registration=state, advertised_url=advertised_url)
+        self._reports[name] = report
+        self._record(report)
+        await self._notify(report, name)
 
     def _record(self, report: StatusReport) -> None:
         self._bump()

@@ -17,7 +17,13 @@ import grpc
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url, is_wildcard_host
 from gym_rpc.errors import ConfigError, UnknownServerError
 from gym_rpc.server._prober import StatusProber
-from gym_rpc.server._registry import InstanceRegistry, advertised_host, is_valid_host
+from gym_rpc.server._registry import (
+    MAX_LEASE_SECONDS,
+    MIN_LEASE_SECONDS,
+    InstanceRegistry,
+    advertised_host,
+    is_valid_host,
+)
 from gym_rpc.server._security import DEFAULT_MAX_CONCURRENT_WATCHES, caller_is_authenticated
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
@@ -199,12 +205,23 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         if request.pid < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pid must not be negative")
         await _require_valid_hosts(request, context)
+        if request.HasField("lease_ttl"):
+            lease = request.lease_ttl.ToNanoseconds() / 1e9
+            if not MIN_LEASE_SECONDS <= lease <= MAX_LEASE_SECONDS:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"lease_ttl must be between {MIN_LEASE_SECONDS:g} s and {MAX_LEASE_SECONDS:g} s, "
+                    f"got {lease:g} s",
+                )
         host = advertised_host(request.listen_host, request.advertise_host, context.peer())
         registration = convert.registration_from_pb(request, host, time.time())
         head = self._head
-        head.registry.register(registration)
-        await head.registry.update_prober(head.prober, lambda: head.config.servers)
-        return pb.RegisterServerInstanceResponse(advertised_url=registration.advertised_url)
+        if head.registry.register(registration):  # a renewal changes nothing the prober follows
+            await head.registry.update_prober(head.prober, lambda: head.config.servers, [name])
+        response = pb.RegisterServerInstanceResponse(advertised_url=registration.advertised_url)
+        if request.HasField("lease_ttl"):
+            response.lease_ttl.CopyFrom(request.lease_ttl)
+        return response
 
     async def DeregisterServerInstance(
         self, request: pb.DeregisterServerInstanceRequest, context: Context
@@ -216,7 +233,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         head = self._head
         deregistered = head.registry.deregister(name, request.pid)
         if deregistered:
-            await head.registry.update_prober(head.prober, lambda: head.config.servers)
+            await head.registry.update_prober(head.prober, lambda: head.config.servers, [name])
         return pb.DeregisterServerInstanceResponse(deregistered=deregistered)
 
     async def _require_server(self, name: str, context: Context) -> None:
