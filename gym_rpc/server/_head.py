@@ -28,11 +28,10 @@ from gym_rpc.server._security import (
     ServerSecurity,
     build_health_server,
 )
-from gym_rpc.server._servicer import ControlPlaneServicer
+from gym_rpc.server._servicer import ControlPlaneServicer, add_control_plane_service
 from gym_rpc.server._tracing import server_interceptors
 from gym_rpc.telemetry import setup_tracing
 from gym_rpc.v1 import control_plane_pb2 as pb
-from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import StatusReport
 
 logger = logging.getLogger(__name__)
@@ -83,6 +82,7 @@ class HeadServer:
         )
         self.registry = InstanceRegistry()  # servers that registered (RegisterServerInstance)
         self._server: grpc.aio.Server | None = None
+        self.servicer: ControlPlaneServicer | None = None  # set by start()
         self._health_server: grpc.aio.Server | None = None  # plaintext health only (head_server.health_port)
         self.health_port: int | None = None
         self.security = ServerSecurity()
@@ -109,7 +109,9 @@ class HeadServer:
         )
         self.security = security = ServerSecurity.from_config(self.config)
         setup_tracing(self.config.observability_enabled, service_name="gym-rpc-head")
-        servicer = ControlPlaneServicer(self, max_concurrent_watches=self.options.max_concurrent_watches)
+        self.servicer = servicer = ControlPlaneServicer(
+            self, max_concurrent_watches=self.options.max_concurrent_watches
+        )
         server = build_control_server(
             servicer, self._health, reflection_enabled=self.options.reflection, security=security
         )
@@ -191,7 +193,7 @@ def build_control_server(
     # Tracing outermost (no interceptor when off: gym_rpc.telemetry), so refused calls are traced too.
     traced_and_guarded = [*server_interceptors(), *security.interceptors(), *interceptors]
     server = grpc.aio.server(interceptors=traced_and_guarded, options=SERVER_OPTIONS)
-    pb_grpc.add_ControlPlaneServiceServicer_to_server(servicer, server)
+    add_control_plane_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if reflection_enabled:
         names = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]

@@ -106,7 +106,7 @@ class StatusProber:
         self._urls: dict[str, str] = {}
         self._reports: dict[str, StatusReport] = {}
         self._history: deque[tuple[int, StatusReport]] = deque(maxlen=history_size)
-        self._changed = asyncio.Event()
+        self._next_change: asyncio.Future[None] | None = None  # made by the first waiter, in its running loop
         self._on_change = on_change
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
@@ -192,11 +192,10 @@ class StatusProber:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            event = self._changed
-            try:
-                await asyncio.wait_for(event.wait(), remaining)
-            except TimeoutError:
-                return self.revision > after_revision
+            # Every watcher waits on the one future of the next change: no task or event waiter per watcher.
+            if self._next_change is None:
+                self._next_change = asyncio.get_running_loop().create_future()
+            await asyncio.wait((self._next_change,), timeout=remaining)
         return True
 
     def fresh_report(self, name: str, max_age_seconds: float) -> StatusReport | None:
@@ -309,8 +308,9 @@ class StatusProber:
 
     def _bump(self) -> None:
         self.revision += 1
-        self._changed.set()
-        self._changed = asyncio.Event()
+        changed, self._next_change = self._next_change, None
+        if changed is not None:
+            changed.set_result(None)
 
     async def _notify(self, report: StatusReport | None, name: str) -> None:
         if self._on_change is not None:

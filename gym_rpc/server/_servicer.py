@@ -25,6 +25,7 @@ from gym_rpc.server._registry import (
     is_valid_host,
 )
 from gym_rpc.server._security import DEFAULT_MAX_CONCURRENT_WATCHES, caller_is_authenticated
+from gym_rpc.server._watch_feed import WatchFeed
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import KNOWN_SERVERS_METADATA_KEY, StatusReport
@@ -57,6 +58,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self._config_responses: dict[bool, tuple[str, pb.GetGlobalConfigResponse]] = {}
         self._max_watches = max_concurrent_watches
         self._watches = 0
+        self.watch_feed = WatchFeed(lambda: self._head.prober)  # one message per change for all watchers
 
     async def GetHeadServerConfig(
         self, request: pb.GetHeadServerConfigRequest, context: Context
@@ -131,36 +133,21 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         heartbeat = DEFAULT_HEARTBEAT_SECONDS
         if request.HasField("heartbeat_interval"):
             heartbeat = max(MIN_HEARTBEAT_SECONDS, request.heartbeat_interval.ToNanoseconds() / 1e9)
+        feed = self.watch_feed
         seen = request.start_revision
-        sent_config_version = ""
         if seen == 0 or seen > prober.revision:  # a revision from the future was issued by another head
-            # Taken before the yield: the prober may record changes while the snapshot is being sent, and those
-            # must follow it rather than be skipped.
-            snapshot_revision = prober.revision
-            sent_config_version = prober.config_version
-            yield _snapshot(
-                snapshot_revision, prober.reports(), compacted=seen != 0, config_version=sent_config_version
-            )
-            seen = snapshot_revision
+            # The revision is taken before the yield: the prober may record changes while the snapshot is being
+            # sent, and those must follow it rather than be skipped.
+            seen, snapshot = feed.snapshot(compacted=seen != 0)
+            yield snapshot
         while True:
-            changes = prober.changes_since(seen)
-            config_version = prober.config_version
-            if changes.compacted:
-                yield _snapshot(changes.revision, changes.reports, compacted=True, config_version=config_version)
-            elif changes.reports or (config_version != sent_config_version and changes.revision > seen):
-                yield pb.WatchServerStatusesResponse(
-                    type=pb.WATCH_EVENT_TYPE_CHANGE,
-                    revision=changes.revision,
-                    reports=[convert.report_to_pb(r) for r in changes.reports],
-                    config_version=config_version,
-                )
-            sent_config_version = config_version
-            seen = changes.revision
-            if not await prober.wait_for_change(seen, heartbeat):
+            # The stream holds nothing but `seen` while it waits or lags: what it missed is merged when it asks.
+            seen, message = feed.after(seen)
+            if message is not None:
+                yield message
+            if not await self._head.prober.wait_for_change(seen, heartbeat):
                 # The revision this stream has delivered: a resume from it misses nothing.
-                yield pb.WatchServerStatusesResponse(
-                    type=pb.WATCH_EVENT_TYPE_HEARTBEAT, revision=seen, config_version=prober.config_version
-                )
+                yield feed.heartbeat(seen)
 
     async def ListServerInstances(
         self, request: pb.ListServerInstancesRequest, context: Context
@@ -291,13 +278,30 @@ def _config_response(config: GlobalConfig, include_secrets: bool) -> pb.GetGloba
     return convert.global_config_to_pb(config, include_secrets=True)
 
 
-def _snapshot(
-    revision: int, reports: list[StatusReport], *, compacted: bool, config_version: str
-) -> pb.WatchServerStatusesResponse:
-    return pb.WatchServerStatusesResponse(
-        type=pb.WATCH_EVENT_TYPE_SNAPSHOT,
-        revision=revision,
-        reports=[convert.report_to_pb(r) for r in reports],
-        compacted=compacted,
-        config_version=config_version,
-    )
+def add_control_plane_service(servicer: ControlPlaneServicer, server: grpc.aio.Server) -> None:
+    """Serve `servicer` as pb_grpc's generated registration would, except that watch messages go through the
+    servicer's WatchFeed serializer, so a change sent to a thousand watchers is serialised once."""
+    service = pb.DESCRIPTOR.services_by_name["ControlPlaneService"]
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in service.methods:
+        request_class = getattr(pb, method.input_type.name)
+        response_class = getattr(pb, method.output_type.name)
+        serializer = (
+            servicer.watch_feed.serialize
+            if method.name == "WatchServerStatuses"
+            else response_class.SerializeToString
+        )
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=request_class.FromString,
+            response_serializer=serializer,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    # As the generated code does too: grpc resolves registered methods without the generic handler lookup.
+    register: Any = server.add_registered_method_handlers  # type: ignore[attr-defined]  # not in grpc-stubs
+    register(service.full_name, handlers)
