@@ -6,7 +6,7 @@ BUF := node_modules/.bin/buf
 RELEASED_CONTRACT := proto/released/gym_rpc_v1.binpb
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto stubs release-contract lint test run demo bench clean
+.PHONY: install proto stubs release-contract lint test run demo bench bench-scale clean
 
 install: $(STAMP) $(BUF)
 
@@ -57,6 +57,10 @@ demo: $(STAMP)
 # Not part of `make test` (tests/test_bench_smoke.py runs `python -m bench --quick` so the code cannot rot).
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+# How one head's costs grow with servers, watchers and pollers (< 5 min); writes bench/SCALE.md.
+bench-scale: $(STAMP)
+	$(BIN)/python -m bench.scale
 
 clean:
 	rm -rf $(VENV) node_modules build *.egg-info .pytest_cache .mypy_cache .ruff_cache
