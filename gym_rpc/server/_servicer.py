@@ -25,7 +25,7 @@ from gym_rpc.server._registry import (
     is_valid_host,
 )
 from gym_rpc.server._security import DEFAULT_MAX_CONCURRENT_WATCHES, caller_is_authenticated
-from gym_rpc.server._watch_feed import WatchFeed
+from gym_rpc.server._watch_feed import ReportMessages, WatchFeed
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import KNOWN_SERVERS_METADATA_KEY, StatusReport
@@ -58,7 +58,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self._config_responses: dict[bool, tuple[str, pb.GetGlobalConfigResponse]] = {}
         self._max_watches = max_concurrent_watches
         self._watches = 0
-        self.watch_feed = WatchFeed(lambda: self._head.prober)  # one message per change for all watchers
+        self._report_messages = ReportMessages()  # each probe result converted once
+        self.watch_feed = WatchFeed(lambda: self._head.prober, self._report_messages)  # one message per change
 
     async def GetHeadServerConfig(
         self, request: pb.GetHeadServerConfigRequest, context: Context
@@ -107,7 +108,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
     ) -> pb.ListServerStatusesResponse:
         prober = self._head.prober
         return pb.ListServerStatusesResponse(
-            revision=prober.revision, reports=[convert.report_to_pb(r) for r in prober.reports()]
+            revision=prober.revision, reports=self._report_messages.of(prober.reports())
         )
 
     async def WatchServerStatuses(

@@ -15,6 +15,7 @@ from collections.abc import Callable, Hashable
 
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.v1 import control_plane_pb2 as pb
+from gym_rpc.wire import StatusReport
 from gym_rpc.wire import _convert as convert
 
 Message = pb.WatchServerStatusesResponse
@@ -26,11 +27,41 @@ DEFAULT_CACHE_SIZE = 64
 SNAPSHOT_REUSE_SECONDS = 1.0
 
 
+class ReportMessages:
+    """Each server's latest report as a message, converted once per probe result rather than once per call: a
+    thousand-server ListServerStatuses or snapshot then only copies messages (C code) instead of building them."""
+
+    def __init__(self) -> None:
+        self._messages: dict[str, tuple[StatusReport, pb.ServerStatusReport]] = {}
+
+    def of(self, reports: list[StatusReport]) -> list[pb.ServerStatusReport]:
+        """Messages of every server's latest report (the whole list: servers missing from it are forgotten)."""
+        messages = [self._message(report) for report in reports]
+        if len(self._messages) > 2 * len(reports) + 64:  # servers removed by reloads: forget them
+            current = {report.server_name for report in reports}
+            self._messages = {k: v for k, v in self._messages.items() if k in current}
+        return messages
+
+    def _message(self, report: StatusReport) -> pb.ServerStatusReport:
+        cached = self._messages.get(report.server_name)
+        if cached is not None and cached[0] is report:  # reports are immutable: the same object, the same message
+            return cached[1]
+        message = convert.report_to_pb(report)
+        self._messages[report.server_name] = (report, message)
+        return message
+
+
 class WatchFeed:
     """What a watcher at some revision must be sent next, shared by every watcher at that revision."""
 
-    def __init__(self, prober: Callable[[], StatusProber], cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+    def __init__(
+        self,
+        prober: Callable[[], StatusProber],
+        reports: ReportMessages | None = None,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+    ) -> None:
         self._prober = prober  # read on every call: the head may replace its prober
+        self._reports = reports if reports is not None else ReportMessages()
         self._cache_size = cache_size
         self._messages: OrderedDict[Hashable, Message] = OrderedDict()
         # id(message) -> (message, its bytes once serialised), for every cached message
@@ -43,7 +74,7 @@ class WatchFeed:
         prober = self._prober()
         revision, version = prober.revision, prober.config_version
         key = ("snapshot", revision, version, compacted, int(time.monotonic() / SNAPSHOT_REUSE_SECONDS))
-        return revision, self._get(key, lambda: _snapshot(prober, revision, compacted))
+        return revision, self._get(key, lambda: _snapshot(prober, self._reports, revision, compacted))
 
     def after(self, seen: int) -> tuple[int, Message | None]:
         """What a watcher that has delivered `seen` must be sent (None: nothing), and the revision it reaches."""
@@ -51,7 +82,9 @@ class WatchFeed:
         revision, version = prober.revision, prober.config_version
         if seen >= revision:
             return revision, None
-        return revision, self._get(("after", seen, revision, version), lambda: _changes(prober, seen))
+        return revision, self._get(
+            ("after", seen, revision, version), lambda: _changes(prober, self._reports, seen)
+        )
 
     def heartbeat(self, seen: int) -> Message:
         version = self._prober().config_version
@@ -85,22 +118,22 @@ class WatchFeed:
         return message
 
 
-def _snapshot(prober: StatusProber, revision: int, compacted: bool) -> Message:
+def _snapshot(prober: StatusProber, reports: ReportMessages, revision: int, compacted: bool) -> Message:
     return Message(
         type=pb.WATCH_EVENT_TYPE_SNAPSHOT,
         revision=revision,
-        reports=[convert.report_to_pb(r) for r in prober.reports()],
+        reports=reports.of(prober.reports()),
         compacted=compacted,
         config_version=prober.config_version,
     )
 
 
-def _changes(prober: StatusProber, seen: int) -> Message:
+def _changes(prober: StatusProber, reports: ReportMessages, seen: int) -> Message:
     """The reports changed after `seen` (latest per server), or a compacted snapshot when history is gone. A
     CHANGE without reports says the config version moved."""
     changes = prober.changes_since(seen)
     if changes.compacted:
-        return _snapshot(prober, changes.revision, compacted=True)
+        return _snapshot(prober, reports, changes.revision, compacted=True)
     return Message(
         type=pb.WATCH_EVENT_TYPE_CHANGE,
         revision=changes.revision,
