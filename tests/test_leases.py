@@ -58,7 +58,7 @@ async def next_policy_report(events: AsyncGenerator[WatchEvent, None], registrat
 
 
 async def test_a_lease_expires_when_its_process_is_killed_9(head_factory, caplog):
-    caplog.set_level(logging.INFO, logger="gym_rpc.server._registry")
+    caplog.set_level(logging.INFO, logger="gym_rpc.head")
     config_port, real_port = closed_port(), closed_port()
     head = await head_factory(wildcard_doc(config_port))
     client = ControlClient(head.address)
@@ -100,7 +100,7 @@ async def test_a_lease_expires_when_its_process_is_killed_9(head_factory, caplog
 
 
 async def test_renewals_are_neither_watched_nor_logged_and_a_clean_stop_says_deregistered(head_factory, caplog):
-    caplog.set_level(logging.INFO, logger="gym_rpc.server._registry")
+    caplog.set_level(logging.INFO, logger="gym_rpc.head")
     head = await head_factory(wildcard_doc(closed_port()))
     registration = ServerRegistration(
         "policy",
@@ -116,7 +116,7 @@ async def test_renewals_are_neither_watched_nor_logged_and_a_clean_stop_says_der
     await asyncio.sleep(1.5)  # several renewals, each within the lease
     assert head.registry.state("policy") == "registered"
     assert head.prober.report("policy").registration == reports_before.registration == "registered"
-    registered_lines = [r for r in caplog.records if "registered (pid" in r.getMessage()]
+    registered_lines = [r for r in caplog.records if ": registered pid" in r.getMessage()]
     assert len(registered_lines) == 1  # the first registration only
     assert head.prober.revision - revision <= 2  # status probes may change; renewals record nothing
 

@@ -30,8 +30,8 @@ async def test_one_serialised_message_per_change_is_shared_by_all_watchers(head_
         snapshots = await asyncio.gather(*(asyncio.wait_for(anext(s), 10) for s in streams))
         assert {s.kind for s in snapshots} == {"snapshot"}
         assert len({s.revision for s in snapshots}) == 1  # all watchers stand at one revision
-        assert head.servicer is not None
-        feed = head.servicer.watch_feed
+        assert head._servicer is not None
+        feed = head._servicer.watch_feed
         built, encoded = feed.built, feed.encoded
 
         await runner.cleanup()  # the server dies: one change for every watcher

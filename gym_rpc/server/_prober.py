@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from gym_rpc.config import ServerEntry
+from gym_rpc.server import _events as events
 from gym_rpc.wire import RegistrationState, ServerStatus, StatusReport
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ class StatusProber:
         self.revision = time.time_ns() // 1_000_000
         self._urls: dict[str, str] = {}
         self._reports: dict[str, StatusReport] = {}
+        self._probes_in_status: dict[str, int] = {}  # probes in a row that gave the server's current status
         self._history: deque[tuple[int, StatusReport]] = deque(maxlen=history_size)
         self._next_change: asyncio.Future[None] | None = None  # made by the first waiter, in its running loop
         self._on_change = on_change
@@ -138,6 +140,7 @@ class StatusProber:
         for name in removed:
             del self._urls[name]
             del self._reports[name]
+            self._probes_in_status.pop(name, None)
             await self._notify(None, name)
         if removed:  # a removal is no report: drop the history so every watcher gets a fresh snapshot
             self._history.clear()
@@ -153,6 +156,7 @@ class StatusProber:
                     registration=previous.registration if previous is not None else None,
                     advertised_url=previous.advertised_url if previous is not None else "",
                 )
+                self._probes_in_status[name] = 0
                 self._record(self._reports[name])
                 await self._notify(self._reports[name], name)
 
@@ -287,6 +291,10 @@ class StatusProber:
             report, registration=previous.registration, advertised_url=previous.advertised_url
         )
         self._reports[report.server_name] = report
+        name = report.server_name
+        in_a_row = self._probes_in_status.get(name, 0)
+        self._probes_in_status[name] = in_a_row + 1 if previous.status == report.status else 1
+        events.probe_stored(previous, report, in_a_row)
         if previous.status != report.status:
             self._record(report)
             await self._notify(report, report.server_name)

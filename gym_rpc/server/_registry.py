@@ -5,8 +5,8 @@ can dial. When it registers, the head records the address it saw the registratio
 advertises that address for it (ListServerInstances) and probes it there.
 
 A registration may carry a lease (like an etcd lease or a Consul TTL check): unless renewed in time it expires,
-so a process killed without deregistering does not stay advertised. The registry is the one place that logs
-registrations, deregistrations and expiries, and that tells the prober (hence status watches) about them.
+so a process killed without deregistering does not stay advertised. The registry finds expiries, reports them
+through gym_rpc.server._events (with every other head event), and tells the prober (hence status watches).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Protocol
 from urllib.parse import unquote
 
 from gym_rpc.config import ServerEntry, connectable_host, is_wildcard_host
+from gym_rpc.server import _events as events
 from gym_rpc.wire import InstanceRegistration, RegistrationState
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,9 @@ class InstanceRegistry:
         self._lock = asyncio.Lock()  # one prober update at a time, each from the latest state
         self._sweeper: asyncio.Task[None] | None = None
 
+    def __len__(self) -> int:
+        return len(self._registrations)
+
     def get(self, server_name: str) -> InstanceRegistration | None:
         return self._registrations.get(server_name)
 
@@ -113,16 +117,10 @@ class InstanceRegistry:
         previous = self._registrations.get(name)
         self._registrations[name] = registration
         self._ended.pop(name, None)
-        if previous is not None and (previous.pid, previous.advertised_url) == (
+        return previous is None or (previous.pid, previous.advertised_url) != (
             registration.pid,
             registration.advertised_url,
-        ):
-            return False
-        lease = f"lease {registration.lease_ttl:g}s" if registration.lease_ttl else "no lease"
-        logger.info(
-            "%s: registered (pid %d) at %s, %s", name, registration.pid, registration.advertised_url, lease
         )
-        return True
 
     def deregister(self, server_name: str, pid: int) -> bool:
         """Remove the server's registration if `pid` is its pid (or 0); a newer process's registration stays."""
@@ -131,7 +129,6 @@ class InstanceRegistry:
             return False
         del self._registrations[server_name]
         self._ended[server_name] = "deregistered"
-        logger.info("%s: deregistered (pid %d); clients go back to the config's address", server_name, current.pid)
         return True
 
     def expire(self, now: float) -> list[InstanceRegistration]:
@@ -141,12 +138,8 @@ class InstanceRegistry:
             name = registration.server_name
             del self._registrations[name]
             self._ended[name] = "expired"
-            logger.warning(
-                "%s: lease of pid %d expired (not renewed for %gs); dropped, with its advertised address %s",
-                name,
-                registration.pid,
-                registration.lease_ttl,
-                registration.advertised_url,
+            events.server_lease_expired(
+                name, registration.pid, registration.lease_ttl, registration.advertised_url
             )
         return expired
 

@@ -16,6 +16,7 @@ import grpc
 
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url, is_wildcard_host
 from gym_rpc.errors import ConfigError, UnknownServerError
+from gym_rpc.server import _events as events
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import (
     MAX_LEASE_SECONDS,
@@ -60,6 +61,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self._watches = 0
         self._report_messages = ReportMessages()  # each probe result converted once
         self.watch_feed = WatchFeed(lambda: self._head.prober, self._report_messages)  # one message per change
+
+    @property
+    def watches(self) -> int:
+        """Status watches open now (the head's `gym.head.watchers` gauge)."""
+        return self._watches
 
     async def GetHeadServerConfig(
         self, request: pb.GetHeadServerConfigRequest, context: Context
@@ -204,7 +210,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         host = advertised_host(request.listen_host, request.advertise_host, context.peer())
         registration = convert.registration_from_pb(request, host, time.time())
         head = self._head
-        if head.registry.register(registration):  # a renewal changes nothing the prober follows
+        replaced = head.registry.get(name)
+        if head.registry.register(registration):  # a renewal changes nothing: neither logged nor followed
+            events.server_registered(
+                name, registration.pid, registration.advertised_url, replaced.pid if replaced else None
+            )
             await head.registry.update_prober(head.prober, lambda: head.config.servers, [name])
         response = pb.RegisterServerInstanceResponse(advertised_url=registration.advertised_url)
         if request.HasField("lease_ttl"):
@@ -219,8 +229,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "server_name is required")
         await self._require_server(name, context)
         head = self._head
+        current = head.registry.get(name)
         deregistered = head.registry.deregister(name, request.pid)
         if deregistered:
+            events.server_deregistered(name, current.pid if current else request.pid)
             await head.registry.update_prober(head.prober, lambda: head.config.servers, [name])
         return pb.DeregisterServerInstanceResponse(deregistered=deregistered)
 
