@@ -296,7 +296,8 @@ class Watchers:
 
 async def measure_watchers(servers: Child, ports: list[int], plan: ScalePlan) -> list[WatchRow]:
     rows: list[WatchRow] = []
-    with running_head(ports[:10], plan, max_concurrent_watches=max(plan.watchers) + 10) as head:
+    most = max(plan.watchers) + 10  # every watcher comes from one address: lift the per-peer cap too
+    with running_head(ports[:10], plan, max_concurrent_watches=most, max_watches_per_peer=most) as head:
         address = head.info["address"]
         await asyncio.to_thread(wait_until_probed, address, 60)
         watchers = Watchers(address)
