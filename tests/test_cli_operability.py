@@ -137,8 +137,8 @@ def test_output_formats_print_the_same_rows(up_and_down_head: HeadProcess) -> No
             ("gone", "connection_error"),
         ]
         assert set(rows[0]) == {
-            "name", "type", "url", "status", "latency_ms", "checked_at", "detail", "pid", "start_time",
-            "uptime_seconds",
+            "name", "type", "url", "status", "http_status", "latency_ms", "checked_at", "detail", "pid",
+            "start_time", "uptime_seconds",
         }  # fmt: skip
 
 
