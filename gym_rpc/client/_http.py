@@ -23,6 +23,9 @@ from multidict import CIMultiDict
 from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
 
+from gym_rpc.client._aiohttp_instrumentation import request_context as instrumentation_request_context
+from gym_rpc.client._aiohttp_instrumentation import session_instrumented
+from gym_rpc.client._aiohttp_instrumentation import trace_configs as instrumentation_trace_configs
 from gym_rpc.client._rollout import current_rollout_id
 from gym_rpc.config import validation_error_line
 from gym_rpc.errors import ConfigError, RequestTimeoutError, ServerUnreachableError
@@ -133,7 +136,11 @@ def _new_session(
         limit=limit, limit_per_host=limit_per_host, keepalive_timeout=keepalive, socket_factory=_keepalive_socket
     )
     return aiohttp.ClientSession(
-        connector=connector, timeout=timeout, trust_env=False, cookie_jar=aiohttp.DummyCookieJar()
+        connector=connector,
+        timeout=timeout,
+        trust_env=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        trace_configs=instrumentation_trace_configs(),  # none unless aiohttp's instrumentation is on
     )
 
 
@@ -320,9 +327,24 @@ async def traced_send(
     `http.request.resend_count` (the number of attempts after the first).
 
     The span ends when the response headers arrive (the caller reads the body) and covers the resends. It is never
-    made the current span: nothing runs under it in this process, and attaching a context costs a few µs.
+    made the current span: nothing runs under it in this process, and attaching a context costs a few µs. On a
+    session that aiohttp's OpenTelemetry instrumentation traces, its spans are the CLIENT spans (one per attempt)
+    and ours only adds attributes to them (gym_rpc.client._aiohttp_instrumentation).
     """
     url = base_url + url_path
+    rollout_id = current_rollout_id()
+    if session_instrumented(session):  # its span is the CLIENT span: ours only adds attributes to it
+        gym_attributes: dict[str, Any] = {SERVER_NAME_ATTRIBUTE: server_name}
+        if rollout_id is not None:
+            gym_attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
+
+        def count_instrumented_resend(attempt: int) -> None:
+            gym_attributes[HTTP_REQUEST_RESEND_COUNT] = attempt - 1
+            if on_resend is not None:
+                on_resend(attempt)
+
+        kwargs["trace_request_ctx"] = instrumentation_request_context(gym_attributes)
+        return await send(session, method, url, retry, resend_after_disconnect, kwargs, count_instrumented_resend)
     host, port = _server_address(base_url)
     attributes: dict[str, Any] = {
         **method_attributes(method),
@@ -331,7 +353,6 @@ async def traced_send(
         SERVER_PORT: port,
         SERVER_NAME_ATTRIBUTE: server_name,
     }
-    rollout_id = current_rollout_id()
     if rollout_id is not None:
         attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
     span = tracer().start_span(span_name(method), kind=trace.SpanKind.CLIENT, attributes=attributes)

@@ -43,6 +43,7 @@ from gym_rpc.client._rollout import (
     trace_context_path_segment,
 )
 from gym_rpc.client._security import ClientSecurity, client_security
+from gym_rpc.client._tracing import record_config_fetch_span
 from gym_rpc.config import (
     DEFAULT_HEAD_HOST,
     DEFAULT_HEAD_PORT,
@@ -334,8 +335,14 @@ class ServerClient(BaseModel):
         # is authenticated and gets the secrets (API keys) its server needs; without one they stay redacted.
         security = client_security(head)
         control = SyncControlClient(_head_address(head), security=security)
+        traced_already = TRACING.enabled  # the channel is traced from the start when the environment says so
+        started_ns = time.time_ns()
         config = control.get_global_config(include_secrets=security.token is not None)
-        return cls._from_global_config(head, config)
+        ended_ns = time.time_ns()
+        client = cls._from_global_config(head, config)  # decides tracing with the config's observability_enabled
+        if TRACING.enabled and not traced_already:
+            record_config_fetch_span(control.address, started_ns, ended_ns)
+        return client
 
     def _build_server_base_url(self, server_config_dict: Any) -> str:
         """http://host:port of a server entry (a mapping or an object with host and port)."""
