@@ -358,3 +358,35 @@ def test_head_logs_status_changes_as_json(tmp_path: Path) -> None:
     assert first["level"] == "INFO"
     assert first["message"] == "policy_model: pending -> success on the first probe"
     assert os.linesep not in change["message"]
+
+
+def test_json_log_lines_carry_the_current_trace_and_span_ids() -> None:
+    """--log-format json: a record made while a span is current names its trace and span (a provider of the
+    test's own, never installed globally)."""
+    import io
+    import logging
+
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from gym_rpc._logging import JsonFormatter
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("tests.json_log")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        logger.warning("outside")
+        with TracerProvider().get_tracer("tests").start_as_current_span("work") as span:
+            logger.warning("inside %s", "a span", extra={"gym.server.name": "policy_model"})
+            context = span.get_span_context()
+    finally:
+        logger.removeHandler(handler)
+    outside, inside = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert "trace_id" not in outside and outside["message"] == "outside"
+    assert inside["trace_id"] == f"{context.trace_id:032x}"
+    assert inside["span_id"] == f"{context.span_id:016x}"
+    assert inside["message"] == "inside a span"
+    assert inside["gym.server.name"] == "policy_model"
+    assert (inside["level"], inside["logger"]) == ("WARNING", "tests.json_log")
