@@ -43,6 +43,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 	$(BUF) lint
 	$(BUF) breaking --against $(RELEASED_CONTRACT)
 

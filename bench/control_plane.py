@@ -23,10 +23,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from bench.servers import wait_until
 from bench.stats import Row, Samples, interleaved_latencies, ratio_row
+from gym_rpc.client._channel import close_sync_channels
+from gym_rpc.client._control import SyncControlClient
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
-from gym_rpc.control.channel import close_sync_channels
-from gym_rpc.control.client import SyncControlClient
 
 AREA = "control plane"
 

@@ -20,7 +20,7 @@ import aiohttp
 from omegaconf import OmegaConf
 
 from bench.stats import Row, median, percentile, ratio_row
-from gym_rpc.client.http import close_http_sessions
+from gym_rpc.client._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 

@@ -194,7 +194,7 @@ async def _silent_ports(count: int, held: list[asyncio.StreamWriter]) -> list[in
 
 async def serve_control(options: ControlOptions) -> dict[str, Any]:
     from gym_rpc.config import GlobalConfig
-    from gym_rpc.control.head import HeadOptions, HeadServer
+    from gym_rpc.server._head import HeadOptions, HeadServer
 
     answering_app = web.Application()
     answering_app.router.add_get("/", _ok)

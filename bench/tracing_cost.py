@@ -29,8 +29,8 @@ from opentelemetry import trace
 from bench.data_plane import Block, Post, make_client, ours_post, run_block
 from bench.servers import REPO_ROOT, ServerProcess
 from bench.stats import Row, median, ratio_row, table_lines
-from gym_rpc.client.http import close_http_sessions
-from gym_rpc.client.rollout import rollout_context
+from gym_rpc.client._http import close_http_sessions
+from gym_rpc.client._rollout import rollout_context
 from gym_rpc.telemetry import TRACING, setup_tracing
 
 

@@ -1,7 +1,9 @@
 """gym_rpc: a typed gRPC control plane and a fast aiohttp data plane for NeMo Gym-style rollout systems."""
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from gym_rpc._lazy import lazy_exports
+from gym_rpc._version import __version__
 from gym_rpc.config import BaseServerConfig, GlobalConfig, ServerEntry
 from gym_rpc.errors import (
     ConfigError,
@@ -13,8 +15,7 @@ from gym_rpc.errors import (
 )
 
 if TYPE_CHECKING:
-    from gym_rpc.client.rollout import current_rollout_id, rollout_context
-    from gym_rpc.client.server_client import ServerClient
+    from gym_rpc.client import ServerClient, current_rollout_id, rollout_context
 
 __all__ = [
     "BaseServerConfig",
@@ -27,26 +28,18 @@ __all__ = [
     "ServerEntry",
     "ServerUnreachableError",
     "UnknownServerError",
+    "__version__",
     "current_rollout_id",
     "rollout_context",
 ]
-__version__ = "0.1.0"
 
 # Imported on first use: the client pulls in aiohttp, grpc, OmegaConf and OpenTelemetry, which `import gym_rpc`
 # alone should not pay for.
-_LAZY_EXPORTS = {
-    "ServerClient": "gym_rpc.client.server_client",
-    "current_rollout_id": "gym_rpc.client.rollout",
-    "rollout_context": "gym_rpc.client.rollout",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY_EXPORTS.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'gym_rpc' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "ServerClient": "gym_rpc.client.server_client",
+        "current_rollout_id": "gym_rpc.client._rollout",
+        "rollout_context": "gym_rpc.client._rollout",
+    },
+)

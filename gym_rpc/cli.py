@@ -13,12 +13,12 @@ from pathlib import Path
 
 import yaml
 
+from gym_rpc._render import format_status_table, status_row
+from gym_rpc.client._channel import DEFAULT_TIMEOUT_SECONDS, default_head_address
+from gym_rpc.client._control import SyncControlClient
 from gym_rpc.config import GlobalConfig, default_config_text, load_config_file, parse_config_text, url_host
-from gym_rpc.control.channel import DEFAULT_TIMEOUT_SECONDS, HEAD_ADDRESS_ENV_VAR, default_head_address
-from gym_rpc.control.client import SyncControlClient
-from gym_rpc.control.convert import ServerInstance
 from gym_rpc.errors import GymRpcError, HeadUnreachableError
-from gym_rpc.status import StatusReport
+from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, ServerInstance, StatusReport
 
 WATCH_MAX_CONSECUTIVE_FAILURES = 30
 WATCH_RETRY_SECONDS = 1.0
@@ -117,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def cmd_head(args: argparse.Namespace) -> int:
-    from gym_rpc.control.head import HeadOptions, HeadServer, run_head
+    # The serving commands import the server layer when they run: `gym-rpc status` and friends start faster.
+    from gym_rpc.server import HeadOptions, HeadServer, run_head
 
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
@@ -153,8 +154,7 @@ def cmd_head(args: argparse.Namespace) -> int:
 
 
 def cmd_bridge(args: argparse.Namespace) -> int:
-    from gym_rpc.control.bridge import BridgeHead, BridgeOptions, parse_listen_address
-    from gym_rpc.control.head import run_head
+    from gym_rpc.server import BridgeHead, BridgeOptions, parse_listen_address, run_head  # lazy: see cmd_head
 
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
@@ -179,7 +179,7 @@ def cmd_bridge(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from gym_rpc.demo import run_demo
+    from gym_rpc.demo import run_demo  # lazy, as cmd_head: the demo runs a head
 
     return asyncio.run(run_demo(args.rollouts, args.concurrency))
 
@@ -204,7 +204,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return _watch(client, instances, as_json=args.json)
     snapshot = client.list_server_statuses()
     if args.json:
-        print(json.dumps([_row_dict(r, instances.get(r.server_name)) for r in snapshot.reports], indent=2))
+        print(json.dumps([status_row(r, instances.get(r.server_name)) for r in snapshot.reports], indent=2))
     else:
         print(format_status_table(snapshot.reports, instances))
     return 0
@@ -226,7 +226,7 @@ def _watch(client: SyncControlClient, instances: dict[str, ServerInstance], *, a
                 if event.kind == "heartbeat":
                     continue
                 if as_json:
-                    rows = [_row_dict(r, instances.get(r.server_name)) for r in reports.values()]
+                    rows = [status_row(r, instances.get(r.server_name)) for r in reports.values()]
                     print(json.dumps({"revision": revision, "kind": event.kind, "servers": rows}), flush=True)
                 else:
                     clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
@@ -240,42 +240,3 @@ def _watch(client: SyncControlClient, instances: dict[str, ServerInstance], *, a
                 f"gym-rpc status: {exc}; retrying ({failures}/{WATCH_MAX_CONSECUTIVE_FAILURES})", file=sys.stderr
             )
             time.sleep(WATCH_RETRY_SECONDS)
-
-
-def _status_text(report: StatusReport) -> str:
-    return report.status or "pending"
-
-
-def _row_dict(report: StatusReport, instance: ServerInstance | None) -> dict[str, object]:
-    return {
-        "name": report.server_name,
-        "type": instance.server_type if instance else "",
-        "url": report.url,
-        "status": report.status,
-        "latency_ms": round(report.latency_seconds * 1000, 3) if report.checked_at else None,
-        "checked_at": report.checked_at or None,
-        "detail": report.detail,
-    }
-
-
-def format_status_table(reports: Sequence[StatusReport], instances: dict[str, ServerInstance]) -> str:
-    header = ("NAME", "TYPE", "URL", "STATUS", "LATENCY", "LAST CHECKED")
-    now = time.time()
-    rows = [header]
-    for report in reports:
-        instance = instances.get(report.server_name)
-        checked = report.checked_at
-        rows.append(
-            (
-                report.server_name,
-                instance.server_type if instance else "",
-                report.url,
-                _status_text(report),
-                f"{report.latency_seconds * 1000:.1f} ms" if checked else "-",
-                f"{max(0.0, now - checked):.1f}s ago" if checked else "never",
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
-    )

@@ -94,6 +94,22 @@ def head_security_config(head_server: Mapping[str, Any] | BaseServerConfig) -> H
         raise ConfigError(f"{HEAD_SERVER_KEY}: {exc}") from exc
 
 
+def configured_token(value: str | None) -> str | None:
+    """A usable token: neither empty nor the placeholder a redacted config carries."""
+    if value is None:
+        return None
+    value = value.strip()
+    return value if value and value != REDACTED else None
+
+
+def read_file_bytes(path: str, what: str) -> bytes:
+    """A key, certificate or CA file named by the config or the environment; a ConfigError names `what`."""
+    try:
+        return Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+
+
 class ServerEntry(BaseModel):
     """One Gym server of the global config, with the URL clients connect to."""
 

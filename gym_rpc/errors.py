@@ -47,3 +47,15 @@ class ServerUnreachableError(GymRpcError, ConnectionError):
             f"server at {url} is unreachable after {attempts} attempt(s) ({reason}); check that it runs and "
             f"that its host and port in the global config are right"
         )
+
+
+class InvalidRolloutIdError(GymRpcError, ValueError):
+    """A rollout id that cannot stand as one URL path segment."""
+
+
+class MalformedGymPrefixError(GymRpcError, ValueError):
+    """A `/ng-rollout/...` or `/ng-trace/...` path prefix that cannot be honoured; answered with 400."""
+
+
+class UpstreamError(GymRpcError):
+    """The upstream NeMo Gym head could not be reached or gave an answer the bridge cannot use."""

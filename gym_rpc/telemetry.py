@@ -21,6 +21,11 @@ Spans go to the TracerProvider the application installed, if any (never replaced
 installs the SDK's, with an OTLP exporter when `OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT` is set (the `gym-rpc[otlp]`
 extra; `OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf` picks HTTP over the default gRPC) or `OTEL_TRACES_EXPORTER`
 asks for it, and a console exporter for `OTEL_TRACES_EXPORTER=console`.
+
+This module holds the decision and what both sides share (the tracer, attribute names, SERVER spans); each side
+keeps its own instrumentation: `gym_rpc.client._tracing` (control channels), `gym_rpc.client._http.traced_send`
+(data-plane calls), `gym_rpc.server._tracing` (the head's interceptor), `gym_rpc.integrations._middleware`
+(receiving servers).
 """
 
 from __future__ import annotations
@@ -30,19 +35,15 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from opentelemetry import trace
 
-if TYPE_CHECKING:
-    import aiohttp
-    import grpc
-    from aiohttp.client import _RequestOptions
-    from opentelemetry.sdk.trace import SpanProcessor
+from gym_rpc._version import __version__
 
-    from gym_rpc.client.http import RetryPolicy
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import SpanProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +71,6 @@ ROLLOUT_ID_ATTRIBUTE = "gym.rollout_id"
 SERVER_NAME_ATTRIBUTE = "gym.server.name"
 
 _KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
-_HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
-_CONTROL_METHOD_PREFIX = "/gym_rpc.v1.ControlPlaneService/"
-# A watch is a stream that may stay open for hours: one span for it would tell nothing and end never.
-_UNTRACED_CONTROL_METHODS = frozenset({_CONTROL_METHOD_PREFIX + "WatchServerStatuses"})
-_TRACEPARENT_KEY = "traceparent"
 
 
 class TracingState:
@@ -166,7 +162,7 @@ def _ensure_tracer_provider(service_name: str | None) -> None:
     """Install the SDK's provider with the configured exporters, unless the application installed one."""
     if _application_provider_installed():
         return  # never replaced
-    try:
+    try:  # the SDK is imported only once tracing is on: off costs no SDK import
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
     except ImportError:
@@ -232,75 +228,16 @@ def _otlp_processor(environ: Mapping[str, str]) -> SpanProcessor | None:
 
 
 @functools.cache
-def _tracer() -> trace.Tracer:
+def tracer() -> trace.Tracer:
     """gym_rpc's tracer (a proxy until a provider is installed, then the provider's)."""
-    from gym_rpc import __version__
-
     return trace.get_tracer(TRACER_NAME, __version__)
-
-
-# --- control plane: gRPC interceptors ----------------------------------------------------------------------------
-
-
-def _is_stream(client_info: Any) -> bool:
-    return bool(getattr(client_info, "is_server_stream", False) or getattr(client_info, "is_client_stream", False))
-
-
-def traced_sync_channel(channel: grpc.Channel) -> grpc.Channel:
-    """`channel` with OpenTelemetry's client interceptor on unary calls (streams stay plain: a watch is long-lived
-    and its call object must keep `cancel()`); the channel itself when tracing is off."""
-    if not tracing_enabled():
-        return channel
-    from opentelemetry.instrumentation.grpc import client_interceptor
-    from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
-
-    interceptor = client_interceptor(filter_=lambda info: not _is_stream(info))  # type: ignore[no-untyped-call]
-    traced: grpc.Channel = intercept_channel(channel, interceptor)  # type: ignore[no-untyped-call]
-    return traced
-
-
-def aio_client_interceptors() -> list[grpc.aio.ClientInterceptor]:
-    """OpenTelemetry's unary-unary grpc.aio client interceptor when tracing is on, else none."""
-    if not tracing_enabled():
-        return []
-    import grpc
-    from opentelemetry.instrumentation.grpc import aio_client_interceptors as otel_interceptors
-
-    interceptors: Sequence[grpc.aio.ClientInterceptor] = otel_interceptors()  # type: ignore[no-untyped-call]
-    return [i for i in interceptors if isinstance(i, grpc.aio.UnaryUnaryClientInterceptor)]
-
-
-def _server_span_wanted(details: grpc.HandlerCallDetails) -> bool:
-    """Control-plane calls but watches; health checks only when they continue a trace (probes would flood)."""
-    method = details.method
-    if method.startswith(_CONTROL_METHOD_PREFIX):
-        return method not in _UNTRACED_CONTROL_METHODS
-    if method.startswith(_HEALTH_METHOD_PREFIX):
-        return any(key == _TRACEPARENT_KEY for key, _ in details.invocation_metadata or ())
-    return False
-
-
-def server_interceptors() -> list[grpc.aio.ServerInterceptor[Any, Any]]:
-    """OpenTelemetry's grpc.aio server interceptor when tracing is on, else none."""
-    if not tracing_enabled():
-        return []
-    from opentelemetry.instrumentation.grpc import aio_server_interceptor
-
-    interceptor = aio_server_interceptor(filter_=_server_span_wanted)  # type: ignore[no-untyped-call]
-    return [interceptor]
 
 
 # --- data plane: CLIENT spans and propagation --------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1024)
-def _server_address(base_url: str) -> tuple[str, int]:
-    parts = urlsplit(base_url)
-    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
-
-
 @functools.lru_cache(maxsize=64)
-def _method_attributes(method: str) -> Mapping[str, str]:
+def method_attributes(method: str) -> Mapping[str, str]:
     """http.request.method as the conventions spell it: a known method in upper case, else _OTHER + the original.
     Shared and cached: callers copy it."""
     upper = method.upper()
@@ -309,76 +246,18 @@ def _method_attributes(method: str) -> Mapping[str, str]:
     return {HTTP_REQUEST_METHOD: "_OTHER", HTTP_REQUEST_METHOD_ORIGINAL: method}
 
 
-def _span_name(method: str) -> str:
+def span_name(method: str) -> str:
     """The conventions' span name: the method, or HTTP for one they do not know."""
     upper = method.upper()
     return upper if upper in _KNOWN_METHODS else "HTTP"
 
 
 @functools.cache
-def _propagate() -> Any:
+def propagation() -> Any:
     """opentelemetry.propagate, imported on first traced call (its import loads the configured propagators)."""
     from opentelemetry import propagate
 
     return propagate
-
-
-@functools.cache
-def _data_plane() -> tuple[Any, Any, Any]:
-    """What traced_send needs from aiohttp's side, imported once on first use: this module is imported by
-    control-plane-only processes too, which must not pay for aiohttp."""
-    from multidict import CIMultiDict
-
-    from gym_rpc.client.http import send
-    from gym_rpc.client.rollout import current_rollout_id
-
-    return send, CIMultiDict, current_rollout_id
-
-
-async def traced_send(
-    session: aiohttp.ClientSession,
-    method: str,
-    base_url: str,
-    url_path: str,
-    retry: RetryPolicy,
-    resend_after_disconnect: bool,
-    kwargs: _RequestOptions,
-    server_name: str,
-) -> aiohttp.ClientResponse:
-    """`gym_rpc.client.http.send` as a CLIENT span whose context goes out in the `traceparent` header.
-
-    The span ends when the response headers arrive (the caller reads the body) and covers the resends. It is never
-    made the current span: nothing runs under it in this process, and attaching a context costs a few µs.
-    """
-    send, multidict_type, current_rollout_id = _data_plane()
-    url = base_url + url_path
-    host, port = _server_address(base_url)
-    attributes: dict[str, Any] = {
-        **_method_attributes(method),
-        URL_FULL: url,
-        SERVER_ADDRESS: host,
-        SERVER_PORT: port,
-        SERVER_NAME_ATTRIBUTE: server_name,
-    }
-    rollout_id = current_rollout_id()
-    if rollout_id is not None:
-        attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
-    span = _tracer().start_span(_span_name(method), kind=trace.SpanKind.CLIENT, attributes=attributes)
-    try:
-        given = kwargs.get("headers")
-        # A copy (the caller's headers stay untouched) in which ours replaces any traceparent, whatever its case.
-        headers: MutableMapping[str, str] = multidict_type(given) if given else {}
-        _propagate().inject(headers, context=trace.set_span_in_context(span))
-        kwargs["headers"] = headers
-        response: aiohttp.ClientResponse = await send(session, method, url, retry, resend_after_disconnect, kwargs)
-    except BaseException as error:
-        record_failure(span, error)
-        raise
-    else:
-        set_response_status(span, response.status, server=False)
-        return response
-    finally:
-        span.end()
 
 
 def record_failure(span: trace.Span, error: BaseException) -> None:
@@ -417,16 +296,16 @@ def server_span(
     around the handler, then `set_response_status(span, status, server=True)` (or `record_failure(span, error)`
     for an exception that is no HTTP answer).
     """
-    context = _propagate().extract(headers)
-    attributes: dict[str, Any] = {**_method_attributes(method), URL_PATH: path, URL_SCHEME: scheme}
+    context = propagation().extract(headers)
+    attributes: dict[str, Any] = {**method_attributes(method), URL_PATH: path, URL_SCHEME: scheme}
     if route:
         attributes[HTTP_ROUTE] = route
     if server_address is not None:
         attributes[SERVER_ADDRESS], attributes[SERVER_PORT] = server_address
     if rollout_id is not None:
         attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
-    name = f"{_span_name(method)} {route}" if route else _span_name(method)
-    with _tracer().start_as_current_span(
+    name = f"{span_name(method)} {route}" if route else span_name(method)
+    with tracer().start_as_current_span(
         name,
         context=context,
         kind=trace.SpanKind.SERVER,
@@ -435,44 +314,3 @@ def server_span(
         set_status_on_exception=False,
     ) as span:
         yield span
-
-
-def asgi_trace_headers(raw_headers: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
-    """The propagation headers of an ASGI scope, as the propagator reads them (lower-case names)."""
-    wanted = _propagate().get_global_textmap().fields
-    headers: dict[str, str] = {}
-    for name, value in raw_headers:
-        key = name.decode("latin-1").lower()
-        if key in wanted:
-            headers[key] = value.decode("latin-1")
-    return headers
-
-
-async def traced_asgi_call(
-    call: Callable[[Callable[[MutableMapping[str, Any]], Awaitable[None]]], Awaitable[None]],
-    send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
-    scope: Mapping[str, Any],
-    rollout_id: str | None,
-    original_path: str,
-) -> None:
-    """Run an ASGI app (`call(send)`) inside a SERVER span; the status comes from `http.response.start`."""
-    server = scope.get("server")
-    with server_span(
-        scope.get("method", "GET"),
-        asgi_trace_headers(scope.get("headers") or ()),
-        path=original_path,
-        scheme=scope.get("scheme", "http"),
-        rollout_id=rollout_id,
-        server_address=(str(server[0]), int(server[1])) if server and server[1] is not None else None,
-    ) as span:
-
-        async def send_recording_status(message: MutableMapping[str, Any]) -> None:
-            if message.get("type") == "http.response.start":
-                set_response_status(span, int(message["status"]), server=True)
-            await send(message)
-
-        try:
-            await call(send_recording_status)
-        except BaseException as error:
-            record_failure(span, error)
-            raise

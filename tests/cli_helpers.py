@@ -21,7 +21,7 @@ from typing import IO
 
 from aiohttp import web
 
-from gym_rpc.control.channel import HEAD_ADDRESS_ENV_VAR
+from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR
 
 LOOPBACK = "127.0.0.1"
 STARTUP_SECONDS = 15.0  # generous: two noisy cores, cold interpreter

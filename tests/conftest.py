@@ -8,27 +8,69 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from aiohttp import web
+from hypothesis import settings
 
+from gym_rpc.client._channel import close_aio_channels, close_sync_channels
 from gym_rpc.config import GlobalConfig
-from gym_rpc.control.channel import close_aio_channels, close_sync_channels
-from gym_rpc.control.head import HeadOptions, HeadServer
+from gym_rpc.server._head import HeadOptions, HeadServer
 
 LOOPBACK = "127.0.0.1"
 
+# Hypothesis: the suite (CI included) runs a fixed, derandomised set of examples, so a red run can be re-run and a
+# green one means the same thing everywhere; `HYPOTHESIS_PROFILE=fuzz` explores far more, randomly, when fuzzing
+# by hand (`HYPOTHESIS_PROFILE=fuzz .venv/bin/python -m pytest tests/test_fuzz.py`).
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("fuzz", max_examples=3000, derandomize=False, database=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
+
+_held_ports: list[socket.socket] = []
+
+
+def closed_port(host: str = LOOPBACK) -> int:
+    """A loopback port that stays closed for the whole test: a socket bound to it, never listening.
+
+    Connecting to it is refused at once, and no `bind(port 0)` anywhere on the machine (the head under test
+    included) can be given it while it is held, as could happen to a port bound and released at once. The socket
+    has SO_REUSEADDR, so a test may still start a server on this very port on purpose (a head "coming back") and
+    keep the port through a stop and restart. Each socket is closed when the test (or the module, for a
+    module-scoped fixture) that took it ends.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    _held_ports.append(sock)
+    return int(sock.getsockname()[1])
+
+
+def _release_ports_held_since(mark: int) -> None:
+    while len(_held_ports) > mark:
+        _held_ports.pop().close()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_module_closed_ports() -> Iterator[None]:
+    """Ports held by module-scoped fixtures stay closed until the module ends (autouse runs before them)."""
+    mark = len(_held_ports)
+    yield
+    _release_ports_held_since(mark)
+
+
+@pytest.fixture(autouse=True)
+def _release_closed_ports() -> Iterator[None]:
+    """Ports held during a test stay closed until it ends, then are released."""
+    mark = len(_held_ports)
+    yield
+    _release_ports_held_since(mark)
 
 
 def server_entry(port: int, server_type: str = "responses_api_models", host: str = LOOPBACK, **extra: Any) -> dict:

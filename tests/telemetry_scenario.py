@@ -26,14 +26,16 @@ import uvicorn
 from aiohttp import web
 from opentelemetry import trace
 
-from gym_rpc.client.rollout import apply_rollout_prefix, current_rollout_id, rollout_context
+from gym_rpc.client._channel import close_aio_channels, close_sync_channels
+from gym_rpc.client._control import ControlClient
+from gym_rpc.client._rollout import apply_rollout_prefix, current_rollout_id, rollout_context
+from gym_rpc.client._tracing import aio_client_interceptors
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
-from gym_rpc.control.channel import close_aio_channels, close_sync_channels
-from gym_rpc.control.client import ControlClient
-from gym_rpc.control.head import HeadOptions, HeadServer
-from gym_rpc.middleware import Receive, Scope, Send, TraceContextPathMiddleware
-from gym_rpc.telemetry import aio_client_interceptors, server_interceptors, tracing_enabled
+from gym_rpc.integrations._middleware import Receive, Scope, Send, TraceContextPathMiddleware
+from gym_rpc.server._head import HeadOptions, HeadServer
+from gym_rpc.server._tracing import server_interceptors
+from gym_rpc.telemetry import tracing_enabled
 
 LOOPBACK = "127.0.0.1"
 ROLLOUT_ID = "rollout/7"  # a '/' in it: the id must travel as one encoded segment

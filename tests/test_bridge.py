@@ -17,12 +17,12 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omegaconf import OmegaConf
 
+from gym_rpc.client._channel import aio_channel, close_aio_channels
+from gym_rpc.client._control import ControlClient
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, BaseServerConfig, redact_secrets
-from gym_rpc.control.bridge import BridgeHead, BridgeOptions
-from gym_rpc.control.channel import aio_channel, close_aio_channels
-from gym_rpc.control.client import ControlClient
 from gym_rpc.errors import HeadUnreachableError
+from gym_rpc.server._bridge import BridgeHead, BridgeOptions
 from tests.cli_helpers import STARTUP_SECONDS, run_cli, running_cli
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
@@ -104,7 +104,8 @@ async def nemo_head() -> AsyncIterator[Callable[..., Awaitable[NemoGymHead]]]:
     heads: list[NemoGymHead] = []
 
     async def start(doc: dict[str, Any], port: int = 0) -> NemoGymHead:
-        head = await NemoGymHead(doc).start(port)
+        # A held port (not port 0): a head stopped and started again gets its port back, nothing else can take it.
+        head = await NemoGymHead(doc).start(port or closed_port())
         heads.append(head)
         return head
 

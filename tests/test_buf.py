@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from gym_rpc.config import redact_secrets
-from gym_rpc.control.head import SERVICE_NAME
 from gym_rpc.v1 import control_plane_pb2 as pb
+from gym_rpc.wire import SERVICE_NAME
 from tests.cli_helpers import LOOPBACK, HeadProcess, running_head
 from tests.conftest import closed_port, server_entry
 

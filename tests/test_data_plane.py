@@ -17,8 +17,8 @@ from aiohttp import web
 from omegaconf import OmegaConf
 from pydantic import BaseModel
 
-from gym_rpc.client import http
-from gym_rpc.client.http import close_http_sessions
+from gym_rpc.client import _http as http
+from gym_rpc.client._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient, rollout_context
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import GymRpcError, ServerUnreachableError
@@ -196,10 +196,11 @@ async def test_control_call_not_delayed_by_saturated_data_pool(http_server) -> N
         with pytest.raises(TimeoutError):  # the data pool really is full
             await asyncio.wait_for(client.get("model", "/fast"), 0.3)
 
-        started = time.monotonic()
-        async with await client.request("model", "/fast", "GET", _control=True) as response:
+        # Ordering, not a stopwatch: the control call completes while all four slow calls still hold the data
+        # pool (they are released only in `finally`); a shared pool would make it wait for them and time out.
+        async with await asyncio.wait_for(client.request("model", "/fast", "GET", _control=True), 10) as response:
             assert await response.text() == "fast"
-        assert time.monotonic() - started < 0.25
+        assert not any(call.done() for call in slow_calls)
     finally:
         release.set()
         assert await asyncio.gather(*slow_calls) == ["slow"] * 4
@@ -252,11 +253,9 @@ async def test_resend_after_disconnect(dropping_server: DropServer) -> None:
 async def test_no_resend_when_not_allowed(dropping_server: DropServer) -> None:
     port, connections = await dropping_server(1)
     client = make_client({"model": server_entry(port)}, http_client=FAST_RETRY)
-    started = time.monotonic()
     with pytest.raises(aiohttp.ServerDisconnectedError):
         await client.request("model", "/v1/responses", "POST", _resend_after_disconnect=False, json={})
-    assert time.monotonic() - started < 0.5
-    assert connections == [1]
+    assert connections == [1]  # one connection: the request was not resent
 
 
 async def test_resend_is_bounded(dropping_server: DropServer) -> None:
@@ -273,7 +272,7 @@ async def test_refused_server_is_unreachable_after_bounded_retries() -> None:
     started = time.monotonic()
     with pytest.raises(ServerUnreachableError) as caught:
         await client.post("model", "/v1/responses", json={})
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 0.15 + 3.0  # backoffs 0.05 + 0.1 s, plus slack for a loaded machine
     assert f"http://127.0.0.1:{port}/v1/responses" in str(caught.value)
     assert caught.value.attempts == 3
     assert isinstance(caught.value, GymRpcError) and isinstance(caught.value, ConnectionError)

@@ -23,24 +23,32 @@ from aiohttp import web
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gym_rpc.client.rollout import (
-    TRACEPARENT_RE,
-    InvalidRolloutIdError,
-    encode_rollout_id,
-    prefixed_path,
-    rollout_path_prefix,
-)
+from gym_rpc.client._control import ControlClient
 from gym_rpc.config import GlobalConfig, parse_config_text
-from gym_rpc.control.client import ControlClient
-from gym_rpc.control.head import HeadOptions, HeadServer
-from gym_rpc.errors import ConfigError
-from gym_rpc.middleware import MalformedGymPrefixError, TraceContextPathMiddleware, split_gym_prefixes
+from gym_rpc.errors import ConfigError, InvalidRolloutIdError, MalformedGymPrefixError
+from gym_rpc.integrations._middleware import TraceContextPathMiddleware
+from gym_rpc.server._head import HeadOptions, HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
+from gym_rpc.wire import TRACEPARENT_RE, encode_rollout_id, prefixed_path, rollout_path_prefix
+from gym_rpc.wire._paths import split_gym_prefixes
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
-FUZZ = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-FEW = settings(max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+# At least these many examples; the `fuzz` profile (tests/conftest.py) raises both for a long local run.
+# Whether the examples are derandomised comes from the profile too (these settings do not override it).
+PROFILE_EXAMPLES = settings().max_examples  # settings() inherits the loaded profile
+FUZZ = settings(
+    max_examples=max(150, PROFILE_EXAMPLES),
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+FEW = settings(
+    max_examples=max(80, PROFILE_EXAMPLES // 4),
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 utf8_text = st.text(alphabet=st.characters(codec="utf-8"), max_size=120)

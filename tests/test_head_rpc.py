@@ -15,14 +15,14 @@ import pytest
 import yaml
 from aiohttp import web
 
+from gym_rpc.client._channel import aio_channel
+from gym_rpc.client._control import ControlClient, SyncControlClient
 from gym_rpc.config import REDACTED
-from gym_rpc.control.channel import aio_channel
-from gym_rpc.control.client import ControlClient, SyncControlClient
-from gym_rpc.control.head import HeadServer
 from gym_rpc.errors import ControlPlaneError, UnknownServerError
-from gym_rpc.status import StatusReport
+from gym_rpc.server._head import HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
+from gym_rpc.wire import StatusReport
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 # --- helpers ---------------------------------------------------------------------------------------------------
@@ -243,11 +243,10 @@ async def test_every_status_value_is_reached(head_factory, http_server, silent_s
     own = await client.get_server_status("head_server")
     assert (own.status, own.url) == ("success", f"http://{LOOPBACK}:{head.port}")
 
-    started = time.monotonic()
+    # An answer at all proves the head answered within the caller's 1 s deadline: gRPC would have raised
+    # DEADLINE_EXCEEDED instead of returning a report (no wall-clock bound needed, none to flake).
     silent = await client.get_server_status("silent", timeout=1.0)
-    elapsed = time.monotonic() - started
     assert silent.status == "timeout"
-    assert elapsed < 1.0, f"TIMEOUT answered after the caller's deadline ({elapsed:.2f}s)"
 
     report = await asyncio.to_thread(SyncControlClient(head.address).get_server_status, "closed")
     assert report.status == "connection_error"

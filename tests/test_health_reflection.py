@@ -12,7 +12,7 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from gym_rpc.control.head import HeadServer
+from gym_rpc.server._head import HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from tests.conftest import closed_port, document, server_entry
 from tests.test_watch import start_stoppable_server

@@ -15,10 +15,10 @@ import requests
 import yaml
 from omegaconf import OmegaConf
 
+from gym_rpc.client._control import SyncControlClient
 from gym_rpc.config import REDACTED, redact_secrets
-from gym_rpc.control.client import SyncControlClient
-from gym_rpc.control.head import HeadServer
 from gym_rpc.errors import GymRpcError
+from gym_rpc.server._head import HeadServer
 from tests.cli_helpers import STARTUP_SECONDS, running_cli
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 

@@ -14,17 +14,11 @@ from aiohttp import ClientSession, web
 from aiohttp.typedefs import Handler
 from yarl import URL
 
-from gym_rpc.client.rollout import current_rollout_id, rollout_path_prefix
-from gym_rpc.middleware import (
-    GymPrefixes,
-    MalformedGymPrefixError,
-    Message,
-    Receive,
-    Scope,
-    Send,
-    TraceContextPathMiddleware,
-    split_gym_prefixes,
-)
+from gym_rpc.client._rollout import current_rollout_id
+from gym_rpc.errors import MalformedGymPrefixError
+from gym_rpc.integrations._middleware import Message, Receive, Scope, Send, TraceContextPathMiddleware
+from gym_rpc.wire import rollout_path_prefix
+from gym_rpc.wire._paths import GymPrefixes, split_gym_prefixes
 from tests.conftest import LOOPBACK
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

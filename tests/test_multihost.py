@@ -32,7 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SERVER_SCRIPT = """
 import sys
 from aiohttp import web
-from gym_rpc.registration import register_aiohttp_app
+from gym_rpc.integrations._registration import register_aiohttp_app
 
 async def answer(request):
     return web.json_response({"path": request.raw_path, "peer": request.remote})
@@ -46,10 +46,10 @@ web.run_app(app, host="0.0.0.0", port=int(sys.argv[2]), print=lambda *_: print("
 
 WORKER_SCRIPT = """
 import asyncio, json, sys
-from gym_rpc.client.rollout import rollout_context
+from gym_rpc.client._rollout import rollout_context
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, parse_host_port
-from gym_rpc.control.client import SyncControlClient
+from gym_rpc.client._control import SyncControlClient
 
 mode, head = sys.argv[1], sys.argv[2]
 if mode == "instances":

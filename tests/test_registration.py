@@ -18,20 +18,20 @@ import pytest
 import uvicorn
 from aiohttp import web
 
-from gym_rpc.client.http import close_http_sessions
+from gym_rpc.client._control import ControlClient, SyncControlClient
+from gym_rpc.client._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
-from gym_rpc.control.client import ControlClient, SyncControlClient
-from gym_rpc.control.head import HeadServer
-from gym_rpc.control.registry import advertised_host, is_valid_host, peer_host
 from gym_rpc.errors import ControlPlaneError, UnknownServerError
-from gym_rpc.registration import (
+from gym_rpc.integrations._registration import (
     RegistrationLifespan,
     ServerRegistration,
     process_start_time,
     register_aiohttp_app,
     with_registration,
 )
+from gym_rpc.server._head import HeadServer
+from gym_rpc.server._registry import advertised_host, is_valid_host, peer_host
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 TOKEN = "registration-token"
@@ -182,7 +182,7 @@ async def test_registration_needs_the_token(head_factory, caplog) -> None:
     doc["head_server"]["auth_token"] = TOKEN
     head = await head_factory(doc)
     anonymous = registration(head, "policy", 8000)
-    with caplog.at_level(logging.WARNING, logger="gym_rpc.registration"):
+    with caplog.at_level(logging.WARNING, logger="gym_rpc.integrations._registration"):
         assert await asyncio.to_thread(anonymous.register) is False
     assert "UNAUTHENTICATED" in caplog.text and "serving anyway" in caplog.text
     assert head.registry.get("policy") is None
@@ -332,7 +332,7 @@ async def test_an_unreachable_head_costs_a_warning_only(caplog) -> None:
     register_aiohttp_app(app, "policy", 1, head=f"{LOOPBACK}:{closed_port()}", refresh_seconds=None)
     runner = web.AppRunner(app, access_log=None)
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="gym_rpc.registration"):
+    with caplog.at_level(logging.WARNING, logger="gym_rpc.integrations._registration"):
         await runner.setup()
         await runner.cleanup()
     assert time.monotonic() - started < 6  # two bounded calls (2 s deadlines), never a hang

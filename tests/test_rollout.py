@@ -11,25 +11,26 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
 
-from gym_rpc.client.rollout import (
-    _TRACEPARENT_PATTERN,
-    MAX_ROLLOUT_ID_LENGTH,
-    InvalidRolloutIdError,
+from gym_rpc.client._rollout import (
     _rollout_id,
     apply_rollout_prefix,
     current_rollout_id,
-    encode_rollout_id,
-    prefixed_path,
     rollout_context,
-    rollout_path_prefix,
     trace_context_path_segment,
 )
-from gym_rpc.errors import GymRpcError
+from gym_rpc.errors import GymRpcError, InvalidRolloutIdError
+from gym_rpc.wire import (
+    MAX_ROLLOUT_ID_LENGTH,
+    TRACEPARENT_PATTERN,
+    encode_rollout_id,
+    prefixed_path,
+    rollout_path_prefix,
+)
 
 MODEL = "responses_api_models"
 RESOURCES = "resources_servers"
 AGENT = "responses_api_agents"
-TRACE_SEGMENT_RE = re.compile(f"/ng-trace/{_TRACEPARENT_PATTERN}")
+TRACE_SEGMENT_RE = re.compile(f"/ng-trace/{TRACEPARENT_PATTERN}")
 
 AWKWARD_IDS = ["r/1", "a?b=c", "frag#ment", "100%", "%2F", "with space", "é☃🙂", "../x", "a/../../b", "~-._"]
 INVALID_IDS = ["", ".", "..", "x" * (MAX_ROLLOUT_ID_LENGTH + 1), "\ud800"]

@@ -27,22 +27,15 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omegaconf import OmegaConf
 
+from gym_rpc.client._control import ControlClient, SyncControlClient
+from gym_rpc.client._security import ClientSecurity, client_security
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import REDACTED, BaseServerConfig, GlobalConfig
-from gym_rpc.control.client import ControlClient, SyncControlClient
-from gym_rpc.control.head import SERVICE_NAME, HeadOptions, HeadServer
-from gym_rpc.control.security import (
-    TLS_CA_ENV_VAR,
-    TLS_CERT_ENV_VAR,
-    TLS_KEY_ENV_VAR,
-    TOKEN_ENV_VAR,
-    UNAUTHENTICATED_MESSAGE,
-    ClientSecurity,
-    ServerSecurity,
-    client_security,
-)
 from gym_rpc.errors import ConfigError, ControlPlaneError, HeadUnreachableError
+from gym_rpc.server._head import HeadOptions, HeadServer
+from gym_rpc.server._security import UNAUTHENTICATED_MESSAGE, ServerSecurity
 from gym_rpc.v1 import control_plane_pb2 as pb
+from gym_rpc.wire import SERVICE_NAME, TLS_CA_ENV_VAR, TLS_CERT_ENV_VAR, TLS_KEY_ENV_VAR, TOKEN_ENV_VAR
 from tests.cli_helpers import LISTENING_PATTERN, STARTUP_SECONDS, run_cli, running_cli
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 

@@ -22,7 +22,7 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from gym_rpc.client.rollout import trace_context_path_segment
+from gym_rpc.client._rollout import trace_context_path_segment
 from gym_rpc.telemetry import decide_tracing, environment_choice
 from tests.conftest import LOOPBACK
 

@@ -11,12 +11,12 @@ from typing import cast
 import yaml
 from aiohttp import web
 
-from gym_rpc.control.client import ControlClient, WatchEvent
-from gym_rpc.control.convert import seconds_to_duration
-from gym_rpc.control.head import HeadServer
-from gym_rpc.control.servicer import ControlPlaneServicer
-from gym_rpc.status import ServerStatus
+from gym_rpc.client._control import ControlClient, WatchEvent
+from gym_rpc.server._head import HeadServer
+from gym_rpc.server._servicer import ControlPlaneServicer
 from gym_rpc.v1 import control_plane_pb2 as pb
+from gym_rpc.wire import ServerStatus
+from gym_rpc.wire._convert import seconds_to_duration
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 PROBE_INTERVAL = 0.1

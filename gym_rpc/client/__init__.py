@@ -1,1 +1,57 @@
-"""The gym_rpc client: ServerClient (control plane over gRPC, data plane over aiohttp) and rollout URL prefixes."""
+"""The client layer: what a rollout worker or a tool imports to talk to a head and to Gym servers.
+
+* `server_client`: `ServerClient` (control plane over gRPC, data plane over aiohttp), the public API page.
+* `_control`: the blocking and async control-plane clients; `_channel`: their shared, tuned gRPC channels.
+* `_security`: the bearer token and TLS a client presents; `_tracing`: OpenTelemetry on the control channels.
+* `_http`: the data plane's HTTP pools, bounded resends and traced sends; `_rollout`: the current rollout id.
+
+Nothing here imports `gym_rpc.server`: a worker never loads head code. Exports import on first use.
+"""
+
+from typing import TYPE_CHECKING
+
+from gym_rpc._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from gym_rpc.client._channel import default_head_address, head_address
+    from gym_rpc.client._control import ControlClient, StatusSnapshot, SyncControlClient
+    from gym_rpc.client._http import HttpClientSettings, HttpPools, RetryPolicy
+    from gym_rpc.client._rollout import apply_rollout_prefix, current_rollout_id, rollout_context
+    from gym_rpc.client._security import ClientSecurity, ClientTls, client_security
+    from gym_rpc.client.server_client import ServerClient
+
+_EXPORTS = {
+    "ClientSecurity": "gym_rpc.client._security",
+    "ClientTls": "gym_rpc.client._security",
+    "ControlClient": "gym_rpc.client._control",
+    "HttpClientSettings": "gym_rpc.client._http",
+    "HttpPools": "gym_rpc.client._http",
+    "RetryPolicy": "gym_rpc.client._http",
+    "ServerClient": "gym_rpc.client.server_client",
+    "StatusSnapshot": "gym_rpc.client._control",
+    "SyncControlClient": "gym_rpc.client._control",
+    "apply_rollout_prefix": "gym_rpc.client._rollout",
+    "client_security": "gym_rpc.client._security",
+    "current_rollout_id": "gym_rpc.client._rollout",
+    "default_head_address": "gym_rpc.client._channel",
+    "head_address": "gym_rpc.client._channel",
+    "rollout_context": "gym_rpc.client._rollout",
+}
+__all__ = [
+    "ClientSecurity",
+    "ClientTls",
+    "ControlClient",
+    "HttpClientSettings",
+    "HttpPools",
+    "RetryPolicy",
+    "ServerClient",
+    "StatusSnapshot",
+    "SyncControlClient",
+    "apply_rollout_prefix",
+    "client_security",
+    "current_rollout_id",
+    "default_head_address",
+    "head_address",
+    "rollout_context",
+]
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -1,7 +1,7 @@
 """ServerClient, which finds Gym servers through the head server and calls them, and server URLs.
 
 The control plane (config, status) goes to the head over gRPC with blocking calls that work with or without an
-event loop in the calling thread; the data plane goes to Gym servers over aiohttp (gym_rpc.client.http). The
+event loop in the calling thread; the data plane goes to Gym servers over aiohttp (gym_rpc.client._http). The
 typed GlobalConfig is built once per client, so no call walks the DictConfig.
 """
 
@@ -20,16 +20,16 @@ import aiohttp
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer
 
-from gym_rpc.client.http import RESENDABLE_ERRORS, HttpClientSettings, HttpPools, resend
-from gym_rpc.client.rollout import (
-    _TRACEPARENT_PATTERN,
+from gym_rpc.client._channel import head_address
+from gym_rpc.client._control import SyncControlClient
+from gym_rpc.client._http import RESENDABLE_ERRORS, HttpClientSettings, HttpPools, resend, traced_send
+from gym_rpc.client._rollout import (
     apply_rollout_prefix,
     current_rollout_id,
-    prefixed_path,
     rollout_context,
-    rollout_path_prefix,
     trace_context_path_segment,
 )
+from gym_rpc.client._security import ClientSecurity, client_security
 from gym_rpc.config import (
     DEFAULT_HEAD_HOST,
     DEFAULT_HEAD_PORT,
@@ -42,12 +42,17 @@ from gym_rpc.config import (
     parse_config_text,
     parse_host_port,
 )
-from gym_rpc.control.channel import HEAD_ADDRESS_ENV_VAR, head_address
-from gym_rpc.control.client import SyncControlClient
-from gym_rpc.control.security import ClientSecurity, client_security
 from gym_rpc.errors import ConfigError, ControlPlaneError, GymRpcError, HeadUnreachableError, UnknownServerError
-from gym_rpc.status import ServerStatus
-from gym_rpc.telemetry import TRACING, setup_tracing, traced_send
+from gym_rpc.telemetry import TRACING, setup_tracing
+from gym_rpc.wire import (
+    HEAD_ADDRESS_ENV_VAR,
+    ServerStatus,
+    prefixed_path,
+    rollout_path_prefix,
+)
+from gym_rpc.wire import (
+    TRACEPARENT_PATTERN as _TRACEPARENT_PATTERN,
+)
 
 if TYPE_CHECKING:
     from typing import Unpack

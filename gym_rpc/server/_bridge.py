@@ -33,15 +33,15 @@ from gym_rpc.config import (
     parse_host_port,
     url_host,
 )
-from gym_rpc.control import convert
-from gym_rpc.control.head import SERVICE_NAME, build_control_server, mirror_status_in_health
-from gym_rpc.control.prober import StatusProber
-from gym_rpc.control.registry import InstanceRegistry
-from gym_rpc.control.security import ServerSecurity, aborting_handler
-from gym_rpc.control.servicer import Context, ControlPlaneServicer
-from gym_rpc.errors import ConfigError, GymRpcError
-from gym_rpc.status import StatusReport
+from gym_rpc.errors import ConfigError, UpstreamError
+from gym_rpc.server._head import build_control_server, mirror_status_in_health
+from gym_rpc.server._prober import StatusProber
+from gym_rpc.server._registry import InstanceRegistry
+from gym_rpc.server._security import ServerSecurity, aborting_handler
+from gym_rpc.server._servicer import Context, ControlPlaneServicer
 from gym_rpc.v1 import control_plane_pb2 as pb
+from gym_rpc.wire import SERVICE_NAME, StatusReport
+from gym_rpc.wire import _convert as convert
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +50,6 @@ INSTANCES_PATH = "/server_instances"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _METHOD_PREFIX = f"/{SERVICE_NAME}/"
-
-
-class UpstreamError(GymRpcError):
-    """The upstream NeMo Gym head could not be reached or gave an answer the bridge cannot use."""
 
 
 @dataclass(frozen=True)

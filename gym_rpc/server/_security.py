@@ -1,10 +1,10 @@
-"""Who may talk to the control plane, over what, and how much one client may take.
+"""Who may talk to the control plane, over what, and how much one client may take (the server's side; the
+client's token and TLS are `gym_rpc.client`'s).
 
 * Bearer tokens: with a token configured (`head_server.auth_token`, else `GYM_RPC_TOKEN`), every RPC but the
   standard health service needs `authorization: Bearer <token>`, compared in constant time. The interceptor marks
   authenticated calls (`caller_is_authenticated()`), which is what lets GetGlobalConfig hand out secrets.
-* TLS and mutual TLS from `head_server.tls`; clients trust a CA from the same block or `GYM_RPC_TLS_CA` (plus
-  `GYM_RPC_TLS_CERT` / `GYM_RPC_TLS_KEY` for a client certificate).
+* TLS and mutual TLS from `head_server.tls`.
 * Bounds: message sizes, concurrent streams, keepalive enforcement and a handshake deadline, so one misbehaving
   client cannot starve the others.
 
@@ -18,9 +18,8 @@ import contextvars
 import hmac
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -28,28 +27,25 @@ from grpc_health.v1 import health_pb2_grpc
 
 from gym_rpc.config import (
     HEAD_SERVER_KEY,
-    REDACTED,
-    BaseServerConfig,
     GlobalConfig,
     HeadTlsConfig,
+    configured_token,
     head_security_config,
+    read_file_bytes,
     url_host,
 )
 from gym_rpc.errors import ConfigError, GymRpcError
+from gym_rpc.wire import (
+    AUTHORIZATION_METADATA_KEY,
+    HEALTH_METHOD_PREFIX,
+    MAX_REQUEST_BYTES,
+    MAX_RESPONSE_BYTES,
+    TOKEN_ENV_VAR,
+)
 
 logger = logging.getLogger(__name__)
 
-TOKEN_ENV_VAR = "GYM_RPC_TOKEN"
-TLS_CA_ENV_VAR = "GYM_RPC_TLS_CA"
-TLS_CERT_ENV_VAR = "GYM_RPC_TLS_CERT"
-TLS_KEY_ENV_VAR = "GYM_RPC_TLS_KEY"
-AUTHORIZATION_METADATA_KEY = "authorization"
 _BEARER_SCHEME = "bearer"
-HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
-
-MIB = 1024 * 1024
-MAX_REQUEST_BYTES = 4 * MIB  # head: every request is a name or a few numbers
-MAX_RESPONSE_BYTES = 64 * MIB  # a global config with thousands of servers still fits
 MAX_CONCURRENT_STREAMS = 128  # per connection
 DEFAULT_MAX_CONCURRENT_WATCHES = 512  # per head, across all clients
 
@@ -70,10 +66,6 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     # on, so a restarted head binds its port again at once.
     ("grpc.so_reuseport", 0),
 )
-CLIENT_MESSAGE_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
-    ("grpc.max_receive_message_length", MAX_RESPONSE_BYTES),
-)
 
 _authenticated: contextvars.ContextVar[bool] = contextvars.ContextVar("gym_rpc_authenticated", default=False)
 
@@ -81,17 +73,6 @@ _authenticated: contextvars.ContextVar[bool] = contextvars.ContextVar("gym_rpc_a
 def caller_is_authenticated() -> bool:
     """Whether the current RPC presented the configured token (False when no token is configured)."""
     return _authenticated.get()
-
-
-def _configured_token(value: str | None) -> str | None:
-    """A usable token: neither empty nor the placeholder a redacted config carries."""
-    if value is None:
-        return None
-    value = value.strip()
-    return value if value and value != REDACTED else None
-
-
-# --- the server side ---
 
 
 @dataclass(frozen=True)
@@ -106,7 +87,7 @@ class ServerSecurity:
     def from_config(cls, config: GlobalConfig) -> ServerSecurity:
         """From `head_server` of the config; the token falls back to GYM_RPC_TOKEN."""
         settings = head_security_config(config.head_server)
-        token = _configured_token(settings.auth_token) or _configured_token(os.environ.get(TOKEN_ENV_VAR))
+        token = configured_token(settings.auth_token) or configured_token(os.environ.get(TOKEN_ENV_VAR))
         if settings.tls is not None and not (settings.tls.cert_file and settings.tls.key_file):
             raise ConfigError(
                 f"{HEAD_SERVER_KEY}.tls needs cert_file and key_file for the head to serve TLS "
@@ -117,7 +98,7 @@ class ServerSecurity:
     @classmethod
     def from_environment(cls) -> ServerSecurity:
         """For a server without a head_server block of its own (the bridge): the token of GYM_RPC_TOKEN."""
-        return cls(token=_configured_token(os.environ.get(TOKEN_ENV_VAR)))
+        return cls(token=configured_token(os.environ.get(TOKEN_ENV_VAR)))
 
     @property
     def mutual_tls(self) -> bool:
@@ -142,21 +123,14 @@ class ServerSecurity:
             raise GymRpcError(f"cannot listen on {address}: {exc}; is another process using the port?") from exc
 
 
-def _read_file(path: str, what: str) -> bytes:
-    try:
-        return Path(path).expanduser().read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
-
-
 def server_credentials(tls: HeadTlsConfig) -> grpc.ServerCredentials:
     """TLS credentials of the head; with client_ca_file, clients must present a certificate that CA signed."""
     assert tls.cert_file and tls.key_file, "checked by ServerSecurity.from_config"
-    key = _read_file(tls.key_file, f"{HEAD_SERVER_KEY}.tls.key_file")
-    chain = _read_file(tls.cert_file, f"{HEAD_SERVER_KEY}.tls.cert_file")
-    client_ca = (
-        _read_file(tls.client_ca_file, f"{HEAD_SERVER_KEY}.tls.client_ca_file") if tls.client_ca_file else None
-    )
+    key = read_file_bytes(tls.key_file, f"{HEAD_SERVER_KEY}.tls.key_file")
+    chain = read_file_bytes(tls.cert_file, f"{HEAD_SERVER_KEY}.tls.cert_file")
+    client_ca = None
+    if tls.client_ca_file:
+        client_ca = read_file_bytes(tls.client_ca_file, f"{HEAD_SERVER_KEY}.tls.client_ca_file")
     return grpc.ssl_server_credentials(
         [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
     )
@@ -246,81 +220,3 @@ def build_health_server(health_servicer: health_pb2_grpc.HealthServicer) -> grpc
     server = grpc.aio.server(options=SERVER_OPTIONS)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server
-
-
-# --- the client side ---
-
-
-@dataclass(frozen=True)
-class ClientTls:
-    """What a client channel needs for TLS, read from files once; hashable, so channels can be shared by it."""
-
-    root_certificates: bytes | None = None  # None: the system's roots
-    private_key: bytes | None = field(default=None, repr=False)
-    certificate_chain: bytes | None = None
-    server_name: str | None = None
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
-
-    def channel_options(self) -> tuple[tuple[str, str], ...]:
-        return (("grpc.ssl_target_name_override", self.server_name),) if self.server_name else ()
-
-
-@dataclass(frozen=True)
-class ClientSecurity:
-    """The token a client sends and the TLS it uses (None: plaintext)."""
-
-    token: str | None = None
-    tls: ClientTls | None = None
-
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((AUTHORIZATION_METADATA_KEY, f"Bearer {self.token}"),) if self.token else ()
-
-    def __repr__(self) -> str:  # never show the token
-        return f"ClientSecurity(token={'<set>' if self.token else None}, tls={self.tls is not None})"
-
-
-def _head_block(head_server: BaseServerConfig | Mapping[str, Any] | None) -> dict[str, Any]:
-    if head_server is None:
-        return {}
-    if isinstance(head_server, BaseServerConfig):
-        return head_server.model_dump()
-    return {str(k): v for k, v in head_server.items()}
-
-
-def client_security(
-    head_server: BaseServerConfig | Mapping[str, Any] | None = None, *, token: str | None = None
-) -> ClientSecurity:
-    """The token and TLS to use towards a head.
-
-    Token: `token`, else `auth_token` of the head_server block, else GYM_RPC_TOKEN. TLS: on when the block has
-    `tls` or GYM_RPC_TLS_CA is set; each file comes from the block, else its environment variable.
-    """
-    block = _head_block(head_server)
-    settings = head_security_config(block)
-    chosen_token = (
-        _configured_token(token)
-        or _configured_token(settings.auth_token)
-        or _configured_token(os.environ.get(TOKEN_ENV_VAR))
-    )
-    return ClientSecurity(token=chosen_token, tls=_client_tls(settings.tls))
-
-
-def _client_tls(tls: HeadTlsConfig | None) -> ClientTls | None:
-    ca_file = (tls.ca_file if tls else None) or os.environ.get(TLS_CA_ENV_VAR) or None
-    if tls is None and ca_file is None:
-        return None
-    cert_file = (tls.client_cert_file if tls else None) or os.environ.get(TLS_CERT_ENV_VAR) or None
-    key_file = (tls.client_key_file if tls else None) or os.environ.get(TLS_KEY_ENV_VAR) or None
-    if bool(cert_file) != bool(key_file):
-        raise ConfigError(
-            f"a client certificate needs both a certificate and a key ({TLS_CERT_ENV_VAR} and {TLS_KEY_ENV_VAR}, "
-            f"or {HEAD_SERVER_KEY}.tls.client_cert_file and client_key_file)"
-        )
-    return ClientTls(
-        root_certificates=_read_file(ca_file, f"CA file ({TLS_CA_ENV_VAR})") if ca_file else None,
-        private_key=_read_file(key_file, f"client key ({TLS_KEY_ENV_VAR})") if key_file else None,
-        certificate_chain=_read_file(cert_file, f"client certificate ({TLS_CERT_ENV_VAR})") if cert_file else None,
-        server_name=tls.server_name if tls else None,
-    )

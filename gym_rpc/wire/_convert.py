@@ -14,12 +14,8 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from gym_rpc.config import HEAD_SERVER_KEY, BaseServerConfig, GlobalConfig, ServerEntry, base_url, redact_secrets
-from gym_rpc.control.registry import InstanceRegistration, advertised_host
-from gym_rpc.status import ServerStatus, StatusReport
 from gym_rpc.v1 import control_plane_pb2 as pb
-
-# Trailing metadata of a NOT_FOUND answer: the known server names, comma-separated, for typed client errors.
-KNOWN_SERVERS_METADATA_KEY = "gym-rpc-known-servers"
+from gym_rpc.wire._status import ServerStatus, StatusReport
 
 _STATUS_TO_PB: dict[ServerStatus | None, pb.ServerStatus.ValueType] = {
     None: pb.SERVER_STATUS_UNSPECIFIED,
@@ -132,6 +128,23 @@ class ServerInstance:
     advertised_url: str = ""  # set when the server registered (RegisterServerInstance)
 
 
+@dataclass(frozen=True)
+class InstanceRegistration:
+    """One running server process, as it registered."""
+
+    server_name: str
+    pid: int
+    start_time: float  # epoch seconds; 0 when not known
+    listen_host: str
+    port: int
+    advertised_host: str
+    registered_at: float
+
+    @property
+    def advertised_url(self) -> str:
+        return base_url(self.advertised_host, self.port)
+
+
 def head_instance_to_pb(config: GlobalConfig, pid: int, start_time: float) -> pb.ServerInstance:
     return pb.ServerInstance(
         name=HEAD_SERVER_KEY,
@@ -192,15 +205,15 @@ def register_request_to_pb(
 
 
 def registration_from_pb(
-    request: pb.RegisterServerInstanceRequest, peer: str, registered_at: float
+    request: pb.RegisterServerInstanceRequest, advertised_host: str, registered_at: float
 ) -> InstanceRegistration:
-    """The head's record of a registration; `peer` is where the call came from (grpc's context.peer())."""
+    """The head's record of a registration; `advertised_host` is where the head decided clients dial it."""
     return InstanceRegistration(
         server_name=request.server_name,
         pid=request.pid,
         start_time=request.start_time.ToNanoseconds() / 1e9 if request.HasField("start_time") else 0.0,
         listen_host=request.listen_host,
         port=request.listen_port,
-        advertised_host=advertised_host(request.listen_host, request.advertise_host, peer),
+        advertised_host=advertised_host,
         registered_at=registered_at,
     )

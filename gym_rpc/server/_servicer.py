@@ -15,14 +15,14 @@ from typing import Any, Protocol
 import grpc
 
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url, is_wildcard_host
-from gym_rpc.control import convert
-from gym_rpc.control.prober import StatusProber
-from gym_rpc.control.registry import InstanceRegistry, is_valid_host
-from gym_rpc.control.security import DEFAULT_MAX_CONCURRENT_WATCHES, caller_is_authenticated
 from gym_rpc.errors import ConfigError, UnknownServerError
-from gym_rpc.status import StatusReport
+from gym_rpc.server._prober import StatusProber
+from gym_rpc.server._registry import InstanceRegistry, advertised_host, is_valid_host
+from gym_rpc.server._security import DEFAULT_MAX_CONCURRENT_WATCHES, caller_is_authenticated
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
+from gym_rpc.wire import KNOWN_SERVERS_METADATA_KEY, StatusReport
+from gym_rpc.wire import _convert as convert
 
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 MIN_HEARTBEAT_SECONDS = 0.05
@@ -183,7 +183,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         if request.pid < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pid must not be negative")
         await _require_valid_hosts(request, context)
-        registration = convert.registration_from_pb(request, context.peer(), time.time())
+        host = advertised_host(request.listen_host, request.advertise_host, context.peer())
+        registration = convert.registration_from_pb(request, host, time.time())
         head = self._head
         head.registry.register(registration)
         await head.registry.update_prober(head.prober, lambda: head.config.servers)
@@ -209,7 +210,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
                 str(UnknownServerError(name, known)),
-                ((convert.KNOWN_SERVERS_METADATA_KEY, ",".join(known)),),
+                ((KNOWN_SERVERS_METADATA_KEY, ",".join(known)),),
             )
 
     def _head_report(self) -> StatusReport:

@@ -25,10 +25,11 @@ from typing import Any
 
 from aiohttp import web
 
+from gym_rpc.client._channel import head_address
+from gym_rpc.client._control import SyncControlClient
+from gym_rpc.client._security import client_security
+from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, parse_host_port
-from gym_rpc.control.channel import head_address
-from gym_rpc.control.client import SyncControlClient
-from gym_rpc.control.security import client_security
 from gym_rpc.errors import GymRpcError
 
 logger = logging.getLogger(__name__)
@@ -68,9 +69,7 @@ def _head_server(head: BaseServerConfig | str | None) -> BaseServerConfig:
     if isinstance(head, str):
         host, port = parse_host_port(head, "head address")
         return BaseServerConfig(host=host, port=port)
-    from gym_rpc.client.server_client import ServerClient  # the injected config, GYM_RPC_HEAD, or the default
-
-    return ServerClient.load_head_server_config()
+    return ServerClient.load_head_server_config()  # the injected config, GYM_RPC_HEAD, or the default
 
 
 class ServerRegistration:

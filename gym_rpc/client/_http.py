@@ -9,17 +9,35 @@ loop and a new loop never gets a session bound to a dead one. Close them with `c
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import socket
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import aiohttp
+from multidict import CIMultiDict
+from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
 
+from gym_rpc.client._rollout import current_rollout_id
 from gym_rpc.errors import ConfigError, ServerUnreachableError
+from gym_rpc.telemetry import (
+    ROLLOUT_ID_ATTRIBUTE,
+    SERVER_ADDRESS,
+    SERVER_NAME_ATTRIBUTE,
+    SERVER_PORT,
+    URL_FULL,
+    method_attributes,
+    propagation,
+    record_failure,
+    set_response_status,
+    span_name,
+    tracer,
+)
 
 if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
@@ -253,3 +271,54 @@ def _raise_unless_resendable(
         return
     if not resend_after_disconnect or attempt >= retry.attempts:
         raise error
+
+
+@functools.lru_cache(maxsize=1024)
+def _server_address(base_url: str) -> tuple[str, int]:
+    parts = urlsplit(base_url)
+    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+
+
+async def traced_send(
+    session: aiohttp.ClientSession,
+    method: str,
+    base_url: str,
+    url_path: str,
+    retry: RetryPolicy,
+    resend_after_disconnect: bool,
+    kwargs: _RequestOptions,
+    server_name: str,
+) -> aiohttp.ClientResponse:
+    """`send` as a CLIENT span whose context goes out in the `traceparent` header.
+
+    The span ends when the response headers arrive (the caller reads the body) and covers the resends. It is never
+    made the current span: nothing runs under it in this process, and attaching a context costs a few µs.
+    """
+    url = base_url + url_path
+    host, port = _server_address(base_url)
+    attributes: dict[str, Any] = {
+        **method_attributes(method),
+        URL_FULL: url,
+        SERVER_ADDRESS: host,
+        SERVER_PORT: port,
+        SERVER_NAME_ATTRIBUTE: server_name,
+    }
+    rollout_id = current_rollout_id()
+    if rollout_id is not None:
+        attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
+    span = tracer().start_span(span_name(method), kind=trace.SpanKind.CLIENT, attributes=attributes)
+    try:
+        given = kwargs.get("headers")
+        # A copy (the caller's headers stay untouched) in which ours replaces any traceparent, whatever its case.
+        headers: MutableMapping[str, str] = CIMultiDict(given) if given else {}
+        propagation().inject(headers, context=trace.set_span_in_context(span))
+        kwargs["headers"] = headers
+        response: aiohttp.ClientResponse = await send(session, method, url, retry, resend_after_disconnect, kwargs)
+    except BaseException as error:
+        record_failure(span, error)
+        raise
+    else:
+        set_response_status(span, response.status, server=False)
+        return response
+    finally:
+        span.end()

@@ -22,8 +22,8 @@ import yaml
 from aiohttp import web
 
 from gym_rpc.config import HEAD_SERVER_KEY, GlobalConfig, redact_secrets
-from gym_rpc.control.servicer import HeadState
 from gym_rpc.errors import ConfigError, GymRpcError
+from gym_rpc.server._servicer import HeadState
 
 logger = logging.getLogger(__name__)
 

@@ -19,20 +19,21 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from grpc_reflection.v1alpha import reflection
 
 from gym_rpc.config import GlobalConfig, load_config_file, url_host
-from gym_rpc.control.http_head import HttpHead, configured_http_port
-from gym_rpc.control.prober import StatusProber
-from gym_rpc.control.registry import InstanceRegistry
-from gym_rpc.control.security import (
+from gym_rpc.server._http_head import HttpHead, configured_http_port
+from gym_rpc.server._prober import StatusProber
+from gym_rpc.server._registry import InstanceRegistry
+from gym_rpc.server._security import (
     DEFAULT_MAX_CONCURRENT_WATCHES,
     SERVER_OPTIONS,
     ServerSecurity,
     build_health_server,
 )
-from gym_rpc.control.servicer import ControlPlaneServicer
-from gym_rpc.status import StatusReport
-from gym_rpc.telemetry import server_interceptors, setup_tracing
+from gym_rpc.server._servicer import ControlPlaneServicer
+from gym_rpc.server._tracing import server_interceptors
+from gym_rpc.telemetry import setup_tracing
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
+from gym_rpc.wire import StatusReport
 
 logger = logging.getLogger(__name__)
 

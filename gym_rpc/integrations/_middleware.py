@@ -1,12 +1,13 @@
 """TraceContextPathMiddleware: turn `/ng-rollout/<id>[/training-token-capture][/ng-trace/<tp>]` back into state.
 
 Clients Gym does not instrument (a harness in a sandbox, a third-party SDK) are handed base URLs that carry the
-rollout id and the trace context in the path (see `gym_rpc.client.rollout.apply_rollout_prefix`). A receiving
+rollout id and the trace context in the path (see `gym_rpc.client._rollout.apply_rollout_prefix`). A receiving
 server strips those leading segments so its routes see the plain path, hands the rollout id to the handler, and
 turns `/ng-trace/<traceparent>` back into the `traceparent` header. A malformed segment is answered with 400 and
 a short reason instead of being routed somewhere surprising.
 
-Two forms share one pure parser, `split_gym_prefixes`, so the rules live in one place:
+Two forms share one pure parser, `gym_rpc.wire.split_gym_prefixes` (next to the builder), so the rules live in
+one place:
 
 * aiohttp.web: `web.Application(middlewares=[TraceContextPathMiddleware.aiohttp(), ...])`.
 * plain ASGI: `TraceContextPathMiddleware(asgi_app)`.
@@ -17,9 +18,8 @@ With tracing on (`gym_rpc.telemetry`), both run the handler inside a SERVER span
 from __future__ import annotations
 
 import functools
-import re
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, NamedTuple
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from typing import Any
 from urllib.parse import quote, unquote
 
 from aiohttp import web
@@ -27,27 +27,15 @@ from aiohttp.typedefs import Handler, Middleware
 from multidict import CIMultiDict
 from yarl import URL
 
-from gym_rpc.client.rollout import (
-    ROLLOUT_SEGMENT,
-    TOKEN_CAPTURE_SEGMENT,
-    TRACE_SEGMENT,
-    TRACEPARENT_RE,
-    InvalidRolloutIdError,
-    encode_rollout_id,
-    rollout_context,
-)
-from gym_rpc.errors import GymRpcError
-from gym_rpc.telemetry import record_failure, server_span, set_response_status, traced_asgi_call, tracing_enabled
+from gym_rpc.client._rollout import rollout_context
+from gym_rpc.errors import MalformedGymPrefixError
+from gym_rpc.telemetry import propagation, record_failure, server_span, set_response_status, tracing_enabled
+from gym_rpc.wire import GYM_PREFIX_HEAD, GymPrefixes, split_gym_prefixes
 
 ROLLOUT_ID_KEY = "rollout_id"
 TOKEN_CAPTURE_KEY = "token_capture"
 TRACEPARENT_HEADER = "traceparent"
 
-# Every Gym prefix starts with this: one startswith() decides the common case (no prefix) at near-zero cost.
-_GYM_PREFIX_HEAD = "/ng-"
-_ZERO_TRACE_ID = "0" * 32
-_ZERO_SPAN_ID = "0" * 16
-_PERCENT_ENCODED_SEGMENT = re.compile(r"(?:[^%/]|%[0-9A-Fa-f]{2})+")
 # Characters left as they are when a decoded ASGI path has to be re-encoded (RFC 3986 pchar minus '%').
 _PATH_SAFE = "/:@!$&'()*+,;=-._~"
 
@@ -58,89 +46,6 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-class MalformedGymPrefixError(GymRpcError, ValueError):
-    """A `/ng-rollout/...` or `/ng-trace/...` path prefix that cannot be honoured; answered with 400."""
-
-
-class GymPrefixes(NamedTuple):
-    """What `split_gym_prefixes` found: the path left for routing (still percent-encoded) and the prefix values."""
-
-    rest: str
-    rollout_id: str | None
-    token_capture: bool
-    traceparent: str | None
-
-    @property
-    def stripped(self) -> bool:
-        """Whether the path carried any Gym prefix (a rollout prefix always has an id)."""
-        return self.rollout_id is not None or self.traceparent is not None
-
-
-def split_gym_prefixes(path: str) -> GymPrefixes:
-    """Split the leading Gym segments off a percent-encoded path (no query string).
-
-    Accepted: optional `/ng-rollout/<percent-encoded id>` optionally followed by `/training-token-capture`, then
-    optional `/ng-trace/<traceparent>`. The rest ("/" when nothing is left) is returned still encoded; the rollout
-    id is returned decoded. Raises MalformedGymPrefixError for an empty or malformed rollout id, or a traceparent
-    that does not match `_TRACEPARENT_PATTERN` fully or has an all-zero trace or span id.
-    """
-    if not path.startswith(_GYM_PREFIX_HEAD):
-        return GymPrefixes(path, None, False, None)
-    rollout_id: str | None = None
-    token_capture = False
-    traceparent: str | None = None
-    rest = path  # what is not consumed yet; `after` is what follows its first segment
-    head, after = _first_segment(rest)
-    if head == ROLLOUT_SEGMENT:
-        encoded_id, rest = _first_segment(after)
-        rollout_id = _decode_rollout_id(encoded_id)
-        head, after = _first_segment(rest)
-        if head == TOKEN_CAPTURE_SEGMENT:
-            token_capture = True
-            rest = after
-            head, after = _first_segment(rest)
-    if head == TRACE_SEGMENT:
-        candidate, rest = _first_segment(after)
-        traceparent = _checked_traceparent(candidate)
-    return GymPrefixes(rest or "/", rollout_id, token_capture, traceparent)
-
-
-def _first_segment(path: str) -> tuple[str, str]:
-    """("seg", "/rest...") for "/seg/rest..."; ("", "") for "" — the remainder keeps its leading slash."""
-    if not path:
-        return "", ""
-    end = path.find("/", 1)
-    if end == -1:
-        return path[1:], ""
-    return path[1:end], path[end:]
-
-
-def _decode_rollout_id(encoded_id: str) -> str:
-    if not encoded_id:
-        raise MalformedGymPrefixError(f"empty rollout id after /{ROLLOUT_SEGMENT}/")
-    if not _PERCENT_ENCODED_SEGMENT.fullmatch(encoded_id):
-        raise MalformedGymPrefixError(f"malformed percent-encoding in rollout id segment {encoded_id!r}")
-    try:
-        rollout_id = unquote(encoded_id, errors="strict")
-        encode_rollout_id(rollout_id)  # the same rules the client applies when it builds the prefix
-    except UnicodeDecodeError:
-        raise MalformedGymPrefixError(f"rollout id segment {encoded_id!r} is not UTF-8") from None
-    except InvalidRolloutIdError as error:
-        raise MalformedGymPrefixError(str(error)) from None
-    return rollout_id
-
-
-def _checked_traceparent(candidate: str) -> str:
-    if not TRACEPARENT_RE.fullmatch(candidate):
-        raise MalformedGymPrefixError(
-            f"malformed traceparent segment {candidate[:80]!r}: expected 00-<32 hex>-<16 hex>-<2 hex>"
-        )
-    _, trace_id, span_id, _ = candidate.split("-")
-    if trace_id == _ZERO_TRACE_ID or span_id == _ZERO_SPAN_ID:
-        raise MalformedGymPrefixError(f"traceparent {candidate!r} has an all-zero trace id or span id")
-    return candidate
-
-
 # --- aiohttp.web ------------------------------------------------------------------------------------------------
 
 
@@ -148,7 +53,7 @@ def _checked_traceparent(candidate: str) -> str:
 async def _aiohttp_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """aiohttp form; see `TraceContextPathMiddleware`."""
     raw_path = request.rel_url.raw_path
-    if not raw_path.startswith(_GYM_PREFIX_HEAD):
+    if not raw_path.startswith(GYM_PREFIX_HEAD):
         if tracing_enabled():
             return await _traced_aiohttp(request, request, handler, None)
         return await handler(request)
@@ -304,7 +209,7 @@ class TraceContextPathMiddleware:
         path: str = scope["path"]
         root_path: str = scope.get("root_path") or ""
         mount = root_path if root_path and path.startswith(root_path) else ""
-        if not path.startswith(_GYM_PREFIX_HEAD, len(mount)):
+        if not path.startswith(GYM_PREFIX_HEAD, len(mount)):
             if tracing_enabled():
                 await self._traced(scope, receive, send, None, scope)
             else:
@@ -395,3 +300,47 @@ async def _send_plain_text(send: Send, status: int, text: str) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+# --- tracing of ASGI calls -------------------------------------------------------------------------------------
+
+
+def asgi_trace_headers(raw_headers: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The propagation headers of an ASGI scope, as the propagator reads them (lower-case names)."""
+    wanted = propagation().get_global_textmap().fields
+    headers: dict[str, str] = {}
+    for name, value in raw_headers:
+        key = name.decode("latin-1").lower()
+        if key in wanted:
+            headers[key] = value.decode("latin-1")
+    return headers
+
+
+async def traced_asgi_call(
+    call: Callable[[Callable[[MutableMapping[str, Any]], Awaitable[None]]], Awaitable[None]],
+    send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
+    scope: Mapping[str, Any],
+    rollout_id: str | None,
+    original_path: str,
+) -> None:
+    """Run an ASGI app (`call(send)`) inside a SERVER span; the status comes from `http.response.start`."""
+    server = scope.get("server")
+    with server_span(
+        scope.get("method", "GET"),
+        asgi_trace_headers(scope.get("headers") or ()),
+        path=original_path,
+        scheme=scope.get("scheme", "http"),
+        rollout_id=rollout_id,
+        server_address=(str(server[0]), int(server[1])) if server and server[1] is not None else None,
+    ) as span:
+
+        async def send_recording_status(message: MutableMapping[str, Any]) -> None:
+            if message.get("type") == "http.response.start":
+                set_response_status(span, int(message["status"]), server=True)
+            await send(message)
+
+        try:
+            await call(send_recording_status)
+        except BaseException as error:
+            record_failure(span, error)
+            raise

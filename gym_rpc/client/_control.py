@@ -13,15 +13,14 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gym_rpc.client._channel import DEFAULT_TIMEOUT_SECONDS, aio_channel, default_head_address, sync_channel
+from gym_rpc.client._security import ClientSecurity, client_security
 from gym_rpc.config import BaseServerConfig, GlobalConfig
-from gym_rpc.control import convert
-from gym_rpc.control.channel import DEFAULT_TIMEOUT_SECONDS, aio_channel, default_head_address, sync_channel
-from gym_rpc.control.convert import ServerInstance
-from gym_rpc.control.security import TLS_CA_ENV_VAR, ClientSecurity, client_security
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError, UnknownServerError
-from gym_rpc.status import ServerStatus, StatusReport
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
+from gym_rpc.wire import KNOWN_SERVERS_METADATA_KEY, TLS_CA_ENV_VAR, ServerInstance, ServerStatus, StatusReport
+from gym_rpc.wire import _convert as convert
 
 Request = TypeVar("Request")
 Response = TypeVar("Response")
@@ -104,7 +103,7 @@ def raise_control_error(error: grpc.RpcError, address: str, subject: str = "") -
     if code == grpc.StatusCode.NOT_FOUND and subject and isinstance(error, _CALL_ERRORS):
         metadata: Any = error.trailing_metadata() or ()  # sync: (key, value) pairs; aio: a Mapping
         trailing = dict(metadata)
-        known = str(trailing.get(convert.KNOWN_SERVERS_METADATA_KEY, ""))
+        known = str(trailing.get(KNOWN_SERVERS_METADATA_KEY, ""))
         raise UnknownServerError(subject, [n for n in known.split(",") if n]) from None
     raise ControlPlaneError(f"head server at {address}: {code.name}: {details}", address=address, code=code.name)
 

@@ -18,11 +18,47 @@ from dataclasses import dataclass
 import aiohttp
 
 from gym_rpc.config import ServerEntry
-from gym_rpc.status import StatusReport, new_probe_session, probe
+from gym_rpc.wire import ServerStatus, StatusReport
 
 logger = logging.getLogger(__name__)
 
 ChangeListener = Callable[[StatusReport | None, str], Awaitable[None]]
+
+
+def new_probe_session(max_connections: int = 100) -> aiohttp.ClientSession:
+    """A session for probes: a fresh connection per probe (a pooled one would hide a restarted or dead
+    server behind a stale socket), no proxies, no cookies."""
+    connector = aiohttp.TCPConnector(limit=max_connections, force_close=True)
+    return aiohttp.ClientSession(connector=connector, trust_env=False, cookie_jar=aiohttp.DummyCookieJar())
+
+
+async def probe(session: aiohttp.ClientSession, server_name: str, url: str, timeout: float) -> StatusReport:
+    """GET the server's base URL. Any HTTP answer, a 500 included, is success (as NeMo Gym does)."""
+    started = time.monotonic()
+    status: ServerStatus
+    http_status = 0
+    detail = ""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=max(timeout, 0.001))) as response:
+            http_status = response.status
+        status = "success"
+    except aiohttp.ClientConnectorError as exc:
+        status, detail = "connection_error", str(exc.os_error or exc)
+    except (TimeoutError, aiohttp.ServerTimeoutError):
+        status, detail = "timeout", f"no answer within {timeout:.3g}s"
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        status, detail = "unknown_error", f"{type(exc).__name__}: {exc}"
+    return StatusReport(
+        server_name=server_name,
+        status=status,
+        url=url,
+        latency_seconds=time.monotonic() - started,
+        checked_at=time.time(),
+        detail=detail,
+        http_status=http_status,
+    )
 
 
 @dataclass(frozen=True)

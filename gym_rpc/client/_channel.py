@@ -2,7 +2,7 @@
 caller.
 
 This is the reserved control pool: a dedicated HTTP/2 connection that data-plane traffic never shares. The bearer
-token is not part of a channel: clients send it as call metadata (gym_rpc.control.security).
+token is not part of a channel: clients send it as call metadata (gym_rpc.server._security).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import weakref
 
 import grpc
 
+from gym_rpc.client._security import CLIENT_MESSAGE_OPTIONS, ClientTls
+from gym_rpc.client._tracing import aio_client_interceptors, traced_sync_channel
 from gym_rpc.config import DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT, url_host
-from gym_rpc.control.security import CLIENT_MESSAGE_OPTIONS, ClientTls
-from gym_rpc.telemetry import aio_client_interceptors, traced_sync_channel, tracing_enabled
+from gym_rpc.telemetry import tracing_enabled
+from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, SERVICE_NAME
 
-HEAD_ADDRESS_ENV_VAR = "GYM_RPC_HEAD"
 DEFAULT_TIMEOUT_SECONDS = 5.0
-SERVICE = "gym_rpc.v1.ControlPlaneService"
 
 # Every ControlPlaneService RPC may be retried: most read state, and the ones that change it are idempotent
 # (ReloadGlobalConfig re-reads a file; Register/DeregisterServerInstance set or clear one entry).
@@ -29,7 +29,7 @@ _SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
             {
-                "name": [{"service": SERVICE}],
+                "name": [{"service": SERVICE_NAME}],
                 "retryPolicy": {
                     "maxAttempts": 4,
                     "initialBackoff": "0.1s",

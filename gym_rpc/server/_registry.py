@@ -11,28 +11,11 @@ import asyncio
 import ipaddress
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import unquote
 
-from gym_rpc.config import ServerEntry, base_url, connectable_host, is_wildcard_host
-
-
-@dataclass(frozen=True)
-class InstanceRegistration:
-    """One running server process, as it registered."""
-
-    server_name: str
-    pid: int
-    start_time: float  # epoch seconds; 0 when not known
-    listen_host: str
-    port: int
-    advertised_host: str
-    registered_at: float
-
-    @property
-    def advertised_url(self) -> str:
-        return base_url(self.advertised_host, self.port)
+from gym_rpc.config import ServerEntry, connectable_host, is_wildcard_host
+from gym_rpc.wire import InstanceRegistration
 
 
 def peer_host(peer: str) -> str | None:

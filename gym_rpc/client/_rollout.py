@@ -1,0 +1,54 @@
+"""The rollout a call belongs to, and root URLs that carry it (the path format itself is `gym_rpc.wire`'s).
+
+The rollout id lives in a context variable so every call made for a rollout (in any task spawned under it) carries
+it without threading it through arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+from opentelemetry import trace
+
+from gym_rpc.wire import encode_rollout_id, rollout_path_prefix, trace_path_segment
+
+_rollout_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("gym_rpc_rollout_id", default=None)
+
+
+def current_rollout_id() -> str | None:
+    """The rollout id bound in this context, if any."""
+    return _rollout_id.get()
+
+
+@contextlib.contextmanager
+def rollout_context(rollout_id: str | None) -> Iterator[str | None]:
+    """Bind a rollout id for the calls made inside the block (and the tasks it starts)."""
+    if rollout_id is not None:
+        encode_rollout_id(rollout_id)  # fail where the id is bound, not at the first call
+    token = _rollout_id.set(rollout_id)
+    try:
+        yield rollout_id
+    finally:
+        _rollout_id.reset(token)
+
+
+def trace_context_path_segment() -> str:
+    """Return `/ng-trace/<traceparent>` for the current span, or "" while traces are off or no span is current."""
+    context = trace.get_current_span().get_span_context()
+    if not context.is_valid:
+        return ""
+    return trace_path_segment(context.trace_id, context.span_id, context.trace_flags)
+
+
+def apply_rollout_prefix(
+    base_url: str, rollout_id: str | None, token_capture: bool = False, trace_context: bool = True
+) -> str:
+    """Append the rollout prefix and, while traces export, the current span's trace context to a root URL.
+
+    For URLs handed to clients Gym does not instrument. Pass trace_context=False for a URL built once and reused
+    across rollouts, or every later rollout would be parented to the first one's span.
+    """
+    url = base_url.rstrip("/") + rollout_path_prefix(rollout_id, token_capture)
+    return url + trace_context_path_segment() if trace_context else url

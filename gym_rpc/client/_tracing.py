@@ -1,0 +1,40 @@
+"""Tracing of the client's control channels: OpenTelemetry's gRPC client interceptors while tracing is on
+(`gym_rpc.telemetry` decides), nothing at all while it is off."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from gym_rpc.telemetry import tracing_enabled
+
+
+def _is_stream(client_info: Any) -> bool:
+    return bool(getattr(client_info, "is_server_stream", False) or getattr(client_info, "is_client_stream", False))
+
+
+def traced_sync_channel(channel: grpc.Channel) -> grpc.Channel:
+    """`channel` with OpenTelemetry's client interceptor on unary calls (streams stay plain: a watch is long-lived
+    and its call object must keep `cancel()`); the channel itself when tracing is off."""
+    if not tracing_enabled():
+        return channel
+    # Imported only while tracing is on: the instrumentation package is slow to import.
+    from opentelemetry.instrumentation.grpc import client_interceptor
+    from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
+
+    interceptor = client_interceptor(filter_=lambda info: not _is_stream(info))  # type: ignore[no-untyped-call]
+    traced: grpc.Channel = intercept_channel(channel, interceptor)  # type: ignore[no-untyped-call]
+    return traced
+
+
+def aio_client_interceptors() -> list[grpc.aio.ClientInterceptor]:
+    """OpenTelemetry's unary-unary grpc.aio client interceptor when tracing is on, else none."""
+    if not tracing_enabled():
+        return []
+    # Imported only while tracing is on: the instrumentation package is slow to import.
+    from opentelemetry.instrumentation.grpc import aio_client_interceptors as otel_interceptors
+
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = otel_interceptors()  # type: ignore[no-untyped-call]
+    return [i for i in interceptors if isinstance(i, grpc.aio.UnaryUnaryClientInterceptor)]

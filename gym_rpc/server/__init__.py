@@ -1,0 +1,34 @@
+"""The server layer: the control-plane head and the NeMo Gym bridge, and everything only they run.
+
+* `_head`: the head (gRPC server, health, reflection, HTTP head) and `run_head`; `_bridge`: the same service
+  mirrored from an upstream NeMo Gym head.
+* `_servicer`: the ControlPlaneService handlers; `_prober`: the status prober and watch history;
+  `_registry`: registered server instances; `_http_head`: NeMo Gym's HTTP head endpoints.
+* `_security`: the token interceptor, TLS credentials and server bounds; `_tracing`: OpenTelemetry's server
+  interceptor.
+
+It may use `gym_rpc.client` (the bridge, a head that asks), never the other way round.
+"""
+
+from gym_rpc.server._bridge import BridgeHead, BridgeOptions, parse_listen_address
+from gym_rpc.server._head import HeadOptions, HeadServer, build_control_server, run_head
+from gym_rpc.server._http_head import HttpHead
+from gym_rpc.server._prober import StatusProber
+from gym_rpc.server._registry import InstanceRegistry
+from gym_rpc.server._security import ServerSecurity
+from gym_rpc.server._servicer import ControlPlaneServicer
+
+__all__ = [
+    "BridgeHead",
+    "BridgeOptions",
+    "ControlPlaneServicer",
+    "HeadOptions",
+    "HeadServer",
+    "HttpHead",
+    "InstanceRegistry",
+    "ServerSecurity",
+    "StatusProber",
+    "build_control_server",
+    "parse_listen_address",
+    "run_head",
+]

@@ -1,0 +1,82 @@
+"""The wire layer: what the client and the server agree on, and nothing that runs on either side alone.
+
+* `_convert`: the one conversion layer to and from the generated `gym_rpc.v1` messages.
+* `_status`: server statuses and status reports.
+* `_paths`: the rollout and trace-context URL path format (builder and parser).
+* `_names`: the service name, metadata keys, environment variable names and message-size limits.
+
+Errors live one level lower, in `gym_rpc.errors`, so that every layer (config included) can raise them.
+"""
+
+from gym_rpc.wire._convert import InstanceRegistration, ServerInstance
+from gym_rpc.wire._names import (
+    AUTHORIZATION_METADATA_KEY,
+    CONTROL_METHOD_PREFIX,
+    HEAD_ADDRESS_ENV_VAR,
+    HEALTH_METHOD_PREFIX,
+    KNOWN_SERVERS_METADATA_KEY,
+    MAX_REQUEST_BYTES,
+    MAX_RESPONSE_BYTES,
+    MIB,
+    SERVICE_NAME,
+    TLS_CA_ENV_VAR,
+    TLS_CERT_ENV_VAR,
+    TLS_KEY_ENV_VAR,
+    TOKEN_ENV_VAR,
+)
+from gym_rpc.wire._paths import (
+    GYM_PREFIX_HEAD,
+    MAX_ROLLOUT_ID_LENGTH,
+    MODEL_SERVER_PATHS,
+    MODEL_SERVER_TYPE,
+    RESOURCES_SERVER_TYPE,
+    ROLLOUT_SEGMENT,
+    TOKEN_CAPTURE_SEGMENT,
+    TRACE_SEGMENT,
+    TRACEPARENT_PATTERN,
+    TRACEPARENT_RE,
+    GymPrefixes,
+    encode_rollout_id,
+    prefixed_path,
+    rollout_path_prefix,
+    split_gym_prefixes,
+    trace_path_segment,
+)
+from gym_rpc.wire._status import SERVER_STATUSES, ServerStatus, StatusReport
+
+__all__ = [
+    "AUTHORIZATION_METADATA_KEY",
+    "CONTROL_METHOD_PREFIX",
+    "GYM_PREFIX_HEAD",
+    "HEAD_ADDRESS_ENV_VAR",
+    "HEALTH_METHOD_PREFIX",
+    "KNOWN_SERVERS_METADATA_KEY",
+    "MAX_REQUEST_BYTES",
+    "MAX_RESPONSE_BYTES",
+    "MAX_ROLLOUT_ID_LENGTH",
+    "MIB",
+    "MODEL_SERVER_PATHS",
+    "MODEL_SERVER_TYPE",
+    "RESOURCES_SERVER_TYPE",
+    "ROLLOUT_SEGMENT",
+    "SERVER_STATUSES",
+    "SERVICE_NAME",
+    "TLS_CA_ENV_VAR",
+    "TLS_CERT_ENV_VAR",
+    "TLS_KEY_ENV_VAR",
+    "TOKEN_CAPTURE_SEGMENT",
+    "TOKEN_ENV_VAR",
+    "TRACEPARENT_PATTERN",
+    "TRACEPARENT_RE",
+    "TRACE_SEGMENT",
+    "GymPrefixes",
+    "InstanceRegistration",
+    "ServerInstance",
+    "ServerStatus",
+    "StatusReport",
+    "encode_rollout_id",
+    "prefixed_path",
+    "rollout_path_prefix",
+    "split_gym_prefixes",
+    "trace_path_segment",
+]

@@ -1,0 +1,24 @@
+"""Names both ends of the control plane must spell the same: the service, metadata keys, environment variables,
+message-size limits. Kept here so the client and the server never import each other for a string."""
+
+from __future__ import annotations
+
+from gym_rpc.v1 import control_plane_pb2 as pb
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ControlPlaneService"].full_name
+CONTROL_METHOD_PREFIX = f"/{SERVICE_NAME}/"
+HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+
+AUTHORIZATION_METADATA_KEY = "authorization"
+# Trailing metadata of a NOT_FOUND answer: the known server names, comma-separated, for typed client errors.
+KNOWN_SERVERS_METADATA_KEY = "gym-rpc-known-servers"
+
+HEAD_ADDRESS_ENV_VAR = "GYM_RPC_HEAD"
+TOKEN_ENV_VAR = "GYM_RPC_TOKEN"
+TLS_CA_ENV_VAR = "GYM_RPC_TLS_CA"
+TLS_CERT_ENV_VAR = "GYM_RPC_TLS_CERT"
+TLS_KEY_ENV_VAR = "GYM_RPC_TLS_KEY"
+
+MIB = 1024 * 1024
+MAX_REQUEST_BYTES = 4 * MIB  # head: every request is a name or a few numbers
+MAX_RESPONSE_BYTES = 64 * MIB  # a global config with thousands of servers still fits

@@ -1,0 +1,22 @@
+"""Server status: the four probe results NeMo Gym knows, and one server's report (the head's prober makes them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+ServerStatus = Literal["success", "connection_error", "timeout", "unknown_error"]
+SERVER_STATUSES: tuple[ServerStatus, ...] = get_args(ServerStatus)
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    """One server's probe result. `status` is None until the server has been probed once."""
+
+    server_name: str
+    status: ServerStatus | None
+    url: str
+    latency_seconds: float = 0.0
+    checked_at: float = 0.0  # epoch seconds; 0 when never checked
+    detail: str = ""
+    http_status: int = 0

@@ -1,0 +1,87 @@
+"""The layers hold: no import cycle in gym_rpc, and a rollout worker importing ServerClient loads no server code.
+
+`make lint` checks the layer contracts statically (import-linter, pyproject's [tool.importlinter]); these tests
+check the two properties the contracts cannot express: the graph has no cycle at all, and what a real interpreter
+loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def import_cycles(graph: grimp.ImportGraph, package: str) -> list[list[str]]:
+    """Every cycle found by a depth-first walk over the package's modules (each cycle reported once, from the
+    first module of it the walk reaches)."""
+    modules = sorted(m for m in graph.modules if m == package or m.startswith(package + "."))
+    state: dict[str, str] = {}  # "active" while on the walk's path, "done" after
+    path: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        state[module] = "active"
+        path.append(module)
+        for imported in sorted(graph.find_modules_directly_imported_by(module)):
+            if state.get(imported) == "active":
+                cycles.append([*path[path.index(imported) :], imported])
+            elif imported not in state and imported in modules:
+                visit(imported)
+        path.pop()
+        state[module] = "done"
+
+    for module in modules:
+        if module not in state:
+            visit(module)
+    return cycles
+
+
+def test_gym_rpc_has_no_import_cycle() -> None:
+    graph = grimp.build_graph("gym_rpc")  # imports inside functions and under TYPE_CHECKING count too
+    assert "gym_rpc.client.server_client" in graph.modules
+    assert import_cycles(graph, "gym_rpc") == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    graph = grimp.ImportGraph()
+    for module in ("pkg", "pkg.a", "pkg.b", "pkg.c"):
+        graph.add_module(module)
+    graph.add_import(importer="pkg.a", imported="pkg.b")
+    graph.add_import(importer="pkg.b", imported="pkg.c")
+    graph.add_import(importer="pkg.c", imported="pkg.a")
+    assert import_cycles(graph, "pkg") == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
+
+
+def test_importing_server_client_loads_no_server_module() -> None:
+    code = (
+        "import gym_rpc.client.server_client, sys, json; "
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('gym_rpc'))))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True
+    )
+    loaded = json.loads(result.stdout)
+    assert "gym_rpc.client.server_client" in loaded
+    assert "gym_rpc.client._control" in loaded
+    above_the_client = {"server", "integrations", "cli", "demo", "_render"}
+    assert [m for m in loaded if m.split(".")[1:2] and m.split(".")[1] in above_the_client] == []
+
+
+@pytest.mark.parametrize(
+    "package", ["gym_rpc", "gym_rpc.wire", "gym_rpc.client", "gym_rpc.server", "gym_rpc.integrations"]
+)
+def test_every_curated_export_resolves(package: str) -> None:
+    """A lazy export names its module in a string: a rename that forgets it fails here, not at a user's call."""
+    module = importlib.import_module(package)
+    missing = [name for name in module.__all__ if getattr(module, name, None) is None]
+    assert missing == []
+    with pytest.raises(AttributeError, match="no_such_name"):
+        _ = module.no_such_name

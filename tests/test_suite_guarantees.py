@@ -1,0 +1,55 @@
+"""The suite's own guarantees against flakes: closed ports stay closed for the test, hypothesis is repeatable.
+
+A "closed" port that was bound and released at once could be handed to the next `bind(port 0)` (the head under
+test included), turning an expected `connection_error` into something else about one run in seven under load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import grpc
+import pytest
+from hypothesis import settings
+
+from tests.conftest import LOOPBACK, closed_port
+
+
+def test_a_closed_port_refuses_connections_at_once() -> None:
+    port = closed_port()
+    with socket.socket() as client:
+        client.settimeout(5)
+        assert client.connect_ex((LOOPBACK, port)) == 111  # ECONNREFUSED: nothing listens, nothing hangs
+
+
+async def test_no_server_on_port_0_is_given_a_held_closed_port() -> None:
+    held = {closed_port() for _ in range(64)}
+    taken: set[int] = set()
+    for _ in range(64):
+        server = grpc.aio.server()
+        taken.add(server.add_insecure_port(f"{LOOPBACK}:0"))
+        await server.stop(None)
+        listener = await asyncio.start_server(lambda reader, writer: writer.close(), LOOPBACK, 0)
+        taken.add(int(listener.sockets[0].getsockname()[1]))
+        listener.close()
+        await listener.wait_closed()
+    assert held.isdisjoint(taken)
+
+
+async def test_a_test_may_serve_on_a_held_port_and_get_it_back_after_a_stop() -> None:
+    port = closed_port()
+    for _ in range(2):  # start, stop, start again on the same port: the reservation outlives each server
+        server = grpc.aio.server()
+        assert server.add_insecure_port(f"{LOOPBACK}:{port}") == port
+        await server.start()
+        await server.stop(None)
+    with socket.socket() as client:
+        assert client.connect_ex((LOOPBACK, port)) == 111  # closed again, still held
+
+
+@pytest.mark.skipif(os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci", reason="a local fuzzing profile is loaded")
+def test_hypothesis_examples_are_derandomised_by_default() -> None:
+    assert settings().derandomize is True
+    assert settings().database is None  # nothing remembered from an earlier run changes this one
