@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="also serve NeMo Gym's HTTP head on this port, 0 for a free one (default: head_server.http_port)",
     )
+    head.add_argument(
+        "--connect-port",
+        type=int,
+        help="also serve the control plane over the Connect protocol (HTTP/1.1, JSON) on this port, 0 for a free "
+        "one (default: head_server.connect_port)",
+    )
     head.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
     bridge = commands.add_parser("bridge", help="serve the gRPC control plane in front of a NeMo Gym HTTP head")
@@ -134,6 +140,7 @@ def cmd_head(args: argparse.Namespace) -> int:
         probe_timeout_seconds=args.probe_timeout,
         reflection=not args.no_reflection,
         http_port=args.http_port,
+        connect_port=args.connect_port,
     )
     head = HeadServer(config, options, config_path=args.config)
 
@@ -145,7 +152,8 @@ def cmd_head(args: argparse.Namespace) -> int:
             f"(config: {source}, version {config.version}, {len(config.servers)} servers, "
             f"{started.security.describe()})"
             f"{http if started.http_port is not None else ''}"
-            f"{health if started.health_port is not None else ''}",
+            f"{health if started.health_port is not None else ''}"
+            f"{f'; Connect on {started.connect_url}' if started.connect_url is not None else ''}",
             flush=True,
         )
 

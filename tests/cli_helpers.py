@@ -134,9 +134,10 @@ class CliProcess:
 
 
 class HeadProcess(CliProcess):
-    """`gym-rpc head` on a free port; `address` is the HOST:PORT it printed."""
+    """`gym-rpc head` on a free port; `address` is the HOST:PORT it printed, `banner` its whole startup line."""
 
     address: str
+    banner: str
 
 
 @contextlib.contextmanager
@@ -158,7 +159,8 @@ def running_head(
         args += ["--config", str(config)]
     head = HeadProcess(args, env)
     try:
-        head.address = head.wait_for_line(LISTENING_PATTERN, STARTUP_SECONDS).group(1)
+        listening = head.wait_for_line(LISTENING_PATTERN, STARTUP_SECONDS)
+        head.address, head.banner = listening.group(1), listening.string
         yield head
     finally:
         head.close()

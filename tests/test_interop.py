@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
@@ -202,13 +203,16 @@ def run_interop_script(
     model_server: ThreadedHttpServer,
     security: HeadSecurity = HeadSecurity(),
     env: Mapping[str, str] | None = None,
+    *,
+    connect: bool = False,
 ) -> None:
     """Start a head with a server that answers and one that refuses, run the client command with the head's
-    address appended, stop the answering server after the watch snapshot, and assert every line it printed:
-    the config, the statuses, the snapshot, then the change."""
+    address appended (its Connect port's with `connect`), stop the answering server after the watch snapshot,
+    and assert every line it printed: the config, the statuses, the snapshot, then the change."""
     tools_port = closed_port()
+    connect_port = {"connect_port": 0} if connect else {}
     doc = {
-        "head_server": {"host": LOOPBACK, "port": 0, **security.head_keys()},
+        "head_server": {"host": LOOPBACK, "port": 0, **connect_port, **security.head_keys()},
         "model": server_entry(model_server.port),
         "tools": server_entry(tools_port, "resources_servers"),
     }
@@ -218,7 +222,8 @@ def run_interop_script(
         wait_for_statuses(
             head.address, {"model": "success", "tools": "connection_error"}, security.python_client()
         )
-        client = LineReader([*command, head.address], cwd, tmp_path / "client.stderr", env)
+        address = connect_address(head.banner) if connect else head.address
+        client = LineReader([*command, address], cwd, tmp_path / "client.stderr", env)
         try:
             got_config = client.json_line(CLIENT_SECONDS)["config"]
             statuses = client.json_line(5.0)["statuses"]
@@ -251,11 +256,21 @@ def run_interop_script(
     assert int(change["revision"]) == int(snapshot["revision"]) + 1
 
 
+def connect_address(banner: str) -> str:
+    """HOST:PORT of the Connect port a head's startup line announces."""
+    match = re.search(r"; Connect on http://(\S+)", banner)
+    assert match, f"the head announced no Connect port: {banner}"
+    return match.group(1)
+
+
 @needs_npm_tools
+@pytest.mark.parametrize("protocol", ["grpc", "connect"])
 def test_typescript_client_calls_the_python_head(
-    ts_workspace: Path, tmp_path: Path, model_server: ThreadedHttpServer
+    protocol: str, ts_workspace: Path, tmp_path: Path, model_server: ThreadedHttpServer
 ) -> None:
-    run_interop_script([TSX, "interop/ts/client.ts"], ts_workspace, tmp_path, model_server)
+    """Over gRPC (the head's port) and over the Connect protocol (head_server.connect_port), watch included."""
+    command: list[str | Path] = [TSX, "interop/ts/client.ts", protocol]
+    run_interop_script(command, ts_workspace, tmp_path, model_server, connect=protocol == "connect")
 
 
 @needs_npm_tools

@@ -19,6 +19,7 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from grpc_reflection.v1alpha import reflection
 
 from gym_rpc.config import GlobalConfig, load_config_file, url_host
+from gym_rpc.server._connect import ConnectServer, configured_connect_port
 from gym_rpc.server._http_head import HttpHead, configured_http_port
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import InstanceRegistry
@@ -56,6 +57,7 @@ class HeadOptions:
     watch_history_size: int = 1024  # status changes a watch can resume across
     shutdown_grace_seconds: float = 0.5
     http_port: int | None = None  # NeMo Gym's HTTP head; None: head_server.http_port (absent: none); 0: free port
+    connect_port: int | None = None  # the Connect protocol; None: head_server.connect_port (absent: none); 0: free
     max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES  # more get RESOURCE_EXHAUSTED
 
 
@@ -85,6 +87,7 @@ class HeadServer:
         self.health_port: int | None = None
         self.security = ServerSecurity()
         self._http_head: HttpHead | None = None
+        self._connect: ConnectServer | None = None
         self._reload_lock = asyncio.Lock()
 
     @property
@@ -101,9 +104,21 @@ class HeadServer:
         """The port of NeMo Gym's HTTP endpoints, None when not served."""
         return self._http_head.port if self._http_head is not None else None
 
+    @property
+    def connect_url(self) -> str | None:
+        """Where the Connect protocol is served (http:// or https://), None when it is not."""
+        if self._connect is None:
+            return None
+        return f"{self._connect.scheme}://{url_host(self.host)}:{self._connect.port}"
+
     async def start(self) -> None:
         http_port = (
             self.options.http_port if self.options.http_port is not None else configured_http_port(self.config)
+        )
+        connect_port = (
+            self.options.connect_port
+            if self.options.connect_port is not None
+            else configured_connect_port(self.config)
         )
         self.security = security = ServerSecurity.from_config(self.config)
         setup_tracing(self.config.observability_enabled, service_name="gym-rpc-head")
@@ -134,10 +149,21 @@ class HeadServer:
                 await self.stop()  # a head that cannot serve all it was asked to serves nothing
                 raise
             self._http_head = http_head
+        if connect_port is not None:  # the same servicer and security as the gRPC port, over Connect
+            connect = ConnectServer(servicer, security, shutdown_grace_seconds=self.options.shutdown_grace_seconds)
+            try:
+                await connect.start(self.host, connect_port)
+            except BaseException:
+                await self.stop()
+                raise
+            self._connect = connect
 
     async def stop(self) -> None:
         """Report NOT_SERVING, then finish in-flight calls within the grace period."""
         await self._health.enter_graceful_shutdown()
+        if self._connect is not None:
+            await self._connect.stop()
+            self._connect = None
         if self._http_head is not None:
             await self._http_head.stop()
             self._http_head = None
