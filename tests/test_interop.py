@@ -132,13 +132,17 @@ class LineReader:
 
     def json_line(self, timeout: float) -> dict[str, Any]:
         """The next stdout line, parsed; fails the test when none comes in time or the program ended."""
+        return dict(json.loads(self.text_line(timeout)))
+
+    def text_line(self, timeout: float) -> str:
+        """The next stdout line; fails the test when none comes in time or the program ended."""
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
             raise AssertionError(f"the client printed nothing within {timeout}s: {self.stderr}") from None
         if line is None:
             raise AssertionError(f"the client ended (exit {self.finish(5.0)}) early: {self.stderr}")
-        return dict(json.loads(line))
+        return line.rstrip("\n")
 
     def finish(self, timeout: float) -> int:
         """The exit code; fails the test when the program does not end by itself in time."""
@@ -467,3 +471,50 @@ def test_readme_shows_the_client_the_test_runs() -> None:
     client = (CLIENT_DIR / "client.ts").read_text().rstrip()
     readme = (REPO_ROOT / "README.md").read_text()
     assert f"```ts\n{client}\n```" in readme, "README's TypeScript example differs from interop/ts/client.ts"
+
+
+def test_readme_shows_the_go_client_the_test_runs() -> None:
+    main = (GO_CLIENT_DIR / "main.go").read_text().rstrip()
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert f"```go\n{main}\n```" in readme, "README's Go example differs from interop/go/main.go"
+
+
+def readme_python_client() -> str:
+    """The README's complete Python client ("From other languages")."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    marker = "```python\n# The head's config, every server's status, then a watch's first two events"
+    start = readme.index(marker) + len("```python\n")
+    return readme[start : readme.index("```", start)]
+
+
+def test_readme_python_client_runs_the_same_script(tmp_path: Path, model_server: ThreadedHttpServer) -> None:
+    script = tmp_path / "client.py"
+    script.write_text(readme_python_client())
+    tools_port = closed_port()
+    doc = {
+        "head_server": {"host": LOOPBACK, "port": 0},
+        "model": server_entry(model_server.port),
+        "tools": server_entry(tools_port, "resources_servers"),
+    }
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+    with running_head(config) as head:
+        wait_for_statuses(head.address, {"model": "success", "tools": "connection_error"}, ClientSecurity())
+        version = SyncControlClient(head.address, security=ClientSecurity()).get_global_config().version
+        env = {**os.environ, "GYM_RPC_HEAD": head.address}
+        client = LineReader([sys.executable, script], tmp_path, tmp_path / "client.stderr", env)
+        try:
+            lines = [client.text_line(CLIENT_SECONDS) for _ in range(4)]
+            model_server.stop()
+            lines.append(client.text_line(5.0))
+            exit_code = client.finish(5.0)
+        finally:
+            client.close()
+    assert exit_code == 0, client.stderr
+    assert lines == [
+        f"config {version} model tools",
+        "status model success",
+        "status tools connection_error",
+        "snapshot model=success tools=connection_error",
+        "change model=connection_error",
+    ]

@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 CONNECT_PORT_KEY = "connect_port"
 SERVICE = pb.DESCRIPTOR.services_by_name["ControlPlaneService"]
 STARTUP_SECONDS = 10.0
+# Open connections (each open watch holds one); uvicorn answers 503 to more. Watches are bounded by the servicer.
+MAX_CONNECTIONS = 1024
 # grpc's CANCELLED is Connect's "canceled"; every other code has the same name in both.
 _CONNECT_CODES = {status: Code[status.name] for status in grpc.StatusCode if status.name in Code.__members__}
 _CONNECT_CODES[grpc.StatusCode.CANCELLED] = Code.CANCELED
@@ -200,6 +202,7 @@ class ConnectServer:
             log_config=None,
             access_log=False,
             server_header=False,
+            limit_concurrency=MAX_CONNECTIONS,
             timeout_graceful_shutdown=max(1, math.ceil(self._grace)),
             ssl_certfile=tls.cert_file if tls else None,
             ssl_keyfile=tls.key_file if tls else None,
