@@ -22,7 +22,7 @@ from gym_rpc.errors import ControlPlaneError, UnknownServerError
 from gym_rpc.server._head import HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
-from gym_rpc.wire import StatusReport
+from gym_rpc.wire import SERVER_STATUSES, StatusReport
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 # --- helpers ---------------------------------------------------------------------------------------------------
@@ -203,14 +203,14 @@ async def test_reload_adds_and_removes_servers(head_factory, http_server):
     rewrite_config(
         head, document({"first": server_entry(live), "second": server_entry(live, "resources_servers")})
     )
-    assert (await client.reload_global_config())[1]
+    assert (await client.reload_global_config())[1] is True
     await wait_until_probed(head)
     statuses = {r.server_name: r.status for r in (await client.list_server_statuses()).reports}
     assert statuses == {"first": "success", "second": "success"}
     assert "second" in (await client.get_global_config()).servers
 
     rewrite_config(head, document({"second": server_entry(live, "resources_servers")}))
-    assert (await client.reload_global_config())[1]
+    assert (await client.reload_global_config())[1] is True
     assert [r.server_name for r in (await client.list_server_statuses()).reports] == ["second"]
     with pytest.raises(UnknownServerError):
         await client.get_server_status("first")
@@ -219,7 +219,7 @@ async def test_reload_adds_and_removes_servers(head_factory, http_server):
 # --- statuses --------------------------------------------------------------------------------------------------
 
 
-async def test_every_status_value_is_reached(head_factory, http_server, silent_server):
+async def test_every_status_value_is_reached(head_factory, http_server, silent_server, malformed_server):
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", answer_500)
     doc = document(
@@ -228,6 +228,7 @@ async def test_every_status_value_is_reached(head_factory, http_server, silent_s
             "failing": server_entry(await http_server(app), "resources_servers"),
             "closed": server_entry(closed_port(), "resources_servers"),
             "silent": server_entry(silent_server, "responses_api_agents"),
+            "malformed": server_entry(malformed_server, "resources_servers"),
         }
     )
     head = await head_factory(doc)
@@ -239,7 +240,15 @@ async def test_every_status_value_is_reached(head_factory, http_server, silent_s
     failing = await client.get_server_status("failing")
     assert (failing.status, failing.http_status) == ("success", 500)  # any HTTP answer is success
     closed = await client.get_server_status("closed")
-    assert closed.status == "connection_error" and closed.detail
+    closed_port_number = doc["closed"]["resources_servers"]["resources_servers_impl"]["port"]
+    assert (closed.status, closed.detail) == (
+        "connection_error",
+        f"[Errno 111] Connect call failed ('127.0.0.1', {closed_port_number})",
+    )
+    malformed = await client.get_server_status("malformed")
+    assert (malformed.status, malformed.http_status) == ("unknown_error", 0)
+    assert malformed.detail.startswith('ClientResponseError: 400, message="Bad status line'), malformed.detail
+    assert "NOT-HTTP nonsense" in malformed.detail  # what the server sent, for the operator
     own = await client.get_server_status("head_server")
     assert (own.status, own.url) == ("success", f"http://{LOOPBACK}:{head.port}")
 
@@ -247,6 +256,8 @@ async def test_every_status_value_is_reached(head_factory, http_server, silent_s
     # DEADLINE_EXCEEDED instead of returning a report (no wall-clock bound needed, none to flake).
     silent = await client.get_server_status("silent", timeout=1.0)
     assert silent.status == "timeout"
+    reached = {report.status for report in (live, failing, closed, malformed, silent)}
+    assert reached == set(SERVER_STATUSES) == {"success", "connection_error", "timeout", "unknown_error"}
 
     report = await asyncio.to_thread(SyncControlClient(head.address).get_server_status, "closed")
     assert report.status == "connection_error"
@@ -262,7 +273,10 @@ async def test_max_age_serves_the_cached_report(head_factory, http_server):
     assert from_cache.checked_at == pytest.approx(cached.checked_at, abs=1e-6)
     assert head.prober.report("live") is cached
 
-    fresh = await client.get_server_status("live")
+    within_window = await client.get_server_status("live")  # no bound: the head's window, half of 60 s
+    assert within_window.checked_at == pytest.approx(cached.checked_at, abs=1e-6)
+
+    fresh = await client.get_server_status("live", max_age_seconds=0)  # zero: a probe now
     assert fresh.status == "success"
     assert fresh.checked_at > cached.checked_at
     assert head.prober.report("live").checked_at == pytest.approx(fresh.checked_at, abs=1e-6)

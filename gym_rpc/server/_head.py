@@ -59,6 +59,7 @@ class HeadOptions:
     http_port: int | None = None  # NeMo Gym's HTTP head; None: head_server.http_port (absent: none); 0: free port
     connect_port: int | None = None  # the Connect protocol; None: head_server.connect_port (absent: none); 0: free
     max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES  # more get RESOURCE_EXHAUSTED
+    status_max_age_seconds: float | None = None  # GetServerStatus freshness when unstated; None: half the interval
 
 
 class HeadServer:
@@ -80,6 +81,7 @@ class HeadServer:
             probe_timeout_seconds=options.probe_timeout_seconds,
             history_size=options.watch_history_size,
             on_change=self._follow_health,
+            default_max_age_seconds=options.status_max_age_seconds,
         )
         self.registry = InstanceRegistry()  # servers that registered (RegisterServerInstance)
         self._server: grpc.aio.Server | None = None
@@ -139,6 +141,7 @@ class HeadServer:
             await health_server.start()
             self._health_server = health_server
         self.config = self.config.with_head_server(self.host, self.port)
+        self.prober.set_config_version(self.config.version)
         await self._health.set("", _SERVING)
         await self._health.set(SERVICE_NAME, _SERVING)
         if http_port is not None:
@@ -186,6 +189,7 @@ class HeadServer:
                 return False
             self.config = config
             await self.registry.update_prober(self.prober, lambda: self.config.servers)
+            self.prober.set_config_version(config.version)
             logger.info("config reloaded from %s: version %s", self.config_path, config.version)
             return True
 
