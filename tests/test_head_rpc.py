@@ -82,7 +82,7 @@ def rich_document(port: int) -> dict[str, Any]:
         max_tokens=512,
         tokenizer="Qwen/Qwen3-8B",
         api_key=SECRETS[0],
-        auth={"token": SECRETS[1], "password": SECRETS[2], "client_secret": SECRETS[3], "user": "gym"},
+        database={"token": SECRETS[1], "password": SECRETS[2], "client_secret": SECRETS[3], "user": "gym"},
     )
 
 
@@ -91,7 +91,7 @@ def expected_served(doc: dict[str, Any], head: HeadServer) -> dict[str, Any]:
     served: dict[str, Any] = json.loads(json.dumps(doc))
     served["head_server"] = {"host": LOOPBACK, "port": head.port}
     served["api_key"] = REDACTED
-    served["auth"].update(token=REDACTED, password=REDACTED, client_secret=REDACTED)
+    served["database"].update(token=REDACTED, password=REDACTED, client_secret=REDACTED)
     served["policy_model"]["responses_api_models"]["responses_api_models_impl"]["openai_api_key"] = REDACTED
     return served
 
@@ -132,7 +132,12 @@ async def test_secrets_are_redacted_everywhere(head_factory, http_server):
 
     served = json.loads(response.config_json)
     assert served["api_key"] == REDACTED
-    assert served["auth"] == {"token": REDACTED, "password": REDACTED, "client_secret": REDACTED, "user": "gym"}
+    assert served["database"] == {
+        "token": REDACTED,
+        "password": REDACTED,
+        "client_secret": REDACTED,
+        "user": "gym",
+    }
     (entry,) = response.servers
     entry_config = json.loads(entry.config_json)
     assert entry_config["openai_api_key"] == REDACTED

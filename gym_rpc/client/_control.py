@@ -13,7 +13,13 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gym_rpc.client._channel import DEFAULT_TIMEOUT_SECONDS, aio_channel, default_head_address, sync_channel
+from gym_rpc.client._channel import (
+    DEFAULT_TIMEOUT_SECONDS,
+    aio_channel,
+    checked_head_address,
+    default_head_address,
+    sync_channel,
+)
 from gym_rpc.client._security import ClientSecurity, client_security
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError, UnknownServerError
@@ -130,7 +136,7 @@ class SyncControlClient:
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
         security: ClientSecurity | None = None,
     ) -> None:
-        self.address = address or default_head_address()
+        self.address = checked_head_address(address or default_head_address())
         self.timeout_seconds = timeout_seconds
         self.security = security if security is not None else client_security()
         self._metadata = self.security.metadata()
@@ -270,7 +276,7 @@ class ControlClient:
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
         security: ClientSecurity | None = None,
     ) -> None:
-        self.address = address or default_head_address()
+        self.address = checked_head_address(address or default_head_address())
         self.timeout_seconds = timeout_seconds
         self.security = security if security is not None else client_security()
         self._metadata = self.security.metadata()

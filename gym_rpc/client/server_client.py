@@ -22,7 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer
 
 from gym_rpc.client._channel import head_address
 from gym_rpc.client._control import SyncControlClient
-from gym_rpc.client._http import RESENDABLE_ERRORS, HttpClientSettings, HttpPools, resend, traced_send
+from gym_rpc.client._http import (
+    RESENDABLE_ERRORS,
+    HttpClientSettings,
+    HttpPools,
+    request_timeout_error,
+    resend,
+    traced_send,
+)
 from gym_rpc.client._rollout import (
     apply_rollout_prefix,
     current_rollout_id,
@@ -404,18 +411,21 @@ class ServerClient(BaseModel):
         pools: HttpPools = private["_http"]
         sessions = pools.sessions()
         session = sessions.control if _control else sessions.data
-        if TRACING.enabled:  # the one check tracing costs when off
-            retry = pools.settings.retry
-            return await traced_send(
-                session, method, url, url_path, retry, _resend_after_disconnect, kwargs, server_name
-            )
-        url += url_path
-        try:  # the first attempt of http.send, inlined: one coroutine level less per call
-            return await session.request(method, url, **kwargs)
-        except RESENDABLE_ERRORS as error:
-            return await resend(
-                session, method, url, pools.settings.retry, _resend_after_disconnect, kwargs, error
-            )
+        full_url = url + url_path
+        try:
+            if TRACING.enabled:  # the one check tracing costs when off
+                retry = pools.settings.retry
+                return await traced_send(
+                    session, method, url, url_path, retry, _resend_after_disconnect, kwargs, server_name
+                )
+            try:  # the first attempt of http.send, inlined: one coroutine level less per call
+                return await session.request(method, full_url, **kwargs)
+            except RESENDABLE_ERRORS as error:
+                return await resend(
+                    session, method, full_url, pools.settings.retry, _resend_after_disconnect, kwargs, error
+                )
+        except TimeoutError as error:  # aiohttp's says neither which server nor which deadline
+            raise request_timeout_error(server_name, method, full_url, session, kwargs) from error
 
     async def get(
         self, server_name: str, url_path: str, **kwargs: Unpack[_RequestOptions]
