@@ -145,9 +145,10 @@ class ControlPlaneConnectApplication(ConnectASGIApplication[ControlPlaneServicer
     """The ASGI application: ControlPlaneService over Connect (JSON and binary) and gRPC-Web."""
 
     def __init__(self, servicer: ControlPlaneServicer, token: str | None) -> None:
+        routes = endpoints(servicer, token)  # now, not at the first call: an RPC it cannot serve fails the start
         super().__init__(
             service=servicer,
-            endpoints=lambda service: endpoints(service, token),
+            endpoints=lambda service: routes,
             read_max_bytes=MAX_REQUEST_BYTES,
             codecs=google_protobuf_codecs(),
         )
