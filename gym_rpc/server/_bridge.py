@@ -36,6 +36,7 @@ from gym_rpc.config import (
     url_host,
 )
 from gym_rpc.errors import ConfigError, UpstreamError
+from gym_rpc.server import _events as events
 from gym_rpc.server._head import build_control_server, mirror_status_in_health
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import InstanceRegistry
@@ -242,8 +243,13 @@ class BridgeHead:
         """Fetch from the upstream now (ReloadGlobalConfig, SIGHUP); True when the config changed."""
         version = self.config.version
         if not await self.refresh():
-            raise ConfigError(self.problem or f"the NeMo Gym head at {self.upstream_url} did not answer")
-        return self.config.version != version
+            error = ConfigError(self.problem or f"the NeMo Gym head at {self.upstream_url} did not answer")
+            events.config_refused(self.upstream_url, version, error)
+            raise error
+        if self.config.version == version:
+            events.config_unchanged(self.upstream_url, version)
+            return False
+        return True  # refresh() logged the new version
 
     async def refresh(self) -> bool:
         """One fetch from the upstream; False (and RPCs refused) when it failed."""

@@ -10,7 +10,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -20,11 +20,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
-from gym_rpc.config import GlobalConfig, checked_port, checked_seconds, load_config_file, url_host
+from gym_rpc.config import GlobalConfig, ServerEntry, checked_port, checked_seconds, load_config_file, url_host
 from gym_rpc.errors import ConfigError, GymRpcError
+from gym_rpc.metrics import metrics_disabled, setup_metrics
+from gym_rpc.server import _events as events
+from gym_rpc.server import _metrics as head_metrics
 from gym_rpc.server._bad_requests import DecodeGuardInterceptor
 from gym_rpc.server._connect import ConnectServer, configured_connect_port
 from gym_rpc.server._http_head import HttpHead, configured_http_port
+from gym_rpc.server._metrics_http import MetricsServer
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import InstanceRegistry
 from gym_rpc.server._security import (
@@ -63,6 +67,7 @@ class HeadOptions:
     http_port: int | None = None  # NeMo Gym's HTTP head; None: head_server.http_port (absent: none); 0: free port
     connect_port: int | None = None  # the Connect protocol; None: head_server.connect_port (absent: none); 0: free
     max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES  # more get RESOURCE_EXHAUSTED
+    metrics_port: int | None = None  # GET /metrics alone on this port; None: only on the HTTP head (if any)
     status_max_age_seconds: float | None = None  # GetServerStatus freshness when unstated; None: half the interval
 
     def __post_init__(self) -> None:
@@ -71,6 +76,7 @@ class HeadOptions:
         checked_seconds(self.probe_timeout_seconds, "the probe timeout (--probe-timeout)")
         checked_port(self.port, "the head port (--port)")
         checked_port(self.http_port, "the HTTP head port (--http-port)")
+        checked_port(self.metrics_port, "the metrics port (--metrics-port)")
         if self.watch_history_size < 1 or self.max_concurrent_watches < 1:
             raise ConfigError("watch_history_size and max_concurrent_watches must be at least 1")
 
@@ -103,6 +109,8 @@ class HeadServer:
         self.security = ServerSecurity()
         self._http_head: HttpHead | None = None
         self._connect: ConnectServer | None = None
+        self._metrics_server: MetricsServer | None = None
+        self._servicer: ControlPlaneServicer | None = None
         self._reload_lock = asyncio.Lock()
 
     @property
@@ -125,6 +133,28 @@ class HeadServer:
         if self._connect is None:
             return None
         return f"{self._connect.scheme}://{url_host(self.host)}:{self._connect.port}"
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port serving only GET /metrics (--metrics-port), None when not served."""
+        return self._metrics_server.port if self._metrics_server is not None else None
+
+    # What the head's gauges read (gym_rpc.server._metrics.ObservedHead).
+    @property
+    def observed_servers(self) -> Mapping[str, ServerEntry]:
+        return self.config.servers
+
+    @property
+    def observed_prober(self) -> StatusProber:
+        return self.prober
+
+    @property
+    def observed_watchers(self) -> int:
+        return self._servicer.watches if self._servicer is not None else 0
+
+    @property
+    def observed_registrations(self) -> int:
+        return len(self.registry)
 
     def _checked(self, config: GlobalConfig) -> ServerSecurity:
         """What start-up and every reload check alike (token, TLS files, extra ports); errors name the file."""
@@ -151,7 +181,10 @@ class HeadServer:
         for name, problem in self.config.malformed_servers.items():
             logger.warning("config entry %r is not served: %s", name, problem)
         setup_tracing(self.config.observability_enabled, service_name="gym-rpc-head")
-        servicer = ControlPlaneServicer(self, max_concurrent_watches=self.options.max_concurrent_watches)
+        setup_metrics(service_name="gym-rpc-head", prometheus=True)
+        self._servicer = servicer = ControlPlaneServicer(
+            self, max_concurrent_watches=self.options.max_concurrent_watches
+        )
         server = build_control_server(
             servicer, self._health, reflection_enabled=self.options.reflection, security=security
         )
@@ -189,13 +222,26 @@ class HeadServer:
                 await self.stop()
                 raise
             self._connect = connect
+        if self.options.metrics_port is not None:
+            metrics_server = MetricsServer()
+            try:
+                await metrics_server.start(self.host, self.options.metrics_port)
+            except BaseException:
+                await self.stop()
+                raise
+            self._metrics_server = metrics_server
+        head_metrics.observe(self)
 
     async def stop(self) -> None:
         """Report NOT_SERVING, then finish in-flight calls within the grace period."""
+        head_metrics.forget(self)
         await self._health.enter_graceful_shutdown()
         if self._connect is not None:
             await self._connect.stop()
             self._connect = None
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
+            self._metrics_server = None
         if self._http_head is not None:
             await self._http_head.stop()
             self._http_head = None
@@ -212,28 +258,44 @@ class HeadServer:
         if self.config_path is None:
             return False
         async with self._reload_lock:
-            loaded = await asyncio.to_thread(load_config_file, self.config_path)
-            config = loaded.with_head_server(self.host, self.port)
-            if config.version == self.config.version:
+            old = self.config
+            try:
+                config = await self._load_for_reload()
+            except ConfigError as exc:
+                events.config_refused(self.config_path, old.version, exc)
+                raise
+            if config.version == old.version:
+                events.config_unchanged(self.config_path, old.version)
                 return False
-            self._checked(config)
-            dropped = {
-                name: problem for name, problem in config.malformed_servers.items() if name in self.config.servers
-            }
-            if dropped:
-                name, problem = next(iter(dropped.items()))
-                raise ConfigError(
-                    f"{self.config_path}: server {name!r} is served but its new entry is malformed ({problem}); "
-                    f"fix the entry, or delete the key to stop serving it"
-                )
             for name, problem in config.malformed_servers.items():
-                if name not in self.config.malformed_servers:
+                if name not in old.malformed_servers:
                     logger.warning("config entry %r is not served: %s", name, problem)
             self.config = config
             await self.registry.update_prober(self.prober, lambda: self.config.servers)
             self.prober.set_config_version(config.version)
-            logger.info("config reloaded from %s: version %s", self.config_path, config.version)
+            added = [name for name in config.servers if name not in old.servers]
+            removed = [name for name in old.servers if name not in config.servers]
+            events.config_reloaded(self.config_path, old.version, config.version, added, removed)
             return True
+
+    async def _load_for_reload(self) -> GlobalConfig:
+        """The config file, checked exactly as at start-up; a served server whose entry broke is refused."""
+        assert self.config_path is not None
+        loaded = await asyncio.to_thread(load_config_file, self.config_path)
+        config = loaded.with_head_server(self.host, self.port)
+        if config.version == self.config.version:
+            return config
+        self._checked(config)
+        dropped = {
+            name: problem for name, problem in config.malformed_servers.items() if name in self.config.servers
+        }
+        if dropped:
+            name, problem = next(iter(dropped.items()))
+            raise ConfigError(
+                f"{self.config_path}: server {name!r} is served but its new entry is malformed ({problem}); "
+                f"fix the entry, or delete the key to stop serving it"
+            )
+        return config
 
     async def _follow_health(self, report: StatusReport | None, name: str) -> None:
         await mirror_status_in_health(self._health, report, name)
@@ -280,10 +342,13 @@ def build_control_server(
     interceptor but tracing's. Bind it with `security.add_port` to serve TLS when configured.
     """
     security = security if security is not None else ServerSecurity.from_environment()
-    # Tracing outermost (no interceptor when off: gym_rpc.telemetry), so refused calls are traced too.
-    # Innermost, undecodable requests become INVALID_ARGUMENT; the token check above it never decodes one.
+    # Tracing outermost (no interceptor when off: gym_rpc.telemetry), then metrics, so refused calls are traced and
+    # counted too. Innermost, undecodable requests become INVALID_ARGUMENT; the token check above it never decodes
+    # one.
+    measured = [] if metrics_disabled() else [head_metrics.RpcMetricsInterceptor()]
     traced_and_guarded = [
         *server_interceptors(),
+        *measured,
         *security.interceptors(),
         *interceptors,
         DecodeGuardInterceptor(),
@@ -335,12 +400,11 @@ async def run_head(head: ServableT, on_started: Callable[[ServableT], None]) -> 
     def reload_in_background() -> None:
         async def reload() -> None:
             try:
-                changed = await head.reload()
-                logger.warning(
-                    "SIGHUP: config %s (version %s)", "reloaded" if changed else "unchanged", head.config.version
-                )
-            except Exception as exc:
-                logger.error("SIGHUP: reload refused, old config kept: %s", exc)
+                await head.reload()  # logs its outcome (gym_rpc.server._events)
+            except ConfigError:
+                pass  # logged by the reload itself; the old config stays
+            except Exception:
+                logger.exception("SIGHUP: reload failed, old config kept")
 
         task = loop.create_task(reload())
         reloads.add(task)
