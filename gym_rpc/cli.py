@@ -195,8 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         env=CONNECT_PORT_ENV_VAR,
         default=None,
         parse=port_number,
-        help="also serve the control plane over the Connect protocol (HTTP/1.1, JSON or binary) on this port, 0 for "
-        "a free one (none: head_server.connect_port)",
+        help="also serve the control plane over the Connect protocol (HTTP/1.1, JSON or binary) on this port, "
+        "0 for a free one (none: head_server.connect_port)",
     )
     _add_probe_flags(head)
     head.add_argument(
