@@ -180,6 +180,9 @@ def wait_for_statuses(
         time.sleep(0.05)
 
 
+STOPPED_MODEL = ({"model": "SERVER_STATUS_CONNECTION_ERROR"}, {"model": "SERVER_STATUS_TIMEOUT"})
+
+
 def statuses_by_name(reports: list[dict[str, Any]]) -> dict[str, str]:
     return {report["serverName"]: report["status"] for report in reports}
 
@@ -256,7 +259,8 @@ def run_interop_script(
     assert statuses_by_name(snapshot["reports"]) == expected
     assert int(snapshot["revision"]) >= int(statuses["revision"])
     assert change["type"] == "WATCH_EVENT_TYPE_CHANGE"
-    assert statuses_by_name(change["reports"]) == {"model": "SERVER_STATUS_CONNECTION_ERROR"}
+    # Refused once stopped; TIMEOUT when a probe was in flight while the server shut down (a loaded machine).
+    assert statuses_by_name(change["reports"]) in STOPPED_MODEL
     assert int(change["revision"]) == int(snapshot["revision"]) + 1
 
 
@@ -511,10 +515,10 @@ def test_readme_python_client_runs_the_same_script(tmp_path: Path, model_server:
         finally:
             client.close()
     assert exit_code == 0, client.stderr
-    assert lines == [
+    assert lines[:4] == [
         f"config {version} model tools",
         "status model success",
         "status tools connection_error",
         "snapshot model=success tools=connection_error",
-        "change model=connection_error",
     ]
+    assert lines[4] in ("change model=connection_error", "change model=timeout")  # as STOPPED_MODEL
