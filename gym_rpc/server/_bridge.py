@@ -22,7 +22,6 @@ from urllib.parse import urlsplit
 import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2
-from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 
 from gym_rpc.config import (
     DEFAULT_HEAD_HOST,
@@ -38,6 +37,7 @@ from gym_rpc.config import (
 from gym_rpc.errors import ConfigError, UpstreamError
 from gym_rpc.server import _events as events
 from gym_rpc.server._head import build_control_server, mirror_status_in_health
+from gym_rpc.server._health import HealthServicer
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import InstanceRegistry
 from gym_rpc.server._security import ServerSecurity, aborting_handler
@@ -177,7 +177,7 @@ class BridgeHead:
         self.config = GlobalConfig.from_document({HEAD_SERVER_KEY: {"host": options.host, "port": options.port}})
         self.processes: dict[str, UpstreamProcess] = {}
         self.problem: str | None = f"no config fetched yet from the NeMo Gym head at {self.upstream_url}"
-        self._health = health_aio.HealthServicer()
+        self._health = HealthServicer()
         self.prober = StatusProber(
             {},
             interval_seconds=options.probe_interval_seconds,

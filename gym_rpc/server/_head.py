@@ -27,12 +27,15 @@ from gym_rpc.server import _events as events
 from gym_rpc.server import _metrics as head_metrics
 from gym_rpc.server._bad_requests import DecodeGuardInterceptor
 from gym_rpc.server._connect import ConnectServer, configured_connect_port
+from gym_rpc.server._connection_limits import raise_fd_soft_limit
+from gym_rpc.server._health import HealthServicer
 from gym_rpc.server._http_head import HttpHead, configured_http_port
 from gym_rpc.server._metrics_http import MetricsServer
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import InstanceRegistry
 from gym_rpc.server._security import (
     DEFAULT_MAX_CONCURRENT_WATCHES,
+    DEFAULT_MAX_WATCHES_PER_PEER,
     SERVER_OPTIONS,
     ServerSecurity,
     build_health_server,
@@ -67,6 +70,7 @@ class HeadOptions:
     http_port: int | None = None  # NeMo Gym's HTTP head; None: head_server.http_port (absent: none); 0: free port
     connect_port: int | None = None  # the Connect protocol; None: head_server.connect_port (absent: none); 0: free
     max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES  # more get RESOURCE_EXHAUSTED
+    max_watches_per_peer: int = DEFAULT_MAX_WATCHES_PER_PEER  # per client IP address; more get RESOURCE_EXHAUSTED
     metrics_port: int | None = None  # GET /metrics alone on this port; None: only on the HTTP head (if any)
     status_max_age_seconds: float | None = None  # GetServerStatus freshness when unstated; None: half the interval
 
@@ -77,8 +81,10 @@ class HeadOptions:
         checked_port(self.port, "the head port (--port)")
         checked_port(self.http_port, "the HTTP head port (--http-port)")
         checked_port(self.metrics_port, "the metrics port (--metrics-port)")
-        if self.watch_history_size < 1 or self.max_concurrent_watches < 1:
-            raise ConfigError("watch_history_size and max_concurrent_watches must be at least 1")
+        if min(self.watch_history_size, self.max_concurrent_watches, self.max_watches_per_peer) < 1:
+            raise ConfigError(
+                "watch_history_size, max_concurrent_watches and max_watches_per_peer must be at least 1"
+            )
 
 
 class HeadServer:
@@ -93,7 +99,7 @@ class HeadServer:
         self.pid = os.getpid()
         self.start_time = time.time()
         self.port = 0
-        self._health = health_aio.HealthServicer()
+        self._health = HealthServicer()
         self.prober = StatusProber(
             config.servers,
             interval_seconds=options.probe_interval_seconds,
@@ -183,7 +189,9 @@ class HeadServer:
         setup_tracing(self.config.observability_enabled, service_name="gym-rpc-head")
         setup_metrics(service_name="gym-rpc-head", prometheus=True)
         self._servicer = servicer = ControlPlaneServicer(
-            self, max_concurrent_watches=self.options.max_concurrent_watches
+            self,
+            max_concurrent_watches=self.options.max_concurrent_watches,
+            max_watches_per_peer=self.options.max_watches_per_peer,
         )
         server = build_control_server(
             servicer, self._health, reflection_enabled=self.options.reflection, security=security
@@ -393,6 +401,7 @@ ServableT = TypeVar("ServableT", bound=Servable)
 
 async def run_head(head: ServableT, on_started: Callable[[ServableT], None]) -> None:
     """Serve until SIGTERM or SIGINT; SIGHUP reloads the config (the file, or the bridge's upstream)."""
+    raise_fd_soft_limit()  # a head serves many connections: use what the hard limit allows
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     reloads: set[asyncio.Task[None]] = set()

@@ -54,6 +54,11 @@ def is_valid_host(host: str) -> bool:
     if bare != host or len(host) > 253:
         return False
     labels = host.removesuffix(".").split(".")
+    # An all-numeric last label makes a dotted number, not a name: `999.1.1.1` is a malformed IPv4 address, and
+    # resolvers read `1.2.3` or `0x7f.1` as addresses too (RFC 1123 2.1, RFC 3696 2: top-level labels are never
+    # all-numeric).
+    if labels[-1].isdigit():
+        return False
     return all(_HOSTNAME_LABEL.fullmatch(label) for label in labels)
 
 

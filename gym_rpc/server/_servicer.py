@@ -19,7 +19,11 @@ from gym_rpc.errors import ConfigError, UnknownServerError
 from gym_rpc.server import _events as events
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import InstanceRegistry, advertised_host, is_valid_host
-from gym_rpc.server._security import DEFAULT_MAX_CONCURRENT_WATCHES, caller_is_authenticated
+from gym_rpc.server._security import (
+    DEFAULT_MAX_CONCURRENT_WATCHES,
+    DEFAULT_MAX_WATCHES_PER_PEER,
+    caller_is_authenticated,
+)
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import KNOWN_SERVERS_METADATA_KEY, StatusReport
@@ -47,11 +51,21 @@ class HeadState(Protocol):
 
 
 class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
-    def __init__(self, head: HeadState, *, max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES) -> None:
+    def __init__(
+        self,
+        head: HeadState,
+        *,
+        max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES,
+        max_watches_per_peer: int = DEFAULT_MAX_WATCHES_PER_PEER,
+    ) -> None:
         self._head = head
         self._config_responses: dict[bool, tuple[str, pb.GetGlobalConfigResponse]] = {}
         self._max_watches = max_concurrent_watches
         self._watches = 0
+        # Per client address (not per connection: a client opening more connections is still one peer), so one
+        # client cannot take every slot of the head and lock the other watchers out.
+        self._max_watches_per_peer = max_watches_per_peer
+        self._watches_by_peer: dict[str, int] = {}
 
     @property
     def watches(self) -> int:
@@ -117,12 +131,26 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
                 f"the head already serves {self._max_watches} status watches; retry later or poll "
                 f"ListServerStatuses",
             )
+        peer = peer_address(context.peer())
+        held = self._watches_by_peer.get(peer, 0)
+        if held >= self._max_watches_per_peer:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{peer} already holds {held} status watches, the most one client address may; close one, share "
+                f"one watch per process, or poll ListServerStatuses",
+            )
         self._watches += 1
+        self._watches_by_peer[peer] = held + 1
         try:
             async for message in self._watch(request):
                 yield message
         finally:
             self._watches -= 1
+            left = self._watches_by_peer[peer] - 1
+            if left:
+                self._watches_by_peer[peer] = left
+            else:
+                del self._watches_by_peer[peer]
 
     async def _watch(
         self, request: pb.WatchServerStatusesRequest
@@ -284,6 +312,17 @@ def _config_response(config: GlobalConfig, include_secrets: bool) -> pb.GetGloba
             config, document=document, config_json=json.dumps(document, ensure_ascii=False)
         )
     return convert.global_config_to_pb(config, include_secrets=True)
+
+
+def peer_address(peer: str) -> str:
+    """The client address of a gRPC peer string without its port: `ipv4:10.0.0.7:53211` -> `10.0.0.7`,
+    `ipv6:[::1]:53211` -> `::1`; anything else (a unix socket) as it is."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0] or rest
+    if kind == "ipv6":
+        return rest.rpartition(":")[0].strip("[]") or rest
+    return peer
 
 
 def _snapshot(
