@@ -225,9 +225,11 @@ class SyncControlClient:
         pid: int = 0,
         start_time: float = 0.0,
         advertise_host: str = "",
+        lease_seconds: float | None = None,
         timeout: float | None = None,
     ) -> str:
-        """Register a running server process; returns the base URL the head advertises for it."""
+        """Register (or renew) a running server process; returns the base URL the head advertises for it. With
+        `lease_seconds` the registration expires unless renewed within that long (None: never)."""
         request = convert.register_request_to_pb(
             server_name,
             pid=pid,
@@ -235,6 +237,7 @@ class SyncControlClient:
             listen_host=listen_host,
             listen_port=listen_port,
             advertise_host=advertise_host,
+            lease_seconds=lease_seconds,
         )
         response = self._call(self._stub.RegisterServerInstance, request, timeout, server_name)
         return response.advertised_url
@@ -369,9 +372,11 @@ class ControlClient:
         pid: int = 0,
         start_time: float = 0.0,
         advertise_host: str = "",
+        lease_seconds: float | None = None,
         timeout: float | None = None,
     ) -> str:
-        """Register a running server process; returns the base URL the head advertises for it."""
+        """Register (or renew) a running server process; returns the base URL the head advertises for it. With
+        `lease_seconds` the registration expires unless renewed within that long (None: never)."""
         request = convert.register_request_to_pb(
             server_name,
             pid=pid,
@@ -379,6 +384,7 @@ class ControlClient:
             listen_host=listen_host,
             listen_port=listen_port,
             advertise_host=advertise_host,
+            lease_seconds=lease_seconds,
         )
         response = await self._call(self._stub.RegisterServerInstance, request, timeout, server_name)
         return response.advertised_url

@@ -215,6 +215,7 @@ class BridgeHead:
             timeout=aiohttp.ClientTimeout(total=self.options.fetch_timeout_seconds), trust_env=False
         )
         await self.prober.start()  # before the first call can arrive: handlers read its reports
+        self.registry.start_expiry(self.prober, lambda: self.config.servers)
         await server.start()
         self._server = server
         self.config = self.config.with_head_server(self.options.host, self.port)
@@ -234,6 +235,7 @@ class BridgeHead:
         if self._server is not None:
             await self._server.stop(self.options.shutdown_grace_seconds)
             self._server = None
+        await self.registry.stop_expiry()
         await self.prober.stop()  # after the last call: in-flight handlers still read and probe through it
         if self._session is not None:
             await self._session.close()

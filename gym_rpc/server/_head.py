@@ -40,11 +40,10 @@ from gym_rpc.server._security import (
     ServerSecurity,
     build_health_server,
 )
-from gym_rpc.server._servicer import ControlPlaneServicer
+from gym_rpc.server._servicer import ControlPlaneServicer, add_control_plane_service
 from gym_rpc.server._tracing import server_interceptors
 from gym_rpc.telemetry import setup_tracing
 from gym_rpc.v1 import control_plane_pb2 as pb
-from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import StatusReport
 
 logger = logging.getLogger(__name__)
@@ -205,6 +204,7 @@ class HeadServer:
             health_server = build_health_server(self._health)
             self.health_port = ServerSecurity().add_port(health_server, self.host, security.health_port)
         await self.prober.start()  # before the first call can arrive: handlers read its reports
+        self.registry.start_expiry(self.prober, lambda: self.config.servers)
         await server.start()
         self._server = server
         if health_server is not None:
@@ -256,6 +256,7 @@ class HeadServer:
         if self._server is not None:
             await self._server.stop(self.options.shutdown_grace_seconds)
             self._server = None
+        await self.registry.stop_expiry()
         await self.prober.stop()  # after the last call: in-flight handlers still read and probe through it
         if self._health_server is not None:
             await self._health_server.stop(None)
@@ -362,7 +363,7 @@ def build_control_server(
         DecodeGuardInterceptor(),
     ]
     server = grpc.aio.server(interceptors=traced_and_guarded, options=SERVER_OPTIONS)
-    pb_grpc.add_ControlPlaneServiceServicer_to_server(servicer, server)
+    add_control_plane_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if reflection_enabled:
         names = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]

@@ -42,7 +42,7 @@ from gym_rpc.wire._paths import (
     split_gym_prefixes,
     trace_path_segment,
 )
-from gym_rpc.wire._status import SERVER_STATUSES, ServerStatus, StatusReport
+from gym_rpc.wire._status import SERVER_STATUSES, RegistrationState, ServerStatus, StatusReport
 
 __all__ = [
     "AUTHORIZATION_METADATA_KEY",
@@ -71,6 +71,7 @@ __all__ = [
     "TRACE_SEGMENT",
     "GymPrefixes",
     "InstanceRegistration",
+    "RegistrationState",
     "ServerInstance",
     "ServerStatus",
     "StatusReport",
