@@ -10,7 +10,9 @@ import asyncio
 import hmac
 import logging
 import os
+import pty
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -33,7 +35,7 @@ from gym_rpc.cli import build_parser
 from gym_rpc.client import ControlClient, SyncControlClient
 from gym_rpc.client._channel import close_aio_channels
 from gym_rpc.client._security import client_security
-from gym_rpc.config import head_security_config, load_config_file, redact_secrets
+from gym_rpc.config import GlobalConfig, head_security_config, load_config_file, redact_secrets
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError
 from gym_rpc.integrations import ServerRegistration
 from gym_rpc.server import _connect as connect_server
@@ -41,7 +43,7 @@ from gym_rpc.server import _security as server_security
 from gym_rpc.server._head import HeadOptions, HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import MAX_RESPONSE_BYTES, SERVICE_NAME
-from tests.cli_helpers import cli_env, run_cli, running_head
+from tests.cli_helpers import cli_command, cli_env, run_cli, running_head
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 SLACK_SECONDS = 5.0  # on top of a promised figure, for a loaded 2-core machine
@@ -429,6 +431,63 @@ def test_bridge_and_command_defaults_are_the_documented_ones() -> None:
     assert parser.parse_args(["config"]).timeout == 5.0
 
 
+def test_status_freshness_defaults_to_half_the_probe_interval() -> None:
+    """README: a result younger than the freshness bound is served from the cache ("--status-max-age, default half
+    of --probe-interval")."""
+    assert build_parser().parse_args(["head"]).status_max_age is None  # unset: the head's default
+    head = HeadServer(GlobalConfig.from_document(document({})), HeadOptions(probe_interval_seconds=4.0))
+    assert head.observed_prober.default_max_age_seconds == 2.0
+    head = HeadServer(
+        GlobalConfig.from_document(document({})),
+        HeadOptions(probe_interval_seconds=4.0, status_max_age_seconds=0.5),
+    )
+    assert head.observed_prober.default_max_age_seconds == 0.5
+
+
+def test_tcsh_completion_names_every_command() -> None:
+    """README: `gym-rpc completion bash|zsh|tcsh` prints a completion script (bash, zsh: test_cli_operability)."""
+    result = run_cli(["completion", "tcsh"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("#") and "complete gym-rpc" in result.stdout
+    for command in ("head", "bridge", "status", "wait", "config", "demo", "completion"):
+        assert command in result.stdout
+
+
+CLEAR_SCREEN = b"\x1b[H\x1b[2J"
+
+
+def test_status_watch_on_a_terminal_redraws_every_second(tmp_path: Path) -> None:
+    """README: `status --watch` redraws on every change, "a table on a terminal also every second, so LAST CHECKED
+    is always the last probe": on a pseudo-terminal, with nothing changing (one revision throughout), the table is
+    drawn again and again, about a second apart."""
+    config = _config_file(tmp_path / "gym.yaml", document({"gone": server_entry(closed_port())}))
+    with running_head(config) as head:
+        primary, replica = pty.openpty()
+        watcher = subprocess.Popen(
+            cli_command(["status", "--head", head.address, "--watch"]),
+            stdin=subprocess.DEVNULL,
+            stdout=replica,
+            stderr=subprocess.DEVNULL,
+            env=cli_env(),
+        )
+        os.close(replica)
+        output, drawn_at = b"", list[float]()
+        deadline = time.monotonic() + 30
+        try:
+            while len(drawn_at) < 4 and time.monotonic() < deadline:
+                if select.select([primary], [], [], 0.2)[0]:
+                    output += os.read(primary, 65536)
+                    drawn_at += [time.monotonic()] * (output.count(CLEAR_SCREEN) - len(drawn_at))
+        finally:
+            watcher.send_signal(signal.SIGINT)
+            assert watcher.wait(timeout=20) == 130
+            os.close(primary)
+    draws = [draw for draw in output.split(CLEAR_SCREEN) if draw]
+    assert len(draws) >= 4, output
+    assert len({draw.split(b"\r\n", 1)[0] for draw in draws[:4]}) == 1  # the same revision: no change came
+    assert drawn_at[3] - drawn_at[1] >= 1.5  # redrawn about every second, not in a busy loop
+
+
 # --- logs, probes, registration and retries ----------------------------------------------------------------------
 
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (DEBUG|INFO|WARNING|ERROR) [\w.]+: ")
@@ -487,22 +546,25 @@ async def test_probes_identify_themselves_with_the_gym_rpc_user_agent(head_facto
 
 
 async def test_registrations_and_deregistrations_are_logged_once_each(head_factory, caplog) -> None:
-    """README (Logs): "policy_model: registered pid 4242 at http://10.0.0.5:8000" and "policy_model: deregistered
-    pid 4242", INFO, logger gym_rpc.head; a renewal of the same registration is not logged again."""
+    """README (Logs): "policy_model: registered pid 4242 at http://10.0.0.5:8000[, replacing pid 4100]" and
+    "policy_model: deregistered pid 4242", INFO, logger gym_rpc.head; a renewal is not logged again. README
+    (RPC table): Deregister removes "only its own: a newer process's registration stays"."""
     caplog.set_level(logging.INFO, logger="gym_rpc.head")
     head = await head_factory(document({"policy": server_entry(closed_port(), host="0.0.0.0")}))
     client = ControlClient(head.address)
     port = closed_port()
-    for _ in range(2):
-        await client.register_server_instance("policy", listen_port=port, pid=4242, start_time=time.time())
+    for pid in (4100, 4100, 4242):  # a renewal, then a new process
+        await client.register_server_instance("policy", listen_port=port, pid=pid, start_time=time.time())
+    assert await client.deregister_server_instance("policy", pid=4100) is False  # not its registration any more
     assert await client.deregister_server_instance("policy", pid=4242) is True
     logged = [
         (record.levelname, record.getMessage())
         for record in caplog.records
-        if record.name == "gym_rpc.head" and "pid 4242" in record.getMessage()
+        if record.name == "gym_rpc.head" and "registered pid" in record.getMessage()
     ]
     assert logged == [
-        ("INFO", f"policy: registered pid 4242 at http://{LOOPBACK}:{port}"),
+        ("INFO", f"policy: registered pid 4100 at http://{LOOPBACK}:{port}"),
+        ("INFO", f"policy: registered pid 4242 at http://{LOOPBACK}:{port}, replacing pid 4100"),
         ("INFO", "policy: deregistered pid 4242"),
     ]
 
