@@ -663,10 +663,13 @@ async def test_a_reload_does_not_change_the_token(head_factory) -> None:
 # --- metrics -----------------------------------------------------------------------------------------------------
 
 
-def test_every_series_carries_the_scope_and_target_info_names_the_head(tmp_path: Path) -> None:
+def test_metrics_carry_the_scope_and_target_info_and_no_urls_or_secrets(tmp_path: Path) -> None:
     """README (Metrics): "Every series also carries otel_scope_name="gym_rpc"", and the exposition has
-    "target_info (the resource: service_name="gym-rpc-head" unless OTEL_SERVICE_NAME says otherwise)"."""
-    config = _config_file(tmp_path / "gym.yaml", document({"gone": server_entry(closed_port())}))
+    "target_info (the resource: service_name="gym-rpc-head" unless OTEL_SERVICE_NAME says otherwise)". SECURITY.md:
+    metrics carry "no config values, URLs or secrets"."""
+    port = closed_port()
+    entry = server_entry(port, api_key="sk-metrics-secret", base_url="http://10.9.8.7:1234/v1")
+    config = _config_file(tmp_path / "gym.yaml", document({"gone": entry}))
     with running_head(config, "--metrics-port", "0") as head:
         match = re.search(r"metrics on (http://\S+/metrics)", head.banner)
         assert match, head.banner
@@ -677,6 +680,14 @@ def test_every_series_carries_the_scope_and_target_info_names_the_head(tmp_path:
     assert len(targets) == 1 and targets[0]["service_name"] == "gym-rpc-head", targets
     gym = [sample for sample in samples if sample.name.startswith("gym_")]
     assert gym and {sample.labels.get("otel_scope_name") for sample in gym} == {"gym_rpc"}
+    assert value_of(samples, "gym_server_up", gym_server_name="gone") == 0.0
+    for leak in ("sk-metrics-secret", "10.9.8.7", f":{port}", "http://"):
+        assert leak not in text
+
+
+def value_of(samples: list[Any], name: str, **labels: str) -> float | None:
+    found = [s for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    return found[0].value if len(found) == 1 else None
 
 
 async def test_the_connect_port_answers_503_beyond_its_connection_bound(head_factory, monkeypatch) -> None:
