@@ -14,7 +14,9 @@ import tracemalloc
 from pathlib import Path
 
 import aiohttp
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import BaseModel, ValidationError
 
 from gym_rpc import config as config_module
@@ -31,6 +33,7 @@ from gym_rpc.client._rollout import apply_rollout_prefix
 from gym_rpc.config import (
     BaseServerConfig,
     GlobalConfig,
+    HeadTlsConfig,
     get_first_server_config_dict,
     load_config_file,
     parse_config_text,
@@ -44,8 +47,8 @@ from gym_rpc.errors import (
     ServerUnreachableError,
 )
 from gym_rpc.server._prober import Changes, StatusProber
-from gym_rpc.server._security import _bearer_token
-from gym_rpc.wire._paths import encode_rollout_id, rollout_path_prefix, split_gym_prefixes
+from gym_rpc.server._security import ServerSecurity, _bearer_token
+from gym_rpc.wire._paths import _first_segment, encode_rollout_id, rollout_path_prefix, split_gym_prefixes
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 
@@ -382,6 +385,8 @@ def test_a_server_whose_address_cannot_be_resolved_is_named_when_called() -> Non
         ((("authorization", b"Bearer t0k"),), "t0k"),  # a bytes value is decoded, not shown as b'...'
         ((("authorization", "  bearer   t0k  "),), "t0k"),
         ((("authorization", "Basic t0k"),), None),
+        ((("authorization", b"Bearer t\xffk"),), "t\ufffdk"),  # undecodable bytes are replaced, never raised
+        ((("authorization", "Bearer a b"),), "a b"),
         ((("x-other", "Bearer t0k"), ("authorization", "Bearer 2nd")), "2nd"),
         ((), None),
     ],
@@ -461,3 +466,58 @@ async def test_a_caller_that_outwaits_its_deadline_gets_an_exact_timeout_report(
         assert (report.status, report.detail) == ("timeout", "no answer within 0.3s")
     finally:
         await prober.stop()
+
+
+@pytest.mark.parametrize(
+    ("security", "banner"),
+    [
+        (ServerSecurity(), "plaintext, no token"),
+        (ServerSecurity(token="t"), "plaintext, token required"),
+        (ServerSecurity(tls=HeadTlsConfig(cert_file="c", key_file="k")), "TLS, no token"),
+        (
+            ServerSecurity(tls=HeadTlsConfig(cert_file="c", key_file="k", client_ca_file="ca"), token="t"),
+            "mutual TLS, token required",
+        ),
+    ],
+)
+def test_the_banner_says_what_guards_the_port(security: ServerSecurity, banner: str) -> None:
+    assert security.describe() == banner
+
+
+async def test_the_health_port_has_the_main_ports_message_bound(head_factory) -> None:
+    """build_health_server: the plaintext health port is built with the same bounds (here: 4 MiB requests)."""
+    head = await head_factory(document({}, head_server={"host": LOOPBACK, "port": 0, "health_port": 0}))
+    async with grpc.aio.insecure_channel(f"{LOOPBACK}:{head.health_port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        assert (
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+        ).status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Check(health_pb2.HealthCheckRequest(service="x" * (5 * 1024 * 1024)), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+# --- URL prefixes ------------------------------------------------------------------------------------------------
+
+
+def test_an_unhashable_rollout_id_is_named_in_the_typed_error() -> None:
+    with pytest.raises(InvalidRolloutIdError) as caught:
+        rollout_path_prefix(["r"])  # type: ignore[arg-type]
+    assert str(caught.value) == "invalid rollout id ['r']: must be a non-empty string, not . or .."
+
+
+@pytest.mark.parametrize(
+    ("path", "split"),
+    [("", ("", "")), ("/a", ("a", "")), ("/a/b/c", ("a", "/b/c")), ("//x", ("", "/x")), ("/ab/", ("ab", "/"))],
+)
+def test_the_first_segment_and_the_rest_keep_the_rests_slash(path: str, split: tuple[str, str]) -> None:
+    assert _first_segment(path) == split
+
+
+def test_a_long_malformed_traceparent_is_quoted_to_80_characters() -> None:
+    segment = "z" * 100
+    with pytest.raises(MalformedGymPrefixError) as caught:
+        split_gym_prefixes(f"/ng-trace/{segment}/v1")
+    assert (
+        str(caught.value) == f"malformed traceparent segment {'z' * 80!r}: expected 00-<32 hex>-<16 hex>-<2 hex>"
+    )
