@@ -9,6 +9,7 @@ import asyncio
 import logging
 import random
 import re
+import socket
 import time
 import tracemalloc
 from pathlib import Path
@@ -16,13 +17,16 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
+from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import BaseModel, ValidationError
 
 from gym_rpc import config as config_module
 from gym_rpc.client import ClientSecurity, ClientTls, ControlClient
+from gym_rpc.client._aiohttp_instrumentation import _add_attributes
 from gym_rpc.client._http import (
     HttpClientSettings,
+    LoopSessions,
     RetryPolicy,
     _sessions_by_loop,
     close_loop_sessions,
@@ -521,3 +525,106 @@ def test_a_long_malformed_traceparent_is_quoted_to_80_characters() -> None:
     assert (
         str(caught.value) == f"malformed traceparent segment {'z' * 80!r}: expected 00-<32 hex>-<16 hex>-<2 hex>"
     )
+
+
+# --- the data-plane sessions -------------------------------------------------------------------------------------
+
+POOLS = HttpClientSettings(
+    max_connections=7,
+    max_connections_per_host=3,
+    control_max_connections=5,
+    keepalive_timeout_seconds=4.5,
+    connect_timeout_seconds=2.5,
+    total_timeout_seconds=60.0,
+    control_total_timeout_seconds=9.0,
+)
+
+
+async def test_the_data_and_control_sessions_are_built_from_the_settings() -> None:
+    """LoopSessions: each setting reaches the pool it names; no proxies from the environment, no cookies."""
+    sessions = LoopSessions(POOLS)
+    try:
+        assert sessions.loop is asyncio.get_running_loop() and sessions.is_closed is False
+        for session, limit, per_host, total in ((sessions.data, 7, 3, 60.0), (sessions.control, 5, 0, 9.0)):
+            connector = session.connector
+            assert isinstance(connector, aiohttp.TCPConnector)
+            assert (connector.limit, connector.limit_per_host, connector._keepalive_timeout) == (
+                limit,
+                per_host,
+                4.5,
+            )
+            assert session.timeout == aiohttp.ClientTimeout(total=total, sock_connect=2.5)
+            assert session.trust_env is False and isinstance(session.cookie_jar, aiohttp.DummyCookieJar)
+    finally:
+        await sessions.close()
+    assert sessions.is_closed is True and sessions.data.closed and sessions.control.closed
+
+
+async def test_pooled_connections_use_tcp_keepalive(http_server) -> None:
+    """_keepalive_socket: a connection of the data pool has keepalive on, idle 60 s, every 10 s, 5 probes."""
+    done = asyncio.Event()
+
+    async def streaming(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"first")
+        await done.wait()  # the connection stays checked out while the test looks at its socket
+        return response
+
+    app = web.Application()
+    app.router.add_get("/", streaming)
+    port = await http_server(app)
+    sessions = LoopSessions(POOLS)
+    try:
+        async with sessions.data.get(f"http://{LOOPBACK}:{port}/") as response:
+            assert response.connection is not None and response.connection.transport is not None
+            sock = response.connection.transport.get_extra_info("socket")
+            options = [
+                sock.getsockopt(level, option)
+                for level, option in (
+                    (socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                    (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                    (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                    (socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+                )
+            ]
+            done.set()
+    finally:
+        done.set()
+        await sessions.close()
+    assert options == [1, 60, 10, 5]
+
+
+async def test_one_loop_gets_the_same_sessions_until_they_are_closed() -> None:
+    first = loop_sessions(POOLS)
+    try:
+        assert loop_sessions(POOLS) is first
+    finally:
+        await close_loop_sessions(POOLS)
+    second = loop_sessions(POOLS)
+    try:
+        assert second is not first and not second.is_closed
+    finally:
+        await close_loop_sessions(POOLS)
+
+
+async def test_sessions_carry_our_trace_config_while_aiohttps_instrumentation_is_on() -> None:
+    """_new_session: with opentelemetry-instrumentation-aiohttp-client active, every new session gets the
+    TraceConfig that adds gym_rpc's attributes to the instrumentation's spans; without it, none."""
+    from opentelemetry.instrumentation.aiohttp_client import AioHttpClientInstrumentor
+
+    def ours(session: aiohttp.ClientSession) -> bool:
+        return any(_add_attributes in config.on_request_headers_sent for config in session.trace_configs)
+
+    plain = LoopSessions(POOLS)
+    instrumentor = AioHttpClientInstrumentor()
+    instrumentor.instrument()
+    try:
+        traced = LoopSessions(POOLS)
+    finally:
+        instrumentor.uninstrument()
+    try:
+        assert not ours(plain.data) and ours(traced.data) and ours(traced.control)
+    finally:
+        await plain.close()
+        await traced.close()
