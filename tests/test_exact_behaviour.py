@@ -50,7 +50,7 @@ from gym_rpc.errors import (
     MalformedGymPrefixError,
     ServerUnreachableError,
 )
-from gym_rpc.server._prober import Changes, StatusProber
+from gym_rpc.server._prober import Changes, StatusProber, new_probe_session, probe, unsampled_traceparent
 from gym_rpc.server._security import ServerSecurity, _bearer_token
 from gym_rpc.wire._paths import _first_segment, encode_rollout_id, rollout_path_prefix, split_gym_prefixes
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
@@ -628,3 +628,47 @@ async def test_sessions_carry_our_trace_config_while_aiohttps_instrumentation_is
     finally:
         await plain.close()
         await traced.close()
+
+
+# --- probes ------------------------------------------------------------------------------------------------------
+
+
+async def test_a_probe_reports_exactly_what_it_got(http_server, silent_server: int) -> None:
+    """probe(): any HTTP answer is success with its status code and no detail; a refused connection says why,
+    with no HTTP status; a silent server is a timeout naming the deadline."""
+    answering, refused = await http_server(), closed_port()
+    async with new_probe_session() as session:
+        ok = await probe(session, "ok", f"http://{LOOPBACK}:{answering}", 5)
+        down = await probe(session, "down", f"http://{LOOPBACK}:{refused}", 5)
+        mute = await probe(session, "mute", f"http://{LOOPBACK}:{silent_server}", 0.2)
+    assert (ok.status, ok.http_status, ok.detail) == ("success", 200, "")
+    assert (down.status, down.http_status, down.detail) == (
+        "connection_error",
+        0,
+        f"[Errno 111] Connect call failed ('{LOOPBACK}', {refused})",
+    )
+    assert (mute.status, mute.http_status, mute.detail) == ("timeout", 0, "no answer within 0.2s")
+
+
+def test_probe_traceparents_are_unsampled_and_random() -> None:
+    """unsampled_traceparent: W3C version 00, a random 128-bit trace id and 64-bit span id, sampled flag off."""
+    seen = {unsampled_traceparent() for _ in range(200)}
+    assert len(seen) == 200
+    assert all(re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-00", header) for header in seen)
+    assert len({header[3:35] for header in seen}) == 200 and len({header[36:52] for header in seen}) == 200
+
+
+async def test_wait_for_change_is_true_on_a_change_and_false_after_its_timeout() -> None:
+    config = GlobalConfig.from_document(document({"a": server_entry(1001)}))
+    prober = StatusProber({})
+    revision = prober.revision
+    assert await prober.wait_for_change(revision, 0.05) is False
+
+    async def change_soon() -> None:
+        await asyncio.sleep(0.05)
+        await prober.set_servers(config.servers)
+
+    changing = asyncio.create_task(change_soon())
+    assert await prober.wait_for_change(revision, 30) is True
+    await changing
+    assert await prober.wait_for_change(revision, 0) is True  # already past it: no wait at all
