@@ -6,10 +6,12 @@ Each test names the mutant class it kills: a change to the code that left the re
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import random
 import re
 import socket
+import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -298,6 +300,10 @@ def test_a_missing_file_is_named_with_the_systems_reason(tmp_path: Path) -> None
         ("a: *nowhere\n", "y.yaml:1:4: invalid YAML: found undefined alias 'nowhere'"),
         ("a: 1\n---\nb: 2\n", "y.yaml:2:1: invalid YAML: but found another document"),
         (
+            "a: 1\nb: \x07\n",
+            "y.yaml:2: invalid YAML: unacceptable character #x0007: special characters are not allowed",
+        ),
+        (
             "a: !!python/object:os.system x\n",
             "y.yaml:1:4: invalid YAML: could not determine a constructor for the tag "
             "'tag:yaml.org,2002:python/object:os.system'",
@@ -308,6 +314,19 @@ def test_invalid_yaml_is_one_line_naming_line_column_and_problem(text: str, mess
     with pytest.raises(ConfigError) as caught:
         parse_config_text(text, "y.yaml")
     assert str(caught.value) == message
+
+
+def test_a_document_too_deep_for_pythons_stack_is_one_line() -> None:
+    """parse_config_text: an embedding program's small recursion limit gives one line, not a RecursionError."""
+    depth = len(inspect.stack(0))
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(depth + 60)
+    try:
+        with pytest.raises(ConfigError) as caught:
+            parse_config_text("a: " + "[" * 90 + "]" * 90 + "\n", "r.yaml")
+    finally:
+        sys.setrecursionlimit(limit)
+    assert str(caught.value) == "r.yaml: config nested too deeply to parse"
 
 
 def test_duplicate_keys_are_refused_after_merge_keys_too() -> None:
@@ -373,10 +392,11 @@ def test_a_server_whose_address_cannot_be_resolved_is_named_when_called() -> Non
         lenient=True,
     )
     config.raise_unusable("good")
-    with pytest.raises(ConfigError) as caught:
-        config.raise_unusable("bad")
-    assert str(caught.value).startswith("server 'bad' cannot be called: cannot resolve ")
-    assert "H18_UNSET_HOST" in str(caught.value)
+    for call in (config.raise_unusable, config.server):
+        with pytest.raises(ConfigError) as caught:
+            call("bad")
+        assert str(caught.value).startswith("server 'bad' cannot be called: cannot resolve ")
+        assert "H18_UNSET_HOST" in str(caught.value)
 
 
 # --- the head's token check --------------------------------------------------------------------------------------
