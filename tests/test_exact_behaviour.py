@@ -40,6 +40,7 @@ from gym_rpc.config import (
     BaseServerConfig,
     GlobalConfig,
     HeadTlsConfig,
+    ServerEntry,
     get_first_server_config_dict,
     load_config_file,
     parse_config_text,
@@ -692,3 +693,21 @@ async def test_wait_for_change_is_true_on_a_change_and_false_after_its_timeout()
     assert await prober.wait_for_change(revision, 30) is True
     await changing
     assert await prober.wait_for_change(revision, 0) is True  # already past it: no wait at all
+
+
+def test_a_server_entrys_repr_redacts_its_config_only() -> None:
+    """ServerEntry.__repr_args__: the config block is redacted; name, host and URL are shown as they are, even
+    when they look like a secret-named pair."""
+    entry = ServerEntry(
+        name="token=abc",
+        server_type="t",
+        impl_name="i",
+        host="h",
+        port=1,
+        url="http://h:1",
+        config={"api_key": "sk-1"},
+    )
+    assert repr(entry) == (
+        "ServerEntry(name='token=abc', server_type='t', impl_name='i', host='h', port=1, url='http://h:1', "
+        "config={'api_key': '<redacted>'})"
+    )
