@@ -480,16 +480,31 @@ def test_buf_breaking_reports_a_breaking_change(tmp_path: Path) -> None:
     assert "http_status" in result.stdout + result.stderr
 
 
-def test_readme_shows_the_client_the_test_runs() -> None:
-    client = (CLIENT_DIR / "client.ts").read_text().rstrip()
+@pytest.mark.parametrize(
+    ("fence", "program"),
+    [
+        ("ts", CLIENT_DIR / "client.ts"),
+        ("ts", PACKAGE_CONSUMER_DIR / "consumer.ts"),
+        ("go", GO_CLIENT_DIR / "main.go"),
+    ],
+    ids=["typescript-client", "npm-package-consumer", "go-client"],
+)
+def test_readme_shows_the_programs_the_tests_run(fence: str, program: Path) -> None:
+    text = program.read_text().rstrip()
     readme = (REPO_ROOT / "README.md").read_text()
-    assert f"```ts\n{client}\n```" in readme, "README's TypeScript example differs from interop/ts/client.ts"
+    assert f"```{fence}\n{text}\n```" in readme, f"README's copy of {program.relative_to(REPO_ROOT)} differs"
 
 
-def test_readme_shows_the_go_client_the_test_runs() -> None:
-    main = (GO_CLIENT_DIR / "main.go").read_text().rstrip()
-    readme = (REPO_ROOT / "README.md").read_text()
-    assert f"```go\n{main}\n```" in readme, "README's Go example differs from interop/go/main.go"
+def test_readme_installs_and_requires_the_stubs_at_the_contract_version() -> None:
+    """The README's npm install line and go.mod lines name the version `make stubs` packs, as interop/go does."""
+    readme = (REPO_ROOT / "README.md").read_text().splitlines()
+    version = package_stubs.contract_version()
+    npm_installs = [line for line in readme if line.startswith("npm install ./gym-rpc-control-plane-")]
+    assert npm_installs and all(f"-{version}.tgz " in line for line in npm_installs), npm_installs
+    go_mod = (GO_CLIENT_DIR / "go.mod").read_text()
+    for line in (f"require {GO_MODULE_PATH} v{version}", f"replace {GO_MODULE_PATH} => ../../stubs/go"):
+        assert line in readme, f"README lacks the go.mod line {line!r}"
+        assert line.split(None, 1)[1] in go_mod, f"interop/go/go.mod lacks {line!r}"
 
 
 def readme_python_client() -> str:
