@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,12 +16,10 @@ import yaml
 from gym_rpc._render import format_status_table, status_row
 from gym_rpc.client._channel import DEFAULT_TIMEOUT_SECONDS, default_head_address
 from gym_rpc.client._control import SyncControlClient
+from gym_rpc.client._watch import SyncStatusWatch
 from gym_rpc.config import GlobalConfig, default_config_text, load_config_file, parse_config_text, url_host
-from gym_rpc.errors import GymRpcError, HeadUnreachableError
-from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, ServerInstance, StatusReport
-
-WATCH_MAX_CONSECUTIVE_FAILURES = 30
-WATCH_RETRY_SECONDS = 1.0
+from gym_rpc.errors import ControlPlaneError, GymRpcError, HeadUnreachableError
+from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, ServerInstance
 
 
 def _add_head_flags(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_head_flags(status)
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.add_argument("--watch", action="store_true", help="redraw on every change until Ctrl-C")
+    status.add_argument(
+        "--max-wait",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --watch: give up once the head has been unreachable this long (default: retry until Ctrl-C)",
+    )
 
     config = commands.add_parser("config", help="print the global config (secrets redacted)")
     _add_head_flags(config)
@@ -199,9 +204,9 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     client = _client(args)
-    instances = {i.name: i for i in client.list_server_instances()}
+    instances = {i.name: i for i in client.list_server_instances()}  # an unreachable head fails here, at once
     if args.watch:
-        return _watch(client, instances, as_json=args.json)
+        return _watch(client, instances, as_json=args.json, max_wait=args.max_wait)
     snapshot = client.list_server_statuses()
     if args.json:
         print(json.dumps([status_row(r, instances.get(r.server_name)) for r in snapshot.reports], indent=2))
@@ -210,33 +215,28 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _watch(client: SyncControlClient, instances: dict[str, ServerInstance], *, as_json: bool) -> int:
-    """Redraw on every change; reconnect (resuming from the last revision) when the head goes away."""
-    reports: dict[str, StatusReport] = {}
-    revision = 0
-    failures = 0
-    while True:
-        try:
-            for event in client.watch_server_statuses(revision):
-                failures = 0
-                if event.kind == "snapshot":
-                    reports = {}
-                reports.update((r.server_name, r) for r in event.reports)
-                revision = event.revision
-                if event.kind == "heartbeat":
-                    continue
-                if as_json:
-                    rows = [status_row(r, instances.get(r.server_name)) for r in reports.values()]
-                    print(json.dumps({"revision": revision, "kind": event.kind, "servers": rows}), flush=True)
-                else:
-                    clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
-                    print(f"{clear}revision {revision}\n{format_status_table(list(reports.values()), instances)}")
-                    sys.stdout.flush()
-        except HeadUnreachableError as exc:
-            failures += 1
-            if failures >= WATCH_MAX_CONSECUTIVE_FAILURES:
-                raise
+def _watch(
+    client: SyncControlClient, instances: dict[str, ServerInstance], *, as_json: bool, max_wait: float | None
+) -> int:
+    """Redraw on every change; the watch itself reconnects and resumes when the head goes away."""
+
+    def retrying(error: ControlPlaneError, pause: float) -> None:
+        print(f"gym-rpc status: {error}; retrying in {pause:.1f}s", file=sys.stderr)
+
+    watch = SyncStatusWatch(client, max_wait_seconds=max_wait, on_retry=retrying)
+    for event in watch:
+        if event.kind == "heartbeat":
+            continue
+        if event.kind == "snapshot" and event.compacted:  # a restarted head: its instances may have changed too
+            with contextlib.suppress(HeadUnreachableError):  # gone again: the watch will say so and wait
+                instances = {i.name: i for i in client.list_server_instances()}
+        if as_json:
+            rows = [status_row(r, instances.get(r.server_name)) for r in watch.reports.values()]
+            print(json.dumps({"revision": watch.revision, "kind": event.kind, "servers": rows}), flush=True)
+        else:
+            clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
             print(
-                f"gym-rpc status: {exc}; retrying ({failures}/{WATCH_MAX_CONSECUTIVE_FAILURES})", file=sys.stderr
+                f"{clear}revision {watch.revision}\n{format_status_table(list(watch.reports.values()), instances)}"
             )
-            time.sleep(WATCH_RETRY_SECONDS)
+            sys.stdout.flush()
+    return 0

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import aiohttp
 import grpc
@@ -190,7 +190,7 @@ async def test_data_server_killed_mid_request_is_a_clear_error_never_a_hang(slow
 
 def watch_stream(client: ControlClient, **options: Any) -> AsyncGenerator[WatchEvent, None]:
     """The client's watch, typed as what it is (an async generator), so a test can close it."""
-    return cast(AsyncGenerator[WatchEvent, None], client.watch_server_statuses(**options))
+    return client.watch_server_statuses(**options)
 
 
 async def test_oversized_request_is_refused_and_the_head_keeps_serving(head_factory) -> None:

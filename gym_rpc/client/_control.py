@@ -6,7 +6,7 @@ and turns gRPC failures into gym_rpc errors that name the head's address and wha
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Generator
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
@@ -165,7 +165,7 @@ class SyncControlClient:
 
     def watch_server_statuses(
         self, start_revision: int = 0, *, heartbeat_seconds: float | None = None, timeout: float | None = None
-    ) -> Iterator[WatchEvent]:
+    ) -> Generator[WatchEvent, None, None]:
         """Stream events until the caller stops iterating (or `timeout`, when given, ends the stream)."""
         request = _watch_request(start_revision, heartbeat_seconds)
         stream = self._stub.WatchServerStatuses(request, timeout=timeout, metadata=self._metadata)
@@ -302,7 +302,7 @@ class ControlClient:
 
     async def watch_server_statuses(
         self, start_revision: int = 0, *, heartbeat_seconds: float | None = None, timeout: float | None = None
-    ) -> AsyncIterator[WatchEvent]:
+    ) -> AsyncGenerator[WatchEvent, None]:
         """Stream events until the caller stops iterating (or `timeout`, when given, ends the stream)."""
         request = _watch_request(start_revision, heartbeat_seconds)
         stream = self._stub.WatchServerStatuses(request, timeout=timeout, metadata=self._metadata)
