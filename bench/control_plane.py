@@ -4,8 +4,9 @@ cache) against the way NeMo Gym does it (HTTP + JSON with `requests`), both serv
 Like with like:
 * config fetch = the call that yields a usable config object: `ServerClient.load_from_global_config(head)` against
   `OmegaConf.create(json.loads(requests.get(head_url + "/global_config_dict_yaml").text))`.
-* status of one server = `ServerClient.poll_for_status(name)` (the head probes it now) against one `requests.get`
-  of the server (NeMo Gym's client probes it itself); plus the cached variant (`max_age`).
+* status of one server = `GetServerStatus(name, max_age=0)` (the head probes it now) against one `requests.get`
+  of the server (NeMo Gym's client probes it itself); plus the cached variant (`max_age`), which is what
+  `ServerClient.poll_for_status` gets within the head's freshness window.
 * status of N servers = one `ListServerStatuses` against N sequential `requests.get`, also with servers that
   accept connections and never answer (NeMo Gym's client waits out each one's timeout).
 """
@@ -159,11 +160,10 @@ def run(info: dict[str, object], plan: ControlPlan) -> list[Row]:
         )
     )
 
-    client = load()
     name, url = names[1], urls_a[1]
     ours, base = _compare(
         "GetServerStatus, fresh probe",
-        lambda: client.poll_for_status(name),
+        lambda: control_a.get_server_status(name, max_age_seconds=0),
         lambda: requests.get(url, timeout=5),
         plan.status_pairs,
     )

@@ -81,10 +81,11 @@ NOTES = """\
   reader), but builds it on first access. No OmegaConf flag skips the slow path (`readonly`, `allow_objects`
   measured: same cost), so laziness is the fix. A caller who does read `global_config_dict` pays the DictConfig
   build once, about what NeMo Gym pays on every fetch (the "first read" row): the win there is skipping YAML.
-- **One server's status.** `poll_for_status` asks the head, which probes the server now: two hops where NeMo
-  Gym's client makes one, so it is about as fast as a direct `requests.get`, not faster; a cached answer
-  (`max_age`) is faster. The large wins are for many servers (one call instead of N) and silent servers (the
-  prober's timeouts run concurrently in the background, never in the caller's path).
+- **One server's status.** A probe now (`max_age` 0) goes through the head: two hops where NeMo Gym's client
+  makes one, so it is about as fast as a direct `requests.get`, not faster; a cached answer (`max_age`, and
+  `poll_for_status` within the head's freshness window) is faster. The large wins are for many servers (one
+  call instead of N) and silent servers (the prober's timeouts run concurrently in the background, never in
+  the caller's path).
 - **Data plane.** On this two-core machine the client and the server share the CPU, so requests per second are
   bound by both; the ratio and the client CPU per request show what gym_rpc adds: a cached URL lookup, the
   rollout-prefix check, the pool choice and one more coroutine level (`post` -> `request` -> aiohttp; the first

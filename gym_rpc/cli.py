@@ -22,6 +22,17 @@ from gym_rpc.errors import ControlPlaneError, GymRpcError, HeadUnreachableError
 from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, ServerInstance
 
 
+def _non_negative_seconds(text: str) -> float:
+    """argparse type: a number of seconds >= 0 (NaN and negatives refused with a clear message)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
 def _add_head_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--head",
@@ -44,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--port", type=int, help="bind port, 0 for a free one (default: head_server.port)")
     head.add_argument("--probe-interval", type=float, default=2.0, help="seconds between status probe rounds")
     head.add_argument("--probe-timeout", type=float, default=1.0, help="seconds a background probe may take")
+    head.add_argument(
+        "--status-max-age",
+        type=_non_negative_seconds,
+        help="seconds a cached status answers a status call stating no max_age (default: half the interval)",
+    )
     head.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
     head.add_argument(
         "--http-port",
@@ -137,6 +153,7 @@ def cmd_head(args: argparse.Namespace) -> int:
         port=args.port,
         probe_interval_seconds=args.probe_interval,
         probe_timeout_seconds=args.probe_timeout,
+        status_max_age_seconds=args.status_max_age,
         reflection=not args.no_reflection,
         http_port=args.http_port,
     )

@@ -262,7 +262,10 @@ async def test_max_age_serves_the_cached_report(head_factory, http_server):
     assert from_cache.checked_at == pytest.approx(cached.checked_at, abs=1e-6)
     assert head.prober.report("live") is cached
 
-    fresh = await client.get_server_status("live")
+    within_window = await client.get_server_status("live")  # no bound: the head's window, half of 60 s
+    assert within_window.checked_at == pytest.approx(cached.checked_at, abs=1e-6)
+
+    fresh = await client.get_server_status("live", max_age_seconds=0)  # zero: a probe now
     assert fresh.status == "success"
     assert fresh.checked_at > cached.checked_at
     assert head.prober.report("live").checked_at == pytest.approx(fresh.checked_at, abs=1e-6)

@@ -208,8 +208,8 @@ async def test_poll_for_status_all_four(head_factory, http_server, silent_server
     assert (await asyncio.to_thread(poll, "head_server"))[0] == "success"
     status, elapsed = await asyncio.to_thread(poll, "silent", 1.0)
     assert status == "timeout"
-    assert elapsed > 0.5  # the probe waited for the silent server (the budget minus the head's margin) ...
-    assert elapsed < 1.0 + SLACK_SECONDS  # ... and the head answered TIMEOUT within the caller's 1 s budget
+    # Within the caller's 1 s budget; a background TIMEOUT inside the head's freshness window answers sooner.
+    assert elapsed < 1.0 + SLACK_SECONDS
     with pytest.raises(UnknownServerError, match="live"):
         await asyncio.to_thread(client.poll_for_status, "nope")
 

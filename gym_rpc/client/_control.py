@@ -40,6 +40,7 @@ class WatchEvent:
     revision: int
     reports: list[StatusReport]
     compacted: bool
+    config_version: str = ""  # the head's config version when sent; a change means: fetch the config again
 
 
 _EVENT_KINDS = {
@@ -55,6 +56,7 @@ def _watch_event(message: pb.WatchServerStatusesResponse) -> WatchEvent:
         revision=message.revision,
         reports=[convert.report_from_pb(r) for r in message.reports],
         compacted=message.compacted,
+        config_version=message.config_version,
     )
 
 
@@ -66,10 +68,17 @@ def _watch_request(start_revision: int, heartbeat_seconds: float | None) -> pb.W
 
 
 def _status_request(server_name: str, max_age_seconds: float | None) -> pb.GetServerStatusRequest:
+    """None leaves max_age unset (the head's default freshness window); 0 asks for a probe now."""
     request = pb.GetServerStatusRequest(server_name=server_name)
-    if max_age_seconds:
+    if max_age_seconds is not None:
+        if not max_age_seconds >= 0:  # NaN included
+            raise ValueError(f"max_age_seconds must be a number >= 0, got {max_age_seconds!r}")
         request.max_age.CopyFrom(convert.seconds_to_duration(max_age_seconds))
     return request
+
+
+def _changed_config(response: pb.GetGlobalConfigResponse) -> GlobalConfig | None:
+    return None if response.unchanged else convert.global_config_from_pb(response)
 
 
 # grpc.aio's AioRpcError is no grpc.Call, yet carries the same code, details and trailing metadata.
@@ -150,6 +159,13 @@ class SyncControlClient:
         request = pb.GetGlobalConfigRequest(include_secrets=include_secrets)
         response = self._call(self._stub.GetGlobalConfig, request, timeout)
         return convert.global_config_from_pb(response)
+
+    def get_global_config_if_changed(
+        self, known_version: str, *, include_secrets: bool = False, timeout: float | None = None
+    ) -> GlobalConfig | None:
+        """The global config when its version is not `known_version`; None (no document sent) when unchanged."""
+        request = pb.GetGlobalConfigRequest(include_secrets=include_secrets, known_version=known_version)
+        return _changed_config(self._call(self._stub.GetGlobalConfig, request, timeout))
 
     def get_server_status(
         self, server_name: str, *, max_age_seconds: float | None = None, timeout: float | None = None
@@ -287,6 +303,13 @@ class ControlClient:
         request = pb.GetGlobalConfigRequest(include_secrets=include_secrets)
         response = await self._call(self._stub.GetGlobalConfig, request, timeout)
         return convert.global_config_from_pb(response)
+
+    async def get_global_config_if_changed(
+        self, known_version: str, *, include_secrets: bool = False, timeout: float | None = None
+    ) -> GlobalConfig | None:
+        """The global config when its version is not `known_version`; None (no document sent) when unchanged."""
+        request = pb.GetGlobalConfigRequest(include_secrets=include_secrets, known_version=known_version)
+        return _changed_config(await self._call(self._stub.GetGlobalConfig, request, timeout))
 
     async def get_server_status(
         self, server_name: str, *, max_age_seconds: float | None = None, timeout: float | None = None

@@ -252,6 +252,7 @@ class BridgeHead:
             if config.version != self.config.version:
                 self.config = config
                 await self.registry.update_prober(self.prober, lambda: self.config.servers)
+                self.prober.set_config_version(config.version)
                 logger.info("config from %s: version %s", self.upstream_url, config.version)
             self.processes = snapshot.processes
             await self._set_problem(None)

@@ -57,6 +57,7 @@ class HeadOptions:
     shutdown_grace_seconds: float = 0.5
     http_port: int | None = None  # NeMo Gym's HTTP head; None: head_server.http_port (absent: none); 0: free port
     max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES  # more get RESOURCE_EXHAUSTED
+    status_max_age_seconds: float | None = None  # GetServerStatus freshness when unstated; None: half the interval
 
 
 class HeadServer:
@@ -78,6 +79,7 @@ class HeadServer:
             probe_timeout_seconds=options.probe_timeout_seconds,
             history_size=options.watch_history_size,
             on_change=self._follow_health,
+            default_max_age_seconds=options.status_max_age_seconds,
         )
         self.registry = InstanceRegistry()  # servers that registered (RegisterServerInstance)
         self._server: grpc.aio.Server | None = None
@@ -124,6 +126,7 @@ class HeadServer:
             await health_server.start()
             self._health_server = health_server
         self.config = self.config.with_head_server(self.host, self.port)
+        self.prober.set_config_version(self.config.version)
         await self._health.set("", _SERVING)
         await self._health.set(SERVICE_NAME, _SERVING)
         if http_port is not None:
@@ -160,6 +163,7 @@ class HeadServer:
                 return False
             self.config = config
             await self.registry.update_prober(self.prober, lambda: self.config.servers)
+            self.prober.set_config_version(config.version)
             logger.info("config reloaded from %s: version %s", self.config_path, config.version)
             return True
 

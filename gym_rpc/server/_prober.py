@@ -3,6 +3,11 @@ history.
 
 Borrowed from etcd and xDS: every status change bumps one rising revision, a bounded history of changes lets a
 watch resume from the last revision it saw, and a resume older than the history gets a fresh snapshot.
+
+Probes are single-flight (as Go's singleflight and Envoy's health checker merge them): every probe of a server,
+background or on demand, goes through one in-flight task per server that concurrent callers share, and a result
+younger than the freshness window is served from the cache. So a thousand pollers of one server cost that server
+at most one probe per window, not a thousand.
 """
 
 from __future__ import annotations
@@ -81,9 +86,19 @@ class StatusProber:
         probe_timeout_seconds: float = 1.0,
         history_size: int = 1024,
         on_change: ChangeListener | None = None,
+        default_max_age_seconds: float | None = None,
     ) -> None:
         self.interval_seconds = interval_seconds
         self.probe_timeout_seconds = probe_timeout_seconds
+        # How old a cached result may be when a caller states no freshness bound: half the interval by default,
+        # so the background round and on-demand probes together stay near one probe per window.
+        self.default_max_age_seconds = (
+            default_max_age_seconds if default_max_age_seconds is not None else interval_seconds / 2
+        )
+        self.config_version = ""  # the head's config version, sent on every watch message
+        self.probes_started = 0  # probes actually sent (a shared probe counts once)
+        self.probes_joined = 0  # callers that shared a probe already in flight instead of starting one
+        self._in_flight: dict[str, tuple[str, asyncio.Task[StatusReport]]] = {}  # name -> (url, probe task)
         # Start at the wall clock in milliseconds, so revisions keep rising across head restarts and a watch
         # resuming with a revision issued by an earlier head is never mistaken for one from this head's history.
         self.revision = time.time_ns() // 1_000_000
@@ -107,6 +122,11 @@ class StatusProber:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        for _, task in list(self._in_flight.values()):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._in_flight.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -127,6 +147,15 @@ class StatusProber:
                 self._reports[name] = StatusReport(server_name=name, status=None, url=entry.url)
                 self._record(self._reports[name])
                 await self._notify(self._reports[name], name)
+
+    def set_config_version(self, version: str) -> None:
+        """Follow the head's config version; a change bumps the revision so every watcher hears of it at once."""
+        if version == self.config_version:
+            return
+        first = not self.config_version
+        self.config_version = version
+        if not first:
+            self._bump()
 
     def reports(self) -> list[StatusReport]:
         """The latest report of every server, in config order."""
@@ -162,23 +191,76 @@ class StatusProber:
                 return self.revision > after_revision
         return True
 
+    def fresh_report(self, name: str, max_age_seconds: float) -> StatusReport | None:
+        """The cached result when it is a probe result no older than `max_age_seconds`, else None."""
+        cached = self._reports[name]
+        if (
+            max_age_seconds > 0
+            and cached.status is not None
+            and time.time() - cached.checked_at <= max_age_seconds
+        ):
+            return cached
+        return None
+
+    def waiting_on_probe(self, name: str) -> bool:
+        """Whether a probe of the server is in flight (callers asking now share it)."""
+        return name in self._in_flight
+
     async def probe_now(self, name: str, timeout: float) -> StatusReport:
-        """Probe one server at once (for GetServerStatus) and record the result."""
-        url = self._urls[name]
-        assert self._session is not None, "prober not started"
-        report = await probe(self._session, name, url, timeout)
-        await self._store(report)
-        return report
+        """The server's status from a probe started now or already in flight, recorded when it finishes.
+
+        The caller waits at most `timeout`: a shared probe that outlasts it answers this caller with TIMEOUT (not
+        recorded; the probe itself goes on for the callers that wait longer)."""
+        started = time.monotonic()
+        task = self._shared_probe(name, timeout)
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), max(timeout, 0.001))
+        except TimeoutError:
+            return StatusReport(
+                server_name=name,
+                status="timeout",
+                url=self._urls.get(name, ""),
+                latency_seconds=time.monotonic() - started,
+                checked_at=time.time(),
+                detail=f"no answer within {timeout:.3g}s",
+            )
 
     async def probe_all(self) -> None:
+        """One background round: every server whose cached result is older than the freshness window (a server
+        an on-demand probe just answered for is not asked again)."""
+        window = min(self.default_max_age_seconds, self.interval_seconds / 2)
+        tasks = [
+            self._shared_probe(name, self.probe_timeout_seconds)
+            for name in list(self._urls)
+            if self.fresh_report(name, window) is None
+        ]
+        if tasks:
+            await asyncio.gather(*(asyncio.shield(task) for task in tasks))
+
+    def _shared_probe(self, name: str, timeout: float) -> asyncio.Task[StatusReport]:
+        """The in-flight probe of `name` at its current URL, started with `timeout` when there is none."""
+        url = self._urls[name]
+        in_flight = self._in_flight.get(name)
+        if in_flight is not None and in_flight[0] == url and not in_flight[1].done():
+            self.probes_joined += 1
+            return in_flight[1]
         assert self._session is not None, "prober not started"
-        session = self._session
-        names = list(self._urls.items())
-        results = await asyncio.gather(
-            *(probe(session, name, url, self.probe_timeout_seconds) for name, url in names)
-        )
-        for report in results:
+        self.probes_started += 1
+        task = asyncio.create_task(self._probe_and_store(self._session, name, url, timeout))
+        self._in_flight[name] = (url, task)
+        return task
+
+    async def _probe_and_store(
+        self, session: aiohttp.ClientSession, name: str, url: str, timeout: float
+    ) -> StatusReport:
+        try:
+            report = await probe(session, name, url, timeout)
             await self._store(report)
+            return report
+        finally:
+            current = self._in_flight.get(name)
+            if current is not None and current[1] is asyncio.current_task():
+                del self._in_flight[name]
 
     async def _run(self) -> None:
         while True:

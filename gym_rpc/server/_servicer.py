@@ -64,6 +64,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         # no caller is authenticated, so everyone gets the redacted config.
         include_secrets = request.include_secrets and caller_is_authenticated()
         config = self._head.config
+        if request.known_version and request.known_version == config.version:
+            return pb.GetGlobalConfigResponse(version=config.version, unchanged=True)  # no document to send
         cached = self._config_responses.get(include_secrets)
         if cached is None or cached[0] != config.version:
             response = _config_response(config, include_secrets)
@@ -80,9 +82,14 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             return pb.GetServerStatusResponse(report=convert.report_to_pb(self._head_report()))
         await self._require_server(name, context)
         prober = self._head.prober
-        max_age = request.max_age.ToNanoseconds() / 1e9
-        cached = prober.report(name)
-        if max_age > 0 and cached.status is not None and time.time() - cached.checked_at <= max_age:
+        if request.HasField("max_age"):
+            max_age = request.max_age.ToNanoseconds() / 1e9
+            if max_age < 0:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_age must not be negative")
+        else:
+            max_age = prober.default_max_age_seconds
+        cached = prober.fresh_report(name, max_age)
+        if cached is not None:
             return pb.GetServerStatusResponse(report=convert.report_to_pb(cached))
         report = await prober.probe_now(name, self._probe_budget(context, prober.probe_timeout_seconds))
         return pb.GetServerStatusResponse(report=convert.report_to_pb(report))
@@ -119,26 +126,35 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         if request.HasField("heartbeat_interval"):
             heartbeat = max(MIN_HEARTBEAT_SECONDS, request.heartbeat_interval.ToNanoseconds() / 1e9)
         seen = request.start_revision
+        sent_config_version = ""
         if seen == 0 or seen > prober.revision:  # a revision from the future was issued by another head
             # Taken before the yield: the prober may record changes while the snapshot is being sent, and those
             # must follow it rather than be skipped.
             snapshot_revision = prober.revision
-            yield _snapshot(snapshot_revision, prober.reports(), compacted=seen != 0)
+            sent_config_version = prober.config_version
+            yield _snapshot(
+                snapshot_revision, prober.reports(), compacted=seen != 0, config_version=sent_config_version
+            )
             seen = snapshot_revision
         while True:
             changes = prober.changes_since(seen)
+            config_version = prober.config_version
             if changes.compacted:
-                yield _snapshot(changes.revision, changes.reports, compacted=True)
-            elif changes.reports:
+                yield _snapshot(changes.revision, changes.reports, compacted=True, config_version=config_version)
+            elif changes.reports or (config_version != sent_config_version and changes.revision > seen):
                 yield pb.WatchServerStatusesResponse(
                     type=pb.WATCH_EVENT_TYPE_CHANGE,
                     revision=changes.revision,
                     reports=[convert.report_to_pb(r) for r in changes.reports],
+                    config_version=config_version,
                 )
+            sent_config_version = config_version
             seen = changes.revision
             if not await prober.wait_for_change(seen, heartbeat):
                 # The revision this stream has delivered: a resume from it misses nothing.
-                yield pb.WatchServerStatusesResponse(type=pb.WATCH_EVENT_TYPE_HEARTBEAT, revision=seen)
+                yield pb.WatchServerStatusesResponse(
+                    type=pb.WATCH_EVENT_TYPE_HEARTBEAT, revision=seen, config_version=prober.config_version
+                )
 
     async def ListServerInstances(
         self, request: pb.ListServerInstancesRequest, context: Context
@@ -258,10 +274,13 @@ def _config_response(config: GlobalConfig, include_secrets: bool) -> pb.GetGloba
     return convert.global_config_to_pb(config, include_secrets=True)
 
 
-def _snapshot(revision: int, reports: list[StatusReport], *, compacted: bool) -> pb.WatchServerStatusesResponse:
+def _snapshot(
+    revision: int, reports: list[StatusReport], *, compacted: bool, config_version: str
+) -> pb.WatchServerStatusesResponse:
     return pb.WatchServerStatusesResponse(
         type=pb.WATCH_EVENT_TYPE_SNAPSHOT,
         revision=revision,
         reports=[convert.report_to_pb(r) for r in reports],
         compacted=compacted,
+        config_version=config_version,
     )

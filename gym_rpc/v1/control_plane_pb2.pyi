@@ -204,16 +204,23 @@ class GetGlobalConfigRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     INCLUDE_SECRETS_FIELD_NUMBER: _builtins.int
+    KNOWN_VERSION_FIELD_NUMBER: _builtins.int
     include_secrets: _builtins.bool
     """Ask for secret-looking values unredacted; honoured only for authenticated callers."""
+    known_version: _builtins.str
+    """The config version the caller already has (GetGlobalConfigResponse.version). When it is the head's current
+    version the answer carries only `version` and `unchanged`, no document: a cheap "has the config changed?".
+    Empty asks for the whole config.
+    """
     def __init__(
         self,
         *,
         include_secrets: _builtins.bool = ...,
+        known_version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_secrets", b"include_secrets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_secrets", b"include_secrets", "known_version", b"known_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -231,6 +238,7 @@ class GetGlobalConfigResponse(_message.Message):
     CHECKPOINT_ENABLED_FIELD_NUMBER: _builtins.int
     OBSERVABILITY_ENABLED_FIELD_NUMBER: _builtins.int
     CONFIG_JSON_FIELD_NUMBER: _builtins.int
+    UNCHANGED_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """Changes whenever the config's content changes (a digest of the document)."""
     checkpoint_enabled: _builtins.bool
@@ -239,6 +247,8 @@ class GetGlobalConfigResponse(_message.Message):
     """Whether `observability_enabled` is set: rollout prefixes on data-plane calls."""
     config_json: _builtins.str
     """The whole document as exact JSON (ints stay ints, order and unicode kept)."""
+    unchanged: _builtins.bool
+    """True when the request's `known_version` is the current version: every field but `version` is then empty."""
     @_builtins.property
     def head_server(self) -> Global___HeadServer:
         """The head server's own address."""
@@ -256,10 +266,11 @@ class GetGlobalConfigResponse(_message.Message):
         checkpoint_enabled: _builtins.bool = ...,
         observability_enabled: _builtins.bool = ...,
         config_json: _builtins.str = ...,
+        unchanged: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["head_server", b"head_server"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_enabled", b"checkpoint_enabled", "config_json", b"config_json", "head_server", b"head_server", "observability_enabled", b"observability_enabled", "servers", b"servers", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_enabled", b"checkpoint_enabled", "config_json", b"config_json", "head_server", b"head_server", "observability_enabled", b"observability_enabled", "servers", b"servers", "unchanged", b"unchanged", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -327,7 +338,10 @@ class GetServerStatusRequest(_message.Message):
     """Server name as in the global config; the head's own name ("head_server") answers from the head itself."""
     @_builtins.property
     def max_age(self) -> _duration_pb2.Duration:
-        """Accept a cached result no older than this; unset or zero makes the head probe now."""
+        """Freshness bound: accept a cached result no older than this. Unset uses the head's default window (half its
+        probe interval unless configured otherwise); zero asks for a probe now. Either way concurrent requests for one
+        server share a single in-flight probe, so P pollers cost at most one probe of the server per window.
+        """
 
     def __init__(
         self,
@@ -452,12 +466,18 @@ class WatchServerStatusesResponse(_message.Message):
     REVISION_FIELD_NUMBER: _builtins.int
     REPORTS_FIELD_NUMBER: _builtins.int
     COMPACTED_FIELD_NUMBER: _builtins.int
+    CONFIG_VERSION_FIELD_NUMBER: _builtins.int
     type: Global___WatchEventType.ValueType
     """What this message carries."""
     revision: _builtins.int
     """Revision after this message: rises by one on every change, across all servers."""
     compacted: _builtins.bool
     """Set on a SNAPSHOT sent because the requested start_revision is older than the head's history."""
+    config_version: _builtins.str
+    """The head's global config version (GetGlobalConfigResponse.version) when this message was sent, on every
+    message. A config change (reload) bumps the revision and sends a CHANGE, with no reports when no status
+    changed, so a watcher learns of it at once and fetches the config with GetGlobalConfig(known_version).
+    """
     @_builtins.property
     def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServerStatusReport]:
         """All reports (SNAPSHOT) or the changed ones (CHANGE); empty for HEARTBEAT."""
@@ -469,10 +489,11 @@ class WatchServerStatusesResponse(_message.Message):
         revision: _builtins.int = ...,
         reports: _abc.Iterable[Global___ServerStatusReport] | None = ...,
         compacted: _builtins.bool = ...,
+        config_version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compacted", b"compacted", "reports", b"reports", "revision", b"revision", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compacted", b"compacted", "config_version", b"config_version", "reports", b"reports", "revision", b"revision", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
