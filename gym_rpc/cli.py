@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--watch", action="store_true", help="redraw on every change until Ctrl-C")
     status.add_argument(
         "--max-wait",
-        type=float,
+        type=_non_negative_seconds,
         default=None,
         metavar="SECONDS",
         help="with --watch: give up once the head has been unreachable this long (default: retry until Ctrl-C)",
