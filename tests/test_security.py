@@ -229,7 +229,7 @@ async def test_typed_client_error_names_the_problem_not_the_token(head_factory) 
     for security in (ClientSecurity(), authed("wrong-" + TOKEN)):
         with pytest.raises(ControlPlaneError) as caught:
             await ControlClient(head.address, security=security).list_server_statuses()
-        assert caught.value.code == "UNAUTHENTICATED"
+        assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
         assert head.address in str(caught.value) and TOKEN_ENV_VAR in str(caught.value)
         assert TOKEN not in str(caught.value)
 

@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+import grpc
 import pytest
 
 from gym_rpc.client._control import ControlClient, SyncControlClient, WatchEvent
@@ -24,7 +25,7 @@ class Retries:
     """Records what the watch reported before each reconnect."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, float]] = []
+        self.calls: list[tuple[grpc.StatusCode, float]] = []
 
     def __call__(self, error: ControlPlaneError, pause: float) -> None:
         self.calls.append((error.code, pause))
@@ -57,7 +58,7 @@ async def test_resumes_across_a_head_restart_on_the_same_port(head_factory, http
     assert event.revision > first.revision
     assert set(watch.reports) == {"up"}
     assert retries.calls, "the watch reconnected without reporting the outage"
-    assert {code for code, _ in retries.calls} <= {"UNAVAILABLE"}
+    assert {code for code, _ in retries.calls} <= {grpc.StatusCode.UNAVAILABLE}
     await events.aclose()  # type: ignore[attr-defined]
 
 
@@ -73,7 +74,7 @@ async def test_waits_out_resource_exhausted(head_factory) -> None:
     while not retries.calls:  # bounded by the test's own timeout below
         await asyncio.wait_for(asyncio.shield(asyncio.sleep(0.05)), WAIT_SECONDS)
     assert not waiting.done()
-    assert retries.calls[0][0] == "RESOURCE_EXHAUSTED"
+    assert retries.calls[0][0] == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     await holder.aclose()  # the slot comes free: the waiting watch gets in
     assert (await waiting).kind == "snapshot"
@@ -102,7 +103,7 @@ async def test_an_error_not_worth_waiting_out_is_raised_at_once(head_factory) ->
     with pytest.raises(ControlPlaneError, match="UNAUTHENTICATED") as caught:
         async for _ in watch:
             pass
-    assert caught.value.code == "UNAUTHENTICATED"
+    assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
     assert retries.calls == []
 
 
@@ -113,7 +114,7 @@ def test_sync_watch_gives_up_after_max_wait() -> None:
     with pytest.raises(HeadUnreachableError, match=address):
         for _ in watch:
             pass
-    assert retries.calls and {code for code, _ in retries.calls} == {"UNAVAILABLE"}
+    assert retries.calls and {code for code, _ in retries.calls} == {grpc.StatusCode.UNAVAILABLE}
 
 
 async def test_sync_watch_reads_the_view_from_a_head(head_factory, http_server) -> None:

@@ -19,7 +19,7 @@ import grpc
 
 from gym_rpc.client._control import ControlClient, SyncControlClient, WatchEvent
 from gym_rpc.client._http import RetryPolicy
-from gym_rpc.errors import ControlPlaneError
+from gym_rpc.errors import ControlPlaneError, HeadUnreachableError
 from gym_rpc.wire import StatusReport
 
 # Reconnects start quickly (a head restart takes about a second) and settle at one try every 5 s.
@@ -29,10 +29,6 @@ WATCH_RETRY_POLICY = RetryPolicy(initial_backoff_seconds=0.2, max_backoff_second
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 RetryCallback = Callable[[ControlPlaneError, float], None]
-
-
-class StreamEndedError(ControlPlaneError):
-    """The head ended a status watch without an error (it shut down gracefully); the watch reconnects."""
 
 
 Client = TypeVar("Client", SyncControlClient, ControlClient)
@@ -71,16 +67,16 @@ class _Watch(Generic[Client]):
         self.revision = event.revision
         return event
 
-    def _ended(self) -> StreamEndedError:
+    def _ended(self) -> HeadUnreachableError:
+        """A stream the head ended without an error (it shut down gracefully): as good as gone."""
         address = self._client.address
-        return StreamEndedError(
-            f"head server at {address} ended the status watch", address=address, code="UNAVAILABLE"
-        )
+        message = f"head server at {address} ended the status watch"
+        return HeadUnreachableError(message, address=address, code=grpc.StatusCode.UNAVAILABLE)
 
     def _pause_after(self, error: ControlPlaneError) -> float:
         """Seconds to wait before reconnecting; raises `error` when it is not worth waiting out or the outage
         has lasted `max_wait_seconds`."""
-        if grpc.StatusCode[error.code] not in RETRYABLE_CODES:
+        if error.code not in RETRYABLE_CODES:
             raise error
         now = time.monotonic()
         if self._outage_started is None:

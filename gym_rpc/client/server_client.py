@@ -42,7 +42,14 @@ from gym_rpc.config import (
     parse_config_text,
     parse_host_port,
 )
-from gym_rpc.errors import ConfigError, ControlPlaneError, GymRpcError, HeadUnreachableError, UnknownServerError
+from gym_rpc.errors import (
+    ConfigError,
+    ControlPlaneError,
+    GymRpcError,
+    HeadTimeoutError,
+    HeadUnreachableError,
+    UnknownServerError,
+)
 from gym_rpc.telemetry import TRACING, setup_tracing
 from gym_rpc.wire import (
     HEAD_ADDRESS_ENV_VAR,
@@ -423,6 +430,8 @@ class ServerClient(BaseModel):
             return control.head_status()
         try:
             report = control.get_server_status(server_name)
+        except HeadTimeoutError:  # the head is there but answered too late: as NeMo Gym's client says then
+            return "timeout"
         except HeadUnreachableError:
             return "connection_error"
         except ControlPlaneError as exc:

@@ -15,14 +15,15 @@ from typing import Any, Protocol
 import grpc
 
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url, is_wildcard_host
-from gym_rpc.errors import ConfigError, UnknownServerError
+from gym_rpc.errors import ConfigError
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import InstanceRegistry, advertised_host, is_valid_host
 from gym_rpc.server._security import DEFAULT_MAX_CONCURRENT_WATCHES, caller_is_authenticated
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
-from gym_rpc.wire import KNOWN_SERVERS_METADATA_KEY, StatusReport
+from gym_rpc.wire import StatusReport
 from gym_rpc.wire import _convert as convert
+from gym_rpc.wire._errors import unknown_server_status
 
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 MIN_HEARTBEAT_SECONDS = 0.05
@@ -222,12 +223,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
     async def _require_server(self, name: str, context: Context) -> None:
         servers = self._head.config.servers
         if name not in servers:
-            known = [*servers, HEAD_SERVER_KEY]
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                str(UnknownServerError(name, known)),
-                ((KNOWN_SERVERS_METADATA_KEY, ",".join(known)),),
-            )
+            status = unknown_server_status(name, [*servers, HEAD_SERVER_KEY])
+            await context.abort(status.code, status.details, status.trailing_metadata)
 
     def _head_report(self) -> StatusReport:
         head = self._head.config.head_server

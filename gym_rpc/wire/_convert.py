@@ -15,7 +15,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from gym_rpc.config import HEAD_SERVER_KEY, BaseServerConfig, GlobalConfig, ServerEntry, base_url, redact_secrets
 from gym_rpc.v1 import control_plane_pb2 as pb
-from gym_rpc.wire._status import ServerStatus, StatusReport
+from gym_rpc.wire._status import ServerStatus, StatusReport, StatusSnapshot, WatchEvent
 
 _STATUS_TO_PB: dict[ServerStatus | None, pb.ServerStatus.ValueType] = {
     None: pb.SERVER_STATUS_UNSPECIFIED,
@@ -217,3 +217,61 @@ def registration_from_pb(
         advertised_host=advertised_host,
         registered_at=registered_at,
     )
+
+
+# --- responses, as the control clients return them (one converter per row of gym_rpc.client._control's table) ---
+
+
+def head_config_from_pb(response: pb.GetHeadServerConfigResponse) -> BaseServerConfig:
+    return head_server_from_pb(response.head_server)
+
+
+def changed_config_from_pb(response: pb.GetGlobalConfigResponse) -> GlobalConfig | None:
+    """None when the head answered "unchanged" (no document sent)."""
+    return None if response.unchanged else global_config_from_pb(response)
+
+
+def status_response_from_pb(response: pb.GetServerStatusResponse) -> StatusReport:
+    return report_from_pb(response.report)
+
+
+def snapshot_from_pb(response: pb.ListServerStatusesResponse) -> StatusSnapshot:
+    return StatusSnapshot(response.revision, [report_from_pb(r) for r in response.reports])
+
+
+_EVENT_KINDS = {
+    pb.WATCH_EVENT_TYPE_SNAPSHOT: "snapshot",
+    pb.WATCH_EVENT_TYPE_CHANGE: "change",
+    pb.WATCH_EVENT_TYPE_HEARTBEAT: "heartbeat",
+}
+
+
+def watch_event_from_pb(message: pb.WatchServerStatusesResponse) -> WatchEvent:
+    return WatchEvent(
+        kind=_EVENT_KINDS.get(message.type, "unknown"),
+        revision=message.revision,
+        reports=[report_from_pb(r) for r in message.reports],
+        compacted=message.compacted,
+        config_version=message.config_version,
+    )
+
+
+def instances_from_pb(response: pb.ListServerInstancesResponse) -> list[ServerInstance]:
+    return [instance_from_pb(i) for i in response.instances]
+
+
+def header_from_pb(response: pb.GetAssistantMessageHeaderResponse) -> bytes | None:
+    return response.header if response.HasField("header") else None
+
+
+def reload_from_pb(response: pb.ReloadGlobalConfigResponse) -> tuple[str, bool]:
+    """(the config version now, whether the reload changed it)."""
+    return response.version, response.changed
+
+
+def advertised_url_from_pb(response: pb.RegisterServerInstanceResponse) -> str:
+    return response.advertised_url
+
+
+def deregistered_from_pb(response: pb.DeregisterServerInstanceResponse) -> bool:
+    return response.deregistered

@@ -20,3 +20,22 @@ class StatusReport:
     checked_at: float = 0.0  # epoch seconds; 0 when never checked
     detail: str = ""
     http_status: int = 0
+
+
+@dataclass(frozen=True)
+class StatusSnapshot:
+    """Every server's latest report, current as of `revision`."""
+
+    revision: int
+    reports: list[StatusReport]
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One message of a status watch: kind is "snapshot", "change" or "heartbeat"."""
+
+    kind: str
+    revision: int
+    reports: list[StatusReport]
+    compacted: bool
+    config_version: str = ""  # the head's config version when sent; a change means: fetch the config again
