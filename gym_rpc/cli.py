@@ -7,9 +7,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import yaml
 
@@ -41,20 +43,20 @@ def _add_head_flags(parser: argparse.ArgumentParser) -> None:
         help=f"head server address (default: ${HEAD_ADDRESS_ENV_VAR}, else 127.0.0.1:11000)",
     )
     parser.add_argument(
-        "--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS, help="deadline of each call in seconds"
+        "--timeout", type=_seconds, default=DEFAULT_TIMEOUT_SECONDS, help="deadline of each call in seconds"
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gym-rpc", description=__doc__)
+    parser = _Parser(prog="gym-rpc", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     head = commands.add_parser("head", help="run a head server (the gRPC control plane)")
     head.add_argument("--config", type=Path, help="global config YAML (default: the embedded example config)")
     head.add_argument("--host", help="bind host (default: head_server.host of the config)")
-    head.add_argument("--port", type=int, help="bind port, 0 for a free one (default: head_server.port)")
-    head.add_argument("--probe-interval", type=float, default=2.0, help="seconds between status probe rounds")
-    head.add_argument("--probe-timeout", type=float, default=1.0, help="seconds a background probe may take")
+    head.add_argument("--port", type=_port, help="bind port, 0 for a free one (default: head_server.port)")
+    head.add_argument("--probe-interval", type=_seconds, default=2.0, help="seconds between status probe rounds")
+    head.add_argument("--probe-timeout", type=_seconds, default=1.0, help="seconds a background probe may take")
     head.add_argument(
         "--status-max-age",
         type=_non_negative_seconds,
@@ -63,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
     head.add_argument(
         "--http-port",
-        type=int,
+        type=_port,
         help="also serve NeMo Gym's HTTP head on this port, 0 for a free one (default: head_server.http_port)",
     )
     head.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -74,11 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--listen", metavar="HOST:PORT", default="127.0.0.1:11000", help="gRPC address, port 0 for a free one"
     )
     bridge.add_argument(
-        "--refresh-interval", type=float, default=1.0, help="seconds between fetches from the upstream"
+        "--refresh-interval", type=_seconds, default=1.0, help="seconds between fetches from the upstream"
     )
-    bridge.add_argument("--fetch-timeout", type=float, default=2.0, help="seconds one upstream request may take")
-    bridge.add_argument("--probe-interval", type=float, default=2.0, help="seconds between status probe rounds")
-    bridge.add_argument("--probe-timeout", type=float, default=1.0, help="seconds a background probe may take")
+    bridge.add_argument(
+        "--fetch-timeout", type=_seconds, default=2.0, help="seconds one upstream request may take"
+    )
+    bridge.add_argument("--probe-interval", type=_seconds, default=2.0, help="seconds between status probe rounds")
+    bridge.add_argument("--probe-timeout", type=_seconds, default=1.0, help="seconds a background probe may take")
     bridge.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
     bridge.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
@@ -109,6 +113,35 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rollouts", type=_positive_int, default=300, help="how many rollouts to run")
     demo.add_argument("--concurrency", type=_positive_int, default=32, help="rollouts in flight at once")
     return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage mistake reported as one line (argparse prints the whole usage text first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _port(text: str) -> int:
+    """A port to bind, 0 for a free one: 70000 would silently bind 70000 - 65536."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, not {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535 (0 picks a free port), not {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds: 0 spins a core, nan and inf never end."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, not {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -11,6 +11,7 @@ import hashlib
 import importlib
 import ipaddress
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,6 +41,11 @@ SECRET_KEY_MARKERS = (
     "credential",
     "credentials",
     "private_key",
+    "passwd",
+    "passphrase",
+    "auth",
+    "jwt",
+    "access_key",
 )
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
 
@@ -51,7 +57,7 @@ class BaseServerConfig(BaseModel):
     model_config = ConfigDict(extra="allow", hide_input_in_errors=True)
 
     host: str
-    port: int
+    port: int = Field(ge=0, le=65535)  # 0: a free port (the head's own); wrapping past 65535 would bind another
 
     def __repr_args__(self) -> Any:
         """repr() and str() show extras such as auth_token redacted (ServerClient's repr nests this model)."""
@@ -85,13 +91,27 @@ class HeadSecurityConfig(BaseModel):
     health_port: int | None = Field(default=None, ge=0, lt=65536)  # 0: a free port
 
 
+def validation_error_line(error: ValidationError, block: str) -> str:
+    """One line a person reads for a pydantic error: `block.key: what is wrong` (pydantic's own text spans
+    several lines and ends in a documentation URL), plus how many other problems there are."""
+    problems = error.errors(include_url=False, include_input=False)
+    if not problems:
+        return f"{block}: invalid"
+    first = problems[0]
+    where = ".".join([block, *(str(part) for part in first["loc"])])
+    more = (
+        f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
+    )
+    return f"{where}: {first['msg']}{more}"
+
+
 def head_security_config(head_server: Mapping[str, Any] | BaseServerConfig) -> HeadSecurityConfig:
     """Validate the security keys of a head_server block (a mapping or a BaseServerConfig with extras)."""
     block = head_server.model_dump() if isinstance(head_server, BaseServerConfig) else dict(head_server)
     try:
         return HeadSecurityConfig.model_validate(block)
     except ValidationError as exc:
-        raise ConfigError(f"{HEAD_SERVER_KEY}: {exc}") from exc
+        raise ConfigError(validation_error_line(exc, HEAD_SERVER_KEY)) from None
 
 
 def configured_token(value: str | None) -> str | None:
@@ -122,6 +142,11 @@ class ServerEntry(BaseModel):
     port: int
     url: str
     config: dict[str, Any]
+
+    def __repr_args__(self) -> Any:
+        """repr() shows the entry's config redacted: entries land in logs and tracebacks with their API keys."""
+        for key, value in super().__repr_args__():
+            yield key, redact_secrets(value) if key == "config" else value
 
 
 def is_wildcard_host(host: str) -> bool:
@@ -160,6 +185,20 @@ def parse_host_port(text: str, what: str) -> tuple[str, int]:
     return host, port
 
 
+def checked_port(value: int | None, what: str) -> int | None:
+    """A port to bind (0: a free one); anything outside 0..65535 is refused rather than wrapped by the OS."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535):
+        raise ConfigError(f"{what} must be in 0..65535 (0 picks a free port), not {value!r}")
+    return value
+
+
+def checked_seconds(value: float, what: str) -> float:
+    """A positive, finite duration: 0 would spin a core in a loop that waits it, nan and inf never end one."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{what} must be a positive number of seconds, not {value!r}")
+    return float(value)
+
+
 def base_url(host: str, port: int) -> str:
     """The http:// base URL of a server bound at host:port."""
     return f"http://{url_host(connectable_host(host))}:{port}"
@@ -182,7 +221,25 @@ def redact_secrets(value: Any) -> Any:
         }
     if isinstance(value, list):
         return [redact_secrets(v) for v in value]
+    if isinstance(value, str):
+        return redact_secret_text(value)
     return value
+
+
+# `scheme://USERINFO@host`: greedy up to the last "@" before the path, since passwords may hold an unescaped "@".
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]*@")
+# `NAME=value` inside text: `env: ["OPENAI_API_KEY=sk-..."]`, a query string, a `--api-key=...` flag.
+_ASSIGNMENT = re.compile(r"(?<![A-Za-z0-9_-])(?P<name>[A-Za-z0-9_-]+)=(?P<value>[^\s&;,]+)")
+
+
+def redact_secret_text(text: str) -> str:
+    """`text` with URL userinfo (`postgres://user:PW@db`) and the values of secret-named `NAME=value` pairs
+    replaced: secrets hide inside strings under ordinary keys (a DSN, a command line, an `env:` list)."""
+    if "@" in text:
+        text = _URL_USERINFO.sub(rf"\g<scheme>{REDACTED}@", text)
+    if "=" in text:
+        text = _ASSIGNMENT.sub(lambda m: f"{m['name']}={REDACTED}" if is_secret_key(m["name"]) else m[0], text)
+    return text
 
 
 def _may_be_secret(value: Any) -> bool:
@@ -229,6 +286,35 @@ def _server_entry(name: str, node: Any) -> ServerEntry | None:
     )
 
 
+def _malformed_server(name: str, node: Any) -> str | None:
+    """Why a top-level key that looks like a server entry (`{type: {impl: {...}}}`) is not one, or None.
+
+    Such a key is no server and no global setting: a typo (a missing host, a second impl) that would otherwise
+    make the server vanish without a word.
+    """
+    if name == HEAD_SERVER_KEY or not isinstance(node, Mapping) or _server_entry(name, node) is not None:
+        return None
+    typed = {str(t): impls for t, impls in node.items() if _looks_like_impls(impls)}
+    if not typed:
+        return None
+    if len(node) > 1:
+        return f"it has {len(node)} server types ({', '.join(map(str, node))}); one server name holds one type"
+    server_type, impls = next(iter(typed.items()))
+    if len(impls) > 1:
+        return (
+            f"{server_type} has {len(impls)} implementations ({', '.join(map(str, impls))}); "
+            f"one server name holds one"
+        )
+    impl_name, entry = next(iter(impls.items()))
+    missing = [key for key in ("host", "port") if key not in entry]
+    return f"{server_type}.{impl_name} has no {' and no '.join(missing)}"
+
+
+def _looks_like_impls(value: Any) -> bool:
+    """`{impl_name: {...}}` with at least one mapping entry: the shape under a server type."""
+    return isinstance(value, Mapping) and bool(value) and any(isinstance(v, Mapping) for v in value.values())
+
+
 def _enabled(value: Any) -> bool:
     """`checkpoint: {enabled: true}` or a bare boolean."""
     if isinstance(value, Mapping):
@@ -247,6 +333,9 @@ class GlobalConfig:
     observability_enabled: bool
     config_json: str = field(repr=False)
     version: str
+    # Top-level keys shaped like a server entry but not one (name -> why): warned about at start, and a reload
+    # that would turn a served server into one is refused.
+    malformed_servers: dict[str, str] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_document(cls, document: Mapping[str, Any]) -> GlobalConfig:
@@ -256,10 +345,11 @@ class GlobalConfig:
             raise ConfigError("head_server must be a mapping with host and port")
         try:
             head_server = BaseServerConfig.model_validate(dict(head))
-        except ValueError as exc:
-            raise ConfigError(f"head_server: {exc}") from exc
+        except ValidationError as exc:
+            raise ConfigError(validation_error_line(exc, HEAD_SERVER_KEY)) from None
         head_security_config(head_server)  # a malformed tls block fails at load, not at the first connection
         servers = {name: entry for name, node in doc.items() if (entry := _server_entry(name, node)) is not None}
+        malformed = {name: reason for name, node in doc.items() if (reason := _malformed_server(name, node))}
         try:
             config_json = json.dumps(doc, ensure_ascii=False)
         except (TypeError, ValueError) as exc:
@@ -272,6 +362,7 @@ class GlobalConfig:
             observability_enabled=bool(doc.get("observability_enabled", False)),
             config_json=config_json,
             version=hashlib.sha256(config_json.encode()).hexdigest()[:16],
+            malformed_servers=malformed,
         )
 
     def with_head_server(self, host: str, port: int) -> GlobalConfig:
@@ -342,6 +433,8 @@ def _resolved(document: Mapping[str, Any]) -> dict[str, Any]:
         text = json.dumps(document, default=str)
     except (TypeError, ValueError) as exc:  # a self-referencing YAML anchor, a key JSON cannot carry
         raise ConfigError(f"config is not representable as JSON: {exc}") from exc
+    except RecursionError:  # a document built in code, nested past Python's recursion limit
+        raise ConfigError(f"config nested more than {MAX_CONFIG_DEPTH} levels deep") from None
     if "${" not in text:
         return dict(document)
     from omegaconf import OmegaConf  # only documents with interpolations pay for OmegaConf
@@ -354,15 +447,93 @@ def _resolved(document: Mapping[str, Any]) -> dict[str, Any]:
     return {str(k): v for k, v in resolved.items()}
 
 
+# Bounds on a config document, far above any real one (a config of 1,000 servers is ~200 KiB, ~20,000 values,
+# nested ~6 deep) and far below what hangs or exhausts the head: YAML aliases let 550 bytes expand to a billion
+# values ("billion laughs"), and deep nesting overflows the parser's recursion.
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+MAX_CONFIG_DEPTH = 100
+MAX_CONFIG_VALUES = 1_000_000  # counted with every alias expanded, as JSON or a DictConfig would expand them
+
+
+class _BoundedYamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with the bounds above checked while composing, and duplicate keys refused (YAML
+    silently keeps the last one, so a second `policy_model:` would replace the first without a word)."""
+
+    def __init__(self, text: str, source: str) -> None:
+        super().__init__(text)
+        self._source = source
+        self._open_sizes: list[int] = [0]  # values composed so far under each node being composed
+        self._sizes: dict[int, int] = {}  # id(anchored node) -> its expanded size
+
+    def _refuse(self, problem: str, mark: Any) -> ConfigError:
+        where = f"{self._source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else self._source
+        return ConfigError(f"{where}: {problem}")
+
+    def _count(self, size: int, mark: Any) -> None:
+        self._open_sizes[-1] += size
+        if sum(self._open_sizes) > MAX_CONFIG_VALUES:
+            raise self._refuse(
+                f"refusing a config of more than {MAX_CONFIG_VALUES:,} values (with its YAML aliases expanded)",
+                mark,
+            )
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()  # type: ignore[no-untyped-call]
+            anchored = self.anchors.get(event.anchor)
+            if anchored is not None:
+                size = self._sizes.get(id(anchored))
+                if size is None:  # the alias points into the node that is still being composed
+                    raise self._refuse(f"the alias *{event.anchor} refers to itself", event.start_mark)
+                self._count(size, event.start_mark)
+            return super().compose_node(parent, index)  # an unknown anchor: PyYAML's own error
+        mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
+        if len(self._open_sizes) > MAX_CONFIG_DEPTH:
+            raise self._refuse(f"refusing a config nested more than {MAX_CONFIG_DEPTH} levels deep", mark)
+        self._open_sizes.append(0)
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            size = 1 + self._open_sizes.pop()
+        self._sizes[id(node)] = size
+        self._count(size, mark)
+        return node
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key = (key_node.tag, key_node.value)
+                if key in seen:
+                    raise self._refuse(f"duplicate key {key_node.value!r}", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def parse_config_text(text: str, source: str = "<config>") -> dict[str, Any]:
-    """Parse YAML (or JSON, a subset) into a document; errors name the source and the line."""
+    """Parse YAML (or JSON, a subset) into a document; errors name the source and the line.
+
+    Bounded: a document larger, deeper or (aliases expanded) bigger than the MAX_CONFIG_* limits is refused with
+    a ConfigError in time linear in its text, never expanded.
+    """
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{source}: refusing a config larger than {MAX_CONFIG_BYTES // (1024 * 1024)} MiB")
+    loader = None
     try:
-        document = yaml.safe_load(text)
+        loader = _BoundedYamlLoader(text, source)  # its reader already refuses control characters
+        document = loader.get_single_data()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(f"{where}: invalid YAML: {problem}") from exc
+    except RecursionError:  # a small recursion limit set by the embedding program; MAX_CONFIG_DEPTH is the rule
+        raise ConfigError(f"{source}: config nested too deeply to parse") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
     if document is None:
         return {}
     if not isinstance(document, dict):
@@ -371,12 +542,23 @@ def parse_config_text(text: str, source: str = "<config>") -> dict[str, Any]:
 
 
 def load_config_file(path: str | Path) -> GlobalConfig:
-    """Read and validate a YAML config file."""
+    """Read and validate a YAML config file; every problem is one ConfigError line naming the file."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)  # never more: a huge (or endless, /dev/zero) file is refused
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: refusing a config larger than {MAX_CONFIG_BYTES // (1024 * 1024)} MiB")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+            f"save the file as UTF-8"
+        ) from None
     try:
         return GlobalConfig.from_document(parse_config_text(text, str(path)))
     except ConfigError as exc:

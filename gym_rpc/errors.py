@@ -66,6 +66,25 @@ class ServerUnreachableError(GymRpcError, ConnectionError):
         )
 
 
+class RequestTimeoutError(GymRpcError, TimeoutError):
+    """A data-plane call got no answer within its deadline (a TimeoutError, as aiohttp's own is)."""
+
+    def __init__(
+        self, server_name: str, method: str, url: str, total_seconds: float | None, connect_seconds: float | None
+    ) -> None:
+        self.server_name = server_name
+        self.url = url
+        limits = [
+            f"total {total_seconds:g} s" if total_seconds else "",
+            f"connect {connect_seconds:g} s" if connect_seconds else "",
+        ]
+        super().__init__(
+            f"{method} {url} (server {server_name!r}) got no answer within its deadline "
+            f"({', '.join(x for x in limits if x) or 'none set'}); raise http_client.total_timeout_seconds "
+            f"or pass timeout=aiohttp.ClientTimeout(total=...) for slower calls"
+        )
+
+
 class InvalidRolloutIdError(GymRpcError, ValueError):
     """A rollout id that cannot stand as one URL path segment."""
 

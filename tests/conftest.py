@@ -124,6 +124,26 @@ async def silent_server() -> AsyncIterator[int]:
 
 
 @pytest.fixture
+async def malformed_server() -> AsyncIterator[int]:
+    """Answers every request with a line that is not an HTTP status line: the probe can only say unknown_error."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            writer.write(b"NOT-HTTP nonsense\r\n\r\n")
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(answer, LOOPBACK, 0)
+    yield int(server.sockets[0].getsockname()[1])
+    server.close()
+    await server.wait_closed()
+
+
+@pytest.fixture
 async def head_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[HeadServer]]]:
     """Factory: start a HeadServer serving `doc` (written to a file, so reload works) on a free port."""
     heads: list[HeadServer] = []
@@ -148,3 +168,35 @@ def _close_sync_channels() -> Any:
     yield
     with contextlib.suppress(Exception):
         close_sync_channels()
+
+
+class LoopStallDetector:
+    """Measures the longest time the running event loop went without running a 5 ms ticker.
+
+    A blocking call made on the loop (a control call to a head this same loop serves, say) shows up as a stall as
+    long as the call's own deadline, far above anything scheduling noise causes.
+    """
+
+    def __init__(self) -> None:
+        self.longest_stall = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.005)
+            now = loop.time()
+            self.longest_stall = max(self.longest_stall, now - last)
+            last = now
+
+    async def __aenter__(self) -> LoopStallDetector:
+        self._task = asyncio.create_task(self._tick())
+        await asyncio.sleep(0)  # the ticker runs from here on
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from gym_rpc.client._channel import aio_channel, close_aio_channels
 from gym_rpc.client._control import ControlClient
 from gym_rpc.client.server_client import ServerClient
-from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, BaseServerConfig, redact_secrets
+from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, BaseServerConfig
 from gym_rpc.errors import HeadUnreachableError
 from gym_rpc.server._bridge import BridgeHead, BridgeOptions
 from tests.cli_helpers import STARTUP_SECONDS, run_cli, running_cli
@@ -160,9 +160,17 @@ def upstream_document(model_port: int, agent_port: int, **global_keys: Any) -> d
 
 
 def as_served_by(bridge: BridgeHead, doc: dict[str, Any]) -> dict[str, Any]:
-    """The document the bridge serves for an upstream `doc`: head_server is the bridge, secrets are redacted."""
-    served: dict[str, Any] = redact_secrets({**doc, HEAD_SERVER_KEY: {"host": LOOPBACK, "port": bridge.port}})
-    return served
+    """The document the bridge serves for an upstream `doc`, written out: head_server is the bridge, and the one
+    secret (policy_model's api_key) is redacted."""
+    policy = doc["policy_model"]["responses_api_models"]["responses_api_models_impl"]
+    assert policy["api_key"] == "sk-live-123"
+    return {
+        **doc,
+        HEAD_SERVER_KEY: {"host": LOOPBACK, "port": bridge.port},
+        "policy_model": {
+            "responses_api_models": {"responses_api_models_impl": {**policy, "api_key": "<redacted>"}}
+        },
+    }
 
 
 async def eventually(probe: Callable[[], Awaitable[T]], accept: Callable[[T], bool], timeout: float = 8.0) -> T:

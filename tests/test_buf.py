@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,6 @@ from typing import Any
 import pytest
 import yaml
 
-from gym_rpc.config import redact_secrets
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import SERVICE_NAME
 from tests.cli_helpers import LOOPBACK, HeadProcess, running_head
@@ -70,13 +70,18 @@ def test_buf_curl_get_global_config_by_reflection(head: HeadProcess, config_doc:
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
     port = int(head.address.rsplit(":", 1)[1])
-    assert answer["version"]
+    assert re.fullmatch(r"[0-9a-f]{16}", answer["version"]), answer["version"]
     assert answer["headServer"] == {"host": LOOPBACK, "port": port}
     assert [server["name"] for server in answer["servers"]] == ["model", "tools"]
     assert answer["servers"][1]["serverType"] == "resources_servers"
     assert answer["checkpointEnabled"] is True
     assert answer["observabilityEnabled"] is True
-    expected = redact_secrets({**config_doc, "head_server": {"host": LOOPBACK, "port": port}})
+    model_port = config_doc["model"]["responses_api_models"]["responses_api_models_impl"]["port"]
+    expected = {
+        **config_doc,
+        "head_server": {"host": LOOPBACK, "port": port},
+        "model": server_entry(model_port, api_key="<redacted>", limits={"max": 3, "names": ["ä", "b"]}),
+    }
     assert json.loads(answer["configJson"]) == expected
     assert "sk-hidden" not in result.stdout
 
@@ -99,4 +104,5 @@ def test_reflection_can_be_turned_off() -> None:
     with running_head(None, "--no-reflection") as quiet:
         result = buf_curl(quiet.address, "--list-services")
     assert result.returncode != 0
-    assert result.stdout.strip() == ""
+    assert result.stdout == ""
+    assert result.stderr == "Failure: unimplemented: Method not found!\n"  # the reflection service is absent

@@ -22,7 +22,6 @@ from gym_rpc.config import (
     DEFAULT_HEAD_PORT,
     GlobalConfig,
     default_config_text,
-    redact_secrets,
 )
 from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR
 from tests.cli_helpers import (
@@ -104,9 +103,14 @@ def mixed_head(tmp_path_factory: pytest.TempPathFactory, mixed_doc: dict[str, An
 
 
 def expected_served_document(doc: dict[str, Any], head: HeadProcess) -> dict[str, Any]:
-    """What `gym-rpc config` shows: the document with the bound head port and secrets redacted."""
-    served: dict[str, Any] = redact_secrets({**doc, "head_server": {"host": LOOPBACK, "port": head_port(head)}})
-    return served
+    """What `gym-rpc config` shows, written out: the bound head port, and `live`'s api_key (the one secret)
+    redacted."""
+    live_port = doc["live"]["responses_api_models"]["responses_api_models_impl"]["port"]
+    return {
+        **doc,
+        "head_server": {"host": LOOPBACK, "port": head_port(head)},
+        "live": server_entry(live_port, api_key="<redacted>", note="héllo ✓", sizes=[1, 2, {"deep": [3]}]),
+    }
 
 
 def test_status_table_lists_every_server(mixed_head: HeadProcess) -> None:
@@ -129,7 +133,7 @@ def test_status_table_lists_every_server(mixed_head: HeadProcess) -> None:
         assert re.fullmatch(r"\d+\.\ds ago", cells[5]), cells
 
 
-def test_status_json_has_a_row_per_server(mixed_head: HeadProcess) -> None:
+def test_status_json_has_a_row_per_server(mixed_head: HeadProcess, mixed_doc: dict[str, Any]) -> None:
     result = run_cli(["status", "--head", mixed_head.address, "--json"])
     assert result.returncode == 0, result.stderr
     rows = {row["name"]: row for row in json.loads(result.stdout)}
@@ -139,7 +143,8 @@ def test_status_json_has_a_row_per_server(mixed_head: HeadProcess) -> None:
         "gone": "connection_error",
     }
     assert rows["gone"]["type"] == "responses_api_agents"
-    assert rows["gone"]["detail"]
+    gone_port = mixed_doc["gone"]["responses_api_agents"]["responses_api_agents_impl"]["port"]
+    assert rows["gone"]["detail"] == f"[Errno 111] Connect call failed ('127.0.0.1', {gone_port})"
     for row in rows.values():
         assert row["url"].startswith(f"http://{LOOPBACK}:")
         assert isinstance(row["latency_ms"], float)
@@ -197,7 +202,35 @@ def test_head_without_config_serves_the_embedded_default() -> None:
         status = run_cli(["status", "--head", head.address, "--json"])
     assert result.returncode == 0, result.stderr
     embedded = yaml.safe_load(default_config_text())
-    expected = redact_secrets({**embedded, "head_server": {**embedded["head_server"], "port": head_port(head)}})
+    expected = {
+        "head_server": {"host": "127.0.0.1", "port": head_port(head)},
+        "policy_model": {
+            "responses_api_models": {
+                "openai_model": {
+                    "host": "127.0.0.1",
+                    "port": 8000,
+                    "entrypoint": "app.py",
+                    "api_key": "<redacted>",
+                }
+            }
+        },
+        "example_resources": {
+            "resources_servers": {"example_tools": {"host": "127.0.0.1", "port": 8200, "entrypoint": "app.py"}}
+        },
+        "simple_agent": {
+            "responses_api_agents": {
+                "simple_agent": {
+                    "host": "127.0.0.1",
+                    "port": 8100,
+                    "entrypoint": "app.py",
+                    "model_server": {"type": "responses_api_models", "name": "policy_model"},
+                    "resources_server": {"type": "resources_servers", "name": "example_resources"},
+                }
+            }
+        },
+        "checkpoint": {"enabled": False},
+        "observability_enabled": True,
+    }
     assert json.loads(result.stdout) == expected
     assert status.returncode == 0, status.stderr
     assert {row["name"] for row in json.loads(status.stdout)} == set(GlobalConfig.from_document(embedded).servers)

@@ -24,7 +24,7 @@ from gym_rpc.errors import ControlPlaneError, UnknownServerError
 from gym_rpc.server._head import HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
-from gym_rpc.wire import StatusReport
+from gym_rpc.wire import SERVER_STATUSES, StatusReport
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 # --- helpers ---------------------------------------------------------------------------------------------------
@@ -84,7 +84,7 @@ def rich_document(port: int) -> dict[str, Any]:
         max_tokens=512,
         tokenizer="Qwen/Qwen3-8B",
         api_key=SECRETS[0],
-        auth={"token": SECRETS[1], "password": SECRETS[2], "client_secret": SECRETS[3], "user": "gym"},
+        database={"token": SECRETS[1], "password": SECRETS[2], "client_secret": SECRETS[3], "user": "gym"},
     )
 
 
@@ -93,7 +93,7 @@ def expected_served(doc: dict[str, Any], head: HeadServer) -> dict[str, Any]:
     served: dict[str, Any] = json.loads(json.dumps(doc))
     served["head_server"] = {"host": LOOPBACK, "port": head.port}
     served["api_key"] = REDACTED
-    served["auth"].update(token=REDACTED, password=REDACTED, client_secret=REDACTED)
+    served["database"].update(token=REDACTED, password=REDACTED, client_secret=REDACTED)
     served["policy_model"]["responses_api_models"]["responses_api_models_impl"]["openai_api_key"] = REDACTED
     return served
 
@@ -134,7 +134,12 @@ async def test_secrets_are_redacted_everywhere(head_factory, http_server):
 
     served = json.loads(response.config_json)
     assert served["api_key"] == REDACTED
-    assert served["auth"] == {"token": REDACTED, "password": REDACTED, "client_secret": REDACTED, "user": "gym"}
+    assert served["database"] == {
+        "token": REDACTED,
+        "password": REDACTED,
+        "client_secret": REDACTED,
+        "user": "gym",
+    }
     (entry,) = response.servers
     entry_config = json.loads(entry.config_json)
     assert entry_config["openai_api_key"] == REDACTED
@@ -205,14 +210,14 @@ async def test_reload_adds_and_removes_servers(head_factory, http_server):
     rewrite_config(
         head, document({"first": server_entry(live), "second": server_entry(live, "resources_servers")})
     )
-    assert (await client.reload_global_config())[1]
+    assert (await client.reload_global_config())[1] is True
     await wait_until_probed(head)
     statuses = {r.server_name: r.status for r in (await client.list_server_statuses()).reports}
     assert statuses == {"first": "success", "second": "success"}
     assert "second" in (await client.get_global_config()).servers
 
     rewrite_config(head, document({"second": server_entry(live, "resources_servers")}))
-    assert (await client.reload_global_config())[1]
+    assert (await client.reload_global_config())[1] is True
     assert [r.server_name for r in (await client.list_server_statuses()).reports] == ["second"]
     with pytest.raises(UnknownServerError):
         await client.get_server_status("first")
@@ -221,7 +226,7 @@ async def test_reload_adds_and_removes_servers(head_factory, http_server):
 # --- statuses --------------------------------------------------------------------------------------------------
 
 
-async def test_every_status_value_is_reached(head_factory, http_server, silent_server):
+async def test_every_status_value_is_reached(head_factory, http_server, silent_server, malformed_server):
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", answer_500)
     doc = document(
@@ -230,6 +235,7 @@ async def test_every_status_value_is_reached(head_factory, http_server, silent_s
             "failing": server_entry(await http_server(app), "resources_servers"),
             "closed": server_entry(closed_port(), "resources_servers"),
             "silent": server_entry(silent_server, "responses_api_agents"),
+            "malformed": server_entry(malformed_server, "resources_servers"),
         }
     )
     head = await head_factory(doc)
@@ -241,7 +247,15 @@ async def test_every_status_value_is_reached(head_factory, http_server, silent_s
     failing = await client.get_server_status("failing")
     assert (failing.status, failing.http_status) == ("success", 500)  # any HTTP answer is success
     closed = await client.get_server_status("closed")
-    assert closed.status == "connection_error" and closed.detail
+    closed_port_number = doc["closed"]["resources_servers"]["resources_servers_impl"]["port"]
+    assert (closed.status, closed.detail) == (
+        "connection_error",
+        f"[Errno 111] Connect call failed ('127.0.0.1', {closed_port_number})",
+    )
+    malformed = await client.get_server_status("malformed")
+    assert (malformed.status, malformed.http_status) == ("unknown_error", 0)
+    assert malformed.detail.startswith('ClientResponseError: 400, message="Bad status line'), malformed.detail
+    assert "NOT-HTTP nonsense" in malformed.detail  # what the server sent, for the operator
     own = await client.get_server_status("head_server")
     assert (own.status, own.url) == ("success", f"http://{LOOPBACK}:{head.port}")
 
@@ -249,6 +263,8 @@ async def test_every_status_value_is_reached(head_factory, http_server, silent_s
     # DEADLINE_EXCEEDED instead of returning a report (no wall-clock bound needed, none to flake).
     silent = await client.get_server_status("silent", timeout=1.0)
     assert silent.status == "timeout"
+    reached = {report.status for report in (live, failing, closed, malformed, silent)}
+    assert reached == set(SERVER_STATUSES) == {"success", "connection_error", "timeout", "unknown_error"}
 
     report = await asyncio.to_thread(SyncControlClient(head.address).get_server_status, "closed")
     assert report.status == "connection_error"

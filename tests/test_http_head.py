@@ -16,7 +16,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from gym_rpc.client._control import SyncControlClient
-from gym_rpc.config import REDACTED, redact_secrets
+from gym_rpc.config import REDACTED
 from gym_rpc.errors import GymRpcError
 from gym_rpc.server._head import HeadServer
 from tests.cli_helpers import STARTUP_SECONDS, running_cli
@@ -39,6 +39,20 @@ def nemo_gym_load_config(base: str) -> dict[str, Any]:
 def http_base(head: HeadServer) -> str:
     assert head.http_port is not None, "the head serves no HTTP endpoints"
     return f"http://{LOOPBACK}:{head.http_port}"
+
+
+def served_document(doc: dict[str, Any], head_server: dict[str, Any]) -> dict[str, Any]:
+    """What the head serves for a `secret_document`, written out: its head_server, policy_model's api_key (the
+    one secret) redacted, max_tokens kept."""
+    policy = doc["policy_model"]["responses_api_models"]["responses_api_models_impl"]
+    assert (policy["api_key"], policy["max_tokens"]) == ("sk-live-123", 64)
+    return {
+        **doc,
+        "head_server": head_server,
+        "policy_model": {
+            "responses_api_models": {"responses_api_models_impl": {**policy, "api_key": "<redacted>"}}
+        },
+    }
 
 
 def secret_document(model_port: int, agent_port: int) -> dict[str, Any]:
@@ -77,7 +91,7 @@ async def test_nemo_gym_client_gets_the_same_document_as_grpc_with_secrets_redac
     loaded = await asyncio.to_thread(nemo_gym_load_config, base)
     over_grpc = await asyncio.to_thread(lambda: SyncControlClient(head.address).get_global_config().document)
 
-    assert loaded == over_grpc == redact_secrets(head.config.document)
+    assert loaded == over_grpc == served_document(head.config.document, {"host": LOOPBACK, "port": head.port})
     entry = loaded["policy_model"]["responses_api_models"]["responses_api_models_impl"]
     assert entry["api_key"] == REDACTED
     assert entry["max_tokens"] == 64  # an ordinary setting is not mistaken for a secret
@@ -96,7 +110,7 @@ async def test_config_body_is_a_json_string_literal_of_yaml_like_fastapi_answers
     assert response.text.startswith('"') and response.text.endswith('"')
     text = json.loads(response.text)
     assert isinstance(text, str)
-    assert yaml.safe_load(text) == redact_secrets(head.config.document)
+    assert yaml.safe_load(text) == served_document(head.config.document, {"host": LOOPBACK, "port": head.port})
     assert "sk-live-123" not in response.text
 
 
@@ -172,4 +186,4 @@ def test_cli_head_http_port_prints_the_address_and_serves_nemo_gym_clients(tmp_p
         assert head.wait(timeout=10) == 0
 
     assert loaded["head_server"]["port"] == int(grpc_address.rsplit(":", 1)[1])
-    assert loaded == redact_secrets({**doc, "head_server": loaded["head_server"]})
+    assert loaded == served_document(doc, {"host": LOOPBACK, "port": int(grpc_address.rsplit(":", 1)[1])})

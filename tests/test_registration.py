@@ -21,7 +21,7 @@ from aiohttp import web
 
 from gym_rpc.client._control import ControlClient, SyncControlClient
 from gym_rpc.client._http import close_http_sessions
-from gym_rpc.client.server_client import ServerClient
+from gym_rpc.client.server_client import ADVERTISED_LOOKUP_TIMEOUT_SECONDS, ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.errors import ControlPlaneError, UnknownServerError
 from gym_rpc.integrations._registration import (
@@ -33,7 +33,7 @@ from gym_rpc.integrations._registration import (
 )
 from gym_rpc.server._head import HeadServer
 from gym_rpc.server._registry import advertised_host, is_valid_host, peer_host
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.conftest import LOOPBACK, LoopStallDetector, closed_port, document, server_entry
 
 TOKEN = "registration-token"
 
@@ -237,7 +237,7 @@ async def test_registration_survives_a_reload(head_factory, http_server) -> None
 # --- ServerClient ----------------------------------------------------------------------------------------------
 
 
-async def test_server_client_dials_the_registered_address(head_factory, http_server) -> None:
+async def test_server_client_dials_the_registered_address(head_factory, http_server, caplog) -> None:
     policy_port, tools_port = await http_server(), await http_server()
     head = await head_factory(wildcard_doc(policy=closed_port(), tools=closed_port(), idle=closed_port()))
     control = ControlClient(head.address)
@@ -253,16 +253,18 @@ async def test_server_client_dials_the_registered_address(head_factory, http_ser
             "policy": f"http://127.0.0.1:{policy_port}",
             "tools": f"http://127.0.0.1:{tools_port}",
         }
-        await head.stop()  # asked once: later lookups need no head
-        started = time.monotonic()
-        assert client._resolve_base_url("tools") == f"http://127.0.0.1:{tools_port}"
-        assert client._resolve_base_url("idle") == f"http://127.0.0.1:{head.config.servers['idle'].port}"
-        assert time.monotonic() - started < 0.1
+        await head.stop()  # asked once: later lookups within the retry interval need no head
+        with caplog.at_level(logging.WARNING, logger="gym_rpc.client.server_client"):
+            assert client._resolve_base_url("tools") == f"http://127.0.0.1:{tools_port}"
+            assert client._resolve_base_url("idle") == f"http://127.0.0.1:{head.config.servers['idle'].port}"
+        assert "cannot ask the head" not in caplog.text  # a lookup would have found the head gone, and warned
     finally:
         await close_http_sessions()
 
 
-async def test_a_server_registering_after_the_first_lookup_is_found_later(head_factory, http_server, monkeypatch):
+async def test_a_server_registering_after_the_first_lookup_is_found_later(
+    head_factory, http_server, monkeypatch, caplog
+):
     """The loopback stand-in of an unregistered wildcard server is not cached: once the retry interval passes,
     the client asks the head again and dials the registered address from then on."""
     import gym_rpc.client.server_client as server_client_module
@@ -275,8 +277,40 @@ async def test_a_server_registering_after_the_first_lookup_is_found_later(head_f
     await ControlClient(head.address).register_server_instance("policy", listen_port=port)
     assert await client._aresolve_base_url("policy") == loopback  # within the retry interval: not asked again
     monkeypatch.setattr(server_client_module, "ADVERTISED_RETRY_SECONDS", 0.0)
-    assert await client._aresolve_base_url("policy") == f"http://127.0.0.1:{port}"
+    with caplog.at_level(logging.WARNING, logger="gym_rpc.client.server_client"):
+        assert await client._aresolve_base_url("policy") == f"http://127.0.0.1:{port}"
     assert client._server_base_urls["policy"] == f"http://127.0.0.1:{port}"  # found: cached for good
+    # The lookup falls due again at once (retry interval 0): a second, blocking lookup made on this loop, which
+    # serves the head, could only time out and warn. None was made.
+    assert "cannot ask the head" not in caplog.text
+
+
+async def test_no_lookup_blocks_the_event_loop_that_serves_the_head(
+    head_factory, http_server, monkeypatch, caplog
+):
+    """Wildcard-bound servers looked up from the loop, with every lookup always due: the head's answers arrive
+    (it is served by this very loop, so a control call made on the loop could only time out) and the loop never
+    stalls for anything near a lookup's deadline."""
+    import gym_rpc.client.server_client as server_client_module
+
+    policy_port = await http_server()
+    head = await head_factory(wildcard_doc(policy=closed_port(), idle=closed_port()))
+    await ControlClient(head.address).register_server_instance("policy", listen_port=policy_port)
+    client = await asyncio.to_thread(ServerClient.load_from_global_config, head_config(head))
+    monkeypatch.setattr(server_client_module, "ADVERTISED_RETRY_SECONDS", 0.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="gym_rpc.client.server_client"):
+            async with LoopStallDetector() as loop_watch:
+                for _ in range(3):
+                    response = await asyncio.wait_for(client.post("policy", "/v1/responses", json={}), 10)
+                    assert response.status == 200
+                    response.release()
+                    idle = await asyncio.wait_for(client._aresolve_base_url("idle"), 10)  # unregistered: asks
+                    assert idle == f"http://127.0.0.1:{head.config.servers['idle'].port}"
+    finally:
+        await close_http_sessions()
+    assert "cannot ask the head" not in caplog.text  # every lookup was answered
+    assert loop_watch.longest_stall < ADVERTISED_LOOKUP_TIMEOUT_SECONDS / 2, loop_watch.longest_stall
 
 
 async def test_server_client_falls_back_to_loopback_when_the_head_cannot_say(caplog) -> None:
@@ -414,7 +448,10 @@ async def test_asgi_lifespan_registers_and_deregisters(head_factory, speaks_life
 
     async def aregister() -> bool:
         states.append("register")
-        return await original_register()
+        registered = await original_register()
+        found = head.registry.get("policy")  # the head itself holds the registration: register() reached it
+        states.append(found.advertised_url if found is not None else "not at the head")
+        return registered
 
     async def aderegister() -> bool:
         states.append("deregister")
@@ -423,7 +460,7 @@ async def test_asgi_lifespan_registers_and_deregisters(head_factory, speaks_life
     helper.aregister, helper.aderegister = aregister, aderegister  # type: ignore[method-assign]
     sent = await drive_lifespan(app)
     assert sent == ["lifespan.startup.complete", "<running>", "lifespan.shutdown.complete"]
-    assert states == ["register", "deregister"]
+    assert states == ["register", "http://127.0.0.1:8123", "deregister"]
     assert head.registry.get("policy") is None
     if isinstance(inner, LifespanApp):
         assert inner.events == ["app started", "app stopping"]  # registered after startup, gone before shutdown

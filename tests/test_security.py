@@ -269,7 +269,8 @@ def test_reprs_never_show_the_token_or_keys(monkeypatch, pki: Pki) -> None:
         "client_key_file": str(pki.client_key),
     }
     security = client_security({"host": LOOPBACK, "port": 1, "tls": client_tls, "auth_token": TOKEN})
-    assert security.tls is not None and security.tls.private_key
+    assert security.tls is not None
+    assert security.tls.private_key == pki.client_key.read_bytes()  # read from the file, kept out of the repr
     key_text = security.tls.private_key.decode()
     monkeypatch.setenv("NEMO_GYM_CONFIG_DICT", json.dumps(doc))
     injected = ServerClient.load_from_global_config()
@@ -439,8 +440,9 @@ async def test_garbage_on_the_tls_port_leaves_the_head_serving(head_factory, pki
         held.append((reader, writer))
     client = ControlClient(head.address, security=_tls_client(pki), timeout_seconds=FAST)
     assert (await client.list_server_statuses()).reports == []
-    for reader, _ in held[1:3]:  # not TLS at all: the head hangs up
-        assert await asyncio.wait_for(reader.read(), 5.0) is not None
+    for reader, _ in held[1:3]:  # not TLS at all: the head hangs up (read() returns only at end of stream)
+        await asyncio.wait_for(reader.read(), 5.0)
+        assert reader.at_eof()
     for _, writer in held:
         writer.close()
     assert (await client.get_head_server_config()).port == head.port

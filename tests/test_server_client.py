@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 import uuid
@@ -17,6 +18,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from gym_rpc.client import server_client
+from gym_rpc.client._control import ControlClient
 from gym_rpc.client._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient, get_server_url
 from gym_rpc.config import BaseServerConfig
@@ -55,21 +57,46 @@ def head_config(port: int) -> BaseServerConfig:
 
 
 @pytest.mark.parametrize("dump", [yaml.safe_dump, json.dumps], ids=["yaml", "json"])
-def test_injected_config_needs_no_head(monkeypatch: pytest.MonkeyPatch, dump: Any) -> None:
-    dead_head = closed_port()  # any attempt to reach the head would fail (after gRPC's retries)
-    doc = {
-        "head_server": {"host": LOOPBACK, "port": dead_head},
-        "policy": server_entry(8000, host="0.0.0.0"),
-        "checkpoint": {"enabled": True},
-    }
-    monkeypatch.setenv(CONFIG_ENV, dump(doc))
-    started = time.monotonic()
+async def test_injected_config_never_asks_the_head(monkeypatch: pytest.MonkeyPatch, dump: Any) -> None:
+    """SECURITY.md: processes launched with NEMO_GYM_CONFIG_DICT never ask the head, not even about a
+    wildcard-bound server (dialled on loopback). The head's port is a listening socket nobody accepts on: any
+    attempt to ask the head would leave a connection in its backlog."""
+    with socket.create_server((LOOPBACK, 0)) as head_listener:
+        head_listener.setblocking(False)
+        head_port = int(head_listener.getsockname()[1])
+        doc = {
+            "head_server": {"host": LOOPBACK, "port": head_port},
+            "policy": server_entry(8000, host="0.0.0.0"),
+            "checkpoint": {"enabled": True},
+        }
+        monkeypatch.setenv(CONFIG_ENV, dump(doc))
+        client = ServerClient.load_from_global_config()
+        assert client.head_server_config.port == head_port
+        assert OmegaConf.to_container(client.global_config_dict) == doc
+        assert client._resolve_base_url("policy") == "http://127.0.0.1:8000"
+        assert await client._aresolve_base_url("policy") == "http://127.0.0.1:8000"
+        assert get_server_url("policy") == "http://127.0.0.1:8000"
+        assert client.checkpoint_enabled() is True
+        with pytest.raises(BlockingIOError):
+            head_listener.accept()  # nothing ever connected to the head
+
+
+async def test_an_injected_client_asks_the_head_only_when_told(monkeypatch: pytest.MonkeyPatch, head_factory):
+    """lookup_registered_servers() is the explicit lookup: then, and only then, the registered address is used."""
+    head = await head_factory(document({"policy": server_entry(closed_port(), host="0.0.0.0")}))
+    config_port = head.config.servers["policy"].port
+    registered_port = closed_port()
+    await ControlClient(head.address).register_server_instance("policy", listen_port=registered_port)
+    monkeypatch.setenv(
+        CONFIG_ENV, json.dumps({**head.config.document, "head_server": {"host": LOOPBACK, "port": head.port}})
+    )
     client = ServerClient.load_from_global_config()
-    assert time.monotonic() - started < 0.5
-    assert client.head_server_config.port == dead_head
-    assert OmegaConf.to_container(client.global_config_dict) == doc
-    assert client._resolve_base_url("policy") == "http://127.0.0.1:8000"
-    assert client.checkpoint_enabled() is True
+    assert await client._aresolve_base_url("policy") == f"http://127.0.0.1:{config_port}"  # not asked
+
+    found = await asyncio.to_thread(client.lookup_registered_servers)
+
+    assert found == {"policy": f"http://127.0.0.1:{registered_port}"}
+    assert client._resolve_base_url("policy") == f"http://127.0.0.1:{registered_port}"
 
 
 def test_head_server_config_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -163,26 +190,6 @@ async def test_unknown_server_lists_known_names() -> None:
 
 
 # --- status over gRPC --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def malformed_server() -> AsyncIterator[int]:
-    """Answers every request with a line that is not an HTTP status line: the probe can only say unknown_error."""
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            writer.write(b"NOT-HTTP nonsense\r\n\r\n")
-            await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(answer, LOOPBACK, 0)
-    yield int(server.sockets[0].getsockname()[1])
-    server.close()
-    await server.wait_closed()
 
 
 async def test_poll_for_status_all_four(head_factory, http_server, silent_server, malformed_server) -> None:

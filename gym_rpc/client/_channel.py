@@ -17,7 +17,8 @@ import grpc
 
 from gym_rpc.client._security import CLIENT_MESSAGE_OPTIONS, ClientTls
 from gym_rpc.client._tracing import aio_client_interceptors, traced_sync_channel
-from gym_rpc.config import DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT, url_host
+from gym_rpc.config import DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT, parse_host_port, url_host
+from gym_rpc.errors import ConfigError
 from gym_rpc.telemetry import tracing_enabled
 from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, SERVICE_NAME
 
@@ -62,6 +63,23 @@ def head_address(host: str, port: int) -> str:
 def default_head_address() -> str:
     """The head address from GYM_RPC_HEAD, else 127.0.0.1:11000."""
     return os.environ.get(HEAD_ADDRESS_ENV_VAR) or head_address(DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT)
+
+
+# gRPC target schemes a caller may spell out; anything else must be HOST:PORT.
+_GRPC_TARGET_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")
+
+
+def checked_head_address(address: str) -> str:
+    """`address` when it is HOST:PORT (or an explicit gRPC target such as `unix:PATH`); else a ConfigError saying
+    what is expected. gRPC would take `http://h:1` for a host name and answer "Misformatted domain name", and
+    `h:99999` for some other port."""
+    if address.startswith(_GRPC_TARGET_SCHEMES):
+        return address
+    what = f"head address (--head or {HEAD_ADDRESS_ENV_VAR})"
+    _, port = parse_host_port(address, what)
+    if not 0 < port < 65536:
+        raise ConfigError(f"{what} {address!r}: the port must be in 1..65535")
+    return address
 
 
 ChannelKey = tuple[str, ClientTls | None, bool]  # address, TLS, traced (gym_rpc.telemetry)

@@ -24,7 +24,8 @@ from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
 
 from gym_rpc.client._rollout import current_rollout_id
-from gym_rpc.errors import ConfigError, ServerUnreachableError
+from gym_rpc.config import validation_error_line
+from gym_rpc.errors import ConfigError, RequestTimeoutError, ServerUnreachableError
 from gym_rpc.telemetry import (
     ROLLOUT_ID_ATTRIBUTE,
     SERVER_ADDRESS,
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
 
 HTTP_CLIENT_KEY = "http_client"
+DEFAULT_TOTAL_TIMEOUT_SECONDS = 1800.0  # per data-plane call, headers included; see HttpClientSettings
 _TCP_KEEPALIVE_IDLE_SECONDS = 60
 _TCP_KEEPALIVE_INTERVAL_SECONDS = 10
 _TCP_KEEPALIVE_PROBES = 5
@@ -76,7 +78,9 @@ class HttpClientSettings(BaseModel):
     control_max_connections: PositiveInt = 16
     keepalive_timeout_seconds: PositiveFloat = 30.0  # how long an idle pooled connection is kept
     connect_timeout_seconds: PositiveFloat = 10.0
-    total_timeout_seconds: PositiveFloat | None = None  # None: model calls of a rollout may take minutes
+    # Long enough for the slowest model generation, short enough that a server that accepted and went silent
+    # fails the call instead of hanging the rollout; null turns the deadline off.
+    total_timeout_seconds: PositiveFloat | None = DEFAULT_TOTAL_TIMEOUT_SECONDS
     control_total_timeout_seconds: PositiveFloat = 30.0
     retry: RetryPolicy = RetryPolicy()
 
@@ -88,7 +92,7 @@ class HttpClientSettings(BaseModel):
         try:
             return cls.model_validate(dict(block))
         except ValidationError as exc:
-            raise ConfigError(f"{HTTP_CLIENT_KEY}: {exc}") from exc
+            raise ConfigError(validation_error_line(exc, HTTP_CLIENT_KEY)) from None
 
 
 def _keepalive_socket(addr_info: aiohttp.AddrInfoType) -> socket.socket:
@@ -322,3 +326,13 @@ async def traced_send(
         return response
     finally:
         span.end()
+
+
+def request_timeout_error(
+    server_name: str, method: str, url: str, session: aiohttp.ClientSession, kwargs: Mapping[str, Any]
+) -> RequestTimeoutError:
+    """The error for a data-plane call that ran out of time: which server, which URL, which deadline."""
+    timeout = kwargs.get("timeout")
+    if not isinstance(timeout, aiohttp.ClientTimeout):
+        timeout = session.timeout
+    return RequestTimeoutError(server_name, method, url, timeout.total, timeout.sock_connect)

@@ -18,7 +18,13 @@ from typing import Any, Generic, Literal, ParamSpec, TypeVar, overload
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from gym_rpc.client._channel import DEFAULT_TIMEOUT_SECONDS, aio_channel, default_head_address, sync_channel
+from gym_rpc.client._channel import (
+    DEFAULT_TIMEOUT_SECONDS,
+    aio_channel,
+    checked_head_address,
+    default_head_address,
+    sync_channel,
+)
 from gym_rpc.client._security import ClientSecurity, client_security
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import HEALTH_SERVICE_NAME, SERVICE_NAME
@@ -132,7 +138,7 @@ class _Transport:
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
         security: ClientSecurity | None = None,
     ) -> None:
-        self.address = address or default_head_address()
+        self.address = checked_head_address(address or default_head_address())
         self.timeout_seconds = timeout_seconds
         self.security = security if security is not None else client_security()
         self._metadata = self.security.metadata()

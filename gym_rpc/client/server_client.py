@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Optional, Self
 
 import aiohttp
@@ -22,7 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer
 
 from gym_rpc.client._channel import head_address
 from gym_rpc.client._control import SyncControlClient
-from gym_rpc.client._http import RESENDABLE_ERRORS, HttpClientSettings, HttpPools, resend, traced_send
+from gym_rpc.client._http import (
+    RESENDABLE_ERRORS,
+    HttpClientSettings,
+    HttpPools,
+    request_timeout_error,
+    resend,
+    traced_send,
+)
 from gym_rpc.client._rollout import (
     apply_rollout_prefix,
     current_rollout_id,
@@ -182,6 +189,9 @@ class ServerClient(BaseModel):
     # name -> advertised URL of the servers that registered with the head; None until first needed.
     _advertised_urls: Optional[dict[str, str]] = PrivateAttr(default=None)  # noqa: UP045 (as the fields above)
     _advertised_fetched_at: float = PrivateAttr(default=0.0)  # wall clock (it crosses processes), 0: never
+    # False for a client made from an injected NEMO_GYM_CONFIG_DICT: such a process never asks the head by itself
+    # (SECURITY.md); its wildcard-bound servers are dialled on loopback until lookup_registered_servers().
+    _asks_head: bool = PrivateAttr(default=True)
     # Token and TLS for calls to the head, read once (TLS files included) rather than per poll.
     _security: Optional[ClientSecurity] = PrivateAttr(default=None)  # noqa: UP045 (as the fields above)
 
@@ -261,7 +271,9 @@ class ServerClient(BaseModel):
         """
         injected = _injected_config()
         if injected is not None:
-            return cls._from_global_config(head_server_config or injected.head_server, injected)
+            client = cls._from_global_config(head_server_config or injected.head_server, injected)
+            client._asks_head = False
+            return client
         head = head_server_config or cls.load_head_server_config()
         # Token and TLS from head_server (auth_token, tls) or the environment. With the head's token the client
         # is authenticated and gets the secrets (API keys) its server needs; without one they stay redacted.
@@ -293,8 +305,26 @@ class ServerClient(BaseModel):
 
         A server whose config host is a wildcard (0.0.0.0, ::) is dialled where it registered with the head. Until
         the head knows that address it is dialled on loopback, uncached, and the head is asked again at most every
-        ADVERTISED_RETRY_SECONDS.
+        ADVERTISED_RETRY_SECONDS. A client made from an injected config never asks: loopback, cached.
+        Blocking when the head is asked: from an event loop use `_aresolve_base_url`.
         """
+        return self._resolve_with(server_name, self._advertised_base_urls)
+
+    async def _aresolve_base_url(self, server_name: str) -> str:
+        """`_resolve_base_url` for the event loop: a call to the head runs in a thread, never in the loop (which
+        may be serving that head). The loop only reads the answer: it never makes a control call itself, even
+        when the next lookup falls due while the thread runs."""
+        entry = self._global_config.servers.get(server_name)
+        if (
+            entry is not None
+            and is_wildcard_host(entry.host)
+            and self._asks_head
+            and self._advertised_lookup_due()
+        ):
+            await asyncio.to_thread(self._advertised_base_urls)
+        return self._resolve_with(server_name, self._known_advertised_urls)
+
+    def _resolve_with(self, server_name: str, advertised_urls: Callable[[], dict[str, str]]) -> str:
         url = self._server_base_urls.get(server_name)
         if url is not None:
             return url
@@ -302,22 +332,33 @@ class ServerClient(BaseModel):
         entry = servers.get(server_name)
         if entry is None:
             raise UnknownServerError(server_name, list(servers))
-        if not is_wildcard_host(entry.host):
+        if not is_wildcard_host(entry.host) or not self._asks_head:
             url = self._server_base_urls[server_name] = entry.url
             return url
-        advertised = self._advertised_base_urls().get(server_name)
+        advertised = advertised_urls().get(server_name)
         if advertised is None:
             return entry.url
         self._server_base_urls[server_name] = advertised
         return advertised
 
-    async def _aresolve_base_url(self, server_name: str) -> str:
-        """`_resolve_base_url` for the event loop: a call to the head runs in a thread, never in the loop (which
-        may be serving that head)."""
-        entry = self._global_config.servers.get(server_name)
-        if entry is not None and is_wildcard_host(entry.host) and self._advertised_lookup_due():
-            await asyncio.to_thread(self._advertised_base_urls)
-        return self._resolve_base_url(server_name)
+    def lookup_registered_servers(self) -> dict[str, str]:
+        """Ask the head now where servers registered (name -> advertised URL) and dial wildcard-bound ones there.
+
+        The explicit lookup for a client made from an injected `NEMO_GYM_CONFIG_DICT`, which otherwise never asks
+        the head; any client may call it to pick up registrations at once. Blocking (one bounded call, a head that
+        cannot say adds nothing): from an event loop, run it with `asyncio.to_thread`.
+        """
+        found = self._fetch_advertised_urls()
+        with _advertised_lock:
+            self._advertised_urls = {**(self._advertised_urls or {}), **found}
+            self._advertised_fetched_at = time.time()
+        for name, entry in self._global_config.servers.items():
+            if is_wildcard_host(entry.host) and name in found:
+                self._server_base_urls[name] = found[name]
+        return dict(found)
+
+    def _known_advertised_urls(self) -> dict[str, str]:
+        return self._advertised_urls or {}
 
     def _advertised_lookup_due(self) -> bool:
         return (
@@ -377,18 +418,21 @@ class ServerClient(BaseModel):
         pools: HttpPools = private["_http"]
         sessions = pools.sessions()
         session = sessions.control if _control else sessions.data
-        if TRACING.enabled:  # the one check tracing costs when off
-            retry = pools.settings.retry
-            return await traced_send(
-                session, method, url, url_path, retry, _resend_after_disconnect, kwargs, server_name
-            )
-        url += url_path
-        try:  # the first attempt of http.send, inlined: one coroutine level less per call
-            return await session.request(method, url, **kwargs)
-        except RESENDABLE_ERRORS as error:
-            return await resend(
-                session, method, url, pools.settings.retry, _resend_after_disconnect, kwargs, error
-            )
+        full_url = url + url_path
+        try:
+            if TRACING.enabled:  # the one check tracing costs when off
+                retry = pools.settings.retry
+                return await traced_send(
+                    session, method, url, url_path, retry, _resend_after_disconnect, kwargs, server_name
+                )
+            try:  # the first attempt of http.send, inlined: one coroutine level less per call
+                return await session.request(method, full_url, **kwargs)
+            except RESENDABLE_ERRORS as error:
+                return await resend(
+                    session, method, full_url, pools.settings.retry, _resend_after_disconnect, kwargs, error
+                )
+        except TimeoutError as error:  # aiohttp's says neither which server nor which deadline
+            raise request_timeout_error(server_name, method, full_url, session, kwargs) from error
 
     async def get(
         self, server_name: str, url_path: str, **kwargs: Unpack[_RequestOptions]

@@ -29,6 +29,8 @@ from gym_rpc.config import (
     DEFAULT_HEAD_PORT,
     HEAD_SERVER_KEY,
     GlobalConfig,
+    checked_port,
+    checked_seconds,
     parse_config_text,
     parse_host_port,
     url_host,
@@ -66,6 +68,14 @@ class BridgeOptions:
     reflection: bool = True
     watch_history_size: int = 1024
     shutdown_grace_seconds: float = 0.5
+
+    def __post_init__(self) -> None:
+        """Refuse what would spin (a 0 interval), never end (nan, inf) or bind another port (70000 wraps)."""
+        checked_seconds(self.refresh_interval_seconds, "the refresh interval (--refresh-interval)")
+        checked_seconds(self.fetch_timeout_seconds, "the fetch timeout (--fetch-timeout)")
+        checked_seconds(self.probe_interval_seconds, "the probe interval (--probe-interval)")
+        checked_seconds(self.probe_timeout_seconds, "the probe timeout (--probe-timeout)")
+        checked_port(self.port, "the listen port (--listen)")
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,7 +20,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
-from gym_rpc.config import GlobalConfig, load_config_file, url_host
+from gym_rpc.config import GlobalConfig, checked_port, checked_seconds, load_config_file, url_host
+from gym_rpc.errors import ConfigError, GymRpcError
+from gym_rpc.server._bad_requests import DecodeGuardInterceptor
 from gym_rpc.server._http_head import HttpHead, configured_http_port
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import InstanceRegistry
@@ -58,6 +62,15 @@ class HeadOptions:
     http_port: int | None = None  # NeMo Gym's HTTP head; None: head_server.http_port (absent: none); 0: free port
     max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES  # more get RESOURCE_EXHAUSTED
     status_max_age_seconds: float | None = None  # GetServerStatus freshness when unstated; None: half the interval
+
+    def __post_init__(self) -> None:
+        """Refuse what would spin (a 0 interval), never end (nan, inf) or bind another port (70000 wraps)."""
+        checked_seconds(self.probe_interval_seconds, "the probe interval (--probe-interval)")
+        checked_seconds(self.probe_timeout_seconds, "the probe timeout (--probe-timeout)")
+        checked_port(self.port, "the head port (--port)")
+        checked_port(self.http_port, "the HTTP head port (--http-port)")
+        if self.watch_history_size < 1 or self.max_concurrent_watches < 1:
+            raise ConfigError("watch_history_size and max_concurrent_watches must be at least 1")
 
 
 class HeadServer:
@@ -103,20 +116,35 @@ class HeadServer:
         """The port of NeMo Gym's HTTP endpoints, None when not served."""
         return self._http_head.port if self._http_head is not None else None
 
+    def _checked(self, config: GlobalConfig) -> ServerSecurity:
+        """What start-up and every reload check alike (token, TLS files, HTTP port); errors name the file."""
+        try:
+            configured_http_port(config)
+            return ServerSecurity.from_config(config)
+        except ConfigError as exc:
+            where = str(self.config_path) if self.config_path is not None else ""
+            raise ConfigError(
+                f"{where}: {exc}" if where and not str(exc).startswith(where) else str(exc)
+            ) from None
+
     async def start(self) -> None:
+        self.security = security = self._checked(self.config)
         http_port = (
             self.options.http_port if self.options.http_port is not None else configured_http_port(self.config)
         )
-        self.security = security = ServerSecurity.from_config(self.config)
+        for name, problem in self.config.malformed_servers.items():
+            logger.warning("config entry %r is not served: %s", name, problem)
         setup_tracing(self.config.observability_enabled, service_name="gym-rpc-head")
         servicer = ControlPlaneServicer(self, max_concurrent_watches=self.options.max_concurrent_watches)
         server = build_control_server(
             servicer, self._health, reflection_enabled=self.options.reflection, security=security
         )
         port = self.options.port if self.options.port is not None else self.config.head_server.port
+        refuse_busy_port(self.host, port, "--port or head_server.port")
         self.port = security.add_port(server, self.host, port)
         health_server = None
         if security.health_port is not None:  # bound before anything starts: a busy port starts nothing
+            refuse_busy_port(self.host, security.health_port, "head_server.health_port")
             health_server = build_health_server(self._health)
             self.health_port = ServerSecurity().add_port(health_server, self.host, security.health_port)
         await self.prober.start()  # before the first call can arrive: handlers read its reports
@@ -161,6 +189,19 @@ class HeadServer:
             config = loaded.with_head_server(self.host, self.port)
             if config.version == self.config.version:
                 return False
+            self._checked(config)
+            dropped = {
+                name: problem for name, problem in config.malformed_servers.items() if name in self.config.servers
+            }
+            if dropped:
+                name, problem = next(iter(dropped.items()))
+                raise ConfigError(
+                    f"{self.config_path}: server {name!r} is served but its new entry is malformed ({problem}); "
+                    f"fix the entry, or delete the key to stop serving it"
+                )
+            for name, problem in config.malformed_servers.items():
+                if name not in self.config.malformed_servers:
+                    logger.warning("config entry %r is not served: %s", name, problem)
             self.config = config
             await self.registry.update_prober(self.prober, lambda: self.config.servers)
             self.prober.set_config_version(config.version)
@@ -169,6 +210,32 @@ class HeadServer:
 
     async def _follow_health(self, report: StatusReport | None, name: str) -> None:
         await mirror_status_in_health(self._health, report, name)
+
+
+def refuse_busy_port(host: str, port: int, setting: str) -> None:
+    """Raise a one-line GymRpcError when another process listens on host:port.
+
+    gRPC finds out too, but prints a C-core log line before its own error; binding a plain socket first (with
+    SO_REUSEADDR, as gRPC does) gives the one line without it. A port taken in between still fails in add_port.
+    """
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return  # an unresolvable host: gRPC reports it
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise GymRpcError(
+                        f"cannot listen on {url_host(host)}:{port}: the port is in use by another process; "
+                        f"stop it or choose another port ({setting})"
+                    ) from None
+                return
 
 
 def build_control_server(
@@ -187,7 +254,13 @@ def build_control_server(
     """
     security = security if security is not None else ServerSecurity.from_environment()
     # Tracing outermost (no interceptor when off: gym_rpc.telemetry), so refused calls are traced too.
-    traced_and_guarded = [*server_interceptors(), *security.interceptors(), *interceptors]
+    # Innermost, undecodable requests become INVALID_ARGUMENT; the token check above it never decodes one.
+    traced_and_guarded = [
+        *server_interceptors(),
+        *security.interceptors(),
+        *interceptors,
+        DecodeGuardInterceptor(),
+    ]
     server = grpc.aio.server(interceptors=traced_and_guarded, options=SERVER_OPTIONS)
     pb_grpc.add_ControlPlaneServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

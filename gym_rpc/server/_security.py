@@ -18,6 +18,7 @@ import contextvars
 import hmac
 import logging
 import os
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -27,9 +28,9 @@ from grpc_health.v1 import health_pb2_grpc
 
 from gym_rpc.config import (
     HEAD_SERVER_KEY,
+    REDACTED,
     GlobalConfig,
     HeadTlsConfig,
-    configured_token,
     head_security_config,
     read_file_bytes,
     url_host,
@@ -87,18 +88,15 @@ class ServerSecurity:
     def from_config(cls, config: GlobalConfig) -> ServerSecurity:
         """From `head_server` of the config; the token falls back to GYM_RPC_TOKEN."""
         settings = head_security_config(config.head_server)
-        token = configured_token(settings.auth_token) or configured_token(os.environ.get(TOKEN_ENV_VAR))
-        if settings.tls is not None and not (settings.tls.cert_file and settings.tls.key_file):
-            raise ConfigError(
-                f"{HEAD_SERVER_KEY}.tls needs cert_file and key_file for the head to serve TLS "
-                f"(refusing to fall back to plaintext)"
-            )
+        token = head_token(settings.auth_token, f"{HEAD_SERVER_KEY}.auth_token") or _environment_token()
+        if settings.tls is not None:
+            check_tls_files(settings.tls)
         return cls(token=token, tls=settings.tls, health_port=settings.health_port)
 
     @classmethod
     def from_environment(cls) -> ServerSecurity:
         """For a server without a head_server block of its own (the bridge): the token of GYM_RPC_TOKEN."""
-        return cls(token=configured_token(os.environ.get(TOKEN_ENV_VAR)))
+        return cls(token=_environment_token())
 
     @property
     def mutual_tls(self) -> bool:
@@ -121,6 +119,68 @@ class ServerSecurity:
             return server.add_secure_port(address, server_credentials(self.tls))
         except RuntimeError as exc:
             raise GymRpcError(f"cannot listen on {address}: {exc}; is another process using the port?") from exc
+
+
+_PLACEHOLDER_WORDS = {"none", "null", "nil", "changeme", "redacted", "set", "token"}
+
+
+def head_token(value: str | None, setting: str) -> str | None:
+    """The head's token from `setting`: None when not set; a ConfigError when set but blank or a placeholder.
+
+    A blank `auth_token` (`""`, an unset `${oc.env:VAR,""}`) or the `<redacted>` that `gym-rpc config` prints in
+    its place would otherwise start a head that authenticates nobody, silently. The value is never echoed.
+    """
+    if value is None:
+        return None
+    stripped = value.strip()
+    if not stripped:
+        raise ConfigError(
+            f"{setting} is empty, which would run the head without authentication; set a real token, or remove "
+            f"the key to run without one"
+        )
+    bare = stripped.strip("<>*[]{}() ").lower()
+    if stripped.startswith("<") or not bare or bare in _PLACEHOLDER_WORDS or stripped == REDACTED:
+        raise ConfigError(
+            f"{setting} is a placeholder (such as {REDACTED}, which `gym-rpc config` prints in place of the "
+            f"token), not a token; set the real token, or remove the key to run without one"
+        )
+    return stripped
+
+
+def _environment_token() -> str | None:
+    """GYM_RPC_TOKEN: unset or empty means none (an empty export is how shells unset); a placeholder is refused."""
+    value = os.environ.get(TOKEN_ENV_VAR)
+    return head_token(value, TOKEN_ENV_VAR) if value else None
+
+
+def check_tls_files(tls: HeadTlsConfig) -> None:
+    """Refuse a TLS block the head could not serve, naming the file: gRPC would only log C-core lines and fail
+    to bind. Read at start and at every reload, so a reload validates exactly as start-up does."""
+    if not (tls.cert_file and tls.key_file):
+        raise ConfigError(
+            f"{HEAD_SERVER_KEY}.tls needs cert_file and key_file for the head to serve TLS "
+            f"(refusing to fall back to plaintext)"
+        )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    for path, setting in ((tls.cert_file, "cert_file"), (tls.key_file, "key_file")):
+        read_file_bytes(path, f"{HEAD_SERVER_KEY}.tls.{setting}")  # unreadable: says which file
+    try:
+        # An encrypted key cannot be served by gRPC: the empty password makes it fail here instead of prompting.
+        context.load_cert_chain(tls.cert_file, tls.key_file, password=lambda: b"")
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(
+            f"{HEAD_SERVER_KEY}.tls: {tls.cert_file} (cert_file) and {tls.key_file} (key_file) are not a PEM "
+            f"certificate chain and its unencrypted private key ({getattr(exc, 'reason', None) or exc})"
+        ) from None
+    if tls.client_ca_file:
+        read_file_bytes(tls.client_ca_file, f"{HEAD_SERVER_KEY}.tls.client_ca_file")
+        try:
+            context.load_verify_locations(cafile=tls.client_ca_file)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(
+                f"{HEAD_SERVER_KEY}.tls.client_ca_file {tls.client_ca_file} is not a PEM CA certificate "
+                f"({getattr(exc, 'reason', None) or exc})"
+            ) from None
 
 
 def server_credentials(tls: HeadTlsConfig) -> grpc.ServerCredentials:
@@ -202,10 +262,8 @@ def aborting_handler(handler: Handler, code: grpc.StatusCode, message: str) -> H
         await context.abort(code, message)
         yield  # pragma: no cover (abort raises): makes this an async generator, as a streaming handler is
 
-    codec = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
+    # The request is never decoded: a refused caller's bytes are not worth the work, nor a decode error's log.
+    codec = {"request_deserializer": None, "response_serializer": handler.response_serializer}
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(abort_stream, **codec)
     if handler.request_streaming:
