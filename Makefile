@@ -6,7 +6,7 @@ BUF := node_modules/.bin/buf
 RELEASED_CONTRACT := proto/released/gym_rpc_v1.binpb
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto stubs release-contract lint test run demo bench clean
+.PHONY: install proto stubs release-contract lint test run demo bench clean nemo-gym-venv
 
 install: $(STAMP) $(BUF)
 
@@ -44,7 +44,12 @@ lint: install
 	$(BUF) lint
 	$(BUF) breaking --against $(RELEASED_CONTRACT)
 
-test: lint
+# NeMo Gym's own code (tests/test_nemo_gym_compat.py) runs in a venv of its own: Python >= 3.13, `nemo-gym` from the
+# registry. Built once (a minute or two), then reused until its requirements change; prints SKIP without Python 3.13+.
+nemo-gym-venv: $(STAMP)
+	$(BIN)/python tools/nemo_gym_venv.py
+
+test: lint nemo-gym-venv
 	$(BIN)/python -m pytest -q
 
 run: $(STAMP)
@@ -59,4 +64,4 @@ bench: $(STAMP)
 	$(BIN)/python -m bench
 
 clean:
-	rm -rf $(VENV) node_modules build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-nemo-gym node_modules build *.egg-info .pytest_cache .mypy_cache .ruff_cache

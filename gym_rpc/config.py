@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import yaml
@@ -105,9 +105,62 @@ def validation_error_line(error: ValidationError, block: str) -> str:
     return f"{where}: {first['msg']}{more}"
 
 
-def head_security_config(head_server: Mapping[str, Any] | BaseServerConfig) -> HeadSecurityConfig:
-    """Validate the security keys of a head_server block (a mapping or a BaseServerConfig with extras)."""
-    block = head_server.model_dump() if isinstance(head_server, BaseServerConfig) else dict(head_server)
+class ServerAddress(Protocol):
+    """Any server config with a host and a port: gym_rpc's or NeMo Gym's BaseServerConfig, a dataclass..."""
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def port(self) -> int: ...
+
+
+# What entry points taking a head or server config accept (`as_server_config` turns it into a BaseServerConfig).
+ServerConfigLike = ServerAddress | Mapping[str, Any]
+
+# Attributes read from a server config that is neither a mapping nor a pydantic model (a dataclass, a namespace).
+_SERVER_CONFIG_ATTRIBUTES = ("host", "port", "num_workers", "auth_token", "tls", "health_port")
+
+
+def server_config_block(value: ServerConfigLike, what: str = HEAD_SERVER_KEY) -> dict[str, Any]:
+    """A server config of any shape as a plain dict: gym_rpc's or another library's pydantic model (NeMo Gym's
+    `BaseServerConfig`), an OmegaConf DictConfig, a mapping, or any object with `host` and `port` attributes."""
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    plain: Any = value
+    if type(value).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf  # only callers holding a DictConfig pay for OmegaConf
+
+        plain = OmegaConf.to_container(value, resolve=True)
+    if isinstance(plain, Mapping):
+        return {str(k): v for k, v in plain.items()}
+    if hasattr(value, "host") or hasattr(value, "port"):
+        return {name: getattr(value, name) for name in _SERVER_CONFIG_ATTRIBUTES if hasattr(value, name)}
+    raise ConfigError(
+        f"{what} must be a mapping or an object with host and port (such as a BaseServerConfig), "
+        f"not {type(value).__name__}"
+    )
+
+
+def as_server_config(value: ServerConfigLike, what: str = HEAD_SERVER_KEY) -> BaseServerConfig:
+    """gym_rpc's BaseServerConfig from a server config of any shape (see `server_config_block`); extra keys such
+    as the head's security settings are kept. Raises ConfigError naming a missing or malformed host or port."""
+    if type(value) is BaseServerConfig:
+        return value
+    # Unset optional keys (NeMo Gym's `num_workers: None`) say nothing: two configs of one address compare equal.
+    block = {key: item for key, item in server_config_block(value, what).items() if item is not None}
+    missing = [key for key in ("host", "port") if key not in block]
+    if missing:
+        raise ConfigError(f"{what} has no {' and no '.join(missing)}: a server config needs host and port")
+    try:
+        return BaseServerConfig.model_validate(block)
+    except ValidationError as exc:
+        raise ConfigError(f"{what}: {exc}") from exc
+
+
+def head_security_config(head_server: ServerConfigLike) -> HeadSecurityConfig:
+    """Validate the security keys of a head_server block (of any shape `server_config_block` accepts)."""
+    block = server_config_block(head_server)
     try:
         return HeadSecurityConfig.model_validate(block)
     except ValidationError as exc:
@@ -336,10 +389,24 @@ class GlobalConfig:
     # Top-level keys shaped like a server entry but not one (name -> why): warned about at start, and a reload
     # that would turn a served server into one is refused.
     malformed_servers: dict[str, str] = field(default_factory=dict, repr=False)
+    # Servers left out of `servers` because their host or port is an interpolation that could not be resolved
+    # (lenient documents only): name -> what could not be resolved, for the error raised when one is called.
+    unresolved_servers: dict[str, str] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_document(cls, document: Mapping[str, Any]) -> GlobalConfig:
-        doc = _resolved(document)
+    def from_document(cls, document: Mapping[str, Any], *, lenient: bool = False) -> GlobalConfig:
+        """The typed view of a document, its `${...}` interpolations resolved.
+
+        `lenient` (clients building from a config they were handed): an interpolation that cannot be resolved is
+        kept as written, and fails only when something needs it, as with NeMo Gym's DictConfig: a server whose host
+        or port cannot be resolved raises ConfigError when it is called, a global key the client reads at once
+        (`head_server`, `observability_enabled`, `checkpoint`, the pool settings) raises here. Otherwise (the head
+        loading its file) any unresolvable interpolation is an error.
+        """
+        doc, unresolved = _resolved_leniently(document) if lenient else (_resolved(document), {})
+        needed_now = [path for path in unresolved if path.split(".", 1)[0] in _GLOBAL_KEYS_READ_AT_ONCE]
+        if needed_now:
+            raise ConfigError(f"cannot resolve {needed_now[0]}: {unresolved[needed_now[0]]}")
         head = doc.get(HEAD_SERVER_KEY) or {"host": DEFAULT_HEAD_HOST, "port": DEFAULT_HEAD_PORT}
         if not isinstance(head, Mapping):
             raise ConfigError("head_server must be a mapping with host and port")
@@ -348,8 +415,10 @@ class GlobalConfig:
         except ValidationError as exc:
             raise ConfigError(validation_error_line(exc, HEAD_SERVER_KEY)) from None
         head_security_config(head_server)  # a malformed tls block fails at load, not at the first connection
-        servers = {name: entry for name, node in doc.items() if (entry := _server_entry(name, node)) is not None}
-        malformed = {name: reason for name, node in doc.items() if (reason := _malformed_server(name, node))}
+        unusable = _servers_with_unresolved_address(unresolved)
+        nodes = {name: node for name, node in doc.items() if name not in unusable}
+        servers = {name: entry for name, node in nodes.items() if (entry := _server_entry(name, node)) is not None}
+        malformed = {name: reason for name, node in nodes.items() if (reason := _malformed_server(name, node))}
         try:
             config_json = json.dumps(doc, ensure_ascii=False)
         except (TypeError, ValueError) as exc:
@@ -363,6 +432,7 @@ class GlobalConfig:
             config_json=config_json,
             version=hashlib.sha256(config_json.encode()).hexdigest()[:16],
             malformed_servers=malformed,
+            unresolved_servers=unusable,
         )
 
     def with_head_server(self, host: str, port: int) -> GlobalConfig:
@@ -384,7 +454,14 @@ class GlobalConfig:
         try:
             return self.servers[name]
         except KeyError:
+            self.raise_unusable(name)
             raise UnknownServerError(name, [*self.servers, HEAD_SERVER_KEY]) from None
+
+    def raise_unusable(self, name: str) -> None:
+        """Raise ConfigError when `name` is a server whose address could not be resolved."""
+        reason = self.unresolved_servers.get(name)
+        if reason is not None:
+            raise ConfigError(f"server {name!r} cannot be called: cannot resolve {reason}")
 
     def assistant_message_header(self, model_server_name: str) -> bytes | None:
         """The header declared by the harnesses whose `model_server` is this server; None when none declares one.
@@ -445,6 +522,72 @@ def _resolved(document: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"cannot resolve config interpolations: {exc}") from exc
     assert isinstance(resolved, dict)
     return {str(k): v for k, v in resolved.items()}
+
+
+# Global keys a client reads when it is built: an unresolvable interpolation there fails at once even when lenient.
+_GLOBAL_KEYS_READ_AT_ONCE = frozenset(
+    {
+        HEAD_SERVER_KEY,
+        "observability_enabled",
+        "checkpoint",
+        "http_client",
+        "global_aiohttp_connector_limit",
+        "global_aiohttp_connector_limit_per_host",
+    }
+)
+_ADDRESS_KEYS = frozenset({"host", "port"})
+
+
+def _resolved_leniently(document: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Like `_resolved`, but an interpolation that cannot be resolved stays as written: the document, and the
+    dotted path of each unresolved value -> the reason. Subtrees that resolve at once are never walked."""
+    if not isinstance(document, Mapping):
+        raise ConfigError(f"a global config must be a mapping, not {type(document).__name__}")
+    try:
+        text = json.dumps(document, default=str)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"config is not representable as JSON: {exc}") from exc
+    if "${" not in text:
+        return dict(document), {}
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    unresolved: dict[str, str] = {}
+
+    def resolve(node: Any, path: str) -> Any:
+        try:
+            return OmegaConf.to_container(node, resolve=True)
+        except Exception:  # omegaconf raises many unrelated types; walk down to the values that fail
+            raw: Any = OmegaConf.to_container(node, resolve=False)
+        keys = list(raw) if isinstance(raw, dict) else range(len(raw))
+        resolved: dict[Any, Any] = {}
+        for key in keys:
+            child_path = f"{path}.{key}" if path else str(key)
+            try:
+                child = node[key]
+            except Exception as exc:
+                unresolved[child_path] = f"{raw[key]!r} ({str(exc).splitlines()[0]})"
+                resolved[key] = raw[key]
+                continue
+            is_container = isinstance(child, DictConfig | ListConfig)
+            resolved[key] = resolve(child, child_path) if is_container else child
+        return resolved if isinstance(raw, dict) else [resolved[index] for index in keys]
+
+    try:
+        root = OmegaConf.create(dict(document))
+    except Exception as exc:
+        raise ConfigError(f"cannot read config interpolations: {exc}") from exc
+    result = resolve(root, "")
+    return {str(k): v for k, v in result.items()}, unresolved
+
+
+def _servers_with_unresolved_address(unresolved: Mapping[str, str]) -> dict[str, str]:
+    """server name -> the first unresolved host or port among `unresolved` (paths `name.type.impl.host|port`)."""
+    unusable: dict[str, str] = {}
+    for path, reason in unresolved.items():
+        parts = path.split(".")
+        if len(parts) == 4 and parts[3] in _ADDRESS_KEYS:
+            unusable.setdefault(parts[0], f"{path} = {reason}")
+    return unusable
 
 
 # Bounds on a config document, far above any real one (a config of 1,000 servers is ~200 KiB, ~20,000 values,

@@ -44,8 +44,11 @@ class ControlPlaneError(GymRpcError):
         super().__init__(message)
 
 
-class HeadUnreachableError(ControlPlaneError, ConnectionError):
-    """The head server could not be reached (refused, no route, or no answer within the deadline)."""
+class HeadUnreachableError(ControlPlaneError, ConnectionError, ValueError):
+    """The head server could not be reached (refused, no route, or no answer within the deadline).
+
+    Also a ValueError: NeMo Gym's client raises ValueError when it cannot reach the head, and code written for it
+    catches that."""
 
 
 class HeadTimeoutError(HeadUnreachableError, TimeoutError):

@@ -75,7 +75,9 @@ def test_restarted_head_is_picked_up_without_restarting_clients(tmp_path: Path) 
                 first.process.wait(timeout=10)
                 with pytest.raises(HeadUnreachableError, match=re.escape(address)):
                     control.list_server_statuses()
-                assert client.poll_for_status("live") == "connection_error"
+                # The head is down, the server is not: probed directly, as NeMo Gym does (issue 12).
+                assert client.poll_for_status("live") == "success"
+                assert client.poll_for_status("head_server") == "connection_error"
                 watch.wait_for_stderr("retrying", RECOVERY_SECONDS)
 
                 with running_head(path, "--port", str(port)) as second:

@@ -157,7 +157,7 @@ def test_unreachable_head_fails_fast_with_its_address(monkeypatch: pytest.Monkey
 
 def test_wildcard_hosts_become_connectable() -> None:
     assert ServerClient._client_host("0.0.0.0") == "127.0.0.1"
-    assert ServerClient._client_host("::") == "::1"
+    assert ServerClient._client_host("::") == "[::1]"  # ready for f"http://{host}:{port}", as upstream
     assert server_client._connectable_client_host("") == "127.0.0.1"
     assert ServerClient._client_host("model.internal") == "model.internal"
     client = make_client(

@@ -44,6 +44,11 @@ if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
 
 HTTP_CLIENT_KEY = "http_client"
+# NeMo Gym's top-level keys for its shared aiohttp pool -> the `http_client:` setting each one is.
+UPSTREAM_POOL_KEYS = {
+    "global_aiohttp_connector_limit": "max_connections",
+    "global_aiohttp_connector_limit_per_host": "max_connections_per_host",
+}
 DEFAULT_TOTAL_TIMEOUT_SECONDS = 1800.0  # per data-plane call, headers included; see HttpClientSettings
 _TCP_KEEPALIVE_IDLE_SECONDS = 60
 _TCP_KEEPALIVE_INTERVAL_SECONDS = 10
@@ -73,8 +78,9 @@ class HttpClientSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
-    max_connections: PositiveInt = 1024
-    max_connections_per_host: NonNegativeInt = 0  # 0: only max_connections bounds one host
+    # NeMo Gym's defaults (its `global_aiohttp_connector_limit` and `..._per_host`, honoured as aliases below).
+    max_connections: PositiveInt = 102400
+    max_connections_per_host: NonNegativeInt = 1024  # 0: only max_connections bounds one host
     control_max_connections: PositiveInt = 16
     keepalive_timeout_seconds: PositiveFloat = 30.0  # how long an idle pooled connection is kept
     connect_timeout_seconds: PositiveFloat = 10.0
@@ -86,11 +92,22 @@ class HttpClientSettings(BaseModel):
 
     @classmethod
     def from_document(cls, document: Mapping[str, Any]) -> HttpClientSettings:
+        """From the `http_client:` block, and NeMo Gym's top-level pool keys (which must agree with the block)."""
         block = document.get(HTTP_CLIENT_KEY) or {}
         if not isinstance(block, Mapping):
             raise ConfigError(f"{HTTP_CLIENT_KEY} must be a mapping, not {type(block).__name__}")
+        settings = dict(block)
+        for upstream_key, key in UPSTREAM_POOL_KEYS.items():
+            if document.get(upstream_key) is None:
+                continue
+            if settings.get(key, document[upstream_key]) != document[upstream_key]:
+                raise ConfigError(
+                    f"{upstream_key} ({document[upstream_key]}) and {HTTP_CLIENT_KEY}.{key} ({settings[key]}) "
+                    f"disagree: set one of them"
+                )
+            settings[key] = document[upstream_key]
         try:
-            return cls.model_validate(dict(block))
+            return cls.model_validate(settings)
         except ValidationError as exc:
             raise ConfigError(validation_error_line(exc, HTTP_CLIENT_KEY)) from None
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 from opentelemetry import trace
 
+from gym_rpc.telemetry import TRACING
 from gym_rpc.wire import encode_rollout_id, rollout_path_prefix, trace_path_segment
 
 _rollout_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("gym_rpc_rollout_id", default=None)
@@ -24,8 +25,8 @@ def current_rollout_id() -> str | None:
 
 @contextlib.contextmanager
 def rollout_context(rollout_id: str | None) -> Iterator[str | None]:
-    """Bind a rollout id for the calls made inside the block (and the tasks it starts)."""
-    if rollout_id is not None:
+    """Bind a rollout id for the calls made inside the block (and the tasks it starts); "" means no rollout."""
+    if rollout_id:
         encode_rollout_id(rollout_id)  # fail where the id is bound, not at the first call
     token = _rollout_id.set(rollout_id)
     try:
@@ -35,7 +36,11 @@ def rollout_context(rollout_id: str | None) -> Iterator[str | None]:
 
 
 def trace_context_path_segment() -> str:
-    """Return `/ng-trace/<traceparent>` for the current span, or "" while traces are off or no span is current."""
+    """Return `/ng-trace/<traceparent>` for the current span, or "" while traces are off or no span is current.
+
+    "Off" is gym_rpc's tracing decision (gym_rpc.telemetry): an application's own span does not turn it on."""
+    if not TRACING.enabled:
+        return ""
     context = trace.get_current_span().get_span_context()
     if not context.is_valid:
         return ""
@@ -50,5 +55,7 @@ def apply_rollout_prefix(
     For URLs handed to clients Gym does not instrument. Pass trace_context=False for a URL built once and reused
     across rollouts, or every later rollout would be parented to the first one's span.
     """
-    url = base_url.rstrip("/") + rollout_path_prefix(rollout_id, token_capture)
-    return url + trace_context_path_segment() if trace_context else url
+    prefix = rollout_path_prefix(rollout_id, token_capture)
+    if trace_context:
+        prefix += trace_context_path_segment()
+    return base_url.rstrip("/") + prefix if prefix else base_url  # nothing to add: the URL as given

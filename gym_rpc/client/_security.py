@@ -7,16 +7,14 @@ or GYM_RPC_TLS_CA (plus GYM_RPC_TLS_CERT / GYM_RPC_TLS_KEY for a client certific
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 
 from gym_rpc.config import (
     HEAD_SERVER_KEY,
-    BaseServerConfig,
     HeadTlsConfig,
+    ServerConfigLike,
     configured_token,
     head_security_config,
     read_file_bytes,
@@ -68,24 +66,14 @@ class ClientSecurity:
         return f"ClientSecurity(token={'<set>' if self.token else None}, tls={self.tls is not None})"
 
 
-def _head_block(head_server: BaseServerConfig | Mapping[str, Any] | None) -> dict[str, Any]:
-    if head_server is None:
-        return {}
-    if isinstance(head_server, BaseServerConfig):
-        return head_server.model_dump()
-    return {str(k): v for k, v in head_server.items()}
-
-
-def client_security(
-    head_server: BaseServerConfig | Mapping[str, Any] | None = None, *, token: str | None = None
-) -> ClientSecurity:
-    """The token and TLS to use towards a head.
+def client_security(head_server: ServerConfigLike | None = None, *, token: str | None = None) -> ClientSecurity:
+    """The token and TLS to use towards a head (`head_server`: any shape `server_config_block` accepts, NeMo
+    Gym's BaseServerConfig included).
 
     Token: `token`, else `auth_token` of the head_server block, else GYM_RPC_TOKEN. TLS: on when the block has
     `tls` or GYM_RPC_TLS_CA is set; each file comes from the block, else its environment variable.
     """
-    block = _head_block(head_server)
-    settings = head_security_config(block)
+    settings = head_security_config({} if head_server is None else head_server)
     chosen_token = (
         configured_token(token)
         or configured_token(settings.auth_token)

@@ -8,6 +8,7 @@ typed GlobalConfig is built once per client, so no call walks the DictConfig.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import logging
 import os
@@ -15,10 +16,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Optional, Self
+from urllib.parse import urlsplit
 
 import aiohttp
+import orjson
+from aiohttp.payload import BytesPayload
 from omegaconf import DictConfig, OmegaConf
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer, field_validator
 
 from gym_rpc.client._channel import head_address
 from gym_rpc.client._control import SyncControlClient
@@ -30,6 +34,7 @@ from gym_rpc.client._http import (
     resend,
     traced_send,
 )
+from gym_rpc.client._nemo_gym import nemo_gym_rollout_id, rollout_id_from_run_body
 from gym_rpc.client._rollout import (
     apply_rollout_prefix,
     current_rollout_id,
@@ -43,11 +48,14 @@ from gym_rpc.config import (
     HEAD_SERVER_KEY,
     BaseServerConfig,
     GlobalConfig,
+    ServerConfigLike,
+    as_server_config,
     base_url,
     connectable_host,
     is_wildcard_host,
     parse_config_text,
     parse_host_port,
+    url_host,
 )
 from gym_rpc.errors import (
     ConfigError,
@@ -60,6 +68,7 @@ from gym_rpc.errors import (
 from gym_rpc.telemetry import TRACING, setup_tracing
 from gym_rpc.wire import (
     HEAD_ADDRESS_ENV_VAR,
+    RESOURCES_SERVER_TYPE,
     ServerStatus,
     prefixed_path,
     rollout_path_prefix,
@@ -143,13 +152,29 @@ class _LazyDictConfigField:
         instance.__dict__[_GLOBAL_CONFIG_DICT_FIELD] = value
 
 
+_JSON_CONTENT_TYPE = "application/json"
+# The least time a direct status probe gets when the head's attempt used up the caller's timeout.
+_MIN_DIRECT_PROBE_SECONDS = 0.1
+
+
 def _connectable_client_host(host: str) -> str:
-    """Return a connectable client host for a server bind address."""
-    return connectable_host(host)
+    """Return a connectable client host for a server bind address.
+
+    Ready for `f"http://{host}:{port}"`: wildcards become loopback and IPv6 literals come bracketed ("::" and
+    "[::]" give "[::1]")."""
+    return url_host(connectable_host(host))
+
+
+def _json_payload(body: Any) -> BytesPayload:
+    """A `json=` body serialised as NeMo Gym does (orjson: datetimes as RFC 3339, NaN as null), several times
+    faster than aiohttp's default `json.dumps`; a Content-Type the caller set still wins, as with aiohttp."""
+    return BytesPayload(orjson.dumps(body), content_type=_JSON_CONTENT_TYPE)
 
 
 def _injected_config() -> GlobalConfig | None:
-    """The config a parent injected in NEMO_GYM_CONFIG_DICT (YAML or JSON text), or None when not set."""
+    """The config a parent injected in NEMO_GYM_CONFIG_DICT (YAML or JSON text), or None when not set.
+
+    Interpolations nothing reads stay unresolved (GlobalConfig.from_document, lenient), as in NeMo Gym."""
     text = os.environ.get(NEMO_GYM_CONFIG_DICT_ENV_VAR_NAME)
     if not text:
         return None
@@ -161,7 +186,26 @@ def _injected_config() -> GlobalConfig | None:
             document = None  # maybe YAML flow style: the YAML parser below reports real errors
     if document is None:
         document = parse_config_text(text, NEMO_GYM_CONFIG_DICT_ENV_VAR_NAME)
-    return GlobalConfig.from_document(document)
+    return GlobalConfig.from_document(document, lenient=True)
+
+
+def _injected_head_server(injected: GlobalConfig) -> BaseServerConfig:
+    """The injected config's head_server: a config injected without one is an error, never a silent default."""
+    if HEAD_SERVER_KEY not in injected.document:
+        raise ConfigError(
+            f"the config injected in {NEMO_GYM_CONFIG_DICT_ENV_VAR_NAME} has no {HEAD_SERVER_KEY} "
+            f"(host and port of the head): add it, or pass head_server_config"
+        )
+    return injected.head_server
+
+
+def _model_server_override(server_name: str) -> str | None:
+    """NEMO_GYM_MODEL_SERVER_BASE_URL when NEMO_GYM_MODEL_SERVER_NAME names `server_name`: the URL a launcher gave
+    a harness it started where the head is unreachable, rollout prefix included (it binds no rollout context)."""
+    override = os.environ.get(NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR_NAME)
+    if override and os.environ.get(NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR_NAME) == server_name:
+        return override.rstrip("/")
+    return None
 
 
 def _head_server_from_address(address: str) -> BaseServerConfig:
@@ -195,16 +239,23 @@ class ServerClient(BaseModel):
     # Token and TLS for calls to the head, read once (TLS files included) rather than per poll.
     _security: Optional[ClientSecurity] = PrivateAttr(default=None)  # noqa: UP045 (as the fields above)
 
+    @field_validator("head_server_config", mode="before")
+    @classmethod
+    def _any_server_config(cls, value: Any) -> BaseServerConfig:
+        """NeMo Gym's own BaseServerConfig, any model or object with host and port, or a mapping."""
+        return as_server_config(value)
+
     def model_post_init(self, context: Any) -> None:
         """Build the typed view every lookup uses, once (or take the one the caller already has)."""
         pending = self.__dict__.get(_GLOBAL_CONFIG_DICT_FIELD)
         if isinstance(pending, _PendingDictConfig):
             config = pending.config
         else:
-            document = OmegaConf.to_container(self.global_config_dict, resolve=True)
+            # Unresolved: interpolations are resolved leniently below, so an unused `${oc.env:UNSET}` cannot fail.
+            document = OmegaConf.to_container(self.global_config_dict, resolve=False)
             if not isinstance(document, dict):
                 raise ConfigError("global_config_dict must be a mapping")
-            config = GlobalConfig.from_document({str(k): v for k, v in document.items()})
+            config = GlobalConfig.from_document({str(k): v for k, v in document.items()}, lenient=True)
         self._global_config = config
         self._http = HttpPools(HttpClientSettings.from_document(config.document))
         setup_tracing(config.observability_enabled)  # decided once per process (gym_rpc.telemetry)
@@ -225,6 +276,9 @@ class ServerClient(BaseModel):
         state["__pydantic_private__"] = {**(state["__pydantic_private__"] or {}), "_http": HttpPools(settings)}
         super().__setstate__(state)
         setup_tracing(self._global_config.observability_enabled)  # a new process decides too
+        named = os.environ.get(NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR_NAME)
+        if named and _model_server_override(named) is not None:
+            self._server_base_urls.pop(named, None)  # this process's launcher URL wins over the sender's cache
 
     def __copy__(self) -> Self:
         """A shallow copy sharing config and caches, with its own HttpPools."""
@@ -248,7 +302,7 @@ class ServerClient(BaseModel):
     def _from_global_config(cls, head_server_config: BaseServerConfig, config: GlobalConfig) -> ServerClient:
         """A client on an already validated config; its DictConfig is built when first read."""
         return cls.model_construct(
-            head_server_config=head_server_config, global_config_dict=_PendingDictConfig(config)
+            head_server_config=as_server_config(head_server_config), global_config_dict=_PendingDictConfig(config)
         )
 
     @classmethod
@@ -256,25 +310,29 @@ class ServerClient(BaseModel):
         """The injected config's head_server, else GYM_RPC_HEAD (HOST:PORT), else 127.0.0.1:11000."""
         injected = _injected_config()
         if injected is not None:
-            return injected.head_server
+            return _injected_head_server(injected)
         address = os.environ.get(HEAD_ADDRESS_ENV_VAR)
         if address:
             return _head_server_from_address(address)
         return BaseServerConfig(host=DEFAULT_HEAD_HOST, port=DEFAULT_HEAD_PORT)
 
     @classmethod
-    def load_from_global_config(cls, head_server_config: Optional[BaseServerConfig] = None) -> ServerClient:  # noqa: UP045
+    def load_from_global_config(cls, head_server_config: Optional[ServerConfigLike] = None) -> ServerClient:  # noqa: UP045
         """Build a client from the fully resolved global config.
 
         Gym-launched server processes reuse the config injected by their parent. Other processes fetch the config
         from the head server.
+
+        `head_server_config` may be gym_rpc's BaseServerConfig, NeMo Gym's, any object with host and port (and
+        optionally auth_token, tls), or a mapping.
         """
+        given = None if head_server_config is None else as_server_config(head_server_config)
         injected = _injected_config()
         if injected is not None:
-            client = cls._from_global_config(head_server_config or injected.head_server, injected)
+            client = cls._from_global_config(given or _injected_head_server(injected), injected)
             client._asks_head = False
             return client
-        head = head_server_config or cls.load_head_server_config()
+        head = given or cls.load_head_server_config()
         # Token and TLS from head_server (auth_token, tls) or the environment. With the head's token the client
         # is authenticated and gets the secrets (API keys) its server needs; without one they stay redacted.
         security = client_security(head)
@@ -296,9 +354,9 @@ class ServerClient(BaseModel):
 
         Wildcard addresses are valid for binding a server but are not valid advertised client targets. In
         particular, proxy-aware HTTP clients can route 0.0.0.0 through an external proxy instead of reaching the
-        local server.
+        local server. IPv6 literals come bracketed, ready for a URL.
         """
-        return connectable_host(host)
+        return _connectable_client_host(host)
 
     def _resolve_base_url(self, server_name: str) -> str:
         """The server's base URL, resolved once and cached.
@@ -328,9 +386,13 @@ class ServerClient(BaseModel):
         url = self._server_base_urls.get(server_name)
         if url is not None:
             return url
+        override = _model_server_override(server_name)
+        if override is not None:
+            return override  # never cached: read again per call (only in a harness the launcher set it for)
         servers = self._global_config.servers
         entry = servers.get(server_name)
         if entry is None:
+            self._global_config.raise_unusable(server_name)
             raise UnknownServerError(server_name, list(servers))
         if not is_wildcard_host(entry.host) or not self._asks_head:
             url = self._server_base_urls[server_name] = entry.url
@@ -409,12 +471,17 @@ class ServerClient(BaseModel):
         # One read of pydantic's private-attribute store: each `self._x` read costs about 1.7 µs via __getattr__.
         private: dict[str, Any] = self.__pydantic_private__  # type: ignore[assignment]
         url = private["_server_base_urls"].get(server_name) or await self._aresolve_base_url(server_name)
-        config: GlobalConfig = private["_global_config"]
-        if config.observability_enabled and (rollout_id := current_rollout_id()) is not None:
-            url_path = prefixed_path(url_path, config.servers[server_name].server_type, rollout_id)
         body = kwargs.get("json")
-        if isinstance(body, BaseModel):
-            kwargs["json"] = body.model_dump(mode="json", exclude_unset=True)
+        if body is not None:
+            if isinstance(body, BaseModel):
+                body = body.model_dump(mode="json", exclude_unset=True)
+            if kwargs.get("data") is not None:
+                raise ValueError("data and json parameters can not be used at the same time")
+            del kwargs["json"]
+            kwargs["data"] = _json_payload(body)
+        config: GlobalConfig = private["_global_config"]
+        if config.observability_enabled:
+            url_path = _observed_path(config, server_name, url_path, body)
         pools: HttpPools = private["_http"]
         sessions = pools.sessions()
         session = sessions.control if _control else sessions.data
@@ -464,7 +531,9 @@ class ServerClient(BaseModel):
 
     def poll_for_status(self, server_name: str, timeout_seconds: float = 5) -> ServerStatus:
         """The server's status as the head probes it within `timeout_seconds`; the head's own name asks the head's
-        health service. An unreachable head gives "connection_error". Blocking; safe with or without a loop."""
+        health service. While the head is unreachable, the server is probed directly (as NeMo Gym always does),
+        and the log says the head was skipped. Blocking; safe with or without a loop."""
+        deadline = time.monotonic() + timeout_seconds
         control = SyncControlClient(
             _head_address(self.head_server_config),
             timeout_seconds=timeout_seconds,
@@ -476,12 +545,48 @@ class ServerClient(BaseModel):
             report = control.get_server_status(server_name)
         except HeadTimeoutError:  # the head is there but answered too late: as NeMo Gym's client says then
             return "timeout"
-        except HeadUnreachableError:
-            return "connection_error"
+        except HeadUnreachableError as exc:
+            return self._probe_directly(server_name, deadline, exc)
         except ControlPlaneError as exc:
             logger.warning("status of %s: %s", server_name, exc)
             return "unknown_error"
         return report.status or "unknown_error"
+
+    def _probe_directly(self, server_name: str, deadline: float, head_error: HeadUnreachableError) -> ServerStatus:
+        """GET the server's base URL: any HTTP answer is "success", refused "connection_error", none in time
+        "timeout", anything else "unknown_error" (NeMo Gym's rule)."""
+        entry = self._global_config.server(server_name)  # unknown: UnknownServerError, a KeyError
+        url = self._server_base_urls.get(server_name) or entry.url
+        timeout = max(deadline - time.monotonic(), _MIN_DIRECT_PROBE_SECONDS)
+        logger.warning(
+            "status of %s: the head at %s is unreachable (%s); skipped it and probed %s directly",
+            server_name,
+            head_error.address,
+            head_error.code,
+            url,
+        )
+        parts = urlsplit(url)
+        connection = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
+        try:
+            connection.request("GET", parts.path or "/")
+            connection.getresponse().read()
+        except TimeoutError:
+            return "timeout"
+        except ConnectionError:
+            return "connection_error"
+        except (OSError, http.client.HTTPException):
+            return "unknown_error"
+        finally:
+            connection.close()
+        return "success"
+
+    def _config_if_changed(self) -> GlobalConfig | None:
+        """The head's config when its version differs from this client's; None (nothing sent) when unchanged."""
+        security = self._head_security()
+        control = SyncControlClient(_head_address(self.head_server_config), security=security)
+        return control.get_global_config_if_changed(
+            self._global_config.version, include_secrets=security.token is not None
+        )
 
     def _head_security(self) -> ClientSecurity:
         if self._security is None:
@@ -514,18 +619,57 @@ def _head_address(head_server_config: BaseServerConfig) -> str:
     return head_address(connectable_host(head_server_config.host), head_server_config.port)
 
 
+def _observed_path(config: GlobalConfig, server_name: str, url_path: str, body: Any) -> str:
+    """The rollout prefix rule with observability on, as NeMo Gym applies it: the id bound by gym_rpc's
+    `rollout_context`, else by NeMo Gym's own context (when NeMo Gym is loaded), else, for `/verify` on a resources
+    server, the one the body names (`_ng_rollout_id`, or `_ng_task_index`-`_ng_rollout_index`)."""
+    entry = config.servers.get(server_name)
+    if entry is None:  # a server known only from NEMO_GYM_MODEL_SERVER_BASE_URL: its URL carries the prefix
+        return url_path
+    rollout_id = current_rollout_id() or nemo_gym_rollout_id()
+    if not rollout_id and url_path == "/verify" and entry.server_type == RESOURCES_SERVER_TYPE:
+        rollout_id = rollout_id_from_run_body(body)
+    return prefixed_path(url_path, entry.server_type, rollout_id)
+
+
 _clients: dict[tuple[str, int] | None, ServerClient] = {}
 _clients_lock = threading.Lock()
 
 
-def setup_server_client(head_server_config: Optional[BaseServerConfig] = None) -> ServerClient:  # noqa: UP045
-    """The process's client for a head (the default head when None), made once."""
-    key = None if head_server_config is None else (head_server_config.host, head_server_config.port)
+def setup_server_client(head_server_config: Optional[ServerConfigLike] = None) -> ServerClient:  # noqa: UP045
+    """The process's client for a head (the default head when None), never with a stale config.
+
+    Every call checks the config, as NeMo Gym's fetches it afresh: a config injected in NEMO_GYM_CONFIG_DICT is
+    read again; from a head, the client asks whether its config version is still current (GetGlobalConfig with
+    `known_version`: no document travels while unchanged). While nothing changed it returns the same client, so
+    its resolved URLs and pools stay warm; after the head reloads or the injected config changes, a new client."""
+    head = None if head_server_config is None else as_server_config(head_server_config)
+    key = None if head is None else (head.host, head.port)
     with _clients_lock:
-        client = _clients.get(key)
-        if client is None:
-            client = _clients[key] = ServerClient.load_from_global_config(head_server_config)
-        return client
+        cached = _clients.get(key)
+    fresh: ServerClient | None = None
+    injected = bool(os.environ.get(NEMO_GYM_CONFIG_DICT_ENV_VAR_NAME))
+    if cached is not None and not injected and cached.head_server_config == (head or _default_head()):
+        changed = cached._config_if_changed()
+        if changed is None:
+            return cached
+        fresh = ServerClient._from_global_config(cached.head_server_config, changed)
+    if fresh is None:
+        fresh = ServerClient.load_from_global_config(head)
+    with _clients_lock:
+        cached = _clients.get(key)
+        if (
+            cached is not None
+            and cached._global_config.version == fresh._global_config.version
+            and cached.head_server_config == fresh.head_server_config
+        ):
+            return cached
+        _clients[key] = fresh
+        return fresh
+
+
+def _default_head() -> BaseServerConfig:
+    return ServerClient.load_head_server_config()
 
 
 def get_server_url(server_name: str) -> str:

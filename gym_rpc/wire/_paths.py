@@ -45,8 +45,9 @@ def encode_rollout_id(rollout_id: str) -> str:
 
 
 def rollout_path_prefix(rollout_id: str | None, token_capture: bool = False) -> str:
-    """Return the leading model-server path prefix for a rollout, if available ("" without a rollout id)."""
-    if rollout_id is None:
+    """Return the leading model-server path prefix for a rollout, if available ("" without a rollout id: None or
+    "", as in NeMo Gym)."""
+    if rollout_id is None or rollout_id == "":
         return ""
     if not isinstance(rollout_id, str):
         encode_rollout_id(rollout_id)  # raises the typed error before the cache would raise "unhashable"
@@ -68,7 +69,7 @@ def trace_path_segment(trace_id: int, span_id: int, trace_flags: int) -> str:
 def prefixed_path(url_path: str, server_type: str, rollout_id: str | None) -> str:
     """The data-plane path rule: model-server API paths and every resources-server path get the rollout prefix;
     a path that already carries one is left alone. A query string does not hide a model-server API path."""
-    if rollout_id is None or url_path.startswith(_ROLLOUT_PATH_HEAD):
+    if not rollout_id or url_path.startswith(_ROLLOUT_PATH_HEAD):
         return url_path
     is_model_call = server_type == MODEL_SERVER_TYPE and url_path.partition("?")[0] in MODEL_SERVER_PATHS
     if is_model_call or server_type == RESOURCES_SERVER_TYPE:

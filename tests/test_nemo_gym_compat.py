@@ -1,0 +1,102 @@
+"""gym_rpc's ServerClient as a drop-in for NeMo Gym's, proven with NeMo Gym's own code.
+
+tests/nemo_gym_compat/harness.py runs in a venv of its own (Python >= 3.13, `nemo-gym` from the package registry;
+built once by tools/nemo_gym_venv.py): NeMo Gym's real SimpleAgent and example_session_state_mgmt resources server,
+a stub Responses API model server and a gym_rpc head. The same rollouts go through `/run` with NeMo Gym's own
+ServerClient and with gym_rpc's injected (given NeMo Gym's own BaseServerConfig for the head), observability off
+and on. Every server must see the same paths, with the session cookie on the same calls, and the same rewards.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+HARNESS = REPO_ROOT / "tests" / "nemo_gym_compat" / "harness.py"
+VENV_BUILDER = REPO_ROOT / "tools" / "nemo_gym_venv.py"
+BUILD_TIMEOUT_SECONDS = 900  # a first build on a fresh machine downloads a few hundred MB
+HARNESS_TIMEOUT_SECONDS = 240
+
+# What NeMo Gym's own client makes every server see for rollouts (task 0, rollout 0), (0, 1), (1, 0): each rollout
+# is /run on the agent, /seed_session on the resources server, the agent's call to itself, two model turns, one
+# tool call and /verify. [path, whether the resources server's session cookie came with the request].
+AGENT_PATHS = {
+    "off": ["/run", "/v1/responses"],
+    "on": ["/run", "/ng-rollout/{id}/v1/responses"],
+}
+MODEL_PATHS = {"off": ["/v1/responses"] * 2, "on": ["/ng-rollout/{id}/v1/responses"] * 2}
+RESOURCES_PATHS = {
+    "off": ["/seed_session", "/increment_counter", "/verify"],
+    # The tool call is made by the agent's self-called /v1/responses, where no rollout is bound: unprefixed.
+    "on": ["/ng-rollout/{id}/seed_session", "/increment_counter", "/ng-rollout/{id}/verify"],
+}
+ROLLOUT_IDS = ("0-0", "0-1", "1-0")
+
+
+def expected_seen(observability: str) -> dict[str, list[list[Any]]]:
+    def paths(templates: list[str], cookies: list[bool]) -> list[list[Any]]:
+        return [
+            [template.format(id=rollout_id), cookie]
+            for rollout_id in ROLLOUT_IDS
+            for template, cookie in zip(templates, cookies, strict=True)
+        ]
+
+    return {
+        "policy_model": paths(MODEL_PATHS[observability], [False, False]),
+        "counter": paths(RESOURCES_PATHS[observability], [False, True, True]),
+        "agent": paths(AGENT_PATHS[observability], [False, True]),
+    }
+
+
+@pytest.fixture(scope="module")
+def nemo_gym_python() -> str:
+    """The NeMo Gym venv's python, built on first use (`make test` builds it before pytest runs)."""
+    built = subprocess.run(
+        [sys.executable, str(VENV_BUILDER)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_SECONDS
+    )
+    assert built.returncode == 0, f"building the NeMo Gym venv failed:\n{built.stderr[-4000:]}"
+    last = built.stdout.strip().splitlines()[-1]
+    if last.startswith("SKIP:"):
+        print(last)
+        pytest.skip(last)
+    return last
+
+
+@pytest.fixture(scope="module")
+def harness_results(nemo_gym_python: str) -> dict[str, Any]:
+    run = subprocess.run(
+        [nemo_gym_python, str(HARNESS)],
+        capture_output=True,
+        text=True,
+        timeout=HARNESS_TIMEOUT_SECONDS,
+        cwd=REPO_ROOT,
+    )
+    assert run.returncode == 0, f"the NeMo Gym harness failed:\n{run.stderr[-6000:]}"
+    results: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
+    return results
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT_SECONDS + HARNESS_TIMEOUT_SECONDS)
+@pytest.mark.parametrize("observability", ["off", "on"])
+def test_nemo_gym_client_baseline(harness_results: dict[str, Any], observability: str) -> None:
+    """NeMo Gym's own client: the reference the comparison below rests on (and a check of the harness itself)."""
+    mode = harness_results[f"nemo_gym/{observability}"]
+    assert mode["rewards"] == [1.0, 1.0, 0.0]
+    assert mode["seen"] == expected_seen(observability)
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT_SECONDS + HARNESS_TIMEOUT_SECONDS)
+@pytest.mark.parametrize("observability", ["off", "on"])
+def test_gym_rpc_client_is_a_drop_in(harness_results: dict[str, Any], observability: str) -> None:
+    """gym_rpc's client injected into NeMo Gym's servers: the same rewards, paths and cookies, hop for hop."""
+    ours, theirs = harness_results[f"gym_rpc/{observability}"], harness_results[f"nemo_gym/{observability}"]
+    assert ours["rewards"] == theirs["rewards"] == [1.0, 1.0, 0.0]
+    for server in ("policy_model", "counter", "agent"):
+        assert ours["seen"][server] == theirs["seen"][server], server
+    assert ours["seen"] == expected_seen(observability)
