@@ -11,7 +11,7 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import yaml
 
@@ -19,9 +19,19 @@ from gym_rpc._render import format_status_table, status_row
 from gym_rpc.client._channel import DEFAULT_TIMEOUT_SECONDS, default_head_address
 from gym_rpc.client._control import SyncControlClient
 from gym_rpc.client._watch import SyncStatusWatch
-from gym_rpc.config import GlobalConfig, default_config_text, load_config_file, parse_config_text, url_host
+from gym_rpc.config import (
+    HEAD_SERVER_KEY,
+    GlobalConfig,
+    default_config_text,
+    load_config_file,
+    parse_config_text,
+    url_host,
+)
 from gym_rpc.errors import ControlPlaneError, GymRpcError, HeadUnreachableError
 from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, ServerInstance
+
+if TYPE_CHECKING:
+    from gym_rpc.server import HeadServer
 
 
 def _non_negative_seconds(text: str) -> float:
@@ -47,6 +57,44 @@ def _add_head_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_serving_flags(parser: argparse.ArgumentParser) -> None:
+    """What `head` and `bridge` both take: they are one server with two config sources."""
+    parser.add_argument("--probe-interval", type=_seconds, default=2.0, help="seconds between status probe rounds")
+    parser.add_argument("--probe-timeout", type=_seconds, default=1.0, help="seconds a background probe may take")
+    parser.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
+    parser.add_argument(
+        "--http-port",
+        type=_port,
+        help="also serve NeMo Gym's HTTP head on this port, 0 for a free one (default: head_server.http_port)",
+    )
+    parser.add_argument(
+        "--max-watches",
+        type=_positive_int,
+        help="status watches served at once; more get RESOURCE_EXHAUSTED (default: 512)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+
+def _serving_options(args: argparse.Namespace) -> dict[str, Any]:
+    options = {
+        "probe_interval_seconds": args.probe_interval,
+        "probe_timeout_seconds": args.probe_timeout,
+        "reflection": not args.no_reflection,
+    }
+    return options if args.max_watches is None else {**options, "max_concurrent_watches": args.max_watches}
+
+
+def _announce(kind: str, started: HeadServer, source: str) -> None:
+    http = f"; NeMo Gym HTTP head on http://{url_host(started.host)}:{started.http_port}"
+    health = f"; plaintext health service on {url_host(started.host)}:{started.health_port}"
+    print(
+        f"gym-rpc {kind} listening on {started.address} ({source}, {started.security.describe()})"
+        f"{http if started.http_port is not None else ''}"
+        f"{health if started.health_port is not None else ''}",
+        flush=True,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gym-rpc", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -55,25 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--config", type=Path, help="global config YAML (default: the embedded example config)")
     head.add_argument("--host", help="bind host (default: head_server.host of the config)")
     head.add_argument("--port", type=_port, help="bind port, 0 for a free one (default: head_server.port)")
-    head.add_argument("--probe-interval", type=_seconds, default=2.0, help="seconds between status probe rounds")
-    head.add_argument("--probe-timeout", type=_seconds, default=1.0, help="seconds a background probe may take")
     head.add_argument(
         "--status-max-age",
         type=_non_negative_seconds,
         help="seconds a cached status answers a status call stating no max_age (default: half the interval)",
     )
-    head.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
-    head.add_argument(
-        "--http-port",
-        type=_port,
-        help="also serve NeMo Gym's HTTP head on this port, 0 for a free one (default: head_server.http_port)",
-    )
-    head.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    _add_serving_flags(head)
 
     bridge = commands.add_parser("bridge", help="serve the gRPC control plane in front of a NeMo Gym HTTP head")
     bridge.add_argument("--upstream", required=True, metavar="URL", help="the NeMo Gym head, http://HOST:PORT")
     bridge.add_argument(
-        "--listen", metavar="HOST:PORT", default="127.0.0.1:11000", help="gRPC address, port 0 for a free one"
+        "--listen",
+        metavar="HOST:PORT",
+        default=None,
+        help="gRPC address, port 0 for a free one (default: head_server of --config, else 127.0.0.1:11000)",
     )
     bridge.add_argument(
         "--refresh-interval", type=_seconds, default=1.0, help="seconds between fetches from the upstream"
@@ -81,10 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     bridge.add_argument(
         "--fetch-timeout", type=_seconds, default=2.0, help="seconds one upstream request may take"
     )
-    bridge.add_argument("--probe-interval", type=_seconds, default=2.0, help="seconds between status probe rounds")
-    bridge.add_argument("--probe-timeout", type=_seconds, default=1.0, help="seconds a background probe may take")
-    bridge.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
-    bridge.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    bridge.add_argument(
+        "--config",
+        type=Path,
+        help="a config YAML whose head_server block sets where and how the bridge serves, as for the head: host, "
+        "port, auth_token, tls, health_port, http_port (the upstream's config is what it serves)",
+    )
+    _add_serving_flags(bridge)
 
     status = commands.add_parser("status", help="show every server's status")
     _add_head_flags(status)
@@ -174,9 +220,7 @@ def cmd_head(args: argparse.Namespace) -> int:
     # The serving commands import the server layer when they run: `gym-rpc status` and friends start faster.
     from gym_rpc.server import HeadOptions, HeadServer, run_head
 
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
-    )
+    _log_level(args)
     if args.config is not None:
         config, source = load_config_file(args.config), str(args.config)
     else:
@@ -184,53 +228,42 @@ def cmd_head(args: argparse.Namespace) -> int:
     options = HeadOptions(
         host=args.host,
         port=args.port,
-        probe_interval_seconds=args.probe_interval,
-        probe_timeout_seconds=args.probe_timeout,
         status_max_age_seconds=args.status_max_age,
-        reflection=not args.no_reflection,
         http_port=args.http_port,
+        **_serving_options(args),
     )
-    head = HeadServer(config, options, config_path=args.config)
-
-    def announce(started: HeadServer) -> None:
-        http = f"; NeMo Gym HTTP head on http://{url_host(started.host)}:{started.http_port}"
-        health = f"; plaintext health service on {url_host(started.host)}:{started.health_port}"
-        print(
-            f"gym-rpc head listening on {started.address} "
-            f"(config: {source}, version {config.version}, {len(config.servers)} servers, "
-            f"{started.security.describe()})"
-            f"{http if started.http_port is not None else ''}"
-            f"{health if started.health_port is not None else ''}",
-            flush=True,
-        )
-
-    asyncio.run(run_head(head, announce))
+    what = f"config: {source}, version {config.version}, {len(config.servers)} servers"
+    asyncio.run(
+        run_head(HeadServer(config, options, config_path=args.config), lambda h: _announce("head", h, what))
+    )
     return 0
 
 
 def cmd_bridge(args: argparse.Namespace) -> int:
     from gym_rpc.server import BridgeHead, BridgeOptions, parse_listen_address, run_head  # lazy: see cmd_head
 
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
-    )
-    host, port = parse_listen_address(args.listen)
+    _log_level(args)
+    own = load_config_file(args.config).document[HEAD_SERVER_KEY] if args.config is not None else {}
+    listen = args.listen or (f"{url_host(own['host'])}:{own['port']}" if own else "127.0.0.1:11000")
+    host, port = parse_listen_address(listen)
     options = BridgeOptions(
         upstream_url=args.upstream,
         host=host,
         port=port,
         refresh_interval_seconds=args.refresh_interval,
         fetch_timeout_seconds=args.fetch_timeout,
-        probe_interval_seconds=args.probe_interval,
-        probe_timeout_seconds=args.probe_timeout,
-        reflection=not args.no_reflection,
+        head_server={**own, **({"http_port": args.http_port} if args.http_port is not None else {})},
+        **_serving_options(args),
     )
-
-    def announce(started: BridgeHead) -> None:
-        print(f"gym-rpc bridge listening on {started.address} ({started.upstream_url})", flush=True)
-
-    asyncio.run(run_head(BridgeHead(options), announce))
+    bridge = BridgeHead(options)
+    asyncio.run(run_head(bridge, lambda b: _announce("bridge", b, bridge.upstream_url)))
     return 0
+
+
+def _log_level(args: argparse.Namespace) -> None:
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

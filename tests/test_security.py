@@ -110,7 +110,11 @@ def _certificate(
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    folder = tmp_path_factory.mktemp("pki")
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def make_pki(folder: Path) -> Pki:
+    """A CA, a server and a client certificate it signed, and an unrelated CA, written to `folder`."""
     ca_key, other_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_cert = _certificate("gym-rpc test CA", ca_key, None, ca=True)
     server_key, client_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())

@@ -23,6 +23,7 @@ from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import StatusReport
 from gym_rpc.wire import _convert as convert
+from gym_rpc.wire._convert import ReportedProcess
 from gym_rpc.wire._errors import unknown_server_status
 
 DEFAULT_HEARTBEAT_SECONDS = 5.0
@@ -42,6 +43,11 @@ class HeadState(Protocol):
     registry: InstanceRegistry
     pid: int
     start_time: float
+
+    @property
+    def processes(self) -> Mapping[str, ReportedProcess]:
+        """pid and start time per server, as the config source reports them (a NeMo Gym upstream)."""
+        ...
 
     async def reload(self) -> bool: ...
 
@@ -163,7 +169,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         head = self._head
         instances = [convert.head_instance_to_pb(head.config, head.pid, head.start_time)]
         instances += [
-            convert.server_instance_to_pb(entry, head.prober.report(name), head.registry.get(name))
+            convert.server_instance_to_pb(
+                entry, head.prober.report(name), head.registry.get(name), head.processes.get(name)
+            )
             for name, entry in head.config.servers.items()
         ]
         return pb.ListServerInstancesResponse(instances=instances)

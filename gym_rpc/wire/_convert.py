@@ -129,6 +129,14 @@ class ServerInstance:
 
 
 @dataclass(frozen=True)
+class ReportedProcess:
+    """The process serving one server, as a config source reports it (NeMo Gym's /server_instances)."""
+
+    pid: int
+    start_time: float  # epoch seconds; 0 when unknown
+
+
+@dataclass(frozen=True)
 class InstanceRegistration:
     """One running server process, as it registered."""
 
@@ -158,8 +166,13 @@ def head_instance_to_pb(config: GlobalConfig, pid: int, start_time: float) -> pb
 
 
 def server_instance_to_pb(
-    entry: ServerEntry, report: StatusReport, registration: InstanceRegistration | None = None
+    entry: ServerEntry,
+    report: StatusReport,
+    registration: InstanceRegistration | None = None,
+    process: ReportedProcess | None = None,
 ) -> pb.ServerInstance:
+    """A configured server as ListServerInstances shows it; what the config source reports of its process (a NeMo
+    Gym upstream's /server_instances) wins over what a registration said."""
     message = pb.ServerInstance(
         name=entry.name,
         server_type=entry.server_type,
@@ -167,12 +180,17 @@ def server_instance_to_pb(
         url=entry.url,
         status=status_to_pb(report.status),
     )
+    started = 0.0
     if registration is not None:
         message.pid = registration.pid
         message.advertised_url = registration.advertised_url
-        if registration.start_time > 0:
-            message.start_time.CopyFrom(epoch_to_timestamp(registration.start_time))
-            message.uptime.CopyFrom(seconds_to_duration(max(0.0, time.time() - registration.start_time)))
+        started = registration.start_time
+    if process is not None:
+        message.pid = process.pid
+        started = process.start_time or started
+    if started > 0:
+        message.start_time.CopyFrom(epoch_to_timestamp(started))
+        message.uptime.CopyFrom(seconds_to_duration(max(0.0, time.time() - started)))
     return message
 
 
