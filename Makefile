@@ -6,7 +6,7 @@ BUF := node_modules/.bin/buf
 RELEASED_CONTRACT := proto/released/gym_rpc_v1.binpb
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto stubs release-contract lint test run demo bench clean nemo-gym-venv
+.PHONY: install proto stubs release-contract lint test run demo bench mutate clean nemo-gym-venv
 
 install: $(STAMP) $(BUF)
 
@@ -63,5 +63,14 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench
 
+# Mutation testing (mutmut, `[tool.mutmut]` in pyproject.toml) of the security, redaction, config, rollout-prefix,
+# watch and data-plane retry modules; at lowest priority, since it keeps both cores busy for up to half an hour.
+# Results stay in mutants/ (git-ignored; a second run re-tests only what changed); writes bench/MUTATION.md.
+mutate: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[mutation]'
+	nice -n 19 $(BIN)/mutmut run --max-children 2 || true
+	$(BIN)/python tools/mutation_report.py > bench/MUTATION.md
+	@tail -n 1 bench/MUTATION.md
+
 clean:
-	rm -rf $(VENV) .venv-nemo-gym node_modules build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-nemo-gym mutants node_modules build *.egg-info .pytest_cache .mypy_cache .ruff_cache

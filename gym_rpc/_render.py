@@ -1,18 +1,57 @@
-"""How the CLI and the demo show server statuses: one table and one JSON row shape, shared by both."""
+"""What the `gym-rpc` command prints: status rows, the status table (rich), the one-line summary, and rows as
+JSON, JSON lines or YAML.
+
+Imported by the CLI (and the demo) only: rich is a terminal library, and `import gym_rpc` or ServerClient in a
+rollout worker must not pay for it (tests/test_cli_operability.py checks).
+"""
 
 from __future__ import annotations
 
+import io
+import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import yaml
+from rich.console import Console
+from rich.table import Table
 
 from gym_rpc.wire import ServerInstance, StatusReport
 
+OutputFormat = Literal["table", "json", "jsonl", "yaml"]
+OUTPUT_FORMATS: tuple[OutputFormat, ...] = ("table", "json", "jsonl", "yaml")
+TABLE_COLUMNS = ("NAME", "TYPE", "URL", "STATUS", "LATENCY", "LAST CHECKED", "PID", "UPTIME")
+UP = "success"
+PENDING = "pending"  # shown for a server the head has not probed yet
+_NOT_TERMINAL_WIDTH = 10_000  # piped output is never wrapped: scripts split it on runs of spaces
+_STATUS_STYLES = {UP: "green", PENDING: "yellow"}
+
 
 def status_text(report: StatusReport) -> str:
-    return report.status or "pending"
+    return report.status or PENDING
 
 
-def status_row(report: StatusReport, instance: ServerInstance | None) -> dict[str, object]:
+def is_up(report: StatusReport) -> bool:
+    return report.status == UP
+
+
+def duration_text(seconds: float) -> str:
+    """A short human duration: 42s, 5m03s, 2h05m, 3d04h."""
+    whole = int(max(0.0, seconds))
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+def status_row(report: StatusReport, instance: ServerInstance | None, now: float) -> dict[str, Any]:
+    """One server as JSON/YAML output shows it. pid, start_time and uptime are null until the server registers."""
+    registered = instance is not None and instance.pid > 0
+    started = instance.start_time if instance is not None and instance.start_time > 0 else None
     return {
         "name": report.server_name,
         "type": instance.server_type if instance else "",
@@ -21,27 +60,93 @@ def status_row(report: StatusReport, instance: ServerInstance | None) -> dict[st
         "latency_ms": round(report.latency_seconds * 1000, 3) if report.checked_at else None,
         "checked_at": report.checked_at or None,
         "detail": report.detail,
+        "pid": instance.pid if registered and instance is not None else None,
+        "start_time": started,
+        "uptime_seconds": round(now - started, 3) if started is not None else None,
     }
 
 
-def format_status_table(reports: Sequence[StatusReport], instances: dict[str, ServerInstance]) -> str:
-    header = ("NAME", "TYPE", "URL", "STATUS", "LATENCY", "LAST CHECKED")
-    now = time.time()
-    rows = [header]
+def status_rows(
+    reports: Iterable[StatusReport], instances: Mapping[str, ServerInstance], now: float | None = None
+) -> list[dict[str, Any]]:
+    moment = time.time() if now is None else now
+    return [status_row(r, instances.get(r.server_name), moment) for r in reports]
+
+
+def _table(reports: Sequence[StatusReport], instances: Mapping[str, ServerInstance], now: float) -> Table:
+    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", padding=(0, 1))
+    for column in TABLE_COLUMNS:
+        table.add_column(column, no_wrap=True)
     for report in reports:
         instance = instances.get(report.server_name)
         checked = report.checked_at
-        rows.append(
-            (
-                report.server_name,
-                instance.server_type if instance else "",
-                report.url,
-                status_text(report),
-                f"{report.latency_seconds * 1000:.1f} ms" if checked else "-",
-                f"{max(0.0, now - checked):.1f}s ago" if checked else "never",
-            )
+        text = status_text(report)
+        started = instance.start_time if instance is not None and instance.start_time > 0 else 0.0
+        table.add_row(
+            report.server_name,
+            instance.server_type if instance else "-",
+            report.url,
+            f"[{_STATUS_STYLES.get(text, 'red')}]{text}[/]",
+            f"{report.latency_seconds * 1000:.1f} ms" if checked else "-",
+            f"{max(0.0, now - checked):.1f}s ago" if checked else "never",
+            str(instance.pid) if instance is not None and instance.pid > 0 else "-",
+            duration_text(now - started) if started else "-",
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    return table
+
+
+def format_status_table(
+    reports: Sequence[StatusReport],
+    instances: Mapping[str, ServerInstance],
+    *,
+    now: float | None = None,
+    color: bool = False,
+) -> str:
+    """The status table as text: one header line, one line per server; cells never empty ("-" instead), columns
+    two spaces apart, no trailing spaces. ANSI colours only when `color`."""
+    moment = time.time() if now is None else now
+    buffer = io.StringIO()
+    console = Console(
+        file=buffer,
+        width=_NOT_TERMINAL_WIDTH,
+        force_terminal=color,
+        no_color=not color,
+        highlight=False,
+        soft_wrap=False,
     )
+    console.print(_table(reports, instances, moment))
+    return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip("\n").splitlines())
+
+
+def summary_line(reports: Sequence[StatusReport], allowed_down: Iterable[str] = ()) -> str:
+    """`3/4 up`, then the servers that are not (`; down: gone (connection_error)`), exempted ones marked."""
+    allowed = set(allowed_down)
+    up = sum(1 for r in reports if is_up(r))
+    down = [r for r in reports if not is_up(r)]
+    line = f"{up}/{len(reports)} up"
+    if down:
+        names = ", ".join(
+            f"{r.server_name} ({status_text(r)}{', allowed' if r.server_name in allowed else ''})" for r in down
+        )
+        line += f"; down: {names}"
+    return line
+
+
+def render_rows(rows: list[dict[str, Any]], output: OutputFormat) -> str:
+    """Rows as one JSON array (json), one object per line (jsonl) or a YAML list; never the table."""
+    if output == "json":
+        return json.dumps(rows, indent=2, ensure_ascii=False)
+    if output == "jsonl":
+        return "\n".join(json.dumps(row, ensure_ascii=False) for row in rows)
+    if output == "yaml":
+        return yaml.safe_dump(rows, sort_keys=False, allow_unicode=True).rstrip("\n")
+    raise ValueError(f"render_rows does not render {output!r}")
+
+
+def render_document(document: Any, output: OutputFormat) -> str:
+    """One document (a watch event, the config): pretty JSON, one JSON line, or YAML (table: YAML too)."""
+    if output == "json":
+        return json.dumps(document, indent=2, ensure_ascii=False)
+    if output == "jsonl":
+        return json.dumps(document, ensure_ascii=False)
+    return yaml.safe_dump(document, sort_keys=False, allow_unicode=True).rstrip("\n")

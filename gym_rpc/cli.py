@@ -1,23 +1,34 @@
-"""The `gym-rpc` command: run a head, and ask one for its config and its servers' status."""
+"""The `gym-rpc` command: run a head, ask one for its config and its servers' status, wait until servers are up.
+
+Exit codes (what an orchestrator can act on; README "The gym-rpc command"):
+0 success (`status`/`wait`: every server asked about is up); 1 a server is down (`status`, `wait` on timeout) or
+the command failed; 2 bad usage (a flag, an environment variable, an unknown server name); 3 the head could not
+be reached within the deadline; 130 interrupted (Ctrl-C).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
-import logging
-import math
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
 
-import yaml
-
-from gym_rpc._render import format_status_table, status_row
-from gym_rpc.client._channel import DEFAULT_TIMEOUT_SECONDS, default_head_address
-from gym_rpc.client._control import SyncControlClient
+from gym_rpc import __version__
+from gym_rpc._cli_flags import (
+    HelpFormatter,
+    OneLineErrorParser,
+    choice_of,
+    env_errors,
+    env_flag,
+    non_negative_float,
+    port_number,
+    positive_float,
+)
+from gym_rpc._logging import LOG_FORMATS, LOG_LEVELS, configure_logging
+from gym_rpc.client._channel import DEFAULT_TIMEOUT_SECONDS
+from gym_rpc.client._control import SyncControlClient, WatchEvent
 from gym_rpc.client._watch import SyncStatusWatch
 from gym_rpc.config import (
     HEAD_SERVER_KEY,
@@ -27,167 +38,252 @@ from gym_rpc.config import (
     parse_config_text,
     url_host,
 )
-from gym_rpc.errors import ControlPlaneError, GymRpcError, HeadUnreachableError
-from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, ServerInstance
+from gym_rpc.errors import ControlPlaneError, GymRpcError, HeadUnreachableError, UnknownServerError
+from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, ServerInstance, StatusReport
 
-if TYPE_CHECKING:
-    from gym_rpc.server import HeadServer
+EXIT_OK = 0
+EXIT_DOWN = 1  # also: the command failed
+EXIT_USAGE = 2  # argparse's own code for bad usage
+EXIT_HEAD_UNREACHABLE = 3
+EXIT_INTERRUPTED = 130
+
+TIMEOUT_ENV_VAR = "GYM_RPC_TIMEOUT"
+OUTPUT_ENV_VAR = "GYM_RPC_OUTPUT"
+LOG_LEVEL_ENV_VAR = "GYM_RPC_LOG_LEVEL"
+LOG_FORMAT_ENV_VAR = "GYM_RPC_LOG_FORMAT"
+CONFIG_ENV_VAR = "GYM_RPC_CONFIG"
+PROBE_INTERVAL_ENV_VAR = "GYM_RPC_PROBE_INTERVAL"
+PROBE_TIMEOUT_ENV_VAR = "GYM_RPC_PROBE_TIMEOUT"
+HTTP_PORT_ENV_VAR = "GYM_RPC_HTTP_PORT"
+METRICS_PORT_ENV_VAR = "GYM_RPC_METRICS_PORT"
+WAIT_TIMEOUT_ENV_VAR = "GYM_RPC_WAIT_TIMEOUT"
+DEFAULT_HEAD = "127.0.0.1:11000"
+DEFAULT_WAIT_TIMEOUT_SECONDS = 300.0
+OUTPUT_FORMATS = ("table", "json", "jsonl", "yaml")
+CONFIG_FORMATS = ("yaml", "json", "jsonl")
+
+# How often `status --watch` (table) and `wait` hear from the head while nothing changes: the table's LAST CHECKED
+# is redrawn from the head's latest probes, and `wait` notices its deadline.
+WATCH_REFRESH_SECONDS = 1.0
 
 
-def _non_negative_seconds(text: str) -> float:
-    """argparse type: a number of seconds >= 0 (NaN and negatives refused with a clear message)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
-    return value
+class UsageError(GymRpcError):
+    """A command line that names something that does not exist (exit 2)."""
 
 
-def _add_head_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+# --- the parser --------------------------------------------------------------------------------------------------
+
+
+def _add_log_flags(parser: argparse.ArgumentParser, default_level: str) -> None:
+    env_flag(
+        parser,
+        "--log-level",
+        env=LOG_LEVEL_ENV_VAR,
+        default=default_level,
+        parse=choice_of(LOG_LEVELS),
+        metavar="{" + ",".join(LOG_LEVELS) + "}",
+        help="the least severe log records printed (to stderr)",
+    )
+    env_flag(
+        parser,
+        "--log-format",
+        env=LOG_FORMAT_ENV_VAR,
+        default="text",
+        parse=choice_of(LOG_FORMATS),
+        metavar="{" + ",".join(LOG_FORMATS) + "}",
+        help="text: `TIME LEVEL LOGGER: message`; json: one object per line, with trace and span ids",
+    )
+
+
+def _add_head_flags(parser: argparse.ArgumentParser, *, call_timeout: bool = True) -> None:
+    env_flag(
+        parser,
         "--head",
+        env=HEAD_ADDRESS_ENV_VAR,
+        default=DEFAULT_HEAD,
         metavar="HOST:PORT",
-        default=None,
-        help=f"head server address (default: ${HEAD_ADDRESS_ENV_VAR}, else 127.0.0.1:11000)",
+        help="head server address",
     )
-    parser.add_argument(
-        "--timeout", type=_seconds, default=DEFAULT_TIMEOUT_SECONDS, help="deadline of each call in seconds"
-    )
+    if call_timeout:
+        env_flag(
+            parser,
+            "--timeout",
+            env=TIMEOUT_ENV_VAR,
+            default=DEFAULT_TIMEOUT_SECONDS,
+            parse=positive_float,
+            metavar="S",
+            help="deadline of each call to the head, in seconds",
+        )
+    _add_log_flags(parser, "warning")
 
 
-def _add_serving_flags(parser: argparse.ArgumentParser) -> None:
-    """What `head` and `bridge` both take: they are one server with two config sources."""
-    parser.add_argument("--probe-interval", type=_seconds, default=2.0, help="seconds between status probe rounds")
-    parser.add_argument("--probe-timeout", type=_seconds, default=1.0, help="seconds a background probe may take")
+def _add_output_flag(parser: argparse.ArgumentParser, choices: Sequence[str], default: str) -> None:
+    env_flag(
+        parser,
+        "-o",
+        "--output",
+        env=OUTPUT_ENV_VAR,
+        default=default,
+        parse=choice_of(choices),
+        metavar="{" + ",".join(choices) + "}",
+        help="output format",
+    )
+    parser.add_argument("--json", dest="output", action="store_const", const="json", help="same as -o json")
+
+
+def _add_probe_flags(parser: argparse.ArgumentParser) -> None:
+    env_flag(
+        parser,
+        "--probe-interval",
+        env=PROBE_INTERVAL_ENV_VAR,
+        default=2.0,
+        parse=positive_float,
+        metavar="S",
+        help="seconds between status probe rounds",
+    )
+    env_flag(
+        parser,
+        "--probe-timeout",
+        env=PROBE_TIMEOUT_ENV_VAR,
+        default=1.0,
+        parse=positive_float,
+        metavar="S",
+        help="seconds a background probe may take",
+    )
     parser.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
-    parser.add_argument(
-        "--http-port",
-        type=_port,
-        help="also serve NeMo Gym's HTTP head on this port, 0 for a free one (default: head_server.http_port)",
-    )
-    parser.add_argument(
-        "--max-watches",
-        type=_positive_int,
-        help="status watches served at once; more get RESOURCE_EXHAUSTED (default: 512)",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-
-
-def _serving_options(args: argparse.Namespace) -> dict[str, Any]:
-    options = {
-        "probe_interval_seconds": args.probe_interval,
-        "probe_timeout_seconds": args.probe_timeout,
-        "reflection": not args.no_reflection,
-    }
-    return options if args.max_watches is None else {**options, "max_concurrent_watches": args.max_watches}
-
-
-def _announce(kind: str, started: HeadServer, source: str) -> None:
-    http = f"; NeMo Gym HTTP head on http://{url_host(started.host)}:{started.http_port}"
-    health = f"; plaintext health service on {url_host(started.host)}:{started.health_port}"
-    print(
-        f"gym-rpc {kind} listening on {started.address} ({source}, {started.security.describe()})"
-        f"{http if started.http_port is not None else ''}"
-        f"{health if started.health_port is not None else ''}",
-        flush=True,
-    )
+    _add_log_flags(parser, "info")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at least at info level")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="gym-rpc", description=__doc__)
+    parser = OneLineErrorParser(prog="gym-rpc", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"gym-rpc {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    head = commands.add_parser("head", help="run a head server (the gRPC control plane)")
-    head.add_argument("--config", type=Path, help="global config YAML (default: the embedded example config)")
-    head.add_argument("--host", help="bind host (default: head_server.host of the config)")
-    head.add_argument("--port", type=_port, help="bind port, 0 for a free one (default: head_server.port)")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        sub: argparse.ArgumentParser = commands.add_parser(
+            name, help=help, description=help, formatter_class=HelpFormatter
+        )
+        return sub
+
+    head = command("head", "run a head server (the gRPC control plane)")
+    env_flag(
+        head,
+        "--config",
+        env=CONFIG_ENV_VAR,
+        default=None,
+        parse=Path,
+        help="global config YAML (none: the embedded example config)",
+    )
+    head.add_argument("--host", help="bind host (none: head_server.host of the config)")
+    head.add_argument("--port", type=port_number, help="bind port, 0 for a free one (none: head_server.port)")
+    env_flag(
+        head,
+        "--http-port",
+        env=HTTP_PORT_ENV_VAR,
+        default=None,
+        parse=port_number,
+        help="also serve NeMo Gym's HTTP head on this port, 0 for a free one (none: head_server.http_port)",
+    )
+    env_flag(
+        head,
+        "--metrics-port",
+        env=METRICS_PORT_ENV_VAR,
+        default=None,
+        parse=port_number,
+        help="serve GET /metrics (Prometheus text) alone on this port, 0 for a free one (it is on the HTTP head's "
+        "port too)",
+    )
+    _add_probe_flags(head)
     head.add_argument(
         "--status-max-age",
-        type=_non_negative_seconds,
-        help="seconds a cached status answers a status call stating no max_age (default: half the interval)",
+        type=non_negative_float,
+        metavar="S",
+        help="seconds a cached status answers a status call stating no max_age (none: half the probe interval)",
     )
-    _add_serving_flags(head)
 
-    bridge = commands.add_parser("bridge", help="serve the gRPC control plane in front of a NeMo Gym HTTP head")
+    bridge = command("bridge", "serve the gRPC control plane in front of a NeMo Gym HTTP head")
     bridge.add_argument("--upstream", required=True, metavar="URL", help="the NeMo Gym head, http://HOST:PORT")
     bridge.add_argument(
         "--listen",
         metavar="HOST:PORT",
-        default=None,
-        help="gRPC address, port 0 for a free one (default: head_server of --config, else 127.0.0.1:11000)",
-    )
-    bridge.add_argument(
-        "--refresh-interval", type=_seconds, default=1.0, help="seconds between fetches from the upstream"
-    )
-    bridge.add_argument(
-        "--fetch-timeout", type=_seconds, default=2.0, help="seconds one upstream request may take"
+        help="gRPC address, port 0 for a free one (none: head_server of --config, else 127.0.0.1:11000)",
     )
     bridge.add_argument(
         "--config",
         type=Path,
-        help="a config YAML whose head_server block sets where and how the bridge serves, as for the head: host, "
-        "port, auth_token, tls, health_port, http_port (the upstream's config is what it serves)",
+        help="a config YAML whose head_server block says where and how the bridge serves, as for the head: host, "
+        "port, auth_token, tls, health_port, http_port (what it serves is the upstream's config)",
     )
-    _add_serving_flags(bridge)
+    bridge.add_argument(
+        "--http-port",
+        type=port_number,
+        help="also serve NeMo Gym's HTTP head on this port, 0 for a free one (none: head_server.http_port)",
+    )
+    bridge.add_argument(
+        "--refresh-interval", type=positive_float, default=1.0, help="seconds between fetches from the upstream"
+    )
+    bridge.add_argument(
+        "--fetch-timeout", type=positive_float, default=2.0, help="seconds one upstream request may take"
+    )
+    _add_probe_flags(bridge)
+    for server in (head, bridge):
+        server.add_argument(
+            "--max-watches",
+            type=_positive_int,
+            metavar="N",
+            help="status watches served at once; more get RESOURCE_EXHAUSTED (none: 512)",
+        )
 
-    status = commands.add_parser("status", help="show every server's status")
+    status = command("status", "show every server's status; exit 1 when one is not up")
     _add_head_flags(status)
-    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_output_flag(status, OUTPUT_FORMATS, "table")
     status.add_argument("--watch", action="store_true", help="redraw on every change until Ctrl-C")
     status.add_argument(
         "--max-wait",
-        type=_non_negative_seconds,
-        default=None,
-        metavar="SECONDS",
-        help="with --watch: give up once the head has been unreachable this long (default: retry until Ctrl-C)",
+        type=non_negative_float,
+        metavar="S",
+        help="with --watch: give up once the head has been unreachable this long (none: retry until Ctrl-C)",
+    )
+    status.add_argument(
+        "--allow-down",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a server that may be down without failing the command (repeat for more)",
     )
 
-    config = commands.add_parser("config", help="print the global config (secrets redacted)")
+    wait = command("wait", "wait until the named servers (default: all) are up; exit 1 naming those still down")
+    wait.add_argument("servers", nargs="*", metavar="SERVER", help="server names (none: every server)")
+    env_flag(
+        wait,
+        "--timeout",
+        env=WAIT_TIMEOUT_ENV_VAR,
+        default=DEFAULT_WAIT_TIMEOUT_SECONDS,
+        parse=positive_float,
+        metavar="S",
+        help="give up after this many seconds",
+    )
+    _add_head_flags(wait, call_timeout=False)
+    _add_output_flag(wait, OUTPUT_FORMATS, "table")
+
+    config = command("config", "print the global config (secrets redacted)")
     _add_head_flags(config)
-    form = config.add_mutually_exclusive_group()
-    form.add_argument("--json", action="store_true", help="print JSON")
-    form.add_argument("--yaml", action="store_true", help="print YAML (the default)")
+    _add_output_flag(config, CONFIG_FORMATS, "yaml")
+    config.add_argument("--yaml", dest="output", action="store_const", const="yaml", help="same as -o yaml")
     config.add_argument(
         "--include-secrets",
         action="store_true",
         help="ask for the secrets too (needs the head's token, from $GYM_RPC_TOKEN; else they stay redacted)",
     )
 
-    demo = commands.add_parser("demo", help="run a head, demo servers and rollouts end to end on loopback")
+    demo = command("demo", "run a head, demo servers and rollouts end to end on loopback")
     demo.add_argument("--rollouts", type=_positive_int, default=300, help="how many rollouts to run")
     demo.add_argument("--concurrency", type=_positive_int, default=32, help="rollouts in flight at once")
+
+    completion = command("completion", "print a shell completion script (eval it in your shell's rc file)")
+    completion.add_argument("shell", choices=("bash", "zsh", "tcsh"), help="the shell")
     return parser
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, with a usage mistake reported as one line (argparse prints the whole usage text first)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _port(text: str) -> int:
-    """A port to bind, 0 for a free one: 70000 would silently bind 70000 - 65536."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, not {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535 (0 picks a free port), not {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    """A positive, finite number of seconds: 0 spins a core, nan and inf never end."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, not {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
-    return value
 
 
 def _positive_int(text: str) -> int:
@@ -198,29 +294,50 @@ def _positive_int(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for problem in env_errors(parser, args.command):
+        parser.exit(EXIT_USAGE, f"gym-rpc {args.command}: error: {problem}\n")
+    _set_up_logging(args)
     try:
         commands = {
             "head": cmd_head,
             "bridge": cmd_bridge,
             "status": cmd_status,
+            "wait": cmd_wait,
             "config": cmd_config,
             "demo": cmd_demo,
+            "completion": cmd_completion,
         }
         code = commands[args.command](args)
     except KeyboardInterrupt:
-        code = 130
+        code = EXIT_INTERRUPTED
+    except UsageError as exc:
+        print(f"gym-rpc {args.command}: error: {exc}", file=sys.stderr)
+        code = EXIT_USAGE
+    except HeadUnreachableError as exc:
+        print(f"gym-rpc {args.command}: error: {exc}", file=sys.stderr)
+        code = EXIT_HEAD_UNREACHABLE
     except GymRpcError as exc:
         print(f"gym-rpc {args.command}: error: {exc}", file=sys.stderr)
-        code = 1
+        code = EXIT_DOWN
     sys.exit(code)
+
+
+def _set_up_logging(args: argparse.Namespace) -> None:
+    level = getattr(args, "log_level", "warning")
+    if getattr(args, "verbose", False) and LOG_LEVELS.index(level) > LOG_LEVELS.index("info"):
+        level = "info"
+    configure_logging(level, getattr(args, "log_format", "text"))
+
+
+# --- servers: head, bridge, demo ---------------------------------------------------------------------------------
 
 
 def cmd_head(args: argparse.Namespace) -> int:
     # The serving commands import the server layer when they run: `gym-rpc status` and friends start faster.
     from gym_rpc.server import HeadOptions, HeadServer, run_head
 
-    _log_level(args)
     if args.config is not None:
         config, source = load_config_file(args.config), str(args.config)
     else:
@@ -228,23 +345,39 @@ def cmd_head(args: argparse.Namespace) -> int:
     options = HeadOptions(
         host=args.host,
         port=args.port,
-        status_max_age_seconds=args.status_max_age,
+        probe_interval_seconds=args.probe_interval,
+        probe_timeout_seconds=args.probe_timeout,
+        reflection=not args.no_reflection,
         http_port=args.http_port,
-        **_serving_options(args),
+        metrics_port=args.metrics_port,
+        status_max_age_seconds=args.status_max_age,
+        **_max_watches(args),
     )
-    what = f"config: {source}, version {config.version}, {len(config.servers)} servers"
-    asyncio.run(
-        run_head(HeadServer(config, options, config_path=args.config), lambda h: _announce("head", h, what))
-    )
-    return 0
+    head = HeadServer(config, options, config_path=args.config)
+
+    def announce(started: HeadServer) -> None:
+        http = f"; NeMo Gym HTTP head on http://{url_host(started.host)}:{started.http_port}"
+        health = f"; plaintext health service on {url_host(started.host)}:{started.health_port}"
+        metrics = f"; metrics on http://{url_host(started.host)}:{started.metrics_port}/metrics"
+        print(
+            f"gym-rpc head listening on {started.address} "
+            f"(config: {source}, version {config.version}, {len(config.servers)} servers, "
+            f"{started.security.describe()})"
+            f"{http if started.http_port is not None else ''}"
+            f"{health if started.health_port is not None else ''}"
+            f"{metrics if started.metrics_port is not None else ''}",
+            flush=True,
+        )
+
+    asyncio.run(run_head(head, announce))
+    return EXIT_OK
 
 
 def cmd_bridge(args: argparse.Namespace) -> int:
     from gym_rpc.server import BridgeHead, BridgeOptions, parse_listen_address, run_head  # lazy: see cmd_head
 
-    _log_level(args)
     own = load_config_file(args.config).document[HEAD_SERVER_KEY] if args.config is not None else {}
-    listen = args.listen or (f"{url_host(own['host'])}:{own['port']}" if own else "127.0.0.1:11000")
+    listen = args.listen or (f"{url_host(own['host'])}:{own['port']}" if own else DEFAULT_HEAD)
     host, port = parse_listen_address(listen)
     options = BridgeOptions(
         upstream_url=args.upstream,
@@ -252,74 +385,213 @@ def cmd_bridge(args: argparse.Namespace) -> int:
         port=port,
         refresh_interval_seconds=args.refresh_interval,
         fetch_timeout_seconds=args.fetch_timeout,
+        probe_interval_seconds=args.probe_interval,
+        probe_timeout_seconds=args.probe_timeout,
+        reflection=not args.no_reflection,
         head_server={**own, **({"http_port": args.http_port} if args.http_port is not None else {})},
-        **_serving_options(args),
+        **_max_watches(args),
     )
-    bridge = BridgeHead(options)
-    asyncio.run(run_head(bridge, lambda b: _announce("bridge", b, bridge.upstream_url)))
-    return 0
+
+    def announce(started: BridgeHead) -> None:
+        guard = started.security.describe()
+        print(f"gym-rpc bridge listening on {started.address} ({started.upstream_url}, {guard})", flush=True)
+
+    asyncio.run(run_head(BridgeHead(options), announce))
+    return EXIT_OK
 
 
-def _log_level(args: argparse.Namespace) -> None:
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
-    )
+def _max_watches(args: argparse.Namespace) -> dict[str, int]:
+    return {} if args.max_watches is None else {"max_concurrent_watches": args.max_watches}
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from gym_rpc.demo import run_demo  # lazy, as cmd_head: the demo runs a head
+    from gym_rpc.demo import run_demo
 
     return asyncio.run(run_demo(args.rollouts, args.concurrency))
 
 
-def _client(args: argparse.Namespace) -> SyncControlClient:
-    return SyncControlClient(args.head or default_head_address(), timeout_seconds=args.timeout)
+def cmd_completion(args: argparse.Namespace) -> int:
+    import shtab
+
+    print(shtab.complete(build_parser(), shell=args.shell))
+    return EXIT_OK
+
+
+# --- clients: config, status, wait -------------------------------------------------------------------------------
+
+
+def _client(args: argparse.Namespace, timeout: float | None = None) -> SyncControlClient:
+    seconds: float = timeout if timeout is not None else args.timeout
+    return SyncControlClient(args.head, timeout_seconds=seconds)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    from gym_rpc._render import render_document
+
     config = _client(args).get_global_config(include_secrets=args.include_secrets)
-    if args.json:
-        print(json.dumps(config.document, indent=2, ensure_ascii=False))
+    print(render_document(config.document, args.output))
+    return EXIT_OK
+
+
+def _instances(client: SyncControlClient) -> dict[str, ServerInstance]:
+    return {instance.name: instance for instance in client.list_server_instances()}
+
+
+def _require_known(names: Sequence[str], reports: Sequence[StatusReport], flag: str) -> None:
+    known = [r.server_name for r in reports]
+    for name in names:
+        if name not in known:
+            raise UsageError(f"{flag}: {UnknownServerError(name, known)}")
+
+
+def _not_up(reports: Sequence[StatusReport], exempt: Sequence[str] = ()) -> list[StatusReport]:
+    return [r for r in reports if r.status != "success" and r.server_name not in exempt]
+
+
+def _print_statuses(
+    reports: Sequence[StatusReport], instances: dict[str, ServerInstance], output: str, exempt: Sequence[str]
+) -> None:
+    from gym_rpc._render import format_status_table, render_rows, status_rows, summary_line
+
+    if output == "table":
+        print(format_status_table(reports, instances, color=sys.stdout.isatty()))
+        print(summary_line(reports, exempt))
     else:
-        print(yaml.safe_dump(config.document, sort_keys=False, allow_unicode=True), end="")
-    return 0
+        print(render_rows(status_rows(reports, instances), output))  # type: ignore[arg-type]
+    sys.stdout.flush()
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     client = _client(args)
-    instances = {i.name: i for i in client.list_server_instances()}  # an unreachable head fails here, at once
     if args.watch:
-        return _watch(client, instances, as_json=args.json, max_wait=args.max_wait)
-    snapshot = client.list_server_statuses()
-    if args.json:
-        print(json.dumps([status_row(r, instances.get(r.server_name)) for r in snapshot.reports], indent=2))
-    else:
-        print(format_status_table(snapshot.reports, instances))
-    return 0
+        return _watch_status(client, args)
+    instances = _instances(client)
+    reports = client.list_server_statuses().reports
+    _require_known(args.allow_down, reports, "--allow-down")
+    _print_statuses(reports, instances, args.output, args.allow_down)
+    return EXIT_DOWN if _not_up(reports, args.allow_down) else EXIT_OK
 
 
-def _watch(
-    client: SyncControlClient, instances: dict[str, ServerInstance], *, as_json: bool, max_wait: float | None
-) -> int:
-    """Redraw on every change; the watch itself reconnects and resumes when the head goes away."""
+def watch_events(
+    client: SyncControlClient,
+    *,
+    heartbeat_seconds: float | None = None,
+    deadline: float | None = None,
+    max_wait: float | None = None,
+) -> Iterator[WatchEvent]:
+    """The head's status events from the library's watch (gym_rpc.client._watch), which reconnects with capped,
+    jittered backoff and resumes from the last revision. It gives up, raising the last HeadUnreachableError, once
+    the head has been unreachable `max_wait` seconds or at `deadline` (time.monotonic()); else never."""
 
     def retrying(error: ControlPlaneError, pause: float) -> None:
-        print(f"gym-rpc status: {error}; retrying in {pause:.1f}s", file=sys.stderr)
+        print(f"gym-rpc: {error}; retrying in {pause:.1f}s", file=sys.stderr)
 
-    watch = SyncStatusWatch(client, max_wait_seconds=max_wait, on_retry=retrying)
-    for event in watch:
-        if event.kind == "heartbeat":
-            continue
-        if event.kind == "snapshot" and event.compacted:  # a restarted head: its instances may have changed too
-            with contextlib.suppress(HeadUnreachableError):  # gone again: the watch will say so and wait
-                instances = {i.name: i for i in client.list_server_instances()}
-        if as_json:
-            rows = [status_row(r, instances.get(r.server_name)) for r in watch.reports.values()]
-            print(json.dumps({"revision": watch.revision, "kind": event.kind, "servers": rows}), flush=True)
+    watch = SyncStatusWatch(
+        client, heartbeat_seconds=heartbeat_seconds, max_wait_seconds=max_wait, until=deadline, on_retry=retrying
+    )
+    yield from watch
+
+
+def _watch_status(client: SyncControlClient, args: argparse.Namespace) -> int:
+    """Redraw on every change; the table also every WATCH_REFRESH_SECONDS, so LAST CHECKED stays true.
+
+    Every drawing is taken from ListServerStatuses, not from the events alone: a change event carries only the
+    servers that changed, and the head probes the others on without telling the watch (their last check moves
+    on while their status stays).
+    """
+    from gym_rpc._render import render_document, status_rows
+
+    table = args.output == "table"
+    terminal = sys.stdout.isatty()
+    _require_known(args.allow_down, client.list_server_statuses().reports, "--allow-down")  # fails fast too
+    heartbeat = WATCH_REFRESH_SECONDS if table else None
+    for event in watch_events(client, heartbeat_seconds=heartbeat, max_wait=args.max_wait):
+        if event.kind == "heartbeat" and not (table and terminal):
+            continue  # piped output gets a drawing per change, not per second
+        reports, instances = client.list_server_statuses().reports, _instances(client)
+        if table:
+            if terminal:
+                print("\x1b[H\x1b[2J", end="")
+            print(f"revision {event.revision}")
+            _print_statuses(reports, instances, "table", args.allow_down)
         else:
-            clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
-            print(
-                f"{clear}revision {watch.revision}\n{format_status_table(list(watch.reports.values()), instances)}"
-            )
-            sys.stdout.flush()
-    return 0
+            document = {"revision": event.revision, "kind": event.kind, "servers": status_rows(reports, instances)}
+            print(render_document(document, "jsonl" if args.output == "json" else args.output), flush=True)
+            if args.output == "yaml":
+                print("---", flush=True)
+    return EXIT_OK  # the stream never ends by itself: Ctrl-C or giving up ends the command
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    """Block on the watch until every named server (or all) is up, or the timeout passes."""
+    from gym_rpc._render import summary_line
+
+    deadline = time.monotonic() + args.timeout
+    client = _client(args, DEFAULT_TIMEOUT_SECONDS)
+    progress = _WaitProgress(args.timeout, deadline)
+    reports: dict[str, StatusReport] = {}
+    try:
+        for event in watch_events(client, heartbeat_seconds=WATCH_REFRESH_SECONDS, deadline=deadline):
+            if event.kind == "snapshot":
+                reports = {}
+                _require_known(args.servers, event.reports, "wait")
+            reports.update((r.server_name, r) for r in event.reports)
+            watched = [r for name, r in reports.items() if not args.servers or name in args.servers]
+            if not _not_up(watched):
+                progress.done()
+                _print_wait_result(watched, client, args.output)
+                return EXIT_OK
+            progress.show(_not_up(watched))
+            if time.monotonic() >= deadline:
+                break
+    except HeadUnreachableError:
+        progress.done()
+        if not reports:
+            raise
+    progress.done()
+    watched = [r for name, r in reports.items() if not args.servers or name in args.servers]
+    down = _not_up(watched)
+    print(f"gym-rpc wait: timed out after {args.timeout:g}s; {summary_line(watched)}", file=sys.stderr)
+    _print_wait_result(watched, client, args.output)
+    return EXIT_DOWN if down else EXIT_OK
+
+
+def _print_wait_result(reports: Sequence[StatusReport], client: SyncControlClient, output: str) -> None:
+    from gym_rpc._render import render_rows, status_rows, summary_line
+
+    if output == "table":
+        print(summary_line(reports), flush=True)
+        return
+    try:
+        instances = _instances(client)
+    except GymRpcError:
+        instances = {}
+    print(render_rows(status_rows(reports, instances), output), flush=True)  # type: ignore[arg-type]
+
+
+class _WaitProgress:
+    """What `wait` shows on stderr while it waits: a live line on a terminal, a line per change otherwise."""
+
+    def __init__(self, timeout: float, deadline: float) -> None:
+        from rich.console import Console
+
+        self._console = Console(stderr=True, highlight=False)
+        self._deadline = deadline
+        self._last = ""
+        self._status = self._console.status("waiting for the head") if self._console.is_terminal else None
+        if self._status is not None:
+            self._status.start()
+
+    def show(self, down: Sequence[StatusReport]) -> None:
+        names = ", ".join(f"{r.server_name} ({r.status or 'pending'})" for r in down)
+        if self._status is not None:
+            left = max(0.0, self._deadline - time.monotonic())
+            self._status.update(f"waiting for {names} ({left:.0f}s left)")
+        elif names != self._last:
+            print(f"gym-rpc wait: waiting for {names}", file=sys.stderr, flush=True)
+        self._last = names
+
+    def done(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None

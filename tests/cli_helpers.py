@@ -134,9 +134,10 @@ class CliProcess:
 
 
 class HeadProcess(CliProcess):
-    """`gym-rpc head` on a free port; `address` is the HOST:PORT it printed."""
+    """`gym-rpc head` on a free port; `address` is the HOST:PORT it printed, `banner` that whole line."""
 
     address: str
+    banner: str
 
 
 @contextlib.contextmanager
@@ -158,7 +159,8 @@ def running_head(
         args += ["--config", str(config)]
     head = HeadProcess(args, env)
     try:
-        head.address = head.wait_for_line(LISTENING_PATTERN, STARTUP_SECONDS).group(1)
+        match = head.wait_for_line(LISTENING_PATTERN, STARTUP_SECONDS)
+        head.address, head.banner = match.group(1), match.string
         yield head
     finally:
         head.close()
@@ -167,9 +169,9 @@ def running_head(
 class ThreadedHttpServer:
     """A real aiohttp server on its own event loop in a thread, for tests that are not async."""
 
-    def __init__(self, status: int = 200) -> None:
+    def __init__(self, status: int = 200, port: int = 0) -> None:
         self.status = status
-        self.port = 0
+        self.port = port  # 0: a free one; a held port (conftest.closed_port) to "bring a server up" there
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
         self._ready = threading.Event()
@@ -183,7 +185,7 @@ class ThreadedHttpServer:
         app.router.add_route("*", "/{tail:.*}", self._answer)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, LOOPBACK, 0).start()
+        await web.TCPSite(self._runner, LOOPBACK, self.port, reuse_address=True).start()
         self.port = int(self._runner.addresses[0][1])
 
     def _serve(self) -> None:
@@ -211,8 +213,8 @@ class ThreadedHttpServer:
 
 
 @contextlib.contextmanager
-def threaded_http_server(status: int = 200) -> Iterator[ThreadedHttpServer]:
-    server = ThreadedHttpServer(status).start()
+def threaded_http_server(status: int = 200, port: int = 0) -> Iterator[ThreadedHttpServer]:
+    server = ThreadedHttpServer(status, port).start()
     try:
         yield server
     finally:

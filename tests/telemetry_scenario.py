@@ -7,7 +7,9 @@ Scenarios (the environment, set by the caller, decides the OTEL_* variables):
 * `app-provider`: the application installs an SDK provider with an in-memory exporter before anything else.
 * `bare`: nobody installs a provider (tracing must then stay free: no SDK import).
 * `otlp`: nobody installs one; OTEL_EXPORTER_OTLP_ENDPOINT is set, so gym_rpc installs the SDK's with OTLP.
-Config flag: `--observability` puts `observability_enabled: true` in the global config.
+Config flag: `--observability` puts `observability_enabled: true` in the global config. `--rules` adds the calls
+whose tracing rules README states: a status watch and a health check inside the worker's span, a health check
+outside any span (as a Kubernetes probe makes), and a server without the middleware that uses `server_span()`.
 
 The servers start before the worker's span exists, so nothing but the wire (gRPC metadata, the `traceparent`
 header, the `/ng-trace/` path segment) can carry the worker's trace to them.
@@ -22,8 +24,10 @@ import sys
 from typing import Any
 
 import aiohttp
+import grpc
 import uvicorn
 from aiohttp import web
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
 from gym_rpc.client._channel import close_aio_channels, close_sync_channels
@@ -35,11 +39,12 @@ from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.integrations._middleware import Receive, Scope, Send, TraceContextPathMiddleware
 from gym_rpc.server._head import HeadOptions, HeadServer
 from gym_rpc.server._tracing import server_interceptors
-from gym_rpc.telemetry import tracing_enabled
+from gym_rpc.telemetry import server_span, set_response_status, tracing_enabled
 
 LOOPBACK = "127.0.0.1"
 ROLLOUT_ID = "rollout/7"  # a '/' in it: the id must travel as one encoded segment
-WATCHED_MODULES = ("opentelemetry.sdk", "opentelemetry.instrumentation.grpc", "opentelemetry.propagate")
+# The tracing SDK, not the metrics one: the head in these scenarios always measures (gym_rpc.metrics).
+WATCHED_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.instrumentation.grpc", "opentelemetry.propagate")
 
 
 def seen_by_handler(traceparent: str | None) -> dict[str, Any]:
@@ -98,6 +103,33 @@ async def start_asgi_receiver() -> tuple[uvicorn.Server, asyncio.Task[None], int
     return server, task, int(server.servers[0].sockets[0].getsockname()[1])
 
 
+async def plain_handler(request: web.Request) -> web.Response:
+    """A server without TraceContextPathMiddleware that continues the caller's trace with server_span()."""
+    with server_span(
+        request.method, request.headers, path=request.path, scheme=request.scheme, rollout_id=None
+    ) as span:
+        response = web.json_response(seen_by_handler(request.headers.get("traceparent")))
+        set_response_status(span, response.status, server=True)
+        return response
+
+
+async def start_plain_receiver() -> tuple[web.AppRunner, int]:
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", plain_handler)  # rollout prefixes stay in the path: no middleware
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, LOOPBACK, 0).start()
+    return runner, int(runner.addresses[0][1])
+
+
+async def health_check(address: str, traced: bool) -> int:
+    """One grpc.health.v1 Check of the head, through gym_rpc's traced channel interceptors or a bare channel."""
+    interceptors = aio_client_interceptors() if traced else None
+    async with grpc.aio.insecure_channel(address, interceptors=interceptors) as channel:
+        answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return int(answer.status)
+
+
 def install_app_provider() -> Any:
     """What an application does before using gym_rpc: its own SDK provider, here with an in-memory exporter."""
     from opentelemetry.sdk.trace import TracerProvider
@@ -130,9 +162,10 @@ async def post_json(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
         return answer
 
 
-async def run(scenario: str, observability: bool) -> dict[str, Any]:
+async def run(scenario: str, observability: bool, rules: bool) -> dict[str, Any]:
     exporter = install_app_provider() if scenario == "app-provider" else None
     runner, aiohttp_port = await start_aiohttp_receiver()
+    plain_runner, plain_port = await start_plain_receiver()
     uvicorn_server, uvicorn_task, asgi_port = await start_asgi_receiver()
     doc: dict[str, Any] = {
         "head_server": {"host": LOOPBACK, "port": 0},
@@ -140,6 +173,8 @@ async def run(scenario: str, observability: bool) -> dict[str, Any]:
         "judge": {"responses_api_models": {"asgi_model": {"host": LOOPBACK, "port": asgi_port}}},
         "observability_enabled": observability,
     }
+    if rules:
+        doc["plain"] = {"responses_api_models": {"plain_model": {"host": LOOPBACK, "port": plain_port}}}
     head = HeadServer(GlobalConfig.from_document(doc), HeadOptions(port=0, probe_interval_seconds=0.1))
     await head.start()
     result: dict[str, Any] = {"tracing_enabled": tracing_enabled()}
@@ -159,6 +194,14 @@ async def run(scenario: str, observability: bool) -> dict[str, Any]:
                     result["header"][name] = await response.json()
             async with await client.post("policy", "/fail") as response:
                 result["fail_status"] = response.status
+            if rules:
+                async for event in ControlClient(head.address).watch_server_statuses():
+                    result["watch_kind"] = event.kind
+                    break
+                result["traced_health"] = await health_check(head.address, traced=True)
+                async with await client.post("plain", "/v1/responses", json={"input": "hi"}) as response:
+                    assert response.status == 200, await response.text()
+                    result["header"]["plain"] = await response.json()
             with tracer.start_as_current_span("hand-off") as hand_off:
                 result["hand_off_span_id"] = f"{hand_off.get_span_context().span_id:016x}"
                 handed = {
@@ -166,6 +209,8 @@ async def run(scenario: str, observability: bool) -> dict[str, Any]:
                     for name, port in (("policy", aiohttp_port), ("judge", asgi_port))
                 }
         result["handed_urls"] = handed
+        if rules:  # outside any span, without interceptors: as a Kubernetes probe asks
+            result["probe_health"] = await health_check(head.address, traced=False)
         # A client Gym does not instrument, outside any span: only the URL carries the trace.
         async with aiohttp.ClientSession() as plain:
             result["path"] = {name: await post_json(plain, url + "/v1/responses") for name, url in handed.items()}
@@ -179,6 +224,7 @@ async def run(scenario: str, observability: bool) -> dict[str, Any]:
         close_sync_channels()
         await head.stop()
         await runner.cleanup()
+        await plain_runner.cleanup()
         uvicorn_server.should_exit = True
         await asyncio.wait_for(uvicorn_task, 5)
     result["modules"] = {name: name in sys.modules for name in WATCHED_MODULES}
@@ -193,8 +239,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=["app-provider", "bare", "otlp"])
     parser.add_argument("--observability", action="store_true")
+    parser.add_argument("--rules", action="store_true")
     args = parser.parse_args()
-    result = asyncio.run(run(args.scenario, args.observability))
+    result = asyncio.run(run(args.scenario, args.observability, args.rules))
     print(json.dumps(result))
 
 

@@ -394,7 +394,8 @@ async def test_cli_bridge_serves_gym_rpc_status_and_names_a_down_upstream(nemo_h
         address = (await asyncio.to_thread(bridge.wait_for_line, banner, STARTUP_SECONDS)).group(1)
 
         async def status_rows() -> dict[str, str]:
-            result = await asyncio.to_thread(run_cli, ["status", "--head", address, "--json"])
+            args = ["status", "--head", address, "--json", "--allow-down", "simple_agent"]
+            result = await asyncio.to_thread(run_cli, args)
             assert result.returncode == 0, result.stderr
             return {row["name"]: row["status"] for row in json.loads(result.stdout)}
 
@@ -403,7 +404,7 @@ async def test_cli_bridge_serves_gym_rpc_status_and_names_a_down_upstream(nemo_h
 
         await upstream.stop()
         refused = await asyncio.to_thread(run_cli, ["status", "--head", address, "--timeout", "2"])
-        assert refused.returncode == 1
+        assert refused.returncode == 3  # the control plane cannot answer: as if the head were unreachable
         assert f"NeMo Gym head at {upstream.url} is unavailable" in refused.stderr
 
         bridge.process.send_signal(signal.SIGTERM)
@@ -462,3 +463,28 @@ def test_cli_bridge_takes_where_and_how_it_serves_from_a_config_file(tmp_path: P
     assert re.fullmatch(
         rf"gym-rpc bridge listening on {LOOPBACK}:\d+ \({upstream}, plaintext, token required\)", line.string
     )
+
+
+async def test_sighup_makes_the_bridge_fetch_at_once(nemo_head, http_server):
+    """README: "ReloadGlobalConfig or SIGHUP fetch at once": with an hour between scheduled fetches, a changed
+    upstream config is served right after SIGHUP."""
+    upstream = await nemo_head(upstream_document(await http_server(), closed_port()))
+    args = ["bridge", "--upstream", upstream.url, "--listen", f"{LOOPBACK}:0", "--refresh-interval", "3600"]
+    banner = re.compile(rf"^gym-rpc bridge listening on ({re.escape(LOOPBACK)}:\d+) ")
+
+    with running_cli(args) as bridge:
+        address = (await asyncio.to_thread(bridge.wait_for_line, banner, STARTUP_SECONDS)).group(1)
+        client = ControlClient(address)
+        before = await client.get_global_config()
+        assert "example_resources" not in before.servers
+        upstream.doc = {
+            **upstream.doc,
+            "example_resources": server_entry(await http_server(), "resources_servers"),
+        }
+
+        bridge.process.send_signal(signal.SIGHUP)
+
+        after = await eventually(client.get_global_config, lambda c: c.version != before.version)
+        assert list(after.servers) == ["policy_model", "simple_agent", "example_resources"]
+        bridge.process.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(bridge.wait, 10) == 0

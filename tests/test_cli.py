@@ -36,7 +36,7 @@ from tests.cli_helpers import (
 )
 from tests.conftest import closed_port, server_entry
 
-TABLE_HEADER = ["NAME", "TYPE", "URL", "STATUS", "LATENCY", "LAST CHECKED"]
+TABLE_HEADER = ["NAME", "TYPE", "URL", "STATUS", "LATENCY", "LAST CHECKED", "PID", "UPTIME"]
 SECRET = "sk-do-not-print-me"
 WAIT_SECONDS = 10.0
 CLI_SLACK_SECONDS = 6.0  # a cold interpreter importing grpc on a loaded 2-core machine, on top of a deadline
@@ -60,9 +60,9 @@ def wait_until_probed(address: str) -> None:
         time.sleep(0.05)
 
 
-def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> str:
-    """A failed command: exit code 1, one stderr line naming every needle, no traceback, nothing on stdout."""
-    assert result.returncode == 1, (result.returncode, result.stderr)
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str, code: int = 1) -> str:
+    """A failed command: exit `code`, one stderr line naming every needle, no traceback, nothing on stdout."""
+    assert result.returncode == code, (result.returncode, result.stderr)
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -115,10 +115,11 @@ def expected_served_document(doc: dict[str, Any], head: HeadProcess) -> dict[str
 
 def test_status_table_lists_every_server(mixed_head: HeadProcess) -> None:
     result = run_cli(["status", "--head", mixed_head.address])
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr  # "gone" is down
     lines = result.stdout.rstrip("\n").splitlines()
     assert re.split(r"\s{2,}", lines[0]) == TABLE_HEADER
-    rows = {cells[0]: cells for cells in (re.split(r"\s{2,}", line) for line in lines[1:])}
+    assert lines[-1] == "2/3 up; down: gone (connection_error)"
+    rows = {cells[0]: cells for cells in (re.split(r"\s{2,}", line) for line in lines[1:-1])}
     assert set(rows) == {"live", "failing", "gone"}
     assert rows["live"][1] == "responses_api_models"
     assert rows["live"][3] == "success"
@@ -131,11 +132,12 @@ def test_status_table_lists_every_server(mixed_head: HeadProcess) -> None:
         assert len(cells) == len(TABLE_HEADER), cells
         assert re.fullmatch(r"\d+\.\d ms", cells[4]), cells
         assert re.fullmatch(r"\d+\.\ds ago", cells[5]), cells
+        assert cells[6:] == ["-", "-"], cells  # no pid nor uptime: nothing registered
 
 
 def test_status_json_has_a_row_per_server(mixed_head: HeadProcess, mixed_doc: dict[str, Any]) -> None:
     result = run_cli(["status", "--head", mixed_head.address, "--json"])
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr
     rows = {row["name"]: row for row in json.loads(result.stdout)}
     assert {name: row["status"] for name, row in rows.items()} == {
         "live": "success",
@@ -149,6 +151,7 @@ def test_status_json_has_a_row_per_server(mixed_head: HeadProcess, mixed_doc: di
         assert row["url"].startswith(f"http://{LOOPBACK}:")
         assert isinstance(row["latency_ms"], float)
         assert row["checked_at"] > 0
+        assert (row["pid"], row["start_time"], row["uptime_seconds"]) == (None, None, None)
 
 
 def test_config_json_prints_the_document_with_secrets_redacted(
@@ -173,7 +176,7 @@ def test_config_yaml_prints_the_same_document(mixed_head: HeadProcess, mixed_doc
 
 
 def test_head_address_comes_from_the_environment(mixed_head: HeadProcess) -> None:
-    result = run_cli(["status", "--json"], env={HEAD_ADDRESS_ENV_VAR: mixed_head.address})
+    result = run_cli(["status", "--json", "--allow-down", "gone"], env={HEAD_ADDRESS_ENV_VAR: mixed_head.address})
     assert result.returncode == 0, result.stderr
     assert {row["name"] for row in json.loads(result.stdout)} == {"live", "failing", "gone"}
 
@@ -190,7 +193,7 @@ def test_default_head_address_when_neither_flag_nor_environment() -> None:
         if probe.connect_ex((DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT)) == 0:
             pytest.skip(f"something listens on the default head address {DEFAULT_HEAD_HOST}:{DEFAULT_HEAD_PORT}")
     result = run_cli(["config", "--timeout", "2"])
-    assert_one_line_error(result, f"{DEFAULT_HEAD_HOST}:{DEFAULT_HEAD_PORT}")
+    assert_one_line_error(result, f"{DEFAULT_HEAD_HOST}:{DEFAULT_HEAD_PORT}", code=3)
 
 
 # --- the embedded default ---
@@ -232,8 +235,10 @@ def test_head_without_config_serves_the_embedded_default() -> None:
         "observability_enabled": True,
     }
     assert json.loads(result.stdout) == expected
-    assert status.returncode == 0, status.stderr
-    assert {row["name"] for row in json.loads(status.stdout)} == set(GlobalConfig.from_document(embedded).servers)
+    rows = json.loads(status.stdout)
+    assert {row["name"] for row in rows} == set(GlobalConfig.from_document(embedded).servers)
+    all_up = all(row["status"] == "success" for row in rows)
+    assert status.returncode == (0 if all_up else 1), status.stderr
 
 
 # --- failures: one line, no traceback, within the deadline ---
@@ -247,7 +252,7 @@ def test_unreachable_head_fails_fast_with_one_line(command: list[str]) -> None:
     started = time.monotonic()
     result = run_cli([*command, "--head", address, "--timeout", "2"], timeout=20)
     elapsed = time.monotonic() - started
-    assert_one_line_error(result, address, "unreachable")
+    assert_one_line_error(result, address, "unreachable", code=3)
     assert elapsed < 2.0 + CLI_SLACK_SECONDS, f"took {elapsed:.1f}s"
 
 
@@ -257,7 +262,7 @@ def test_head_that_never_answers_fails_within_the_deadline() -> None:
         started = time.monotonic()
         result = run_cli(["status", "--head", address, "--timeout", "1"], timeout=20)
         elapsed = time.monotonic() - started
-    assert_one_line_error(result, address)
+    assert_one_line_error(result, address, code=3)
     assert elapsed < 1.0 + CLI_SLACK_SECONDS, f"took {elapsed:.1f}s"
 
 
@@ -304,25 +309,35 @@ def wait_for_version_change(client: SyncControlClient, old: str) -> str:
 def test_sighup_reloads_the_config_file(tmp_path: Path) -> None:
     doc = {"head_server": {"host": LOOPBACK, "port": 0}, "first": server_entry(closed_port())}
     path = write_config(tmp_path / "config.yaml", doc)
-    with running_head(path, "--verbose") as head:
+    with running_head(path) as head:
         client = SyncControlClient(head.address, timeout_seconds=2.0)
         before = client.get_global_config().version
 
         head.process.send_signal(signal.SIGHUP)  # same content: no new version
-        head.wait_for_stderr("SIGHUP: config unchanged", WAIT_SECONDS)
+        head.wait_for_stderr(
+            f"INFO gym_rpc.head: config reload from {path}: unchanged (version {before})", WAIT_SECONDS
+        )
         assert client.get_global_config().version == before
 
         write_config(path, {**doc, "second": server_entry(closed_port(), "resources_servers")})
         head.process.send_signal(signal.SIGHUP)
         after = wait_for_version_change(client, before)
+        head.wait_for_stderr(
+            f"INFO gym_rpc.head: config reloaded from {path}: version {before} -> {after} (added second)",
+            WAIT_SECONDS,
+        )
         printed = json.loads(run_cli(["config", "--json", "--head", head.address]).stdout)
         assert set(printed) == {"head_server", "first", "second"}
 
         path.write_text("first: [unclosed\n", encoding="utf-8")  # a bad file keeps the old config
         head.process.send_signal(signal.SIGHUP)
-        head.wait_for_stderr("reload refused", WAIT_SECONDS)
+        head.wait_for_stderr(
+            f"WARNING gym_rpc.head: config reload from {path} refused, old config kept", WAIT_SECONDS
+        )
         assert client.get_global_config().version == after
         assert head.process.poll() is None
+    reload_lines = [line for line in head.stderr_text.splitlines() if "reload" in line]
+    assert len(reload_lines) == 3, reload_lines  # one line per reload
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

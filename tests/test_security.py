@@ -12,6 +12,8 @@ import ipaddress
 import json
 import logging
 import os
+import subprocess
+import sys
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
@@ -515,3 +517,45 @@ def test_cli_with_tls_and_token_from_the_environment(tmp_path: Path, pki: Pki) -
         assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
         assert "presented-wrong-token" not in refused.stderr and TOKEN not in refused.stderr + refused.stdout
     assert TOKEN not in head.stderr_text
+
+
+async def test_tls_server_name_is_the_name_checked_in_the_head_certificate(head_factory, pki) -> None:
+    """SECURITY.md: a client's `tls.server_name` is "the name to verify in the head's certificate, when it differs
+    from the address": dialled at 127.0.0.1, a name the certificate holds (localhost) passes, another fails."""
+    head = await head_factory(document({}, head_server={"host": LOOPBACK, "port": 0, "tls": tls_block(pki)}))
+
+    def named(server_name: str) -> ControlClient:
+        tls = {"ca_file": str(pki.ca), "server_name": server_name}
+        security = client_security({"host": LOOPBACK, "port": head.port, "tls": tls})
+        return ControlClient(head.address, security=security, timeout_seconds=FAST)
+
+    assert (await named("localhost").list_server_statuses()).reports == []
+    with pytest.raises(HeadUnreachableError):
+        await named("elsewhere.test").list_server_statuses()
+
+
+SYSTEM_ROOTS_CLIENT = """
+import sys
+from gym_rpc.client import SyncControlClient, client_security
+security = client_security({"host": "127.0.0.1", "port": 1, "tls": {}})
+assert security.tls is not None and security.tls.root_certificates is None
+print(SyncControlClient(sys.argv[1], security=security, timeout_seconds=5).get_head_server_config().port)
+"""
+
+
+async def test_a_tls_block_without_a_ca_uses_the_system_roots(head_factory, pki) -> None:
+    """SECURITY.md: "a tls block turns TLS on (with the system's roots when no CA is given)". The system's roots do
+    not know the test CA, so the head is refused; made the system's roots (gRPC's default roots file), it
+    passes."""
+    head = await head_factory(document({}, head_server={"host": LOOPBACK, "port": 0, "tls": tls_block(pki)}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GYM_RPC_")}
+
+    def run(extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-c", SYSTEM_ROOTS_CLIENT, head.address]
+        merged = {**env, **extra}
+        return subprocess.run(command, capture_output=True, text=True, timeout=60, env=merged, check=False)
+
+    untrusted = await asyncio.to_thread(run, {})
+    assert untrusted.returncode == 1 and "HeadUnreachableError" in untrusted.stderr, untrusted.stderr
+    trusted = await asyncio.to_thread(run, {"GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(pki.ca)})
+    assert (trusted.returncode, trusted.stdout) == (0, f"{head.port}\n"), trusted.stderr

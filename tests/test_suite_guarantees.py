@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
+from pathlib import Path
 
 import grpc
 import pytest
@@ -53,3 +55,29 @@ async def test_a_test_may_serve_on_a_held_port_and_get_it_back_after_a_stop() ->
 def test_hypothesis_examples_are_derandomised_by_default() -> None:
     assert settings().derandomize is True
     assert settings().database is None  # nothing remembered from an earlier run changes this one
+
+
+def test_every_test_docs_promises_names_exists() -> None:
+    """docs/PROMISES.md maps each documented promise to its tests: a renamed or deleted test must not leave a
+    promise pointing at nothing."""
+    root = Path(__file__).resolve().parent.parent
+    defined = {
+        (path.name, name)
+        for path in (root / "tests").glob("test_*.py")
+        for name in re.findall(r"^(?:async )?def (test_\w+)", path.read_text(encoding="utf-8"), re.M)
+    }
+    files = {path.name for path in (root / "tests").glob("test_*.py")}
+    table = (root / "docs" / "PROMISES.md").read_text(encoding="utf-8")
+    named = re.findall(r"`(?:(test_\w+\.py)(?:::(test_\w+))?|::(test_\w+))", table)
+    current_file = ""
+    missing = []
+    for file_name, test_in_file, test_after in named:
+        if file_name:
+            current_file = file_name
+            if file_name not in files:
+                missing.append(file_name)
+        test = test_in_file or test_after
+        if test and (current_file, test) not in defined:
+            missing.append(f"{current_file}::{test}")
+    assert len(named) > 150
+    assert missing == []

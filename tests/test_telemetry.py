@@ -278,7 +278,7 @@ def test_off_without_a_provider_imports_no_sdk() -> None:
     result = run_scenario("bare")
     assert result["tracing_enabled"] is False
     assert result["modules"] == {
-        "opentelemetry.sdk": False,
+        "opentelemetry.sdk.trace": False,
         "opentelemetry.instrumentation.grpc": False,
         "opentelemetry.propagate": False,
     }
@@ -384,7 +384,7 @@ async def test_otlp_endpoint_exports_the_trace(collector: tuple[Collector, int])
     assert process.returncode == 0, stderr.decode()
     result = json.loads(stdout)
     assert result["tracing_enabled"] is True
-    assert result["modules"]["opentelemetry.sdk"] is True
+    assert result["modules"]["opentelemetry.sdk.trace"] is True
     exported = [
         (resource_spans.resource, span)
         for request in servicer.requests
@@ -405,3 +405,117 @@ async def test_otlp_endpoint_exports_the_trace(collector: tuple[Collector, int])
         if attribute.key == "service.name"
     }
     assert services == {"gym-rpc-head"}  # the head decided first, in this one-process rollout
+
+
+# --- the rules README states for watches, health checks, server_span() and the environment -----------------------
+
+
+@pytest.fixture(scope="module")
+def traced_with_rules() -> dict[str, Any]:
+    """As `traced_by_config`, plus a watch and a health check in the worker's span, a bare health check outside
+    any span, and a server that uses server_span() instead of the middleware."""
+    return run_scenario("app-provider", "--observability", "--rules")
+
+
+def test_status_watches_are_not_traced(traced_with_rules: dict[str, Any]) -> None:
+    """README: "Status watches are long-lived streams and are not traced"."""
+    assert traced_with_rules["watch_kind"] == "snapshot"  # the watch ran, inside the worker's span
+    methods = [span["attributes"].get("rpc.method") for span in traced_with_rules["spans"]]
+    assert "WatchServerStatuses" not in methods
+
+
+def test_health_checks_are_traced_only_when_they_continue_a_trace(traced_with_rules: dict[str, Any]) -> None:
+    """README: "health checks are traced on the head only when they continue a caller's trace (Kubernetes probes
+    would flood it)": the check made in the worker's span has a server span, the bare probe none."""
+    assert (traced_with_rules["traced_health"], traced_with_rules["probe_health"]) == (1, 1)  # both SERVING
+    spans = traced_with_rules["spans"]
+    worker = only(spans, name="rollout-worker")
+    checks = [span for span in spans if span["name"] == "/grpc.health.v1.Health/Check"]
+    assert sorted(span["kind"] for span in checks) == ["CLIENT", "SERVER"]
+    client = only(checks, kind="CLIENT")
+    assert client["parent_id"] == worker["span_id"]
+    assert only(checks, kind="SERVER")["parent_id"] == client["span_id"]
+
+
+def test_server_span_continues_the_callers_trace_without_the_middleware(traced_with_rules: dict[str, Any]) -> None:
+    """README: "A server without the middleware can do the same with gym_rpc.telemetry.server_span(...)"."""
+    spans = traced_with_rules["spans"]
+    worker = only(spans, name="rollout-worker")
+    client = only(spans, kind="CLIENT", **{"gym.server.name": "plain"})
+    (server,) = children(spans, client)
+    assert (server["kind"], server["name"], server["trace_id"]) == ("SERVER", "POST", worker["trace_id"])
+    assert server["attributes"]["http.response.status_code"] == 200
+    assert traced_with_rules["header"]["plain"]["current_span_id"] == server["span_id"]  # the handler ran in it
+
+
+def test_otel_propagators_chooses_what_carries_the_context() -> None:
+    """README: the context goes out in `traceparent` "(the global propagator: W3C trace context unless
+    OTEL_PROPAGATORS says otherwise)": with only `baggage` propagated, no traceparent header is sent and the
+    receiving server starts a trace of its own."""
+    result = run_scenario("app-provider", "--observability", OTEL_PROPAGATORS="baggage")
+    assert result["header"]["policy"]["traceparent"] is None
+    spans = result["spans"]
+    worker = only(spans, name="rollout-worker")
+    server = only(spans, name="POST /v1/responses", **{"url.path": "/ng-rollout/rollout%2F7/v1/responses"})
+    assert server["trace_id"] != worker["trace_id"] and server["parent_id"] is None
+
+
+async def test_otel_traces_sampler_is_followed(collector: tuple[Collector, int]) -> None:
+    """README: "Sampling follows the SDK's OTEL_TRACES_SAMPLER": with `always_off`, tracing is on and nothing is
+    exported (test_otlp_endpoint_exports_the_trace is the same run with the default sampler)."""
+    servicer, port = collector
+    env = scenario_environment(
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://{LOOPBACK}:{port}", OTEL_TRACES_SAMPLER="always_off"
+    )
+    pipe = asyncio.subprocess.PIPE
+    command = [sys.executable, str(SCENARIO), "otlp"]
+    process = await asyncio.create_subprocess_exec(*command, env=env, stdout=pipe, stderr=pipe)
+    stdout, stderr = await asyncio.wait_for(process.communicate(), SCENARIO_TIMEOUT_SECONDS)
+    assert process.returncode == 0, stderr.decode()
+    assert json.loads(stdout)["tracing_enabled"] is True
+    assert servicer.requests == []
+
+
+async def test_otlp_over_http_protobuf_exports_the_trace() -> None:
+    """README: "OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf for HTTP": the spans reach an OTLP/HTTP collector
+    (POST /v1/traces, protobuf body)."""
+    from aiohttp import web
+
+    received: list[trace_service_pb2.ExportTraceServiceRequest] = []
+
+    async def export(request: web.Request) -> web.Response:
+        assert request.content_type == "application/x-protobuf"
+        received.append(trace_service_pb2.ExportTraceServiceRequest.FromString(await request.read()))
+        body = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+        return web.Response(body=body, content_type="application/x-protobuf")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", export)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, LOOPBACK, 0).start()
+    port = int(runner.addresses[0][1])
+    try:
+        env = scenario_environment(
+            OTEL_EXPORTER_OTLP_ENDPOINT=f"http://{LOOPBACK}:{port}", OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf"
+        )
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(SCENARIO),
+            "otlp",
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, stderr = await asyncio.wait_for(process.communicate(), SCENARIO_TIMEOUT_SECONDS)
+    finally:
+        await runner.cleanup()
+    assert process.returncode == 0, stderr.decode()
+    names = {
+        span.name
+        for request in received
+        for resource_spans in request.resource_spans
+        for scope_spans in resource_spans.scope_spans
+        for span in scope_spans.spans
+    }
+    assert {"rollout-worker", f"/{CONTROL_SERVICE}/GetGlobalConfig", "POST", "POST /v1/responses"} <= names

@@ -5,7 +5,7 @@ only consume events.
 The idea is etcd's Watcher (client/v3/watch.go): a watch is a view of the state that the client keeps current
 across broken streams, not a single stream. Reconnects back off exponentially with jitter and a cap (the shared
 `RetryPolicy`), and retry until the caller stops iterating or, when `max_wait_seconds` is given, until the head
-has been unreachable that long; then the last error is raised.
+has been unreachable that long, or at `until` (a time.monotonic() value); then the last error is raised.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class _Watch(Generic[Client]):
         start_revision: int = 0,
         heartbeat_seconds: float | None = None,
         max_wait_seconds: float | None = None,
+        until: float | None = None,
         retry: RetryPolicy = WATCH_RETRY_POLICY,
         on_retry: RetryCallback | None = None,
     ) -> None:
@@ -52,6 +53,7 @@ class _Watch(Generic[Client]):
         self.revision = start_revision
         self.reports: dict[str, StatusReport] = {}  # server name -> latest report, as of `revision`
         self._max_wait_seconds = max_wait_seconds
+        self._until = until  # time.monotonic() at which the watch ends, connected or not
         self._retry = retry
         self._on_retry = on_retry
         self._failures = 0
@@ -67,6 +69,10 @@ class _Watch(Generic[Client]):
         self.revision = event.revision
         return event
 
+    def _stream_timeout(self) -> float | None:
+        """What is left until `until`: a connected stream ends then too (DEADLINE_EXCEEDED, not retried)."""
+        return None if self._until is None else max(0.001, self._until - time.monotonic())
+
     def _ended(self) -> HeadUnreachableError:
         """A stream the head ended without an error (it shut down gracefully): as good as gone."""
         address = self._client.address
@@ -81,13 +87,13 @@ class _Watch(Generic[Client]):
         now = time.monotonic()
         if self._outage_started is None:
             self._outage_started = now
-        waited = now - self._outage_started
-        if self._max_wait_seconds is not None and waited >= self._max_wait_seconds:
+        give_up_at = self._until if self._until is not None else float("inf")
+        if self._max_wait_seconds is not None:
+            give_up_at = min(give_up_at, self._outage_started + self._max_wait_seconds)
+        if now >= give_up_at:
             raise error
         self._failures += 1
-        pause = self._retry.backoff_seconds(self._failures)
-        if self._max_wait_seconds is not None:
-            pause = min(pause, self._max_wait_seconds - waited)
+        pause = min(self._retry.backoff_seconds(self._failures), give_up_at - now)
         if self._on_retry is not None:
             self._on_retry(error, pause)
         return pause
@@ -98,7 +104,9 @@ class SyncStatusWatch(_Watch[SyncControlClient]):
 
     def __iter__(self) -> Iterator[WatchEvent]:
         while True:
-            stream = self._client.watch_server_statuses(self.revision, heartbeat_seconds=self._heartbeat_seconds)
+            stream = self._client.watch_server_statuses(
+                self.revision, heartbeat_seconds=self._heartbeat_seconds, timeout=self._stream_timeout()
+            )
             try:
                 for event in stream:
                     yield self._apply(event)
@@ -114,7 +122,9 @@ class StatusWatch(_Watch[ControlClient]):
 
     async def __aiter__(self) -> AsyncIterator[WatchEvent]:
         while True:
-            stream = self._client.watch_server_statuses(self.revision, heartbeat_seconds=self._heartbeat_seconds)
+            stream = self._client.watch_server_statuses(
+                self.revision, heartbeat_seconds=self._heartbeat_seconds, timeout=self._stream_timeout()
+            )
             try:
                 async for event in stream:
                     yield self._apply(event)

@@ -15,6 +15,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -163,6 +164,7 @@ class UpstreamSource:
         self.refresh_interval_seconds = refresh_interval_seconds
         self.fetch_timeout_seconds = fetch_timeout_seconds
         self.processes: dict[str, ReportedProcess] = {}
+        self.name: Path | str = self.upstream_url  # what logs call this source
         self._head: HeadServer | None = None
         self._session: aiohttp.ClientSession | None = None
         self._refresher: asyncio.Task[None] | None = None
@@ -218,7 +220,7 @@ class UpstreamSource:
                 await head.set_problem(f"the NeMo Gym head at {self.upstream_url} is {state}: {exc}")
                 return False
             self._fetched = True
-            await head.apply_config(config, f"from {self.upstream_url}")
+            await head.apply_config(config)
             self.processes = snapshot.processes
             await head.set_problem(None)
             return True

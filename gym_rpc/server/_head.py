@@ -21,10 +21,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
-from gym_rpc.config import GlobalConfig, checked_port, checked_seconds, url_host
+from gym_rpc.config import GlobalConfig, ServerEntry, checked_port, checked_seconds, url_host
 from gym_rpc.errors import ConfigError, GymRpcError
+from gym_rpc.metrics import metrics_disabled, setup_metrics
+from gym_rpc.server import _events as events
+from gym_rpc.server import _metrics as head_metrics
 from gym_rpc.server._bad_requests import DecodeGuardInterceptor
 from gym_rpc.server._http_head import HttpHead, configured_http_port
+from gym_rpc.server._metrics_http import MetricsServer
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import InstanceRegistry
 from gym_rpc.server._security import (
@@ -64,6 +68,7 @@ class HeadOptions:
     shutdown_grace_seconds: float = 0.5
     http_port: int | None = None  # NeMo Gym's HTTP head; None: head_server.http_port (absent: none); 0: free port
     max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES  # more get RESOURCE_EXHAUSTED
+    metrics_port: int | None = None  # GET /metrics alone on this port; None: only on the HTTP head (if any)
     status_max_age_seconds: float | None = None  # GetServerStatus freshness when unstated; None: half the interval
 
     def __post_init__(self) -> None:
@@ -72,6 +77,7 @@ class HeadOptions:
         checked_seconds(self.probe_timeout_seconds, "the probe timeout (--probe-timeout)")
         checked_port(self.port, "the head port (--port)")
         checked_port(self.http_port, "the HTTP head port (--http-port)")
+        checked_port(self.metrics_port, "the metrics port (--metrics-port)")
         if self.watch_history_size < 1 or self.max_concurrent_watches < 1:
             raise ConfigError("watch_history_size and max_concurrent_watches must be at least 1")
 
@@ -118,6 +124,8 @@ class HeadServer:
         self.security = ServerSecurity()
         self._http_head: HttpHead | None = None
         self.problem: str | None = None  # why ControlPlaneService calls are refused now (a source's upstream)
+        self._metrics_server: MetricsServer | None = None
+        self._servicer: ControlPlaneServicer | None = None
 
     @property
     def config_path(self) -> Path | None:
@@ -142,6 +150,28 @@ class HeadServer:
         """The port of NeMo Gym's HTTP endpoints, None when not served."""
         return self._http_head.port if self._http_head is not None else None
 
+    @property
+    def metrics_port(self) -> int | None:
+        """The port serving only GET /metrics (--metrics-port), None when not served."""
+        return self._metrics_server.port if self._metrics_server is not None else None
+
+    # What the head's gauges read (gym_rpc.server._metrics.ObservedHead).
+    @property
+    def observed_servers(self) -> Mapping[str, ServerEntry]:
+        return self.config.servers
+
+    @property
+    def observed_prober(self) -> StatusProber:
+        return self.prober
+
+    @property
+    def observed_watchers(self) -> int:
+        return self._servicer.watches if self._servicer is not None else 0
+
+    @property
+    def observed_registrations(self) -> int:
+        return len(self.registry)
+
     def served(self, config: GlobalConfig) -> GlobalConfig:
         """`config` as this server serves it: its head_server block says where this server listens."""
         return config.with_head_server(self.host, self.port)
@@ -152,7 +182,10 @@ class HeadServer:
         own_http_port = configured_http_port(self._own_config)
         http_port = self.options.http_port if self.options.http_port is not None else own_http_port
         setup_tracing(self.config.observability_enabled, service_name=self._service_name)
-        servicer = ControlPlaneServicer(self, max_concurrent_watches=self.options.max_concurrent_watches)
+        setup_metrics(service_name=self._service_name, prometheus=True)
+        self._servicer = servicer = ControlPlaneServicer(
+            self, max_concurrent_watches=self.options.max_concurrent_watches
+        )
         server = build_control_server(
             servicer,
             self._health,
@@ -183,14 +216,23 @@ class HeadServer:
                 http_head = HttpHead(self)
                 await http_head.start(self.host, http_port)
                 self._http_head = http_head
+            if self.options.metrics_port is not None:
+                metrics_server = MetricsServer()
+                await metrics_server.start(self.host, self.options.metrics_port)
+                self._metrics_server = metrics_server
         except BaseException:
             await self.stop()  # a head that cannot serve all it was asked to serves nothing
             raise
+        head_metrics.observe(self)
 
     async def stop(self) -> None:
         """Report NOT_SERVING, stop the source, then finish in-flight calls within the grace period."""
+        head_metrics.forget(self)
         await self._health.enter_graceful_shutdown()
         await self.source.stop()
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
+            self._metrics_server = None
         if self._http_head is not None:
             await self._http_head.stop()
             self._http_head = None
@@ -203,18 +245,29 @@ class HeadServer:
             self._health_server = None
 
     async def reload(self) -> bool:
-        """Load the config from the source now; True when it changed. A bad config keeps the old one."""
-        return await self.source.reload(self)
+        """Load the config from the source now (SIGHUP, ReloadGlobalConfig); True when it changed. A bad config
+        keeps the old one."""
+        version = self.config.version
+        try:
+            changed = await self.source.reload(self)
+        except ConfigError as exc:
+            events.config_refused(self.source.name, version, exc)
+            raise
+        if not changed:
+            events.config_unchanged(self.source.name, version)
+        return changed
 
-    async def apply_config(self, config: GlobalConfig, how: str) -> bool:
+    async def apply_config(self, config: GlobalConfig) -> bool:
         """Serve `config` from now on (the prober follows it); False when it is what is served already."""
-        config = self.served(config)
-        if config.version == self.config.version:
+        config, old = self.served(config), self.config
+        if config.version == old.version:
             return False
         self.config = config
         await self.registry.update_prober(self.prober, lambda: self.config.servers)
         self.prober.set_config_version(config.version)
-        logger.info("config %s: version %s", how, config.version)
+        added = [name for name in config.servers if name not in old.servers]
+        removed = [name for name in old.servers if name not in config.servers]
+        events.config_reloaded(self.source.name, old.version, config.version, added, removed)
         return True
 
     async def set_problem(self, problem: str | None) -> None:
@@ -277,10 +330,13 @@ def build_control_server(
     interceptor but tracing's. Bind it with `security.add_port` to serve TLS when configured.
     """
     security = security if security is not None else ServerSecurity.from_environment()
-    # Tracing outermost (no interceptor when off: gym_rpc.telemetry), so refused calls are traced too.
-    # Innermost, undecodable requests become INVALID_ARGUMENT; the token check above it never decodes one.
+    # Tracing outermost (no interceptor when off: gym_rpc.telemetry), then metrics, so refused calls are traced and
+    # counted too. Innermost, undecodable requests become INVALID_ARGUMENT; the token check above it never decodes
+    # one.
+    measured = [] if metrics_disabled() else [head_metrics.RpcMetricsInterceptor()]
     traced_and_guarded = [
         *server_interceptors(),
+        *measured,
         *security.interceptors(),
         *interceptors,
         DecodeGuardInterceptor(),
@@ -332,12 +388,11 @@ async def run_head(head: ServableT, on_started: Callable[[ServableT], None]) -> 
     def reload_in_background() -> None:
         async def reload() -> None:
             try:
-                changed = await head.reload()
-                logger.warning(
-                    "SIGHUP: config %s (version %s)", "reloaded" if changed else "unchanged", head.config.version
-                )
-            except Exception as exc:
-                logger.error("SIGHUP: reload refused, old config kept: %s", exc)
+                await head.reload()  # logs its outcome (gym_rpc.server._events)
+            except ConfigError:
+                pass  # logged by the reload itself; the old config stays
+            except Exception:
+                logger.exception("SIGHUP: reload failed, old config kept")
 
         task = loop.create_task(reload())
         reloads.add(task)

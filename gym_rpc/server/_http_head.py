@@ -23,6 +23,7 @@ from aiohttp import web
 
 from gym_rpc.config import HEAD_SERVER_KEY, GlobalConfig, redact_secrets
 from gym_rpc.errors import ConfigError, GymRpcError
+from gym_rpc.server._metrics_http import METRICS_PATH, metrics_handler
 from gym_rpc.server._servicer import HeadState
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class HttpHead:
         app.router.add_get("/", self._liveness)
         app.router.add_get("/global_config_dict_yaml", self._global_config_dict_yaml)
         app.router.add_get("/server_instances", self._server_instances)
+        app.router.add_get(METRICS_PATH, metrics_handler)
         return app
 
     async def start(self, host: str, port: int) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from gym_rpc.config import ServerEntry
+from gym_rpc.server import _events as events
 from gym_rpc.wire import ServerStatus, StatusReport
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class StatusProber:
         self.revision = time.time_ns() // 1_000_000
         self._urls: dict[str, str] = {}
         self._reports: dict[str, StatusReport] = {}
+        self._probes_in_status: dict[str, int] = {}  # probes in a row that gave the server's current status
         self._history: deque[tuple[int, StatusReport]] = deque(maxlen=history_size)
         self._changed = asyncio.Event()
         self._on_change = on_change
@@ -137,6 +139,7 @@ class StatusProber:
         for name in removed:
             del self._urls[name]
             del self._reports[name]
+            self._probes_in_status.pop(name, None)
             await self._notify(None, name)
         if removed:  # a removal is no report: drop the history so every watcher gets a fresh snapshot
             self._history.clear()
@@ -145,6 +148,7 @@ class StatusProber:
             if self._urls.get(name) != entry.url:
                 self._urls[name] = entry.url
                 self._reports[name] = StatusReport(server_name=name, status=None, url=entry.url)
+                self._probes_in_status[name] = 0
                 self._record(self._reports[name])
                 await self._notify(self._reports[name], name)
 
@@ -278,6 +282,10 @@ class StatusProber:
         if previous is None or self._urls.get(report.server_name) != report.url:
             return  # the server left or moved while it was being probed
         self._reports[report.server_name] = report
+        name = report.server_name
+        in_a_row = self._probes_in_status.get(name, 0)
+        self._probes_in_status[name] = in_a_row + 1 if previous.status == report.status else 1
+        events.probe_stored(previous, report, in_a_row)
         if previous.status != report.status:
             self._record(report)
             await self._notify(report, report.server_name)

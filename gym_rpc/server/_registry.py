@@ -80,6 +80,9 @@ class InstanceRegistry:
         self._registrations: dict[str, InstanceRegistration] = {}
         self._lock = asyncio.Lock()  # one prober update at a time, each from the latest state
 
+    def __len__(self) -> int:
+        return len(self._registrations)
+
     def get(self, server_name: str) -> InstanceRegistration | None:
         return self._registrations.get(server_name)
 

@@ -16,6 +16,7 @@ import grpc
 
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url, is_wildcard_host
 from gym_rpc.errors import ConfigError
+from gym_rpc.server import _events as events
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import InstanceRegistry, advertised_host, is_valid_host
 from gym_rpc.server._security import DEFAULT_MAX_CONCURRENT_WATCHES, caller_is_authenticated
@@ -58,6 +59,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self._config_responses: dict[bool, tuple[str, pb.GetGlobalConfigResponse]] = {}
         self._max_watches = max_concurrent_watches
         self._watches = 0
+
+    @property
+    def watches(self) -> int:
+        """Status watches open now (the head's `gym.head.watchers` gauge)."""
+        return self._watches
 
     async def GetHeadServerConfig(
         self, request: pb.GetHeadServerConfigRequest, context: Context
@@ -211,7 +217,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         host = advertised_host(request.listen_host, request.advertise_host, context.peer())
         registration = convert.registration_from_pb(request, host, time.time())
         head = self._head
+        replaced = head.registry.get(name)
         head.registry.register(registration)
+        events.server_registered(
+            name, registration.pid, registration.advertised_url, replaced.pid if replaced else None
+        )
         await head.registry.update_prober(head.prober, lambda: head.config.servers)
         return pb.RegisterServerInstanceResponse(advertised_url=registration.advertised_url)
 
@@ -223,8 +233,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "server_name is required")
         await self._require_server(name, context)
         head = self._head
+        current = head.registry.get(name)
         deregistered = head.registry.deregister(name, request.pid)
         if deregistered:
+            events.server_deregistered(name, current.pid if current else request.pid)
             await head.registry.update_prober(head.prober, lambda: head.config.servers)
         return pb.DeregisterServerInstanceResponse(deregistered=deregistered)
 

@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 class ConfigSource(Protocol):
     """What `HeadServer` asks of its config source."""
 
+    name: Path | str  # what logs call it: the file, or the upstream URL
+
     @property
     def processes(self) -> Mapping[str, ReportedProcess]:
         """pid and start time per server name, as the source reports them (empty: it reports none)."""
@@ -59,6 +61,7 @@ class FileSource:
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
+        self.name: Path | str = path if path is not None else "the embedded config"  # what logs call this source
         self.processes: Mapping[str, ReportedProcess] = {}
         self._lock = asyncio.Lock()
 
@@ -102,7 +105,7 @@ class FileSource:
             self._validate(loaded)
             self._refuse_served_turned_malformed(loaded, head.config)
             self._warn_malformed(loaded, known=head.config.malformed_servers)
-            return await head.apply_config(loaded, f"reloaded from {self.path}")
+            return await head.apply_config(loaded)
 
     def _refuse_served_turned_malformed(self, config: GlobalConfig, current: GlobalConfig) -> None:
         """A server being served may not turn malformed: it would vanish silently."""

@@ -1,0 +1,116 @@
+"""Flags of the `gym-rpc` command that may also come from the environment (GYM_RPC_HEAD, GYM_RPC_TIMEOUT, ...).
+
+A flag given on the command line wins over its variable, which wins over the built-in default. A variable with a
+bad value is a usage error naming the variable (exit 2), checked as the command line is parsed, so a typo in a
+launcher's environment never silently falls back to the default. `--help` shows each flag's variable and default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
+
+ENV_ERRORS_ATTRIBUTE = "gym_rpc_env_errors"  # set on a parser: the bad variables found while building it
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in --help, wider lines than argparse's 80 columns less two."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=34, width=110)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        """No `(default: False)` on switches, nor `(default: None)` where none means "not given"."""
+        if action.default in (None, False, []):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, with a usage mistake reported as one line (argparse prints the whole usage text first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_float(text: str) -> float:
+    """A positive, finite number of seconds: 0 spins a core, nan and inf never end."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, not {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A number of seconds >= 0 (NaN and negatives refused with a clear message)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
+def port_number(text: str) -> int:
+    """A port to bind, 0 for a free one: 70000 would silently bind 70000 - 65536."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, not {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535 (0 picks a free port), not {value}")
+    return value
+
+
+def choice_of(choices: Sequence[str]) -> Callable[[str], str]:
+    """A case-insensitive choice (`INFO` and `info` alike), for values that often come from the environment."""
+
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, not {text!r}")
+        return value
+
+    parse.__name__ = "choice"
+    return parse
+
+
+def env_flag(
+    parser: argparse.ArgumentParser,
+    *names: str,
+    env: str,
+    default: Any,
+    parse: Callable[[str], Any] = str,
+    help: str,
+    environ: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> None:
+    """Add a flag whose default is `$env` when that is set (parsed with `parse`), else `default`."""
+    environment = os.environ if environ is None else environ
+    raw = environment.get(env)
+    value = default
+    if raw is not None and raw.strip():
+        try:
+            value = parse(raw)
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            errors: list[str] = getattr(parser, ENV_ERRORS_ATTRIBUTE, [])
+            errors.append(f"{env}={raw!r}: {exc}")
+            setattr(parser, ENV_ERRORS_ATTRIBUTE, errors)
+    parser.add_argument(*names, type=parse, default=value, help=f"{help} [env: {env}]", **kwargs)
+
+
+def env_errors(parser: argparse.ArgumentParser, command: str | None = None) -> list[str]:
+    """The bad variables found while building `parser` and its subcommand `command` (the one being run: a bad
+    variable only another subcommand reads is no reason to fail this one)."""
+    found: list[str] = list(getattr(parser, ENV_ERRORS_ATTRIBUTE, []))
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            found += env_errors(action.choices[command])
+    return found

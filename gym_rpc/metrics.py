@@ -1,0 +1,177 @@
+"""OpenTelemetry metrics for gym_rpc processes: when they are on, where they go.
+
+The head always measures (it is off the hot path): its instruments go to the process's MeterProvider, which the
+head installs when the application has none, with a Prometheus reader behind `GET /metrics` and an OTLP reader
+when the environment asks for one. Rollout workers (ServerClient) measure only when metrics are on for them, and
+otherwise pay one boolean check per call:
+
+1. `OTEL_SDK_DISABLED=true` or `OTEL_METRICS_EXPORTER=none`: off everywhere (the head's /metrics answers 404).
+2. `OTEL_METRICS_EXPORTER` naming an exporter (`otlp`, `console`), or `OTEL_EXPORTER_OTLP_ENDPOINT` /
+   `OTEL_EXPORTER_OTLP_METRICS_ENDPOINT` set: on, exported there.
+3. `enable_client_metrics()` called by the application (which installed its own MeterProvider): on.
+4. Otherwise off for workers, on for the head (Prometheus only).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from opentelemetry import metrics
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader
+
+logger = logging.getLogger(__name__)
+
+METRICS_EXPORTER_ENV_VAR = "OTEL_METRICS_EXPORTER"
+SDK_DISABLED_ENV_VAR = "OTEL_SDK_DISABLED"
+OTLP_METRICS_ENDPOINT_ENV_VARS = ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+OTLP_METRICS_PROTOCOL_ENV_VARS = ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+METER_NAME = "gym_rpc"
+
+
+class MetricsState:
+    """`enabled`: whether ServerClient records its metrics (read on every call: a plain attribute)."""
+
+    __slots__ = ("enabled", "prometheus")
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.prometheus = False  # a Prometheus reader feeds prometheus_client's registry (the head's /metrics)
+
+
+METRICS = MetricsState()
+_lock = threading.Lock()
+_provider_installed = False
+
+
+def _exporter_names(environ: Mapping[str, str]) -> list[str]:
+    raw = environ.get(METRICS_EXPORTER_ENV_VAR) or ""
+    return [name.strip().lower() for name in raw.split(",") if name.strip()]
+
+
+def metrics_disabled(environ: Mapping[str, str] | None = None) -> bool:
+    """OTEL_SDK_DISABLED=true or OTEL_METRICS_EXPORTER=none: no metrics at all."""
+    env = os.environ if environ is None else environ
+    if (env.get(SDK_DISABLED_ENV_VAR) or "").strip().lower() == "true":
+        return True
+    return _exporter_names(env) == ["none"]
+
+
+def metrics_exported(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the environment names a metrics exporter or an OTLP endpoint (rule 2 above)."""
+    env = os.environ if environ is None else environ
+    if metrics_disabled(env):
+        return False
+    names = [n for n in _exporter_names(env) if n != "none"]
+    return bool(names) or any(env.get(name) for name in OTLP_METRICS_ENDPOINT_ENV_VARS)
+
+
+def _application_provider_installed() -> bool:
+    return not isinstance(metrics.get_meter_provider(), metrics._internal._ProxyMeterProvider)
+
+
+def _readers(environ: Mapping[str, str], prometheus: bool) -> list[MetricReader]:
+    from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+
+    readers: list[MetricReader] = []
+    if prometheus:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+        readers.append(PrometheusMetricReader())
+    names = _exporter_names(environ) or (
+        ["otlp"] if any(environ.get(n) for n in OTLP_METRICS_ENDPOINT_ENV_VARS) else []
+    )
+    for name in dict.fromkeys(names):
+        if name == "otlp":
+            exporter = _otlp_exporter(environ)
+            if exporter is not None:
+                readers.append(PeriodicExportingMetricReader(exporter))
+        elif name == "console":
+            readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter()))
+        elif name not in ("prometheus", "none"):
+            logger.warning(
+                "%s=%s: exporter %r is not supported (otlp, console)", METRICS_EXPORTER_ENV_VAR, name, name
+            )
+    return readers
+
+
+def _otlp_exporter(environ: Mapping[str, str]) -> MetricExporter | None:
+    protocol = next((environ[n].strip() for n in OTLP_METRICS_PROTOCOL_ENV_VARS if environ.get(n)), "grpc")
+    try:
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+
+            return OTLPMetricExporter()
+        if protocol == "http/protobuf":
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpExporter
+
+            return HttpExporter()
+    except ImportError:
+        logger.warning("an OTLP endpoint is set but the exporter is not installed: pip install 'gym-rpc[otlp]'")
+        return None
+    logger.warning("OTLP protocol %r is not supported (grpc, http/protobuf): metrics are not exported", protocol)
+    return None
+
+
+def setup_metrics(*, service_name: str, prometheus: bool) -> bool:
+    """Install the SDK's MeterProvider (once per process, never replacing the application's) with the readers the
+    environment asks for, plus a Prometheus reader when `prometheus`. False when metrics are disabled."""
+    global _provider_installed
+    if metrics_disabled():
+        return False
+    with _lock:
+        if _provider_installed or _application_provider_installed():
+            return True
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.resources import Resource
+
+        attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service_name}
+        readers = _readers(os.environ, prometheus)
+        metrics.set_meter_provider(MeterProvider(metric_readers=readers, resource=Resource.create(attributes)))
+        _provider_installed = True
+        METRICS.prometheus = prometheus
+        return True
+
+
+def setup_client_metrics(service_name: str = "gym-rpc") -> bool:
+    """Turn worker metrics on when the environment exports them (rule 2); called by every ServerClient."""
+    if METRICS.enabled or not metrics_exported():
+        return METRICS.enabled
+    if setup_metrics(service_name=service_name, prometheus=False):
+        METRICS.enabled = True
+    return METRICS.enabled
+
+
+def enable_client_metrics() -> None:
+    """Record ServerClient metrics into the process's MeterProvider (install yours first, or the environment's
+    exporters are used): `http.client.request.duration`, resends, unreachable servers, requests in flight."""
+    if metrics_disabled():
+        return
+    if not _application_provider_installed():
+        setup_metrics(service_name="gym-rpc", prometheus=False)
+    METRICS.enabled = True
+
+
+def disable_client_metrics() -> None:
+    """Stop recording ServerClient metrics (one boolean check per call again)."""
+    METRICS.enabled = False
+
+
+def prometheus_text() -> bytes:
+    """Everything prometheus_client's default registry holds, in the Prometheus text format (the head's
+    /metrics)."""
+    import prometheus_client
+
+    return prometheus_client.generate_latest()
+
+
+def meter() -> metrics.Meter:
+    from gym_rpc._version import __version__
+
+    return metrics.get_meter(METER_NAME, __version__)

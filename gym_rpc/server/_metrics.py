@@ -1,0 +1,227 @@
+"""The head's metrics (OpenTelemetry instruments; Prometheus names in README "Metrics").
+
+Gauges are observed when a reader collects (a scrape of /metrics, an OTLP export), from the live heads of the
+process, so they cost nothing between scrapes; the probe histogram and the status-change counter are recorded as
+probes are stored; the RPC histogram by a server interceptor.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+from opentelemetry.metrics import CallbackOptions, Histogram, Observation
+
+from gym_rpc.config import ServerEntry
+from gym_rpc.metrics import meter
+from gym_rpc.wire import StatusReport
+
+SERVER_NAME = "gym.server.name"
+SERVER_TYPE = "gym.server.type"
+SERVER_STATUS = "gym.server.status"
+# Seconds: probes on loopback take a millisecond, a silent server the whole probe timeout.
+PROBE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class _Reports(Protocol):
+    revision: int
+
+    def reports(self) -> list[StatusReport]: ...
+
+
+class ObservedHead(Protocol):
+    """What the gauges read from a head (the head server and the bridge)."""
+
+    @property
+    def observed_servers(self) -> Mapping[str, ServerEntry]: ...
+
+    @property
+    def observed_prober(self) -> _Reports: ...
+
+    @property
+    def observed_watchers(self) -> int: ...
+
+    @property
+    def observed_registrations(self) -> int: ...
+
+
+_heads: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def observe(head: ObservedHead) -> None:
+    """Report `head`'s gauges from now on (until it is garbage; `forget` when it stops)."""
+    _instruments()
+    _heads.add(head)
+
+
+def forget(head: ObservedHead) -> None:
+    _heads.discard(head)
+
+
+def _up(options: CallbackOptions) -> Iterable[Observation]:
+    for head in list(_heads):
+        servers = head.observed_servers
+        for report in head.observed_prober.reports():
+            entry = servers.get(report.server_name)
+            attributes = {SERVER_NAME: report.server_name, SERVER_TYPE: entry.server_type if entry else ""}
+            yield Observation(1 if report.status == "success" else 0, attributes)
+
+
+def _revision(options: CallbackOptions) -> Iterable[Observation]:
+    for head in list(_heads):
+        yield Observation(head.observed_prober.revision)
+
+
+def _watchers(options: CallbackOptions) -> Iterable[Observation]:
+    for head in list(_heads):
+        yield Observation(head.observed_watchers)
+
+
+def _registrations(options: CallbackOptions) -> Iterable[Observation]:
+    for head in list(_heads):
+        yield Observation(head.observed_registrations)
+
+
+@dataclass(frozen=True)
+class _HeadInstruments:
+    probe_duration: Histogram
+    status_changes: Any
+    rpc_duration: Histogram
+
+
+@functools.cache
+def _instruments() -> _HeadInstruments:
+    """Made once per process, on the first head or the first probe (the provider is in place by then)."""
+    m = meter()
+    m.create_observable_gauge(
+        "gym.server.up", [_up], unit="1", description="1 when the server's last probe succeeded"
+    )
+    m.create_observable_gauge(
+        "gym.head.revision", [_revision], description="the status revision watches resume from"
+    )
+    m.create_observable_gauge("gym.head.watchers", [_watchers], unit="{watch}", description="open status watches")
+    m.create_observable_gauge(
+        "gym.head.registrations", [_registrations], unit="{instance}", description="registered server instances"
+    )
+    return _HeadInstruments(
+        probe_duration=m.create_histogram(
+            "gym.probe.duration",
+            unit="s",
+            description="how long status probes took, by server and result",
+            explicit_bucket_boundaries_advisory=list(PROBE_BUCKETS),
+        ),
+        status_changes=m.create_counter(
+            "gym.server.status_changes", unit="{change}", description="status changes seen by the prober"
+        ),
+        rpc_duration=m.create_histogram(
+            "rpc.server.call.duration",
+            unit="s",
+            description="control-plane RPCs served, by method and status code (count: the _count series)",
+            explicit_bucket_boundaries_advisory=list(RPC_BUCKETS),
+        ),
+    )
+
+
+def probe_recorded(report: StatusReport) -> None:
+    if report.status is None:
+        return
+    _instruments().probe_duration.record(
+        report.latency_seconds, {SERVER_NAME: report.server_name, SERVER_STATUS: report.status}
+    )
+
+
+def status_changed(name: str, before: str, after: str) -> None:
+    _instruments().status_changes.add(1, {SERVER_NAME: name, "gym.status.from": before, "gym.status.to": after})
+
+
+# --- gRPC server RPC duration and count --------------------------------------------------------------------------
+
+
+def _record_rpc(method: str, started: float, code: grpc.StatusCode) -> None:
+    service, _, name = method.lstrip("/").rpartition("/")
+    _instruments().rpc_duration.record(
+        time.perf_counter() - started,
+        {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name, "rpc.grpc.status_code": code.value[0]},
+    )
+
+
+def _code_of(context: grpc.aio.ServicerContext[Any, Any], error: BaseException | None) -> grpc.StatusCode:
+    """The call's status: what the handler set or aborted with; UNKNOWN for an escaped exception, CANCELLED when
+    the caller went away."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if error is None:
+        return grpc.StatusCode.OK
+    return grpc.StatusCode.UNKNOWN if isinstance(error, Exception) else grpc.StatusCode.CANCELLED
+
+
+class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Times every unary and server-streaming call of the head (`rpc.server.call.duration`, seconds)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        method = details.method
+        if handler.unary_unary is not None:
+            inner_unary: Any = handler.unary_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                started, error = time.perf_counter(), None
+                try:
+                    return await inner_unary(request, context)
+                except BaseException as exc:
+                    error = exc
+                    raise
+                finally:
+                    _record_rpc(method, started, _code_of(context, error))
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            inner_stream: Any = handler.unary_stream
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+                started, error = time.perf_counter(), None
+                try:
+                    async for message in inner_stream(request, context):
+                        yield message
+                except BaseException as exc:
+                    error = exc
+                    raise
+                finally:
+                    _record_rpc(method, started, _code_of(context, error))
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None:  # a coroutine that writes with context.write (grpc's health Watch)
+            inner_writer: Any = handler.unary_stream
+
+            async def writer(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+                started, error = time.perf_counter(), None
+                try:
+                    await inner_writer(request, context)
+                except BaseException as exc:
+                    error = exc
+                    raise
+                finally:
+                    _record_rpc(method, started, _code_of(context, error))
+
+            return grpc.unary_stream_rpc_method_handler(
+                writer, handler.request_deserializer, handler.response_serializer
+            )
+        return handler

@@ -1,0 +1,168 @@
+"""Metrics as a scraper sees them: a real `gym-rpc head` subprocess, `GET /metrics` parsed with prometheus_client's
+own text parser, real servers stopped and started again."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Generator, Iterable
+from pathlib import Path
+from typing import cast
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from gym_rpc.client._control import SyncControlClient, WatchEvent
+from tests.cli_helpers import LOOPBACK, HeadProcess, running_head, threaded_http_server
+from tests.conftest import closed_port, server_entry
+
+WAIT_SECONDS = 15.0
+HTTP_HEAD_PATTERN = re.compile(r"NeMo Gym HTTP head on (http://\S+?)[;\s]")
+METRICS_PATTERN = re.compile(r"metrics on (http://\S+/metrics)")
+
+
+def write_config(path: Path, servers: dict[str, object], **head: object) -> Path:
+    doc = {"head_server": {"host": LOOPBACK, "port": 0, **head}, **servers}
+    path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def announced(head: HeadProcess, pattern: re.Pattern[str]) -> str:
+    """A URL the head's banner line announced."""
+    match = pattern.search(head.banner + " ")
+    assert match, head.banner
+    return match.group(1)
+
+
+def scrape(url: str) -> list[Sample]:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = response.read().decode()
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def value(samples: list[Sample], name: str, **labels: str) -> float | None:
+    """The one sample `name` whose labels include `labels`, None when there is none."""
+    found = [s for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(found) <= 1, found
+    return found[0].value if found else None
+
+
+def eventually(url: str, check: Callable[[list[Sample]], bool], what: str) -> list[Sample]:
+    deadline = time.monotonic() + WAIT_SECONDS
+    while True:
+        samples = scrape(url)
+        if check(samples):
+            return samples
+        assert time.monotonic() < deadline, f"/metrics never showed {what} within {WAIT_SECONDS}s"
+        time.sleep(0.1)
+
+
+def test_up_gauge_follows_a_server_killed_and_restarted(tmp_path: Path) -> None:
+    port = closed_port()
+    with threaded_http_server(200, port=port) as server:
+        config = write_config(tmp_path / "config.yaml", {"policy_model": server_entry(port)}, http_port=0)
+        with running_head(config) as head:
+            url = announced(head, HTTP_HEAD_PATTERN) + "/metrics"
+            labels = {"gym_server_name": "policy_model", "gym_server_type": "responses_api_models"}
+            eventually(url, lambda s: value(s, "gym_server_up", **labels) == 1.0, "policy_model up")
+
+            server.stop()
+            down = eventually(url, lambda s: value(s, "gym_server_up", **labels) == 0.0, "policy_model down")
+            changes = value(
+                down,
+                "gym_server_status_changes_total",
+                gym_server_name="policy_model",
+                gym_status_from="success",
+                gym_status_to="connection_error",
+            )
+            assert changes == 1.0
+            failed_probes = value(
+                down,
+                "gym_probe_duration_seconds_count",
+                gym_server_name="policy_model",
+                gym_server_status="connection_error",
+            )
+            assert failed_probes is not None and failed_probes >= 1.0
+
+            with threaded_http_server(200, port=port):
+                eventually(url, lambda s: value(s, "gym_server_up", **labels) == 1.0, "policy_model up again")
+
+
+def test_head_gauges_and_rpc_counts(tmp_path: Path) -> None:
+    with threaded_http_server() as server:
+        config = write_config(tmp_path / "config.yaml", {"live": server_entry(server.port)})
+        with running_head(config, "--metrics-port", "0") as head:
+            url = announced(head, METRICS_PATTERN)
+            client = SyncControlClient(head.address, timeout_seconds=5.0)
+            for _ in range(3):
+                client.list_server_statuses()
+            client.register_server_instance("live", pid=77, listen_host=LOOPBACK, listen_port=server.port)
+            events = cast("Generator[WatchEvent, None, None]", client.watch_server_statuses(heartbeat_seconds=0.1))
+            next(events)  # the snapshot: the watch is open
+            samples = eventually(url, lambda s: value(s, "gym_head_watchers") == 1.0, "one watcher")
+            assert value(samples, "gym_head_registrations") == 1.0
+            revision = value(samples, "gym_head_revision")
+            assert revision is not None and revision > 1_700_000_000_000  # starts at the wall clock in ms
+            listed = value(
+                samples,
+                "rpc_server_call_duration_seconds_count",
+                rpc_method="ListServerStatuses",
+                rpc_service="gym_rpc.v1.ControlPlaneService",
+                rpc_grpc_status_code="0",
+            )
+            assert listed == 3.0
+            events.close()  # ends the watch
+            eventually(url, lambda s: value(s, "gym_head_watchers") == 0.0, "no watcher")
+            unknown = SyncControlClient(head.address, timeout_seconds=5.0)
+            with pytest.raises(Exception, match="nosuch"):
+                unknown.get_server_status("nosuch")
+            not_found = eventually(
+                url,
+                lambda s: (
+                    value(s, "rpc_server_call_duration_seconds_count", rpc_method="GetServerStatus") is not None
+                ),
+                "a GetServerStatus call",
+            )
+            assert value(not_found, "rpc_server_call_duration_seconds_count", rpc_method="GetServerStatus") == 1.0
+            assert (
+                value(
+                    not_found,
+                    "rpc_server_call_duration_seconds_count",
+                    rpc_method="GetServerStatus",
+                    rpc_grpc_status_code="5",  # NOT_FOUND
+                )
+                == 1.0
+            )
+    assert_dashboard_uses_only(sample.name for sample in not_found)
+
+
+DASHBOARD = Path(__file__).parent.parent / "examples" / "grafana-dashboard.json"
+METRIC_NAME = re.compile(r"\b((?:gym|rpc_server|http_client)_[a-z_]+)\{")  # a selector, not a label
+
+
+def assert_dashboard_uses_only(exposed: Iterable[str]) -> None:
+    """Every metric the Grafana dashboard queries is one the head exposes: a renamed metric fails here."""
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in METRIC_NAME.findall(target["expr"])
+    }
+    assert queried, "the dashboard queries no gym_rpc metric"
+    assert queried <= set(exposed), queried - set(exposed)
+
+
+def test_metrics_off_answers_404(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "config.yaml", {"gone": server_entry(closed_port())})
+    with running_head(config, "--metrics-port", "0", env={"OTEL_METRICS_EXPORTER": "none"}) as head:
+        url = announced(head, METRICS_PATTERN)
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            urllib.request.urlopen(url, timeout=5)
+        assert raised.value.code == 404

@@ -1,0 +1,413 @@
+"""Promises of README.md and SECURITY.md that no other test proved, each run for real on loopback.
+
+Each test names the line it proves (docs/PROMISES.md maps every behaviour-stating line to its test). Bounds on
+time are where time is the promise itself, as lower bounds or as the promised figure plus generous slack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gym_rpc.cli import build_parser
+from gym_rpc.client import ControlClient
+from gym_rpc.config import head_security_config, load_config_file, redact_secrets
+from gym_rpc.errors import ControlPlaneError, HeadUnreachableError
+from gym_rpc.server import _security as server_security
+from gym_rpc.server._head import HeadOptions, HeadServer
+from gym_rpc.v1 import control_plane_pb2 as pb
+from gym_rpc.wire import MAX_RESPONSE_BYTES, SERVICE_NAME
+from tests.cli_helpers import cli_env, run_cli, running_head
+from tests.conftest import LOOPBACK, closed_port, document, server_entry
+
+SLACK_SECONDS = 5.0  # on top of a promised figure, for a loaded 2-core machine
+TOKEN = "promise-token-0123456789"
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # channels to one address share no connection
+
+
+def _watch_stream(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] = ()) -> Any:
+    request = pb.WatchServerStatusesRequest()
+    request.heartbeat_interval.FromSeconds(60)
+    return channel.unary_stream(
+        f"/{SERVICE_NAME}/WatchServerStatuses",
+        request_serializer=pb.WatchServerStatusesRequest.SerializeToString,
+        response_deserializer=pb.WatchServerStatusesResponse.FromString,
+    )(request, timeout=60, metadata=metadata)
+
+
+def _list_statuses(channel: grpc.aio.Channel) -> Any:
+    return channel.unary_unary(
+        f"/{SERVICE_NAME}/ListServerStatuses",
+        request_serializer=pb.ListServerStatusesRequest.SerializeToString,
+        response_deserializer=pb.ListServerStatusesResponse.FromString,
+    )
+
+
+# --- SECURITY.md "Bounds, always on" -----------------------------------------------------------------------------
+
+
+async def test_at_most_128_concurrent_streams_per_connection(head_factory) -> None:
+    """SECURITY.md: "at most 128 concurrent streams per connection": the 129th call on one connection waits for a
+    stream to end; the same call on another connection is answered at once."""
+    head = await head_factory(document({}))
+    async with (
+        grpc.aio.insecure_channel(head.address, options=OWN_CONNECTION) as crowded,
+        grpc.aio.insecure_channel(head.address, options=OWN_CONNECTION) as other,
+    ):
+        watches = [_watch_stream(crowded) for _ in range(128)]
+        for watch in watches:
+            assert (await asyncio.wait_for(watch.read(), 10)).type == pb.WATCH_EVENT_TYPE_SNAPSHOT
+        with pytest.raises(grpc.aio.AioRpcError) as queued:
+            await _list_statuses(crowded)(pb.ListServerStatusesRequest(), timeout=1.5)
+        assert queued.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # waited for a free stream
+        assert (await _list_statuses(other)(pb.ListServerStatusesRequest(), timeout=10)).reports == []
+        watches[0].cancel()
+        assert (await _list_statuses(crowded)(pb.ListServerStatusesRequest(), timeout=10)).reports == []
+        for watch in watches:
+            watch.cancel()
+
+
+async def test_a_connection_that_never_handshakes_is_closed_after_10_seconds(head_factory) -> None:
+    """SECURITY.md: "a connection that does not complete its HTTP/2 (or TLS) handshake within 10 s is closed"."""
+    head = await head_factory(document({}))
+    reader, writer = await asyncio.open_connection(LOOPBACK, head.port)
+    opened = time.monotonic()
+    try:
+        await asyncio.wait_for(reader.read(), 10 + SLACK_SECONDS * 2)  # returns at end of stream: the head hung up
+        closed_after = time.monotonic() - opened
+        assert reader.at_eof()
+        assert closed_after > 5.0, f"closed after {closed_after:.1f}s, long before the 10 s handshake deadline"
+    finally:
+        writer.close()
+    assert (await ControlClient(head.address).list_server_statuses()).reports == []  # the head serves on
+
+
+def test_keepalive_and_ping_rules_are_the_documented_figures() -> None:
+    """SECURITY.md: clients may ping at most every 10 s while no data flows; the head pings idle peers every 60 s
+    and drops dead ones after 20 s more; handshake 10 s; 4 MiB requests, 64 MiB answers; port not shared. Waiting
+    a minute for a keepalive is not a test the suite can afford, so the figures the server is built with are
+    checked as literals (and the 128-stream and handshake bounds above are proven by behaviour)."""
+    assert dict(server_security.SERVER_OPTIONS) == {
+        "grpc.max_receive_message_length": 4 * 1024 * 1024,
+        "grpc.max_send_message_length": 64 * 1024 * 1024,
+        "grpc.max_concurrent_streams": 128,
+        "grpc.keepalive_time_ms": 60_000,
+        "grpc.keepalive_timeout_ms": 20_000,
+        "grpc.keepalive_permit_without_calls": 1,
+        "grpc.http2.min_ping_interval_without_data_ms": 10_000,
+        "grpc.http2.max_ping_strikes": 2,
+        "grpc.server_handshake_timeout_ms": 10_000,
+        "grpc.so_reuseport": 0,
+    }
+    assert HeadOptions().max_concurrent_watches == 512
+    assert HeadOptions().shutdown_grace_seconds == 0.5
+
+
+def test_the_port_is_not_shared_with_a_second_process() -> None:
+    """SECURITY.md: "the head disables SO_REUSEPORT, so a second process cannot bind it beside the head"."""
+    with running_head() as head:
+        port = int(head.address.rsplit(":", 1)[1])
+        with socket.socket() as intruder:
+            intruder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            with pytest.raises(OSError, match="Address already in use"):
+                intruder.bind((LOOPBACK, port))
+
+
+async def test_at_most_512_status_watches_per_head(head_factory) -> None:
+    """SECURITY.md: "at most 512 status watches per head (more get RESOURCE_EXHAUSTED)", with the default options:
+    512 watches on four connections (128 streams each) are served, the 513th is refused, unary calls still work."""
+    head = await head_factory(document({}))
+    channels = [grpc.aio.insecure_channel(head.address, options=OWN_CONNECTION) for _ in range(5)]
+    try:
+        watches = [_watch_stream(channel) for channel in channels[:4] for _ in range(128)]
+        for watch in watches:
+            assert (await asyncio.wait_for(watch.read(), 20)).type == pb.WATCH_EVENT_TYPE_SNAPSHOT
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await asyncio.wait_for(_watch_stream(channels[4]).read(), 20)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "512 status watches" in str(refused.value.details())
+        assert (await _list_statuses(channels[4])(pb.ListServerStatusesRequest(), timeout=10)).reports == []
+        for watch in watches:
+            watch.cancel()
+    finally:
+        for channel in channels:
+            await channel.close(None)
+
+
+async def test_answers_up_to_64_mib_are_accepted_and_larger_ones_refused() -> None:
+    """SECURITY.md: the client "accepts answers up to 64 MiB" (tests/test_faults.py proves one above gRPC's 4 MiB
+    default arrives): a real gRPC server answering 64 MiB + 1 byte gets RESOURCE_EXHAUSTED naming the head, not a
+    hang or a crash."""
+
+    async def oversized(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return b"\x00" * (MAX_RESPONSE_BYTES + 1)
+
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE_NAME, {"GetGlobalConfig": grpc.unary_unary_rpc_method_handler(oversized)}
+    )
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", -1)])
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port(f"{LOOPBACK}:0")
+    await server.start()
+    try:
+        address = f"{LOOPBACK}:{port}"
+        with pytest.raises(ControlPlaneError, match="RESOURCE_EXHAUSTED") as caught:
+            await ControlClient(address, timeout_seconds=20).get_global_config()
+        assert address in str(caught.value)
+    finally:
+        await server.stop(None)
+    assert MAX_RESPONSE_BYTES == 64 * 1024 * 1024
+
+
+# --- shutdown ----------------------------------------------------------------------------------------------------
+
+
+async def test_in_flight_calls_get_half_a_second_then_new_calls_are_refused(head_factory, silent_server) -> None:
+    """README: "SIGTERM/SIGINT stop it gracefully: health turns NOT_SERVING, in-flight calls get half a second to
+    finish". A probe of a silent server that ends within the grace is answered; a watch, which never ends by
+    itself, is cut when the grace runs out instead of holding the stop; a call after the stop is refused."""
+    head = await head_factory(document({"silent": server_entry(silent_server)}), probe_interval_seconds=60)
+    client = ControlClient(head.address)
+    short = asyncio.create_task(client.get_server_status("silent", max_age_seconds=0, timeout=0.4))
+    async with grpc.aio.insecure_channel(head.address) as channel:
+        watch = _watch_stream(channel)
+        assert (await asyncio.wait_for(watch.read(), 10)).type == pb.WATCH_EVENT_TYPE_SNAPSHOT
+        await asyncio.sleep(0.1)  # the probe is in flight at the head
+        started = time.monotonic()
+        await head.stop()
+        stopped_after = time.monotonic() - started
+
+        assert (await short).status == "timeout"  # answered: it finished within the grace
+        with pytest.raises(grpc.aio.AioRpcError):
+            while True:  # whatever is still buffered, then the end the stop imposed
+                if await asyncio.wait_for(watch.read(), 10) is grpc.aio.EOF:  # type: ignore[attr-defined]
+                    raise AssertionError("the watch ended as if it had finished")
+    assert stopped_after < 0.5 + SLACK_SECONDS  # the stop waited for the grace, not for the endless watch
+    with pytest.raises(HeadUnreachableError):
+        await ControlClient(head.address, timeout_seconds=2).list_server_statuses()
+
+
+# --- the command -------------------------------------------------------------------------------------------------
+
+
+def test_every_call_has_a_5_second_deadline_by_default() -> None:
+    """README: "Every call has a deadline (--timeout, 5 s by default)": a head that accepts and never answers
+    fails the command after 5 s, not before, and not much later."""
+    with socket.create_server((LOOPBACK, 0)) as mute:
+        address = f"{LOOPBACK}:{mute.getsockname()[1]}"
+        started = time.monotonic()
+        result = run_cli(["status", "--head", address], timeout=30)
+        elapsed = time.monotonic() - started
+    assert result.returncode == 1
+    assert address in result.stderr and "Traceback" not in result.stderr
+    assert 5.0 <= elapsed < 5.0 + SLACK_SECONDS, f"took {elapsed:.1f}s"
+
+
+def test_head_host_flag_binds_that_address_only() -> None:
+    """README: `gym-rpc head [--host H]`: the head listens on H (here 127.0.0.2), not on 127.0.0.1."""
+    with running_head(None, "--host", "127.0.0.2") as head:
+        host, port = head.address.rsplit(":", 1)
+        assert host == "127.0.0.2"
+        result = run_cli(["config", "--json", "--head", head.address])
+        assert result.returncode == 0, result.stderr
+        with socket.socket() as probe:
+            assert probe.connect_ex((LOOPBACK, int(port))) == 111  # refused on another loopback address
+
+
+def test_proxy_variables_are_ignored_by_control_calls() -> None:
+    """README: control calls "ignore proxy environment variables (grpc.enable_http_proxy=0)": with every proxy
+    variable pointing at a dead proxy, the command still reaches the head directly."""
+    dead_proxy = f"http://{LOOPBACK}:{closed_port()}"
+    proxies = {
+        name: dead_proxy for name in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY", "grpc_proxy")
+    }
+    with running_head() as head:
+        result = run_cli(["config", "--json", "--head", head.address, "--timeout", "5"], env=proxies)
+    assert result.returncode == 0, result.stderr
+
+
+# --- instances ---------------------------------------------------------------------------------------------------
+
+
+async def test_list_server_instances_reports_uptime_from_the_start_time(head_factory) -> None:
+    """README: ListServerInstances returns "name, type, url, pid, start time, uptime, status"."""
+    head = await head_factory(document({"policy": server_entry(closed_port(), host="0.0.0.0")}))
+    start_time = time.time() - 100.0
+    await ControlClient(head.address).register_server_instance(
+        "policy", listen_port=closed_port(), pid=4242, start_time=start_time
+    )
+    async with grpc.aio.insecure_channel(head.address) as channel:
+        answer = await channel.unary_unary(
+            f"/{SERVICE_NAME}/ListServerInstances",
+            request_serializer=pb.ListServerInstancesRequest.SerializeToString,
+            response_deserializer=pb.ListServerInstancesResponse.FromString,
+        )(pb.ListServerInstancesRequest(), timeout=10)
+    rows = {row.name: row for row in answer.instances}
+    policy = rows["policy"]
+    assert policy.pid == 4242
+    assert 100.0 <= policy.uptime.ToTimedelta().total_seconds() < 100.0 + SLACK_SECONDS
+    own = rows["head_server"]
+    assert own.pid == os.getpid()
+    assert 0.0 <= own.uptime.ToTimedelta().total_seconds() < time.time() - own.start_time.ToSeconds() + 1.0
+
+
+# --- redaction and tokens ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["apikey", "apiKey", "openai_apikey", "APIKEY"])
+def test_apikey_spelled_as_one_word_is_redacted(key: str) -> None:
+    """SECURITY.md: secret-looking keys include `*apikey*`; README: `apiKey` is redacted (camelCase split)."""
+    assert redact_secrets({"model": {key: "sk-123", "max_tokens": 5}}) == {
+        "model": {key: "<redacted>", "max_tokens": 5}
+    }
+
+
+async def test_head_token_from_an_environment_interpolation(tmp_path, monkeypatch, head_factory) -> None:
+    """SECURITY.md: `auth_token: ${oc.env:GYM_RPC_TOKEN}` in head_server: the head requires the token the
+    environment holds."""
+    monkeypatch.setenv("GYM_RPC_TOKEN", TOKEN)
+    path = tmp_path / "gym.yaml"
+    path.write_text(
+        "head_server:\n  host: 127.0.0.1\n  port: 0\n  auth_token: ${oc.env:GYM_RPC_TOKEN}\n", encoding="utf-8"
+    )
+    config = load_config_file(str(path))
+    assert head_security_config(config.head_server).auth_token == TOKEN
+    monkeypatch.delenv("GYM_RPC_TOKEN")  # from here on only the interpolated value can make the head secure
+    head = HeadServer(config, HeadOptions(port=0), config_path=path)
+    await head.start()
+    try:
+        async with grpc.aio.insecure_channel(head.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await _list_statuses(channel)(pb.ListServerStatusesRequest(), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            answer = await _list_statuses(channel)(
+                pb.ListServerStatusesRequest(), timeout=5, metadata=(("authorization", f"Bearer {TOKEN}"),)
+            )
+            assert list(answer.reports) == []
+    finally:
+        await head.stop()
+
+
+async def test_tokens_are_compared_in_constant_time(head_factory, monkeypatch) -> None:
+    """SECURITY.md: the bearer token is "compared in constant time (hmac.compare_digest)". Timing cannot be
+    measured reliably on a shared machine, so the comparison is watched: every check of a presented token goes
+    through hmac.compare_digest, with the presented and the configured token."""
+    seen: list[tuple[Any, Any]] = []
+    real_compare = hmac.compare_digest
+
+    def watched_compare(a: Any, b: Any) -> bool:
+        seen.append((a, b))
+        return real_compare(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", watched_compare)  # the module the head calls it through
+    head = await head_factory(document({}, head_server={"host": LOOPBACK, "port": 0, "auth_token": TOKEN}))
+    async with grpc.aio.insecure_channel(head.address) as channel:
+        answer = await _list_statuses(channel)(
+            pb.ListServerStatusesRequest(), timeout=5, metadata=(("authorization", f"Bearer {TOKEN}"),)
+        )
+        assert list(answer.reports) == []
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _list_statuses(channel)(
+                pb.ListServerStatusesRequest(), timeout=5, metadata=(("authorization", "Bearer wrong-token"),)
+            )
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert seen == [(TOKEN.encode(), TOKEN.encode()), (b"wrong-token", TOKEN.encode())]
+
+
+# --- health ------------------------------------------------------------------------------------------------------
+
+
+async def test_health_of_one_gym_server_with_a_token_and_on_the_health_port(head_factory, http_server) -> None:
+    """SECURITY.md: health is "deliberately open (Kubernetes probes carry no token)"; "a probe for one Gym server
+    uses its name as the service" on `health_port` or on the main port."""
+    head = await head_factory(
+        document(
+            {"policy_model": server_entry(await http_server()), "gone": server_entry(closed_port())},
+            head_server={"host": LOOPBACK, "port": 0, "auth_token": TOKEN, "health_port": 0},
+        )
+    )
+    assert head.health_port not in (None, 0, head.port)
+    wanted = {
+        "policy_model": health_pb2.HealthCheckResponse.SERVING,
+        "gone": health_pb2.HealthCheckResponse.NOT_SERVING,
+    }
+    for port in (head.port, head.health_port):
+        async with grpc.aio.insecure_channel(f"{LOOPBACK}:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 10
+            while True:
+                answers = {
+                    name: (await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)).status
+                    for name in wanted
+                }
+                if answers == wanted or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+            assert answers == wanted, port  # no token sent: health needs none
+
+
+# --- the demo ----------------------------------------------------------------------------------------------------
+
+
+def _processes_in_group(group: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="utf-8") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == group and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def test_the_demo_exits_0_and_leaves_nothing_running() -> None:
+    """README: `make demo` "exits 0 and leaves nothing running": no process of its process group outlives it, and
+    the head and servers it announced no longer accept connections."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gym_rpc", "demo", "--rollouts", "20", "--concurrency", "4"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+        start_new_session=True,  # its own process group: whatever it starts is findable afterwards
+    )
+    try:
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, err
+    assert _processes_in_group(process.pid) == []
+    urls = re.findall(r"http://127\.0\.0\.1:(\d+)", out)
+    assert urls, out
+    for port in {int(p) for p in urls}:
+        with socket.socket() as probe:
+            assert probe.connect_ex((LOOPBACK, port)) == 111, port
+
+
+# --- bridge ------------------------------------------------------------------------------------------------------
+
+
+def test_bridge_and_command_defaults_are_the_documented_ones() -> None:
+    """README: the bridge's `--listen` "defaults to 127.0.0.1:11000" and each upstream request is "bounded by
+    --fetch-timeout, 2 s"; every command's `--timeout` is 5 s by default."""
+    parser = build_parser()
+    bridge = parser.parse_args(["bridge", "--upstream", "http://127.0.0.1:1"])
+    assert (bridge.listen, bridge.fetch_timeout) == ("127.0.0.1:11000", 2.0)
+    assert parser.parse_args(["status"]).timeout == 5.0
+    assert parser.parse_args(["config"]).timeout == 5.0
