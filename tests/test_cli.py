@@ -405,9 +405,9 @@ def test_status_watch_retries_a_gone_head_until_max_wait(tmp_path: Path) -> None
             assert json.loads(watcher.read_line(WAIT_SECONDS))["kind"] == "snapshot"
             head.process.kill()
             watcher.wait_for_stderr("retrying in", WAIT_SECONDS)
-            assert watcher.wait(timeout=WAIT_SECONDS + 1.5) == 1
+            assert watcher.wait(timeout=WAIT_SECONDS + 1.5) == 3  # EXIT_HEAD_UNREACHABLE
             last = watcher.stderr_text.splitlines()[-1]
-            assert last.startswith("gym-rpc status: error: head server at ") and "unreachable" in last
+            assert f"head server at {head.address} is unreachable" in last
             assert "Traceback" not in watcher.stderr_text
 
 
