@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import metrics
 
+from gym_rpc.telemetry import SDK_DISABLED_ENV_VAR
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader
 
 logger = logging.getLogger(__name__)
 
 METRICS_EXPORTER_ENV_VAR = "OTEL_METRICS_EXPORTER"
-SDK_DISABLED_ENV_VAR = "OTEL_SDK_DISABLED"
 OTLP_METRICS_ENDPOINT_ENV_VARS = ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 OTLP_METRICS_PROTOCOL_ENV_VARS = ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -214,6 +214,16 @@ def _head_server_from_address(address: str) -> BaseServerConfig:
     return BaseServerConfig(host=host, port=port)
 
 
+# The words of the API page for both `get` and `post`.
+_CALL_ARGS_DOC = """
+Args:
+    server_name: str
+        The name of the server you are trying to call.
+    url_path: str
+        The URL path in the server you are trying to call e.g. "/v1/responses".
+"""
+
+
 class ServerClient(BaseModel):
     """Finds Gym servers through the head and calls them over the shared data-plane pools.
 
@@ -504,26 +514,14 @@ class ServerClient(BaseModel):
     async def get(
         self, server_name: str, url_path: str, **kwargs: Unpack[_RequestOptions]
     ) -> aiohttp.ClientResponse:
-        """
-        Args:
-            server_name: str
-                The name of the server you are trying to call.
-            url_path: str
-                The URL path in the server you are trying to call e.g. "/v1/responses".
-        """
         return await self.request(server_name, url_path, "GET", **kwargs)
 
     async def post(
         self, server_name: str, url_path: str, **kwargs: Unpack[_RequestOptions]
     ) -> aiohttp.ClientResponse:
-        """
-        Args:
-            server_name: str
-                The name of the server you are trying to call.
-            url_path: str
-                The URL path in the server you are trying to call e.g. "/v1/responses".
-        """
         return await self.request(server_name, url_path, "POST", **kwargs)
+
+    get.__doc__ = post.__doc__ = _CALL_ARGS_DOC
 
     async def aclose(self) -> None:
         """Close the running loop's data and control sessions (shared with clients of the same settings)."""

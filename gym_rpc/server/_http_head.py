@@ -22,8 +22,8 @@ import yaml
 from aiohttp import web
 
 from gym_rpc.config import HEAD_SERVER_KEY, GlobalConfig, redact_secrets
-from gym_rpc.errors import ConfigError, GymRpcError
-from gym_rpc.server._metrics_http import METRICS_PATH, metrics_handler
+from gym_rpc.errors import ConfigError
+from gym_rpc.server._metrics_http import METRICS_PATH, AppServer, metrics_handler
 from gym_rpc.server._servicer import HeadState
 
 logger = logging.getLogger(__name__)
@@ -79,14 +79,16 @@ def server_instances(head: HeadState) -> list[dict[str, Any]]:
     return instances
 
 
-class HttpHead:
+class HttpHead(AppServer):
     """An aiohttp server answering NeMo Gym's head endpoints from a head's current state."""
 
+    what = "NeMo Gym's HTTP head"
+    setting = f"another {HEAD_SERVER_KEY}.{HTTP_PORT_KEY} (or --http-port)"
+
     def __init__(self, head: HeadState) -> None:
+        super().__init__()
         self._head = head
         self._yaml_body: tuple[str, bytes] | None = None  # (version, body): rendered once per config version
-        self._runner: web.AppRunner | None = None
-        self.port = 0
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -95,25 +97,6 @@ class HttpHead:
         app.router.add_get("/server_instances", self._server_instances)
         app.router.add_get(METRICS_PATH, metrics_handler)
         return app
-
-    async def start(self, host: str, port: int) -> None:
-        runner = web.AppRunner(self.app(), access_log=None)
-        await runner.setup()
-        try:
-            await web.TCPSite(runner, host.strip("[]"), port).start()
-        except OSError as exc:
-            await runner.cleanup()
-            raise GymRpcError(
-                f"cannot serve NeMo Gym's HTTP head on {host}:{port}: {exc.strerror or exc}; "
-                f"choose another {HEAD_SERVER_KEY}.{HTTP_PORT_KEY} (or --http-port)"
-            ) from exc
-        self._runner = runner
-        self.port = int(runner.addresses[0][1])
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
 
     async def _liveness(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
