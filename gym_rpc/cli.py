@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gym_rpc import __version__
 from gym_rpc._cli_flags import (
@@ -40,6 +41,9 @@ from gym_rpc.config import (
 )
 from gym_rpc.errors import ControlPlaneError, GymRpcError, HeadUnreachableError, UnknownServerError
 from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, ServerInstance, StatusReport
+
+if TYPE_CHECKING:
+    from gym_rpc.server import HeadServer
 
 EXIT_OK = 0
 EXIT_DOWN = 1  # also: the command failed
@@ -74,23 +78,29 @@ class UsageError(GymRpcError):
 # --- the parser --------------------------------------------------------------------------------------------------
 
 
+def _choice_flag(
+    parser: argparse.ArgumentParser, *names: str, env: str, default: str, choices: Sequence[str], help: str
+) -> None:
+    """A flag taking one of `choices` (shown as {a,b,c}), its default from `$env` when set."""
+    metavar = "{" + ",".join(choices) + "}"
+    env_flag(parser, *names, env=env, default=default, parse=choice_of(choices), metavar=metavar, help=help)
+
+
 def _add_log_flags(parser: argparse.ArgumentParser, default_level: str) -> None:
-    env_flag(
+    _choice_flag(
         parser,
         "--log-level",
         env=LOG_LEVEL_ENV_VAR,
         default=default_level,
-        parse=choice_of(LOG_LEVELS),
-        metavar="{" + ",".join(LOG_LEVELS) + "}",
+        choices=LOG_LEVELS,
         help="the least severe log records printed (to stderr)",
     )
-    env_flag(
+    _choice_flag(
         parser,
         "--log-format",
         env=LOG_FORMAT_ENV_VAR,
         default="text",
-        parse=choice_of(LOG_FORMATS),
-        metavar="{" + ",".join(LOG_FORMATS) + "}",
+        choices=LOG_FORMATS,
         help="text: `TIME LEVEL LOGGER: message`; json: one object per line, with trace and span ids",
     )
 
@@ -118,20 +128,14 @@ def _add_head_flags(parser: argparse.ArgumentParser, *, call_timeout: bool = Tru
 
 
 def _add_output_flag(parser: argparse.ArgumentParser, choices: Sequence[str], default: str) -> None:
-    env_flag(
-        parser,
-        "-o",
-        "--output",
-        env=OUTPUT_ENV_VAR,
-        default=default,
-        parse=choice_of(choices),
-        metavar="{" + ",".join(choices) + "}",
-        help="output format",
+    _choice_flag(
+        parser, "-o", "--output", env=OUTPUT_ENV_VAR, default=default, choices=choices, help="output format"
     )
     parser.add_argument("--json", dest="output", action="store_const", const="json", help="same as -o json")
 
 
-def _add_probe_flags(parser: argparse.ArgumentParser) -> None:
+def _add_serving_flags(parser: argparse.ArgumentParser) -> None:
+    """What `head` and `bridge` both take: they are one server with two config sources."""
     env_flag(
         parser,
         "--probe-interval",
@@ -151,6 +155,29 @@ def _add_probe_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds a background probe may take",
     )
     parser.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
+    env_flag(
+        parser,
+        "--http-port",
+        env=HTTP_PORT_ENV_VAR,
+        default=None,
+        parse=port_number,
+        help="also serve NeMo Gym's HTTP head on this port, 0 for a free one (none: head_server.http_port)",
+    )
+    env_flag(
+        parser,
+        "--metrics-port",
+        env=METRICS_PORT_ENV_VAR,
+        default=None,
+        parse=port_number,
+        help="serve GET /metrics (Prometheus text) alone on this port, 0 for a free one (it is on the HTTP head's "
+        "port too)",
+    )
+    parser.add_argument(
+        "--max-watches",
+        type=_positive_int,
+        metavar="N",
+        help="status watches served at once; more get RESOURCE_EXHAUSTED (none: 512)",
+    )
     _add_log_flags(parser, "info")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at least at info level")
 
@@ -177,24 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     head.add_argument("--host", help="bind host (none: head_server.host of the config)")
     head.add_argument("--port", type=port_number, help="bind port, 0 for a free one (none: head_server.port)")
-    env_flag(
-        head,
-        "--http-port",
-        env=HTTP_PORT_ENV_VAR,
-        default=None,
-        parse=port_number,
-        help="also serve NeMo Gym's HTTP head on this port, 0 for a free one (none: head_server.http_port)",
-    )
-    env_flag(
-        head,
-        "--metrics-port",
-        env=METRICS_PORT_ENV_VAR,
-        default=None,
-        parse=port_number,
-        help="serve GET /metrics (Prometheus text) alone on this port, 0 for a free one (it is on the HTTP head's "
-        "port too)",
-    )
-    _add_probe_flags(head)
+    _add_serving_flags(head)
     head.add_argument(
         "--status-max-age",
         type=non_negative_float,
@@ -216,24 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
         "port, auth_token, tls, health_port, http_port (what it serves is the upstream's config)",
     )
     bridge.add_argument(
-        "--http-port",
-        type=port_number,
-        help="also serve NeMo Gym's HTTP head on this port, 0 for a free one (none: head_server.http_port)",
-    )
-    bridge.add_argument(
         "--refresh-interval", type=positive_float, default=1.0, help="seconds between fetches from the upstream"
     )
     bridge.add_argument(
         "--fetch-timeout", type=positive_float, default=2.0, help="seconds one upstream request may take"
     )
-    _add_probe_flags(bridge)
-    for server in (head, bridge):
-        server.add_argument(
-            "--max-watches",
-            type=_positive_int,
-            metavar="N",
-            help="status watches served at once; more get RESOURCE_EXHAUSTED (none: 512)",
-        )
+    _add_serving_flags(bridge)
 
     status = command("status", "show every server's status; exit 1 when one is not up")
     _add_head_flags(status)
@@ -356,18 +354,7 @@ def cmd_head(args: argparse.Namespace) -> int:
     head = HeadServer(config, options, config_path=args.config)
 
     def announce(started: HeadServer) -> None:
-        http = f"; NeMo Gym HTTP head on http://{url_host(started.host)}:{started.http_port}"
-        health = f"; plaintext health service on {url_host(started.host)}:{started.health_port}"
-        metrics = f"; metrics on http://{url_host(started.host)}:{started.metrics_port}/metrics"
-        print(
-            f"gym-rpc head listening on {started.address} "
-            f"(config: {source}, version {config.version}, {len(config.servers)} servers, "
-            f"{started.security.describe()})"
-            f"{http if started.http_port is not None else ''}"
-            f"{health if started.health_port is not None else ''}"
-            f"{metrics if started.metrics_port is not None else ''}",
-            flush=True,
-        )
+        _announce("head", started, f"config: {source}, version {config.version}, {len(config.servers)} servers")
 
     asyncio.run(run_head(head, announce))
     return EXIT_OK
@@ -388,16 +375,29 @@ def cmd_bridge(args: argparse.Namespace) -> int:
         probe_interval_seconds=args.probe_interval,
         probe_timeout_seconds=args.probe_timeout,
         reflection=not args.no_reflection,
-        head_server={**own, **({"http_port": args.http_port} if args.http_port is not None else {})},
+        head_server=own,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
         **_max_watches(args),
     )
 
     def announce(started: BridgeHead) -> None:
-        guard = started.security.describe()
-        print(f"gym-rpc bridge listening on {started.address} ({started.upstream_url}, {guard})", flush=True)
+        _announce("bridge", started, started.upstream_url)
 
     asyncio.run(run_head(BridgeHead(options), announce))
     return EXIT_OK
+
+
+def _announce(kind: str, started: HeadServer, source: str) -> None:
+    """The one line a serving command prints once it serves: where, from what, how guarded, and its other ports."""
+    host = url_host(started.host)
+    extras = [
+        f"; NeMo Gym HTTP head on http://{host}:{started.http_port}" if started.http_port is not None else "",
+        f"; plaintext health service on {host}:{started.health_port}" if started.health_port is not None else "",
+        f"; metrics on http://{host}:{started.metrics_port}/metrics" if started.metrics_port is not None else "",
+    ]
+    guard = started.security.describe()
+    print(f"gym-rpc {kind} listening on {started.address} ({source}, {guard}){''.join(extras)}", flush=True)
 
 
 def _max_watches(args: argparse.Namespace) -> dict[str, int]:

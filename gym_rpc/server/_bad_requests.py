@@ -10,21 +10,15 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
-logger = logging.getLogger(__name__)
+from gym_rpc.server._interceptors import Context, Handler, HandlerInterceptor
 
-if TYPE_CHECKING:  # generic only in the type stubs
-    Handler = grpc.RpcMethodHandler[Any, Any]
-    ServerInterceptor = grpc.aio.ServerInterceptor[Any, Any]
-else:
-    Handler = grpc.RpcMethodHandler
-    ServerInterceptor = grpc.aio.ServerInterceptor
-Context = grpc.aio.ServicerContext[Any, Any]
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -107,20 +101,13 @@ def guard_handler(handler: Handler, method: str) -> Handler:
     return grpc.stream_unary_rpc_method_handler(stream_unary_guarded, **codec)
 
 
-class DecodeGuardInterceptor(ServerInterceptor):
+class DecodeGuardInterceptor(HandlerInterceptor):
     """Every handler guarded by `guard_handler`; wrapped once per method, so a call pays one dict lookup."""
 
     def __init__(self) -> None:
         self._guarded: dict[str, tuple[Handler, Handler]] = {}  # method -> (original, guarded)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
-        details: grpc.HandlerCallDetails,
-    ) -> Handler:
-        handler = await continuation(details)
-        if handler is None:
-            return handler
+    def handle(self, handler: Handler, details: grpc.HandlerCallDetails) -> Handler:
         known = self._guarded.get(details.method)
         if known is not None and known[0] is handler:
             return known[1]

@@ -13,10 +13,10 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -34,6 +34,7 @@ from gym_rpc.config import (
 )
 from gym_rpc.errors import ConfigError, UpstreamError
 from gym_rpc.server._head import HeadOptions, HeadServer
+from gym_rpc.server._interceptors import Handler, HandlerInterceptor, ServerInterceptor
 from gym_rpc.server._security import DEFAULT_MAX_CONCURRENT_WATCHES, aborting_handler
 from gym_rpc.wire import SERVICE_NAME
 from gym_rpc.wire._convert import ReportedProcess
@@ -60,6 +61,8 @@ class BridgeOptions:
     watch_history_size: int = 1024
     shutdown_grace_seconds: float = 0.5
     max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES  # more get RESOURCE_EXHAUSTED
+    http_port: int | None = None  # NeMo Gym's HTTP head; None: head_server.http_port (absent: none); 0: free port
+    metrics_port: int | None = None  # GET /metrics alone on this port
     # The bridge's own head_server settings, the keys of the head's block: auth_token, tls, health_port, http_port.
     head_server: Mapping[str, Any] = field(default_factory=dict)
 
@@ -171,7 +174,7 @@ class UpstreamSource:
         self._lock = asyncio.Lock()
         self._fetched = False
 
-    def interceptors(self) -> Sequence[_ServerInterceptor]:
+    def interceptors(self) -> Sequence[ServerInterceptor]:
         return [UpstreamGate(lambda: self._head.problem if self._head is not None else self._not_fetched())]
 
     def _not_fetched(self) -> str:
@@ -248,15 +251,9 @@ class BridgeHead(HeadServer):
             fetch_timeout_seconds=options.fetch_timeout_seconds,
         )
         own = {**options.head_server, "host": options.host, "port": options.port}
+        # Every serving option the head has and the bridge shares (host, port, probing, reflection, watches).
         serving = HeadOptions(
-            host=options.host,
-            port=options.port,
-            probe_interval_seconds=options.probe_interval_seconds,
-            probe_timeout_seconds=options.probe_timeout_seconds,
-            reflection=options.reflection,
-            watch_history_size=options.watch_history_size,
-            shutdown_grace_seconds=options.shutdown_grace_seconds,
-            max_concurrent_watches=options.max_concurrent_watches,
+            **{f.name: getattr(options, f.name) for f in fields(HeadOptions) if hasattr(options, f.name)}
         )
         own_config = GlobalConfig.from_document({HEAD_SERVER_KEY: own})
         super().__init__(own_config, serving, source=self.upstream, service_name="gym-rpc-bridge")
@@ -267,14 +264,7 @@ class BridgeHead(HeadServer):
         return self.upstream.upstream_url
 
 
-if TYPE_CHECKING:  # generic only in the type stubs
-    Handler = grpc.RpcMethodHandler[Any, Any]
-    _ServerInterceptor = grpc.aio.ServerInterceptor[Any, Any]
-else:
-    _ServerInterceptor = grpc.aio.ServerInterceptor
-
-
-class UpstreamGate(_ServerInterceptor):
+class UpstreamGate(HandlerInterceptor):
     """Refuses every ControlPlaneService call with UNAVAILABLE while `reason()` names a problem.
 
     One place for the rule, so the servicer's handlers need no bridge-specific branches; health and reflection
@@ -284,13 +274,8 @@ class UpstreamGate(_ServerInterceptor):
     def __init__(self, reason: Callable[[], str | None]) -> None:
         self._reason = reason
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
-        details: grpc.HandlerCallDetails,
-    ) -> Handler:
-        handler = await continuation(details)
-        if handler is None or not details.method.startswith(_METHOD_PREFIX):
+    def handle(self, handler: Handler, details: grpc.HandlerCallDetails) -> Handler:
+        if not details.method.startswith(_METHOD_PREFIX):
             return handler
         problem = self._reason()
         if problem is None:

@@ -89,8 +89,6 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self, request: pb.GetServerStatusRequest, context: Context
     ) -> pb.GetServerStatusResponse:
         name = request.server_name
-        if not name:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "server_name is required")
         if name == HEAD_SERVER_KEY:
             return pb.GetServerStatusResponse(report=convert.report_to_pb(self._head_report()))
         await self._require_server(name, context)
@@ -186,7 +184,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self, request: pb.GetAssistantMessageHeaderRequest, context: Context
     ) -> pb.GetAssistantMessageHeaderResponse:
         name = request.model_server_name
-        await self._require_server(name, context)
+        await self._require_server(name, context, "model_server_name")
         try:
             header = self._head.config.assistant_message_header(name)
         except ConfigError as exc:
@@ -206,8 +204,6 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self, request: pb.RegisterServerInstanceRequest, context: Context
     ) -> pb.RegisterServerInstanceResponse:
         name = request.server_name
-        if not name:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "server_name is required")
         await self._require_server(name, context)
         if not 0 < request.listen_port < 65536:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "listen_port must be in 1..65535")
@@ -229,8 +225,6 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self, request: pb.DeregisterServerInstanceRequest, context: Context
     ) -> pb.DeregisterServerInstanceResponse:
         name = request.server_name
-        if not name:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "server_name is required")
         await self._require_server(name, context)
         head = self._head
         current = head.registry.get(name)
@@ -240,7 +234,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             await head.registry.update_prober(head.prober, lambda: head.config.servers)
         return pb.DeregisterServerInstanceResponse(deregistered=deregistered)
 
-    async def _require_server(self, name: str, context: Context) -> None:
+    async def _require_server(self, name: str, context: Context, field: str = "server_name") -> None:
+        """INVALID_ARGUMENT for no name, NOT_FOUND (with the known names) for one the config does not have."""
+        if not name:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field} is required")
         servers = self._head.config.servers
         if name not in servers:
             status = unknown_server_status(name, [*servers, HEAD_SERVER_KEY])
