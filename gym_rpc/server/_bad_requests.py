@@ -56,11 +56,7 @@ def guard_handler(handler: Handler, method: str) -> Handler:
             async def unary_stream_guarded(request: Any, context: Context) -> AsyncIterator[Any]:
                 if isinstance(request, Undecodable):
                     await _refuse(context, request)
-                responses = unary_stream(request, context)
-                if inspect.isawaitable(responses):  # a coroutine that writes with context.write (health's Watch)
-                    await responses
-                    return
-                async for response in responses:
+                async for response in _each_response(unary_stream(request, context)):
                     yield response
 
             return grpc.unary_stream_rpc_method_handler(unary_stream_guarded, **codec)
@@ -84,11 +80,7 @@ def guard_handler(handler: Handler, method: str) -> Handler:
         stream_stream: Any = handler.stream_stream
 
         async def stream_stream_guarded(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
-            responses = stream_stream(checked(requests, context), context)
-            if inspect.isawaitable(responses):
-                await responses
-                return
-            async for response in responses:
+            async for response in _each_response(stream_stream(checked(requests, context), context)):
                 yield response
 
         return grpc.stream_stream_rpc_method_handler(stream_stream_guarded, **codec)
@@ -99,6 +91,16 @@ def guard_handler(handler: Handler, method: str) -> Handler:
         return await response if inspect.isawaitable(response) else response
 
     return grpc.stream_unary_rpc_method_handler(stream_unary_guarded, **codec)
+
+
+async def _each_response(responses: Any) -> AsyncIterator[Any]:
+    """A streaming handler's responses: an async generator's, or none from a coroutine that writes them itself
+    with context.write (grpc's health Watch)."""
+    if inspect.isawaitable(responses):
+        await responses
+        return
+    async for response in responses:
+        yield response
 
 
 class DecodeGuardInterceptor(HandlerInterceptor):

@@ -10,11 +10,10 @@ UNAVAILABLE naming the upstream URL; the bridge recovers on the first good fetch
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,12 +21,12 @@ from urllib.parse import urlsplit
 import aiohttp
 import grpc
 
+from gym_rpc._tasks import cancel_and_wait, run_every
 from gym_rpc.config import (
     DEFAULT_HEAD_HOST,
     DEFAULT_HEAD_PORT,
     HEAD_SERVER_KEY,
     GlobalConfig,
-    checked_port,
     checked_seconds,
     parse_config_text,
     parse_host_port,
@@ -35,7 +34,7 @@ from gym_rpc.config import (
 from gym_rpc.errors import ConfigError, UpstreamError
 from gym_rpc.server._head import HeadOptions, HeadServer
 from gym_rpc.server._interceptors import Handler, HandlerInterceptor, ServerInterceptor
-from gym_rpc.server._security import DEFAULT_MAX_CONCURRENT_WATCHES, aborting_handler
+from gym_rpc.server._security import aborting_handler
 from gym_rpc.wire import SERVICE_NAME
 from gym_rpc.wire._convert import ReportedProcess
 
@@ -46,33 +45,23 @@ INSTANCES_PATH = "/server_instances"
 _METHOD_PREFIX = f"/{SERVICE_NAME}/"
 
 
-@dataclass(frozen=True)
-class BridgeOptions:
-    """Where the bridge listens, where its upstream is, and how often it looks."""
+@dataclass(frozen=True, kw_only=True)
+class BridgeOptions(HeadOptions):
+    """The head's serving options, plus where the upstream is and how often the bridge looks."""
 
     upstream_url: str
-    host: str = DEFAULT_HEAD_HOST
-    port: int = DEFAULT_HEAD_PORT  # 0: a free port
+    host: str | None = DEFAULT_HEAD_HOST
+    port: int | None = DEFAULT_HEAD_PORT  # 0: a free port
     refresh_interval_seconds: float = 1.0
     fetch_timeout_seconds: float = 2.0  # bounds each upstream request
-    probe_interval_seconds: float = 2.0
-    probe_timeout_seconds: float = 1.0
-    reflection: bool = True
-    watch_history_size: int = 1024
-    shutdown_grace_seconds: float = 0.5
-    max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES  # more get RESOURCE_EXHAUSTED
-    http_port: int | None = None  # NeMo Gym's HTTP head; None: head_server.http_port (absent: none); 0: free port
-    metrics_port: int | None = None  # GET /metrics alone on this port
     # The bridge's own head_server settings, the keys of the head's block: auth_token, tls, health_port, http_port.
     head_server: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        """Refuse what would spin (a 0 interval), never end (nan, inf) or bind another port (70000 wraps)."""
+        """Refuse what would spin (a 0 interval) or never end (nan, inf); the head's checks for the rest."""
         checked_seconds(self.refresh_interval_seconds, "the refresh interval (--refresh-interval)")
         checked_seconds(self.fetch_timeout_seconds, "the fetch timeout (--fetch-timeout)")
-        checked_seconds(self.probe_interval_seconds, "the probe interval (--probe-interval)")
-        checked_seconds(self.probe_timeout_seconds, "the probe timeout (--probe-timeout)")
-        checked_port(self.port, "the listen port (--listen)")
+        super().__post_init__()
 
 
 @dataclass(frozen=True)
@@ -194,11 +183,8 @@ class UpstreamSource:
 
     async def stop(self) -> None:
         """Stop refreshing; the server stops serving after this."""
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
-            self._refresher = None
+        await cancel_and_wait(self._refresher)
+        self._refresher = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -230,14 +216,7 @@ class UpstreamSource:
 
     async def _refresh_forever(self) -> None:
         """Refresh every interval until stop() cancels it; each fetch is bounded by the session timeout."""
-        while True:
-            await asyncio.sleep(self.refresh_interval_seconds)
-            try:
-                await self.refresh()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # the refresher must outlive any single bad round
-                logger.exception("bridge refresh failed")
+        await run_every(self.refresh_interval_seconds, self.refresh, "bridge refresh", logger, now=False)
 
 
 class BridgeHead(HeadServer):
@@ -251,12 +230,8 @@ class BridgeHead(HeadServer):
             fetch_timeout_seconds=options.fetch_timeout_seconds,
         )
         own = {**options.head_server, "host": options.host, "port": options.port}
-        # Every serving option the head has and the bridge shares (host, port, probing, reflection, watches).
-        serving = HeadOptions(
-            **{f.name: getattr(options, f.name) for f in fields(HeadOptions) if hasattr(options, f.name)}
-        )
         own_config = GlobalConfig.from_document({HEAD_SERVER_KEY: own})
-        super().__init__(own_config, serving, source=self.upstream, service_name="gym-rpc-bridge")
+        super().__init__(own_config, options, source=self.upstream, service_name="gym-rpc-bridge")
         self.problem = self.upstream._not_fetched()
 
     @property

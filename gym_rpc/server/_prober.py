@@ -13,7 +13,6 @@ at most one probe per window, not a thousand.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from gym_rpc._tasks import cancel_and_wait, run_every
 from gym_rpc.config import ServerEntry
 from gym_rpc.server import _events as events
 from gym_rpc.wire import ServerStatus, StatusReport
@@ -119,15 +119,10 @@ class StatusProber:
         self._task = asyncio.create_task(self._run(), name="gym_rpc status prober")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         for _, task in list(self._in_flight.values()):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         self._in_flight.clear()
         if self._session is not None:
             await self._session.close()
@@ -267,15 +262,7 @@ class StatusProber:
                 del self._in_flight[name]
 
     async def _run(self) -> None:
-        while True:
-            started = time.monotonic()
-            try:
-                await self.probe_all()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # the prober must outlive any single bad round
-                logger.exception("status probe round failed")
-            await asyncio.sleep(max(0.0, self.interval_seconds - (time.monotonic() - started)))
+        await run_every(self.interval_seconds, self.probe_all, "status probe round", logger, now=True)
 
     async def _store(self, report: StatusReport) -> None:
         previous = self._reports.get(report.server_name)
