@@ -215,15 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     bridge = command("bridge", "serve the gRPC control plane in front of a NeMo Gym HTTP head")
     bridge.add_argument("--upstream", required=True, metavar="URL", help="the NeMo Gym head, http://HOST:PORT")
     bridge.add_argument(
-        "--listen",
-        metavar="HOST:PORT",
-        help="gRPC address, port 0 for a free one (none: head_server of --config, else 127.0.0.1:11000)",
+        "--listen", metavar="HOST:PORT", default=DEFAULT_HEAD, help="gRPC address, port 0 for a free one"
     )
     bridge.add_argument(
         "--config",
         type=Path,
-        help="a config YAML whose head_server block says where and how the bridge serves, as for the head: host, "
-        "port, auth_token, tls, health_port, http_port (what it serves is the upstream's config)",
+        help="a config YAML whose head_server block says how the bridge serves, as for the head: auth_token, tls, "
+        "health_port, http_port (it listens on --listen; what it serves is the upstream's config)",
     )
     bridge.add_argument(
         "--refresh-interval", type=positive_float, default=1.0, help="seconds between fetches from the upstream"
@@ -364,8 +362,7 @@ def cmd_bridge(args: argparse.Namespace) -> int:
     from gym_rpc.server import BridgeHead, BridgeOptions, parse_listen_address, run_head  # lazy: see cmd_head
 
     own = load_config_file(args.config).document[HEAD_SERVER_KEY] if args.config is not None else {}
-    listen = args.listen or (f"{url_host(own['host'])}:{own['port']}" if own else DEFAULT_HEAD)
-    host, port = parse_listen_address(listen)
+    host, port = parse_listen_address(args.listen)
     options = BridgeOptions(
         upstream_url=args.upstream,
         host=host,

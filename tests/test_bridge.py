@@ -457,7 +457,17 @@ def test_cli_bridge_takes_where_and_how_it_serves_from_a_config_file(tmp_path: P
     own = tmp_path / "bridge.yaml"
     own.write_text(f"head_server: {{host: {LOOPBACK}, port: 0, auth_token: bridge-file-token-42}}\n", "utf-8")
     upstream = f"http://{LOOPBACK}:{closed_port()}"
-    args = ["bridge", "--upstream", upstream, "--config", str(own), "--max-watches", "3"]
+    args = [
+        "bridge",
+        "--upstream",
+        upstream,
+        "--listen",
+        f"{LOOPBACK}:0",
+        "--config",
+        str(own),
+        "--max-watches",
+        "3",
+    ]
     with running_cli(args) as bridge:
         line = bridge.wait_for_line(re.compile(r"listening on"), STARTUP_SECONDS)
     assert re.fullmatch(

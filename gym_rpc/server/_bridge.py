@@ -35,6 +35,7 @@ from gym_rpc.errors import ConfigError, UpstreamError
 from gym_rpc.server._head import HeadOptions, HeadServer
 from gym_rpc.server._interceptors import Handler, HandlerInterceptor, ServerInterceptor
 from gym_rpc.server._security import aborting_handler
+from gym_rpc.server._sources import ConfigTarget
 from gym_rpc.wire import SERVICE_NAME
 from gym_rpc.wire._convert import ReportedProcess
 
@@ -157,7 +158,7 @@ class UpstreamSource:
         self.fetch_timeout_seconds = fetch_timeout_seconds
         self.processes: dict[str, ReportedProcess] = {}
         self.name: Path | str = self.upstream_url  # what logs call this source
-        self._head: HeadServer | None = None
+        self._head: ConfigTarget | None = None
         self._session: aiohttp.ClientSession | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
@@ -172,7 +173,7 @@ class UpstreamSource:
     def check(self, config: GlobalConfig) -> None:
         return None  # the bridge's own head_server block is checked as the server reads it
 
-    async def start(self, head: HeadServer) -> None:
+    async def start(self, head: ConfigTarget) -> None:
         self._head = head
         await head.set_problem(self._not_fetched())
         self._session = aiohttp.ClientSession(
@@ -189,7 +190,7 @@ class UpstreamSource:
             await self._session.close()
             self._session = None
 
-    async def reload(self, head: HeadServer) -> bool:
+    async def reload(self, head: ConfigTarget) -> bool:
         """Fetch from the upstream now (ReloadGlobalConfig, SIGHUP); True when the config changed."""
         version = head.config.version
         if not await self.refresh():

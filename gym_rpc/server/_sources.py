@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -21,10 +21,20 @@ from gym_rpc.server._http_head import configured_http_port
 from gym_rpc.server._security import ServerSecurity
 from gym_rpc.wire._convert import ReportedProcess
 
-if TYPE_CHECKING:
-    from gym_rpc.server._head import HeadServer
-
 logger = logging.getLogger(__name__)
+
+
+class ConfigTarget(Protocol):
+    """What a source feeds: the server (`HeadServer`), as far as a source needs it."""
+
+    config: GlobalConfig
+    problem: str | None
+
+    def served(self, config: GlobalConfig) -> GlobalConfig: ...
+
+    async def apply_config(self, config: GlobalConfig) -> bool: ...
+
+    async def set_problem(self, problem: str | None) -> None: ...
 
 
 class ConfigSource(Protocol):
@@ -45,13 +55,13 @@ class ConfigSource(Protocol):
         """Refuse the config the server starts with, naming what is wrong (ConfigError)."""
         ...
 
-    async def start(self, head: HeadServer) -> None:
+    async def start(self, head: ConfigTarget) -> None:
         """Begin feeding `head` (after it serves): `head.apply_config` for each new config, `head.set_problem`."""
         ...
 
     async def stop(self) -> None: ...
 
-    async def reload(self, head: HeadServer) -> bool:
+    async def reload(self, head: ConfigTarget) -> bool:
         """Load the config now (SIGHUP, ReloadGlobalConfig); True when it changed; ConfigError keeps the old."""
         ...
 
@@ -88,13 +98,13 @@ class FileSource:
             if name not in known:
                 logger.warning("config entry %r is not served: %s", name, problem)
 
-    async def start(self, head: HeadServer) -> None:
+    async def start(self, head: ConfigTarget) -> None:
         return None
 
     async def stop(self) -> None:
         return None
 
-    async def reload(self, head: HeadServer) -> bool:
+    async def reload(self, head: ConfigTarget) -> bool:
         """Re-read the file; True when its content changed. A bad file keeps the old config."""
         if self.path is None:
             return False
