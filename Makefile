@@ -6,7 +6,7 @@ BUF := node_modules/.bin/buf
 RELEASED_CONTRACT := proto/released/gym_rpc_v1.binpb
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto stubs release-contract lint test run demo bench mutate clean nemo-gym-venv
+.PHONY: install proto stubs release-contract lint test run demo bench bench-scale mutate clean nemo-gym-venv
 
 install: $(STAMP) $(BUF)
 
@@ -62,6 +62,10 @@ demo: $(STAMP)
 # Not part of `make test` (tests/test_bench_smoke.py runs `python -m bench --quick` so the code cannot rot).
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+# How one head's costs grow with servers, watchers and pollers (< 5 min); writes bench/SCALE.md.
+bench-scale: $(STAMP)
+	$(BIN)/python -m bench.scale
 
 # Mutation testing (mutmut, `[tool.mutmut]` in pyproject.toml) of the security, redaction, config, rollout-prefix,
 # watch and data-plane retry modules; at lowest priority, since it keeps both cores busy for up to half an hour.

@@ -71,6 +71,9 @@ async def _slow(request: web.Request) -> web.Response:
 def data_app() -> web.Application:
     app = web.Application()
     app.router.add_post("/v1/responses", _responses)
+    # With observability on, model calls carry the rollout prefix (the tracing-cost bench binds one), as model
+    # servers accept it.
+    app.router.add_post("/ng-rollout/{rollout_id}/v1/responses", _responses)
     app.router.add_route("*", "/slow", _slow)
     app.router.add_get("/", _ok)
     return app

@@ -254,7 +254,10 @@ def checked_seconds(value: float, what: str) -> float:
 
 def base_url(host: str, port: int) -> str:
     """The http:// base URL of a server bound at host:port."""
-    return f"http://{url_host(connectable_host(host))}:{port}"
+    authority = url_host(connectable_host(host))
+    if authority.startswith("[") and "%" in authority and "%25" not in authority:
+        authority = authority.replace("%", "%25", 1)  # an IPv6 zone id in a URL is written %25 (RFC 6874)
+    return f"http://{authority}:{port}"
 
 
 def is_secret_key(key: str) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gym_rpc.client._control import ControlClient
 from gym_rpc.client._security import ClientSecurity
@@ -215,3 +215,24 @@ def test_a_garbage_certificate_stops_the_head_with_one_line_naming_the_files(tmp
     path.write_text(yaml.safe_dump({"head_server": {"host": LOOPBACK, "port": 0, "tls": tls}}), encoding="utf-8")
     result = run_cli(["head", "--config", str(path), "--port", "0"], timeout=20)
     assert_one_line_error(result, str(path), str(cert), str(key), "not a PEM certificate chain")
+
+
+# --- item 15: grpc.health.v1.Health/List ---
+
+
+async def test_health_list_names_every_server_and_the_head(head_factory, http_server, caplog) -> None:
+    live = await http_server()
+    head = await head_factory(document({"policy": server_entry(live)}))
+    serving = health_pb2.HealthCheckResponse.SERVING
+    async with grpc.aio.insecure_channel(head.address) as channel:
+        for _ in range(100):  # the prober probes every 0.1 s; wait (at most 10 s) until it saw the server up
+            listed = await health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=5)
+            if listed.statuses["policy"].status == serving:
+                break
+            await asyncio.sleep(0.1)
+    assert {name: answer.status for name, answer in listed.statuses.items()} == {
+        "": serving,
+        "gym_rpc.v1.ControlPlaneService": serving,
+        "policy": serving,
+    }
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

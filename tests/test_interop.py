@@ -249,7 +249,7 @@ def test_buf_breaking_reports_a_breaking_change(tmp_path: Path) -> None:
     proto = tmp_path / "proto" / "gym_rpc" / "v1" / "control_plane.proto"
     text = proto.read_text()
     assert "uint32 http_status = 7;" in text
-    proto.write_text(text.replace("uint32 http_status = 7;", "uint32 http_status = 8;"))
+    proto.write_text(text.replace("uint32 http_status = 7;", "uint32 http_status = 99;"))  # a number no field has
     result = subprocess.run(
         [str(BUF), "breaking", "--against", str(RELEASED_CONTRACT)],
         cwd=tmp_path,

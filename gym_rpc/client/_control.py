@@ -92,9 +92,11 @@ def _register(
     pid: int = 0,
     start_time: float = 0.0,
     advertise_host: str = "",
+    lease_seconds: float | None = None,
     timeout: float | None = None,
 ) -> Call[pb.RegisterServerInstanceRequest]:
-    """Register a running server process; returns the base URL the head advertises for it."""
+    """Register (or renew) a running server process; returns the base URL the head advertises for it. With
+    `lease_seconds` the registration expires unless renewed within that long (None: never)."""
     request = convert.register_request_to_pb(
         server_name,
         pid=pid,
@@ -102,6 +104,7 @@ def _register(
         listen_host=listen_host,
         listen_port=listen_port,
         advertise_host=advertise_host,
+        lease_seconds=lease_seconds,
     )
     return Call(request, timeout)
 

@@ -483,7 +483,7 @@ class ServerClient(BaseModel):
         url = private["_server_base_urls"].get(server_name) or await self._aresolve_base_url(server_name)
         body = kwargs.get("json")
         if body is not None:
-            if isinstance(body, BaseModel):
+            if type(body) is not dict and isinstance(body, BaseModel):  # a dict skips pydantic's ABC check
                 body = body.model_dump(mode="json", exclude_unset=True)
             if kwargs.get("data") is not None:
                 raise ValueError("data and json parameters can not be used at the same time")

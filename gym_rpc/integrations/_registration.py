@@ -35,8 +35,11 @@ from gym_rpc.errors import GymRpcError
 logger = logging.getLogger(__name__)
 
 REGISTRATION_TIMEOUT_SECONDS = 2.0
-# A head keeps registrations in memory: re-registering now and then brings a restarted head up to date.
-DEFAULT_REFRESH_SECONDS = 30.0
+# A head keeps registrations in memory: re-registering now and then brings a restarted head up to date, and renews
+# the registration's lease (LEASE_REFRESHES refresh periods), so a process killed -9 is dropped soon after.
+DEFAULT_REFRESH_SECONDS = 10.0
+LEASE_REFRESHES = 3
+MIN_LEASE_SECONDS = 0.5  # the shortest lease a head grants
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -80,6 +83,7 @@ class _Registered(TypedDict):
     advertise_host: str
     pid: int
     start_time: float
+    lease_seconds: float | None
 
 
 class ServerRegistration:
@@ -89,7 +93,9 @@ class ServerRegistration:
     else 127.0.0.1:11000 (as ServerClient does). `listen_host`: the host the server binds; a wildcard lets the
     head advertise the address it sees the registration come from. `advertise_host`: the host clients should
     dial, when the server knows better (NAT, several interfaces). `refresh_seconds`: how often to register again
-    while serving (None: never), so a restarted head learns the address again.
+    while serving (None: never), so a restarted head learns the address again. `lease_seconds`: how long the head
+    keeps the registration without a renewal; None: three refresh periods, at least 0.5 s (no expiry when not
+    refreshing); 0: no expiry. A process that dies without deregistering is dropped by the head about that late.
     """
 
     def __init__(
@@ -102,7 +108,19 @@ class ServerRegistration:
         head: BaseServerConfig | str | None = None,
         timeout_seconds: float = REGISTRATION_TIMEOUT_SECONDS,
         refresh_seconds: float | None = DEFAULT_REFRESH_SECONDS,
+        lease_seconds: float | None = None,
     ) -> None:
+        if lease_seconds is None:
+            lease_seconds = (
+                max(LEASE_REFRESHES * refresh_seconds, MIN_LEASE_SECONDS) if refresh_seconds is not None else 0.0
+            )
+        if not lease_seconds >= 0:
+            raise ValueError(f"lease_seconds must be >= 0 (0: no expiry), got {lease_seconds!r}")
+        if lease_seconds and refresh_seconds is not None and lease_seconds <= refresh_seconds:
+            raise ValueError(
+                f"lease_seconds ({lease_seconds:g}) must be longer than refresh_seconds ({refresh_seconds:g}), "
+                f"or the lease would run out between renewals"
+            )
         self.server_name = server_name
         self.port = port
         self.listen_host = listen_host
@@ -110,6 +128,7 @@ class ServerRegistration:
         self.head = _head_server(head)
         self.timeout_seconds = timeout_seconds
         self.refresh_seconds = refresh_seconds
+        self.lease_seconds = lease_seconds or None
         self.pid = os.getpid()
         self.start_time = process_start_time()
         self.advertised_url: str | None = None  # set while registered
@@ -146,6 +165,7 @@ class ServerRegistration:
             "advertise_host": self.advertise_host,
             "pid": self.pid,
             "start_time": self.start_time,
+            "lease_seconds": self.lease_seconds,
         }
 
     def _register(self, quiet: bool) -> bool:

@@ -103,3 +103,15 @@ def server_registered(name: str, pid: int, url: str, replaced_pid: int | None) -
 def server_deregistered(name: str, pid: int) -> None:
     """DeregisterServerInstance that removed a registration: INFO."""
     logger.info("%s: deregistered pid %d", name, pid, extra={SERVER_NAME_KEY: name, "process.pid": pid})
+
+
+def server_lease_expired(name: str, pid: int, lease_seconds: float, url: str) -> None:
+    """A registration's lease ran out unrenewed (its process likely died without deregistering): WARNING."""
+    logger.warning(
+        "%s: lease of pid %d expired (not renewed for %gs); dropped, with its advertised address %s",
+        name,
+        pid,
+        lease_seconds,
+        url,
+        extra={SERVER_NAME_KEY: name, "process.pid": pid},
+    )

@@ -27,22 +27,24 @@ from gym_rpc.metrics import metrics_disabled, setup_metrics
 from gym_rpc.server import _events as events
 from gym_rpc.server import _metrics as head_metrics
 from gym_rpc.server._bad_requests import DecodeGuardInterceptor
+from gym_rpc.server._connection_limits import raise_fd_soft_limit
+from gym_rpc.server._health import HealthServicer
 from gym_rpc.server._http_head import HttpHead, configured_http_port
 from gym_rpc.server._metrics_http import MetricsServer
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import InstanceRegistry
 from gym_rpc.server._security import (
     DEFAULT_MAX_CONCURRENT_WATCHES,
+    DEFAULT_MAX_WATCHES_PER_PEER,
     SERVER_OPTIONS,
     ServerSecurity,
     build_health_server,
 )
-from gym_rpc.server._servicer import ControlPlaneServicer
+from gym_rpc.server._servicer import ControlPlaneServicer, add_control_plane_service
 from gym_rpc.server._sources import ConfigSource, FileSource
 from gym_rpc.server._tracing import server_interceptors
 from gym_rpc.telemetry import setup_tracing
 from gym_rpc.v1 import control_plane_pb2 as pb
-from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import StatusReport
 from gym_rpc.wire._convert import ReportedProcess
 
@@ -68,6 +70,7 @@ class HeadOptions:
     shutdown_grace_seconds: float = 0.5
     http_port: int | None = None  # NeMo Gym's HTTP head; None: head_server.http_port (absent: none); 0: free port
     max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES  # more get RESOURCE_EXHAUSTED
+    max_watches_per_peer: int = DEFAULT_MAX_WATCHES_PER_PEER  # per client IP address; more get RESOURCE_EXHAUSTED
     metrics_port: int | None = None  # GET /metrics alone on this port; None: only on the HTTP head (if any)
     status_max_age_seconds: float | None = None  # GetServerStatus freshness when unstated; None: half the interval
 
@@ -78,8 +81,10 @@ class HeadOptions:
         checked_port(self.port, "the head port (--port)")
         checked_port(self.http_port, "the HTTP head port (--http-port)")
         checked_port(self.metrics_port, "the metrics port (--metrics-port)")
-        if self.watch_history_size < 1 or self.max_concurrent_watches < 1:
-            raise ConfigError("watch_history_size and max_concurrent_watches must be at least 1")
+        if min(self.watch_history_size, self.max_concurrent_watches, self.max_watches_per_peer) < 1:
+            raise ConfigError(
+                "watch_history_size, max_concurrent_watches and max_watches_per_peer must be at least 1"
+            )
 
 
 class HeadServer:
@@ -108,7 +113,7 @@ class HeadServer:
         self.pid = os.getpid()
         self.start_time = time.time()
         self.port = 0
-        self._health = health_aio.HealthServicer()
+        self._health = HealthServicer()
         self.prober = StatusProber(
             config.servers,
             interval_seconds=options.probe_interval_seconds,
@@ -184,7 +189,9 @@ class HeadServer:
         setup_tracing(self.config.observability_enabled, service_name=self._service_name)
         setup_metrics(service_name=self._service_name, prometheus=True)
         self._servicer = servicer = ControlPlaneServicer(
-            self, max_concurrent_watches=self.options.max_concurrent_watches
+            self,
+            max_concurrent_watches=self.options.max_concurrent_watches,
+            max_watches_per_peer=self.options.max_watches_per_peer,
         )
         server = build_control_server(
             servicer,
@@ -202,6 +209,7 @@ class HeadServer:
             health_server = build_health_server(self._health)
             self.health_port = ServerSecurity().add_port(health_server, self.host, security.health_port)
         await self.prober.start()  # before the first call can arrive: handlers read its reports
+        self.registry.start_expiry(self.prober, lambda: self.config.servers)
         await server.start()
         self._server = server
         if health_server is not None:
@@ -239,6 +247,7 @@ class HeadServer:
         if self._server is not None:
             await self._server.stop(self.options.shutdown_grace_seconds)
             self._server = None
+        await self.registry.stop_expiry()
         await self.prober.stop()  # after the last call: in-flight handlers still read and probe through it
         if self._health_server is not None:
             await self._health_server.stop(None)
@@ -342,7 +351,7 @@ def build_control_server(
         DecodeGuardInterceptor(),
     ]
     server = grpc.aio.server(interceptors=traced_and_guarded, options=SERVER_OPTIONS)
-    pb_grpc.add_ControlPlaneServiceServicer_to_server(servicer, server)
+    add_control_plane_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if reflection_enabled:
         names = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -381,6 +390,7 @@ ServableT = TypeVar("ServableT", bound=Servable)
 
 async def run_head(head: ServableT, on_started: Callable[[ServableT], None]) -> None:
     """Serve until SIGTERM or SIGINT; SIGHUP reloads the config (the file, or the bridge's upstream)."""
+    raise_fd_soft_limit()  # a head serves many connections: use what the hard limit allows
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     reloads: set[asyncio.Task[None]] = set()

@@ -13,6 +13,7 @@ at most one probe per window, not a thousand.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -24,7 +25,7 @@ import aiohttp
 from gym_rpc._tasks import cancel_and_wait, run_every
 from gym_rpc.config import ServerEntry
 from gym_rpc.server import _events as events
-from gym_rpc.wire import ServerStatus, StatusReport
+from gym_rpc.wire import RegistrationState, ServerStatus, StatusReport
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class StatusProber:
         self._reports: dict[str, StatusReport] = {}
         self._probes_in_status: dict[str, int] = {}  # probes in a row that gave the server's current status
         self._history: deque[tuple[int, StatusReport]] = deque(maxlen=history_size)
-        self._changed = asyncio.Event()
+        self._next_change: asyncio.Future[None] | None = None  # made by the first waiter, in its running loop
         self._on_change = on_change
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
@@ -142,7 +143,14 @@ class StatusProber:
         for name, entry in servers.items():
             if self._urls.get(name) != entry.url:
                 self._urls[name] = entry.url
-                self._reports[name] = StatusReport(server_name=name, status=None, url=entry.url)
+                previous = self._reports.get(name)
+                self._reports[name] = StatusReport(
+                    server_name=name,
+                    status=None,
+                    url=entry.url,
+                    registration=previous.registration if previous is not None else None,
+                    advertised_url=previous.advertised_url if previous is not None else "",
+                )
                 self._probes_in_status[name] = 0
                 self._record(self._reports[name])
                 await self._notify(self._reports[name], name)
@@ -183,11 +191,10 @@ class StatusProber:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            event = self._changed
-            try:
-                await asyncio.wait_for(event.wait(), remaining)
-            except TimeoutError:
-                return self.revision > after_revision
+            # Every watcher waits on the one future of the next change: no task or event waiter per watcher.
+            if self._next_change is None:
+                self._next_change = asyncio.get_running_loop().create_future()
+            await asyncio.wait((self._next_change,), timeout=remaining)
         return True
 
     def fresh_report(self, name: str, max_age_seconds: float) -> StatusReport | None:
@@ -253,9 +260,7 @@ class StatusProber:
         self, session: aiohttp.ClientSession, name: str, url: str, timeout: float
     ) -> StatusReport:
         try:
-            report = await probe(session, name, url, timeout)
-            await self._store(report)
-            return report
+            return await self._store(await probe(session, name, url, timeout))
         finally:
             current = self._in_flight.get(name)
             if current is not None and current[1] is asyncio.current_task():
@@ -264,10 +269,14 @@ class StatusProber:
     async def _run(self) -> None:
         await run_every(self.interval_seconds, self.probe_all, "status probe round", logger, now=True)
 
-    async def _store(self, report: StatusReport) -> None:
+    async def _store(self, report: StatusReport) -> StatusReport:
+        """Record a probe result (with the registration the server has now); the report as recorded."""
         previous = self._reports.get(report.server_name)
         if previous is None or self._urls.get(report.server_name) != report.url:
-            return  # the server left or moved while it was being probed
+            return report  # the server left or moved while it was being probed
+        report = dataclasses.replace(
+            report, registration=previous.registration, advertised_url=previous.advertised_url
+        )
         self._reports[report.server_name] = report
         name = report.server_name
         in_a_row = self._probes_in_status.get(name, 0)
@@ -276,6 +285,17 @@ class StatusProber:
         if previous.status != report.status:
             self._record(report)
             await self._notify(report, report.server_name)
+        return report
+
+    async def set_registration(self, name: str, state: RegistrationState | None, advertised_url: str) -> None:
+        """Follow a server's registration; a change of it is recorded (and watched) like a status change."""
+        report = self._reports.get(name)
+        if report is None or (report.registration, report.advertised_url) == (state, advertised_url):
+            return
+        report = dataclasses.replace(report, registration=state, advertised_url=advertised_url)
+        self._reports[name] = report
+        self._record(report)
+        await self._notify(report, name)
 
     def _record(self, report: StatusReport) -> None:
         self._bump()
@@ -283,8 +303,9 @@ class StatusProber:
 
     def _bump(self) -> None:
         self.revision += 1
-        self._changed.set()
-        self._changed = asyncio.Event()
+        changed, self._next_change = self._next_change, None
+        if changed is not None:
+            changed.set_result(None)
 
     async def _notify(self, report: StatusReport | None, name: str) -> None:
         if self._on_change is not None:

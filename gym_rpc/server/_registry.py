@@ -3,19 +3,35 @@
 A server bound to a wildcard address (0.0.0.0, ::) is listed in the config by that address, which no other host
 can dial. When it registers, the head records the address it saw the registration come from, and from then on
 advertises that address for it (ListServerInstances) and probes it there.
+
+A registration may carry a lease (like an etcd lease or a Consul TTL check): unless renewed in time it expires,
+so a process killed without deregistering does not stay advertised. The registry finds expiries, reports them
+through gym_rpc.server._events (with every other head event), and tells the prober (hence status watches).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
+import logging
 import re
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 from urllib.parse import unquote
 
 from gym_rpc.config import ServerEntry, connectable_host, is_wildcard_host
-from gym_rpc.wire import InstanceRegistration
+from gym_rpc.server import _events as events
+from gym_rpc.wire import InstanceRegistration, RegistrationState
+
+logger = logging.getLogger(__name__)
+
+# Leases a registration may ask for: long enough to renew over a slow network, short enough to matter.
+MIN_LEASE_SECONDS = 0.5
+MAX_LEASE_SECONDS = 86400.0
+# How often the head looks for expired leases: an expiry is noticed at most this late.
+LEASE_SWEEP_SECONDS = 0.25
 
 
 def peer_host(peer: str) -> str | None:
@@ -54,6 +70,11 @@ def is_valid_host(host: str) -> bool:
     if bare != host or len(host) > 253:
         return False
     labels = host.removesuffix(".").split(".")
+    # An all-numeric last label makes a dotted number, not a name: `999.1.1.1` is a malformed IPv4 address, and
+    # resolvers read `1.2.3` or `0x7f.1` as addresses too (RFC 1123 2.1, RFC 3696 2: top-level labels are never
+    # all-numeric).
+    if labels[-1].isdigit():
+        return False
     return all(_HOSTNAME_LABEL.fullmatch(label) for label in labels)
 
 
@@ -72,13 +93,17 @@ class StatusTargets(Protocol):
 
     async def set_servers(self, servers: Mapping[str, ServerEntry]) -> None: ...
 
+    async def set_registration(self, name: str, state: RegistrationState | None, advertised_url: str) -> None: ...
+
 
 class InstanceRegistry:
     """The head's registrations, one per server name (a newer registration replaces an older one)."""
 
     def __init__(self) -> None:
         self._registrations: dict[str, InstanceRegistration] = {}
+        self._ended: dict[str, RegistrationState] = {}  # why a server's last registration ended
         self._lock = asyncio.Lock()  # one prober update at a time, each from the latest state
+        self._sweeper: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
         return len(self._registrations)
@@ -86,8 +111,21 @@ class InstanceRegistry:
     def get(self, server_name: str) -> InstanceRegistration | None:
         return self._registrations.get(server_name)
 
-    def register(self, registration: InstanceRegistration) -> None:
-        self._registrations[registration.server_name] = registration
+    def state(self, server_name: str) -> RegistrationState | None:
+        """Registered, or why the last registration ended; None when the server never registered."""
+        return "registered" if server_name in self._registrations else self._ended.get(server_name)
+
+    def register(self, registration: InstanceRegistration) -> bool:
+        """Record a registration; False when it only renews the current one (same process, same address), which
+        changes nothing but the lease's deadline."""
+        name = registration.server_name
+        previous = self._registrations.get(name)
+        self._registrations[name] = registration
+        self._ended.pop(name, None)
+        return previous is None or (previous.pid, previous.advertised_url) != (
+            registration.pid,
+            registration.advertised_url,
+        )
 
     def deregister(self, server_name: str, pid: int) -> bool:
         """Remove the server's registration if `pid` is its pid (or 0); a newer process's registration stays."""
@@ -95,7 +133,51 @@ class InstanceRegistry:
         if current is None or (pid and current.pid != pid):
             return False
         del self._registrations[server_name]
+        self._ended[server_name] = "deregistered"
         return True
+
+    def expire(self, now: float) -> list[InstanceRegistration]:
+        """Drop the registrations whose lease ran out before `now`; the ones dropped."""
+        expired = [r for r in self._registrations.values() if (t := r.expires_at) is not None and t < now]
+        for registration in expired:
+            name = registration.server_name
+            del self._registrations[name]
+            self._ended[name] = "expired"
+            events.server_lease_expired(
+                name, registration.pid, registration.lease_ttl, registration.advertised_url
+            )
+        return expired
+
+    def start_expiry(self, prober: StatusTargets, servers: Callable[[], Mapping[str, ServerEntry]]) -> None:
+        """Drop expired leases in the background until stop_expiry()."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.create_task(
+                self._expire_leases_forever(prober, servers), name="gym_rpc lease expiry"
+            )
+
+    async def stop_expiry(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+
+    async def _expire_leases_forever(
+        self,
+        prober: StatusTargets,
+        servers: Callable[[], Mapping[str, ServerEntry]],
+        interval: float = LEASE_SWEEP_SECONDS,
+    ) -> None:
+        """Every `interval`, drop expired registrations and point the prober back at the config's addresses."""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if expired := self.expire(time.time()):
+                    await self.update_prober(prober, servers, [r.server_name for r in expired])
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the sweep must outlive any single bad round
+                logger.exception("lease expiry sweep failed")
 
     def effective_servers(self, servers: Mapping[str, ServerEntry]) -> Mapping[str, ServerEntry]:
         """The servers as clients should dial them: a wildcard-bound server that registered is at its advertised
@@ -109,8 +191,18 @@ class InstanceRegistry:
                 effective[name] = entry.model_copy(update={"url": registration.advertised_url})
         return effective
 
-    async def update_prober(self, prober: StatusTargets, servers: Callable[[], Mapping[str, ServerEntry]]) -> None:
+    async def update_prober(
+        self,
+        prober: StatusTargets,
+        servers: Callable[[], Mapping[str, ServerEntry]],
+        names: Iterable[str] | None = None,
+    ) -> None:
         """Point the prober at the effective servers of the config `servers()` returns when the lock is held,
         so a registration racing a config reload never leaves a stale URL behind."""
         async with self._lock:
-            await prober.set_servers(self.effective_servers(servers()))
+            current = servers()
+            await prober.set_servers(self.effective_servers(current))
+            for name in current if names is None else [n for n in names if n in current]:
+                registration = self._registrations.get(name)
+                url = registration.advertised_url if registration is not None else ""
+                await prober.set_registration(name, self.state(name), url)

@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 _BEARER_SCHEME = "bearer"
 MAX_CONCURRENT_STREAMS = 128  # per connection
 DEFAULT_MAX_CONCURRENT_WATCHES = 512  # per head, across all clients
+DEFAULT_MAX_WATCHES_PER_PEER = 128  # per client IP address: one client cannot take them all
 
 # The head's side of the bargain: small requests, bounded streams per connection, pings no more often than every
 # 10 s while no data flows (a client that pings harder is sent GOAWAY), dead peers noticed by the head's own

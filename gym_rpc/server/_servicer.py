@@ -18,8 +18,19 @@ from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url, is
 from gym_rpc.errors import ConfigError
 from gym_rpc.server import _events as events
 from gym_rpc.server._prober import StatusProber
-from gym_rpc.server._registry import InstanceRegistry, advertised_host, is_valid_host
-from gym_rpc.server._security import DEFAULT_MAX_CONCURRENT_WATCHES, caller_is_authenticated
+from gym_rpc.server._registry import (
+    MAX_LEASE_SECONDS,
+    MIN_LEASE_SECONDS,
+    InstanceRegistry,
+    advertised_host,
+    is_valid_host,
+)
+from gym_rpc.server._security import (
+    DEFAULT_MAX_CONCURRENT_WATCHES,
+    DEFAULT_MAX_WATCHES_PER_PEER,
+    caller_is_authenticated,
+)
+from gym_rpc.server._watch_feed import ReportMessages, WatchFeed
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import StatusReport
@@ -54,11 +65,23 @@ class HeadState(Protocol):
 
 
 class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
-    def __init__(self, head: HeadState, *, max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES) -> None:
+    def __init__(
+        self,
+        head: HeadState,
+        *,
+        max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES,
+        max_watches_per_peer: int = DEFAULT_MAX_WATCHES_PER_PEER,
+    ) -> None:
         self._head = head
         self._config_responses: dict[bool, tuple[str, pb.GetGlobalConfigResponse]] = {}
         self._max_watches = max_concurrent_watches
         self._watches = 0
+        self._report_messages = ReportMessages()  # each probe result converted once
+        self.watch_feed = WatchFeed(lambda: self._head.prober, self._report_messages)  # one message per change
+        # Per client address (not per connection: a client opening more connections is still one peer), so one
+        # client cannot take every slot of the head and lock the other watchers out.
+        self._max_watches_per_peer = max_watches_per_peer
+        self._watches_by_peer: dict[str, int] = {}
 
     @property
     def watches(self) -> int:
@@ -110,7 +133,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
     ) -> pb.ListServerStatusesResponse:
         prober = self._head.prober
         return pb.ListServerStatusesResponse(
-            revision=prober.revision, reports=[convert.report_to_pb(r) for r in prober.reports()]
+            revision=prober.revision, reports=self._report_messages.of(prober.reports())
         )
 
     async def WatchServerStatuses(
@@ -122,12 +145,26 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
                 f"the head already serves {self._max_watches} status watches; retry later or poll "
                 f"ListServerStatuses",
             )
+        peer = peer_address(context.peer())
+        held = self._watches_by_peer.get(peer, 0)
+        if held >= self._max_watches_per_peer:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{peer} already holds {held} status watches, the most one client address may; close one, share "
+                f"one watch per process, or poll ListServerStatuses",
+            )
         self._watches += 1
+        self._watches_by_peer[peer] = held + 1
         try:
             async for message in self._watch(request):
                 yield message
         finally:
             self._watches -= 1
+            left = self._watches_by_peer[peer] - 1
+            if left:
+                self._watches_by_peer[peer] = left
+            else:
+                del self._watches_by_peer[peer]
 
     async def _watch(
         self, request: pb.WatchServerStatusesRequest
@@ -136,36 +173,21 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         heartbeat = DEFAULT_HEARTBEAT_SECONDS
         if request.HasField("heartbeat_interval"):
             heartbeat = max(MIN_HEARTBEAT_SECONDS, request.heartbeat_interval.ToNanoseconds() / 1e9)
+        feed = self.watch_feed
         seen = request.start_revision
-        sent_config_version = ""
         if seen == 0 or seen > prober.revision:  # a revision from the future was issued by another head
-            # Taken before the yield: the prober may record changes while the snapshot is being sent, and those
-            # must follow it rather than be skipped.
-            snapshot_revision = prober.revision
-            sent_config_version = prober.config_version
-            yield _snapshot(
-                snapshot_revision, prober.reports(), compacted=seen != 0, config_version=sent_config_version
-            )
-            seen = snapshot_revision
+            # The revision is taken before the yield: the prober may record changes while the snapshot is being
+            # sent, and those must follow it rather than be skipped.
+            seen, snapshot = feed.snapshot(compacted=seen != 0)
+            yield snapshot
         while True:
-            changes = prober.changes_since(seen)
-            config_version = prober.config_version
-            if changes.compacted:
-                yield _snapshot(changes.revision, changes.reports, compacted=True, config_version=config_version)
-            elif changes.reports or (config_version != sent_config_version and changes.revision > seen):
-                yield pb.WatchServerStatusesResponse(
-                    type=pb.WATCH_EVENT_TYPE_CHANGE,
-                    revision=changes.revision,
-                    reports=[convert.report_to_pb(r) for r in changes.reports],
-                    config_version=config_version,
-                )
-            sent_config_version = config_version
-            seen = changes.revision
-            if not await prober.wait_for_change(seen, heartbeat):
+            # The stream holds nothing but `seen` while it waits or lags: what it missed is merged when it asks.
+            seen, message = feed.after(seen)
+            if message is not None:
+                yield message
+            if not await self._head.prober.wait_for_change(seen, heartbeat):
                 # The revision this stream has delivered: a resume from it misses nothing.
-                yield pb.WatchServerStatusesResponse(
-                    type=pb.WATCH_EVENT_TYPE_HEARTBEAT, revision=seen, config_version=prober.config_version
-                )
+                yield feed.heartbeat(seen)
 
     async def ListServerInstances(
         self, request: pb.ListServerInstancesRequest, context: Context
@@ -210,16 +232,27 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         if request.pid < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pid must not be negative")
         await _require_valid_hosts(request, context)
+        if request.HasField("lease_ttl"):
+            lease = request.lease_ttl.ToNanoseconds() / 1e9
+            if not MIN_LEASE_SECONDS <= lease <= MAX_LEASE_SECONDS:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"lease_ttl must be between {MIN_LEASE_SECONDS:g} s and {MAX_LEASE_SECONDS:g} s, "
+                    f"got {lease:g} s",
+                )
         host = advertised_host(request.listen_host, request.advertise_host, context.peer())
         registration = convert.registration_from_pb(request, host, time.time())
         head = self._head
         replaced = head.registry.get(name)
-        head.registry.register(registration)
-        events.server_registered(
-            name, registration.pid, registration.advertised_url, replaced.pid if replaced else None
-        )
-        await head.registry.update_prober(head.prober, lambda: head.config.servers)
-        return pb.RegisterServerInstanceResponse(advertised_url=registration.advertised_url)
+        if head.registry.register(registration):  # a renewal changes nothing: neither logged nor followed
+            events.server_registered(
+                name, registration.pid, registration.advertised_url, replaced.pid if replaced else None
+            )
+            await head.registry.update_prober(head.prober, lambda: head.config.servers, [name])
+        response = pb.RegisterServerInstanceResponse(advertised_url=registration.advertised_url)
+        if request.HasField("lease_ttl"):
+            response.lease_ttl.CopyFrom(request.lease_ttl)
+        return response
 
     async def DeregisterServerInstance(
         self, request: pb.DeregisterServerInstanceRequest, context: Context
@@ -231,7 +264,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         deregistered = head.registry.deregister(name, request.pid)
         if deregistered:
             events.server_deregistered(name, current.pid if current else request.pid)
-            await head.registry.update_prober(head.prober, lambda: head.config.servers)
+            await head.registry.update_prober(head.prober, lambda: head.config.servers, [name])
         return pb.DeregisterServerInstanceResponse(deregistered=deregistered)
 
     async def _require_server(self, name: str, context: Context, field: str = "server_name") -> None:
@@ -286,6 +319,46 @@ def _config_response(config: GlobalConfig, include_secrets: bool) -> pb.GetGloba
             config, document=document, config_json=json.dumps(document, ensure_ascii=False)
         )
     return convert.global_config_to_pb(config, include_secrets=True)
+
+
+def add_control_plane_service(servicer: ControlPlaneServicer, server: grpc.aio.Server) -> None:
+    """Serve `servicer` as pb_grpc's generated registration would, except that watch messages go through the
+    servicer's WatchFeed serializer, so a change sent to a thousand watchers is serialised once."""
+    service = pb.DESCRIPTOR.services_by_name["ControlPlaneService"]
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in service.methods:
+        request_class = getattr(pb, method.input_type.name)
+        response_class = getattr(pb, method.output_type.name)
+        serializer = (
+            servicer.watch_feed.serialize
+            if method.name == "WatchServerStatuses"
+            else response_class.SerializeToString
+        )
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=request_class.FromString,
+            response_serializer=serializer,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    # As the generated code does too: grpc resolves registered methods without the generic handler lookup.
+    register: Any = server.add_registered_method_handlers  # type: ignore[attr-defined]  # not in grpc-stubs
+    register(service.full_name, handlers)
+
+
+def peer_address(peer: str) -> str:
+    """The client address of a gRPC peer string without its port: `ipv4:10.0.0.7:53211` -> `10.0.0.7`,
+    `ipv6:[::1]:53211` -> `::1`; anything else (a unix socket) as it is."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0] or rest
+    if kind == "ipv6":
+        return rest.rpartition(":")[0].strip("[]") or rest
+    return peer
 
 
 def _snapshot(

@@ -26,17 +26,19 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1egym_rpc/v1/control_plane.proto\x12\ngym_rpc.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"(\n\nHeadServer\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\"\x81\x01\n\x0bServerEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bserver_type\x18\x02 \x01(\t\x12\x11\n\timpl_name\x18\x03 \x01(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x0c\n\x04port\x18\x05 \x01(\r\x12\x0b\n\x03url\x18\x06 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x07 \x01(\t\"\x1c\n\x1aGetHeadServerConfigRequest\"J\n\x1bGetHeadServerConfigResponse\x12+\n\x0bhead_server\x18\x01 \x01(\x0b\x32\x16.gym_rpc.v1.HeadServer\"H\n\x16GetGlobalConfigRequest\x12\x17\n\x0finclude_secrets\x18\x01 \x01(\x08\x12\x15\n\rknown_version\x18\x02 \x01(\t\"\xe4\x01\n\x17GetGlobalConfigResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12+\n\x0bhead_server\x18\x02 \x01(\x0b\x32\x16.gym_rpc.v1.HeadServer\x12(\n\x07servers\x18\x03 \x03(\x0b\x32\x17.gym_rpc.v1.ServerEntry\x12\x1a\n\x12\x63heckpoint_enabled\x18\x04 \x01(\x08\x12\x1d\n\x15observability_enabled\x18\x05 \x01(\x08\x12\x13\n\x0b\x63onfig_json\x18\x06 \x01(\t\x12\x11\n\tunchanged\x18\x07 \x01(\x08\"\xe1\x01\n\x12ServerStatusReport\x12\x13\n\x0bserver_name\x18\x01 \x01(\t\x12(\n\x06status\x18\x02 \x01(\x0e\x32\x18.gym_rpc.v1.ServerStatus\x12\x0b\n\x03url\x18\x03 \x01(\t\x12*\n\x07latency\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\nchecked_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12\x13\n\x0bhttp_status\x18\x07 \x01(\r\"Y\n\x16GetServerStatusRequest\x12\x13\n\x0bserver_name\x18\x01 \x01(\t\x12*\n\x07max_age\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"I\n\x17GetServerStatusResponse\x12.\n\x06report\x18\x01 \x01(\x0b\x32\x1e.gym_rpc.v1.ServerStatusReport\"\x1b\n\x19ListServerStatusesRequest\"_\n\x1aListServerStatusesResponse\x12\x10\n\x08revision\x18\x01 \x01(\x04\x12/\n\x07reports\x18\x02 \x03(\x0b\x32\x1e.gym_rpc.v1.ServerStatusReport\"k\n\x1aWatchServerStatusesRequest\x12\x16\n\x0estart_revision\x18\x01 \x01(\x04\x12\x35\n\x12heartbeat_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xb5\x01\n\x1bWatchServerStatusesResponse\x12(\n\x04type\x18\x01 \x01(\x0e\x32\x1a.gym_rpc.v1.WatchEventType\x12\x10\n\x08revision\x18\x02 \x01(\x04\x12/\n\x07reports\x18\x03 \x03(\x0b\x32\x1e.gym_rpc.v1.ServerStatusReport\x12\x11\n\tcompacted\x18\x04 \x01(\x08\x12\x16\n\x0e\x63onfig_version\x18\x05 \x01(\t\"\x1c\n\x1aListServerInstancesRequest\"\xfd\x01\n\x0eServerInstance\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bserver_type\x18\x02 \x01(\t\x12\x11\n\timpl_name\x18\x03 \x01(\t\x12\x0b\n\x03url\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x03\x12.\n\nstart_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x06uptime\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x06status\x18\x08 \x01(\x0e\x32\x18.gym_rpc.v1.ServerStatus\x12\x16\n\x0e\x61\x64vertised_url\x18\t \x01(\t\"L\n\x1bListServerInstancesResponse\x12-\n\tinstances\x18\x01 \x03(\x0b\x32\x1a.gym_rpc.v1.ServerInstance\"=\n GetAssistantMessageHeaderRequest\x12\x19\n\x11model_server_name\x18\x01 \x01(\t\"C\n!GetAssistantMessageHeaderResponse\x12\x13\n\x06header\x18\x01 \x01(\x0cH\x00\x88\x01\x01\x42\t\n\x07_header\"\x1b\n\x19ReloadGlobalConfigRequest\">\n\x1aReloadGlobalConfigResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0f\n\x07\x63hanged\x18\x02 \x01(\x08\"\xb3\x01\n\x1dRegisterServerInstanceRequest\x12\x13\n\x0bserver_name\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x03\x12.\n\nstart_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0blisten_host\x18\x04 \x01(\t\x12\x13\n\x0blisten_port\x18\x05 \x01(\r\x12\x16\n\x0e\x61\x64vertise_host\x18\x06 \x01(\t\"8\n\x1eRegisterServerInstanceResponse\x12\x16\n\x0e\x61\x64vertised_url\x18\x01 \x01(\t\"C\n\x1f\x44\x65registerServerInstanceRequest\x12\x13\n\x0bserver_name\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x03\"8\n DeregisterServerInstanceResponse\x12\x14\n\x0c\x64\x65registered\x18\x01 \x01(\x08*\xa8\x01\n\x0cServerStatus\x12\x1d\n\x19SERVER_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15SERVER_STATUS_SUCCESS\x10\x01\x12\"\n\x1eSERVER_STATUS_CONNECTION_ERROR\x10\x02\x12\x19\n\x15SERVER_STATUS_TIMEOUT\x10\x03\x12\x1f\n\x1bSERVER_STATUS_UNKNOWN_ERROR\x10\x04*\x8e\x01\n\x0eWatchEventType\x12 \n\x1cWATCH_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1d\n\x19WATCH_EVENT_TYPE_SNAPSHOT\x10\x01\x12\x1b\n\x17WATCH_EVENT_TYPE_CHANGE\x10\x02\x12\x1e\n\x1aWATCH_EVENT_TYPE_HEARTBEAT\x10\x03\x32\xb3\x08\n\x13\x43ontrolPlaneService\x12\x66\n\x13GetHeadServerConfig\x12&.gym_rpc.v1.GetHeadServerConfigRequest\x1a\'.gym_rpc.v1.GetHeadServerConfigResponse\x12Z\n\x0fGetGlobalConfig\x12\".gym_rpc.v1.GetGlobalConfigRequest\x1a#.gym_rpc.v1.GetGlobalConfigResponse\x12Z\n\x0fGetServerStatus\x12\".gym_rpc.v1.GetServerStatusRequest\x1a#.gym_rpc.v1.GetServerStatusResponse\x12\x63\n\x12ListServerStatuses\x12%.gym_rpc.v1.ListServerStatusesRequest\x1a&.gym_rpc.v1.ListServerStatusesResponse\x12h\n\x13WatchServerStatuses\x12&.gym_rpc.v1.WatchServerStatusesRequest\x1a\'.gym_rpc.v1.WatchServerStatusesResponse0\x01\x12\x66\n\x13ListServerInstances\x12&.gym_rpc.v1.ListServerInstancesRequest\x1a\'.gym_rpc.v1.ListServerInstancesResponse\x12x\n\x19GetAssistantMessageHeader\x12,.gym_rpc.v1.GetAssistantMessageHeaderRequest\x1a-.gym_rpc.v1.GetAssistantMessageHeaderResponse\x12\x63\n\x12ReloadGlobalConfig\x12%.gym_rpc.v1.ReloadGlobalConfigRequest\x1a&.gym_rpc.v1.ReloadGlobalConfigResponse\x12o\n\x16RegisterServerInstance\x12).gym_rpc.v1.RegisterServerInstanceRequest\x1a*.gym_rpc.v1.RegisterServerInstanceResponse\x12u\n\x18\x44\x65registerServerInstance\x12+.gym_rpc.v1.DeregisterServerInstanceRequest\x1a,.gym_rpc.v1.DeregisterServerInstanceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1egym_rpc/v1/control_plane.proto\x12\ngym_rpc.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"(\n\nHeadServer\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\"\x81\x01\n\x0bServerEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bserver_type\x18\x02 \x01(\t\x12\x11\n\timpl_name\x18\x03 \x01(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x0c\n\x04port\x18\x05 \x01(\r\x12\x0b\n\x03url\x18\x06 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x07 \x01(\t\"\x1c\n\x1aGetHeadServerConfigRequest\"J\n\x1bGetHeadServerConfigResponse\x12+\n\x0bhead_server\x18\x01 \x01(\x0b\x32\x16.gym_rpc.v1.HeadServer\"H\n\x16GetGlobalConfigRequest\x12\x17\n\x0finclude_secrets\x18\x01 \x01(\x08\x12\x15\n\rknown_version\x18\x02 \x01(\t\"\xe4\x01\n\x17GetGlobalConfigResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12+\n\x0bhead_server\x18\x02 \x01(\x0b\x32\x16.gym_rpc.v1.HeadServer\x12(\n\x07servers\x18\x03 \x03(\x0b\x32\x17.gym_rpc.v1.ServerEntry\x12\x1a\n\x12\x63heckpoint_enabled\x18\x04 \x01(\x08\x12\x1d\n\x15observability_enabled\x18\x05 \x01(\x08\x12\x13\n\x0b\x63onfig_json\x18\x06 \x01(\t\x12\x11\n\tunchanged\x18\x07 \x01(\x08\"\xae\x02\n\x12ServerStatusReport\x12\x13\n\x0bserver_name\x18\x01 \x01(\t\x12(\n\x06status\x18\x02 \x01(\x0e\x32\x18.gym_rpc.v1.ServerStatus\x12\x0b\n\x03url\x18\x03 \x01(\t\x12*\n\x07latency\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\nchecked_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12\x13\n\x0bhttp_status\x18\x07 \x01(\r\x12\x33\n\x0cregistration\x18\x08 \x01(\x0e\x32\x1d.gym_rpc.v1.RegistrationState\x12\x16\n\x0e\x61\x64vertised_url\x18\t \x01(\t\"Y\n\x16GetServerStatusRequest\x12\x13\n\x0bserver_name\x18\x01 \x01(\t\x12*\n\x07max_age\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"I\n\x17GetServerStatusResponse\x12.\n\x06report\x18\x01 \x01(\x0b\x32\x1e.gym_rpc.v1.ServerStatusReport\"\x1b\n\x19ListServerStatusesRequest\"_\n\x1aListServerStatusesResponse\x12\x10\n\x08revision\x18\x01 \x01(\x04\x12/\n\x07reports\x18\x02 \x03(\x0b\x32\x1e.gym_rpc.v1.ServerStatusReport\"k\n\x1aWatchServerStatusesRequest\x12\x16\n\x0estart_revision\x18\x01 \x01(\x04\x12\x35\n\x12heartbeat_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xb5\x01\n\x1bWatchServerStatusesResponse\x12(\n\x04type\x18\x01 \x01(\x0e\x32\x1a.gym_rpc.v1.WatchEventType\x12\x10\n\x08revision\x18\x02 \x01(\x04\x12/\n\x07reports\x18\x03 \x03(\x0b\x32\x1e.gym_rpc.v1.ServerStatusReport\x12\x11\n\tcompacted\x18\x04 \x01(\x08\x12\x16\n\x0e\x63onfig_version\x18\x05 \x01(\t\"\x1c\n\x1aListServerInstancesRequest\"\xfd\x01\n\x0eServerInstance\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bserver_type\x18\x02 \x01(\t\x12\x11\n\timpl_name\x18\x03 \x01(\t\x12\x0b\n\x03url\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x03\x12.\n\nstart_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x06uptime\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x06status\x18\x08 \x01(\x0e\x32\x18.gym_rpc.v1.ServerStatus\x12\x16\n\x0e\x61\x64vertised_url\x18\t \x01(\t\"L\n\x1bListServerInstancesResponse\x12-\n\tinstances\x18\x01 \x03(\x0b\x32\x1a.gym_rpc.v1.ServerInstance\"=\n GetAssistantMessageHeaderRequest\x12\x19\n\x11model_server_name\x18\x01 \x01(\t\"C\n!GetAssistantMessageHeaderResponse\x12\x13\n\x06header\x18\x01 \x01(\x0cH\x00\x88\x01\x01\x42\t\n\x07_header\"\x1b\n\x19ReloadGlobalConfigRequest\">\n\x1aReloadGlobalConfigResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0f\n\x07\x63hanged\x18\x02 \x01(\x08\"\xe1\x01\n\x1dRegisterServerInstanceRequest\x12\x13\n\x0bserver_name\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x03\x12.\n\nstart_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0blisten_host\x18\x04 \x01(\t\x12\x13\n\x0blisten_port\x18\x05 \x01(\r\x12\x16\n\x0e\x61\x64vertise_host\x18\x06 \x01(\t\x12,\n\tlease_ttl\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\"f\n\x1eRegisterServerInstanceResponse\x12\x16\n\x0e\x61\x64vertised_url\x18\x01 \x01(\t\x12,\n\tlease_ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"C\n\x1f\x44\x65registerServerInstanceRequest\x12\x13\n\x0bserver_name\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x03\"8\n DeregisterServerInstanceResponse\x12\x14\n\x0c\x64\x65registered\x18\x01 \x01(\x08*\xa8\x01\n\x0cServerStatus\x12\x1d\n\x19SERVER_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15SERVER_STATUS_SUCCESS\x10\x01\x12\"\n\x1eSERVER_STATUS_CONNECTION_ERROR\x10\x02\x12\x19\n\x15SERVER_STATUS_TIMEOUT\x10\x03\x12\x1f\n\x1bSERVER_STATUS_UNKNOWN_ERROR\x10\x04*\x9f\x01\n\x11RegistrationState\x12\"\n\x1eREGISTRATION_STATE_UNSPECIFIED\x10\x00\x12!\n\x1dREGISTRATION_STATE_REGISTERED\x10\x01\x12#\n\x1fREGISTRATION_STATE_DEREGISTERED\x10\x02\x12\x1e\n\x1aREGISTRATION_STATE_EXPIRED\x10\x03*\x8e\x01\n\x0eWatchEventType\x12 \n\x1cWATCH_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1d\n\x19WATCH_EVENT_TYPE_SNAPSHOT\x10\x01\x12\x1b\n\x17WATCH_EVENT_TYPE_CHANGE\x10\x02\x12\x1e\n\x1aWATCH_EVENT_TYPE_HEARTBEAT\x10\x03\x32\xb3\x08\n\x13\x43ontrolPlaneService\x12\x66\n\x13GetHeadServerConfig\x12&.gym_rpc.v1.GetHeadServerConfigRequest\x1a\'.gym_rpc.v1.GetHeadServerConfigResponse\x12Z\n\x0fGetGlobalConfig\x12\".gym_rpc.v1.GetGlobalConfigRequest\x1a#.gym_rpc.v1.GetGlobalConfigResponse\x12Z\n\x0fGetServerStatus\x12\".gym_rpc.v1.GetServerStatusRequest\x1a#.gym_rpc.v1.GetServerStatusResponse\x12\x63\n\x12ListServerStatuses\x12%.gym_rpc.v1.ListServerStatusesRequest\x1a&.gym_rpc.v1.ListServerStatusesResponse\x12h\n\x13WatchServerStatuses\x12&.gym_rpc.v1.WatchServerStatusesRequest\x1a\'.gym_rpc.v1.WatchServerStatusesResponse0\x01\x12\x66\n\x13ListServerInstances\x12&.gym_rpc.v1.ListServerInstancesRequest\x1a\'.gym_rpc.v1.ListServerInstancesResponse\x12x\n\x19GetAssistantMessageHeader\x12,.gym_rpc.v1.GetAssistantMessageHeaderRequest\x1a-.gym_rpc.v1.GetAssistantMessageHeaderResponse\x12\x63\n\x12ReloadGlobalConfig\x12%.gym_rpc.v1.ReloadGlobalConfigRequest\x1a&.gym_rpc.v1.ReloadGlobalConfigResponse\x12o\n\x16RegisterServerInstance\x12).gym_rpc.v1.RegisterServerInstanceRequest\x1a*.gym_rpc.v1.RegisterServerInstanceResponse\x12u\n\x18\x44\x65registerServerInstance\x12+.gym_rpc.v1.DeregisterServerInstanceRequest\x1a,.gym_rpc.v1.DeregisterServerInstanceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gym_rpc.v1.control_plane_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SERVERSTATUS']._serialized_start=2466
-  _globals['_SERVERSTATUS']._serialized_end=2634
-  _globals['_WATCHEVENTTYPE']._serialized_start=2637
-  _globals['_WATCHEVENTTYPE']._serialized_end=2779
+  _globals['_SERVERSTATUS']._serialized_start=2635
+  _globals['_SERVERSTATUS']._serialized_end=2803
+  _globals['_REGISTRATIONSTATE']._serialized_start=2806
+  _globals['_REGISTRATIONSTATE']._serialized_end=2965
+  _globals['_WATCHEVENTTYPE']._serialized_start=2968
+  _globals['_WATCHEVENTTYPE']._serialized_end=3110
   _globals['_HEADSERVER']._serialized_start=111
   _globals['_HEADSERVER']._serialized_end=151
   _globals['_SERVERENTRY']._serialized_start=154
@@ -50,41 +52,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETGLOBALCONFIGRESPONSE']._serialized_start=466
   _globals['_GETGLOBALCONFIGRESPONSE']._serialized_end=694
   _globals['_SERVERSTATUSREPORT']._serialized_start=697
-  _globals['_SERVERSTATUSREPORT']._serialized_end=922
-  _globals['_GETSERVERSTATUSREQUEST']._serialized_start=924
-  _globals['_GETSERVERSTATUSREQUEST']._serialized_end=1013
-  _globals['_GETSERVERSTATUSRESPONSE']._serialized_start=1015
-  _globals['_GETSERVERSTATUSRESPONSE']._serialized_end=1088
-  _globals['_LISTSERVERSTATUSESREQUEST']._serialized_start=1090
-  _globals['_LISTSERVERSTATUSESREQUEST']._serialized_end=1117
-  _globals['_LISTSERVERSTATUSESRESPONSE']._serialized_start=1119
-  _globals['_LISTSERVERSTATUSESRESPONSE']._serialized_end=1214
-  _globals['_WATCHSERVERSTATUSESREQUEST']._serialized_start=1216
-  _globals['_WATCHSERVERSTATUSESREQUEST']._serialized_end=1323
-  _globals['_WATCHSERVERSTATUSESRESPONSE']._serialized_start=1326
-  _globals['_WATCHSERVERSTATUSESRESPONSE']._serialized_end=1507
-  _globals['_LISTSERVERINSTANCESREQUEST']._serialized_start=1509
-  _globals['_LISTSERVERINSTANCESREQUEST']._serialized_end=1537
-  _globals['_SERVERINSTANCE']._serialized_start=1540
-  _globals['_SERVERINSTANCE']._serialized_end=1793
-  _globals['_LISTSERVERINSTANCESRESPONSE']._serialized_start=1795
-  _globals['_LISTSERVERINSTANCESRESPONSE']._serialized_end=1871
-  _globals['_GETASSISTANTMESSAGEHEADERREQUEST']._serialized_start=1873
-  _globals['_GETASSISTANTMESSAGEHEADERREQUEST']._serialized_end=1934
-  _globals['_GETASSISTANTMESSAGEHEADERRESPONSE']._serialized_start=1936
-  _globals['_GETASSISTANTMESSAGEHEADERRESPONSE']._serialized_end=2003
-  _globals['_RELOADGLOBALCONFIGREQUEST']._serialized_start=2005
-  _globals['_RELOADGLOBALCONFIGREQUEST']._serialized_end=2032
-  _globals['_RELOADGLOBALCONFIGRESPONSE']._serialized_start=2034
-  _globals['_RELOADGLOBALCONFIGRESPONSE']._serialized_end=2096
-  _globals['_REGISTERSERVERINSTANCEREQUEST']._serialized_start=2099
-  _globals['_REGISTERSERVERINSTANCEREQUEST']._serialized_end=2278
-  _globals['_REGISTERSERVERINSTANCERESPONSE']._serialized_start=2280
-  _globals['_REGISTERSERVERINSTANCERESPONSE']._serialized_end=2336
-  _globals['_DEREGISTERSERVERINSTANCEREQUEST']._serialized_start=2338
-  _globals['_DEREGISTERSERVERINSTANCEREQUEST']._serialized_end=2405
-  _globals['_DEREGISTERSERVERINSTANCERESPONSE']._serialized_start=2407
-  _globals['_DEREGISTERSERVERINSTANCERESPONSE']._serialized_end=2463
-  _globals['_CONTROLPLANESERVICE']._serialized_start=2782
-  _globals['_CONTROLPLANESERVICE']._serialized_end=3857
+  _globals['_SERVERSTATUSREPORT']._serialized_end=999
+  _globals['_GETSERVERSTATUSREQUEST']._serialized_start=1001
+  _globals['_GETSERVERSTATUSREQUEST']._serialized_end=1090
+  _globals['_GETSERVERSTATUSRESPONSE']._serialized_start=1092
+  _globals['_GETSERVERSTATUSRESPONSE']._serialized_end=1165
+  _globals['_LISTSERVERSTATUSESREQUEST']._serialized_start=1167
+  _globals['_LISTSERVERSTATUSESREQUEST']._serialized_end=1194
+  _globals['_LISTSERVERSTATUSESRESPONSE']._serialized_start=1196
+  _globals['_LISTSERVERSTATUSESRESPONSE']._serialized_end=1291
+  _globals['_WATCHSERVERSTATUSESREQUEST']._serialized_start=1293
+  _globals['_WATCHSERVERSTATUSESREQUEST']._serialized_end=1400
+  _globals['_WATCHSERVERSTATUSESRESPONSE']._serialized_start=1403
+  _globals['_WATCHSERVERSTATUSESRESPONSE']._serialized_end=1584
+  _globals['_LISTSERVERINSTANCESREQUEST']._serialized_start=1586
+  _globals['_LISTSERVERINSTANCESREQUEST']._serialized_end=1614
+  _globals['_SERVERINSTANCE']._serialized_start=1617
+  _globals['_SERVERINSTANCE']._serialized_end=1870
+  _globals['_LISTSERVERINSTANCESRESPONSE']._serialized_start=1872
+  _globals['_LISTSERVERINSTANCESRESPONSE']._serialized_end=1948
+  _globals['_GETASSISTANTMESSAGEHEADERREQUEST']._serialized_start=1950
+  _globals['_GETASSISTANTMESSAGEHEADERREQUEST']._serialized_end=2011
+  _globals['_GETASSISTANTMESSAGEHEADERRESPONSE']._serialized_start=2013
+  _globals['_GETASSISTANTMESSAGEHEADERRESPONSE']._serialized_end=2080
+  _globals['_RELOADGLOBALCONFIGREQUEST']._serialized_start=2082
+  _globals['_RELOADGLOBALCONFIGREQUEST']._serialized_end=2109
+  _globals['_RELOADGLOBALCONFIGRESPONSE']._serialized_start=2111
+  _globals['_RELOADGLOBALCONFIGRESPONSE']._serialized_end=2173
+  _globals['_REGISTERSERVERINSTANCEREQUEST']._serialized_start=2176
+  _globals['_REGISTERSERVERINSTANCEREQUEST']._serialized_end=2401
+  _globals['_REGISTERSERVERINSTANCERESPONSE']._serialized_start=2403
+  _globals['_REGISTERSERVERINSTANCERESPONSE']._serialized_end=2505
+  _globals['_DEREGISTERSERVERINSTANCEREQUEST']._serialized_start=2507
+  _globals['_DEREGISTERSERVERINSTANCEREQUEST']._serialized_end=2574
+  _globals['_DEREGISTERSERVERINSTANCERESPONSE']._serialized_start=2576
+  _globals['_DEREGISTERSERVERINSTANCERESPONSE']._serialized_end=2632
+  _globals['_CONTROLPLANESERVICE']._serialized_start=3113
+  _globals['_CONTROLPLANESERVICE']._serialized_end=4188
 # @@protoc_insertion_point(module_scope)

@@ -56,6 +56,38 @@ SERVER_STATUS_UNKNOWN_ERROR: ServerStatus.ValueType  # 4
 """Any other failure (bad URL, protocol error, ...)."""
 Global___ServerStatus: _TypeAlias = ServerStatus  # noqa: Y015
 
+class _RegistrationState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RegistrationStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RegistrationState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    REGISTRATION_STATE_UNSPECIFIED: _RegistrationState.ValueType  # 0
+    """The server has not registered with this head (or the head predates registration states)."""
+    REGISTRATION_STATE_REGISTERED: _RegistrationState.ValueType  # 1
+    """A process of the server is registered; its lease, if it has one, is being renewed."""
+    REGISTRATION_STATE_DEREGISTERED: _RegistrationState.ValueType  # 2
+    """The process deregistered (it is stopping): clients and the prober went back to the config's address."""
+    REGISTRATION_STATE_EXPIRED: _RegistrationState.ValueType  # 3
+    """The lease ran out without a renewal (the process likely died, e.g. killed -9): the head dropped the
+    registration and its advertised address, as for a deregistration.
+    """
+
+class RegistrationState(_RegistrationState, metaclass=_RegistrationStateEnumTypeWrapper):
+    """RegistrationState says whether a server process holds a registration (RegisterServerInstance) with the head."""
+
+REGISTRATION_STATE_UNSPECIFIED: RegistrationState.ValueType  # 0
+"""The server has not registered with this head (or the head predates registration states)."""
+REGISTRATION_STATE_REGISTERED: RegistrationState.ValueType  # 1
+"""A process of the server is registered; its lease, if it has one, is being renewed."""
+REGISTRATION_STATE_DEREGISTERED: RegistrationState.ValueType  # 2
+"""The process deregistered (it is stopping): clients and the prober went back to the config's address."""
+REGISTRATION_STATE_EXPIRED: RegistrationState.ValueType  # 3
+"""The lease ran out without a renewal (the process likely died, e.g. killed -9): the head dropped the
+registration and its advertised address, as for a deregistration.
+"""
+Global___RegistrationState: _TypeAlias = RegistrationState  # noqa: Y015
+
 class _WatchEventType:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -289,6 +321,8 @@ class ServerStatusReport(_message.Message):
     CHECKED_AT_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
     HTTP_STATUS_FIELD_NUMBER: _builtins.int
+    REGISTRATION_FIELD_NUMBER: _builtins.int
+    ADVERTISED_URL_FIELD_NUMBER: _builtins.int
     server_name: _builtins.str
     """Server name."""
     status: Global___ServerStatus.ValueType
@@ -299,6 +333,12 @@ class ServerStatusReport(_message.Message):
     """Human-readable detail of a failure (empty on success)."""
     http_status: _builtins.int
     """HTTP status code the server answered with (0 when it did not answer)."""
+    registration: Global___RegistrationState.ValueType
+    """Whether a process of the server is registered with the head, or why it no longer is (deregistered, or its
+    lease expired). A change of it is a change of the report: watches send it like a status change.
+    """
+    advertised_url: _builtins.str
+    """Base URL the head advertises for the server while it is registered; empty otherwise."""
     @_builtins.property
     def latency(self) -> _duration_pb2.Duration:
         """How long the probe took."""
@@ -317,10 +357,12 @@ class ServerStatusReport(_message.Message):
         checked_at: _timestamp_pb2.Timestamp | None = ...,
         detail: _builtins.str = ...,
         http_status: _builtins.int = ...,
+        registration: Global___RegistrationState.ValueType = ...,
+        advertised_url: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checked_at", b"checked_at", "latency", b"latency"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checked_at", b"checked_at", "detail", b"detail", "http_status", b"http_status", "latency", b"latency", "server_name", b"server_name", "status", b"status", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertised_url", b"advertised_url", "checked_at", b"checked_at", "detail", b"detail", "http_status", b"http_status", "latency", b"latency", "registration", b"registration", "server_name", b"server_name", "status", b"status", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -701,6 +743,7 @@ class RegisterServerInstanceRequest(_message.Message):
     LISTEN_HOST_FIELD_NUMBER: _builtins.int
     LISTEN_PORT_FIELD_NUMBER: _builtins.int
     ADVERTISE_HOST_FIELD_NUMBER: _builtins.int
+    LEASE_TTL_FIELD_NUMBER: _builtins.int
     server_name: _builtins.str
     """Server name as in the global config."""
     pid: _builtins.int
@@ -719,6 +762,14 @@ class RegisterServerInstanceRequest(_message.Message):
     def start_time(self) -> _timestamp_pb2.Timestamp:
         """When the server process started; unset when not known."""
 
+    @_builtins.property
+    def lease_ttl(self) -> _duration_pb2.Duration:
+        """Lease: the registration expires unless renewed (registered again) within this long, so a process that dies
+        without deregistering (killed -9, its host lost) is dropped, reported as EXPIRED in status watches and in the
+        head's log, and its advertised address goes with it. Between 0.5 s and 1 day; unset: no expiry. The
+        registration helpers renew every refresh period and ask for three of them.
+        """
+
     def __init__(
         self,
         *,
@@ -728,10 +779,11 @@ class RegisterServerInstanceRequest(_message.Message):
         listen_host: _builtins.str = ...,
         listen_port: _builtins.int = ...,
         advertise_host: _builtins.str = ...,
+        lease_ttl: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["start_time", b"start_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_ttl", b"lease_ttl", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_host", b"advertise_host", "listen_host", b"listen_host", "listen_port", b"listen_port", "pid", b"pid", "server_name", b"server_name", "start_time", b"start_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_host", b"advertise_host", "lease_ttl", b"lease_ttl", "listen_host", b"listen_host", "listen_port", b"listen_port", "pid", b"pid", "server_name", b"server_name", "start_time", b"start_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -744,16 +796,22 @@ class RegisterServerInstanceResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ADVERTISED_URL_FIELD_NUMBER: _builtins.int
+    LEASE_TTL_FIELD_NUMBER: _builtins.int
     advertised_url: _builtins.str
     """Base URL the head advertises for the server from now on (http://host:port, IPv6 bracketed)."""
+    @_builtins.property
+    def lease_ttl(self) -> _duration_pb2.Duration:
+        """The lease granted (the request's lease_ttl); unset when the registration does not expire."""
+
     def __init__(
         self,
         *,
         advertised_url: _builtins.str = ...,
+        lease_ttl: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_ttl", b"lease_ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertised_url", b"advertised_url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertised_url", b"advertised_url", "lease_ttl", b"lease_ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -43,7 +43,14 @@ from gym_rpc.wire._paths import (
     split_gym_prefixes,
     trace_path_segment,
 )
-from gym_rpc.wire._status import SERVER_STATUSES, ServerStatus, StatusReport, StatusSnapshot, WatchEvent
+from gym_rpc.wire._status import (
+    SERVER_STATUSES,
+    RegistrationState,
+    ServerStatus,
+    StatusReport,
+    StatusSnapshot,
+    WatchEvent,
+)
 
 __all__ = [
     "AUTHORIZATION_METADATA_KEY",
@@ -72,6 +79,7 @@ __all__ = [
     "TRACE_SEGMENT",
     "GymPrefixes",
     "InstanceRegistration",
+    "RegistrationState",
     "ServerInstance",
     "ServerStatus",
     "StatusReport",

@@ -15,7 +15,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from gym_rpc.config import HEAD_SERVER_KEY, BaseServerConfig, GlobalConfig, ServerEntry, base_url, redact_secrets
 from gym_rpc.v1 import control_plane_pb2 as pb
-from gym_rpc.wire._status import ServerStatus, StatusReport, StatusSnapshot, WatchEvent
+from gym_rpc.wire._status import RegistrationState, ServerStatus, StatusReport, StatusSnapshot, WatchEvent
 
 _STATUS_TO_PB: dict[ServerStatus | None, pb.ServerStatus.ValueType] = {
     None: pb.SERVER_STATUS_UNSPECIFIED,
@@ -48,6 +48,15 @@ def epoch_to_timestamp(epoch_seconds: float) -> Timestamp:
     return timestamp
 
 
+_REGISTRATION_TO_PB: dict[RegistrationState | None, pb.RegistrationState.ValueType] = {
+    None: pb.REGISTRATION_STATE_UNSPECIFIED,
+    "registered": pb.REGISTRATION_STATE_REGISTERED,
+    "deregistered": pb.REGISTRATION_STATE_DEREGISTERED,
+    "expired": pb.REGISTRATION_STATE_EXPIRED,
+}
+_REGISTRATION_FROM_PB: dict[int, RegistrationState | None] = {v: k for k, v in _REGISTRATION_TO_PB.items()}
+
+
 def report_to_pb(report: StatusReport) -> pb.ServerStatusReport:
     message = pb.ServerStatusReport(
         server_name=report.server_name,
@@ -55,6 +64,8 @@ def report_to_pb(report: StatusReport) -> pb.ServerStatusReport:
         url=report.url,
         detail=report.detail,
         http_status=report.http_status,
+        registration=_REGISTRATION_TO_PB[report.registration],
+        advertised_url=report.advertised_url,
     )
     if report.checked_at:
         message.latency.CopyFrom(seconds_to_duration(report.latency_seconds))
@@ -71,6 +82,8 @@ def report_from_pb(message: pb.ServerStatusReport) -> StatusReport:
         checked_at=message.checked_at.ToNanoseconds() / 1e9,
         detail=message.detail,
         http_status=message.http_status,
+        registration=_REGISTRATION_FROM_PB.get(message.registration),  # None too for values a newer head adds
+        advertised_url=message.advertised_url,
     )
 
 
@@ -147,10 +160,16 @@ class InstanceRegistration:
     port: int
     advertised_host: str
     registered_at: float
+    lease_ttl: float = 0.0  # seconds the registration lives without a renewal; 0: no expiry
 
     @property
     def advertised_url(self) -> str:
         return base_url(self.advertised_host, self.port)
+
+    @property
+    def expires_at(self) -> float | None:
+        """Epoch seconds after which an unrenewed registration is dropped; None when it never expires."""
+        return self.registered_at + self.lease_ttl if self.lease_ttl > 0 else None
 
 
 def head_instance_to_pb(config: GlobalConfig, pid: int, start_time: float) -> pb.ServerInstance:
@@ -208,7 +227,14 @@ def instance_from_pb(message: pb.ServerInstance) -> ServerInstance:
 
 
 def register_request_to_pb(
-    server_name: str, *, pid: int, start_time: float, listen_host: str, listen_port: int, advertise_host: str
+    server_name: str,
+    *,
+    pid: int,
+    start_time: float,
+    listen_host: str,
+    listen_port: int,
+    advertise_host: str,
+    lease_seconds: float | None = None,
 ) -> pb.RegisterServerInstanceRequest:
     request = pb.RegisterServerInstanceRequest(
         server_name=server_name,
@@ -219,6 +245,8 @@ def register_request_to_pb(
     )
     if start_time > 0:
         request.start_time.CopyFrom(epoch_to_timestamp(start_time))
+    if lease_seconds is not None:
+        request.lease_ttl.CopyFrom(seconds_to_duration(lease_seconds))
     return request
 
 
@@ -234,6 +262,7 @@ def registration_from_pb(
         port=request.listen_port,
         advertised_host=advertised_host,
         registered_at=registered_at,
+        lease_ttl=request.lease_ttl.ToNanoseconds() / 1e9 if request.HasField("lease_ttl") else 0.0,
     )
 
 

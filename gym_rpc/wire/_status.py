@@ -7,6 +7,8 @@ from typing import Literal, get_args
 
 ServerStatus = Literal["success", "connection_error", "timeout", "unknown_error"]
 SERVER_STATUSES: tuple[ServerStatus, ...] = get_args(ServerStatus)
+# Whether a process of the server is registered with the head, or why it no longer is; None: never registered.
+RegistrationState = Literal["registered", "deregistered", "expired"]
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,8 @@ class StatusReport:
     checked_at: float = 0.0  # epoch seconds; 0 when never checked
     detail: str = ""
     http_status: int = 0
+    registration: RegistrationState | None = None
+    advertised_url: str = ""  # where the head sends clients while the server is registered
 
 
 @dataclass(frozen=True)

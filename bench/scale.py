@@ -1,0 +1,590 @@
+"""`python -m bench.scale` (what `make bench-scale` runs): how one head's costs grow with servers, watchers and
+pollers, written to bench/SCALE.md. Everything on loopback, bounded, in a few minutes.
+
+* servers N: one head (its own process) per N over N listeners of one servers process; ListServerStatuses
+  latency, head RSS, head CPU while idle (nothing but the background prober) at the default probe interval;
+  and at the largest N, GetGlobalConfig with the caller's (unchanged) version against the whole document.
+* watchers W: W status watches on one head; a listener is stopped and started again, and each watcher's time
+  from the head recording the change to hearing of it (fan-out), and from the kill to hearing of it (including
+  the probe interval that detection takes) is recorded; head RSS per watcher.
+* pollers P: P concurrent status pollers of one server in a closed loop, through the head (GetServerStatus
+  with the head's freshness window) against the same P pollers probing the server directly with a fresh
+  connection per poll (what NeMo Gym's poll_for_status does); status calls per second and the probes the
+  server actually received.
+
+`--quick` runs tiny sizes (the smoke test uses it) and writes no file unless `--out` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import aiohttp
+import grpc
+
+from bench.scale_procs import Child
+from bench.stats import median, percentile
+from gym_rpc.client import SyncControlClient
+from gym_rpc.client._channel import close_aio_channels
+from gym_rpc.v1 import control_plane_pb2 as pb
+from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
+
+SCALE_PATH = Path(__file__).resolve().parent / "SCALE.md"
+LOOPBACK = "127.0.0.1"
+STREAMS_PER_CHANNEL = 100  # the head allows 128 concurrent streams per connection
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class ScalePlan:
+    servers: tuple[int, ...] = (10, 100, 1000)
+    watchers: tuple[int, ...] = (1, 100, 1000)
+    pollers: tuple[int, ...] = (1, 100, 1000)
+    probe_interval: float = 2.0  # the head's default
+    idle_seconds: float = 6.0  # three probe rounds
+    list_calls: int = 40
+    config_pairs: int = 40
+    watch_rounds: int = 3  # each round: one death and one recovery
+    poll_seconds: float = 3.0
+
+
+FULL = ScalePlan()
+QUICK = ScalePlan(
+    servers=(3, 6),
+    watchers=(1, 4),
+    pollers=(1, 4),
+    probe_interval=0.5,
+    idle_seconds=1.0,
+    list_calls=5,
+    config_pairs=5,
+    watch_rounds=1,
+    poll_seconds=0.5,
+)
+
+
+# --- /proc readings ----------------------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return math.nan
+
+
+def load_average() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+# --- heads -------------------------------------------------------------------------------------------------------
+
+
+def config_document(ports: list[int]) -> dict[str, Any]:
+    servers = {
+        f"server_{i:04d}": {
+            "resources_servers": {"bench": {"host": LOOPBACK, "port": port, "api_key": "sk-bench"}}
+        }
+        for i, port in enumerate(ports)
+    }
+    return {"head_server": {"host": LOOPBACK, "port": 0}, **servers}
+
+
+@contextmanager
+def running_head(ports: list[int], plan: ScalePlan, **options: Any) -> Iterator[Child]:
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "config.json"
+        path.write_text(json.dumps(config_document(ports)), encoding="utf-8")
+        head_options = {"port": 0, "probe_interval_seconds": plan.probe_interval, **options}
+        head = Child("head", str(path), json.dumps(head_options))
+        try:
+            yield head
+        finally:
+            head.stop()
+
+
+def wait_until_probed(address: str, timeout: float) -> None:
+    client = SyncControlClient(address, timeout_seconds=10)
+    deadline = time.monotonic() + timeout
+    while not all(r.status is not None for r in client.list_server_statuses().reports):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the head at {address} did not probe every server within {timeout}s")
+        time.sleep(0.1)
+
+
+_connections = itertools.count()
+
+
+def channels(address: str, streams: int) -> list[grpc.aio.Channel]:
+    """Enough connections for `streams` concurrent streams. Each channel gets an argument no other has: gRPC
+    shares one connection between channels with equal arguments, and the head queues streams past 128 on one."""
+    count = max(1, math.ceil(streams / STREAMS_PER_CHANNEL))
+    return [
+        grpc.aio.insecure_channel(
+            address, options=[("grpc.enable_http_proxy", 0), ("bench.connection", next(_connections))]
+        )
+        for _ in range(count)
+    ]
+
+
+# --- servers -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ServersRow:
+    servers: int
+    list_p50_ms: float
+    rss_mib: float
+    idle_cpu_percent: float
+
+
+@dataclass
+class ConfigRow:
+    servers: int
+    full_p50_ms: float
+    unchanged_p50_ms: float
+    full_bytes: int
+    unchanged_bytes: int
+
+
+def measure_servers(ports: list[int], plan: ScalePlan) -> tuple[list[ServersRow], ConfigRow]:
+    rows: list[ServersRow] = []
+    config_row: ConfigRow | None = None
+    for n in plan.servers:
+        with running_head(ports[:n], plan) as head:
+            address = head.info["address"]
+            wait_until_probed(address, 60)
+            latencies = list_latencies(address, plan.list_calls)
+            started_cpu, started = cpu_seconds(head.pid), time.monotonic()
+            time.sleep(plan.idle_seconds)
+            idle = (cpu_seconds(head.pid) - started_cpu) / (time.monotonic() - started) * 100
+            rows.append(ServersRow(n, median(latencies) * 1e3, rss_mib(head.pid), idle))
+            print(f"  servers N={n}: {rows[-1]}", file=sys.stderr)
+            if n == max(plan.servers):
+                config_row = measure_config(address, n, plan)
+    assert config_row is not None
+    return rows, config_row
+
+
+def list_latencies(address: str, calls: int) -> list[float]:
+    """ListServerStatuses as the head answers it (protobuf on the wire, no client-side conversion)."""
+    latencies = []
+    with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        stub = pb_grpc.ControlPlaneServiceStub(channel)
+        for _ in range(calls):
+            started = time.perf_counter()
+            stub.ListServerStatuses(pb.ListServerStatusesRequest(), timeout=10)
+            latencies.append(time.perf_counter() - started)
+    return latencies
+
+
+def measure_config(address: str, n: int, plan: ScalePlan) -> ConfigRow:
+    with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        return _config_row(pb_grpc.ControlPlaneServiceStub(channel), n, plan)
+
+
+def _config_row(stub: pb_grpc.ControlPlaneServiceStub, n: int, plan: ScalePlan) -> ConfigRow:
+    full = stub.GetGlobalConfig(pb.GetGlobalConfigRequest(), timeout=10)
+    unchanged_request = pb.GetGlobalConfigRequest(known_version=full.version)
+    unchanged = stub.GetGlobalConfig(unchanged_request, timeout=10)
+    assert unchanged.unchanged and not unchanged.config_json
+    full_times, unchanged_times = [], []
+    for _ in range(plan.config_pairs):  # interleaved, so noise hits both alike
+        started = time.perf_counter()
+        stub.GetGlobalConfig(pb.GetGlobalConfigRequest(), timeout=10)
+        full_times.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        stub.GetGlobalConfig(unchanged_request, timeout=10)
+        unchanged_times.append(time.perf_counter() - started)
+    row = ConfigRow(
+        n, median(full_times) * 1e3, median(unchanged_times) * 1e3, full.ByteSize(), unchanged.ByteSize()
+    )
+    print(f"  config N={n}: {row}", file=sys.stderr)
+    return row
+
+
+# --- watchers ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WatchRow:
+    watchers: int
+    fanout_ms: list[float] = field(default_factory=list)  # change recorded -> each watcher heard it
+    last_fanout_ms: list[float] = field(default_factory=list)  # per change: the last watcher
+    death_to_last_ms: list[float] = field(default_factory=list)  # per death: kill -> the last watcher heard it
+    rss_mib: float = math.nan
+
+
+class Watchers:
+    """W status watches; each records when it hears `server_0000` reach a status."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.heard: dict[str, list[tuple[float, float]]] = {}  # status -> [(received, checked_at)]
+        self.tasks: list[asyncio.Task[None]] = []
+        self.channels: list[grpc.aio.Channel] = []
+        self.ready = 0
+        self.errors: list[str] = []
+
+    async def add(self, count: int) -> None:
+        new = channels(self.address, count)
+        self.channels += new
+        for i in range(count):
+            self.tasks.append(asyncio.create_task(self._watch(new[i % len(new)])))
+        deadline = time.monotonic() + 120
+        while self.ready < len(self.tasks):
+            if time.monotonic() > deadline or self.errors:
+                raise RuntimeError(f"only {self.ready} of {len(self.tasks)} watches started: {self.errors[:3]}")
+            await asyncio.sleep(0.05)
+
+    async def _watch(self, channel: grpc.aio.Channel) -> None:
+        stub = pb_grpc.ControlPlaneServiceStub(channel)
+        request = pb.WatchServerStatusesRequest()
+        request.heartbeat_interval.FromSeconds(60)
+        stream = cast(AsyncGenerator[pb.WatchServerStatusesResponse, None], stub.WatchServerStatuses(request))
+        try:
+            await self._follow(stream)
+        except grpc.aio.AioRpcError as error:
+            self.errors.append(f"{error.code().name}: {error.details()}")
+
+    async def _follow(self, stream: AsyncGenerator[pb.WatchServerStatusesResponse, None]) -> None:
+        first = True
+        async for message in stream:
+            received = time.time()
+            if first:
+                self.ready += 1
+                first = False
+                continue
+            for report in message.reports:
+                if report.server_name == "server_0000":
+                    status = pb.ServerStatus.Name(report.status)
+                    checked_at = report.checked_at.ToNanoseconds() / 1e9
+                    self.heard.setdefault(status, []).append((received, checked_at))
+
+    async def wait_heard(self, status: str, count: int, timeout: float) -> list[tuple[float, float]]:
+        deadline = time.monotonic() + timeout
+        while len(self.heard.get(status, [])) < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(self.heard.get(status, []))} of {count} watchers heard {status}")
+            await asyncio.sleep(0.01)
+        return self.heard.pop(status)
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for channel in self.channels:
+            await channel.close(None)
+
+
+async def measure_watchers(servers: Child, ports: list[int], plan: ScalePlan) -> list[WatchRow]:
+    rows: list[WatchRow] = []
+    most = max(plan.watchers) + 10  # every watcher comes from one address: lift the per-peer cap too
+    with running_head(ports[:10], plan, max_concurrent_watches=most, max_watches_per_peer=most) as head:
+        address = head.info["address"]
+        await asyncio.to_thread(wait_until_probed, address, 60)
+        watchers = Watchers(address)
+        try:
+            for w in plan.watchers:
+                await watchers.add(w - len(watchers.tasks))
+                row = WatchRow(w, rss_mib=rss_mib(head.pid))
+                for _ in range(plan.watch_rounds):
+                    for command, status in (
+                        ("stop 0", "SERVER_STATUS_CONNECTION_ERROR"),
+                        ("start 0", "SERVER_STATUS_SUCCESS"),
+                    ):
+                        acted_at = time.time()
+                        await asyncio.to_thread(servers.ask, command)
+                        heard = await watchers.wait_heard(status, w, timeout=plan.probe_interval * 3 + 30)
+                        fanouts = [(received - checked_at) * 1e3 for received, checked_at in heard]
+                        row.fanout_ms += fanouts
+                        row.last_fanout_ms.append(max(fanouts))
+                        if command.startswith("stop"):
+                            row.death_to_last_ms.append((max(r for r, _ in heard) - acted_at) * 1e3)
+                rows.append(row)
+                print(
+                    f"  watchers W={w}: fan-out p50 {median(row.fanout_ms):.1f} ms, "
+                    f"p99 {percentile(row.fanout_ms, 0.99):.1f} ms, last {median(row.last_fanout_ms):.1f} ms",
+                    file=sys.stderr,
+                )
+        finally:
+            await watchers.close()
+    return rows
+
+
+# --- pollers -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PollRow:
+    pollers: int
+    head_calls_per_second: float
+    head_probes_per_second: float
+    direct_calls_per_second: float
+    direct_probes_per_second: float
+    window_seconds: float
+
+    @property
+    def head_probes_per_window(self) -> float:
+        return self.head_probes_per_second * self.window_seconds
+
+
+async def _closed_loop(pollers: int, seconds: float, call: Any) -> int:
+    """`pollers` tasks calling `call()` back to back for `seconds`; the number of calls that completed."""
+    done = 0
+    stop_at = time.monotonic() + seconds
+
+    async def poller() -> None:
+        nonlocal done
+        while time.monotonic() < stop_at:
+            await call()
+            done += 1
+
+    await asyncio.gather(*(poller() for _ in range(pollers)))
+    return done
+
+
+def _head_poll(address: str, pollers: int, request: pb.GetServerStatusRequest) -> Any:
+    """One status call through the head, spread over enough connections for `pollers` concurrent calls."""
+    stubs = [pb_grpc.ControlPlaneServiceStub(c) for c in channels(address, pollers)]
+    calls = 0
+
+    async def via_head() -> None:
+        nonlocal calls
+        calls += 1
+        await stubs[calls % len(stubs)].GetServerStatus(request, timeout=30)
+
+    return via_head
+
+
+async def measure_pollers(servers: Child, ports: list[int], plan: ScalePlan) -> list[PollRow]:
+    rows: list[PollRow] = []
+    target, url = "server_0000", f"http://{LOOPBACK}:{ports[0]}/"
+    with running_head(ports[:10], plan) as head:
+        address = head.info["address"]
+        await asyncio.to_thread(wait_until_probed, address, 60)
+        window = plan.probe_interval / 2  # the head's default freshness window
+        for p in plan.pollers:
+            via_head = _head_poll(address, p, pb.GetServerStatusRequest(server_name=target))
+
+            before = (await asyncio.to_thread(servers.ask, "counts"))[0]
+            started = time.monotonic()
+            head_calls = await _closed_loop(p, plan.poll_seconds, via_head)
+            head_elapsed = time.monotonic() - started
+            head_probes = (await asyncio.to_thread(servers.ask, "counts"))[0] - before
+
+            # NeMo Gym's poll_for_status: a plain GET of the server per poll, a fresh connection each time.
+            connector = aiohttp.TCPConnector(limit=0, force_close=True)
+            async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
+
+                async def direct() -> None:
+                    async with session.get(url, timeout=aiohttp.ClientTimeout(total=30)) as response:
+                        await response.read()
+
+                before = (await asyncio.to_thread(servers.ask, "counts"))[0]
+                started = time.monotonic()
+                direct_calls = await _closed_loop(p, plan.poll_seconds, direct)
+                direct_elapsed = time.monotonic() - started
+                direct_probes = (await asyncio.to_thread(servers.ask, "counts"))[0] - before
+            rows.append(
+                PollRow(
+                    p,
+                    head_calls / head_elapsed,
+                    head_probes / head_elapsed,
+                    direct_calls / direct_elapsed,
+                    direct_probes / direct_elapsed,
+                    window,
+                )
+            )
+            print(f"  pollers P={p}: {rows[-1]}", file=sys.stderr)
+            await close_aio_channels()
+    return rows
+
+
+# --- report ------------------------------------------------------------------------------------------------------
+
+
+def _growth(values: list[float], sizes: tuple[int, ...]) -> str:
+    """How a per-unit cost moves from the smallest size to the largest: flat (linear totals) or not."""
+    if len(values) < 2 or not values[0] or math.isnan(values[0]):
+        return "n/a"
+    ratio = values[-1] / values[0]
+    return f"x {ratio:.2f} from {sizes[0]} to {sizes[-1]}"
+
+
+def render(
+    servers: list[ServersRow],
+    config: ConfigRow,
+    watchers: list[WatchRow],
+    pollers: list[PollRow],
+    plan: ScalePlan,
+    load: tuple[str, str],
+    seconds: float,
+) -> str:
+    lines = [
+        "# Scale: one head's costs as servers, watchers and pollers grow",
+        "",
+        f"Written by `make bench-scale` (`python -m bench.scale`) in {seconds:.0f} s. All loopback, on this "
+        f"shared 2-core machine: load average {load[0]} at the start and {load[1]} at the end (other helpers' "
+        "test runs load the CPU, so figures are medians and ratios, and absolute times are noisy). The head "
+        "runs in its own process (CPU and RSS read from /proc); the N Gym servers are N listeners of one other "
+        "process; watchers and pollers run in the bench process.",
+        "",
+        f"## Servers N (default probe interval {plan.probe_interval:g} s)",
+        "",
+        "ListServerStatuses is timed as protobuf on the wire; gym_rpc's Python client then converts each report "
+        "(a few µs per server) on top.",
+        "",
+        "| N | ListServerStatuses p50 | head RSS | head idle CPU (% of a core) | idle CPU per server "
+        "| ms per server per call |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for server_row in servers:
+        lines.append(
+            f"| {server_row.servers} | {server_row.list_p50_ms:.2f} ms | {server_row.rss_mib:.1f} MiB "
+            f"| {server_row.idle_cpu_percent:.2f} % | {server_row.idle_cpu_percent / server_row.servers:.4f} % "
+            f"| {server_row.list_p50_ms / server_row.servers:.4f} |"
+        )
+    per_server_cpu = [r.idle_cpu_percent / r.servers for r in servers]
+    per_server_list = [r.list_p50_ms / r.servers for r in servers]
+    rss_growth = (
+        (servers[-1].rss_mib - servers[0].rss_mib) / (servers[-1].servers - servers[0].servers) * 1024
+        if len(servers) > 1
+        else math.nan
+    )
+    lines += [
+        "",
+        f"Growth: idle CPU per server {_growth(per_server_cpu, plan.servers)}; ListServerStatuses time per server "
+        f"{_growth(per_server_list, plan.servers)} (a fixed per-call cost dominates at small N); RSS grows "
+        f"{rss_growth:.1f} KiB per server.",
+        "",
+        f"## Config at N = {config.servers}: GetGlobalConfig with the caller's unchanged version",
+        "",
+        "| call | p50 | response bytes |",
+        "| --- | --- | --- |",
+        f"| whole document | {config.full_p50_ms:.2f} ms | {config.full_bytes} |",
+        f"| `known_version` = current (answers `unchanged`) | {config.unchanged_p50_ms:.2f} ms | "
+        f"{config.unchanged_bytes} |",
+        "",
+        f"Unchanged check: {config.full_p50_ms / config.unchanged_p50_ms:.1f}x faster, "
+        f"{config.full_bytes / max(config.unchanged_bytes, 1):.0f}x fewer bytes.",
+        "",
+        "## Watchers W: a server dies, then comes back",
+        "",
+        "Fan-out = from the head recording the change (the probe's `checked_at`) to a watcher receiving it; "
+        "death to last watcher also includes detection, which waits for the next probe round (up to the probe "
+        f"interval, {plan.probe_interval:g} s).",
+        "",
+        "| W | fan-out p50 | fan-out p99 | last watcher p50 (per change) | death → last watcher p50 | head RSS | "
+        "fan-out p50 per watcher |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for watch_row in watchers:
+        p50 = median(watch_row.fanout_ms)
+        lines.append(
+            f"| {watch_row.watchers} | {p50:.1f} ms | {percentile(watch_row.fanout_ms, 0.99):.1f} ms | "
+            f"{median(watch_row.last_fanout_ms):.1f} ms | {median(watch_row.death_to_last_ms):.0f} ms | "
+            f"{watch_row.rss_mib:.1f} MiB | {p50 / watch_row.watchers * 1e3:.1f} µs |"
+        )
+    if len(watchers) > 1:
+        rss_per_watcher = (watchers[-1].rss_mib - watchers[0].rss_mib) / (
+            watchers[-1].watchers - watchers[0].watchers
+        )
+        per_watcher = [median(r.last_fanout_ms) / r.watchers for r in watchers]
+        lines += [
+            "",
+            f"Growth: head RSS {rss_per_watcher * 1024:.1f} KiB per watcher; time to the last watcher per watcher "
+            f"{_growth(per_watcher, plan.watchers)}.",
+        ]
+    lines += [
+        "",
+        f"## Pollers P on one server ({plan.poll_seconds:g} s closed loop each)",
+        "",
+        "Through the head: GetServerStatus with no `max_age` (the head's freshness window, "
+        f"{pollers[0].window_seconds:g} s). "
+        "Directly: each poll a GET of the server on a fresh connection, as NeMo Gym's `poll_for_status` does.",
+        "",
+        "| P | via head: calls/s | via head: probes the server received per window | directly: calls/s | "
+        "directly: probes per window | probes saved |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for poll_row in pollers:
+        direct_per_window = poll_row.direct_probes_per_second * poll_row.window_seconds
+        head_per_window = poll_row.head_probes_per_window
+        saved = direct_per_window / head_per_window if head_per_window else math.inf
+        lines.append(
+            f"| {poll_row.pollers} | {poll_row.head_calls_per_second:.0f} | {head_per_window:.2f} | "
+            f"{poll_row.direct_calls_per_second:.0f} | {direct_per_window:.0f} | {saved:.0f}x |"
+        )
+    lines.append("")
+    return "\n".join(lines)
+
+
+async def run(plan: ScalePlan, out: Path | None) -> str:
+    load_start = load_average()
+    started = time.monotonic()
+    servers = Child("servers", str(max(max(plan.servers), 10)))
+    try:
+        ports: list[int] = servers.info["ports"]
+        print("servers:", file=sys.stderr)
+        server_rows, config_row = await asyncio.to_thread(measure_servers, ports, plan)
+        print("watchers:", file=sys.stderr)
+        watch_rows = await measure_watchers(servers, ports, plan)
+        print("pollers:", file=sys.stderr)
+        poll_rows = await measure_pollers(servers, ports, plan)
+    finally:
+        servers.stop()
+        await close_aio_channels()
+    text = render(
+        server_rows,
+        config_row,
+        watch_rows,
+        poll_rows,
+        plan,
+        (load_start, load_average()),
+        time.monotonic() - started,
+    )
+    if out is not None:
+        await asyncio.to_thread(out.write_text, text, encoding="utf-8")
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, seconds; no file unless --out")
+    parser.add_argument("--out", type=Path, help=f"where to write the report (default: {SCALE_PATH})")
+    args = parser.parse_args()
+    for name in (
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "GYM_RPC_HEAD",
+    ):
+        os.environ.pop(name, None)
+    out = args.out if args.out is not None or args.quick else SCALE_PATH
+    text = asyncio.run(run(QUICK if args.quick else FULL, out))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""The processes `make bench-scale` measures, each its own interpreter (`python -m bench.scale_procs ...`).
+
+* `servers K`: K Gym servers as K aiohttp listeners in one process, each counting the requests (probes) it
+  receives. Commands on stdin, one per line, each answered with one JSON line: `stop I` closes listener I (its
+  port then refuses, as a dead server's does), `start I` listens on its port again, `counts` returns every
+  listener's request count.
+* `head CONFIG OPTIONS`: a gym_rpc head serving the config document in the JSON file CONFIG, with HeadOptions
+  from the JSON text OPTIONS, so its CPU and memory are its own (read from /proc by the bench).
+
+Each prints one `READY {json}` line once it serves, then runs until its stdin closes or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+LOOPBACK = "127.0.0.1"
+READY_PREFIX = "READY "
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- many servers in one process ---------------------------------------------------------------------------------
+
+
+class Listeners:
+    """K listeners of one aiohttp app; a request is counted against the port it arrived on."""
+
+    def __init__(self) -> None:
+        self.ports: list[int] = []
+        self.counts: dict[int, int] = {}
+        self.sites: list[web.TCPSite | None] = []
+        self.runner: web.AppRunner | None = None
+
+    async def handle(self, request: web.Request) -> web.Response:
+        sockname = request.transport.get_extra_info("sockname") if request.transport else None
+        if sockname is not None:
+            port = int(sockname[1])
+            self.counts[port] = self.counts.get(port, 0) + 1
+        return web.Response(text="ok")
+
+    async def start(self, count: int) -> None:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self.runner.setup()
+        for _ in range(count):
+            site = web.TCPSite(self.runner, LOOPBACK, 0, reuse_address=True)
+            await site.start()
+            server = site._server  # the asyncio server: the one place aiohttp keeps the bound port
+            assert isinstance(server, asyncio.base_events.Server)
+            self.ports.append(int(server.sockets[0].getsockname()[1]))
+            self.sites.append(site)
+
+    async def command(self, line: str) -> Any:
+        verb, _, argument = line.strip().partition(" ")
+        if verb == "counts":
+            return [self.counts.get(port, 0) for port in self.ports]
+        index = int(argument)
+        site = self.sites[index]
+        if verb == "stop" and site is not None:
+            await site.stop()
+            self.sites[index] = None
+        elif verb == "start" and site is None:
+            assert self.runner is not None
+            site = web.TCPSite(self.runner, LOOPBACK, self.ports[index], reuse_address=True)
+            await site.start()
+            self.sites[index] = site
+        return {"ok": verb}
+
+
+async def serve_listeners(count: int) -> None:
+    listeners = Listeners()
+    await listeners.start(count)
+    print(READY_PREFIX + json.dumps({"ports": listeners.ports}), flush=True)
+    loop = asyncio.get_running_loop()
+    while True:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line:  # the bench went away
+            return
+        print(json.dumps(await listeners.command(line)), flush=True)
+
+
+# --- a head on its own -------------------------------------------------------------------------------------------
+
+
+async def serve_head(document: dict[str, Any], options_json: str) -> None:
+    from gym_rpc.config import GlobalConfig
+    from gym_rpc.server import HeadOptions, HeadServer
+
+    head = HeadServer(GlobalConfig.from_document(document), HeadOptions(**json.loads(options_json)))
+    await head.start()
+    print(READY_PREFIX + json.dumps({"address": head.address, "port": head.port}), flush=True)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    stdin_closed = loop.run_in_executor(None, sys.stdin.read)
+    waiter = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((stdin_closed, waiter), return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    await head.stop()
+
+
+# --- the bench's side: start, talk to, stop ----------------------------------------------------------------------
+
+
+class Child:
+    """A `python -m bench.scale_procs ...` child: started, waited for (bounded), talked to, stopped."""
+
+    def __init__(self, *args: str, ready_timeout: float = 120.0) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "bench.scale_procs", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+        )
+        line = self._read_line(ready_timeout)
+        if not line.startswith(READY_PREFIX):
+            self.stop()
+            raise RuntimeError(f"{args[0]} did not start within {ready_timeout}s")
+        self.info: dict[str, Any] = json.loads(line[len(READY_PREFIX) :])
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def _read_line(self, timeout: float) -> str:
+        result: list[str] = []
+        assert self.process.stdout is not None
+        stdout = self.process.stdout
+        reader = threading.Thread(target=lambda: result.append(stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        return result[0] if result else ""
+
+    def ask(self, command: str, timeout: float = 30.0) -> Any:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        line = self._read_line(timeout)
+        if not line:
+            raise RuntimeError(f"no answer to {command!r} within {timeout}s")
+        return json.loads(line)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+
+
+def main() -> None:
+    role = sys.argv[1]
+    if role == "servers":
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        asyncio.run(serve_listeners(int(sys.argv[2])))
+    elif role == "head":
+        asyncio.run(serve_head(json.loads(Path(sys.argv[2]).read_text(encoding="utf-8")), sys.argv[3]))
+    else:
+        raise SystemExit(f"unknown role {role!r}: servers K | head CONFIG OPTIONS")
+
+
+if __name__ == "__main__":
+    main()

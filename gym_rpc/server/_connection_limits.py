@@ -1,0 +1,226 @@
+"""Bounds on the head's HTTP side, so idle or slow clients of NeMo Gym's HTTP head can never starve its gRPC port.
+
+Without them ~1,000 idle sockets on the HTTP port take every file descriptor of a process limited to 1,024: the
+gRPC port can no longer accept, and asyncio logs a traceback per failed accept (100 MB in 20 s). Here:
+
+* `BoundedListener` accepts at most `max_connections` at once and stops accepting at the bound (further clients
+  wait in the kernel's backlog, costing the head no descriptor); a connection that sends no complete request
+  within `header_timeout_seconds` is dropped, and idle keep-alive connections close after aiohttp's
+  `keepalive_timeout`.
+* `connection_bound` keeps a reserve of descriptors for gRPC, the prober and files whatever the limit.
+* `raise_fd_soft_limit` lifts the soft limit to the hard one where the system allows.
+* `RateLimitedLog` turns a repeating failure into one line per interval with a count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import resource
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_HTTP_CONNECTIONS = 256
+DEFAULT_HEADER_TIMEOUT_SECONDS = 10.0  # a client has this long to send its first request's headers
+DEFAULT_KEEPALIVE_TIMEOUT_SECONDS = 15.0  # an idle keep-alive connection is closed after this
+FD_RESERVE = 512  # descriptors never given to HTTP connections: gRPC, health, the prober's probes, files
+MIN_HTTP_CONNECTIONS = 8
+ACCEPT_RETRY_SECONDS = 0.5  # pause after a failed accept (EMFILE, ENOBUFS) instead of spinning
+TARGET_SOFT_FD_LIMIT = 65536
+
+
+def raise_fd_soft_limit(target: int = TARGET_SOFT_FD_LIMIT) -> int:
+    """Raise the soft RLIMIT_NOFILE towards `target` (never above the hard limit); the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):  # not allowed here: keep what we have
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def connection_bound(max_connections: int = DEFAULT_MAX_HTTP_CONNECTIONS) -> int:
+    """`max_connections`, lowered so that FD_RESERVE descriptors of the soft limit stay free for the rest."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return max_connections
+    return max(MIN_HTTP_CONNECTIONS, min(max_connections, soft - FD_RESERVE))
+
+
+class RateLimitedLog:
+    """Log a repeating problem at most once per `interval_seconds`, saying how many were not logged."""
+
+    def __init__(self, log: logging.Logger, interval_seconds: float = 10.0) -> None:
+        self._log = log
+        self._interval = interval_seconds
+        self._last = -float("inf")
+        self._suppressed = 0
+
+    def warning(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last < self._interval:
+            self._suppressed += 1
+            return
+        suffix = f" ({self._suppressed} more like it in the last {self._interval:g} s)" if self._suppressed else ""
+        self._last, self._suppressed = now, 0
+        self._log.warning("%s%s", message, suffix)
+
+
+class BoundedListener:
+    """Serve an aiohttp app on listening sockets with at most `max_connections` connections at once."""
+
+    def __init__(
+        self, max_connections: int, header_timeout_seconds: float = DEFAULT_HEADER_TIMEOUT_SECONDS
+    ) -> None:
+        self._server: web.Server | None = None
+        self._slots = asyncio.Semaphore(max_connections)
+        self.max_connections = max_connections
+        self._header_timeout = header_timeout_seconds
+        self._connections: dict[Any, _CountedConnection] = {}  # transport -> its connection, while open
+        self._tasks: list[asyncio.Task[None]] = []
+        self._listeners: list[socket.socket] = []
+        self._accept_failures = RateLimitedLog(logger)
+
+    @web.middleware
+    async def mark_answered(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """A middleware: the connection delivered a complete request, so the header deadline no longer applies."""
+        connection = self._connections.get(request.transport)
+        if connection is not None:
+            connection.answered = True
+        return await handler(request)
+
+    def listen(self, host: str, port: int) -> int:
+        """Bind and listen on every address of `host` (the same port on each); the port bound."""
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in addresses:
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                if port == 0 and self._listeners:  # port 0: the others take the port the first one got
+                    address = (address[0], self._listeners[0].getsockname()[1], *address[2:])
+                sock.bind(address)
+                sock.listen(self.max_connections)
+                sock.setblocking(False)
+            except OSError:
+                sock.close()
+                self.close()
+                raise
+            self._listeners.append(sock)
+        return int(self._listeners[0].getsockname()[1])
+
+    def start(self, runner: web.AppRunner) -> None:
+        """Accept connections for `runner` (set up, its app using `mark_answered`) on the listening sockets."""
+        self._server = runner.server
+        assert self._server is not None, "the runner is set up before the listener starts"
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._accept(sock), name="gym_rpc http accept") for sock in self._listeners
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        self.close()
+
+    def close(self) -> None:
+        for sock in self._listeners:
+            sock.close()
+        self._listeners = []
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._slots.acquire()  # at the bound, stop accepting: clients wait in the kernel's backlog
+            try:
+                connection, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # out of descriptors or buffers: pause, and say so once in a while
+                self._slots.release()
+                self._accept_failures.warning(f"HTTP head cannot accept a connection: {exc.strerror or exc}")
+                await asyncio.sleep(ACCEPT_RETRY_SECONDS)
+                continue
+            except BaseException:
+                self._slots.release()
+                raise
+            made: list[_CountedConnection] = []
+            try:
+                await loop.connect_accepted_socket(functools.partial(self._protocol, made), connection)
+            except OSError:
+                connection.close()
+                if not made or made[0].transport is None:  # else its connection_lost gives the slot back
+                    self._slots.release()
+
+    def _protocol(self, made: list[_CountedConnection]) -> _CountedConnection:
+        """aiohttp's protocol for one connection, inside one that gives the slot back when the connection ends;
+        also appended to `made`, so a failed accept knows whether it got that far."""
+        assert self._server is not None
+        connection = _CountedConnection(self._server(), self)
+        made.append(connection)
+        asyncio.get_running_loop().call_later(self._header_timeout, connection.drop_if_silent)
+        return connection
+
+    def _opened(self, connection: _CountedConnection, transport: asyncio.BaseTransport) -> None:
+        self._connections[transport] = connection
+
+    def _closed(self, connection: _CountedConnection) -> None:
+        if connection.transport is not None:
+            self._connections.pop(connection.transport, None)
+        self._slots.release()
+
+
+class _CountedConnection(asyncio.Protocol):
+    """Passes everything to aiohttp's protocol (which has __slots__, so it cannot be wrapped in place) and tells
+    the listener when the connection opens and ends."""
+
+    def __init__(self, inner: Any, listener: BoundedListener) -> None:
+        self._inner = inner
+        self._listener: BoundedListener | None = listener
+        self.transport: asyncio.BaseTransport | None = None
+        self.answered = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        if self._listener is not None:
+            self._listener._opened(self, transport)
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        result: bool | None = self._inner.eof_received()
+        return result
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        try:
+            self._inner.connection_lost(exc)
+        finally:
+            listener, self._listener = self._listener, None
+            if listener is not None:  # once only
+                listener._closed(self)
+
+    def drop_if_silent(self) -> None:
+        """The header deadline: a connection that has not delivered a complete request yet is closed."""
+        if not self.answered and self.transport is not None and not self.transport.is_closing():
+            self.transport.close()

@@ -1,0 +1,142 @@
+"""Watch fan-out: the messages every status watch sends, built and serialised once however many watchers there are.
+
+Watchers woken by one change all stand at the same revision and need the same message, so the first one to ask
+builds it and the rest reuse it; gRPC then serialises each message object once (`serialize` is the watch's
+response serializer) instead of once per watcher. A watcher that falls behind costs nothing while it lags: its
+stream holds only the revision it has delivered, and when it catches up it gets one merged CHANGE of what it
+missed, or a snapshot flagged `compacted` once the head's history no longer reaches back that far.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+from gym_rpc.server._prober import StatusProber
+from gym_rpc.v1 import control_plane_pb2 as pb
+from gym_rpc.wire import StatusReport
+from gym_rpc.wire import _convert as convert
+
+Message = pb.WatchServerStatusesResponse
+
+# Distinct messages kept: the current change, a few lagging watchers' merges, snapshots, heartbeats.
+DEFAULT_CACHE_SIZE = 64
+# A snapshot is rebuilt at least this often even without a change: it carries latencies and probe times, which
+# move without bumping the revision.
+SNAPSHOT_REUSE_SECONDS = 1.0
+
+
+class ReportMessages:
+    """Each server's latest report as a message, converted once per probe result rather than once per call: a
+    thousand-server ListServerStatuses or snapshot then only copies messages (C code) instead of building them."""
+
+    def __init__(self) -> None:
+        self._messages: dict[str, tuple[StatusReport, pb.ServerStatusReport]] = {}
+
+    def of(self, reports: list[StatusReport]) -> list[pb.ServerStatusReport]:
+        """Messages of every server's latest report (the whole list: servers missing from it are forgotten)."""
+        messages = [self._message(report) for report in reports]
+        if len(self._messages) > 2 * len(reports) + 64:  # servers removed by reloads: forget them
+            current = {report.server_name for report in reports}
+            self._messages = {k: v for k, v in self._messages.items() if k in current}
+        return messages
+
+    def _message(self, report: StatusReport) -> pb.ServerStatusReport:
+        cached = self._messages.get(report.server_name)
+        if cached is not None and cached[0] is report:  # reports are immutable: the same object, the same message
+            return cached[1]
+        message = convert.report_to_pb(report)
+        self._messages[report.server_name] = (report, message)
+        return message
+
+
+class WatchFeed:
+    """What a watcher at some revision must be sent next, shared by every watcher at that revision."""
+
+    def __init__(
+        self,
+        prober: Callable[[], StatusProber],
+        reports: ReportMessages | None = None,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+    ) -> None:
+        self._prober = prober  # read on every call: the head may replace its prober
+        self._reports = reports if reports is not None else ReportMessages()
+        self._cache_size = cache_size
+        self._messages: OrderedDict[Hashable, Message] = OrderedDict()
+        # id(message) -> (message, its bytes once serialised), for every cached message
+        self._encoded: dict[int, tuple[Message, bytes | None]] = {}
+        self.built = 0  # messages built (tests and the scale bench read these)
+        self.encoded = 0  # messages serialised
+
+    def snapshot(self, *, compacted: bool) -> tuple[int, Message]:
+        """Every server's status at the current revision, and that revision."""
+        prober = self._prober()
+        revision, version = prober.revision, prober.config_version
+        key = ("snapshot", revision, version, compacted, int(time.monotonic() / SNAPSHOT_REUSE_SECONDS))
+        return revision, self._get(key, lambda: _snapshot(prober, self._reports, revision, compacted))
+
+    def after(self, seen: int) -> tuple[int, Message | None]:
+        """What a watcher that has delivered `seen` must be sent (None: nothing), and the revision it reaches."""
+        prober = self._prober()
+        revision, version = prober.revision, prober.config_version
+        if seen >= revision:
+            return revision, None
+        return revision, self._get(
+            ("after", seen, revision, version), lambda: _changes(prober, self._reports, seen)
+        )
+
+    def heartbeat(self, seen: int) -> Message:
+        version = self._prober().config_version
+        return self._get(
+            ("heartbeat", seen, version),
+            lambda: Message(type=pb.WATCH_EVENT_TYPE_HEARTBEAT, revision=seen, config_version=version),
+        )
+
+    def serialize(self, message: Message) -> bytes:
+        """The watch's gRPC response serializer: a shared message is serialised once."""
+        entry = self._encoded.get(id(message))
+        if entry is not None and entry[0] is message and entry[1] is not None:
+            return entry[1]
+        data = message.SerializeToString()
+        self.encoded += 1
+        if entry is not None and entry[0] is message:
+            self._encoded[id(message)] = (message, data)
+        return data
+
+    def _get(self, key: Hashable, build: Callable[[], Message]) -> Message:
+        message = self._messages.get(key)
+        if message is not None:
+            self._messages.move_to_end(key)
+            return message
+        message = self._messages[key] = build()
+        self._encoded[id(message)] = (message, None)
+        self.built += 1
+        while len(self._messages) > self._cache_size:
+            _, evicted = self._messages.popitem(last=False)
+            self._encoded.pop(id(evicted), None)
+        return message
+
+
+def _snapshot(prober: StatusProber, reports: ReportMessages, revision: int, compacted: bool) -> Message:
+    return Message(
+        type=pb.WATCH_EVENT_TYPE_SNAPSHOT,
+        revision=revision,
+        reports=reports.of(prober.reports()),
+        compacted=compacted,
+        config_version=prober.config_version,
+    )
+
+
+def _changes(prober: StatusProber, reports: ReportMessages, seen: int) -> Message:
+    """The reports changed after `seen` (latest per server), or a compacted snapshot when history is gone. A
+    CHANGE without reports says the config version moved."""
+    changes = prober.changes_since(seen)
+    if changes.compacted:
+        return _snapshot(prober, reports, changes.revision, compacted=True)
+    return Message(
+        type=pb.WATCH_EVENT_TYPE_CHANGE,
+        revision=changes.revision,
+        reports=[convert.report_to_pb(r) for r in changes.reports],
+        config_version=prober.config_version,
+    )

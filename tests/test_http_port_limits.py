@@ -1,0 +1,203 @@
+"""The HTTP port cannot take the head down (issue 14, item 2): a head whose file-descriptor limit is 1024 is held
+by 1,100 idle and slow-header sockets on its NeMo Gym HTTP port, and its gRPC port still answers, its log stays
+small, and the HTTP port serves again once the silent sockets are dropped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import resource
+import selectors
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from gym_rpc.client._control import SyncControlClient
+from gym_rpc.server._connection_limits import BoundedListener, RateLimitedLog, connection_bound
+from tests.cli_helpers import STARTUP_SECONDS, cli_command, cli_env
+
+FD_LIMIT = 1024
+ATTACK_SOCKETS = 1100
+BANNER = re.compile(r"listening on (\S+) .*NeMo Gym HTTP head on http://127\.0\.0\.1:(\d+)")
+
+
+def limit_fds() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
+
+
+@contextlib.contextmanager
+def head_with_fd_limit(log: Path) -> Iterator[tuple[str, int]]:
+    """`gym-rpc head --http-port 0` under `ulimit -n 1024` (soft and hard), stderr into `log`."""
+    with log.open("wb") as stderr:
+        process = subprocess.Popen(
+            cli_command(["head", "--port", "0", "--http-port", "0", "--probe-interval", "0.5"]),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=cli_env(),
+            preexec_fn=limit_fds,
+        )
+        try:
+            assert process.stdout is not None
+            deadline = time.monotonic() + STARTUP_SECONDS
+            line = process.stdout.readline()
+            while not BANNER.search(line):
+                assert time.monotonic() < deadline and line, f"no banner: {line!r} {log.read_text()[:2000]}"
+                line = process.stdout.readline()
+            match = BANNER.search(line)
+            assert match is not None
+            yield match.group(1), int(match.group(2))
+        finally:
+            process.kill()
+            process.wait(timeout=10)
+
+
+@pytest.fixture
+def many_fds() -> Iterator[None]:
+    """This test process needs more than 1,100 descriptors itself."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = ATTACK_SOCKETS + 512
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        pytest.skip(f"needs a hard fd limit of {wanted}, have {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def open_attack_sockets(port: int) -> list[socket.socket]:
+    """1,100 connections, opened in batches of 100 that each wait (up to 5 s) for the handshake, so all of them
+    reach the head; half stay idle, half send a request line and one header and then nothing (slowloris)."""
+    sockets: list[socket.socket] = []
+    while len(sockets) < ATTACK_SOCKETS:
+        batch = []
+        for _ in range(100):
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect(("127.0.0.1", port))
+            batch.append(sock)
+        with selectors.DefaultSelector() as selector:
+            for sock in batch:
+                selector.register(sock, selectors.EVENT_WRITE)
+            pending, deadline = set(batch), time.monotonic() + 5.0
+            while pending and time.monotonic() < deadline:
+                for key, _ in selector.select(0.5):
+                    pending.discard(key.fileobj)
+                    selector.unregister(key.fileobj)
+        for index, sock in enumerate(batch):
+            if index % 2:
+                with contextlib.suppress(OSError):
+                    sock.send(b"GET / HTTP/1.1\r\nHost: head\r\n")
+        sockets += batch
+    return sockets
+
+
+def test_a_flood_of_silent_http_sockets_leaves_grpc_answering_and_the_log_small(tmp_path: Path, many_fds) -> None:
+    log = tmp_path / "head.log"
+    with head_with_fd_limit(log) as (address, http_port):
+        sockets = open_attack_sockets(http_port)
+        try:
+            time.sleep(1.0)  # let the head accept what it will
+            client = SyncControlClient(address, timeout_seconds=10.0)
+            for _ in range(3):
+                assert client.list_server_statuses().reports is not None
+                assert client.head_status() == "success"
+                time.sleep(1.0)
+        finally:
+            for sock in sockets:
+                sock.close()
+        # The HTTP port serves again once the flood is gone.
+        deadline = time.monotonic() + 20.0
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", http_port), timeout=5) as probe:
+                    probe.sendall(b"GET / HTTP/1.1\r\nHost: head\r\nConnection: close\r\n\r\n")
+                    if probe.recv(64).startswith(b"HTTP/1.1 200"):
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the HTTP port never served again"
+            time.sleep(0.2)
+    size = log.stat().st_size
+    assert size < 20_000, f"{size} bytes of log: {log.read_text()[:3000]}"
+
+
+def test_the_head_raises_its_soft_fd_limit_to_the_hard_one(tmp_path: Path) -> None:
+    def soft_1024_hard_2048() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 2048))
+
+    process = subprocess.Popen(
+        cli_command(["head", "--port", "0"]),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=cli_env(),
+        preexec_fn=soft_1024_hard_2048,
+    )
+    try:
+        assert process.stdout is not None
+        assert "listening on" in process.stdout.readline()
+        limits = Path(f"/proc/{process.pid}/limits").read_text()
+        (line,) = [row for row in limits.splitlines() if row.startswith("Max open files")]
+        assert line.split()[3:5] == ["2048", "2048"], line
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+
+
+async def test_silent_connections_are_dropped_at_the_header_deadline_and_the_bound_holds() -> None:
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    listener = BoundedListener(max_connections=2, header_timeout_seconds=0.3)
+    app = web.Application(middlewares=[listener.mark_answered])
+    app.router.add_get("/", ok)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = listener.listen("127.0.0.1", 0)
+    listener.start(runner)
+    try:
+        silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        # The first two are accepted and then dropped at the deadline; the third waits for a slot meanwhile.
+        for reader, _ in silent[:2]:
+            assert await asyncio.wait_for(reader.read(), timeout=10) == b""
+        assert await asyncio.wait_for(silent[2][0].read(), timeout=10) == b""
+        # A client that does send its request is answered, and kept past the deadline.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert (await asyncio.wait_for(reader.readuntil(b"ok"), timeout=10)).startswith(b"HTTP/1.1 200")
+        await asyncio.sleep(0.6)
+        writer.write(b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        assert (await asyncio.wait_for(reader.read(), timeout=10)).startswith(b"HTTP/1.1 200")
+        for _, silent_writer in silent:
+            silent_writer.close()
+        writer.close()
+    finally:
+        await listener.stop()
+        await runner.cleanup()
+
+
+def test_connection_bound_keeps_a_reserve_for_grpc() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (600, hard))
+        assert connection_bound(256) == 88  # 600 - 512 reserved
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+        assert connection_bound(256) == 256
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_repeating_failure_is_logged_once_per_interval(caplog) -> None:
+    caplog.set_level(logging.WARNING)
+    log = RateLimitedLog(logging.getLogger("tests.rate"), interval_seconds=60.0)
+    for _ in range(1000):
+        log.warning("cannot accept: Too many open files")
+    assert [r.getMessage() for r in caplog.records] == ["cannot accept: Too many open files"]
