@@ -60,6 +60,7 @@ PROBE_INTERVAL_ENV_VAR = "GYM_RPC_PROBE_INTERVAL"
 PROBE_TIMEOUT_ENV_VAR = "GYM_RPC_PROBE_TIMEOUT"
 HTTP_PORT_ENV_VAR = "GYM_RPC_HTTP_PORT"
 METRICS_PORT_ENV_VAR = "GYM_RPC_METRICS_PORT"
+CONNECT_PORT_ENV_VAR = "GYM_RPC_CONNECT_PORT"
 WAIT_TIMEOUT_ENV_VAR = "GYM_RPC_WAIT_TIMEOUT"
 DEFAULT_HEAD = "127.0.0.1:11000"
 DEFAULT_WAIT_TIMEOUT_SECONDS = 300.0
@@ -171,6 +172,15 @@ def _add_serving_flags(parser: argparse.ArgumentParser) -> None:
         parse=port_number,
         help="serve GET /metrics (Prometheus text) alone on this port, 0 for a free one (it is on the HTTP head's "
         "port too)",
+    )
+    env_flag(
+        parser,
+        "--connect-port",
+        env=CONNECT_PORT_ENV_VAR,
+        default=None,
+        parse=port_number,
+        help="also serve the control plane over the Connect protocol (HTTP/1.1, JSON or binary) on this port, "
+        "0 for a free one (none: head_server.connect_port)",
     )
     parser.add_argument(
         "--max-watches",
@@ -347,6 +357,7 @@ def cmd_head(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         metrics_port=args.metrics_port,
         status_max_age_seconds=args.status_max_age,
+        connect_port=args.connect_port,
         **_max_watches(args),
     )
     head = HeadServer(config, options, config_path=args.config)
@@ -375,6 +386,7 @@ def cmd_bridge(args: argparse.Namespace) -> int:
         head_server=own,
         http_port=args.http_port,
         metrics_port=args.metrics_port,
+        connect_port=args.connect_port,
         **_max_watches(args),
     )
 
@@ -392,6 +404,7 @@ def _announce(kind: str, started: HeadServer, source: str) -> None:
         f"; NeMo Gym HTTP head on http://{host}:{started.http_port}" if started.http_port is not None else "",
         f"; plaintext health service on {host}:{started.health_port}" if started.health_port is not None else "",
         f"; metrics on http://{host}:{started.metrics_port}/metrics" if started.metrics_port is not None else "",
+        f"; Connect on {started.connect_url}" if started.connect_url is not None else "",
     ]
     guard = started.security.describe()
     print(f"gym-rpc {kind} listening on {started.address} ({source}, {guard}){''.join(extras)}", flush=True)

@@ -27,6 +27,7 @@ from gym_rpc.metrics import metrics_disabled, setup_metrics
 from gym_rpc.server import _events as events
 from gym_rpc.server import _metrics as head_metrics
 from gym_rpc.server._bad_requests import DecodeGuardInterceptor
+from gym_rpc.server._connect import ConnectServer, configured_connect_port
 from gym_rpc.server._connection_limits import raise_fd_soft_limit
 from gym_rpc.server._health import HealthServicer
 from gym_rpc.server._http_head import HttpHead, configured_http_port
@@ -69,6 +70,7 @@ class HeadOptions:
     watch_history_size: int = 1024  # status changes a watch can resume across
     shutdown_grace_seconds: float = 0.5
     http_port: int | None = None  # NeMo Gym's HTTP head; None: head_server.http_port (absent: none); 0: free port
+    connect_port: int | None = None  # the Connect protocol; None: head_server.connect_port (absent: none); 0: free
     max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES  # more get RESOURCE_EXHAUSTED
     max_watches_per_peer: int = DEFAULT_MAX_WATCHES_PER_PEER  # per client IP address; more get RESOURCE_EXHAUSTED
     metrics_port: int | None = None  # GET /metrics alone on this port; None: only on the HTTP head (if any)
@@ -129,6 +131,7 @@ class HeadServer:
         self.security = ServerSecurity()
         self._http_head: HttpHead | None = None
         self.problem: str | None = None  # why ControlPlaneService calls are refused now (a source's upstream)
+        self._connect: ConnectServer | None = None
         self._metrics_server: MetricsServer | None = None
         self._servicer: ControlPlaneServicer | None = None
 
@@ -154,6 +157,13 @@ class HeadServer:
     def http_port(self) -> int | None:
         """The port of NeMo Gym's HTTP endpoints, None when not served."""
         return self._http_head.port if self._http_head is not None else None
+
+    @property
+    def connect_url(self) -> str | None:
+        """Where the Connect protocol is served (http:// or https://), None when it is not."""
+        if self._connect is None:
+            return None
+        return f"{self._connect.scheme}://{url_host(self.host)}:{self._connect.port}"
 
     @property
     def metrics_port(self) -> int | None:
@@ -186,6 +196,8 @@ class HeadServer:
         self.security = security = ServerSecurity.from_config(self._own_config)
         own_http_port = configured_http_port(self._own_config)
         http_port = self.options.http_port if self.options.http_port is not None else own_http_port
+        own_connect_port = configured_connect_port(self._own_config)
+        connect_port = self.options.connect_port if self.options.connect_port is not None else own_connect_port
         setup_tracing(self.config.observability_enabled, service_name=self._service_name)
         setup_metrics(service_name=self._service_name, prometheus=True)
         self._servicer = servicer = ControlPlaneServicer(
@@ -224,6 +236,12 @@ class HeadServer:
                 http_head = HttpHead(self)
                 await http_head.start(self.host, http_port)
                 self._http_head = http_head
+            if connect_port is not None:  # the same servicer and security as the gRPC port, over Connect
+                connect = ConnectServer(
+                    servicer, security, shutdown_grace_seconds=self.options.shutdown_grace_seconds
+                )
+                await connect.start(self.host, connect_port)
+                self._connect = connect
             if self.options.metrics_port is not None:
                 metrics_server = MetricsServer()
                 await metrics_server.start(self.host, self.options.metrics_port)
@@ -238,6 +256,9 @@ class HeadServer:
         head_metrics.forget(self)
         await self._health.enter_graceful_shutdown()
         await self.source.stop()
+        if self._connect is not None:
+            await self._connect.stop()
+            self._connect = None
         if self._metrics_server is not None:
             await self._metrics_server.stop()
             self._metrics_server = None
