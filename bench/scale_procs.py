@@ -121,6 +121,7 @@ class Child:
             [sys.executable, "-m", "bench.scale_procs", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # the head logs status changes of overloaded servers: not the report
             text=True,
             cwd=REPO_ROOT,
         )
