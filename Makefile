@@ -24,12 +24,15 @@ $(BUF): package.json package-lock.json
 proto: $(STAMP)
 	$(BIN)/python tools/generate_python_stubs.py
 
-# TypeScript and Go stubs into stubs/ (git-ignored, made on demand) by buf.gen.yaml's local plugins. The Go
-# plugins are Debian's: apt-get install protoc-gen-go protoc-gen-go-grpc (.ci/run installs them).
+# TypeScript and Go stubs into stubs/ (git-ignored, made on demand) by buf.gen.yaml's local plugins, made into
+# packages: stubs/npm (npm package @gym-rpc/control-plane, packed into stubs/*.tgz) and stubs/go (Go module
+# gym_rpc/stubs/go). The Go plugins are Debian's: apt-get install protoc-gen-go protoc-gen-go-grpc (.ci/run does).
 stubs: $(BUF)
 	@for plugin in protoc-gen-go protoc-gen-go-grpc; do command -v $$plugin >/dev/null || \
 		{ echo "$$plugin not found: apt-get install protoc-gen-go protoc-gen-go-grpc" >&2; exit 1; }; done
 	$(BUF) generate
+	$(PYTHON) tools/package_stubs.py stubs
+	npm pack --silent --pack-destination stubs ./stubs/npm
 
 # Record proto/ as the released contract: `make lint` runs `buf breaking` against this image. Run it only when
 # releasing; within v1 the image must stay what it was, or breaking changes would slip through.

@@ -21,7 +21,7 @@ from gym_rpc.wire import ServerInstance, StatusReport
 
 OutputFormat = Literal["table", "json", "jsonl", "yaml"]
 OUTPUT_FORMATS: tuple[OutputFormat, ...] = ("table", "json", "jsonl", "yaml")
-TABLE_COLUMNS = ("NAME", "TYPE", "URL", "STATUS", "LATENCY", "LAST CHECKED", "PID", "UPTIME")
+TABLE_COLUMNS = ("NAME", "TYPE", "URL", "STATUS", "HTTP", "LATENCY", "LAST CHECKED", "PID", "UPTIME")
 UP = "success"
 PENDING = "pending"  # shown for a server the head has not probed yet
 _NOT_TERMINAL_WIDTH = 10_000  # piped output is never wrapped: scripts split it on runs of spaces
@@ -57,6 +57,8 @@ def status_row(report: StatusReport, instance: ServerInstance | None, now: float
         "type": instance.server_type if instance else "",
         "url": report.url,
         "status": report.status,
+        # any HTTP answer is "success" (a 503 too, as in NeMo Gym): the code itself says whether it was healthy
+        "http_status": report.http_status or None,
         "latency_ms": round(report.latency_seconds * 1000, 3) if report.checked_at else None,
         "checked_at": report.checked_at or None,
         "detail": report.detail,
@@ -87,6 +89,7 @@ def _table(reports: Sequence[StatusReport], instances: Mapping[str, ServerInstan
             instance.server_type if instance else "-",
             report.url,
             f"[{_STATUS_STYLES.get(text, 'red')}]{text}[/]",
+            str(report.http_status) if report.http_status else "-",
             f"{report.latency_seconds * 1000:.1f} ms" if checked else "-",
             f"{max(0.0, now - checked):.1f}s ago" if checked else "never",
             str(instance.pid) if instance is not None and instance.pid > 0 else "-",

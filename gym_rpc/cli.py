@@ -48,6 +48,7 @@ PROBE_INTERVAL_ENV_VAR = "GYM_RPC_PROBE_INTERVAL"
 PROBE_TIMEOUT_ENV_VAR = "GYM_RPC_PROBE_TIMEOUT"
 HTTP_PORT_ENV_VAR = "GYM_RPC_HTTP_PORT"
 METRICS_PORT_ENV_VAR = "GYM_RPC_METRICS_PORT"
+CONNECT_PORT_ENV_VAR = "GYM_RPC_CONNECT_PORT"
 WAIT_TIMEOUT_ENV_VAR = "GYM_RPC_WAIT_TIMEOUT"
 DEFAULT_HEAD = "127.0.0.1:11000"
 DEFAULT_WAIT_TIMEOUT_SECONDS = 300.0
@@ -188,6 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve GET /metrics (Prometheus text) alone on this port, 0 for a free one (it is on the HTTP head's "
         "port too)",
     )
+    env_flag(
+        head,
+        "--connect-port",
+        env=CONNECT_PORT_ENV_VAR,
+        default=None,
+        parse=port_number,
+        help="also serve the control plane over the Connect protocol (HTTP/1.1, JSON or binary) on this port, "
+        "0 for a free one (none: head_server.connect_port)",
+    )
     _add_probe_flags(head)
     head.add_argument(
         "--status-max-age",
@@ -319,6 +329,7 @@ def cmd_head(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         metrics_port=args.metrics_port,
         status_max_age_seconds=args.status_max_age,
+        connect_port=args.connect_port,
     )
     head = HeadServer(config, options, config_path=args.config)
 
@@ -332,7 +343,8 @@ def cmd_head(args: argparse.Namespace) -> int:
             f"{started.security.describe()})"
             f"{http if started.http_port is not None else ''}"
             f"{health if started.health_port is not None else ''}"
-            f"{metrics if started.metrics_port is not None else ''}",
+            f"{metrics if started.metrics_port is not None else ''}"
+            f"{f'; Connect on {started.connect_url}' if started.connect_url is not None else ''}",
             flush=True,
         )
 

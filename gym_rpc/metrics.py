@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import metrics
 
@@ -31,6 +31,7 @@ METRICS_EXPORTER_ENV_VAR = "OTEL_METRICS_EXPORTER"
 SDK_DISABLED_ENV_VAR = "OTEL_SDK_DISABLED"
 OTLP_METRICS_ENDPOINT_ENV_VARS = ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 OTLP_METRICS_PROTOCOL_ENV_VARS = ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+EXEMPLAR_FILTER_ENV_VAR = "OTEL_METRICS_EXEMPLAR_FILTER"
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 METER_NAME = "gym_rpc"
 
@@ -133,10 +134,23 @@ def setup_metrics(*, service_name: str, prometheus: bool) -> bool:
 
         attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service_name}
         readers = _readers(os.environ, prometheus)
-        metrics.set_meter_provider(MeterProvider(metric_readers=readers, resource=Resource.create(attributes)))
+        provider = MeterProvider(
+            metric_readers=readers, resource=Resource.create(attributes), **_exemplar_filter(os.environ)
+        )
+        metrics.set_meter_provider(provider)
         _provider_installed = True
         METRICS.prometheus = prometheus
         return True
+
+
+def _exemplar_filter(environ: Mapping[str, str]) -> dict[str, Any]:
+    """No exemplars unless OTEL_METRICS_EXEMPLAR_FILTER asks for them: the SDK's default (trace-based) reads the
+    current span on every measurement, a cost on each ServerClient call."""
+    if environ.get(EXEMPLAR_FILTER_ENV_VAR):
+        return {}  # the SDK reads the variable itself
+    from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter
+
+    return {"exemplar_filter": AlwaysOffExemplarFilter()}
 
 
 def setup_client_metrics(service_name: str = "gym-rpc") -> bool:

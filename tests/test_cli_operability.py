@@ -137,8 +137,8 @@ def test_output_formats_print_the_same_rows(up_and_down_head: HeadProcess) -> No
             ("gone", "connection_error"),
         ]
         assert set(rows[0]) == {
-            "name", "type", "url", "status", "latency_ms", "checked_at", "detail", "pid", "start_time",
-            "uptime_seconds",
+            "name", "type", "url", "status", "http_status", "latency_ms", "checked_at", "detail", "pid",
+            "start_time", "uptime_seconds",
         }  # fmt: skip
 
 
@@ -326,7 +326,7 @@ def test_watch_rows_carry_the_latest_probe_of_servers_that_did_not_change(tmp_pa
             while next(r for r in change["servers"] if r["name"] == "leaving")["status"] == "success":
                 change = json.loads(watcher.read_line(WAIT_SECONDS))
             watcher.process.send_signal(signal.SIGINT)
-            assert watcher.wait(timeout=10) == 130
+            assert watcher.wait(timeout=20) == 130  # a hang guard for a loaded machine
     steady_then = next(r for r in first["servers"] if r["name"] == "steady")
     steady_now = next(r for r in change["servers"] if r["name"] == "steady")
     assert steady_now["status"] == "success"
@@ -341,7 +341,7 @@ def test_head_logs_status_changes_as_json(tmp_path: Path) -> None:
             server.stop()
             head.wait_for_stderr('"gym.status.to": "connection_error"', WAIT_SECONDS)
             head.process.send_signal(signal.SIGTERM)
-            head.wait(timeout=10)
+            head.wait(timeout=20)  # a hang guard for a loaded machine
     records = [json.loads(line) for line in head.stderr_text.splitlines()]
     change = next(r for r in records if r.get("gym.status.to") == "connection_error")
     assert change["level"] == "WARNING"
@@ -358,3 +358,35 @@ def test_head_logs_status_changes_as_json(tmp_path: Path) -> None:
     assert first["level"] == "INFO"
     assert first["message"] == "policy_model: pending -> success on the first probe"
     assert os.linesep not in change["message"]
+
+
+def test_json_log_lines_carry_the_current_trace_and_span_ids() -> None:
+    """--log-format json: a record made while a span is current names its trace and span (a provider of the
+    test's own, never installed globally)."""
+    import io
+    import logging
+
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from gym_rpc._logging import JsonFormatter
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("tests.json_log")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        logger.warning("outside")
+        with TracerProvider().get_tracer("tests").start_as_current_span("work") as span:
+            logger.warning("inside %s", "a span", extra={"gym.server.name": "policy_model"})
+            context = span.get_span_context()
+    finally:
+        logger.removeHandler(handler)
+    outside, inside = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert "trace_id" not in outside and outside["message"] == "outside"
+    assert inside["trace_id"] == f"{context.trace_id:032x}"
+    assert inside["span_id"] == f"{context.span_id:016x}"
+    assert inside["message"] == "inside a span"
+    assert inside["gym.server.name"] == "policy_model"
+    assert (inside["level"], inside["logger"]) == ("WARNING", "tests.json_log")

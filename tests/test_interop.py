@@ -1,6 +1,7 @@
-"""Other languages use the control plane from the .proto alone: stubs from buf.gen.yaml's local plugins, a
-TypeScript client (interop/ts/client.ts, the README's example) talking gRPC to a real `gym-rpc head`, Go stubs
-that compile against Debian's Go packages, and `buf breaking` guarding the released contract.
+"""Other languages use the control plane from the .proto alone: stubs from buf.gen.yaml's local plugins, made
+into packages (npm, Go module); a TypeScript client (interop/ts/client.ts) and a Go client (interop/go, importing
+the stubs module) run the same script against a real `gym-rpc head`, which the test asserts from what they print;
+the npm package installs into a scratch project and type-checks there; `buf breaking` guards the released contract.
 
 Stubs are generated afresh into a temporary folder (`buf generate -o`), never into the work tree, so a stale
 or concurrent `make stubs` cannot change what a test sees.
@@ -8,23 +9,32 @@ or concurrent `make stubs` cannot change what a test sees.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import queue
+import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import yaml
 
 from gym_rpc.client._control import SyncControlClient
+from gym_rpc.client._security import ClientSecurity, ClientTls
 from tests.cli_helpers import LOOPBACK, ThreadedHttpServer, running_head, threaded_http_server
 from tests.conftest import closed_port, server_entry
+from tests.test_security import Pki, pki, tls_block
+
+__all__ = ["pki"]  # the module-scoped certificate fixture, shared with the security tests
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NODE_BIN = REPO_ROOT / "node_modules" / ".bin"
@@ -32,12 +42,30 @@ BUF = NODE_BIN / "buf"
 TSX = NODE_BIN / "tsx"
 TSC = NODE_BIN / "tsc"
 CLIENT_DIR = REPO_ROOT / "interop" / "ts"
+PACKAGE_CONSUMER_DIR = REPO_ROOT / "interop" / "ts-package"
+GO_CLIENT_DIR = REPO_ROOT / "interop" / "go"
 RELEASED_CONTRACT = REPO_ROOT / "proto" / "released" / "gym_rpc_v1.binpb"
 GOPATH_SYSTEM = Path("/usr/share/gocode")  # where Debian's golang-*-dev packages put Go sources
-GO_IMPORT_PATH = "gym_rpc/stubs/go/gym_rpc/v1"  # buf.gen.yaml maps the .proto file here (M option)
+GO_MODULE_PATH = "gym_rpc/stubs/go"  # tools/package_stubs.py's go.mod
+GO_IMPORT_PATH = f"{GO_MODULE_PATH}/gym_rpc/v1"  # buf.gen.yaml maps the .proto file here (M option)
 GO_DEBIAN_PACKAGES = "golang-go protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev golang-google-protobuf-dev"
 TOOL_SECONDS = 60.0  # a cold Go build of grpc on two noisy cores
 CLIENT_SECONDS = 15.0
+TOKEN = "interop-token-5d1e"
+
+
+def load_tool(name: str) -> ModuleType:
+    """tools/ is not a package, so load a script by path."""
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+package_stubs = load_tool("package_stubs")
+go_vendor_debian = load_tool("go_vendor_debian")
 
 needs_npm_tools = pytest.mark.skipif(
     not (BUF.exists() and TSX.exists() and TSC.exists() and shutil.which("node")),
@@ -62,6 +90,7 @@ def generate(out_root: Path, out_prefix: str) -> None:
     template["plugins"] = [p for p in template["plugins"] if p["out"].startswith(out_prefix)]
     assert template["plugins"], f"buf.gen.yaml has no plugin writing to {out_prefix}"
     run([BUF, "generate", "--template", json.dumps(template), "-o", out_root])
+    package_stubs.package(out_root / "stubs")
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +108,13 @@ class LineReader:
     """A subprocess whose stdout lines are awaited with a deadline (a reader thread drains the pipe; stderr goes
     to a file, so neither pipe can fill up and block the program)."""
 
-    def __init__(self, args: list[str | Path], cwd: Path, stderr_path: Path) -> None:
+    def __init__(
+        self, args: list[str | Path], cwd: Path, stderr_path: Path, env: Mapping[str, str] | None = None
+    ) -> None:
         self._stderr_path = stderr_path
         with stderr_path.open("w") as stderr:
             self.process = subprocess.Popen(
-                [str(a) for a in args], cwd=cwd, stdout=subprocess.PIPE, stderr=stderr, text=True
+                [str(a) for a in args], cwd=cwd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env
             )
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._thread = threading.Thread(target=self._drain, daemon=True)
@@ -101,22 +132,24 @@ class LineReader:
 
     def json_line(self, timeout: float) -> dict[str, Any]:
         """The next stdout line, parsed; fails the test when none comes in time or the program ended."""
+        return dict(json.loads(self.text_line(timeout)))
+
+    def text_line(self, timeout: float) -> str:
+        """The next stdout line; fails the test when none comes in time or the program ended."""
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise AssertionError(
-                f"the TypeScript client printed nothing within {timeout}s: {self.stderr}"
-            ) from None
+            raise AssertionError(f"the client printed nothing within {timeout}s: {self.stderr}") from None
         if line is None:
-            raise AssertionError(f"the TypeScript client ended (exit {self.finish(5.0)}) early: {self.stderr}")
-        return dict(json.loads(line))
+            raise AssertionError(f"the client ended (exit {self.finish(5.0)}) early: {self.stderr}")
+        return line.rstrip("\n")
 
     def finish(self, timeout: float) -> int:
         """The exit code; fails the test when the program does not end by itself in time."""
         try:
             return self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"the TypeScript client still runs after {timeout}s") from None
+            raise AssertionError(f"the client still runs after {timeout}s") from None
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -133,9 +166,11 @@ def model_server() -> Iterator[ThreadedHttpServer]:
         yield server
 
 
-def wait_for_statuses(address: str, expected: dict[str, str], timeout: float = 10.0) -> None:
+def wait_for_statuses(
+    address: str, expected: dict[str, str], security: ClientSecurity, timeout: float = 10.0
+) -> None:
     """Poll the head (Python client) until every server has the expected probe status."""
-    client = SyncControlClient(address, timeout_seconds=2.0)
+    client = SyncControlClient(address, timeout_seconds=2.0, security=security)
     deadline = time.monotonic() + timeout
     while True:
         seen = {report.server_name: report.status for report in client.list_server_statuses().reports}
@@ -145,26 +180,57 @@ def wait_for_statuses(address: str, expected: dict[str, str], timeout: float = 1
         time.sleep(0.05)
 
 
+STOPPED_MODEL = ({"model": "SERVER_STATUS_CONNECTION_ERROR"}, {"model": "SERVER_STATUS_TIMEOUT"})
+
+
 def statuses_by_name(reports: list[dict[str, Any]]) -> dict[str, str]:
     return {report["serverName"]: report["status"] for report in reports}
 
 
-@needs_npm_tools
-def test_typescript_client_calls_the_python_head(
-    ts_workspace: Path, tmp_path: Path, model_server: ThreadedHttpServer
+@dataclass(frozen=True)
+class HeadSecurity:
+    """How the head of one interop run guards its port, and what a client must bring."""
+
+    token: str | None = None
+    pki: Pki | None = None  # TLS with this CA's server certificate
+
+    def head_keys(self) -> dict[str, Any]:
+        keys: dict[str, Any] = {"auth_token": self.token} if self.token else {}
+        return {**keys, "tls": tls_block(self.pki)} if self.pki else keys
+
+    def python_client(self) -> ClientSecurity:
+        tls = ClientTls(root_certificates=self.pki.ca.read_bytes()) if self.pki else None
+        return ClientSecurity(token=self.token, tls=tls)
+
+
+def run_interop_script(
+    command: list[str | Path],
+    cwd: Path,
+    tmp_path: Path,
+    model_server: ThreadedHttpServer,
+    security: HeadSecurity = HeadSecurity(),
+    env: Mapping[str, str] | None = None,
+    *,
+    connect: bool = False,
 ) -> None:
+    """Start a head with a server that answers and one that refuses, run the client command with the head's
+    address appended (its Connect port's with `connect`), stop the answering server after the watch snapshot,
+    and assert every line it printed: the config, the statuses, the snapshot, then the change."""
     tools_port = closed_port()
+    connect_port = {"connect_port": 0} if connect else {}
     doc = {
-        "head_server": {"host": LOOPBACK, "port": 0},
+        "head_server": {"host": LOOPBACK, "port": 0, **connect_port, **security.head_keys()},
         "model": server_entry(model_server.port),
         "tools": server_entry(tools_port, "resources_servers"),
     }
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
     with running_head(config) as head:
-        wait_for_statuses(head.address, {"model": "success", "tools": "connection_error"})
-        command: list[str | Path] = [TSX, "interop/ts/client.ts", head.address]
-        client = LineReader(command, ts_workspace, tmp_path / "client.stderr")
+        wait_for_statuses(
+            head.address, {"model": "success", "tools": "connection_error"}, security.python_client()
+        )
+        address = connect_address(head.banner) if connect else head.address
+        client = LineReader([*command, address], cwd, tmp_path / "client.stderr", env)
         try:
             got_config = client.json_line(CLIENT_SECONDS)["config"]
             statuses = client.json_line(5.0)["statuses"]
@@ -183,21 +249,97 @@ def test_typescript_client_calls_the_python_head(
         ("model", "responses_api_models", model_server.port),
         ("tools", "resources_servers", tools_port),
     ]
-    assert json.loads(got_config["configJson"])["model"] == doc["model"]
+    document = json.loads(got_config["configJson"])
+    assert document["model"] == doc["model"]
+    if security.token:  # redaction as for any caller that does not ask for secrets
+        assert document["head_server"]["auth_token"] == "<redacted>"
     expected = {"model": "SERVER_STATUS_SUCCESS", "tools": "SERVER_STATUS_CONNECTION_ERROR"}
     assert statuses_by_name(statuses["reports"]) == expected
     assert snapshot["type"] == "WATCH_EVENT_TYPE_SNAPSHOT"
     assert statuses_by_name(snapshot["reports"]) == expected
     assert int(snapshot["revision"]) >= int(statuses["revision"])
     assert change["type"] == "WATCH_EVENT_TYPE_CHANGE"
-    assert statuses_by_name(change["reports"]) == {"model": "SERVER_STATUS_CONNECTION_ERROR"}
+    # Refused once stopped; TIMEOUT when a probe was in flight while the server shut down (a loaded machine).
+    assert statuses_by_name(change["reports"]) in STOPPED_MODEL
     assert int(change["revision"]) == int(snapshot["revision"]) + 1
+
+
+def connect_address(banner: str) -> str:
+    """HOST:PORT of the Connect port a head's startup line announces."""
+    match = re.search(r"; Connect on http://(\S+)", banner)
+    assert match, f"the head announced no Connect port: {banner}"
+    return match.group(1)
+
+
+@needs_npm_tools
+@pytest.mark.parametrize("protocol", ["grpc", "connect"])
+def test_typescript_client_calls_the_python_head(
+    protocol: str, ts_workspace: Path, tmp_path: Path, model_server: ThreadedHttpServer
+) -> None:
+    """Over gRPC (the head's port) and over the Connect protocol (head_server.connect_port), watch included."""
+    command: list[str | Path] = [TSX, "interop/ts/client.ts", protocol]
+    run_interop_script(command, ts_workspace, tmp_path, model_server, connect=protocol == "connect")
 
 
 @needs_npm_tools
 def test_typescript_client_type_checks_against_the_stubs(ts_workspace: Path) -> None:
     """tsx runs TypeScript without checking types; tsc --strict catches, e.g., a misspelt request field."""
     run([TSC, "-p", ts_workspace / "interop" / "ts"])
+
+
+@pytest.fixture(scope="module")
+def npm_tarball(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The npm package as `make stubs` packs it, from freshly generated stubs."""
+    root = tmp_path_factory.mktemp("npm_package")
+    generate(root, "stubs/npm")
+    name = run(["npm", "pack", "--silent", "--pack-destination", root, root / "stubs" / "npm"]).strip()
+    assert name == f"gym-rpc-control-plane-{package_stubs.contract_version()}.tgz"
+    return root / name
+
+
+@needs_npm_tools
+def test_npm_package_installs_from_its_tarball_into_a_scratch_project(npm_tarball: Path, tmp_path: Path) -> None:
+    """Installed by npm (offline: the tarball, and the runtime it peers with from the repo's node_modules), the
+    package type-checks with Node's own module resolution and no skipLibCheck, and its JavaScript runs."""
+    scratch = tmp_path / "scratch"
+    shutil.copytree(PACKAGE_CONSUMER_DIR, scratch)
+    (scratch / "package.json").write_text('{"name": "scratch", "private": true, "type": "module"}\n')
+    runtime = REPO_ROOT / "node_modules" / "@bufbuild" / "protobuf"
+    run(
+        ["npm", "install", "--offline", "--no-audit", "--no-fund", "--loglevel=error", npm_tarball, runtime],
+        scratch,
+    )
+    installed = json.loads((scratch / "node_modules" / "@gym-rpc" / "control-plane" / "package.json").read_text())
+    assert (installed["name"], installed["version"]) == (
+        "@gym-rpc/control-plane",
+        package_stubs.contract_version(),
+    )
+    assert installed["types"] == "./gym_rpc/v1/control_plane_pb.d.ts"
+    assert installed["peerDependencies"] == {"@bufbuild/protobuf": "^2.13.0"}
+    run([TSC, "-p", scratch])
+    printed = json.loads(run(["node", scratch / "dist" / "consumer.js"]))
+    assert printed["service"] == "gym_rpc.v1.ControlPlaneService"
+    assert printed["methods"][:5] == [
+        "GetHeadServerConfig",
+        "GetGlobalConfig",
+        "GetServerStatus",
+        "ListServerStatuses",
+        "WatchServerStatuses",
+    ]
+    assert printed["event"] == {
+        "type": "WATCH_EVENT_TYPE_CHANGE",
+        "revision": "42",
+        "reports": [{"serverName": "policy_model", "status": "SERVER_STATUS_SUCCESS"}],
+    }
+
+
+def test_contract_version_matches_the_proto_package() -> None:
+    """proto/VERSION versions both stub packages; its major is the `vN` of the package the contract declares."""
+    version = package_stubs.contract_version()
+    major, minor, patch = version.split(".")
+    assert all(part.isdigit() for part in (major, minor, patch)), version
+    proto = (REPO_ROOT / "proto" / "gym_rpc" / "v1" / "control_plane.proto").read_text()
+    assert f"package gym_rpc.v{major};" in proto
 
 
 def go_tools_missing() -> str | None:
@@ -213,27 +355,94 @@ def go_tools_missing() -> str | None:
     return f"missing {', '.join(missing)}: `apt-get install {GO_DEBIAN_PACKAGES}` (.ci/run does)"
 
 
-@needs_npm_tools
-@pytest.mark.skipif(go_tools_missing() is not None, reason=go_tools_missing() or "")
-def test_go_stubs_build_and_vet_against_debian_go_packages(tmp_path: Path) -> None:
-    """GOPATH mode with Debian's sources: no module download, so it works without the Go module proxy."""
-    gopath = tmp_path / "gopath"
-    generate(gopath / "src" / "gym_rpc", "stubs/go")
-    package_dir = gopath / "src" / GO_IMPORT_PATH
-    assert sorted(p.name for p in package_dir.iterdir()) == ["control_plane.pb.go", "control_plane_grpc.pb.go"]
-    env = {
+needs_go = pytest.mark.skipif(go_tools_missing() is not None, reason=go_tools_missing() or "")
+
+
+def go_env() -> dict[str, str]:
+    """Module mode from vendor/ only: no module proxy, no checksum database, no download of any kind."""
+    return {
         **os.environ,
-        "GO111MODULE": "off",
-        "GOPATH": f"{gopath}{os.pathsep}{GOPATH_SYSTEM}",
-        "GOCACHE": str(REPO_ROOT / "build" / "go-cache"),  # kept between runs; `make clean` removes build/
-        "GOFLAGS": "",
+        "GO111MODULE": "on",
+        "GOFLAGS": "-mod=vendor",
         "GOPROXY": "off",
+        "GOSUMDB": "off",
+        "GOCACHE": str(REPO_ROOT / "build" / "go-cache"),  # kept between runs; `make clean` removes build/
+        "GOPATH": str(REPO_ROOT / "build" / "gopath"),  # module cache would go here; vendor mode leaves it empty
     }
-    run(["go", "build", GO_IMPORT_PATH], cwd=tmp_path, env=env)
-    run(["go", "vet", GO_IMPORT_PATH], cwd=tmp_path, env=env)
-    listed = run(["go", "list", "-f", '{{.Name}} {{join .Imports " "}}', GO_IMPORT_PATH], cwd=tmp_path, env=env)
-    assert listed.split()[0] == "gymrpcv1"
-    assert "google.golang.org/grpc" in listed.split()
+
+
+@pytest.fixture(scope="module")
+def go_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """interop/go built as a module: freshly generated stubs (the module gym_rpc/stubs/go, with the go.mod
+    `make stubs` writes) beside a copy of interop/go, whose go.mod requires and replaces it; vendor/ from
+    Debian's sources (tools/go_vendor_debian.py)."""
+    root = tmp_path_factory.mktemp("go_workspace")
+    generate(root, "stubs/go")
+    program_dir = root / "interop" / "go"
+    shutil.copytree(GO_CLIENT_DIR, program_dir, ignore=shutil.ignore_patterns("vendor"))
+    go_vendor_debian.vendor(program_dir)
+    binary = root / "gym-rpc-go-client"
+    env = go_env()
+    run(["go", "build", "-o", binary, "."], cwd=program_dir, env=env)
+    run(["go", "vet", "."], cwd=program_dir, env=env)
+    assert run(["gofmt", "-l", "."], cwd=GO_CLIENT_DIR, env=env) == "", "interop/go is not gofmt-formatted"
+    # The stubs come from the module, by module path: not loose files found by their location.
+    listed = run(
+        ["go", "list", "-deps", "-f", "{{.ImportPath}} {{with .Module}}{{.Path}}{{end}}", "."], program_dir, env
+    )
+    assert f"{GO_IMPORT_PATH} {GO_MODULE_PATH}" in listed.splitlines()
+    return binary
+
+
+@needs_npm_tools
+@needs_go
+def test_go_client_calls_the_python_head(
+    go_client: Path, tmp_path: Path, model_server: ThreadedHttpServer
+) -> None:
+    run_interop_script([go_client], tmp_path, tmp_path, model_server)
+
+
+@needs_npm_tools
+@needs_go
+def test_go_client_calls_a_head_with_tls_and_a_token(
+    go_client: Path, tmp_path: Path, model_server: ThreadedHttpServer, pki: Pki
+) -> None:
+    security = HeadSecurity(token=TOKEN, pki=pki)
+    env = {**os.environ, "GYM_RPC_TOKEN": TOKEN}
+    run_interop_script([go_client, "-ca", pki.ca], tmp_path, tmp_path, model_server, security, env)
+
+
+@needs_npm_tools
+@needs_go
+def test_go_client_without_the_token_is_refused(go_client: Path, tmp_path: Path, pki: Pki) -> None:
+    doc = {"head_server": {"host": LOOPBACK, "port": 0, **HeadSecurity(token=TOKEN, pki=pki).head_keys()}}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "GYM_RPC_TOKEN"}
+    with running_head(config) as head:
+        result = subprocess.run(
+            [str(go_client), "-ca", str(pki.ca), head.address],
+            capture_output=True,
+            text=True,
+            timeout=CLIENT_SECONDS,
+            env=env,
+            check=False,
+        )
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert "code = Unauthenticated desc = missing or invalid bearer token" in result.stderr
+
+
+def test_go_module_file_names_the_stubs_module_and_its_floor_versions(tmp_path: Path) -> None:
+    (tmp_path / "go").mkdir()
+    package_stubs.package(tmp_path)
+    assert (tmp_path / "go" / "go.mod").read_text() == (
+        "module gym_rpc/stubs/go\n\ngo 1.19\n\nrequire (\n"
+        "\tgoogle.golang.org/grpc v1.33.3\n\tgoogle.golang.org/protobuf v1.28.1\n)\n"
+    )
+    program = go_vendor_debian.read_go_mod(GO_CLIENT_DIR / "go.mod")
+    assert program.replacements == {GO_MODULE_PATH: "../../stubs/go"}
+    assert program.requirements[GO_MODULE_PATH] == f"v{package_stubs.contract_version()}"
 
 
 @needs_npm_tools
@@ -266,3 +475,50 @@ def test_readme_shows_the_client_the_test_runs() -> None:
     client = (CLIENT_DIR / "client.ts").read_text().rstrip()
     readme = (REPO_ROOT / "README.md").read_text()
     assert f"```ts\n{client}\n```" in readme, "README's TypeScript example differs from interop/ts/client.ts"
+
+
+def test_readme_shows_the_go_client_the_test_runs() -> None:
+    main = (GO_CLIENT_DIR / "main.go").read_text().rstrip()
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert f"```go\n{main}\n```" in readme, "README's Go example differs from interop/go/main.go"
+
+
+def readme_python_client() -> str:
+    """The README's complete Python client ("From other languages")."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    marker = "```python\n# The head's config, every server's status, then a watch's first two events"
+    start = readme.index(marker) + len("```python\n")
+    return readme[start : readme.index("```", start)]
+
+
+def test_readme_python_client_runs_the_same_script(tmp_path: Path, model_server: ThreadedHttpServer) -> None:
+    script = tmp_path / "client.py"
+    script.write_text(readme_python_client())
+    tools_port = closed_port()
+    doc = {
+        "head_server": {"host": LOOPBACK, "port": 0},
+        "model": server_entry(model_server.port),
+        "tools": server_entry(tools_port, "resources_servers"),
+    }
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+    with running_head(config) as head:
+        wait_for_statuses(head.address, {"model": "success", "tools": "connection_error"}, ClientSecurity())
+        version = SyncControlClient(head.address, security=ClientSecurity()).get_global_config().version
+        env = {**os.environ, "GYM_RPC_HEAD": head.address}
+        client = LineReader([sys.executable, script], tmp_path, tmp_path / "client.stderr", env)
+        try:
+            lines = [client.text_line(CLIENT_SECONDS) for _ in range(4)]
+            model_server.stop()
+            lines.append(client.text_line(5.0))
+            exit_code = client.finish(5.0)
+        finally:
+            client.close()
+    assert exit_code == 0, client.stderr
+    assert lines[:4] == [
+        f"config {version} model tools",
+        "status model success",
+        "status tools connection_error",
+        "snapshot model=success tools=connection_error",
+    ]
+    assert lines[4] in ("change model=connection_error", "change model=timeout")  # as STOPPED_MODEL

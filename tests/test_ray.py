@@ -34,7 +34,7 @@ from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO_ROOT / "examples" / "ray_rollouts.py"
-RAY_TIME_BUDGET = 30
+RAY_TIME_BUDGET = 120  # starting Ray and three actor processes on a loaded 2-core machine: a hang guard only
 RAY_ENVIRONMENT = {
     "RAY_USAGE_STATS_ENABLED": "0",  # no usage report
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # "no cluster": node IP 127.0.0.1, not the interface's address

@@ -5,12 +5,13 @@ address as well as per head. Two peers on loopback: 127.0.0.1 and ::1, both serv
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import cast
+from typing import Any, cast
 
 import pytest
 
 from gym_rpc.client._control import ControlClient, WatchEvent
-from gym_rpc.errors import ControlPlaneError
+from gym_rpc.errors import ControlPlaneError, GymRpcError
+from gym_rpc.server._head import HeadServer
 from gym_rpc.server._servicer import peer_address
 from tests.conftest import document
 
@@ -19,12 +20,22 @@ def watch_stream(client: ControlClient) -> AsyncGenerator[WatchEvent, None]:
     return cast(AsyncGenerator[WatchEvent, None], client.watch_server_statuses(heartbeat_seconds=0.05))
 
 
+async def dual_stack_head(head_factory: Any) -> HeadServer:
+    """A head on `localhost` that got the same port on 127.0.0.1 and ::1: with port 0 gRPC binds ::1 only when
+    that port is free there, and another process may hold it; then start another head (at most 5 tries)."""
+    doc = document({}, head_server={"host": "localhost", "port": 0})
+    for _ in range(5):
+        head: HeadServer = await head_factory(doc, max_concurrent_watches=6, max_watches_per_peer=3)
+        try:
+            await ControlClient(f"[::1]:{head.port}", timeout_seconds=5.0).list_server_statuses()
+            return head
+        except GymRpcError:
+            await head.stop()
+    raise AssertionError("no port free on both 127.0.0.1 and ::1 in 5 tries")
+
+
 async def test_one_client_address_cannot_take_every_watch(head_factory) -> None:
-    head = await head_factory(
-        document({}, head_server={"host": "localhost", "port": 0}),
-        max_concurrent_watches=6,
-        max_watches_per_peer=3,
-    )
+    head = await dual_stack_head(head_factory)
     greedy = ControlClient(f"127.0.0.1:{head.port}", timeout_seconds=5.0)
     held = [watch_stream(greedy) for _ in range(3)]
     try:

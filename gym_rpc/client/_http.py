@@ -14,7 +14,7 @@ import random
 import socket
 import threading
 import weakref
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -23,6 +23,9 @@ from multidict import CIMultiDict
 from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
 
+from gym_rpc.client._aiohttp_instrumentation import request_context as instrumentation_request_context
+from gym_rpc.client._aiohttp_instrumentation import session_instrumented
+from gym_rpc.client._aiohttp_instrumentation import trace_configs as instrumentation_trace_configs
 from gym_rpc.client._rollout import current_rollout_id
 from gym_rpc.config import validation_error_line
 from gym_rpc.errors import ConfigError, RequestTimeoutError, ServerUnreachableError
@@ -50,6 +53,7 @@ UPSTREAM_POOL_KEYS = {
     "global_aiohttp_connector_limit_per_host": "max_connections_per_host",
 }
 DEFAULT_TOTAL_TIMEOUT_SECONDS = 1800.0  # per data-plane call, headers included; see HttpClientSettings
+HTTP_REQUEST_RESEND_COUNT = "http.request.resend_count"  # OpenTelemetry http semantic conventions
 _TCP_KEEPALIVE_IDLE_SECONDS = 60
 _TCP_KEEPALIVE_INTERVAL_SECONDS = 10
 _TCP_KEEPALIVE_PROBES = 5
@@ -132,7 +136,11 @@ def _new_session(
         limit=limit, limit_per_host=limit_per_host, keepalive_timeout=keepalive, socket_factory=_keepalive_socket
     )
     return aiohttp.ClientSession(
-        connector=connector, timeout=timeout, trust_env=False, cookie_jar=aiohttp.DummyCookieJar()
+        connector=connector,
+        timeout=timeout,
+        trust_env=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        trace_configs=instrumentation_trace_configs(),  # none unless aiohttp's instrumentation is on
     )
 
 
@@ -243,8 +251,9 @@ async def send(
     retry: RetryPolicy,
     resend_after_disconnect: bool,
     kwargs: _RequestOptions,
+    on_resend: Callable[[int], None] | None = None,
 ) -> aiohttp.ClientResponse:
-    """One request with honest, bounded retries.
+    """One request with honest, bounded retries; `on_resend(attempt)` is told of every attempt after the first.
 
     A dropped connection (ServerDisconnectedError, ClientOSError) is resent only when the caller allows it. A
     refused or unreachable server (ClientConnectorError) never received the request, so it is retried as well and
@@ -256,7 +265,7 @@ async def send(
     try:
         return await session.request(method, url, **kwargs)
     except RESENDABLE_ERRORS as error:
-        return await resend(session, method, url, retry, resend_after_disconnect, kwargs, error)
+        return await resend(session, method, url, retry, resend_after_disconnect, kwargs, error, on_resend)
 
 
 async def resend(
@@ -267,6 +276,7 @@ async def resend(
     resend_after_disconnect: bool,
     kwargs: _RequestOptions,
     error: aiohttp.ClientError,
+    on_resend: Callable[[int], None] | None = None,
 ) -> aiohttp.ClientResponse:
     """The attempts after a first one failed with `error`, with backoff, until one returns or the last fails."""
     attempt = 1
@@ -274,6 +284,8 @@ async def resend(
         _raise_unless_resendable(error, url, attempt, retry, resend_after_disconnect)
         await asyncio.sleep(retry.backoff_seconds(attempt))
         attempt += 1
+        if on_resend is not None:
+            on_resend(attempt)
         try:
             return await session.request(method, url, **kwargs)
         except RESENDABLE_ERRORS as next_error:
@@ -309,13 +321,30 @@ async def traced_send(
     resend_after_disconnect: bool,
     kwargs: _RequestOptions,
     server_name: str,
+    on_resend: Callable[[int], None] | None = None,
 ) -> aiohttp.ClientResponse:
-    """`send` as a CLIENT span whose context goes out in the `traceparent` header.
+    """`send` as a CLIENT span whose context goes out in the `traceparent` header; a resent call carries
+    `http.request.resend_count` (the number of attempts after the first).
 
     The span ends when the response headers arrive (the caller reads the body) and covers the resends. It is never
-    made the current span: nothing runs under it in this process, and attaching a context costs a few µs.
+    made the current span: nothing runs under it in this process, and attaching a context costs a few µs. On a
+    session that aiohttp's OpenTelemetry instrumentation traces, its spans are the CLIENT spans (one per attempt)
+    and ours only adds attributes to them (gym_rpc.client._aiohttp_instrumentation).
     """
     url = base_url + url_path
+    rollout_id = current_rollout_id()
+    if session_instrumented(session):  # its span is the CLIENT span: ours only adds attributes to it
+        gym_attributes: dict[str, Any] = {SERVER_NAME_ATTRIBUTE: server_name}
+        if rollout_id is not None:
+            gym_attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
+
+        def count_instrumented_resend(attempt: int) -> None:
+            gym_attributes[HTTP_REQUEST_RESEND_COUNT] = attempt - 1
+            if on_resend is not None:
+                on_resend(attempt)
+
+        kwargs["trace_request_ctx"] = instrumentation_request_context(gym_attributes)
+        return await send(session, method, url, retry, resend_after_disconnect, kwargs, count_instrumented_resend)
     host, port = _server_address(base_url)
     attributes: dict[str, Any] = {
         **method_attributes(method),
@@ -324,7 +353,6 @@ async def traced_send(
         SERVER_PORT: port,
         SERVER_NAME_ATTRIBUTE: server_name,
     }
-    rollout_id = current_rollout_id()
     if rollout_id is not None:
         attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
     span = tracer().start_span(span_name(method), kind=trace.SpanKind.CLIENT, attributes=attributes)
@@ -334,7 +362,15 @@ async def traced_send(
         headers: MutableMapping[str, str] = CIMultiDict(given) if given else {}
         propagation().inject(headers, context=trace.set_span_in_context(span))
         kwargs["headers"] = headers
-        response: aiohttp.ClientResponse = await send(session, method, url, retry, resend_after_disconnect, kwargs)
+
+        def count_resend(attempt: int) -> None:
+            span.set_attribute(HTTP_REQUEST_RESEND_COUNT, attempt - 1)
+            if on_resend is not None:
+                on_resend(attempt)
+
+        response: aiohttp.ClientResponse = await send(
+            session, method, url, retry, resend_after_disconnect, kwargs, count_resend
+        )
     except BaseException as error:
         record_failure(span, error)
         raise

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from opentelemetry import trace
 
-from gym_rpc.telemetry import TRACING
+from gym_rpc.telemetry import ROLLOUT_ID_ATTRIBUTE, TRACING, tracer
 from gym_rpc.wire import encode_rollout_id, rollout_path_prefix, trace_path_segment
 
 _rollout_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("gym_rpc_rollout_id", default=None)
@@ -23,14 +23,27 @@ def current_rollout_id() -> str | None:
     return _rollout_id.get()
 
 
+ROLLOUT_SPAN_NAME = "gym.rollout"
+
+
 @contextlib.contextmanager
-def rollout_context(rollout_id: str | None) -> Iterator[str | None]:
-    """Bind a rollout id for the calls made inside the block (and the tasks it starts); "" means no rollout."""
+def rollout_context(rollout_id: str | None, *, span: bool = False) -> Iterator[str | None]:
+    """Bind a rollout id for the calls made inside the block (and the tasks it starts); "" means no rollout.
+
+    `span=True` (while tracing is on) also opens one `gym.rollout` span around the block, the parent of every call
+    made inside: a rollout's model calls and its `/verify` land in one trace, sampled (or not) once for all of
+    them. Without it each call's span is a root of its own unless the caller has a span current.
+    """
     if rollout_id:
         encode_rollout_id(rollout_id)  # fail where the id is bound, not at the first call
     token = _rollout_id.set(rollout_id)
     try:
-        yield rollout_id
+        if span and TRACING.enabled:
+            attributes = {ROLLOUT_ID_ATTRIBUTE: rollout_id} if rollout_id else {}
+            with tracer().start_as_current_span(ROLLOUT_SPAN_NAME, attributes=attributes):
+                yield rollout_id
+        else:
+            yield rollout_id
     finally:
         _rollout_id.reset(token)
 

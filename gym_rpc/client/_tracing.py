@@ -38,3 +38,33 @@ def aio_client_interceptors() -> list[grpc.aio.ClientInterceptor]:
 
     interceptors: Sequence[grpc.aio.ClientInterceptor] = otel_interceptors()  # type: ignore[no-untyped-call]
     return [i for i in interceptors if isinstance(i, grpc.aio.UnaryUnaryClientInterceptor)]
+
+
+def record_config_fetch_span(address: str, started_ns: int, ended_ns: int) -> None:
+    """The span of a process's first GetGlobalConfig, recorded after the call.
+
+    Tracing is decided with the config's `observability_enabled`, which only that call brings: the call itself
+    ran on an untraced channel. So it is recorded once the decision is "on", with its real start and end, named
+    and attributed as OpenTelemetry's gRPC instrumentation names its spans (its context never reached the head).
+    """
+    from opentelemetry import trace
+
+    from gym_rpc.telemetry import tracer
+    from gym_rpc.wire import SERVICE_NAME
+
+    host, _, port = address.rpartition(":")
+    span = tracer().start_span(
+        f"/{SERVICE_NAME}/GetGlobalConfig",
+        kind=trace.SpanKind.CLIENT,
+        start_time=started_ns,
+        attributes={
+            "rpc.system": "grpc",
+            "rpc.service": SERVICE_NAME,
+            "rpc.method": "GetGlobalConfig",
+            "rpc.grpc.status_code": 0,
+            "server.address": host.strip("[]"),
+            "server.port": int(port) if port.isdigit() else 0,
+            "gym.recorded_after_the_call": True,
+        },
+    )
+    span.end(end_time=ended_ns)

@@ -34,6 +34,7 @@ from gym_rpc.client._http import (
     resend,
     traced_send,
 )
+from gym_rpc.client._metrics import metered_send
 from gym_rpc.client._nemo_gym import nemo_gym_rollout_id, rollout_id_from_run_body
 from gym_rpc.client._rollout import (
     apply_rollout_prefix,
@@ -42,6 +43,7 @@ from gym_rpc.client._rollout import (
     trace_context_path_segment,
 )
 from gym_rpc.client._security import ClientSecurity, client_security
+from gym_rpc.client._tracing import record_config_fetch_span
 from gym_rpc.config import (
     DEFAULT_HEAD_HOST,
     DEFAULT_HEAD_PORT,
@@ -58,6 +60,7 @@ from gym_rpc.config import (
     url_host,
 )
 from gym_rpc.errors import ConfigError, ControlPlaneError, GymRpcError, HeadUnreachableError, UnknownServerError
+from gym_rpc.metrics import METRICS, setup_client_metrics
 from gym_rpc.telemetry import TRACING, setup_tracing
 from gym_rpc.wire import (
     HEAD_ADDRESS_ENV_VAR,
@@ -252,6 +255,7 @@ class ServerClient(BaseModel):
         self._global_config = config
         self._http = HttpPools(HttpClientSettings.from_document(config.document))
         setup_tracing(config.observability_enabled)  # decided once per process (gym_rpc.telemetry)
+        setup_client_metrics()  # on when the environment exports metrics (gym_rpc.metrics)
 
     def __getstate__(self) -> dict[Any, Any]:
         """Pickle without the live HttpPools (its sessions are this process's), keeping its settings."""
@@ -269,6 +273,7 @@ class ServerClient(BaseModel):
         state["__pydantic_private__"] = {**(state["__pydantic_private__"] or {}), "_http": HttpPools(settings)}
         super().__setstate__(state)
         setup_tracing(self._global_config.observability_enabled)  # a new process decides too
+        setup_client_metrics()
         named = os.environ.get(NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR_NAME)
         if named and _model_server_override(named) is not None:
             self._server_base_urls.pop(named, None)  # this process's launcher URL wins over the sender's cache
@@ -330,8 +335,14 @@ class ServerClient(BaseModel):
         # is authenticated and gets the secrets (API keys) its server needs; without one they stay redacted.
         security = client_security(head)
         control = SyncControlClient(_head_address(head), security=security)
+        traced_already = TRACING.enabled  # the channel is traced from the start when the environment says so
+        started_ns = time.time_ns()
         config = control.get_global_config(include_secrets=security.token is not None)
-        return cls._from_global_config(head, config)
+        ended_ns = time.time_ns()
+        client = cls._from_global_config(head, config)  # decides tracing with the config's observability_enabled
+        if TRACING.enabled and not traced_already:
+            record_config_fetch_span(control.address, started_ns, ended_ns)
+        return client
 
     def _build_server_base_url(self, server_config_dict: Any) -> str:
         """http://host:port of a server entry (a mapping or an object with host and port)."""
@@ -480,9 +491,10 @@ class ServerClient(BaseModel):
         session = sessions.control if _control else sessions.data
         full_url = url + url_path
         try:
-            if TRACING.enabled:  # the one check tracing costs when off
+            if TRACING.enabled or METRICS.enabled:  # what tracing and metrics cost when off
                 retry = pools.settings.retry
-                return await traced_send(
+                observed = metered_send if METRICS.enabled else traced_send
+                return await observed(
                     session, method, url, url_path, retry, _resend_after_disconnect, kwargs, server_name
                 )
             try:  # the first attempt of http.send, inlined: one coroutine level less per call

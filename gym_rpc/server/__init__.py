@@ -3,7 +3,8 @@
 * `_head`: the head (gRPC server, health, reflection, HTTP head) and `run_head`; `_bridge`: the same service
   mirrored from an upstream NeMo Gym head.
 * `_servicer`: the ControlPlaneService handlers; `_prober`: the status prober and watch history;
-  `_registry`: registered server instances; `_http_head`: NeMo Gym's HTTP head endpoints.
+  `_registry`: registered server instances; `_http_head`: NeMo Gym's HTTP head endpoints; `_connect`: the same
+  service over the Connect protocol (head_server.connect_port).
 * `_security`: the token interceptor, TLS credentials and server bounds; `_tracing`: OpenTelemetry's server
   interceptor.
 

@@ -26,6 +26,7 @@ from gym_rpc.metrics import metrics_disabled, setup_metrics
 from gym_rpc.server import _events as events
 from gym_rpc.server import _metrics as head_metrics
 from gym_rpc.server._bad_requests import DecodeGuardInterceptor
+from gym_rpc.server._connect import ConnectServer, configured_connect_port
 from gym_rpc.server._connection_limits import raise_fd_soft_limit
 from gym_rpc.server._health import HealthServicer
 from gym_rpc.server._http_head import HttpHead, configured_http_port
@@ -66,6 +67,7 @@ class HeadOptions:
     watch_history_size: int = 1024  # status changes a watch can resume across
     shutdown_grace_seconds: float = 0.5
     http_port: int | None = None  # NeMo Gym's HTTP head; None: head_server.http_port (absent: none); 0: free port
+    connect_port: int | None = None  # the Connect protocol; None: head_server.connect_port (absent: none); 0: free
     max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES  # more get RESOURCE_EXHAUSTED
     max_watches_per_peer: int = DEFAULT_MAX_WATCHES_PER_PEER  # per client IP address; more get RESOURCE_EXHAUSTED
     metrics_port: int | None = None  # GET /metrics alone on this port; None: only on the HTTP head (if any)
@@ -111,6 +113,7 @@ class HeadServer:
         self.health_port: int | None = None
         self.security = ServerSecurity()
         self._http_head: HttpHead | None = None
+        self._connect: ConnectServer | None = None
         self._metrics_server: MetricsServer | None = None
         self._servicer: ControlPlaneServicer | None = None
         self._reload_lock = asyncio.Lock()
@@ -128,6 +131,13 @@ class HeadServer:
     def http_port(self) -> int | None:
         """The port of NeMo Gym's HTTP endpoints, None when not served."""
         return self._http_head.port if self._http_head is not None else None
+
+    @property
+    def connect_url(self) -> str | None:
+        """Where the Connect protocol is served (http:// or https://), None when it is not."""
+        if self._connect is None:
+            return None
+        return f"{self._connect.scheme}://{url_host(self.host)}:{self._connect.port}"
 
     @property
     def metrics_port(self) -> int | None:
@@ -152,9 +162,10 @@ class HeadServer:
         return len(self.registry)
 
     def _checked(self, config: GlobalConfig) -> ServerSecurity:
-        """What start-up and every reload check alike (token, TLS files, HTTP port); errors name the file."""
+        """What start-up and every reload check alike (token, TLS files, extra ports); errors name the file."""
         try:
             configured_http_port(config)
+            configured_connect_port(config)
             return ServerSecurity.from_config(config)
         except ConfigError as exc:
             where = str(self.config_path) if self.config_path is not None else ""
@@ -166,6 +177,11 @@ class HeadServer:
         self.security = security = self._checked(self.config)
         http_port = (
             self.options.http_port if self.options.http_port is not None else configured_http_port(self.config)
+        )
+        connect_port = (
+            self.options.connect_port
+            if self.options.connect_port is not None
+            else configured_connect_port(self.config)
         )
         for name, problem in self.config.malformed_servers.items():
             logger.warning("config entry %r is not served: %s", name, problem)
@@ -206,6 +222,14 @@ class HeadServer:
                 await self.stop()  # a head that cannot serve all it was asked to serves nothing
                 raise
             self._http_head = http_head
+        if connect_port is not None:  # the same servicer and security as the gRPC port, over Connect
+            connect = ConnectServer(servicer, security, shutdown_grace_seconds=self.options.shutdown_grace_seconds)
+            try:
+                await connect.start(self.host, connect_port)
+            except BaseException:
+                await self.stop()
+                raise
+            self._connect = connect
         if self.options.metrics_port is not None:
             metrics_server = MetricsServer()
             try:
@@ -220,6 +244,9 @@ class HeadServer:
         """Report NOT_SERVING, then finish in-flight calls within the grace period."""
         head_metrics.forget(self)
         await self._health.enter_graceful_shutdown()
+        if self._connect is not None:
+            await self._connect.stop()
+            self._connect = None
         if self._metrics_server is not None:
             await self._metrics_server.stop()
             self._metrics_server = None

@@ -39,12 +39,17 @@ _JSON = "application/json"
 
 def configured_http_port(config: GlobalConfig) -> int | None:
     """`head_server.http_port` of the config: None when absent (no HTTP head), 0 for a free port."""
+    return configured_port(config, HTTP_PORT_KEY)
+
+
+def configured_port(config: GlobalConfig, key: str) -> int | None:
+    """`head_server.<key>` of the config, an extra port of the head: None when absent, 0 for a free port."""
     head = config.document.get(HEAD_SERVER_KEY)
-    value = head.get(HTTP_PORT_KEY) if isinstance(head, Mapping) else None
+    value = head.get(key) if isinstance(head, Mapping) else None
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 65536:
-        raise ConfigError(f"{HEAD_SERVER_KEY}.{HTTP_PORT_KEY} must be an integer in 0..65535, not {value!r}")
+        raise ConfigError(f"{HEAD_SERVER_KEY}.{key} must be an integer in 0..65535, not {value!r}")
     return value
 
 

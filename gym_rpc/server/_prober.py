@@ -16,6 +16,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import secrets
+import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -23,20 +25,42 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from gym_rpc._version import __version__
 from gym_rpc.config import ServerEntry
 from gym_rpc.server import _events as events
 from gym_rpc.wire import RegistrationState, ServerStatus, StatusReport
 
 logger = logging.getLogger(__name__)
 
+PROBE_USER_AGENT = f"gym-rpc-probe/{__version__}"
+TRACEPARENT_HEADER = "traceparent"
+AIOHTTP_INSTRUMENTATION_MODULE = "opentelemetry.instrumentation.aiohttp_client"
+
 ChangeListener = Callable[[StatusReport | None, str], Awaitable[None]]
 
 
 def new_probe_session(max_connections: int = 100) -> aiohttp.ClientSession:
     """A session for probes: a fresh connection per probe (a pooled one would hide a restarted or dead
-    server behind a stale socket), no proxies, no cookies."""
+    server behind a stale socket), no proxies, no cookies, and never traced by aiohttp's OpenTelemetry
+    instrumentation (a span, and a sampled trace on the server, every probe round would bury real traces)."""
     connector = aiohttp.TCPConnector(limit=max_connections, force_close=True)
-    return aiohttp.ClientSession(connector=connector, trust_env=False, cookie_jar=aiohttp.DummyCookieJar())
+    session = aiohttp.ClientSession(
+        connector=connector,
+        trust_env=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        headers={"User-Agent": PROBE_USER_AGENT},
+    )
+    instrumentation = sys.modules.get(AIOHTTP_INSTRUMENTATION_MODULE)
+    if instrumentation is not None:
+        instrumentation.AioHttpClientInstrumentor.uninstrument_session(session)
+    return session
+
+
+def unsampled_traceparent() -> str:
+    """A W3C traceparent whose sampled flag is off: a traced server continues it without recording anything (the
+    default ParentBased sampler), where a probe without one would start a sampled trace of its own."""
+    trace_id, span_id = secrets.randbits(128) or 1, secrets.randbits(64) or 1
+    return f"00-{trace_id:032x}-{span_id:016x}-00"
 
 
 async def probe(session: aiohttp.ClientSession, server_name: str, url: str, timeout: float) -> StatusReport:
@@ -46,7 +70,11 @@ async def probe(session: aiohttp.ClientSession, server_name: str, url: str, time
     http_status = 0
     detail = ""
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=max(timeout, 0.001))) as response:
+        async with session.get(
+            url,
+            timeout=aiohttp.ClientTimeout(total=max(timeout, 0.001)),
+            headers={TRACEPARENT_HEADER: unsampled_traceparent()},
+        ) as response:
             http_status = response.status
         status = "success"
     except aiohttp.ClientConnectorError as exc:

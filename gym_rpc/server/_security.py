@@ -229,17 +229,21 @@ class TokenAuthInterceptor(ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(HEALTH_METHOD_PREFIX):
             return handler
-        if not self._valid(details.invocation_metadata):
+        if not authenticate(details.invocation_metadata, self._expected):
             logger.info("refused %s: missing or invalid bearer token", details.method)
             return aborting_handler(handler, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
-        _authenticated.set(True)  # the handler runs in this task's context
         return handler
 
-    def _valid(self, metadata: Any) -> bool:
-        presented = _bearer_token(metadata)
-        if presented is None:
-            return False
-        return hmac.compare_digest(presented.encode(), self._expected)
+
+def authenticate(metadata: Any, expected: bytes) -> bool:
+    """Whether the `authorization` entry of `metadata` (key, value pairs) carries the expected bearer token, in
+    constant time; when it does, the rest of the current task is an authenticated call (every transport that
+    serves the control plane decides here)."""
+    presented = _bearer_token(metadata)
+    if presented is None or not hmac.compare_digest(presented.encode(), expected):
+        return False
+    _authenticated.set(True)  # the handler runs in this task's context
+    return True
 
 
 def _bearer_token(metadata: Any) -> str | None:

@@ -1,11 +1,16 @@
 // Calls a gym_rpc head from TypeScript with the stubs `make stubs` generates; prints one JSON line per answer.
-// Run: node_modules/.bin/tsx interop/ts/client.ts 127.0.0.1:50051
+// Run: node_modules/.bin/tsx interop/ts/client.ts grpc 127.0.0.1:11000      (gRPC, HTTP/2: the head's port)
+//      node_modules/.bin/tsx interop/ts/client.ts connect 127.0.0.1:11002   (Connect, HTTP/1.1: head_server.connect_port)
 import { toJson } from "@bufbuild/protobuf";
 import { createClient } from "@connectrpc/connect";
-import { createGrpcTransport } from "@connectrpc/connect-node";
+import { createConnectTransport, createGrpcTransport } from "@connectrpc/connect-node";
 import * as v1 from "../../stubs/ts/gym_rpc/v1/control_plane_pb";
 
-const head = createClient(v1.ControlPlaneService, createGrpcTransport({ baseUrl: `http://${process.argv[2]}` }));
+const [protocol, address] = process.argv.slice(2);
+const baseUrl = `http://${address}`;
+const transport =
+  protocol === "connect" ? createConnectTransport({ baseUrl, httpVersion: "1.1" }) : createGrpcTransport({ baseUrl });
+const head = createClient(v1.ControlPlaneService, transport);
 const calls = new AbortController(); // aborted when done, or after 10 s: the program always ends by itself
 setTimeout(() => calls.abort(new Error("gave up after 10 s")), 10_000).unref();
 const signal = calls.signal;

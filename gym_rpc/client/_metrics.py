@@ -1,0 +1,135 @@
+"""ServerClient's metrics, recorded only while `gym_rpc.metrics.METRICS.enabled` (ServerClient.request checks it
+once per call; off, nothing here runs).
+
+OpenTelemetry names (Prometheus names in README "Metrics"): `http.client.request.duration` (seconds, by server,
+method and status code or error type), `http.client.active_requests` (calls in flight, by server),
+`gym.client.resends` (attempts after a dropped or refused connection) and `gym.client.unreachable` (calls given
+up on an unreachable server).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
+
+from gym_rpc.client._http import RetryPolicy, send, traced_send
+from gym_rpc.errors import ServerUnreachableError
+from gym_rpc.metrics import meter
+from gym_rpc.telemetry import TRACING
+
+if TYPE_CHECKING:
+    import aiohttp
+    from aiohttp.client import _RequestOptions
+
+SERVER_NAME = "gym.server.name"
+# Seconds: from a loopback call (a millisecond) to a long model generation (minutes).
+DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+@dataclass(frozen=True)
+class _ClientInstruments:
+    duration: Histogram
+    resends: Counter
+    unreachable: Counter
+
+
+# Calls in flight per (server, method), counted here and observed when a reader collects: two SDK measurements per
+# call (each cleans and hashes its attributes) would cost as much as the duration's. A lock, as clients on
+# several event loops (threads) share the counts.
+_in_flight: dict[tuple[str, str], int] = {}
+_in_flight_lock = threading.Lock()
+
+
+def _observe_in_flight(options: CallbackOptions) -> Iterable[Observation]:
+    with _in_flight_lock:
+        counts = list(_in_flight.items())
+    return [Observation(count, _attributes(*key)) for key, count in counts]
+
+
+@functools.cache
+def _instruments() -> _ClientInstruments:
+    """Made on the first metered call, from the MeterProvider in place by then."""
+    m = meter()
+    m.create_observable_up_down_counter(
+        "http.client.active_requests",
+        [_observe_in_flight],
+        unit="{request}",
+        description="ServerClient calls in flight",
+    )
+    return _ClientInstruments(
+        duration=m.create_histogram(
+            "http.client.request.duration",
+            unit="s",
+            description="ServerClient calls, from sending to the response headers, resends included",
+            explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS),
+        ),
+        resends=m.create_counter(
+            "gym.client.resends", unit="{attempt}", description="attempts after a dropped or refused connection"
+        ),
+        unreachable=m.create_counter(
+            "gym.client.unreachable", unit="{request}", description="calls given up on an unreachable server"
+        ),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _attributes(server_name: str, method: str) -> Mapping[str, str]:
+    """Shared (never mutated) per server and method, so a call builds no dict for its in-flight count."""
+    return {SERVER_NAME: server_name, "http.request.method": method.upper()}
+
+
+@functools.lru_cache(maxsize=4096)
+def _outcome_attributes(server_name: str, method: str, outcome: int | str) -> Mapping[str, Any]:
+    key = "http.response.status_code" if isinstance(outcome, int) else "error.type"
+    return {**_attributes(server_name, method), key: outcome}
+
+
+async def metered_send(
+    session: aiohttp.ClientSession,
+    method: str,
+    base_url: str,
+    url_path: str,
+    retry: RetryPolicy,
+    resend_after_disconnect: bool,
+    kwargs: _RequestOptions,
+    server_name: str,
+) -> aiohttp.ClientResponse:
+    """`send` (traced when tracing is on) with the call's duration, in-flight count, resends and give-ups."""
+    instruments = _instruments()
+    attributes = _attributes(server_name, method)
+    count_resend: Callable[[int], None] = lambda attempt: instruments.resends.add(1, attributes)  # noqa: E731
+    key = (server_name, method)
+    with _in_flight_lock:
+        _in_flight[key] = _in_flight.get(key, 0) + 1
+    started = time.perf_counter()
+    outcome: int | str = "unknown"
+    try:
+        if TRACING.enabled:
+            response = await traced_send(
+                session, method, base_url, url_path, retry, resend_after_disconnect, kwargs, server_name,
+                on_resend=count_resend,
+            )  # fmt: skip
+        else:
+            url = base_url + url_path
+            response = await send(session, method, url, retry, resend_after_disconnect, kwargs, count_resend)
+        outcome = response.status
+        return response
+    except ServerUnreachableError:
+        instruments.unreachable.add(1, attributes)
+        outcome = ServerUnreachableError.__name__
+        raise
+    except BaseException as error:
+        outcome = type(error).__qualname__
+        raise
+    finally:
+        with _in_flight_lock:
+            _in_flight[key] -= 1
+        instruments.duration.record(
+            time.perf_counter() - started, _outcome_attributes(server_name, method, outcome)
+        )

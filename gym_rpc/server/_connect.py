@@ -1,0 +1,269 @@
+"""The control plane over the Connect protocol, for callers without gRPC tooling (curl, a browser, a script).
+
+Connect is plain HTTP/1.1: a unary call is `POST /gym_rpc.v1.ControlPlaneService/<Method>` with a JSON or binary
+protobuf body, a server stream is a body of length-prefixed messages ending in an end-of-stream message. The
+runtime is connectrpc, the Connect project's Python implementation (an ASGI application that also understands
+gRPC-Web), served by uvicorn on its own port of the head.
+
+Nothing here answers an RPC itself: every method of the service descriptor is routed to the ControlPlaneServicer
+method of the same name, the one the gRPC port calls, through a context that turns the servicer's `abort` into
+the Connect error with the same code. The rules are the gRPC port's: with a token configured every call needs
+`Authorization: Bearer <token>` (checked by the same function), TLS and mutual TLS from `head_server.tls`, the
+same redaction (it happens in the servicer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import socket
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, NoReturn, cast
+
+import grpc
+import uvicorn
+from connectrpc.code import Code
+from connectrpc.compat import google_protobuf_codecs
+from connectrpc.errors import ConnectError
+from connectrpc.method import IdempotencyLevel, MethodInfo, StreamType
+from connectrpc.request import RequestContext
+from connectrpc.server import ConnectASGIApplication, Endpoint
+
+from gym_rpc.config import GlobalConfig
+from gym_rpc.errors import GymRpcError
+from gym_rpc.server._http_head import configured_port
+from gym_rpc.server._security import UNAUTHENTICATED_MESSAGE, Context, ServerSecurity, authenticate
+from gym_rpc.server._servicer import ControlPlaneServicer
+from gym_rpc.v1 import control_plane_pb2 as pb
+from gym_rpc.wire import MAX_REQUEST_BYTES
+
+logger = logging.getLogger(__name__)
+
+CONNECT_PORT_KEY = "connect_port"
+SERVICE = pb.DESCRIPTOR.services_by_name["ControlPlaneService"]
+STARTUP_SECONDS = 10.0
+# Open connections (each open watch holds one); uvicorn answers 503 to more. Watches are bounded by the servicer.
+MAX_CONNECTIONS = 1024
+# grpc's CANCELLED is Connect's "canceled"; every other code has the same name in both.
+_CONNECT_CODES = {status: Code[status.name] for status in grpc.StatusCode if status.name in Code.__members__}
+_CONNECT_CODES[grpc.StatusCode.CANCELLED] = Code.CANCELED
+
+
+def configured_connect_port(config: GlobalConfig) -> int | None:
+    """`head_server.connect_port` of the config: None when absent (no Connect port), 0 for a free port."""
+    return configured_port(config, CONNECT_PORT_KEY)
+
+
+class _ConnectCallContext:
+    """What the servicer uses of grpc.aio.ServicerContext, for a call that came over Connect."""
+
+    def __init__(self, ctx: RequestContext[Any, Any]) -> None:
+        self._ctx = ctx
+
+    async def abort(
+        self, code: grpc.StatusCode, details: str = "", trailing_metadata: tuple[tuple[str, str], ...] = ()
+    ) -> NoReturn:
+        for key, value in trailing_metadata:  # e.g. the known server names of a NOT_FOUND
+            self._ctx.response_trailers[key] = value
+        raise ConnectError(_CONNECT_CODES.get(code, Code.UNKNOWN), details)
+
+    def time_remaining(self) -> float | None:
+        """Seconds left of the caller's `Connect-Timeout-Ms`, None without one (as grpc's)."""
+        remaining_ms = self._ctx.timeout_ms
+        return None if remaining_ms is None else max(0.0, remaining_ms / 1000.0)
+
+    def peer(self) -> str:
+        """The caller's address in gRPC's peer format ("ipv4:10.0.0.2:5678", "ipv6:[::1]:5678")."""
+        host, _, port = (self._ctx.client_address or "").rpartition(":")
+        if not host:
+            return "unknown"
+        return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
+
+
+def _context(ctx: RequestContext[Any, Any]) -> Context:
+    # The servicer only awaits abort() and reads time_remaining() and peer(): the adapter has exactly those.
+    return cast(Context, _ConnectCallContext(ctx))
+
+
+def _require_token(ctx: RequestContext[Any, Any], token: bytes | None) -> None:
+    if token is not None and not authenticate(ctx.request_headers.allitems(), token):
+        logger.info("refused Connect call %s: missing or invalid bearer token", ctx.method.name)
+        raise ConnectError(Code.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+
+
+def _unary(
+    handler: Callable[[Any, Context], Awaitable[Any]], token: bytes | None
+) -> Callable[[Any, RequestContext[Any, Any]], Awaitable[Any]]:
+    async def call(request: Any, ctx: RequestContext[Any, Any]) -> Any:
+        _require_token(ctx, token)
+        return await handler(request, _context(ctx))
+
+    return call
+
+
+def _server_stream(
+    handler: Callable[[Any, Context], AsyncIterator[Any]], token: bytes | None
+) -> Callable[[Any, RequestContext[Any, Any]], AsyncIterator[Any]]:
+    async def call(request: Any, ctx: RequestContext[Any, Any]) -> AsyncIterator[Any]:
+        _require_token(ctx, token)
+        # Closed with this generator (the caller went away): the servicer's own clean-up runs at once.
+        async with contextlib.aclosing(handler(request, _context(ctx))) as messages:  # type: ignore[type-var]
+            async for message in messages:
+                yield message
+
+    return call
+
+
+def endpoints(servicer: ControlPlaneServicer, token: str | None) -> dict[str, Any]:
+    """`/<service>/<Method>` -> the servicer's method of that name, for every RPC the contract declares."""
+    expected = token.encode() if token else None
+    routes: dict[str, Any] = {}  # Endpoint.unary or Endpoint.server_stream
+    for method in SERVICE.methods:
+        if method.client_streaming:  # none in v1; a client-streaming RPC needs its own adapter here
+            raise TypeError(f"{method.full_name}: client streaming is not served over Connect")
+        info: MethodInfo[Any, Any] = MethodInfo(
+            name=method.name,
+            service_name=SERVICE.full_name,
+            input=getattr(pb, method.input_type.name),
+            output=getattr(pb, method.output_type.name),
+            idempotency_level=IdempotencyLevel.UNKNOWN,
+            stream_type=StreamType.SERVER_STREAM if method.server_streaming else StreamType.UNARY,
+        )
+        handler = getattr(servicer, method.name)
+        routes[f"/{SERVICE.full_name}/{method.name}"] = (
+            Endpoint.server_stream(info, _server_stream(handler, expected))
+            if method.server_streaming
+            else Endpoint.unary(info, _unary(handler, expected))
+        )
+    return routes
+
+
+class ControlPlaneConnectApplication(ConnectASGIApplication[ControlPlaneServicer]):
+    """The ASGI application: ControlPlaneService over Connect (JSON and binary) and gRPC-Web."""
+
+    def __init__(self, servicer: ControlPlaneServicer, token: str | None) -> None:
+        routes = endpoints(servicer, token)  # now, not at the first call: an RPC it cannot serve fails the start
+        super().__init__(
+            service=servicer,
+            endpoints=lambda service: routes,
+            read_max_bytes=MAX_REQUEST_BYTES,
+            codecs=google_protobuf_codecs(),
+        )
+
+    @property
+    def path(self) -> str:
+        return f"/{SERVICE.full_name}"
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn inside the head's event loop: the head owns the signals (SIGTERM, SIGINT, SIGHUP), not uvicorn."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.listening = asyncio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            self.listening.set()
+
+
+class ConnectServer:
+    """The Connect port of a control-plane server. `start()` binds and serves, `stop()` ends in-flight calls
+    (watch streams included) within the grace period."""
+
+    def __init__(
+        self, servicer: ControlPlaneServicer, security: ServerSecurity, *, shutdown_grace_seconds: float
+    ) -> None:
+        self._application = ControlPlaneConnectApplication(servicer, security.token)
+        self._security = security
+        self._grace = shutdown_grace_seconds
+        self._server: _EmbeddedUvicorn | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.port = 0
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self._security.tls is not None else "http"
+
+    def _config(self) -> uvicorn.Config:
+        tls = self._security.tls
+        return uvicorn.Config(
+            self._application,
+            lifespan="off",
+            http="h11",
+            ws="none",
+            log_config=None,
+            access_log=False,
+            server_header=False,
+            limit_concurrency=MAX_CONNECTIONS,
+            timeout_graceful_shutdown=max(1, math.ceil(self._grace)),
+            ssl_certfile=tls.cert_file if tls else None,
+            ssl_keyfile=tls.key_file if tls else None,
+            ssl_ca_certs=tls.client_ca_file if tls else None,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.client_ca_file else ssl.CERT_NONE,
+        )
+
+    async def start(self, host: str, port: int) -> None:
+        listener = _bind(host, port)
+        self.port = int(listener.getsockname()[1])
+        server = _EmbeddedUvicorn(self._config())
+        task = asyncio.get_running_loop().create_task(server.serve(sockets=[listener]))
+        listening = asyncio.ensure_future(server.listening.wait())
+        await asyncio.wait({listening, task}, timeout=STARTUP_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+        listening.cancel()
+        if not server.started:
+            task.cancel()
+            listener.close()
+            error: object = "startup timed out"
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            except (Exception, SystemExit) as exc:  # uvicorn exits when it cannot start (a bad certificate file)
+                error = exc
+            raise GymRpcError(f"cannot serve Connect on {host}:{port}: {error}")
+        self._server, self._task = server, task
+
+    async def stop(self) -> None:
+        server, task = self._server, self._task
+        if server is None or task is None:
+            return
+        self._server = self._task = None
+        server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self._grace + 5.0)
+        except TimeoutError:
+            server.force_exit = True
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A bound (not yet listening) TCP socket; uvicorn listens on it. Bound here so port 0 tells its port."""
+    host = host.strip("[]")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        listener = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise GymRpcError(f"cannot serve Connect on {host}:{port}: {exc.strerror or exc}") from exc
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+    except OSError as exc:
+        listener.close()
+        raise GymRpcError(
+            f"cannot serve Connect on {host}:{port}: {exc.strerror or exc}; choose another "
+            f"head_server.{CONNECT_PORT_KEY} (or --connect-port)"
+        ) from exc
+    return listener

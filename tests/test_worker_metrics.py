@@ -1,0 +1,96 @@
+"""ServerClient's metrics against real loopback servers, in fresh interpreters (tests/worker_metrics_scenario.py):
+requests, resends and give-ups counted when metrics are on; nothing recorded when they are off."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+SCENARIO = Path(__file__).with_name("worker_metrics_scenario.py")
+POST = {"http.request.method": "POST"}
+
+
+def run_scenario(mode: str, **otel: str) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(otel)
+    completed = subprocess.run(
+        [sys.executable, str(SCENARIO), mode], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert completed.returncode == 0, completed.stderr
+    line = next(line for line in completed.stdout.splitlines() if line.startswith("RESULT "))
+    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+    return result
+
+
+def points(result: dict[str, Any], name: str) -> dict[tuple[tuple[str, Any], ...], Any]:
+    """attributes (sorted items) -> value or count of one metric."""
+    return {
+        tuple(sorted(point["attributes"].items())): point.get("count", point.get("value"))
+        for point in result["metrics"].get(name, [])
+    }
+
+
+def key(**attributes: Any) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted({**POST, **attributes}.items()))
+
+
+def test_requests_resends_and_unreachable_servers_are_counted() -> None:
+    result = run_scenario("app")
+    assert result["enabled"] is True and result["unreachable_raised"] is True
+    assert points(result, "http.client.request.duration") == {
+        key(**{"gym.server.name": "ok", "http.response.status_code": 200}): 5,
+        key(**{"gym.server.name": "flaky", "http.response.status_code": 200}): 1,
+        key(**{"gym.server.name": "gone", "error.type": "ServerUnreachableError"}): 1,
+    }
+    assert points(result, "gym.client.resends") == {
+        key(**{"gym.server.name": "flaky"}): 1,  # the one dropped connection, resent once
+        key(**{"gym.server.name": "gone"}): 2,  # 3 attempts in all (http_client.retry.attempts)
+    }
+    assert points(result, "gym.client.unreachable") == {key(**{"gym.server.name": "gone"}): 1}
+    assert set(points(result, "http.client.active_requests").values()) == {0}  # every call finished
+
+
+def test_off_records_nothing() -> None:
+    result = run_scenario("off")
+    assert result["enabled"] is False
+    assert result["metrics"] == {}
+
+
+def test_an_exporter_in_the_environment_turns_worker_metrics_on() -> None:
+    result = run_scenario("env", OTEL_METRICS_EXPORTER="console")
+    assert result["enabled"] is True
+    assert result["provider"] == "opentelemetry.sdk.metrics._internal"
+
+
+def test_exporter_none_keeps_them_off() -> None:
+    result = run_scenario("env", OTEL_METRICS_EXPORTER="none")
+    assert result["enabled"] is False
+
+
+DASHBOARD = Path(__file__).parent.parent / "examples" / "grafana-dashboard.json"
+WORKER_METRIC = re.compile(r"\b((?:http_client|gym_client)_[a-z_]+)\{")
+
+
+def test_prometheus_names_are_the_documented_ones_and_the_dashboards() -> None:
+    exposed = set(run_scenario("prometheus")["exposed"])
+    assert {
+        "http_client_request_duration_seconds_bucket",
+        "http_client_request_duration_seconds_count",
+        "http_client_active_requests",
+        "gym_client_resends_total",
+        "gym_client_unreachable_total",
+    } <= exposed
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in WORKER_METRIC.findall(target["expr"])
+    }
+    assert queried, "the dashboard shows no worker metric"
+    assert queried <= exposed, queried - exposed

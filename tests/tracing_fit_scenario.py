@@ -1,0 +1,169 @@
+"""Run by tests/test_tracing_fit.py in fresh interpreters (tracing is decided once per process): how gym_rpc's
+tracing fits the OpenTelemetry set-ups NeMo Gym users run. Each mode prints one JSON line of finished spans.
+
+* `aiohttp-instrumented`: the application turned on opentelemetry-instrumentation-aiohttp-client; ServerClient
+  posts (one call resent once): its spans are the CLIENT spans, carrying gym_rpc's attributes.
+* `rollout-span`: two rollouts under `rollout_context(id, span=True)`, each a model call and a /verify.
+* `probes`: a head probing a traced aiohttp server (TraceContextPathMiddleware) for a while, the aiohttp client
+  instrumentation on too: no span at all may come of it.
+* `first-fetch`: `ServerClient.load_from_global_config()` from the head at $GYM_RPC_HEAD, whose config turns
+  tracing on: the fetch itself is a span.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from typing import Any
+
+from aiohttp import web
+
+from tests.telemetry_scenario import install_app_provider, span_json
+
+LOOPBACK = "127.0.0.1"
+
+
+async def _ok(request: web.Request) -> web.Response:
+    await request.read()
+    return web.json_response({"ok": True})
+
+
+async def start_server(*, middleware: bool = False) -> tuple[web.AppRunner, int]:
+    from gym_rpc.integrations import TraceContextPathMiddleware
+
+    app = web.Application(middlewares=[TraceContextPathMiddleware.aiohttp()] if middleware else [])
+    app.router.add_route("*", "/{tail:.*}", _ok)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, LOOPBACK, 0).start()
+    return runner, int(runner.addresses[0][1])
+
+
+async def start_dropping_server(drops: int) -> tuple[asyncio.Server, int]:
+    connections = [0]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections[0] += 1
+        try:
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            if connections[0] > drops:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, LOOPBACK, 0)
+    return server, int(server.sockets[0].getsockname()[1])
+
+
+def inject_config(servers: dict[str, Any]) -> None:
+    document = {"head_server": {"host": LOOPBACK, "port": 1}, "observability_enabled": True, **servers}
+    os.environ["NEMO_GYM_CONFIG_DICT"] = json.dumps(document)
+
+
+def entry(port: int, server_type: str = "responses_api_models") -> dict[str, Any]:
+    return {server_type: {"impl": {"host": LOOPBACK, "port": port}}}
+
+
+async def aiohttp_instrumented(exporter: Any) -> dict[str, Any]:
+    from opentelemetry.instrumentation.aiohttp_client import AioHttpClientInstrumentor
+
+    AioHttpClientInstrumentor().instrument()
+    runner, port = await start_server()
+    dropping, dropping_port = await start_dropping_server(1)
+    inject_config({"policy_model": entry(port), "judge": entry(dropping_port, "resources_servers")})
+    from gym_rpc.client import ServerClient, rollout_context
+
+    client = ServerClient.load_from_global_config()
+    with rollout_context("r-1"):
+        async with await client.post("policy_model", "/v1/responses", json={"input": "hi"}) as response:
+            await response.read()
+        async with await client.post("judge", "/verify", json={}) as response:
+            await response.read()
+    await client.aclose()
+    await runner.cleanup()
+    dropping.close()
+    return {"spans": [span_json(s) for s in exporter.get_finished_spans()]}
+
+
+async def rollout_span(exporter: Any) -> dict[str, Any]:
+    model_runner, model_port = await start_server()
+    judge_runner, judge_port = await start_server()
+    inject_config({"policy_model": entry(model_port), "judge": entry(judge_port, "resources_servers")})
+    from gym_rpc.client import ServerClient, rollout_context
+
+    client = ServerClient.load_from_global_config()
+
+    async def one_rollout(rollout_id: str) -> None:
+        with rollout_context(rollout_id, span=True):
+            async with await client.post("policy_model", "/v1/responses", json={"input": "hi"}) as response:
+                await response.read()
+            async with await client.post("judge", "/verify", json={}) as response:
+                await response.read()
+
+    await asyncio.gather(one_rollout("r-a"), one_rollout("r-b"))
+    await client.aclose()
+    await model_runner.cleanup()
+    await judge_runner.cleanup()
+    return {"spans": [span_json(s) for s in exporter.get_finished_spans()]}
+
+
+async def probes(exporter: Any) -> dict[str, Any]:
+    from opentelemetry.instrumentation.aiohttp_client import AioHttpClientInstrumentor
+
+    from gym_rpc.config import GlobalConfig
+    from gym_rpc.server import HeadOptions, HeadServer
+    from gym_rpc.telemetry import TRACING
+
+    AioHttpClientInstrumentor().instrument()
+    runner, port = await start_server(middleware=True)
+    document = {"head_server": {"host": LOOPBACK, "port": 0}, "observability_enabled": True, "probed": entry(port)}
+    head = HeadServer(GlobalConfig.from_document(document), HeadOptions(port=0, probe_interval_seconds=0.05))
+    await head.start()
+    for _ in range(200):  # bounded: 10 s for at least 5 rounds
+        if head.prober.report("probed").status == "success":
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)  # several more rounds
+    status = head.prober.report("probed").status
+    await head.stop()
+    await runner.cleanup()
+    return {
+        "tracing": TRACING.enabled,
+        "status": status,
+        "spans": [span_json(s) for s in exporter.get_finished_spans()],
+    }
+
+
+async def first_fetch(exporter: Any) -> dict[str, Any]:
+    from gym_rpc.client import ServerClient
+    from gym_rpc.telemetry import TRACING
+
+    client = await asyncio.to_thread(ServerClient.load_from_global_config)
+    return {
+        "tracing": TRACING.enabled,
+        "observability": client.global_config_dict["observability_enabled"],
+        "spans": [span_json(s) for s in exporter.get_finished_spans()],
+    }
+
+
+MODES = {
+    "aiohttp-instrumented": aiohttp_instrumented,
+    "rollout-span": rollout_span,
+    "probes": probes,
+    "first-fetch": first_fetch,
+}
+
+
+async def main(mode: str) -> None:
+    exporter = install_app_provider()
+    result = await MODES[mode](exporter)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1]))
