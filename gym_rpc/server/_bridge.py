@@ -29,6 +29,7 @@ from gym_rpc.config import (
     HEAD_SERVER_KEY,
     GlobalConfig,
     checked_port,
+    checked_probe_interval,
     checked_seconds,
     parse_config_text,
     parse_host_port,
@@ -74,7 +75,7 @@ class BridgeOptions:
         """Refuse what would spin (a 0 interval), never end (nan, inf) or bind another port (70000 wraps)."""
         checked_seconds(self.refresh_interval_seconds, "the refresh interval (--refresh-interval)")
         checked_seconds(self.fetch_timeout_seconds, "the fetch timeout (--fetch-timeout)")
-        checked_seconds(self.probe_interval_seconds, "the probe interval (--probe-interval)")
+        checked_probe_interval(self.probe_interval_seconds)
         checked_seconds(self.probe_timeout_seconds, "the probe timeout (--probe-timeout)")
         checked_port(self.port, "the listen port (--listen)")
 
