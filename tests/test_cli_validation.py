@@ -33,7 +33,7 @@ def assert_one_line(result: subprocess.CompletedProcess[str], code: int, *needle
             "argument --probe-interval: must be a positive number of seconds, not 0",
         ),
         (["head", "--probe-interval", "-1"], "argument --probe-interval: must be a positive number of seconds"),
-        (["head", "--probe-interval", "0.001"], "argument --probe-interval: must be at least 0.05 seconds, not 0.001"),
+        (["head", "--probe-interval", "0.001"], "--probe-interval: must be at least 0.05 seconds, not 0.001"),
         (["head", "--probe-interval", "nan"], "argument --probe-interval: must be a positive number of seconds"),
         (["head", "--probe-interval", "inf"], "argument --probe-interval: must be a positive number of seconds"),
         (["head", "--probe-timeout", "-1"], "argument --probe-timeout: must be a positive number of seconds"),
