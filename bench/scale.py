@@ -230,6 +230,21 @@ class WatchRow:
     last_fanout_ms: list[float] = field(default_factory=list)  # per change: the last watcher
     death_to_last_ms: list[float] = field(default_factory=list)  # per death: kill -> the last watcher heard it
     rss_mib: float = math.nan
+    head_cpu_us: float = math.nan  # head CPU per change per watcher, above its idle rate
+    client_cpu_us: float = math.nan  # the watchers' process CPU per change per watcher, above its idle rate
+
+
+def cpu_both(head_pid: int) -> tuple[float, float]:
+    """CPU seconds so far of the head and of this process (every thread: gRPC's pollers included)."""
+    return cpu_seconds(head_pid), time.process_time()
+
+
+async def idle_cpu_rates(head_pid: int, seconds: float) -> tuple[float, float]:
+    """CPU seconds per second the head and this process use while nothing changes (probes, heartbeats)."""
+    before, started = cpu_both(head_pid), time.monotonic()
+    await asyncio.sleep(seconds)
+    after, elapsed = cpu_both(head_pid), time.monotonic() - started
+    return (after[0] - before[0]) / elapsed, (after[1] - before[1]) / elapsed
 
 
 class Watchers:
@@ -305,6 +320,8 @@ async def measure_watchers(servers: Child, ports: list[int], plan: ScalePlan) ->
             for w in plan.watchers:
                 await watchers.add(w - len(watchers.tasks))
                 row = WatchRow(w, rss_mib=rss_mib(head.pid))
+                idle = await idle_cpu_rates(head.pid, plan.idle_seconds / 2)
+                cpu_before, started = cpu_both(head.pid), time.monotonic()
                 for _ in range(plan.watch_rounds):
                     for command, status in (
                         ("stop 0", "SERVER_STATUS_CONNECTION_ERROR"),
@@ -318,6 +335,11 @@ async def measure_watchers(servers: Child, ports: list[int], plan: ScalePlan) ->
                         row.last_fanout_ms.append(max(fanouts))
                         if command.startswith("stop"):
                             row.death_to_last_ms.append((max(r for r, _ in heard) - acted_at) * 1e3)
+                cpu_after, elapsed = cpu_both(head.pid), time.monotonic() - started
+                changes = 2 * plan.watch_rounds
+                row.head_cpu_us, row.client_cpu_us = (
+                    (cpu_after[i] - cpu_before[i] - idle[i] * elapsed) / changes / w * 1e6 for i in (0, 1)
+                )
                 rows.append(row)
                 print(
                     f"  watchers W={w}: fan-out p50 {median(row.fanout_ms):.1f} ms, "
@@ -435,6 +457,11 @@ async def measure_pollers(servers: Child, ports: list[int], plan: ScalePlan) -> 
 # --- report ------------------------------------------------------------------------------------------------------
 
 
+def _above_idle(micros: float) -> str:
+    """A CPU figure above the idle rate; at or below it (tick granularity, noise) it is ~0."""
+    return f"{micros:.0f} µs" if micros > 0 else "~0"
+
+
 def _growth(values: list[float], sizes: tuple[int, ...]) -> str:
     """How a per-unit cost moves from the smallest size to the largest: flat (linear totals) or not."""
     if len(values) < 2 or not values[0] or math.isnan(values[0]):
@@ -506,16 +533,21 @@ def render(
         "death to last watcher also includes detection, which waits for the next probe round (up to the probe "
         f"interval, {plan.probe_interval:g} s).",
         "",
+        "Per change and watcher, the CPU the head and the watchers' process (all W watches, one Python process) "
+        "spent above their idle rates, read from /proc and `time.process_time()` over all changes (the head's "
+        f"in 1/{CLOCK_TICKS} s ticks).",
+        "",
         "| W | fan-out p50 | fan-out p99 | last watcher p50 (per change) | death → last watcher p50 | head RSS | "
-        "fan-out p50 per watcher |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "fan-out p50 per watcher | head CPU per watcher | watchers' CPU per watcher |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for watch_row in watchers:
         p50 = median(watch_row.fanout_ms)
         lines.append(
             f"| {watch_row.watchers} | {p50:.1f} ms | {percentile(watch_row.fanout_ms, 0.99):.1f} ms | "
             f"{median(watch_row.last_fanout_ms):.1f} ms | {median(watch_row.death_to_last_ms):.0f} ms | "
-            f"{watch_row.rss_mib:.1f} MiB | {p50 / watch_row.watchers * 1e3:.1f} µs |"
+            f"{watch_row.rss_mib:.1f} MiB | {p50 / watch_row.watchers * 1e3:.1f} µs | "
+            f"{_above_idle(watch_row.head_cpu_us)} | {_above_idle(watch_row.client_cpu_us)} |"
         )
     if len(watchers) > 1:
         rss_per_watcher = (watchers[-1].rss_mib - watchers[0].rss_mib) / (
@@ -526,6 +558,16 @@ def render(
             "",
             f"Growth: head RSS {rss_per_watcher * 1024:.1f} KiB per watcher; time to the last watcher per watcher "
             f"{_growth(per_watcher, plan.watchers)}.",
+        ]
+        largest = watchers[-1]
+        head_ms, client_ms = (us * largest.watchers / 1e3 for us in (largest.head_cpu_us, largest.client_cpu_us))
+        lines += [
+            "",
+            f"What the time to the last watcher is made of at W = {largest.watchers}: the message is built and "
+            "serialised once, but gRPC still sends it on each stream and wakes each watch's task, "
+            f"{largest.head_cpu_us:.0f} µs of head CPU per watcher ({head_ms:.0f} ms per change), and the "
+            f"watchers' one process spends {largest.client_cpu_us:.0f} µs per watcher receiving ({client_ms:.0f} "
+            "ms), both on this machine's two cores shared with the other sessions' load.",
         ]
     lines += [
         "",
