@@ -22,7 +22,8 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gym_rpc.errors import ConfigError, UnknownServerError
 
@@ -48,6 +49,49 @@ SECRET_KEY_MARKERS = (
     "access_key",
 )
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
+
+
+# Environment variables gym_rpc reads: their names, and the one object that reads them (`environment()`).
+HEAD_ADDRESS_ENV_VAR = "GYM_RPC_HEAD"
+TOKEN_ENV_VAR = "GYM_RPC_TOKEN"
+TLS_CA_ENV_VAR = "GYM_RPC_TLS_CA"
+TLS_CERT_ENV_VAR = "GYM_RPC_TLS_CERT"
+TLS_KEY_ENV_VAR = "GYM_RPC_TLS_KEY"
+NEMO_GYM_CONFIG_DICT_ENV_VAR = "NEMO_GYM_CONFIG_DICT"
+NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR = "NEMO_GYM_MODEL_SERVER_BASE_URL"
+NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR = "NEMO_GYM_MODEL_SERVER_NAME"
+
+
+class Environment(BaseSettings):
+    """What the environment says, read in one place (the README's table lists every variable). An empty value
+    counts as unset. Read it with `environment()` when it is needed, never at import: tests and launchers set
+    variables after gym_rpc is imported."""
+
+    model_config = SettingsConfigDict(case_sensitive=True, extra="ignore", frozen=True, env_ignore_empty=True)
+
+    head_address: str | None = Field(default=None, validation_alias=HEAD_ADDRESS_ENV_VAR)
+    token: str | None = Field(default=None, validation_alias=TOKEN_ENV_VAR, repr=False)
+    tls_ca_file: str | None = Field(default=None, validation_alias=TLS_CA_ENV_VAR)
+    tls_cert_file: str | None = Field(default=None, validation_alias=TLS_CERT_ENV_VAR)
+    tls_key_file: str | None = Field(default=None, validation_alias=TLS_KEY_ENV_VAR)
+    nemo_gym_config_dict: str | None = Field(
+        default=None, validation_alias=NEMO_GYM_CONFIG_DICT_ENV_VAR, repr=False
+    )
+    model_server_base_url: str | None = Field(
+        default=None, validation_alias=NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR
+    )
+    model_server_name: str | None = Field(default=None, validation_alias=NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR)
+
+    def model_server_override(self, server_name: str) -> str | None:
+        """NEMO_GYM_MODEL_SERVER_BASE_URL when NEMO_GYM_MODEL_SERVER_NAME names `server_name`."""
+        if self.model_server_base_url and self.model_server_name == server_name:
+            return self.model_server_base_url
+        return None
+
+
+def environment() -> Environment:
+    """The environment as it is now."""
+    return Environment()
 
 
 class BaseServerConfig(BaseModel):
@@ -81,14 +125,17 @@ class HeadTlsConfig(BaseModel):
     server_name: str | None = None  # clients: the name to verify in the head's certificate (default: the host)
 
 
-class HeadSecurityConfig(BaseModel):
-    """The security keys of `head_server`: a bearer token, TLS, and a plaintext port serving only health."""
+class HeadServerSettings(BaseModel):
+    """The `head_server` block's keys beyond host and port (BaseServerConfig), the one model of them: a bearer
+    token, TLS, and the extra ports (plaintext health only, NeMo Gym's HTTP head, the Connect protocol)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True, hide_input_in_errors=True)
 
     auth_token: str | None = None
     tls: HeadTlsConfig | None = None
     health_port: int | None = Field(default=None, ge=0, lt=65536)  # 0: a free port
+    http_port: StrictInt | None = Field(default=None, ge=0, lt=65536)  # None: no HTTP head; 0: a free port
+    connect_port: StrictInt | None = Field(default=None, ge=0, lt=65536)  # None: no Connect port; 0: a free port
 
 
 def validation_error_line(error: ValidationError, block: str) -> str:
@@ -158,11 +205,12 @@ def as_server_config(value: ServerConfigLike, what: str = HEAD_SERVER_KEY) -> Ba
         raise ConfigError(f"{what}: {exc}") from exc
 
 
-def head_security_config(head_server: ServerConfigLike) -> HeadSecurityConfig:
-    """Validate the security keys of a head_server block (of any shape `server_config_block` accepts)."""
+def head_server_settings(head_server: ServerConfigLike) -> HeadServerSettings:
+    """The settings of a head_server block (of any shape `server_config_block` accepts), validated: the one place
+    they are parsed (the head, the bridge, and clients reading their token and TLS)."""
     block = server_config_block(head_server)
     try:
-        return HeadSecurityConfig.model_validate(block)
+        return HeadServerSettings.model_validate(block)
     except ValidationError as exc:
         raise ConfigError(validation_error_line(exc, HEAD_SERVER_KEY)) from None
 
@@ -384,6 +432,7 @@ class GlobalConfig:
 
     document: dict[str, Any] = field(repr=False)  # holds secrets (API keys, the head's token)
     head_server: BaseServerConfig = field(repr=False)
+    head_settings: HeadServerSettings = field(repr=False)  # the head_server block's other keys, parsed
     servers: dict[str, ServerEntry] = field(repr=False)
     checkpoint_enabled: bool
     observability_enabled: bool
@@ -417,7 +466,7 @@ class GlobalConfig:
             head_server = BaseServerConfig.model_validate(dict(head))
         except ValidationError as exc:
             raise ConfigError(validation_error_line(exc, HEAD_SERVER_KEY)) from None
-        head_security_config(head_server)  # a malformed tls block fails at load, not at the first connection
+        head_settings = head_server_settings(head_server)  # a malformed block fails at load, not at first use
         unusable = _servers_with_unresolved_address(unresolved)
         nodes = {name: node for name, node in doc.items() if name not in unusable}
         servers = {name: entry for name, node in nodes.items() if (entry := _server_entry(name, node)) is not None}
@@ -429,6 +478,7 @@ class GlobalConfig:
         return cls(
             document=doc,
             head_server=head_server,
+            head_settings=head_settings,
             servers=servers,
             checkpoint_enabled=_enabled(doc.get("checkpoint", False)),
             observability_enabled=bool(doc.get("observability_enabled", False)),

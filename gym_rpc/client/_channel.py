@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import weakref
 
@@ -17,7 +16,7 @@ import grpc
 
 from gym_rpc.client._security import CLIENT_MESSAGE_OPTIONS, ClientTls
 from gym_rpc.client._tracing import aio_client_interceptors, traced_sync_channel
-from gym_rpc.config import DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT, parse_host_port, url_host
+from gym_rpc.config import DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT, environment, parse_host_port, url_host
 from gym_rpc.errors import ConfigError
 from gym_rpc.telemetry import tracing_enabled
 from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, SERVICE_NAME
@@ -62,7 +61,7 @@ def head_address(host: str, port: int) -> str:
 
 def default_head_address() -> str:
     """The head address from GYM_RPC_HEAD, else 127.0.0.1:11000."""
-    return os.environ.get(HEAD_ADDRESS_ENV_VAR) or head_address(DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT)
+    return environment().head_address or head_address(DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT)
 
 
 # gRPC target schemes a caller may spell out; anything else must be HOST:PORT.

@@ -240,7 +240,7 @@ class HttpPools:
 
 
 # What may be worth another attempt: a dropped connection (ServerDisconnectedError, ClientOSError) and a refused
-# or unreachable server (ClientConnectorError, a ClientOSError too). `resend` decides; nothing else is retried.
+# or unreachable server (ClientConnectorError, a ClientOSError too). `send` decides; nothing else is retried.
 RESENDABLE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
@@ -252,6 +252,8 @@ async def send(
     resend_after_disconnect: bool,
     kwargs: _RequestOptions,
     on_resend: Callable[[int], None] | None = None,
+    *,
+    failed: aiohttp.ClientError | None = None,
 ) -> aiohttp.ClientResponse:
     """One request with honest, bounded retries; `on_resend(attempt)` is told of every attempt after the first.
 
@@ -259,37 +261,25 @@ async def send(
     refused or unreachable server (ClientConnectorError) never received the request, so it is retried as well and
     then reported as ServerUnreachableError naming the URL. Nothing else is retried.
 
-    The hot path (ServerClient.request) inlines the first attempt and calls `resend` only after a failure, which
-    saves a coroutine level on every call; the two must stay in step.
+    `failed`: the error of a first attempt the caller made itself (ServerClient.request's hot path does, see
+    there); the attempts after it follow.
     """
-    try:
-        return await session.request(method, url, **kwargs)
-    except RESENDABLE_ERRORS as error:
-        return await resend(session, method, url, retry, resend_after_disconnect, kwargs, error, on_resend)
-
-
-async def resend(
-    session: aiohttp.ClientSession,
-    method: str,
-    url: str,
-    retry: RetryPolicy,
-    resend_after_disconnect: bool,
-    kwargs: _RequestOptions,
-    error: aiohttp.ClientError,
-    on_resend: Callable[[int], None] | None = None,
-) -> aiohttp.ClientResponse:
-    """The attempts after a first one failed with `error`, with backoff, until one returns or the last fails."""
+    if failed is None:
+        try:
+            return await session.request(method, url, **kwargs)
+        except RESENDABLE_ERRORS as error:
+            failed = error
     attempt = 1
     while True:
-        _raise_unless_resendable(error, url, attempt, retry, resend_after_disconnect)
+        _raise_unless_resendable(failed, url, attempt, retry, resend_after_disconnect)
         await asyncio.sleep(retry.backoff_seconds(attempt))
         attempt += 1
         if on_resend is not None:
             on_resend(attempt)
         try:
             return await session.request(method, url, **kwargs)
-        except RESENDABLE_ERRORS as next_error:
-            error = next_error
+        except RESENDABLE_ERRORS as error:
+            failed = error
 
 
 def _raise_unless_resendable(
