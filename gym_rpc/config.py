@@ -23,7 +23,6 @@ from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gym_rpc.errors import ConfigError, UnknownServerError
 
@@ -49,49 +48,6 @@ SECRET_KEY_MARKERS = (
     "access_key",
 )
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
-
-
-# Environment variables gym_rpc reads: their names, and the one object that reads them (`environment()`).
-HEAD_ADDRESS_ENV_VAR = "GYM_RPC_HEAD"
-TOKEN_ENV_VAR = "GYM_RPC_TOKEN"
-TLS_CA_ENV_VAR = "GYM_RPC_TLS_CA"
-TLS_CERT_ENV_VAR = "GYM_RPC_TLS_CERT"
-TLS_KEY_ENV_VAR = "GYM_RPC_TLS_KEY"
-NEMO_GYM_CONFIG_DICT_ENV_VAR = "NEMO_GYM_CONFIG_DICT"
-NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR = "NEMO_GYM_MODEL_SERVER_BASE_URL"
-NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR = "NEMO_GYM_MODEL_SERVER_NAME"
-
-
-class Environment(BaseSettings):
-    """What the environment says, read in one place (the README's table lists every variable). An empty value
-    counts as unset. Read it with `environment()` when it is needed, never at import: tests and launchers set
-    variables after gym_rpc is imported."""
-
-    model_config = SettingsConfigDict(case_sensitive=True, extra="ignore", frozen=True, env_ignore_empty=True)
-
-    head_address: str | None = Field(default=None, validation_alias=HEAD_ADDRESS_ENV_VAR)
-    token: str | None = Field(default=None, validation_alias=TOKEN_ENV_VAR, repr=False)
-    tls_ca_file: str | None = Field(default=None, validation_alias=TLS_CA_ENV_VAR)
-    tls_cert_file: str | None = Field(default=None, validation_alias=TLS_CERT_ENV_VAR)
-    tls_key_file: str | None = Field(default=None, validation_alias=TLS_KEY_ENV_VAR)
-    nemo_gym_config_dict: str | None = Field(
-        default=None, validation_alias=NEMO_GYM_CONFIG_DICT_ENV_VAR, repr=False
-    )
-    model_server_base_url: str | None = Field(
-        default=None, validation_alias=NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR
-    )
-    model_server_name: str | None = Field(default=None, validation_alias=NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR)
-
-    def model_server_override(self, server_name: str) -> str | None:
-        """NEMO_GYM_MODEL_SERVER_BASE_URL when NEMO_GYM_MODEL_SERVER_NAME names `server_name`."""
-        if self.model_server_base_url and self.model_server_name == server_name:
-            return self.model_server_base_url
-        return None
-
-
-def environment() -> Environment:
-    """The environment as it is now."""
-    return Environment()
 
 
 class BaseServerConfig(BaseModel):

@@ -15,24 +15,30 @@ otherwise pay one boolean check per call:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import metrics
 
-from gym_rpc.telemetry import SDK_DISABLED_ENV_VAR
+from gym_rpc._environment import (
+    EXEMPLAR_FILTER_ENV_VAR,
+    METRICS_EXPORTER_ENV_VAR,
+    OTLP_ENDPOINT_ENV_VAR,
+    OTLP_METRICS_ENDPOINT_ENV_VAR,
+    OTLP_METRICS_PROTOCOL_ENV_VAR,
+    OTLP_PROTOCOL_ENV_VAR,
+    SDK_DISABLED_ENV_VAR,
+    environment,
+)
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader
 
 logger = logging.getLogger(__name__)
 
-METRICS_EXPORTER_ENV_VAR = "OTEL_METRICS_EXPORTER"
-OTLP_METRICS_ENDPOINT_ENV_VARS = ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-OTLP_METRICS_PROTOCOL_ENV_VARS = ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
-EXEMPLAR_FILTER_ENV_VAR = "OTEL_METRICS_EXEMPLAR_FILTER"
+OTLP_METRICS_ENDPOINT_ENV_VARS = (OTLP_METRICS_ENDPOINT_ENV_VAR, OTLP_ENDPOINT_ENV_VAR)
+OTLP_METRICS_PROTOCOL_ENV_VARS = (OTLP_METRICS_PROTOCOL_ENV_VAR, OTLP_PROTOCOL_ENV_VAR)
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 METER_NAME = "gym_rpc"
 
@@ -59,7 +65,7 @@ def _exporter_names(environ: Mapping[str, str]) -> list[str]:
 
 def metrics_disabled(environ: Mapping[str, str] | None = None) -> bool:
     """OTEL_SDK_DISABLED=true or OTEL_METRICS_EXPORTER=none: no metrics at all."""
-    env = os.environ if environ is None else environ
+    env = environment().by_name() if environ is None else environ
     if (env.get(SDK_DISABLED_ENV_VAR) or "").strip().lower() == "true":
         return True
     return _exporter_names(env) == ["none"]
@@ -67,7 +73,7 @@ def metrics_disabled(environ: Mapping[str, str] | None = None) -> bool:
 
 def metrics_exported(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the environment names a metrics exporter or an OTLP endpoint (rule 2 above)."""
-    env = os.environ if environ is None else environ
+    env = environment().by_name() if environ is None else environ
     if metrics_disabled(env):
         return False
     names = [n for n in _exporter_names(env) if n != "none"]
@@ -133,10 +139,11 @@ def setup_metrics(*, service_name: str, prometheus: bool) -> bool:
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.resources import Resource
 
-        attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service_name}
-        readers = _readers(os.environ, prometheus)
+        env = environment()
+        attributes = {} if env.otel_service_name else {"service.name": service_name}
+        readers = _readers(env.by_name(), prometheus)
         provider = MeterProvider(
-            metric_readers=readers, resource=Resource.create(attributes), **_exemplar_filter(os.environ)
+            metric_readers=readers, resource=Resource.create(attributes), **_exemplar_filter(env.by_name())
         )
         metrics.set_meter_provider(provider)
         _provider_installed = True

@@ -33,13 +33,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import threading
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
+from gym_rpc._environment import (
+    OTLP_ENDPOINT_ENV_VAR,
+    OTLP_PROTOCOL_ENV_VAR,
+    OTLP_TRACES_ENDPOINT_ENV_VAR,
+    OTLP_TRACES_PROTOCOL_ENV_VAR,
+    SDK_DISABLED_ENV_VAR,
+    TRACES_EXPORTER_ENV_VAR,
+    environment,
+)
 from gym_rpc._version import __version__
 
 if TYPE_CHECKING:
@@ -47,12 +55,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SDK_DISABLED_ENV_VAR = "OTEL_SDK_DISABLED"
-TRACES_EXPORTER_ENV_VAR = "OTEL_TRACES_EXPORTER"
-OTLP_ENDPOINT_ENV_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-OTLP_PROTOCOL_ENV_VARS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
-SERVICE_NAME_ENV_VAR = "OTEL_SERVICE_NAME"
-RESOURCE_ATTRIBUTES_ENV_VAR = "OTEL_RESOURCE_ATTRIBUTES"
+OTLP_ENDPOINT_ENV_VARS = (OTLP_TRACES_ENDPOINT_ENV_VAR, OTLP_ENDPOINT_ENV_VAR)
+OTLP_PROTOCOL_ENV_VARS = (OTLP_TRACES_PROTOCOL_ENV_VAR, OTLP_PROTOCOL_ENV_VAR)
 DEFAULT_SERVICE_NAME = "gym-rpc"
 TRACER_NAME = "gym_rpc"
 
@@ -146,7 +150,7 @@ def setup_tracing(observability_enabled: bool = False, *, service_name: str | No
         return TRACING.enabled
     with _lock:
         if not TRACING.decided:
-            TRACING.environment_says = environment_choice(os.environ)
+            TRACING.environment_says = environment_choice(environment().by_name())
             TRACING.decided = True
         turn_on = _decision(TRACING.environment_says, observability_enabled, _application_provider_installed())
         if turn_on and not TRACING.enabled:
@@ -169,16 +173,15 @@ def _ensure_tracer_provider(service_name: str | None) -> None:
         logger.warning("tracing is on but opentelemetry-sdk is not installed: spans are not recorded")
         return
     provider = TracerProvider(resource=Resource.create(_resource_attributes(service_name)))
-    for processor in _span_processors(os.environ):
+    for processor in _span_processors(environment().by_name()):
         provider.add_span_processor(processor)
     trace.set_tracer_provider(provider)
 
 
 def _resource_attributes(service_name: str | None) -> dict[str, str]:
     """service.name: OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES win (the SDK reads them), else ours."""
-    named_by_environment = os.environ.get(SERVICE_NAME_ENV_VAR) or "service.name=" in (
-        os.environ.get(RESOURCE_ATTRIBUTES_ENV_VAR) or ""
-    )
+    env = environment()
+    named_by_environment = env.otel_service_name or "service.name=" in (env.otel_resource_attributes or "")
     return {} if named_by_environment else {"service.name": service_name or DEFAULT_SERVICE_NAME}
 
 

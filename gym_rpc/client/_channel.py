@@ -14,9 +14,10 @@ import weakref
 
 import grpc
 
+from gym_rpc._environment import environment
 from gym_rpc.client._security import CLIENT_MESSAGE_OPTIONS, ClientTls
 from gym_rpc.client._tracing import aio_client_interceptors, traced_sync_channel
-from gym_rpc.config import DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT, environment, parse_host_port, url_host
+from gym_rpc.config import DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT, parse_host_port, url_host
 from gym_rpc.errors import ConfigError
 from gym_rpc.telemetry import tracing_enabled
 from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, SERVICE_NAME

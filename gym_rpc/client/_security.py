@@ -10,13 +10,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from gym_rpc._environment import Environment, environment
 from gym_rpc.config import (
     HEAD_SERVER_KEY,
-    Environment,
     HeadTlsConfig,
     ServerConfigLike,
     configured_token,
-    environment,
     head_server_settings,
     read_file_bytes,
 )

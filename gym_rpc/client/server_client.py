@@ -23,6 +23,12 @@ from aiohttp.payload import BytesPayload
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer, field_validator
 
+from gym_rpc._environment import (
+    NEMO_GYM_CONFIG_DICT_ENV_VAR,
+    NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR,
+    NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR,
+    environment,
+)
 from gym_rpc.client._channel import head_address
 from gym_rpc.client._control import SyncControlClient
 from gym_rpc.client._http import (
@@ -47,16 +53,12 @@ from gym_rpc.config import (
     DEFAULT_HEAD_HOST,
     DEFAULT_HEAD_PORT,
     HEAD_SERVER_KEY,
-    NEMO_GYM_CONFIG_DICT_ENV_VAR,
-    NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR,
-    NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR,
     BaseServerConfig,
     GlobalConfig,
     ServerConfigLike,
     as_server_config,
     base_url,
     connectable_host,
-    environment,
     is_wildcard_host,
     parse_config_text,
     parse_host_port,

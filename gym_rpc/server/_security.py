@@ -24,12 +24,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from gym_rpc._environment import environment
 from gym_rpc.config import (
     HEAD_SERVER_KEY,
     REDACTED,
     GlobalConfig,
     HeadTlsConfig,
-    environment,
     read_file_bytes,
     url_host,
 )

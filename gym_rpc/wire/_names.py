@@ -3,11 +3,11 @@ message-size limits. Kept here so the client and the server never import each ot
 
 from __future__ import annotations
 
-from gym_rpc.config import HEAD_ADDRESS_ENV_VAR as HEAD_ADDRESS_ENV_VAR  # the names live in gym_rpc.config
-from gym_rpc.config import TLS_CA_ENV_VAR as TLS_CA_ENV_VAR
-from gym_rpc.config import TLS_CERT_ENV_VAR as TLS_CERT_ENV_VAR
-from gym_rpc.config import TLS_KEY_ENV_VAR as TLS_KEY_ENV_VAR
-from gym_rpc.config import TOKEN_ENV_VAR as TOKEN_ENV_VAR
+from gym_rpc._environment import HEAD_ADDRESS_ENV_VAR as HEAD_ADDRESS_ENV_VAR  # read by gym_rpc._environment
+from gym_rpc._environment import TLS_CA_ENV_VAR as TLS_CA_ENV_VAR
+from gym_rpc._environment import TLS_CERT_ENV_VAR as TLS_CERT_ENV_VAR
+from gym_rpc._environment import TLS_KEY_ENV_VAR as TLS_KEY_ENV_VAR
+from gym_rpc._environment import TOKEN_ENV_VAR as TOKEN_ENV_VAR
 from gym_rpc.v1 import control_plane_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ControlPlaneService"].full_name
