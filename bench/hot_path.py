@@ -1,29 +1,32 @@
-"""Do the speed tricks of `ServerClient.request` pay? The shipped client against the same client taking the plain
-path: `self._x` attribute reads and `await send(...)` (no first attempt made inline).
+"""Do the speed tricks of `ServerClient.request` pay? The shipped client against the same client with one trick
+taken out: `self._x` attribute reads instead of one read of pydantic's private store, or `await send(...)` instead
+of the first attempt made inline.
 
 Same server, same payload, interleaved rounds (bench/data_plane.py's `compare`); the figure is the median of the
-per-round ratios shipped / plain requests per second: above 1 the tricks pay. `make bench` runs it (section
-`hotpath`); a trick that stops paying should go.
+per-round ratios shipped / without-the-trick requests per second: above 1 the trick pays. `make bench` runs it
+(section `hotpath`); a trick that stops paying should go.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import TYPE_CHECKING, Any, ClassVar, Unpack
 
 import aiohttp
 from pydantic import BaseModel
 
-from bench.data_plane import Post, compare, make_client, ours_post
+from bench.data_plane import compare, make_client, ours_post
 from bench.stats import Row, median, percentile, ratio_row
-from gym_rpc.client._http import close_http_sessions, send
+from gym_rpc.client._http import RESENDABLE_ERRORS, close_http_sessions, send
 from gym_rpc.client.server_client import ServerClient, _json_payload
 
 if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
 
 
-class PlainPathClient(ServerClient):
-    """`ServerClient.request` without its speed tricks, everything else alike (tracing and observability off)."""
+class WithoutTrick(ServerClient):
+    """`ServerClient.request` with one speed trick taken out (`trick`), all else as shipped (observability off)."""
+
+    trick: ClassVar[str] = ""  # "private": read `self._x` attributes; "inline": `await send(...)` makes the first attempt
 
     async def request(
         self,
@@ -34,49 +37,69 @@ class PlainPathClient(ServerClient):
         _resend_after_disconnect: bool = True,
         **kwargs: Unpack[_RequestOptions],
     ) -> aiohttp.ClientResponse:
-        url = self._server_base_urls.get(server_name) or await self._aresolve_base_url(server_name)
+        if self.trick == "private":
+            cached, pools = self._server_base_urls, self._http
+        else:
+            private: dict[str, Any] = self.__pydantic_private__  # type: ignore[assignment]
+            cached, pools = private["_server_base_urls"], private["_http"]
+        url = cached.get(server_name) or await self._aresolve_base_url(server_name)
         body: Any = kwargs.get("json")
         if body is not None:
-            if isinstance(body, BaseModel):
+            if type(body) is not dict and isinstance(body, BaseModel):
                 body = body.model_dump(mode="json", exclude_unset=True)
             del kwargs["json"]
             kwargs["data"] = _json_payload(body)
-        sessions = self._http.sessions()
+        sessions = pools.sessions()
         session = sessions.control if _control else sessions.data
-        retry = self._http.settings.retry
-        return await send(session, method, url + url_path, retry, _resend_after_disconnect, kwargs)
+        retry, full_url = pools.settings.retry, url + url_path
+        if self.trick == "inline":
+            return await send(session, method, full_url, retry, _resend_after_disconnect, kwargs)
+        try:
+            return await session.request(method, full_url, **kwargs)
+        except RESENDABLE_ERRORS as error:
+            return await send(session, method, full_url, retry, _resend_after_disconnect, kwargs, failed=error)
 
 
-def make_plain_client(port: int) -> PlainPathClient:
+class WithoutPrivateRead(WithoutTrick):
+    trick: ClassVar[str] = "private"
+
+
+class WithoutInlineAttempt(WithoutTrick):
+    trick: ClassVar[str] = "inline"
+
+
+TRICKS = {
+    "one read of pydantic's private store, not `self._x`": WithoutPrivateRead,
+    "the first attempt made inline, not in `send`": WithoutInlineAttempt,
+}
+
+
+def make_variant(port: int, cls: type[WithoutTrick]) -> WithoutTrick:
     shipped = make_client(port)
-    return PlainPathClient(
-        head_server_config=shipped.head_server_config, global_config_dict=shipped.global_config_dict
-    )
+    return cls(head_server_config=shipped.head_server_config, global_config_dict=shipped.global_config_dict)
 
 
 async def run(port: int, concurrencies: tuple[int, ...], requests: tuple[int, ...], rounds: int) -> list[Row]:
-    shipped, plain = make_client(port), make_plain_client(port)
+    shipped = make_client(port)
     rows: list[Row] = []
     try:
-        for concurrency, count in zip(concurrencies, requests, strict=True):
-            comparison = await compare(ours_post(shipped), plain_post(plain), concurrency, count, rounds)
-            ratios = comparison.ratios
-            middle = f"{percentile(ratios, 0.25):.2f}-{percentile(ratios, 0.75):.2f}"
-            spread = f"{len(ratios)} rounds, middle half {middle}"
-            rows.append(
-                ratio_row(
-                    "hot path",
-                    f"ServerClient.post with its speed tricks vs without, concurrency {concurrency} ({spread})",
-                    f"{median([b.requests_per_second for b in comparison.ours]):.0f} req/s",
-                    f"plain path: {median([b.requests_per_second for b in comparison.raw]):.0f} req/s",
-                    median(ratios),
-                    None,  # informs: a ratio near 1 says a trick no longer pays and should go
+        for trick, cls in TRICKS.items():
+            variant = make_variant(port, cls)
+            for concurrency, count in zip(concurrencies, requests, strict=True):
+                comparison = await compare(ours_post(shipped), ours_post(variant), concurrency, count, rounds)
+                ratios = comparison.ratios
+                middle = f"{percentile(ratios, 0.25):.2f}-{percentile(ratios, 0.75):.2f}"
+                rows.append(
+                    ratio_row(
+                        "hot path",
+                        f"ServerClient.post with vs without {trick}, concurrency {concurrency} "
+                        f"({len(ratios)} rounds, middle half {middle})",
+                        f"{median([b.requests_per_second for b in comparison.ours]):.0f} req/s",
+                        f"without: {median([b.requests_per_second for b in comparison.raw]):.0f} req/s",
+                        median(ratios),
+                        None,  # informs: a ratio near 1 says the trick no longer pays and should go
+                    )
                 )
-            )
     finally:
         await close_http_sessions()
     return rows
-
-
-def plain_post(client: PlainPathClient) -> Post:
-    return ours_post(client)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import metrics
@@ -24,21 +24,19 @@ from opentelemetry import metrics
 from gym_rpc._environment import (
     EXEMPLAR_FILTER_ENV_VAR,
     METRICS_EXPORTER_ENV_VAR,
-    OTLP_ENDPOINT_ENV_VAR,
-    OTLP_METRICS_ENDPOINT_ENV_VAR,
-    OTLP_METRICS_PROTOCOL_ENV_VAR,
-    OTLP_PROTOCOL_ENV_VAR,
+    OTLP_METRICS_ENDPOINT_ENV_VARS,
+    OTLP_METRICS_PROTOCOL_ENV_VARS,
     SDK_DISABLED_ENV_VAR,
     environment,
 )
+from gym_rpc._version import __version__
+from gym_rpc.telemetry import exporter_names, otlp_endpoint_set, otlp_protocol
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader
 
 logger = logging.getLogger(__name__)
 
-OTLP_METRICS_ENDPOINT_ENV_VARS = (OTLP_METRICS_ENDPOINT_ENV_VAR, OTLP_ENDPOINT_ENV_VAR)
-OTLP_METRICS_PROTOCOL_ENV_VARS = (OTLP_METRICS_PROTOCOL_ENV_VAR, OTLP_PROTOCOL_ENV_VAR)
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 METER_NAME = "gym_rpc"
 
@@ -59,8 +57,7 @@ _provider_installed = False
 
 
 def _exporter_names(environ: Mapping[str, str]) -> list[str]:
-    raw = environ.get(METRICS_EXPORTER_ENV_VAR) or ""
-    return [name.strip().lower() for name in raw.split(",") if name.strip()]
+    return exporter_names(environ, METRICS_EXPORTER_ENV_VAR)
 
 
 def metrics_disabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -77,7 +74,7 @@ def metrics_exported(environ: Mapping[str, str] | None = None) -> bool:
     if metrics_disabled(env):
         return False
     names = [n for n in _exporter_names(env) if n != "none"]
-    return bool(names) or any(env.get(name) for name in OTLP_METRICS_ENDPOINT_ENV_VARS)
+    return bool(names) or otlp_endpoint_set(env, OTLP_METRICS_ENDPOINT_ENV_VARS)
 
 
 def _application_provider_installed() -> bool:
@@ -93,7 +90,7 @@ def _readers(environ: Mapping[str, str], prometheus: bool) -> list[MetricReader]
 
         readers.append(PrometheusMetricReader())
     names = _exporter_names(environ) or (
-        ["otlp"] if any(environ.get(n) for n in OTLP_METRICS_ENDPOINT_ENV_VARS) else []
+        ["otlp"] if otlp_endpoint_set(environ, OTLP_METRICS_ENDPOINT_ENV_VARS) else []
     )
     for name in dict.fromkeys(names):
         if name == "otlp":
@@ -110,7 +107,7 @@ def _readers(environ: Mapping[str, str], prometheus: bool) -> list[MetricReader]
 
 
 def _otlp_exporter(environ: Mapping[str, str]) -> MetricExporter | None:
-    protocol = next((environ[n].strip() for n in OTLP_METRICS_PROTOCOL_ENV_VARS if environ.get(n)), "grpc")
+    protocol = otlp_protocol(environ, OTLP_METRICS_PROTOCOL_ENV_VARS)
     try:
         if protocol == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
@@ -194,6 +191,11 @@ def prometheus_text() -> bytes:
 
 
 def meter() -> metrics.Meter:
-    from gym_rpc._version import __version__
-
     return metrics.get_meter(METER_NAME, __version__)
+
+
+def seconds_histogram(name: str, description: str, buckets: Iterable[float]) -> metrics.Histogram:
+    """A duration histogram in seconds with its bucket boundaries (the advice exporters honour)."""
+    return meter().create_histogram(
+        name, unit="s", description=description, explicit_bucket_boundaries_advisory=list(buckets)
+    )

@@ -40,10 +40,8 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 
 from gym_rpc._environment import (
-    OTLP_ENDPOINT_ENV_VAR,
-    OTLP_PROTOCOL_ENV_VAR,
-    OTLP_TRACES_ENDPOINT_ENV_VAR,
-    OTLP_TRACES_PROTOCOL_ENV_VAR,
+    OTLP_TRACES_ENDPOINT_ENV_VARS,
+    OTLP_TRACES_PROTOCOL_ENV_VARS,
     SDK_DISABLED_ENV_VAR,
     TRACES_EXPORTER_ENV_VAR,
     environment,
@@ -55,8 +53,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-OTLP_ENDPOINT_ENV_VARS = (OTLP_TRACES_ENDPOINT_ENV_VAR, OTLP_ENDPOINT_ENV_VAR)
-OTLP_PROTOCOL_ENV_VARS = (OTLP_TRACES_PROTOCOL_ENV_VAR, OTLP_PROTOCOL_ENV_VAR)
 DEFAULT_SERVICE_NAME = "gym-rpc"
 TRACER_NAME = "gym_rpc"
 
@@ -96,23 +92,31 @@ def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() == "true"
 
 
-def _exporter_names(environ: Mapping[str, str]) -> list[str]:
-    raw = environ.get(TRACES_EXPORTER_ENV_VAR) or ""
+def exporter_names(environ: Mapping[str, str], variable: str = TRACES_EXPORTER_ENV_VAR) -> list[str]:
+    """The exporters an OTEL_*_EXPORTER variable names, lower case (metrics reads its own the same way)."""
+    raw = environ.get(variable) or ""
     return [name.strip().lower() for name in raw.split(",") if name.strip()]
 
 
-def _otlp_endpoint_set(environ: Mapping[str, str]) -> bool:
-    return any((environ.get(name) or "").strip() for name in OTLP_ENDPOINT_ENV_VARS)
+def otlp_endpoint_set(
+    environ: Mapping[str, str], variables: tuple[str, ...] = OTLP_TRACES_ENDPOINT_ENV_VARS
+) -> bool:
+    return any((environ.get(name) or "").strip() for name in variables)
+
+
+def otlp_protocol(environ: Mapping[str, str], variables: tuple[str, ...] = OTLP_TRACES_PROTOCOL_ENV_VARS) -> str:
+    """The OTLP protocol the first set variable names, else gRPC (OpenTelemetry's default)."""
+    return next((environ[name].strip() for name in variables if environ.get(name)), "grpc")
 
 
 def environment_choice(environ: Mapping[str, str]) -> bool | None:
     """What the OTEL_* variables say: False (forced off), True (on), None (nothing: the config decides)."""
     if _truthy(environ.get(SDK_DISABLED_ENV_VAR)):
         return False
-    exporters = _exporter_names(environ)
+    exporters = exporter_names(environ)
     if "none" in exporters:
         return False
-    if exporters or _otlp_endpoint_set(environ):
+    if exporters or otlp_endpoint_set(environ):
         return True
     return None
 
@@ -186,7 +190,7 @@ def _resource_attributes(service_name: str | None) -> dict[str, str]:
 
 
 def _span_processors(environ: Mapping[str, str]) -> list[SpanProcessor]:
-    names = _exporter_names(environ) or (["otlp"] if _otlp_endpoint_set(environ) else [])
+    names = exporter_names(environ) or (["otlp"] if otlp_endpoint_set(environ) else [])
     processors: list[SpanProcessor] = []
     for name in dict.fromkeys(names):
         if name == "otlp":
@@ -206,7 +210,7 @@ def _span_processors(environ: Mapping[str, str]) -> list[SpanProcessor]:
 
 def _otlp_processor(environ: Mapping[str, str]) -> SpanProcessor | None:
     """A batching processor with the OTLP exporter the protocol variable asks for (gRPC by default)."""
-    protocol = next((environ[name].strip() for name in OTLP_PROTOCOL_ENV_VARS if environ.get(name)), "grpc")
+    protocol = otlp_protocol(environ)
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
     try:

@@ -15,6 +15,7 @@ import socket
 import threading
 import weakref
 from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -302,16 +303,29 @@ def _server_address(base_url: str) -> tuple[str, int]:
     return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
 
 
+@dataclass(slots=True)
+class ObservedCall:
+    """A data-plane call as the observed paths take it (`traced_send`, client._metrics.metered_send): made only
+    while tracing or metrics are on, so the plain path pays nothing for it."""
+
+    session: aiohttp.ClientSession
+    method: str
+    base_url: str
+    url_path: str
+    retry: RetryPolicy
+    resend_after_disconnect: bool
+    kwargs: _RequestOptions
+    server_name: str
+
+    async def send(self, on_resend: Callable[[int], None] | None = None) -> aiohttp.ClientResponse:
+        url = self.base_url + self.url_path
+        return await send(
+            self.session, self.method, url, self.retry, self.resend_after_disconnect, self.kwargs, on_resend
+        )
+
+
 async def traced_send(
-    session: aiohttp.ClientSession,
-    method: str,
-    base_url: str,
-    url_path: str,
-    retry: RetryPolicy,
-    resend_after_disconnect: bool,
-    kwargs: _RequestOptions,
-    server_name: str,
-    on_resend: Callable[[int], None] | None = None,
+    call: ObservedCall, on_resend: Callable[[int], None] | None = None
 ) -> aiohttp.ClientResponse:
     """`send` as a CLIENT span whose context goes out in the `traceparent` header; a resent call carries
     `http.request.resend_count` (the number of attempts after the first).
@@ -321,9 +335,9 @@ async def traced_send(
     session that aiohttp's OpenTelemetry instrumentation traces, its spans are the CLIENT spans (one per attempt)
     and ours only adds attributes to them (gym_rpc.client._aiohttp_instrumentation).
     """
-    url = base_url + url_path
+    method, kwargs, server_name = call.method, call.kwargs, call.server_name
     rollout_id = current_rollout_id()
-    if session_instrumented(session):  # its span is the CLIENT span: ours only adds attributes to it
+    if session_instrumented(call.session):  # its span is the CLIENT span: ours only adds attributes to it
         gym_attributes: dict[str, Any] = {SERVER_NAME_ATTRIBUTE: server_name}
         if rollout_id is not None:
             gym_attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
@@ -334,11 +348,11 @@ async def traced_send(
                 on_resend(attempt)
 
         kwargs["trace_request_ctx"] = instrumentation_request_context(gym_attributes)
-        return await send(session, method, url, retry, resend_after_disconnect, kwargs, count_instrumented_resend)
-    host, port = _server_address(base_url)
+        return await call.send(count_instrumented_resend)
+    host, port = _server_address(call.base_url)
     attributes: dict[str, Any] = {
         **method_attributes(method),
-        URL_FULL: url,
+        URL_FULL: call.base_url + call.url_path,
         SERVER_ADDRESS: host,
         SERVER_PORT: port,
         SERVER_NAME_ATTRIBUTE: server_name,
@@ -358,9 +372,7 @@ async def traced_send(
             if on_resend is not None:
                 on_resend(attempt)
 
-        response: aiohttp.ClientResponse = await send(
-            session, method, url, retry, resend_after_disconnect, kwargs, count_resend
-        )
+        response = await call.send(count_resend)
     except BaseException as error:
         record_failure(span, error)
         raise

@@ -35,6 +35,7 @@ from gym_rpc.client._http import (
     RESENDABLE_ERRORS,
     HttpClientSettings,
     HttpPools,
+    ObservedCall,
     request_timeout_error,
     send,
     traced_send,
@@ -516,9 +517,10 @@ class ServerClient(BaseModel):
             if TRACING.enabled or METRICS.enabled:  # what tracing and metrics cost when off
                 retry = pools.settings.retry
                 observed = metered_send if METRICS.enabled else traced_send
-                return await observed(
+                call = ObservedCall(
                     session, method, url, url_path, retry, _resend_after_disconnect, kwargs, server_name
                 )
+                return await observed(call)
             try:  # the first attempt of `send`, made here (the speed tricks above)
                 return await session.request(method, full_url, **kwargs)
             except RESENDABLE_ERRORS as error:

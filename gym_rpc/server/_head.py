@@ -255,15 +255,11 @@ class HeadServer:
         head_metrics.forget(self)
         await self._health.enter_graceful_shutdown()
         await self.source.stop()
-        if self._connect is not None:
-            await self._connect.stop()
-            self._connect = None
-        if self._metrics_server is not None:
-            await self._metrics_server.stop()
-            self._metrics_server = None
-        if self._http_head is not None:
-            await self._http_head.stop()
-            self._http_head = None
+        extra_ports: tuple[_Stoppable | None, ...] = (self._connect, self._metrics_server, self._http_head)
+        for extra in extra_ports:
+            if extra is not None:
+                await extra.stop()
+        self._connect = self._metrics_server = self._http_head = None
         if self._server is not None:
             await self._server.stop(self.options.shutdown_grace_seconds)
             self._server = None
@@ -390,6 +386,10 @@ async def mirror_status_in_health(
     else:
         serving = _SERVING if report.status == "success" else _NOT_SERVING
     await health_servicer.set(name, serving)
+
+
+class _Stoppable(Protocol):
+    async def stop(self) -> None: ...
 
 
 class Servable(Protocol):
