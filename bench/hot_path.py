@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Unpack
 import aiohttp
 from pydantic import BaseModel
 
-from bench.data_plane import compare, make_client, ours_post
+from bench.data_plane import Block, compare, make_client, ours_post
 from bench.stats import Row, median, percentile, ratio_row
 from gym_rpc.client._http import RESENDABLE_ERRORS, close_http_sessions, send
 from gym_rpc.client.server_client import ServerClient, _json_payload
@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 class WithoutTrick(ServerClient):
     """`ServerClient.request` with one speed trick taken out (`trick`), all else as shipped (observability off)."""
 
-    trick: ClassVar[str] = ""  # "private": read `self._x` attributes; "inline": `await send(...)` makes the first attempt
+    # "private": read `self._x` attributes; "inline": `await send(...)` makes the first attempt.
+    trick: ClassVar[str] = ""
 
     async def request(
         self,
@@ -94,8 +95,8 @@ async def run(port: int, concurrencies: tuple[int, ...], requests: tuple[int, ..
                         "hot path",
                         f"ServerClient.post with vs without {trick}, concurrency {concurrency} "
                         f"({len(ratios)} rounds, middle half {middle})",
-                        f"{median([b.requests_per_second for b in comparison.ours]):.0f} req/s",
-                        f"without: {median([b.requests_per_second for b in comparison.raw]):.0f} req/s",
+                        _figures(comparison.ours),
+                        f"without: {_figures(comparison.raw)}",
                         median(ratios),
                         None,  # informs: a ratio near 1 says the trick no longer pays and should go
                     )
@@ -103,3 +104,9 @@ async def run(port: int, concurrencies: tuple[int, ...], requests: tuple[int, ..
     finally:
         await close_http_sessions()
     return rows
+
+
+def _figures(blocks: list[Block]) -> str:
+    """Requests per second and this process's CPU per request (the client's own cost, less moved by load)."""
+    rps = median([b.requests_per_second for b in blocks])
+    return f"{rps:.0f} req/s, {median([b.cpu_us_per_request for b in blocks]):.1f} µs CPU/req"
