@@ -45,6 +45,7 @@ CLIENT_DIR = REPO_ROOT / "interop" / "ts"
 PACKAGE_CONSUMER_DIR = REPO_ROOT / "interop" / "ts-package"
 GO_CLIENT_DIR = REPO_ROOT / "interop" / "go"
 RELEASED_CONTRACT = REPO_ROOT / "proto" / "released" / "gym_rpc_v1.binpb"
+RELEASED_VERSION = REPO_ROOT / "proto" / "released" / "VERSION"  # `make release-contract` copies proto/VERSION
 GOPATH_SYSTEM = Path("/usr/share/gocode")  # where Debian's golang-*-dev packages put Go sources
 GO_MODULE_PATH = "gym_rpc/stubs/go"  # tools/package_stubs.py's go.mod
 GO_IMPORT_PATH = f"{GO_MODULE_PATH}/gym_rpc/v1"  # buf.gen.yaml maps the .proto file here (M option)
@@ -459,12 +460,17 @@ def test_buf_breaking_passes_against_the_released_contract() -> None:
     run([BUF, "breaking", "--against", RELEASED_CONTRACT])
 
 
+def copy_of_the_contract(tmp_path: Path) -> Path:
+    """proto/ and buf.yaml copied into tmp_path, and the copy's .proto file, to change."""
+    shutil.copy(REPO_ROOT / "buf.yaml", tmp_path)
+    shutil.copytree(REPO_ROOT / "proto", tmp_path / "proto")
+    return tmp_path / "proto" / "gym_rpc" / "v1" / "control_plane.proto"
+
+
 @needs_npm_tools
 def test_buf_breaking_reports_a_breaking_change(tmp_path: Path) -> None:
     """The check is live: renumbering a field in a copy of proto/ fails against the committed image."""
-    shutil.copy(REPO_ROOT / "buf.yaml", tmp_path)
-    shutil.copytree(REPO_ROOT / "proto", tmp_path / "proto")
-    proto = tmp_path / "proto" / "gym_rpc" / "v1" / "control_plane.proto"
+    proto = copy_of_the_contract(tmp_path)
     text = proto.read_text()
     assert "uint32 http_status = 7;" in text
     proto.write_text(text.replace("uint32 http_status = 7;", "uint32 http_status = 99;"))  # a number no field has
@@ -478,6 +484,39 @@ def test_buf_breaking_reports_a_breaking_change(tmp_path: Path) -> None:
     )
     assert result.returncode != 0
     assert "http_status" in result.stdout + result.stderr
+
+
+def differs_from_the_release(root: Path, tmp_path: Path) -> bool:
+    """Whether the contract under `root` is not the released image's (comments aside: no source info)."""
+    released, current = tmp_path / "released.binpb", tmp_path / "current.binpb"
+    run([BUF, "build", RELEASED_CONTRACT, "--exclude-source-info", "-o", released])
+    run([BUF, "build", "--exclude-source-info", "-o", current], cwd=root)
+    return released.read_bytes() != current.read_bytes()
+
+
+def semver(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+@needs_npm_tools
+def test_one_version_is_one_contract(tmp_path: Path) -> None:
+    """The stub packages carry proto/VERSION: it is the released version while proto/ is the released contract,
+    and higher once proto/ adds to it, so two packages of one version never hold different contracts."""
+    released, current = RELEASED_VERSION.read_text().strip(), package_stubs.contract_version()
+    if differs_from_the_release(REPO_ROOT, tmp_path):
+        assert semver(current) > semver(released), (
+            f"proto/ is no longer the released contract {released}: raise proto/VERSION ({current}), its minor "
+            "for an addition (then `make release-contract` when it is released)"
+        )
+    else:
+        assert current == released, f"proto/ is the released contract {released}, but proto/VERSION says {current}"
+    (tmp_path / "added").mkdir()
+    proto = copy_of_the_contract(tmp_path / "added")  # the comparison sees an addition
+    text = proto.read_text()
+    field = "  uint32 http_status = 7;\n"
+    assert field in text
+    proto.write_text(text.replace(field, f"{field}  bool added = 99;\n"))
+    assert differs_from_the_release(tmp_path / "added", tmp_path)
 
 
 @pytest.mark.parametrize(
