@@ -253,34 +253,23 @@ async def send(
     resend_after_disconnect: bool,
     kwargs: _RequestOptions,
     on_resend: Callable[[int], None] | None = None,
-    *,
-    failed: aiohttp.ClientError | None = None,
 ) -> aiohttp.ClientResponse:
     """One request with honest, bounded retries; `on_resend(attempt)` is told of every attempt after the first.
 
     A dropped connection (ServerDisconnectedError, ClientOSError) is resent only when the caller allows it. A
     refused or unreachable server (ClientConnectorError) never received the request, so it is retried as well and
     then reported as ServerUnreachableError naming the URL. Nothing else is retried.
-
-    `failed`: the error of a first attempt the caller made itself (ServerClient.request's hot path does, see
-    there); the attempts after it follow.
     """
-    if failed is None:
+    attempt = 1
+    while True:
         try:
             return await session.request(method, url, **kwargs)
         except RESENDABLE_ERRORS as error:
-            failed = error
-    attempt = 1
-    while True:
-        _raise_unless_resendable(failed, url, attempt, retry, resend_after_disconnect)
+            _raise_unless_resendable(error, url, attempt, retry, resend_after_disconnect)
         await asyncio.sleep(retry.backoff_seconds(attempt))
         attempt += 1
         if on_resend is not None:
             on_resend(attempt)
-        try:
-            return await session.request(method, url, **kwargs)
-        except RESENDABLE_ERRORS as error:
-            failed = error
 
 
 def _raise_unless_resendable(

@@ -32,7 +32,6 @@ from gym_rpc._environment import (
 from gym_rpc.client._channel import head_address
 from gym_rpc.client._control import SyncControlClient
 from gym_rpc.client._http import (
-    RESENDABLE_ERRORS,
     HttpClientSettings,
     HttpPools,
     ObservedCall,
@@ -229,6 +228,15 @@ Args:
     url_path: str
         The URL path in the server you are trying to call e.g. "/v1/responses".
 """
+
+
+def _private_attributes(client: ServerClient) -> dict[str, Any]:
+    """The hot path's one speed trick, fenced here: `ServerClient.request` reads its private attributes from
+    pydantic's store in one step, because each `self._x` read goes through BaseModel.__getattr__ (about 1.5 µs).
+    Kept because `make bench` shows it pays (section `hotpath`, bench/hot_path.py: the same client reading
+    `self._x` costs a few µs more per call with no I/O, a few percent of the client's CPU per real request);
+    drop it when that row says it no longer does."""
+    return client.__pydantic_private__  # type: ignore[return-value]
 
 
 class ServerClient(BaseModel):
@@ -493,14 +501,11 @@ class ServerClient(BaseModel):
         The hot path: a cached URL, the rollout prefix rule and the request itself. The caller reads and releases
         the response, as with aiohttp.
         """
-        # Speed tricks, kept because bench/hot_path.py shows they pay (see its figures in bench/RESULTS.md): one
-        # read of pydantic's private-attribute store instead of `self._x` reads (about 1.7 µs each via
-        # __getattr__), and the first attempt of `send` made here (one coroutine level less per call).
-        private: dict[str, Any] = self.__pydantic_private__  # type: ignore[assignment]
+        private = _private_attributes(self)
         url = private["_server_base_urls"].get(server_name) or await self._aresolve_base_url(server_name)
         body = kwargs.get("json")
         if body is not None:
-            if type(body) is not dict and isinstance(body, BaseModel):  # a dict skips pydantic's ABC check
+            if isinstance(body, BaseModel):
                 body = body.model_dump(mode="json", exclude_unset=True)
             if kwargs.get("data") is not None:
                 raise ValueError("data and json parameters can not be used at the same time")
@@ -521,12 +526,7 @@ class ServerClient(BaseModel):
                     session, method, url, url_path, retry, _resend_after_disconnect, kwargs, server_name
                 )
                 return await observed(call)
-            try:  # the first attempt of `send`, made here (the speed tricks above)
-                return await session.request(method, full_url, **kwargs)
-            except RESENDABLE_ERRORS as error:
-                return await send(
-                    session, method, full_url, pools.settings.retry, _resend_after_disconnect, kwargs, failed=error
-                )
+            return await send(session, method, full_url, pools.settings.retry, _resend_after_disconnect, kwargs)
         except TimeoutError as error:  # aiohttp's says neither which server nor which deadline
             raise request_timeout_error(server_name, method, full_url, session, kwargs) from error
 
