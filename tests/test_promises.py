@@ -35,7 +35,7 @@ from gym_rpc.cli import build_parser
 from gym_rpc.client import ControlClient, SyncControlClient
 from gym_rpc.client._channel import close_aio_channels
 from gym_rpc.client._security import client_security
-from gym_rpc.config import GlobalConfig, head_security_config, load_config_file, redact_secrets
+from gym_rpc.config import GlobalConfig, head_server_settings, load_config_file, redact_secrets
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError
 from gym_rpc.integrations import ServerRegistration
 from gym_rpc.server import _connect as connect_server
@@ -301,7 +301,7 @@ async def test_head_token_from_an_environment_interpolation(tmp_path, monkeypatc
         "head_server:\n  host: 127.0.0.1\n  port: 0\n  auth_token: ${oc.env:GYM_RPC_TOKEN}\n", encoding="utf-8"
     )
     config = load_config_file(str(path))
-    assert head_security_config(config.head_server).auth_token == TOKEN
+    assert head_server_settings(config.head_server).auth_token == TOKEN
     monkeypatch.delenv("GYM_RPC_TOKEN")  # from here on only the interpolated value can make the head secure
     head = HeadServer(config, HeadOptions(port=0), config_path=path)
     await head.start()
