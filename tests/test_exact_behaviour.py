@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import logging
 import random
 import re
@@ -14,17 +15,20 @@ import socket
 import sys
 import time
 import tracemalloc
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import grpc
 import pytest
+import yaml
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import BaseModel, ValidationError
 
 from gym_rpc import config as config_module
-from gym_rpc.client import ClientSecurity, ClientTls, ControlClient
+from gym_rpc.client import ClientSecurity, ClientTls, ControlClient, SyncControlClient
 from gym_rpc.client._aiohttp_instrumentation import _add_attributes
 from gym_rpc.client._http import (
     HttpClientSettings,
@@ -36,6 +40,7 @@ from gym_rpc.client._http import (
     send,
 )
 from gym_rpc.client._rollout import apply_rollout_prefix
+from gym_rpc.client._watch import StatusWatch, SyncStatusWatch
 from gym_rpc.config import (
     BaseServerConfig,
     GlobalConfig,
@@ -49,12 +54,14 @@ from gym_rpc.config import (
 from gym_rpc.errors import (
     ConfigError,
     ControlPlaneError,
+    HeadUnreachableError,
     InvalidRolloutIdError,
     MalformedGymPrefixError,
     ServerUnreachableError,
 )
 from gym_rpc.server._prober import Changes, StatusProber, new_probe_session, probe, unsampled_traceparent
 from gym_rpc.server._security import ServerSecurity, _bearer_token
+from gym_rpc.wire import WatchEvent
 from gym_rpc.wire._paths import _first_segment, encode_rollout_id, rollout_path_prefix, split_gym_prefixes
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
@@ -711,3 +718,126 @@ def test_a_server_entrys_repr_redacts_its_config_only() -> None:
         "ServerEntry(name='token=abc', server_type='t', impl_name='i', host='h', port=1, url='http://h:1', "
         "config={'api_key': '<redacted>'})"
     )
+
+
+# --- the watch client --------------------------------------------------------------------------------------------
+
+WatchFactory = Callable[..., Awaitable[list[WatchEvent]]]
+
+
+async def _sync_events(address: str, count: int, **options: Any) -> list[WatchEvent]:
+    """Up to `count` events of a SyncStatusWatch (in a thread); the error that ended it propagates."""
+
+    def read() -> list[WatchEvent]:
+        return list(itertools.islice(SyncStatusWatch(SyncControlClient(address), **options), count))
+
+    return await asyncio.wait_for(asyncio.to_thread(read), 30)  # a hang guard, far past every bound used
+
+
+async def _async_events(address: str, count: int, **options: Any) -> list[WatchEvent]:
+    async def read() -> list[WatchEvent]:
+        events: list[WatchEvent] = []
+        async for event in StatusWatch(ControlClient(address), **options):
+            events.append(event)
+            if len(events) == count:
+                break
+        return events
+
+    return await asyncio.wait_for(read(), 30)
+
+
+FLAVOURS = pytest.mark.parametrize("events_of", [_sync_events, _async_events], ids=["sync", "async"])
+
+
+@FLAVOURS
+async def test_a_watch_from_the_current_revision_resumes_with_heartbeats(
+    head_factory, events_of: WatchFactory
+) -> None:
+    """StatusWatch/SyncStatusWatch pass start_revision and heartbeat_seconds on: from the head's current revision
+    the first events are heartbeats (nothing was missed), every 0.2 s; from the default the first is a plain
+    (not compacted) snapshot."""
+    head = await head_factory(document({"gone": server_entry(closed_port())}), probe_interval_seconds=3600)
+    revision = (await ControlClient(head.address).list_server_statuses()).revision
+    resumed = await events_of(head.address, 2, start_revision=revision, heartbeat_seconds=0.2)
+    assert [(event.kind, event.revision) for event in resumed] == [("heartbeat", revision)] * 2
+    fresh = await events_of(head.address, 1, heartbeat_seconds=0.2)
+    assert (fresh[0].kind, fresh[0].compacted, fresh[0].revision) == ("snapshot", False, revision)
+
+
+@FLAVOURS
+async def test_a_watch_ends_at_until_connected_or_not(head_factory, events_of: WatchFactory) -> None:
+    """`until`: a connected stream gets the time left as its deadline (DEADLINE_EXCEEDED, not retried); when it
+    has passed, not even the snapshot comes."""
+    head = await head_factory(document({"gone": server_entry(closed_port())}), probe_interval_seconds=3600)
+    with pytest.raises(ControlPlaneError) as ended:
+        await events_of(head.address, 1000, heartbeat_seconds=0.1, until=time.monotonic() + 1.0)
+    assert ended.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    with pytest.raises(ControlPlaneError) as passed:
+        await events_of(head.address, 1, until=time.monotonic() - 1.0)
+    assert passed.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+async def test_a_watch_gives_up_at_until_while_the_head_is_unreachable() -> None:
+    address = f"{LOOPBACK}:{closed_port()}"
+    started = time.monotonic()
+    with pytest.raises(HeadUnreachableError):
+        await _sync_events(address, 1, until=started + 1.0)
+    assert time.monotonic() - started >= 0.9  # it waited for the head until then
+
+
+async def test_the_view_follows_changes_and_a_fresh_snapshot_replaces_it(head_factory, http_server) -> None:
+    """_apply: a change updates its servers and keeps the others; a snapshot (here after a reload removed a
+    server) replaces the whole view; the revision is the last event's."""
+    up, down = await http_server(), closed_port()
+    head = await head_factory(document({"up": server_entry(up), "down": server_entry(down)}))
+    watch = StatusWatch(ControlClient(head.address), heartbeat_seconds=60)
+    events = watch.__aiter__()
+    async with asyncio.timeout(30):
+        while {name: report.status for name, report in watch.reports.items()} != {
+            "up": "success",
+            "down": "connection_error",
+        }:
+            await anext(events)
+        assert head.config_path is not None
+        head.config_path.write_text(
+            yaml.safe_dump(document({"up": server_entry(up)}), sort_keys=False), encoding="utf-8"
+        )
+        assert await head.reload() is True
+        event = await anext(events)
+        while event.kind != "snapshot":
+            event = await anext(events)
+    assert set(watch.reports) == {"up"} and watch.revision == event.revision
+    await events.aclose()  # type: ignore[attr-defined]  # an async generator
+
+
+async def test_reconnect_pauses_back_off_from_the_first_after_every_event_and_stop_at_max_wait(
+    head_factory,
+) -> None:
+    """_pause_after: the n-th failure in a row pauses backoff(n) (an event resets n), capped so that the pauses of
+    one outage end at max_wait_seconds, when the last error is raised."""
+    head = await head_factory(document({}), probe_interval_seconds=3600)
+    pauses: list[float] = []
+    policy = RetryPolicy(initial_backoff_seconds=0.1, multiplier=10.0, max_backoff_seconds=5.0)
+    client = SyncControlClient(head.address)
+
+    def read() -> list[WatchEvent]:
+        watch = SyncStatusWatch(
+            client,
+            heartbeat_seconds=0.1,
+            max_wait_seconds=3.0,
+            retry=policy,
+            on_retry=lambda _, p: pauses.append(p),
+        )
+        seen = []
+        for event in watch:
+            seen.append(event)
+            if len(seen) == 2:
+                asyncio.run_coroutine_threadsafe(head.stop(), loop).result(30)
+        return seen
+
+    loop = asyncio.get_running_loop()
+    with pytest.raises(HeadUnreachableError):
+        await asyncio.wait_for(asyncio.to_thread(read), 30)
+    assert len(pauses) >= 3, pauses
+    assert 0.05 <= pauses[0] <= 0.1 and 0.5 <= pauses[1] <= 1.0, pauses  # backoff(1), backoff(2)
+    assert sum(pauses) <= 3.0, pauses  # the last pause ends where max_wait_seconds does
