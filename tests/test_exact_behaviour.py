@@ -61,7 +61,7 @@ from gym_rpc.errors import (
 )
 from gym_rpc.server._prober import Changes, StatusProber, new_probe_session, probe, unsampled_traceparent
 from gym_rpc.server._security import ServerSecurity, _bearer_token
-from gym_rpc.wire import WatchEvent
+from gym_rpc.wire import StatusReport, WatchEvent
 from gym_rpc.wire._paths import _first_segment, encode_rollout_id, rollout_path_prefix, split_gym_prefixes
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
@@ -308,8 +308,12 @@ def test_a_missing_file_is_named_with_the_systems_reason(tmp_path: Path) -> None
         ("a: *nowhere\n", "y.yaml:1:4: invalid YAML: found undefined alias 'nowhere'"),
         ("a: 1\n---\nb: 2\n", "y.yaml:2:1: invalid YAML: but found another document"),
         (
-            "a: 1\nb: \x07\n",
+            "\nb: \x07\n",
             "y.yaml:2: invalid YAML: unacceptable character #x0007: special characters are not allowed",
+        ),
+        (
+            "a: \x07\n\n\nb: 1\n",
+            "y.yaml:1: invalid YAML: unacceptable character #x0007: special characters are not allowed",
         ),
         (
             "a: !!python/object:os.system x\n",
@@ -445,7 +449,12 @@ async def test_changes_since_is_exactly_what_a_watcher_missed() -> None:
     """StatusProber.changes_since: nothing at (or past) the current revision; the latest report per server of
     every change after the given revision; a compacted snapshot once that revision is older than the history."""
     config = GlobalConfig.from_document(document({"a": server_entry(1001), "b": server_entry(1002)}))
-    prober = StatusProber(config.servers, history_size=3)
+    told: list[tuple[StatusReport | None, str]] = []
+
+    async def on_change(report: StatusReport | None, name: str) -> None:
+        told.append((report, name))
+
+    prober = StatusProber(config.servers, history_size=3, on_change=on_change)
     await prober.set_servers(config.servers)  # two changes: a and b appear, unprobed
     start = prober.revision
     assert prober.changes_since(start) == Changes(start, [], compacted=False)
@@ -468,6 +477,7 @@ async def test_changes_since_is_exactly_what_a_watcher_missed() -> None:
     assert prober.changes_since(start - 1) == Changes(start + 3, latest, compacted=True)
     await prober.set_registration("gone", "registered", "http://x")  # not a server of the config: ignored
     assert prober.revision == start + 3
+    assert told[-3:] == [(a_registered, "a"), (latest[1], "b"), (latest[0], "a")]  # health follows each change
 
 
 async def test_a_caller_that_outwaits_its_deadline_gets_an_exact_timeout_report(silent_server: int) -> None:
@@ -516,8 +526,8 @@ def test_the_banner_says_what_guards_the_port(security: ServerSecurity, banner: 
     assert security.describe() == banner
 
 
-async def test_the_health_port_has_the_main_ports_message_bound(head_factory) -> None:
-    """build_health_server: the plaintext health port is built with the same bounds (here: 4 MiB requests)."""
+async def test_the_health_port_has_the_main_ports_bounds(head_factory) -> None:
+    """build_health_server: the plaintext health port has the main port's bounds (4 MiB requests, no sharing)."""
     head = await head_factory(document({}, head_server={"host": LOOPBACK, "port": 0, "health_port": 0}))
     async with grpc.aio.insecure_channel(f"{LOOPBACK}:{head.health_port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -527,6 +537,10 @@ async def test_the_health_port_has_the_main_ports_message_bound(head_factory) ->
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.Check(health_pb2.HealthCheckRequest(service="x" * (5 * 1024 * 1024)), timeout=10)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with socket.socket() as intruder:  # SO_REUSEPORT off, as on the main port: no second process shares it
+        intruder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        with pytest.raises(OSError, match="Address already in use"):
+            intruder.bind((LOOPBACK, head.health_port))
 
 
 # --- URL prefixes ------------------------------------------------------------------------------------------------
@@ -697,7 +711,7 @@ async def test_wait_for_change_is_true_on_a_change_and_false_after_its_timeout()
         await prober.set_servers(config.servers)
 
     changing = asyncio.create_task(change_soon())
-    assert await prober.wait_for_change(revision, 30) is True
+    assert await prober.wait_for_change(revision, 0.9) is True  # under a second left is still worth waiting
     await changing
     assert await prober.wait_for_change(revision, 0) is True  # already past it: no wait at all
 
