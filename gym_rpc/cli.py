@@ -30,7 +30,7 @@ from gym_rpc._logging import LOG_FORMATS, LOG_LEVELS, configure_logging
 from gym_rpc.client._channel import DEFAULT_TIMEOUT_SECONDS
 from gym_rpc.client._control import SyncControlClient, WatchEvent
 from gym_rpc.config import GlobalConfig, default_config_text, load_config_file, parse_config_text, url_host
-from gym_rpc.errors import GymRpcError, HeadUnreachableError, UnknownServerError
+from gym_rpc.errors import ControlPlaneError, GymRpcError, HeadUnreachableError, UnknownServerError
 from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, ServerInstance, StatusReport
 
 EXIT_OK = 0
@@ -57,6 +57,8 @@ CONFIG_FORMATS = ("yaml", "json", "jsonl")
 
 WATCH_MAX_CONSECUTIVE_FAILURES = 30
 WATCH_RETRY_SECONDS = 1.0
+# The head is down, or every watch slot (per head or per client address) is taken: wait and watch again.
+WATCH_RETRY_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})
 # How often `status --watch` (table) and `wait` hear from the head while nothing changes: the table's LAST CHECKED
 # is redrawn from the head's latest probes, and `wait` notices its deadline.
 WATCH_REFRESH_SECONDS = 1.0
@@ -447,8 +449,9 @@ def watch_events(
 ) -> Iterator[WatchEvent]:
     """The head's status events, reconnecting (and resuming from the last revision) when the head goes away.
 
-    Without a `deadline` (time.monotonic()) it gives up after WATCH_MAX_CONSECUTIVE_FAILURES failed attempts in a
-    row; with one, it retries until then. Giving up raises the last HeadUnreachableError.
+    Also retries while the head has no watch slot free (RESOURCE_EXHAUSTED). Without a `deadline`
+    (time.monotonic()) it gives up after WATCH_MAX_CONSECUTIVE_FAILURES failed attempts in a row; with one, it
+    retries until then. Giving up raises the last error.
     """
     revision = 0
     failures = 0
@@ -461,7 +464,9 @@ def watch_events(
                 failures = 0
                 revision = event.revision
                 yield event
-        except HeadUnreachableError as exc:
+        except ControlPlaneError as exc:
+            if exc.code not in WATCH_RETRY_CODES:
+                raise
             failures += 1
             out_of_time = deadline is not None and time.monotonic() + WATCH_RETRY_SECONDS >= deadline
             if out_of_time or (deadline is None and failures >= WATCH_MAX_CONSECUTIVE_FAILURES):
