@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gym_rpc.errors import GymRpcError
 from gym_rpc.metrics import METRICS, PROMETHEUS_CONTENT_TYPE, prometheus_text
+from gym_rpc.server._connection_limits import BoundedSite
 
 METRICS_PATH = "/metrics"
 
@@ -26,28 +26,20 @@ async def metrics_handler(request: web.Request) -> web.Response:
 
 
 class MetricsServer:
-    """An aiohttp server answering only `GET /metrics`."""
+    """An aiohttp server answering only `GET /metrics`, with the HTTP head's connection bounds."""
 
     def __init__(self) -> None:
-        self._runner: web.AppRunner | None = None
+        self._site: BoundedSite | None = None
         self.port = 0
 
     async def start(self, host: str, port: int) -> None:
         app = web.Application()
         app.router.add_get(METRICS_PATH, metrics_handler)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        try:
-            await web.TCPSite(runner, host.strip("[]"), port).start()
-        except OSError as exc:
-            await runner.cleanup()
-            raise GymRpcError(
-                f"cannot serve /metrics on {host}:{port}: {exc.strerror or exc}; choose another --metrics-port"
-            ) from exc
-        self._runner = runner
-        self.port = int(runner.addresses[0][1])
+        site = BoundedSite(app)
+        self.port = await site.start(host, port, what="/metrics", setting="--metrics-port")
+        self._site = site
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._site is not None:
+            await self._site.stop()
+            self._site = None
