@@ -169,15 +169,22 @@ def test_the_head_raises_its_soft_fd_limit_to_the_hard_one(tmp_path: Path) -> No
         process.wait(timeout=10)
 
 
-async def test_silent_connections_are_dropped_at_the_header_deadline_and_the_bound_holds() -> None:
+async def ok_runner(listener: BoundedListener) -> web.AppRunner:
+    """An aiohttp app answering "ok" to GET /, set up to be served through `listener`."""
+
     async def ok(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
-    listener = BoundedListener(max_connections=2, header_timeout_seconds=0.3)
     app = web.Application(middlewares=[listener.mark_answered])
     app.router.add_get("/", ok)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
+    return runner
+
+
+async def test_silent_connections_are_dropped_at_the_header_deadline_and_the_bound_holds() -> None:
+    listener = BoundedListener(max_connections=2, header_timeout_seconds=0.3)
+    runner = await ok_runner(listener)
     port = listener.listen("127.0.0.1", 0)
     listener.start(runner)
     try:
@@ -204,17 +211,10 @@ async def test_silent_connections_are_dropped_at_the_header_deadline_and_the_bou
 async def test_a_silent_tls_client_is_dropped_at_the_deadline_without_stalling_the_others(pki: Pki) -> None:
     """The Connect port with TLS: a client that never sends its ClientHello is closed at the header deadline, and
     the handshake it owes does not hold up the accept loop meanwhile."""
-
-    async def ok(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
     server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_tls.load_cert_chain(pki.server_cert, pki.server_key)
     listener = BoundedListener(max_connections=2, header_timeout_seconds=3.0)
-    app = web.Application(middlewares=[listener.mark_answered])
-    app.router.add_get("/", ok)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
+    runner = await ok_runner(listener)
     port = listener.listen("127.0.0.1", 0)
     assert runner.server is not None
     listener.start_protocol(runner.server, ssl_context=server_tls)
