@@ -8,7 +8,7 @@ import asyncio
 import json
 import signal
 from collections.abc import AsyncGenerator
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
@@ -21,7 +21,7 @@ from tests.conftest import document
 
 
 def watch_stream(client: ControlClient) -> AsyncGenerator[WatchEvent, None]:
-    return cast(AsyncGenerator[WatchEvent, None], client.watch_server_statuses(heartbeat_seconds=0.05))
+    return client.watch_server_statuses(heartbeat_seconds=0.05)
 
 
 async def dual_stack_head(head_factory: Any) -> HeadServer:

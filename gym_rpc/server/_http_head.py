@@ -23,8 +23,7 @@ from aiohttp import web
 
 from gym_rpc.config import HEAD_SERVER_KEY, GlobalConfig, redact_secrets
 from gym_rpc.errors import ConfigError
-from gym_rpc.server._connection_limits import BoundedSite
-from gym_rpc.server._metrics_http import METRICS_PATH, metrics_handler
+from gym_rpc.server._metrics_http import METRICS_PATH, AppServer, metrics_handler
 from gym_rpc.server._servicer import HeadState
 
 logger = logging.getLogger(__name__)
@@ -85,14 +84,16 @@ def server_instances(head: HeadState) -> list[dict[str, Any]]:
     return instances
 
 
-class HttpHead:
+class HttpHead(AppServer):
     """An aiohttp server answering NeMo Gym's head endpoints from a head's current state."""
 
+    what = "NeMo Gym's HTTP head"
+    setting = f"{HEAD_SERVER_KEY}.{HTTP_PORT_KEY} (or --http-port)"
+
     def __init__(self, head: HeadState) -> None:
+        super().__init__()
         self._head = head
         self._yaml_body: tuple[str, bytes] | None = None  # (version, body): rendered once per config version
-        self._site: BoundedSite | None = None
-        self.port = 0
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -101,18 +102,6 @@ class HttpHead:
         app.router.add_get("/server_instances", self._server_instances)
         app.router.add_get(METRICS_PATH, metrics_handler)
         return app
-
-    async def start(self, host: str, port: int) -> None:
-        """Serve on host:port with bounded connections (gym_rpc.server._connection_limits)."""
-        site = BoundedSite(self.app())
-        setting = f"{HEAD_SERVER_KEY}.{HTTP_PORT_KEY} (or --http-port)"
-        self.port = await site.start(host, port, what="NeMo Gym's HTTP head", setting=setting)
-        self._site = site
-
-    async def stop(self) -> None:
-        if self._site is not None:
-            await self._site.stop()
-            self._site = None
 
     async def _liveness(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -25,21 +25,39 @@ async def metrics_handler(request: web.Request) -> web.Response:
     return web.Response(body=prometheus_text(), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
 
 
-class MetricsServer:
-    """An aiohttp server answering only `GET /metrics`, with the HTTP head's connection bounds."""
+class AppServer:
+    """An aiohttp app alone on one port (the HTTP head, the metrics port), with bounded connections
+    (gym_rpc.server._connection_limits): start, a one-line error naming the setting to change when the port is
+    taken, stop."""
+
+    what = "an HTTP app"  # what the error says could not be served
+    setting = "port"  # what the error says to choose another of
 
     def __init__(self) -> None:
         self._site: BoundedSite | None = None
         self.port = 0
 
+    def app(self) -> web.Application:
+        raise NotImplementedError
+
     async def start(self, host: str, port: int) -> None:
-        app = web.Application()
-        app.router.add_get(METRICS_PATH, metrics_handler)
-        site = BoundedSite(app)
-        self.port = await site.start(host, port, what="/metrics", setting="--metrics-port")
+        site = BoundedSite(self.app())
+        self.port = await site.start(host, port, what=self.what, setting=self.setting)
         self._site = site
 
     async def stop(self) -> None:
         if self._site is not None:
             await self._site.stop()
             self._site = None
+
+
+class MetricsServer(AppServer):
+    """An aiohttp server answering only `GET /metrics`."""
+
+    what = "/metrics"
+    setting = "--metrics-port"
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get(METRICS_PATH, metrics_handler)
+        return app
