@@ -32,8 +32,8 @@ from gym_rpc.client._http import (
     HttpPools,
     request_timeout_error,
     resend,
-    traced_send,
 )
+from gym_rpc.client._http_tracing import traced_send
 from gym_rpc.client._metrics import metered_send
 from gym_rpc.client._nemo_gym import nemo_gym_rollout_id, rollout_id_from_run_body
 from gym_rpc.client._rollout import (
