@@ -36,12 +36,16 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def positive_float(text: str) -> float:
-    """A positive, finite number of seconds: 0 spins a core, nan and inf never end."""
+def _seconds(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, not {text!r}") from None
+
+
+def positive_float(text: str) -> float:
+    """A positive, finite number of seconds: 0 spins a core, nan and inf never end."""
+    value = _seconds(text)
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
     return value
@@ -49,10 +53,7 @@ def positive_float(text: str) -> float:
 
 def non_negative_float(text: str) -> float:
     """A number of seconds >= 0 (NaN and negatives refused with a clear message)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    value = _seconds(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
     return value

@@ -6,6 +6,7 @@ message), errors as Connect's JSON with code names, the same token, TLS and reda
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import shutil
 import socket
@@ -19,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from google.rpc import error_details_pb2
 
 from gym_rpc.errors import GymRpcError
 from gym_rpc.server import HeadServer, ServerSecurity
@@ -193,10 +195,16 @@ async def test_errors_are_connect_json_with_code_names(head_factory: HeadFactory
     head = await head_factory(document({"tools": server_entry(closed_port())}), connect_port=0)
     status, error = await call_json(http, head, "GetServerStatus", {"serverName": "nope"})
     assert status == 404
-    assert error == {
-        "code": "not_found",
-        "message": "unknown server 'nope'; known servers: head_server, tools",
-    }
+    message = "unknown server 'nope'; known servers: head_server, tools"
+    assert (error["code"], error["message"]) == ("not_found", message)
+    # The known names as the gRPC port sends them: a google.rpc.ErrorInfo detail, here Connect's own.
+    (detail,) = error["details"]
+    assert detail["type"] == "google.rpc.ErrorInfo"
+    info = error_details_pb2.ErrorInfo.FromString(base64.b64decode(detail["value"] + "=="))
+    assert (info.reason, dict(info.metadata)) == (
+        "UNKNOWN_SERVER",
+        {"server_name": "nope", "known_servers": "tools,head_server"},
+    )
     status, error = await call_json(http, head, "GetServerStatus", {})
     assert (status, error) == (400, {"code": "invalid_argument", "message": "server_name is required"})
     status, error = await call_json(http, head, "RegisterServerInstance", {"serverName": "tools", "listenPort": 0})

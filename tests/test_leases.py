@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import grpc
 import pytest
@@ -62,7 +62,7 @@ async def test_a_lease_expires_when_its_process_is_killed_9(head_factory, caplog
     config_port, real_port = closed_port(), closed_port()
     head = await head_factory(wildcard_doc(config_port))
     client = ControlClient(head.address)
-    events = cast(AsyncGenerator[WatchEvent, None], client.watch_server_statuses(heartbeat_seconds=0.5))
+    events = client.watch_server_statuses(heartbeat_seconds=0.5)
     server = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
