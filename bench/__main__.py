@@ -14,7 +14,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import control_plane, data_plane, isolation, memory, metrics_cost, report, tracing_cost
+from bench import (
+    control_plane,
+    data_plane,
+    isolation,
+    memory,
+    metrics_cost,
+    report,
+    tracing_cost,
+    tracing_sampled_cost,
+)
 from bench.servers import ServerProcess
 from bench.stats import Row, table_lines
 
@@ -74,6 +83,7 @@ def run(plan: Plan, sections: set[str]) -> list[Row]:
         if "tracing" in sections:
             _progress("tracing cost")
             rows += tracing_cost.rows_in_subprocess(data_port, quick=plan.quick)
+            rows += tracing_sampled_cost.rows_in_subprocess(data_port, quick=plan.quick)
         if "metrics" in sections:
             _progress("metrics cost")
             rows += metrics_cost.rows_in_subprocess(data_port, quick=plan.quick)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
@@ -23,11 +24,15 @@ from bench.stats import Row
 from gym_rpc.client._rollout import rollout_context
 from gym_rpc.telemetry import TRACING, setup_tracing
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.sampling import Sampler
+
 TRACED_OVER_UNTRACED_GOAL_AT_64 = 0.85
 
 
-def install_sdk_provider() -> None:
-    """The SDK's provider, batching into an exporter that drops what it gets; then tracing decided on."""
+def install_sdk_provider(sampler: Sampler | None = None) -> None:
+    """The SDK's provider (its default sampler unless given), batching into an exporter that drops what it gets;
+    then tracing decided on."""
     from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
@@ -35,7 +40,7 @@ def install_sdk_provider() -> None:
         def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
             return SpanExportResult.SUCCESS
 
-    provider = TracerProvider()
+    provider = TracerProvider(sampler=sampler)
     provider.add_span_processor(BatchSpanProcessor(DroppingExporter()))
     trace.set_tracer_provider(provider)
     setup_tracing(observability_enabled=True)
