@@ -32,6 +32,8 @@ from tests.test_security import Pki, make_pki, tls_block
 from tests.test_security import _tls_client as tls_client
 
 T = TypeVar("T")
+NemoHeadFactory = Callable[..., Awaitable["NemoGymHead"]]
+BridgeFactory = Callable[..., Awaitable[BridgeHead]]
 UPSTREAM_PID = 4242
 UPSTREAM_START = 1_700_000_000.0
 CALL_TIMEOUT = 2.0
@@ -105,7 +107,7 @@ class NemoGymHead:
 
 
 @pytest.fixture
-async def nemo_head() -> AsyncIterator[Callable[..., Awaitable[NemoGymHead]]]:
+async def nemo_head() -> AsyncIterator[NemoHeadFactory]:
     heads: list[NemoGymHead] = []
 
     async def start(doc: dict[str, Any], port: int = 0) -> NemoGymHead:
@@ -120,7 +122,7 @@ async def nemo_head() -> AsyncIterator[Callable[..., Awaitable[NemoGymHead]]]:
 
 
 @pytest.fixture
-async def bridge_factory() -> AsyncIterator[Callable[..., Awaitable[BridgeHead]]]:
+async def bridge_factory() -> AsyncIterator[BridgeFactory]:
     bridges: list[BridgeHead] = []
 
     async def start(upstream_url: str, **options: Any) -> BridgeHead:

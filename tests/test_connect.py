@@ -30,9 +30,10 @@ from gym_rpc.server._servicer import ControlPlaneServicer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from tests.cli_helpers import running_head
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.test_bridge import BridgeFactory, NemoHeadFactory, bridge_factory, nemo_head, upstream_document
 from tests.test_security import API_KEY, Pki, pki, tls_block
 
-__all__ = ["pki"]  # the module-scoped certificate fixture, shared with the security tests
+__all__ = ["bridge_factory", "nemo_head", "pki"]  # fixtures shared with the bridge and security tests
 
 PREFIX = "/gym_rpc.v1.ControlPlaneService"
 TOKEN = "connect-token-8a7b"
@@ -78,12 +79,12 @@ async def read_envelope(stream: aiohttp.StreamReader) -> tuple[int, bytes]:
 
 
 async def wait_for_statuses(
-    http: aiohttp.ClientSession, head: HeadServer, expected: dict[str, str]
+    http: aiohttp.ClientSession, head: HeadServer, expected: dict[str, str], **headers: str
 ) -> dict[str, Any]:
     """Poll ListServerStatuses over Connect until the prober reports the expected statuses (bounded)."""
     async with asyncio.timeout(CALL_SECONDS):
         while True:
-            status, answer = await call_json(http, head, "ListServerStatuses", {})
+            status, answer = await call_json(http, head, "ListServerStatuses", {}, **headers)
             assert status == 200, answer
             if {r["serverName"]: r.get("status") for r in answer.get("reports", [])} == expected:
                 return answer
@@ -332,6 +333,35 @@ async def test_tls_and_mutual_tls_from_head_server_tls(head_factory: HeadFactory
     code, out, err = await run_curl("--cacert", str(pki.ca), *client_cert, *json_body, url)
     assert code == 0, err
     assert json.loads(out)["headServer"]["port"] == mutual.port
+
+
+async def test_the_bridge_serves_connect_with_its_own_token(
+    nemo_head: NemoHeadFactory, bridge_factory: BridgeFactory, http_server, http
+) -> None:
+    """`gym-rpc bridge --connect-port`: the upstream's servers over Connect, guarded by the bridge's own token,
+    redacted, and watched as a stream, as on the bridge's gRPC port."""
+    upstream = await nemo_head(upstream_document(await http_server(), closed_port()))
+    bridge = await bridge_factory(upstream.url, connect_port=0, head_server={"auth_token": TOKEN})
+    status, error = await call_json(http, bridge, "ListServerStatuses", {})
+    assert (status, error["code"]) == (401, "unauthenticated")
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    expected = {"policy_model": "SERVER_STATUS_SUCCESS", "simple_agent": "SERVER_STATUS_CONNECTION_ERROR"}
+    await wait_for_statuses(http, bridge, expected, **bearer)
+    api_keys = []
+    for include_secrets in (False, True):  # only a caller with the token gets secrets, and only when it asks
+        status, config = await call_json(
+            http, bridge, "GetGlobalConfig", {"includeSecrets": include_secrets}, **bearer
+        )
+        assert (status, config["headServer"]) == (200, {"host": LOOPBACK, "port": bridge.port})
+        served = json.loads(config["configJson"])
+        api_keys.append(served["policy_model"]["responses_api_models"]["responses_api_models_impl"]["api_key"])
+    assert api_keys == ["<redacted>", "sk-live-123"]
+    url = f"{connect_url(bridge)}{PREFIX}/WatchServerStatuses"
+    async with http.post(url, data=envelope(b"{}"), headers={**STREAM_JSON, **bearer}) as answer:
+        flags, payload = await read_envelope(answer.content)
+    snapshot = json.loads(payload)
+    assert (flags, snapshot["type"]) == (0, "WATCH_EVENT_TYPE_SNAPSHOT")
+    assert {r["serverName"]: r["status"] for r in snapshot["reports"]} == expected
 
 
 async def test_stop_ends_open_watch_streams_within_the_grace_period(head_factory: HeadFactory, http) -> None:
