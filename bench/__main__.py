@@ -14,16 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import (
-    control_plane,
-    data_plane,
-    isolation,
-    memory,
-    metrics_cost,
-    report,
-    tracing_cost,
-    tracing_sampled_cost,
-)
+from bench import control_plane, data_plane, flag_cost, isolation, memory, report
 from bench.servers import ServerProcess
 from bench.stats import Row, table_lines
 
@@ -82,11 +73,11 @@ def run(plan: Plan, sections: set[str]) -> list[Row]:
             rows += asyncio.run(data_plane.run(data_port, plan.data))
         if "tracing" in sections:
             _progress("tracing cost")
-            rows += tracing_cost.rows_in_subprocess(data_port, quick=plan.quick)
-            rows += tracing_sampled_cost.rows_in_subprocess(data_port, quick=plan.quick)
+            rows += flag_cost.rows_in_subprocess("bench.tracing_cost", data_port, quick=plan.quick)
+            rows += flag_cost.rows_in_subprocess("bench.tracing_sampled_cost", data_port, quick=plan.quick)
         if "metrics" in sections:
             _progress("metrics cost")
-            rows += metrics_cost.rows_in_subprocess(data_port, quick=plan.quick)
+            rows += flag_cost.rows_in_subprocess("bench.metrics_cost", data_port, quick=plan.quick)
         if sections & {"control", "isolation"}:
             control_args = [
                 f"--servers={plan.control.servers}",

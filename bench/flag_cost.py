@@ -15,8 +15,10 @@ import dataclasses
 import json
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from bench.data_plane import Block, Post, make_client, ours_post
 from bench.servers import REPO_ROOT, ServerProcess
@@ -47,6 +49,18 @@ class FlagCost:
     install: Callable[[], None]
     timed_block: TimedBlock
     goals: Mapping[int, float] = field(default_factory=dict)  # concurrency -> minimum ratio
+
+
+@contextmanager
+def switched(state: Any, on: bool) -> Iterator[None]:
+    """gym_rpc's `state.enabled` flag (TRACING, METRICS) for one block: benchmarks only, as a process never turns
+    its switch off."""
+    previous = state.enabled
+    state.enabled = on
+    try:
+        yield
+    finally:
+        state.enabled = previous
 
 
 @dataclass
@@ -108,8 +122,8 @@ async def run(cost: FlagCost, port: int, plan: FlagPlan) -> list[Row]:
 
 
 def rows_in_subprocess(module: str, port: int, quick: bool = False) -> list[Row]:
-    """Run `python -m <module>` (a benchmark of this kind) in a fresh interpreter against the data server on
-    `port`; its rows."""
+    """Run `python -m <module>` (a benchmark of this kind) in a fresh interpreter, as a switch is decided per
+    process, against the data server on `port`; its rows."""
     command = [sys.executable, "-m", module, f"--port={port}", "--json", *(["--quick"] if quick else [])]
     completed = subprocess.run(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, timeout=600, check=True)
     return [Row(**fields) for fields in json.loads(completed.stdout)]

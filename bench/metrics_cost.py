@@ -10,12 +10,9 @@ check in `ServerClient.request` (the data-plane rows of `make bench` measure tha
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from bench import flag_cost
 from bench.data_plane import Block, Post, run_block
-from bench.stats import Row
 from gym_rpc.client._rollout import rollout_context
 from gym_rpc.metrics import METRICS, enable_client_metrics
 
@@ -31,19 +28,8 @@ def install_sdk_provider() -> None:
     enable_client_metrics()
 
 
-@contextmanager
-def metering(on: bool) -> Iterator[None]:
-    """gym_rpc's metrics flag for one block (benchmark only)."""
-    previous = METRICS.enabled
-    METRICS.enabled = on
-    try:
-        yield
-    finally:
-        METRICS.enabled = previous
-
-
 async def timed_block(post: Post, requests: int, concurrency: int, on: bool) -> Block:
-    with metering(on), rollout_context("bench-rollout"):
+    with flag_cost.switched(METRICS, on), rollout_context("bench-rollout"):
         return await run_block(post, requests, concurrency)
 
 
@@ -54,11 +40,6 @@ COST = flag_cost.FlagCost(
     install=install_sdk_provider,
     timed_block=timed_block,
 )
-
-
-def rows_in_subprocess(port: int, quick: bool = False) -> list[Row]:
-    """This benchmark in a fresh interpreter (the MeterProvider is per process) against the data server."""
-    return flag_cost.rows_in_subprocess("bench.metrics_cost", port, quick)
 
 
 if __name__ == "__main__":

@@ -12,15 +12,13 @@ port is given).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
 from bench import flag_cost
 from bench.data_plane import Block, Post, run_block
-from bench.stats import Row
 from gym_rpc.client._rollout import rollout_context
 from gym_rpc.telemetry import TRACING, setup_tracing
 
@@ -46,20 +44,9 @@ def install_sdk_provider(sampler: Sampler | None = None) -> None:
     setup_tracing(observability_enabled=True)
 
 
-@contextmanager
-def tracing(on: bool) -> Iterator[None]:
-    """gym_rpc's tracing flag for one block (benchmark only: a process never turns tracing off)."""
-    previous = TRACING.enabled
-    TRACING.enabled = on
-    try:
-        yield
-    finally:
-        TRACING.enabled = previous
-
-
 async def timed_block(post: Post, requests: int, concurrency: int, on: bool) -> Block:
     """One block inside a rollout (its id bound and, when traced, its span current), as a worker runs it."""
-    with tracing(on), rollout_context("bench-rollout", span=True):
+    with flag_cost.switched(TRACING, on), rollout_context("bench-rollout", span=True):
         return await run_block(post, requests, concurrency)
 
 
@@ -71,11 +58,6 @@ COST = flag_cost.FlagCost(
     timed_block=timed_block,
     goals={64: TRACED_OVER_UNTRACED_GOAL_AT_64},
 )
-
-
-def rows_in_subprocess(port: int, quick: bool = False) -> list[Row]:
-    """This benchmark in a fresh interpreter (tracing is decided per process) against the data server."""
-    return flag_cost.rows_in_subprocess("bench.tracing_cost", port, quick)
 
 
 if __name__ == "__main__":

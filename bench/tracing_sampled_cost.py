@@ -14,9 +14,9 @@ import sys
 
 from bench import flag_cost
 from bench.data_plane import Block, Post, run_block
-from bench.stats import Row
-from bench.tracing_cost import install_sdk_provider, tracing
+from bench.tracing_cost import install_sdk_provider
 from gym_rpc.client._rollout import rollout_context
+from gym_rpc.telemetry import TRACING
 
 SAMPLED_FRACTION = 0.1
 CALLS_PER_ROLLOUT = 8
@@ -37,7 +37,7 @@ async def timed_block(post: Post, requests: int, concurrency: int, on: bool) -> 
             for _ in range(CALLS_PER_ROLLOUT):
                 await post()
 
-    with tracing(on):
+    with flag_cost.switched(TRACING, on):
         block = await run_block(rollout, max(requests // CALLS_PER_ROLLOUT, 1), concurrency)
     return Block(block.requests_per_second * CALLS_PER_ROLLOUT, block.cpu_us_per_request / CALLS_PER_ROLLOUT)
 
@@ -50,11 +50,6 @@ COST = flag_cost.FlagCost(
     install=install_sampling_provider,
     timed_block=timed_block,
 )
-
-
-def rows_in_subprocess(port: int, quick: bool = False) -> list[Row]:
-    """This benchmark in a fresh interpreter (tracing is decided per process) against the data server."""
-    return flag_cost.rows_in_subprocess("bench.tracing_sampled_cost", port, quick)
 
 
 if __name__ == "__main__":
