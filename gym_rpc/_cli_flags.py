@@ -13,6 +13,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
+from gym_rpc.config import MIN_PROBE_INTERVAL_SECONDS
+
 ENV_ERRORS_ATTRIBUTE = "gym_rpc_env_errors"  # set on a parser: the bad variables found while building it
 
 
@@ -48,6 +50,14 @@ def positive_float(text: str) -> float:
     value = _seconds(text)
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
+def probe_interval(text: str) -> float:
+    """A probe interval: positive seconds, no shorter than a head accepts (a shorter one keeps a core busy)."""
+    value = positive_float(text)
+    if value < MIN_PROBE_INTERVAL_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_PROBE_INTERVAL_SECONDS:g} seconds, not {text}")
     return value
 
 

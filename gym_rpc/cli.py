@@ -26,6 +26,7 @@ from gym_rpc._cli_flags import (
     non_negative_float,
     port_number,
     positive_float,
+    probe_interval,
 )
 from gym_rpc._logging import LOG_FORMATS, LOG_LEVELS, configure_logging
 from gym_rpc.client._channel import DEFAULT_TIMEOUT_SECONDS
@@ -142,9 +143,9 @@ def _add_serving_flags(parser: argparse.ArgumentParser) -> None:
         "--probe-interval",
         env=PROBE_INTERVAL_ENV_VAR,
         default=2.0,
-        parse=positive_float,
+        parse=probe_interval,
         metavar="S",
-        help="seconds between status probe rounds",
+        help="seconds between status probe rounds (at least 0.05)",
     )
     env_flag(
         parser,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import shutil
 import socket
 import struct
@@ -362,6 +363,15 @@ async def test_the_bridge_serves_connect_with_its_own_token(
     snapshot = json.loads(payload)
     assert (flags, snapshot["type"]) == (0, "WATCH_EVENT_TYPE_SNAPSHOT")
     assert {r["serverName"]: r["status"] for r in snapshot["reports"]} == expected
+
+
+async def test_uvicorn_logs_only_its_warnings(head_factory: HeadFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """The head's startup line announces the Connect port; uvicorn's own INFO lines ("Started server process",
+    "Shutting down", under the logger "uvicorn.error") would only mislead an operator."""
+    caplog.set_level(logging.INFO)
+    head = await head_factory(document({"tools": server_entry(closed_port())}), connect_port=0)
+    await head.stop()
+    assert [record.getMessage() for record in caplog.records if record.name.startswith("uvicorn")] == []
 
 
 async def test_stop_ends_open_watch_streams_within_the_grace_period(head_factory: HeadFactory, http) -> None:

@@ -210,6 +210,7 @@ class ConnectServer:
             http="h11",
             ws="none",
             log_config=None,
+            log_level="warning",  # no INFO "Started server process" as "uvicorn.error": the head announces it
             access_log=False,
             server_header=False,
             limit_concurrency=MAX_CONNECTIONS,

@@ -22,7 +22,14 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from grpc_reflection.v1alpha import reflection
 
 from gym_rpc._telemetry_switches import TELEMETRY_KEY
-from gym_rpc.config import GlobalConfig, ServerEntry, checked_port, checked_seconds, url_host
+from gym_rpc.config import (
+    GlobalConfig,
+    ServerEntry,
+    checked_port,
+    checked_probe_interval,
+    checked_seconds,
+    url_host,
+)
 from gym_rpc.errors import ConfigError, GymRpcError
 from gym_rpc.metrics import metrics_disabled, setup_metrics
 from gym_rpc.server import _events as events
@@ -79,7 +86,7 @@ class HeadOptions:
 
     def __post_init__(self) -> None:
         """Refuse what would spin (a 0 interval), never end (nan, inf) or bind another port (70000 wraps)."""
-        checked_seconds(self.probe_interval_seconds, "the probe interval (--probe-interval)")
+        checked_probe_interval(self.probe_interval_seconds)
         checked_seconds(self.probe_timeout_seconds, "the probe timeout (--probe-timeout)")
         checked_port(self.port, "the head port (--port)")
         checked_port(self.http_port, "the HTTP head port (--http-port)")
