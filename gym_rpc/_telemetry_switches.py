@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from gym_rpc._environment import NEMO_GYM_TELEMETRY_PREFIXES
+
 TELEMETRY_KEY = "telemetry"  # NeMo Gym's top-level config block
-GYM_PREFIXES = ("NEMO_GYM_OTEL", "NEMO_LENS")  # read in this order, as NeMo Gym's NemoLensConfig.from_env
 _TRUTHY = frozenset({"1", "true", "yes", "on"})
 # The block's fields -> the key after the prefix.
 _BLOCK_KEYS = {"enabled": "ENABLED", "traces_enabled": "TRACES_ENABLED", "metrics_enabled": "METRICS_ENABLED"}
@@ -31,7 +32,7 @@ SIGNAL_EXPORTER_VARIABLES = {"TRACES": "OTEL_TRACES_EXPORTER", "METRICS": "OTEL_
 
 
 def _variable(environ: Mapping[str, str], key: str) -> str | None:
-    for prefix in GYM_PREFIXES:
+    for prefix in NEMO_GYM_TELEMETRY_PREFIXES:  # in this order, as NeMo Gym's NemoLensConfig.from_env
         value = (environ.get(f"{prefix}_{key}") or "").strip()
         if value:
             return value

@@ -14,6 +14,7 @@ import socket
 import threading
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -219,7 +220,7 @@ class HttpPools:
 
 
 # What may be worth another attempt: a dropped connection (ServerDisconnectedError, ClientOSError) and a refused
-# or unreachable server (ClientConnectorError, a ClientOSError too). `resend` decides; nothing else is retried.
+# or unreachable server (ClientConnectorError, a ClientOSError too). `send` decides; nothing else is retried.
 RESENDABLE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
@@ -237,38 +238,17 @@ async def send(
     A dropped connection (ServerDisconnectedError, ClientOSError) is resent only when the caller allows it. A
     refused or unreachable server (ClientConnectorError) never received the request, so it is retried as well and
     then reported as ServerUnreachableError naming the URL. Nothing else is retried.
-
-    The hot path (ServerClient.request) inlines the first attempt and calls `resend` only after a failure, which
-    saves a coroutine level on every call; the two must stay in step.
     """
-    try:
-        return await session.request(method, url, **kwargs)
-    except RESENDABLE_ERRORS as error:
-        return await resend(session, method, url, retry, resend_after_disconnect, kwargs, error, on_resend)
-
-
-async def resend(
-    session: aiohttp.ClientSession,
-    method: str,
-    url: str,
-    retry: RetryPolicy,
-    resend_after_disconnect: bool,
-    kwargs: _RequestOptions,
-    error: aiohttp.ClientError,
-    on_resend: Callable[[int], None] | None = None,
-) -> aiohttp.ClientResponse:
-    """The attempts after a first one failed with `error`, with backoff, until one returns or the last fails."""
     attempt = 1
     while True:
-        _raise_unless_resendable(error, url, attempt, retry, resend_after_disconnect)
+        try:
+            return await session.request(method, url, **kwargs)
+        except RESENDABLE_ERRORS as error:
+            _raise_unless_resendable(error, url, attempt, retry, resend_after_disconnect)
         await asyncio.sleep(retry.backoff_seconds(attempt))
         attempt += 1
         if on_resend is not None:
             on_resend(attempt)
-        try:
-            return await session.request(method, url, **kwargs)
-        except RESENDABLE_ERRORS as next_error:
-            error = next_error
 
 
 def _raise_unless_resendable(
@@ -283,6 +263,27 @@ def _raise_unless_resendable(
         return
     if not resend_after_disconnect or attempt >= retry.attempts:
         raise error
+
+
+@dataclass(slots=True)
+class ObservedCall:
+    """A data-plane call as the observed paths take it (`traced_send`, client._metrics.metered_send): made only
+    while tracing or metrics are on, so the plain path pays nothing for it."""
+
+    session: aiohttp.ClientSession
+    method: str
+    base_url: str
+    url_path: str
+    retry: RetryPolicy
+    resend_after_disconnect: bool
+    kwargs: _RequestOptions
+    server_name: str
+
+    async def send(self, on_resend: Callable[[int], None] | None = None) -> aiohttp.ClientResponse:
+        url = self.base_url + self.url_path
+        return await send(
+            self.session, self.method, url, self.retry, self.resend_after_disconnect, self.kwargs, on_resend
+        )
 
 
 def request_timeout_error(

@@ -1,11 +1,10 @@
 """A traced data-plane call: `send` as one CLIENT span whose context goes out in the `traceparent` header.
 
 It runs on every call of a traced worker, so it does as little as it can around the SDK's span (measured by the
-`tracing` rows of `make bench`): the static attributes of a (method, server) pair are built once; the first
-attempt is sent inline, the resend counter made only after a failure; and with the default propagators (W3C trace
-context and baggage) and no baggage or trace state to carry, the `traceparent` value is formatted directly, the
-very string the propagator writes, without building a context for it. Any other propagator, baggage or trace state
-goes through `opentelemetry.propagate` as usual.
+`tracing` rows of `make bench`): the static attributes of a (method, server) pair are built once; and with the
+default propagators (W3C trace context and baggage) and no baggage or trace state to carry, the `traceparent`
+value is formatted directly, the very string the propagator writes, without building a context for it. Any other
+propagator, baggage or trace state goes through `opentelemetry.propagate` as usual.
 
 Sampling is decided once per rollout: under a parent-based sampler (the SDK's default) a call whose parent span,
 e.g. its rollout's (`rollout_context(id, span=True)`), was not sampled could only get an unsampled span, so it
@@ -17,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -29,7 +28,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from gym_rpc.client._aiohttp_instrumentation import request_context as instrumentation_request_context
 from gym_rpc.client._aiohttp_instrumentation import session_instrumented
-from gym_rpc.client._http import RESENDABLE_ERRORS, RetryPolicy, resend, send
+from gym_rpc.client._http import ObservedCall
 from gym_rpc.client._rollout import current_rollout_id
 from gym_rpc.telemetry import (
     ROLLOUT_ID_ATTRIBUTE,
@@ -44,9 +43,6 @@ from gym_rpc.telemetry import (
     span_name,
     tracer,
 )
-
-if TYPE_CHECKING:
-    from aiohttp.client import _RequestOptions
 
 HTTP_REQUEST_RESEND_COUNT = "http.request.resend_count"  # OpenTelemetry http semantic conventions
 TRACEPARENT_HEADER = "traceparent"
@@ -121,17 +117,9 @@ def _resend_counter(span: trace.Span, on_resend: Callable[[int], None] | None) -
 
 
 async def traced_send(
-    session: aiohttp.ClientSession,
-    method: str,
-    base_url: str,
-    url_path: str,
-    retry: RetryPolicy,
-    resend_after_disconnect: bool,
-    kwargs: _RequestOptions,
-    server_name: str,
-    on_resend: Callable[[int], None] | None = None,
+    call: ObservedCall, on_resend: Callable[[int], None] | None = None
 ) -> aiohttp.ClientResponse:
-    """`send` as a CLIENT span whose context goes out in the `traceparent` header; a resent call carries
+    """`call.send()` as a CLIENT span whose context goes out in the `traceparent` header; a resent call carries
     `http.request.resend_count` (the number of attempts after the first).
 
     The span ends when the response headers arrive (the caller reads the body) and covers the resends. It is never
@@ -139,31 +127,24 @@ async def traced_send(
     session that aiohttp's OpenTelemetry instrumentation traces, its spans are the CLIENT spans (one per attempt)
     and ours only adds attributes to them (gym_rpc.client._aiohttp_instrumentation).
     """
-    url = base_url + url_path
-    rollout_id = current_rollout_id()
-    if session_instrumented(session):
-        return await _send_with_attributes(
-            session, method, url, retry, resend_after_disconnect, kwargs, server_name, rollout_id, on_resend
-        )
+    kwargs, rollout_id = call.kwargs, current_rollout_id()
+    if session_instrumented(call.session):
+        return await _send_with_attributes(call, rollout_id, on_resend)
     parent = trace.get_current_span()
     parent_context = parent.get_span_context()
     if parent_context.is_valid and not parent_context.trace_flags.sampled:
         active = tracer()
         if _unsampled_parents_stay_unsampled(getattr(active, "sampler", None)):
             kwargs["headers"] = trace_context_headers(kwargs.get("headers"), parent)
-            return await send(session, method, url, retry, resend_after_disconnect, kwargs, on_resend)
-    name, static = _static_attributes(method, base_url, server_name)
-    attributes = {**static, URL_FULL: url}
+            return await call.send(on_resend)
+    name, static = _static_attributes(call.method, call.base_url, call.server_name)
+    attributes = {**static, URL_FULL: call.base_url + call.url_path}
     if rollout_id is not None:
         attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
     span = tracer().start_span(name, kind=_CLIENT, attributes=attributes)
     try:
         kwargs["headers"] = trace_context_headers(kwargs.get("headers"), span)
-        try:  # the first attempt inlined, as in ServerClient.request
-            response = await session.request(method, url, **kwargs)
-        except RESENDABLE_ERRORS as error:
-            counter = _resend_counter(span, on_resend)
-            response = await resend(session, method, url, retry, resend_after_disconnect, kwargs, error, counter)
+        response = await call.send(_resend_counter(span, on_resend))
     except BaseException as error:
         record_failure(span, error)
         raise
@@ -175,18 +156,11 @@ async def traced_send(
 
 
 async def _send_with_attributes(
-    session: aiohttp.ClientSession,
-    method: str,
-    url: str,
-    retry: RetryPolicy,
-    resend_after_disconnect: bool,
-    kwargs: _RequestOptions,
-    server_name: str,
-    rollout_id: str | None,
-    on_resend: Callable[[int], None] | None,
+    call: ObservedCall, rollout_id: str | None, on_resend: Callable[[int], None] | None
 ) -> aiohttp.ClientResponse:
-    """`send` on a session aiohttp's instrumentation traces: its span is the CLIENT span, ours adds attributes."""
-    gym_attributes: dict[str, Any] = {SERVER_NAME_ATTRIBUTE: server_name}
+    """`call.send()` on a session aiohttp's instrumentation traces: its span is the CLIENT span, ours adds
+    attributes."""
+    gym_attributes: dict[str, Any] = {SERVER_NAME_ATTRIBUTE: call.server_name}
     if rollout_id is not None:
         gym_attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
 
@@ -195,5 +169,5 @@ async def _send_with_attributes(
         if on_resend is not None:
             on_resend(attempt)
 
-    kwargs["trace_request_ctx"] = instrumentation_request_context(gym_attributes)
-    return await send(session, method, url, retry, resend_after_disconnect, kwargs, count_instrumented_resend)
+    call.kwargs["trace_request_ctx"] = instrumentation_request_context(gym_attributes)
+    return await call.send(count_instrumented_resend)
