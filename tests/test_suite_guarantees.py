@@ -94,3 +94,17 @@ def test_every_test_security_md_names_exists() -> None:
     named, missing = _tests_named_but_missing("SECURITY.md")
     assert named > 20
     assert missing == []
+
+
+def test_every_defended_line_of_security_md_names_a_test_that_exists() -> None:
+    """Each row of SECURITY.md's "What is defended" table names at least one test (that each exists is checked
+    above), so no defence is listed without its proof."""
+    text = (Path(__file__).resolve().parent.parent / "SECURITY.md").read_text(encoding="utf-8")
+    section = text.split("## What is defended, and the test that proves it", 1)[1].split("\n## ", 1)[0]
+    rows = [
+        line
+        for line in section.splitlines()
+        if line.startswith("| ") and not line.startswith(("| defended", "| ---"))
+    ]
+    assert len(rows) > 20
+    assert [row for row in rows if not re.search(r"`(?:tests/)?(?:test_\w+\.py)?::test_\w+", row)] == []
