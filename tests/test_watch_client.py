@@ -104,7 +104,8 @@ async def test_an_error_not_worth_waiting_out_is_raised_at_once(head_factory) ->
         async for _ in watch:
             pass
     assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
-    assert retries.calls == []
+    # A loaded machine may fail the first connect (UNAVAILABLE is waited out); UNAUTHENTICATED never is.
+    assert grpc.StatusCode.UNAUTHENTICATED not in {code for code, _ in retries.calls}
 
 
 def test_sync_watch_gives_up_after_max_wait() -> None:
