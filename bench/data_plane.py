@@ -25,11 +25,13 @@ from typing import Any
 
 import aiohttp
 import orjson
+from aiohttp.payload import JsonPayload
 from omegaconf import OmegaConf
 
-from bench.stats import Row, median, percentile, ratio_row
+from bench.stats import Row, interleaved_latencies, median, percentile, ratio_row
 from gym_rpc.client._http import HttpClientSettings, close_http_sessions
 from gym_rpc.client.server_client import ServerClient
+from gym_rpc.client.server_client import _json_payload as json_body_payload
 from gym_rpc.config import BaseServerConfig
 
 SERVER_NAME = "policy_model"
@@ -168,6 +170,29 @@ def rows_of(comparison: Comparison) -> list[Row]:
     ]
 
 
+def serialisation_row(pairs: int, batch: int = 200) -> Row:
+    """What a `json=` body costs to serialise: gym_rpc's (orjson, as NeMo Gym's client) against aiohttp's own
+    `json=` (a JsonPayload made with the standard library's `json.dumps`), both into the payload aiohttp sends."""
+
+    def ours() -> None:
+        for _ in range(batch):
+            json_body_payload(PAYLOAD)
+
+    def aiohttp_default() -> None:
+        for _ in range(batch):
+            JsonPayload(PAYLOAD)
+
+    mine, theirs = interleaved_latencies(ours, aiohttp_default, pairs)
+    return ratio_row(
+        "data plane",
+        f"serialise a json= body (~1 KB) into the payload sent (median of {pairs} interleaved batches)",
+        f"orjson: {mine.p50_ms * 1e3 / batch:.1f} µs",
+        f"aiohttp's json= (json.dumps): {theirs.p50_ms * 1e3 / batch:.1f} µs",
+        theirs.p50_ms / mine.p50_ms,
+        1.0,
+    )
+
+
 @dataclass(frozen=True)
 class DataPlanePlan:
     concurrencies: tuple[int, ...] = (1, 64, 512)
@@ -177,16 +202,17 @@ class DataPlanePlan:
     # about three times as much per second of bench.
     requests: tuple[int, ...] = (100, 256, 512)
     rounds: int = 80
+    serialisation_pairs: int = 50
 
 
-QUICK_DATA_PLANE = DataPlanePlan(requests=(20, 64, 512), rounds=1)
+QUICK_DATA_PLANE = DataPlanePlan(requests=(20, 64, 512), rounds=1, serialisation_pairs=3)
 
 
 async def run(port: int, plan: DataPlanePlan) -> list[Row]:
     client = make_client(port)
     url = f"http://127.0.0.1:{port}{PATH}"
     session = raw_session()
-    rows: list[Row] = []
+    rows = [serialisation_row(plan.serialisation_pairs)]
     gc.collect()
     gc.freeze()  # what this process built before measuring (imports, clients, servers' handles) is settled heap
     try:
