@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 BUF := node_modules/.bin/buf
 RELEASED_CONTRACT := proto/released/gym_rpc_v1.binpb
+RELEASED_VERSION := proto/released/VERSION
 STAMP := $(VENV)/.installed
 
 .PHONY: install proto stubs release-contract lint test run demo bench bench-scale mutate clean nemo-gym-venv
@@ -34,10 +35,12 @@ stubs: $(BUF)
 	$(PYTHON) tools/package_stubs.py stubs
 	npm pack --silent --pack-destination stubs ./stubs/npm
 
-# Record proto/ as the released contract: `make lint` runs `buf breaking` against this image. Run it only when
-# releasing; within v1 the image must stay what it was, or breaking changes would slip through.
+# Record proto/ as the released contract, with its version (proto/VERSION): `make lint` runs `buf breaking` against
+# this image. Run it only when releasing; within v1 the image must stay what it was, or breaking changes would slip
+# through. tests/test_interop.py checks that proto/VERSION is raised whenever proto/ differs from this image.
 release-contract: $(BUF)
 	$(BUF) build -o $(RELEASED_CONTRACT)
+	cp proto/VERSION $(RELEASED_VERSION)
 
 lint: install
 	$(BIN)/ruff check .

@@ -132,10 +132,10 @@ def wait_until_probed(address: str, timeout: float) -> None:
 _connections = itertools.count()
 
 
-def channels(address: str, streams: int) -> list[grpc.aio.Channel]:
+def channels(address: str, streams: int, per_channel: int = STREAMS_PER_CHANNEL) -> list[grpc.aio.Channel]:
     """Enough connections for `streams` concurrent streams. Each channel gets an argument no other has: gRPC
     shares one connection between channels with equal arguments, and the head queues streams past 128 on one."""
-    count = max(1, math.ceil(streams / STREAMS_PER_CHANNEL))
+    count = max(1, math.ceil(streams / per_channel))
     return [
         grpc.aio.insecure_channel(
             address, options=[("grpc.enable_http_proxy", 0), ("bench.connection", next(_connections))]
@@ -230,6 +230,21 @@ class WatchRow:
     last_fanout_ms: list[float] = field(default_factory=list)  # per change: the last watcher
     death_to_last_ms: list[float] = field(default_factory=list)  # per death: kill -> the last watcher heard it
     rss_mib: float = math.nan
+    head_cpu_us: float = math.nan  # head CPU per change per watcher, above its idle rate
+    client_cpu_us: float = math.nan  # the watchers' process CPU per change per watcher, above its idle rate
+
+
+def cpu_both(head_pid: int) -> tuple[float, float]:
+    """CPU seconds so far of the head and of this process (every thread: gRPC's pollers included)."""
+    return cpu_seconds(head_pid), time.process_time()
+
+
+async def idle_cpu_rates(head_pid: int, seconds: float) -> tuple[float, float]:
+    """CPU seconds per second the head and this process use while nothing changes (probes, heartbeats)."""
+    before, started = cpu_both(head_pid), time.monotonic()
+    await asyncio.sleep(seconds)
+    after, elapsed = cpu_both(head_pid), time.monotonic() - started
+    return (after[0] - before[0]) / elapsed, (after[1] - before[1]) / elapsed
 
 
 class Watchers:
@@ -305,6 +320,8 @@ async def measure_watchers(servers: Child, ports: list[int], plan: ScalePlan) ->
             for w in plan.watchers:
                 await watchers.add(w - len(watchers.tasks))
                 row = WatchRow(w, rss_mib=rss_mib(head.pid))
+                idle = await idle_cpu_rates(head.pid, plan.idle_seconds / 2)
+                cpu_before, started = cpu_both(head.pid), time.monotonic()
                 for _ in range(plan.watch_rounds):
                     for command, status in (
                         ("stop 0", "SERVER_STATUS_CONNECTION_ERROR"),
@@ -318,6 +335,11 @@ async def measure_watchers(servers: Child, ports: list[int], plan: ScalePlan) ->
                         row.last_fanout_ms.append(max(fanouts))
                         if command.startswith("stop"):
                             row.death_to_last_ms.append((max(r for r, _ in heard) - acted_at) * 1e3)
+                cpu_after, elapsed = cpu_both(head.pid), time.monotonic() - started
+                changes = 2 * plan.watch_rounds
+                row.head_cpu_us, row.client_cpu_us = (
+                    (cpu_after[i] - cpu_before[i] - idle[i] * elapsed) / changes / w * 1e6 for i in (0, 1)
+                )
                 rows.append(row)
                 print(
                     f"  watchers W={w}: fan-out p50 {median(row.fanout_ms):.1f} ms, "
@@ -340,6 +362,7 @@ class PollRow:
     direct_calls_per_second: float
     direct_probes_per_second: float
     window_seconds: float
+    head_refused: int = 0  # calls the head refused (UNAVAILABLE), not counted as calls
 
     @property
     def head_probes_per_window(self) -> float:
@@ -351,27 +374,38 @@ async def _closed_loop(pollers: int, seconds: float, call: Any) -> int:
     done = 0
     stop_at = time.monotonic() + seconds
 
-    async def poller() -> None:
+    async def poller(index: int) -> None:
         nonlocal done
         while time.monotonic() < stop_at:
-            await call()
+            await call(index)
             done += 1
 
-    await asyncio.gather(*(poller() for _ in range(pollers)))
+    await asyncio.gather(*(poller(i) for i in range(pollers)))
     return done
 
 
-def _head_poll(address: str, pollers: int, request: pb.GetServerStatusRequest) -> Any:
-    """One status call through the head, spread over enough connections for `pollers` concurrent calls."""
-    stubs = [pb_grpc.ControlPlaneServiceStub(c) for c in channels(address, pollers)]
-    calls = 0
+async def _head_poll(address: str, pollers: int, request: pb.GetServerStatusRequest) -> Any:
+    """One status call through the head; poller i always uses connection i % n, so no connection carries more
+    concurrent calls than the head's 128 streams (connected first, so the head's limits are known)."""
+    # Half the head's stream limit per connection: calls back to back briefly overlap ended streams the head has
+    # not reaped yet, and a stream past the limit is refused (RST_STREAM REFUSED_STREAM).
+    connections = channels(address, pollers, per_channel=50)
+    for channel in connections:
+        await asyncio.wait_for(channel.channel_ready(), 30)
+    stubs = [pb_grpc.ControlPlaneServiceStub(c) for c in connections]
 
-    async def via_head() -> None:
-        nonlocal calls
-        calls += 1
-        await stubs[calls % len(stubs)].GetServerStatus(request, timeout=30)
+    async def via_head(index: int) -> None:
+        try:
+            await stubs[index % len(stubs)].GetServerStatus(request, timeout=30)
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            REFUSED[0] += 1  # counted, and this poll is not: the loop asks again
 
     return via_head
+
+
+REFUSED = [0]  # head calls refused with UNAVAILABLE during the pollers' runs
 
 
 async def measure_pollers(servers: Child, ports: list[int], plan: ScalePlan) -> list[PollRow]:
@@ -382,11 +416,12 @@ async def measure_pollers(servers: Child, ports: list[int], plan: ScalePlan) -> 
         await asyncio.to_thread(wait_until_probed, address, 60)
         window = plan.probe_interval / 2  # the head's default freshness window
         for p in plan.pollers:
-            via_head = _head_poll(address, p, pb.GetServerStatusRequest(server_name=target))
+            via_head = await _head_poll(address, p, pb.GetServerStatusRequest(server_name=target))
 
             before = (await asyncio.to_thread(servers.ask, "counts"))[0]
             started = time.monotonic()
-            head_calls = await _closed_loop(p, plan.poll_seconds, via_head)
+            refused_before = REFUSED[0]
+            head_calls = await _closed_loop(p, plan.poll_seconds, via_head) - (REFUSED[0] - refused_before)
             head_elapsed = time.monotonic() - started
             head_probes = (await asyncio.to_thread(servers.ask, "counts"))[0] - before
 
@@ -394,7 +429,7 @@ async def measure_pollers(servers: Child, ports: list[int], plan: ScalePlan) -> 
             connector = aiohttp.TCPConnector(limit=0, force_close=True)
             async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
 
-                async def direct() -> None:
+                async def direct(index: int) -> None:
                     async with session.get(url, timeout=aiohttp.ClientTimeout(total=30)) as response:
                         await response.read()
 
@@ -411,6 +446,7 @@ async def measure_pollers(servers: Child, ports: list[int], plan: ScalePlan) -> 
                     direct_calls / direct_elapsed,
                     direct_probes / direct_elapsed,
                     window,
+                    REFUSED[0] - refused_before,
                 )
             )
             print(f"  pollers P={p}: {rows[-1]}", file=sys.stderr)
@@ -419,6 +455,11 @@ async def measure_pollers(servers: Child, ports: list[int], plan: ScalePlan) -> 
 
 
 # --- report ------------------------------------------------------------------------------------------------------
+
+
+def _above_idle(micros: float) -> str:
+    """A CPU figure above the idle rate; at or below it (tick granularity, noise) it is ~0."""
+    return f"{micros:.0f} µs" if micros > 0 else "~0"
 
 
 def _growth(values: list[float], sizes: tuple[int, ...]) -> str:
@@ -492,16 +533,21 @@ def render(
         "death to last watcher also includes detection, which waits for the next probe round (up to the probe "
         f"interval, {plan.probe_interval:g} s).",
         "",
+        "Per change and watcher, the CPU the head and the watchers' process (all W watches, one Python process) "
+        "spent above their idle rates, read from /proc and `time.process_time()` over all changes (the head's "
+        f"in 1/{CLOCK_TICKS} s ticks).",
+        "",
         "| W | fan-out p50 | fan-out p99 | last watcher p50 (per change) | death → last watcher p50 | head RSS | "
-        "fan-out p50 per watcher |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "fan-out p50 per watcher | head CPU per watcher | watchers' CPU per watcher |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for watch_row in watchers:
         p50 = median(watch_row.fanout_ms)
         lines.append(
             f"| {watch_row.watchers} | {p50:.1f} ms | {percentile(watch_row.fanout_ms, 0.99):.1f} ms | "
             f"{median(watch_row.last_fanout_ms):.1f} ms | {median(watch_row.death_to_last_ms):.0f} ms | "
-            f"{watch_row.rss_mib:.1f} MiB | {p50 / watch_row.watchers * 1e3:.1f} µs |"
+            f"{watch_row.rss_mib:.1f} MiB | {p50 / watch_row.watchers * 1e3:.1f} µs | "
+            f"{_above_idle(watch_row.head_cpu_us)} | {_above_idle(watch_row.client_cpu_us)} |"
         )
     if len(watchers) > 1:
         rss_per_watcher = (watchers[-1].rss_mib - watchers[0].rss_mib) / (
@@ -512,6 +558,16 @@ def render(
             "",
             f"Growth: head RSS {rss_per_watcher * 1024:.1f} KiB per watcher; time to the last watcher per watcher "
             f"{_growth(per_watcher, plan.watchers)}.",
+        ]
+        largest = watchers[-1]
+        head_ms, client_ms = (us * largest.watchers / 1e3 for us in (largest.head_cpu_us, largest.client_cpu_us))
+        lines += [
+            "",
+            f"What the time to the last watcher is made of at W = {largest.watchers}: the message is built and "
+            "serialised once, but gRPC still sends it on each stream and wakes each watch's task, "
+            f"{largest.head_cpu_us:.0f} µs of head CPU per watcher ({head_ms:.0f} ms per change), and the "
+            f"watchers' one process spends {largest.client_cpu_us:.0f} µs per watcher receiving ({client_ms:.0f} "
+            "ms), both on this machine's two cores shared with the other sessions' load.",
         ]
     lines += [
         "",
@@ -533,8 +589,42 @@ def render(
             f"| {poll_row.pollers} | {poll_row.head_calls_per_second:.0f} | {head_per_window:.2f} | "
             f"{poll_row.direct_calls_per_second:.0f} | {direct_per_window:.0f} | {saved:.0f}x |"
         )
-    lines.append("")
+    lines += _goals(servers, watchers, pollers)
+    refused = sum(r.head_refused for r in pollers)
+    lines += [
+        "",
+        f"Calls the head refused during these runs (UNAVAILABLE, streams past a connection's limit): {refused}.",
+        "",
+    ]
     return "\n".join(lines)
+
+
+def _goals(servers: list[ServersRow], watchers: list[WatchRow], pollers: list[PollRow]) -> list[str]:
+    """The issue's goals, each with the figure that decides it."""
+    rows: list[tuple[str, str, bool]] = []
+    if watchers:
+        largest = watchers[-1]
+        p99 = percentile(largest.fanout_ms, 0.99)
+        rows.append((f"fan-out p99 < 100 ms at W = {largest.watchers}", f"{p99:.1f} ms", p99 < 100))
+    worst = max(r.head_probes_per_window for r in pollers)
+    rows.append(("probes received per window <= 1, whatever P", f"at most {worst:.2f}", worst <= 1.05))
+    hundred = [r for r in servers if r.servers == 100]
+    if hundred:
+        idle = hundred[0].idle_cpu_percent
+        rows.append(("head idle CPU < 2 % of a core with 100 servers", f"{idle:.2f} %", idle < 2))
+    per_server = [r.idle_cpu_percent / r.servers for r in servers]
+    if per_server[0]:  # a head too idle to measure at the smallest N has no ratio
+        ratio = per_server[-1] / per_server[0]
+        rows.append(
+            ("idle CPU per server flat (linear total) from smallest to largest N", f"x {ratio:.2f}", ratio <= 1.5)
+        )
+    if len(watchers) > 1:
+        per_watcher = [median(r.last_fanout_ms) / r.watchers for r in watchers]
+        ratio = per_watcher[-1] / per_watcher[0]
+        rows.append(("time to the last watcher per watcher flat", f"x {ratio:.2f}", ratio <= 1.5))
+    lines = ["", "## Goals", "", "| goal | figure | met |", "| --- | --- | --- |"]
+    lines += [f"| {goal} | {figure} | {'yes' if met else 'NO'} |" for goal, figure, met in rows]
+    return lines
 
 
 async def run(plan: ScalePlan, out: Path | None) -> str:

@@ -18,6 +18,7 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -117,17 +118,23 @@ class Child:
     """A `python -m bench.scale_procs ...` child: started, waited for (bounded), talked to, stopped."""
 
     def __init__(self, *args: str, ready_timeout: float = 120.0) -> None:
+        # The child's log (the head logs status changes of overloaded servers) is not the report, but says why
+        # a child did not start.
+        self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in stop(), after the child)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "bench.scale_procs", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=self._log,
             text=True,
             cwd=REPO_ROOT,
         )
         line = self._read_line(ready_timeout)
         if not line.startswith(READY_PREFIX):
             self.stop()
-            raise RuntimeError(f"{args[0]} did not start within {ready_timeout}s")
+            self._log.seek(0)
+            log = self._log.read()[-2000:]
+            raise RuntimeError(f"{args[0]} did not start within {ready_timeout}s; its stderr ends:\n{log}")
         self.info: dict[str, Any] = json.loads(line[len(READY_PREFIX) :])
 
     @property
@@ -153,17 +160,20 @@ class Child:
         return json.loads(line)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-        for stream in (self.process.stdin, self.process.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
+        """Close its stdin (it ends by itself on EOF); SIGTERM, then SIGKILL, only for a child that does not. A
+        signal alone would leave it waiting on the thread that reads stdin, which no signal stops."""
+        if self.process.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.process.stdin.close()
+        for ending in (None, self.process.terminate, self.process.kill):
+            if ending is not None:
+                ending()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(10)
+                break
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        self._log.close()
 
 
 def main() -> None:

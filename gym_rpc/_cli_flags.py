@@ -13,6 +13,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
+from gym_rpc.config import MIN_PROBE_INTERVAL_SECONDS
+
 ENV_ERRORS_ATTRIBUTE = "gym_rpc_env_errors"  # set on a parser: the bad variables found while building it
 
 
@@ -36,23 +38,32 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def positive_float(text: str) -> float:
-    """A positive, finite number of seconds: 0 spins a core, nan and inf never end."""
+def _seconds(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, not {text!r}") from None
+
+
+def positive_float(text: str) -> float:
+    """A positive, finite number of seconds: 0 spins a core, nan and inf never end."""
+    value = _seconds(text)
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
     return value
 
 
+def probe_interval(text: str) -> float:
+    """A probe interval: positive seconds, no shorter than a head accepts (a shorter one keeps a core busy)."""
+    value = positive_float(text)
+    if value < MIN_PROBE_INTERVAL_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_PROBE_INTERVAL_SECONDS:g} seconds, not {text}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     """A number of seconds >= 0 (NaN and negatives refused with a clear message)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    value = _seconds(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
     return value

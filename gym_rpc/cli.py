@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gym_rpc import __version__
 from gym_rpc._cli_flags import (
@@ -25,13 +26,25 @@ from gym_rpc._cli_flags import (
     non_negative_float,
     port_number,
     positive_float,
+    probe_interval,
 )
 from gym_rpc._logging import LOG_FORMATS, LOG_LEVELS, configure_logging
 from gym_rpc.client._channel import DEFAULT_TIMEOUT_SECONDS
 from gym_rpc.client._control import SyncControlClient, WatchEvent
-from gym_rpc.config import GlobalConfig, default_config_text, load_config_file, parse_config_text, url_host
-from gym_rpc.errors import GymRpcError, HeadUnreachableError, UnknownServerError
+from gym_rpc.client._watch import SyncStatusWatch
+from gym_rpc.config import (
+    HEAD_SERVER_KEY,
+    GlobalConfig,
+    default_config_text,
+    load_config_file,
+    parse_config_text,
+    url_host,
+)
+from gym_rpc.errors import ControlPlaneError, GymRpcError, HeadUnreachableError, UnknownServerError
 from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, ServerInstance, StatusReport
+
+if TYPE_CHECKING:
+    from gym_rpc.server import HeadServer
 
 EXIT_OK = 0
 EXIT_DOWN = 1  # also: the command failed
@@ -55,8 +68,6 @@ DEFAULT_WAIT_TIMEOUT_SECONDS = 300.0
 OUTPUT_FORMATS = ("table", "json", "jsonl", "yaml")
 CONFIG_FORMATS = ("yaml", "json", "jsonl")
 
-WATCH_MAX_CONSECUTIVE_FAILURES = 30
-WATCH_RETRY_SECONDS = 1.0
 # How often `status --watch` (table) and `wait` hear from the head while nothing changes: the table's LAST CHECKED
 # is redrawn from the head's latest probes, and `wait` notices its deadline.
 WATCH_REFRESH_SECONDS = 1.0
@@ -69,23 +80,29 @@ class UsageError(GymRpcError):
 # --- the parser --------------------------------------------------------------------------------------------------
 
 
+def _choice_flag(
+    parser: argparse.ArgumentParser, *names: str, env: str, default: str, choices: Sequence[str], help: str
+) -> None:
+    """A flag taking one of `choices` (shown as {a,b,c}), its default from `$env` when set."""
+    metavar = "{" + ",".join(choices) + "}"
+    env_flag(parser, *names, env=env, default=default, parse=choice_of(choices), metavar=metavar, help=help)
+
+
 def _add_log_flags(parser: argparse.ArgumentParser, default_level: str) -> None:
-    env_flag(
+    _choice_flag(
         parser,
         "--log-level",
         env=LOG_LEVEL_ENV_VAR,
         default=default_level,
-        parse=choice_of(LOG_LEVELS),
-        metavar="{" + ",".join(LOG_LEVELS) + "}",
+        choices=LOG_LEVELS,
         help="the least severe log records printed (to stderr)",
     )
-    env_flag(
+    _choice_flag(
         parser,
         "--log-format",
         env=LOG_FORMAT_ENV_VAR,
         default="text",
-        parse=choice_of(LOG_FORMATS),
-        metavar="{" + ",".join(LOG_FORMATS) + "}",
+        choices=LOG_FORMATS,
         help="text: `TIME LEVEL LOGGER: message`; json: one object per line, with trace and span ids",
     )
 
@@ -113,28 +130,22 @@ def _add_head_flags(parser: argparse.ArgumentParser, *, call_timeout: bool = Tru
 
 
 def _add_output_flag(parser: argparse.ArgumentParser, choices: Sequence[str], default: str) -> None:
-    env_flag(
-        parser,
-        "-o",
-        "--output",
-        env=OUTPUT_ENV_VAR,
-        default=default,
-        parse=choice_of(choices),
-        metavar="{" + ",".join(choices) + "}",
-        help="output format",
+    _choice_flag(
+        parser, "-o", "--output", env=OUTPUT_ENV_VAR, default=default, choices=choices, help="output format"
     )
     parser.add_argument("--json", dest="output", action="store_const", const="json", help="same as -o json")
 
 
-def _add_probe_flags(parser: argparse.ArgumentParser) -> None:
+def _add_serving_flags(parser: argparse.ArgumentParser) -> None:
+    """What `head` and `bridge` both take: they are one server with two config sources."""
     env_flag(
         parser,
         "--probe-interval",
         env=PROBE_INTERVAL_ENV_VAR,
         default=2.0,
-        parse=positive_float,
+        parse=probe_interval,
         metavar="S",
-        help="seconds between status probe rounds",
+        help="seconds between status probe rounds (at least 0.05)",
     )
     env_flag(
         parser,
@@ -146,6 +157,38 @@ def _add_probe_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds a background probe may take",
     )
     parser.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
+    env_flag(
+        parser,
+        "--http-port",
+        env=HTTP_PORT_ENV_VAR,
+        default=None,
+        parse=port_number,
+        help="also serve NeMo Gym's HTTP head on this port, 0 for a free one (none: head_server.http_port)",
+    )
+    env_flag(
+        parser,
+        "--metrics-port",
+        env=METRICS_PORT_ENV_VAR,
+        default=None,
+        parse=port_number,
+        help="serve GET /metrics (Prometheus text) alone on this port, 0 for a free one (it is on the HTTP head's "
+        "port too)",
+    )
+    env_flag(
+        parser,
+        "--connect-port",
+        env=CONNECT_PORT_ENV_VAR,
+        default=None,
+        parse=port_number,
+        help="also serve the control plane over the Connect protocol (HTTP/1.1, JSON or binary) on this port, "
+        "0 for a free one (none: head_server.connect_port)",
+    )
+    parser.add_argument(
+        "--max-watches",
+        type=_positive_int,
+        metavar="N",
+        help="status watches served at once; more get RESOURCE_EXHAUSTED (none: 512)",
+    )
     _add_log_flags(parser, "info")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at least at info level")
 
@@ -172,33 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     head.add_argument("--host", help="bind host (none: head_server.host of the config)")
     head.add_argument("--port", type=port_number, help="bind port, 0 for a free one (none: head_server.port)")
-    env_flag(
-        head,
-        "--http-port",
-        env=HTTP_PORT_ENV_VAR,
-        default=None,
-        parse=port_number,
-        help="also serve NeMo Gym's HTTP head on this port, 0 for a free one (none: head_server.http_port)",
-    )
-    env_flag(
-        head,
-        "--metrics-port",
-        env=METRICS_PORT_ENV_VAR,
-        default=None,
-        parse=port_number,
-        help="serve GET /metrics (Prometheus text) alone on this port, 0 for a free one (it is on the HTTP head's "
-        "port too)",
-    )
-    env_flag(
-        head,
-        "--connect-port",
-        env=CONNECT_PORT_ENV_VAR,
-        default=None,
-        parse=port_number,
-        help="also serve the control plane over the Connect protocol (HTTP/1.1, JSON or binary) on this port, "
-        "0 for a free one (none: head_server.connect_port)",
-    )
-    _add_probe_flags(head)
+    _add_serving_flags(head)
     head.add_argument(
         "--status-max-age",
         type=non_negative_float,
@@ -209,7 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
     bridge = command("bridge", "serve the gRPC control plane in front of a NeMo Gym HTTP head")
     bridge.add_argument("--upstream", required=True, metavar="URL", help="the NeMo Gym head, http://HOST:PORT")
     bridge.add_argument(
-        "--listen", metavar="HOST:PORT", default="127.0.0.1:11000", help="gRPC address, port 0 for a free one"
+        "--listen", metavar="HOST:PORT", default=DEFAULT_HEAD, help="gRPC address, port 0 for a free one"
+    )
+    bridge.add_argument(
+        "--config",
+        type=Path,
+        help="a config YAML whose head_server block says how the bridge serves, as for the head: auth_token, tls, "
+        "health_port, http_port (it listens on --listen; what it serves is the upstream's config)",
     )
     bridge.add_argument(
         "--refresh-interval", type=positive_float, default=1.0, help="seconds between fetches from the upstream"
@@ -217,12 +240,18 @@ def build_parser() -> argparse.ArgumentParser:
     bridge.add_argument(
         "--fetch-timeout", type=positive_float, default=2.0, help="seconds one upstream request may take"
     )
-    _add_probe_flags(bridge)
+    _add_serving_flags(bridge)
 
     status = command("status", "show every server's status; exit 1 when one is not up")
     _add_head_flags(status)
     _add_output_flag(status, OUTPUT_FORMATS, "table")
     status.add_argument("--watch", action="store_true", help="redraw on every change until Ctrl-C")
+    status.add_argument(
+        "--max-wait",
+        type=non_negative_float,
+        metavar="S",
+        help="with --watch: give up once the head has been unreachable this long (none: retry until Ctrl-C)",
+    )
     status.add_argument(
         "--allow-down",
         action="append",
@@ -330,23 +359,12 @@ def cmd_head(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         status_max_age_seconds=args.status_max_age,
         connect_port=args.connect_port,
+        **_max_watches(args),
     )
     head = HeadServer(config, options, config_path=args.config)
 
     def announce(started: HeadServer) -> None:
-        http = f"; NeMo Gym HTTP head on http://{url_host(started.host)}:{started.http_port}"
-        health = f"; plaintext health service on {url_host(started.host)}:{started.health_port}"
-        metrics = f"; metrics on http://{url_host(started.host)}:{started.metrics_port}/metrics"
-        print(
-            f"gym-rpc head listening on {started.address} "
-            f"(config: {source}, version {config.version}, {len(config.servers)} servers, "
-            f"{started.security.describe()})"
-            f"{http if started.http_port is not None else ''}"
-            f"{health if started.health_port is not None else ''}"
-            f"{metrics if started.metrics_port is not None else ''}"
-            f"{f'; Connect on {started.connect_url}' if started.connect_url is not None else ''}",
-            flush=True,
-        )
+        _announce("head", started, f"config: {source}, version {config.version}, {len(config.servers)} servers")
 
     asyncio.run(run_head(head, announce))
     return EXIT_OK
@@ -355,6 +373,7 @@ def cmd_head(args: argparse.Namespace) -> int:
 def cmd_bridge(args: argparse.Namespace) -> int:
     from gym_rpc.server import BridgeHead, BridgeOptions, parse_listen_address, run_head  # lazy: see cmd_head
 
+    own = load_config_file(args.config).document[HEAD_SERVER_KEY] if args.config is not None else {}
     host, port = parse_listen_address(args.listen)
     options = BridgeOptions(
         upstream_url=args.upstream,
@@ -365,13 +384,35 @@ def cmd_bridge(args: argparse.Namespace) -> int:
         probe_interval_seconds=args.probe_interval,
         probe_timeout_seconds=args.probe_timeout,
         reflection=not args.no_reflection,
+        head_server=own,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
+        connect_port=args.connect_port,
+        **_max_watches(args),
     )
 
     def announce(started: BridgeHead) -> None:
-        print(f"gym-rpc bridge listening on {started.address} ({started.upstream_url})", flush=True)
+        _announce("bridge", started, started.upstream_url)
 
     asyncio.run(run_head(BridgeHead(options), announce))
     return EXIT_OK
+
+
+def _announce(kind: str, started: HeadServer, source: str) -> None:
+    """The one line a serving command prints once it serves: where, from what, how guarded, and its other ports."""
+    host = url_host(started.host)
+    extras = [
+        f"; NeMo Gym HTTP head on http://{host}:{started.http_port}" if started.http_port is not None else "",
+        f"; plaintext health service on {host}:{started.health_port}" if started.health_port is not None else "",
+        f"; metrics on http://{host}:{started.metrics_port}/metrics" if started.metrics_port is not None else "",
+        f"; Connect on {started.connect_url}" if started.connect_url is not None else "",
+    ]
+    guard = started.security.describe()
+    print(f"gym-rpc {kind} listening on {started.address} ({source}, {guard}){''.join(extras)}", flush=True)
+
+
+def _max_watches(args: argparse.Namespace) -> dict[str, int]:
+    return {} if args.max_watches is None else {"max_concurrent_watches": args.max_watches}
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -443,32 +484,23 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def watch_events(
-    client: SyncControlClient, *, heartbeat_seconds: float | None = None, deadline: float | None = None
+    client: SyncControlClient,
+    *,
+    heartbeat_seconds: float | None = None,
+    deadline: float | None = None,
+    max_wait: float | None = None,
 ) -> Iterator[WatchEvent]:
-    """The head's status events, reconnecting (and resuming from the last revision) when the head goes away.
+    """The head's status events from the library's watch (gym_rpc.client._watch), which reconnects with capped,
+    jittered backoff and resumes from the last revision. It gives up, raising the last HeadUnreachableError, once
+    the head has been unreachable `max_wait` seconds or at `deadline` (time.monotonic()); else never."""
 
-    Without a `deadline` (time.monotonic()) it gives up after WATCH_MAX_CONSECUTIVE_FAILURES failed attempts in a
-    row; with one, it retries until then. Giving up raises the last HeadUnreachableError.
-    """
-    revision = 0
-    failures = 0
-    while True:
-        remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
-        try:
-            for event in client.watch_server_statuses(
-                revision, heartbeat_seconds=heartbeat_seconds, timeout=remaining
-            ):
-                failures = 0
-                revision = event.revision
-                yield event
-        except HeadUnreachableError as exc:
-            failures += 1
-            out_of_time = deadline is not None and time.monotonic() + WATCH_RETRY_SECONDS >= deadline
-            if out_of_time or (deadline is None and failures >= WATCH_MAX_CONSECUTIVE_FAILURES):
-                raise
-            limit = "" if deadline is not None else f" ({failures}/{WATCH_MAX_CONSECUTIVE_FAILURES})"
-            print(f"gym-rpc: {exc}; retrying{limit}", file=sys.stderr)
-            time.sleep(WATCH_RETRY_SECONDS)
+    def retrying(error: ControlPlaneError, pause: float) -> None:
+        print(f"gym-rpc: {error}; retrying in {pause:.1f}s", file=sys.stderr)
+
+    watch = SyncStatusWatch(
+        client, heartbeat_seconds=heartbeat_seconds, max_wait_seconds=max_wait, until=deadline, on_retry=retrying
+    )
+    yield from watch
 
 
 def _watch_status(client: SyncControlClient, args: argparse.Namespace) -> int:
@@ -483,7 +515,8 @@ def _watch_status(client: SyncControlClient, args: argparse.Namespace) -> int:
     table = args.output == "table"
     terminal = sys.stdout.isatty()
     _require_known(args.allow_down, client.list_server_statuses().reports, "--allow-down")  # fails fast too
-    for event in watch_events(client, heartbeat_seconds=WATCH_REFRESH_SECONDS if table else None):
+    heartbeat = WATCH_REFRESH_SECONDS if table else None
+    for event in watch_events(client, heartbeat_seconds=heartbeat, max_wait=args.max_wait):
         if event.kind == "heartbeat" and not (table and terminal):
             continue  # piped output gets a drawing per change, not per second
         reports, instances = client.list_server_statuses().reports, _instances(client)

@@ -29,6 +29,9 @@ from gym_rpc.errors import ConfigError, UnknownServerError
 HEAD_SERVER_KEY = "head_server"
 DEFAULT_HEAD_HOST = "127.0.0.1"
 DEFAULT_HEAD_PORT = 11000
+# The shortest probe interval a head accepts: shorter rounds would keep a core busy probing (and every server
+# answering) for statuses no caller can tell apart.
+MIN_PROBE_INTERVAL_SECONDS = 0.05
 REDACTED = "<redacted>"
 SECRET_KEY_MARKERS = (
     "api_key",
@@ -245,11 +248,19 @@ def checked_port(value: int | None, what: str) -> int | None:
     return value
 
 
-def checked_seconds(value: float, what: str) -> float:
-    """A positive, finite duration: 0 would spin a core in a loop that waits it, nan and inf never end one."""
+def checked_seconds(value: float, what: str, minimum: float = 0.0) -> float:
+    """A positive, finite duration (at least `minimum`): 0 would spin a core in a loop that waits it, nan and inf
+    never end one."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
         raise ConfigError(f"{what} must be a positive number of seconds, not {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{what} must be at least {minimum:g} seconds, not {value!r}")
     return float(value)
+
+
+def checked_probe_interval(value: float) -> float:
+    """The head's probe interval: positive, finite and no shorter than MIN_PROBE_INTERVAL_SECONDS."""
+    return checked_seconds(value, "the probe interval (--probe-interval)", MIN_PROBE_INTERVAL_SECONDS)
 
 
 def base_url(host: str, port: int) -> str:

@@ -1,6 +1,16 @@
-"""Typed errors raised by gym_rpc. Every message names what was wrong and, where it helps, what to check."""
+"""Typed errors raised by gym_rpc. Every message names what was wrong and, where it helps, what to check.
+
+Every error class lives here. How a failed gRPC call becomes one of them (and how the head sends the known server
+names as standard `google.rpc.Status` details) is the wire layer's job: `gym_rpc.wire._errors`. This module imports
+nothing heavy, so `import gym_rpc` stays cheap.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
 
 
 class GymRpcError(Exception):
@@ -25,9 +35,10 @@ class UnknownServerError(GymRpcError, KeyError):
 
 
 class ControlPlaneError(GymRpcError):
-    """A control-plane call failed; `code` is the gRPC status code name, `address` the head's address."""
+    """A control-plane call failed; `code` is its `grpc.StatusCode`, `address` the head's address. The
+    `grpc.RpcError` it came from is its `__cause__`."""
 
-    def __init__(self, message: str, *, address: str, code: str) -> None:
+    def __init__(self, message: str, *, address: str, code: grpc.StatusCode) -> None:
         self.address = address
         self.code = code
         super().__init__(message)
@@ -38,6 +49,12 @@ class HeadUnreachableError(ControlPlaneError, ConnectionError, ValueError):
 
     Also a ValueError: NeMo Gym's client raises ValueError when it cannot reach the head, and code written for it
     catches that."""
+
+
+class HeadTimeoutError(HeadUnreachableError, TimeoutError):
+    """The head did not answer within the call's deadline (DEADLINE_EXCEEDED): it may be there but slow.
+
+    A HeadUnreachableError too, as before this type existed, so code catching that keeps working."""
 
 
 class ServerUnreachableError(GymRpcError, ConnectionError):

@@ -42,3 +42,24 @@ def test_quick_bench_prints_the_ratio_table_and_writes_the_report(tmp_path: Path
     report = out.read_text(encoding="utf-8")
     assert "## Machine" in report and "nproc:" in report and "grpcio" in report and "aiohttp" in report
     assert table[0] in report
+
+
+def test_quick_scale_bench_writes_every_section_and_the_goals(tmp_path: Path) -> None:
+    """`python -m bench.scale --quick`: real head and server processes at tiny sizes; every section is written
+    with its rows, and the probes through the head stay within one per freshness window."""
+    out = tmp_path / "SCALE.md"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.scale", "--quick", "--out", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = out.read_text(encoding="utf-8")
+    for heading in ("## Servers N", "## Config at N = 6", "## Watchers W", "## Pollers P", "## Goals"):
+        assert heading in report, heading
+    for row in ("| 3 | ", "| 6 | ", "| whole document | ", "| `known_version` = current"):
+        assert row in report, row
+    assert "| probes received per window <= 1, whatever P | " in report
+    assert "refused during these runs (UNAVAILABLE, streams past a connection's limit): 0." in report

@@ -10,8 +10,10 @@ import re
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
 import pytest
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -19,14 +21,19 @@ from omegaconf import OmegaConf
 
 from gym_rpc.client._channel import aio_channel, close_aio_channels
 from gym_rpc.client._control import ControlClient
+from gym_rpc.client._security import ClientSecurity
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, BaseServerConfig
-from gym_rpc.errors import HeadUnreachableError
+from gym_rpc.errors import ControlPlaneError, HeadUnreachableError
 from gym_rpc.server._bridge import BridgeHead, BridgeOptions
 from tests.cli_helpers import STARTUP_SECONDS, run_cli, running_cli
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.test_security import Pki, make_pki, tls_block
+from tests.test_security import _tls_client as tls_client
 
 T = TypeVar("T")
+NemoHeadFactory = Callable[..., Awaitable["NemoGymHead"]]
+BridgeFactory = Callable[..., Awaitable[BridgeHead]]
 UPSTREAM_PID = 4242
 UPSTREAM_START = 1_700_000_000.0
 CALL_TIMEOUT = 2.0
@@ -100,7 +107,7 @@ class NemoGymHead:
 
 
 @pytest.fixture
-async def nemo_head() -> AsyncIterator[Callable[..., Awaitable[NemoGymHead]]]:
+async def nemo_head() -> AsyncIterator[NemoHeadFactory]:
     heads: list[NemoGymHead] = []
 
     async def start(doc: dict[str, Any], port: int = 0) -> NemoGymHead:
@@ -115,7 +122,7 @@ async def nemo_head() -> AsyncIterator[Callable[..., Awaitable[NemoGymHead]]]:
 
 
 @pytest.fixture
-async def bridge_factory() -> AsyncIterator[Callable[..., Awaitable[BridgeHead]]]:
+async def bridge_factory() -> AsyncIterator[BridgeFactory]:
     bridges: list[BridgeHead] = []
 
     async def start(upstream_url: str, **options: Any) -> BridgeHead:
@@ -382,7 +389,7 @@ async def test_cli_bridge_serves_gym_rpc_status_and_names_a_down_upstream(nemo_h
     args = ["bridge", "--upstream", upstream.url, "--listen", f"{LOOPBACK}:0", "--refresh-interval", "0.1"]
     args += ["--probe-interval", "0.1", "--probe-timeout", "0.5"]
     banner = re.compile(
-        rf"^gym-rpc bridge listening on ({re.escape(LOOPBACK)}:\d+) \({re.escape(upstream.url)}\)$"
+        rf"^gym-rpc bridge listening on ({re.escape(LOOPBACK)}:\d+) \({re.escape(upstream.url)}, [^)]+\)$"
     )
 
     with running_cli(args) as bridge:
@@ -404,6 +411,70 @@ async def test_cli_bridge_serves_gym_rpc_status_and_names_a_down_upstream(nemo_h
 
         bridge.process.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(bridge.wait, 10) == 0
+
+
+# --- the bridge is the head's server: token, TLS, health port and watch bounds come with it ---
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+async def test_bridge_serves_tls_and_a_token_from_its_head_server_settings(
+    nemo_head, bridge_factory, http_server, pki: Pki
+):
+    upstream = await nemo_head(upstream_document(await http_server(), closed_port()))
+    own = {"auth_token": "bridge-token-0123456789", "tls": tls_block(pki), "health_port": 0}
+    bridge = await bridge_factory(upstream.url, head_server=own)
+    assert bridge.security.describe() == "TLS, token required"
+    trusted = ControlClient(bridge.address, security=tls_client(pki, token="bridge-token-0123456789"))
+    config = await trusted.get_global_config(timeout=CALL_TIMEOUT)
+    assert set(config.servers) == {"policy_model", "simple_agent"}
+    with pytest.raises(ControlPlaneError) as refused:  # TLS but no token
+        await ControlClient(bridge.address, security=tls_client(pki)).list_server_statuses(timeout=CALL_TIMEOUT)
+    assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(HeadUnreachableError):  # plaintext to a TLS port
+        await ControlClient(bridge.address, security=ClientSecurity()).list_server_statuses(timeout=CALL_TIMEOUT)
+
+    assert bridge.health_port not in (None, 0, bridge.port)
+    async with grpc.aio.insecure_channel(f"{LOOPBACK}:{bridge.health_port}") as channel:
+        response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_bridge_bounds_its_watches(nemo_head, bridge_factory, http_server):
+    upstream = await nemo_head(upstream_document(await http_server(), closed_port()))
+    bridge = await bridge_factory(upstream.url, max_concurrent_watches=1)
+    client = ControlClient(bridge.address)
+    first = client.watch_server_statuses(heartbeat_seconds=0.1)
+    assert (await asyncio.wait_for(anext(first), 5)).kind == "snapshot"
+    with pytest.raises(ControlPlaneError) as refused:
+        await asyncio.wait_for(anext(client.watch_server_statuses()), 5)
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    await first.aclose()
+
+
+def test_cli_bridge_takes_where_and_how_it_serves_from_a_config_file(tmp_path: Path) -> None:
+    own = tmp_path / "bridge.yaml"
+    own.write_text(f"head_server: {{host: {LOOPBACK}, port: 0, auth_token: bridge-file-token-42}}\n", "utf-8")
+    upstream = f"http://{LOOPBACK}:{closed_port()}"
+    args = [
+        "bridge",
+        "--upstream",
+        upstream,
+        "--listen",
+        f"{LOOPBACK}:0",
+        "--config",
+        str(own),
+        "--max-watches",
+        "3",
+    ]
+    with running_cli(args) as bridge:
+        line = bridge.wait_for_line(re.compile(r"listening on"), STARTUP_SECONDS)
+    assert re.fullmatch(
+        rf"gym-rpc bridge listening on {LOOPBACK}:\d+ \({upstream}, plaintext, token required\)", line.string
+    )
 
 
 async def test_sighup_makes_the_bridge_fetch_at_once(nemo_head, http_server):

@@ -400,6 +400,20 @@ def test_status_watch_prints_snapshot_then_change(tmp_path: Path) -> None:
             assert "Traceback" not in watcher.stderr_text
 
 
+def test_status_watch_retries_a_gone_head_until_max_wait(tmp_path: Path) -> None:
+    doc = {"head_server": {"host": LOOPBACK, "port": 0}}
+    with running_head(write_config(tmp_path / "config.yaml", doc)) as head:
+        args = ["status", "--head", head.address, "--watch", "--json", "--max-wait", "1.5"]
+        with running_cli(args) as watcher:
+            assert json.loads(watcher.read_line(WAIT_SECONDS))["kind"] == "snapshot"
+            head.process.kill()
+            watcher.wait_for_stderr("retrying in", WAIT_SECONDS)
+            assert watcher.wait(timeout=WAIT_SECONDS + 1.5) == 3  # EXIT_HEAD_UNREACHABLE
+            last = watcher.stderr_text.splitlines()[-1]
+            assert f"head server at {head.address} is unreachable" in last
+            assert "Traceback" not in watcher.stderr_text
+
+
 # --- entry points ---
 
 

@@ -33,6 +33,7 @@ def assert_one_line(result: subprocess.CompletedProcess[str], code: int, *needle
             "argument --probe-interval: must be a positive number of seconds, not 0",
         ),
         (["head", "--probe-interval", "-1"], "argument --probe-interval: must be a positive number of seconds"),
+        (["head", "--probe-interval", "0.001"], "--probe-interval: must be at least 0.05 seconds, not 0.001"),
         (["head", "--probe-interval", "nan"], "argument --probe-interval: must be a positive number of seconds"),
         (["head", "--probe-interval", "inf"], "argument --probe-interval: must be a positive number of seconds"),
         (["head", "--probe-timeout", "-1"], "argument --probe-timeout: must be a positive number of seconds"),
@@ -69,6 +70,7 @@ def test_a_busy_port_is_one_line_without_c_core_noise() -> None:
     "options",
     [
         {"probe_interval_seconds": 0.0},
+        {"probe_interval_seconds": 0.049},
         {"probe_interval_seconds": float("nan")},
         {"probe_timeout_seconds": -1.0},
         {"probe_interval_seconds": float("inf")},
@@ -83,4 +85,5 @@ def test_head_options_refuse_what_the_cli_refuses(options: dict[str, float]) -> 
 
 def test_the_checks_accept_sound_values() -> None:
     assert checked_seconds(0.05, "x") == 0.05
+    assert HeadOptions(probe_interval_seconds=0.05).probe_interval_seconds == 0.05  # the floor itself
     assert checked_port(0, "x") == 0 and checked_port(65535, "x") == 65535 and checked_port(None, "x") is None

@@ -6,7 +6,9 @@ message), errors as Connect's JSON with code names, the same token, TLS and reda
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import logging
 import shutil
 import socket
 import struct
@@ -19,6 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from google.rpc import error_details_pb2
 
 from gym_rpc.errors import GymRpcError
 from gym_rpc.server import HeadServer, ServerSecurity
@@ -28,9 +31,10 @@ from gym_rpc.server._servicer import ControlPlaneServicer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from tests.cli_helpers import running_head
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.test_bridge import BridgeFactory, NemoHeadFactory, bridge_factory, nemo_head, upstream_document
 from tests.test_security import API_KEY, Pki, pki, tls_block
 
-__all__ = ["pki"]  # the module-scoped certificate fixture, shared with the security tests
+__all__ = ["bridge_factory", "nemo_head", "pki"]  # fixtures shared with the bridge and security tests
 
 PREFIX = "/gym_rpc.v1.ControlPlaneService"
 TOKEN = "connect-token-8a7b"
@@ -76,12 +80,12 @@ async def read_envelope(stream: aiohttp.StreamReader) -> tuple[int, bytes]:
 
 
 async def wait_for_statuses(
-    http: aiohttp.ClientSession, head: HeadServer, expected: dict[str, str]
+    http: aiohttp.ClientSession, head: HeadServer, expected: dict[str, str], **headers: str
 ) -> dict[str, Any]:
     """Poll ListServerStatuses over Connect until the prober reports the expected statuses (bounded)."""
     async with asyncio.timeout(CALL_SECONDS):
         while True:
-            status, answer = await call_json(http, head, "ListServerStatuses", {})
+            status, answer = await call_json(http, head, "ListServerStatuses", {}, **headers)
             assert status == 200, answer
             if {r["serverName"]: r.get("status") for r in answer.get("reports", [])} == expected:
                 return answer
@@ -193,10 +197,16 @@ async def test_errors_are_connect_json_with_code_names(head_factory: HeadFactory
     head = await head_factory(document({"tools": server_entry(closed_port())}), connect_port=0)
     status, error = await call_json(http, head, "GetServerStatus", {"serverName": "nope"})
     assert status == 404
-    assert error == {
-        "code": "not_found",
-        "message": "unknown server 'nope'; known servers: head_server, tools",
-    }
+    message = "unknown server 'nope'; known servers: head_server, tools"
+    assert (error["code"], error["message"]) == ("not_found", message)
+    # The known names as the gRPC port sends them: a google.rpc.ErrorInfo detail, here Connect's own.
+    (detail,) = error["details"]
+    assert detail["type"] == "google.rpc.ErrorInfo"
+    info = error_details_pb2.ErrorInfo.FromString(base64.b64decode(detail["value"] + "=="))
+    assert (info.reason, dict(info.metadata)) == (
+        "UNKNOWN_SERVER",
+        {"server_name": "nope", "known_servers": "tools,head_server"},
+    )
     status, error = await call_json(http, head, "GetServerStatus", {})
     assert (status, error) == (400, {"code": "invalid_argument", "message": "server_name is required"})
     status, error = await call_json(http, head, "RegisterServerInstance", {"serverName": "tools", "listenPort": 0})
@@ -324,6 +334,44 @@ async def test_tls_and_mutual_tls_from_head_server_tls(head_factory: HeadFactory
     code, out, err = await run_curl("--cacert", str(pki.ca), *client_cert, *json_body, url)
     assert code == 0, err
     assert json.loads(out)["headServer"]["port"] == mutual.port
+
+
+async def test_the_bridge_serves_connect_with_its_own_token(
+    nemo_head: NemoHeadFactory, bridge_factory: BridgeFactory, http_server, http
+) -> None:
+    """`gym-rpc bridge --connect-port`: the upstream's servers over Connect, guarded by the bridge's own token,
+    redacted, and watched as a stream, as on the bridge's gRPC port."""
+    upstream = await nemo_head(upstream_document(await http_server(), closed_port()))
+    bridge = await bridge_factory(upstream.url, connect_port=0, head_server={"auth_token": TOKEN})
+    status, error = await call_json(http, bridge, "ListServerStatuses", {})
+    assert (status, error["code"]) == (401, "unauthenticated")
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    expected = {"policy_model": "SERVER_STATUS_SUCCESS", "simple_agent": "SERVER_STATUS_CONNECTION_ERROR"}
+    await wait_for_statuses(http, bridge, expected, **bearer)
+    api_keys = []
+    for include_secrets in (False, True):  # only a caller with the token gets secrets, and only when it asks
+        status, config = await call_json(
+            http, bridge, "GetGlobalConfig", {"includeSecrets": include_secrets}, **bearer
+        )
+        assert (status, config["headServer"]) == (200, {"host": LOOPBACK, "port": bridge.port})
+        served = json.loads(config["configJson"])
+        api_keys.append(served["policy_model"]["responses_api_models"]["responses_api_models_impl"]["api_key"])
+    assert api_keys == ["<redacted>", "sk-live-123"]
+    url = f"{connect_url(bridge)}{PREFIX}/WatchServerStatuses"
+    async with http.post(url, data=envelope(b"{}"), headers={**STREAM_JSON, **bearer}) as answer:
+        flags, payload = await read_envelope(answer.content)
+    snapshot = json.loads(payload)
+    assert (flags, snapshot["type"]) == (0, "WATCH_EVENT_TYPE_SNAPSHOT")
+    assert {r["serverName"]: r["status"] for r in snapshot["reports"]} == expected
+
+
+async def test_uvicorn_logs_only_its_warnings(head_factory: HeadFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """The head's startup line announces the Connect port; uvicorn's own INFO lines ("Started server process",
+    "Shutting down", under the logger "uvicorn.error") would only mislead an operator."""
+    caplog.set_level(logging.INFO)
+    head = await head_factory(document({"tools": server_entry(closed_port())}), connect_port=0)
+    await head.stop()
+    assert [record.getMessage() for record in caplog.records if record.name.startswith("uvicorn")] == []
 
 
 async def test_stop_ends_open_watch_streams_within_the_grace_period(head_factory: HeadFactory, http) -> None:

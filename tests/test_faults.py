@@ -10,18 +10,25 @@ import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import aiohttp
 import grpc
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from gym_rpc.client._control import ControlClient, SyncControlClient, WatchEvent
 from gym_rpc.client._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
-from gym_rpc.errors import ControlPlaneError, GymRpcError, HeadUnreachableError, ServerUnreachableError
+from gym_rpc.errors import (
+    ControlPlaneError,
+    GymRpcError,
+    HeadTimeoutError,
+    HeadUnreachableError,
+    ServerUnreachableError,
+)
 from gym_rpc.server._head import HeadOptions, HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import MAX_REQUEST_BYTES, SERVICE_NAME
@@ -113,7 +120,16 @@ async def test_silent_head_fails_within_the_deadline_naming_the_address(silent_s
         with pytest.raises(HeadUnreachableError, match=re.escape(address)) as caught:
             await call()
         assert time.monotonic() - started < 1.0 + 3.0  # the 1 s deadline plus slack for a loaded machine
-        assert caught.value.code == "DEADLINE_EXCEEDED"
+        assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert isinstance(caught.value, HeadTimeoutError) and isinstance(caught.value, TimeoutError)
+        assert isinstance(caught.value.__cause__, grpc.RpcError)  # the original error is kept
+
+
+async def test_poll_for_status_says_timeout_when_the_head_answers_too_late(silent_server: int) -> None:
+    head = BaseServerConfig(host=LOOPBACK, port=silent_server)
+    doc = {"policy": server_entry(closed_port())}
+    client = ServerClient(head_server_config=head, global_config_dict=OmegaConf.create(doc))
+    assert await asyncio.to_thread(client.poll_for_status, "policy", 1.0) == "timeout"
 
 
 # --- a data-plane server killed in the middle of a request ---
@@ -192,7 +208,7 @@ async def test_data_server_killed_mid_request_is_a_clear_error_never_a_hang(slow
 
 def watch_stream(client: ControlClient, **options: Any) -> AsyncGenerator[WatchEvent, None]:
     """The client's watch, typed as what it is (an async generator), so a test can close it."""
-    return cast(AsyncGenerator[WatchEvent, None], client.watch_server_statuses(**options))
+    return client.watch_server_statuses(**options)
 
 
 async def test_oversized_request_is_refused_and_the_head_keeps_serving(head_factory) -> None:

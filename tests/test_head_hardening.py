@@ -54,7 +54,7 @@ async def reload_refused(head: HeadServer, token: str | None = None) -> str:
     client = ControlClient(head.address, security=ClientSecurity(token=token))
     with pytest.raises(ControlPlaneError) as caught:
         await client.reload_global_config(timeout=10)
-    assert caught.value.code == "FAILED_PRECONDITION", str(caught.value)
+    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION, str(caught.value)
     return str(caught.value)
 
 

@@ -14,6 +14,8 @@ import grpc
 import pytest
 import yaml
 from aiohttp import web
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from gym_rpc.client._channel import aio_channel
 from gym_rpc.client._control import ControlClient, SyncControlClient
@@ -190,7 +192,7 @@ async def test_malformed_reload_is_refused_and_old_config_kept(head_factory):
     head.config_path.write_text("setting: 2\nbroken: [1, 2\n", encoding="utf-8")
     with pytest.raises(ControlPlaneError) as refused:
         await client.reload_global_config()
-    assert refused.value.code == "FAILED_PRECONDITION"
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert str(head.config_path) in str(refused.value)
     assert head.address in str(refused.value)
 
@@ -318,12 +320,20 @@ async def test_unknown_server_is_not_found_naming_it(head_factory, http_server):
     assert raw.value.code() == grpc.StatusCode.NOT_FOUND
     details = raw.value.details() or ""
     assert "nonexistent" in details and "policy" in details and "head_server" in details
+    # The known names travel as a standard google.rpc.Status detail, readable by any gRPC client.
+    rich = rpc_status.from_call(raw.value)  # type: ignore[arg-type]  # an AioRpcError has what a Call has
+    assert rich is not None and rich.code == grpc.StatusCode.NOT_FOUND.value[0]
+    info = error_details_pb2.ErrorInfo()
+    assert rich.details[0].Unpack(info)
+    assert (info.domain, info.reason) == ("gym-rpc", "UNKNOWN_SERVER")
+    assert dict(info.metadata) == {"server_name": "nonexistent", "known_servers": "policy,head_server"}
 
     client = ControlClient(head.address)
     with pytest.raises(UnknownServerError) as typed:
         await client.get_server_status("nonexistent")
     assert typed.value.server_name == "nonexistent"
     assert typed.value.known == ["policy", "head_server"]
+    assert isinstance(typed.value.__cause__, grpc.aio.AioRpcError)  # the original error is kept
     with pytest.raises(UnknownServerError) as header_typed:
         await client.get_assistant_message_header("nonexistent")
     assert header_typed.value.known == ["policy", "head_server"]
@@ -338,7 +348,7 @@ async def test_empty_server_name_is_invalid_argument(head_factory):
     assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(ControlPlaneError) as typed:
         await ControlClient(head.address).get_server_status("")
-    assert typed.value.code == "INVALID_ARGUMENT"
+    assert typed.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert not isinstance(typed.value, UnknownServerError)
 
 
@@ -412,7 +422,7 @@ async def test_assistant_message_header_disagreement_is_failed_precondition(head
     head = await head_factory(doc)
     with pytest.raises(ControlPlaneError) as refused:
         await ControlClient(head.address).get_assistant_message_header("policy")
-    assert refused.value.code == "FAILED_PRECONDITION"
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "math_agent" in str(refused.value) and "code_agent" in str(refused.value)
 
 

@@ -45,11 +45,13 @@ CLIENT_DIR = REPO_ROOT / "interop" / "ts"
 PACKAGE_CONSUMER_DIR = REPO_ROOT / "interop" / "ts-package"
 GO_CLIENT_DIR = REPO_ROOT / "interop" / "go"
 RELEASED_CONTRACT = REPO_ROOT / "proto" / "released" / "gym_rpc_v1.binpb"
+RELEASED_VERSION = REPO_ROOT / "proto" / "released" / "VERSION"  # `make release-contract` copies proto/VERSION
 GOPATH_SYSTEM = Path("/usr/share/gocode")  # where Debian's golang-*-dev packages put Go sources
 GO_MODULE_PATH = "gym_rpc/stubs/go"  # tools/package_stubs.py's go.mod
 GO_IMPORT_PATH = f"{GO_MODULE_PATH}/gym_rpc/v1"  # buf.gen.yaml maps the .proto file here (M option)
 GO_DEBIAN_PACKAGES = "golang-go protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev golang-google-protobuf-dev"
-TOOL_SECONDS = 60.0  # a cold Go build of grpc on two noisy cores
+TOOL_SECONDS = 60.0
+GO_BUILD_SECONDS = 240.0  # the first build on a machine compiles grpc: ~45-90 s on two busy cores
 CLIENT_SECONDS = 15.0
 TOKEN = "interop-token-5d1e"
 
@@ -73,10 +75,12 @@ needs_npm_tools = pytest.mark.skipif(
 )
 
 
-def run(args: list[str | Path], cwd: Path = REPO_ROOT, env: dict[str, str] | None = None) -> str:
+def run(
+    args: list[str | Path], cwd: Path = REPO_ROOT, env: dict[str, str] | None = None, timeout: float = TOOL_SECONDS
+) -> str:
     """Run a tool to completion; fail the test with its output when it exits non-zero."""
     result = subprocess.run(
-        [str(a) for a in args], cwd=cwd, capture_output=True, text=True, timeout=TOOL_SECONDS, env=env, check=False
+        [str(a) for a in args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env, check=False
     )
     assert result.returncode == 0, (
         f"{' '.join(map(str, args))} exited {result.returncode}:\n{result.stdout}{result.stderr}"
@@ -356,17 +360,20 @@ def go_tools_missing() -> str | None:
 
 
 needs_go = pytest.mark.skipif(go_tools_missing() is not None, reason=go_tools_missing() or "")
+go_build_timeout = pytest.mark.timeout(2 * GO_BUILD_SECONDS + 60)  # the module fixture builds in the first test
 
 
 def go_env() -> dict[str, str]:
-    """Module mode from vendor/ only: no module proxy, no checksum database, no download of any kind."""
+    """Module mode from vendor/ only: no module proxy, no checksum database, no download of any kind. Go's own
+    build cache (GOCACHE, else ~/.cache/go-build) is shared by every run, and -trimpath keeps source directories
+    out of its keys: each run builds in a new temporary folder, yet only the first one on a machine compiles grpc
+    (~45 s on two busy cores; ~3 s after)."""
     return {
         **os.environ,
         "GO111MODULE": "on",
-        "GOFLAGS": "-mod=vendor",
+        "GOFLAGS": "-mod=vendor -trimpath",
         "GOPROXY": "off",
         "GOSUMDB": "off",
-        "GOCACHE": str(REPO_ROOT / "build" / "go-cache"),  # kept between runs; `make clean` removes build/
         "GOPATH": str(REPO_ROOT / "build" / "gopath"),  # module cache would go here; vendor mode leaves it empty
     }
 
@@ -383,8 +390,8 @@ def go_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
     go_vendor_debian.vendor(program_dir)
     binary = root / "gym-rpc-go-client"
     env = go_env()
-    run(["go", "build", "-o", binary, "."], cwd=program_dir, env=env)
-    run(["go", "vet", "."], cwd=program_dir, env=env)
+    run(["go", "build", "-o", binary, "."], cwd=program_dir, env=env, timeout=GO_BUILD_SECONDS)
+    run(["go", "vet", "."], cwd=program_dir, env=env, timeout=GO_BUILD_SECONDS)
     assert run(["gofmt", "-l", "."], cwd=GO_CLIENT_DIR, env=env) == "", "interop/go is not gofmt-formatted"
     # The stubs come from the module, by module path: not loose files found by their location.
     listed = run(
@@ -396,6 +403,7 @@ def go_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @needs_npm_tools
 @needs_go
+@go_build_timeout
 def test_go_client_calls_the_python_head(
     go_client: Path, tmp_path: Path, model_server: ThreadedHttpServer
 ) -> None:
@@ -404,6 +412,7 @@ def test_go_client_calls_the_python_head(
 
 @needs_npm_tools
 @needs_go
+@go_build_timeout
 def test_go_client_calls_a_head_with_tls_and_a_token(
     go_client: Path, tmp_path: Path, model_server: ThreadedHttpServer, pki: Pki
 ) -> None:
@@ -414,6 +423,7 @@ def test_go_client_calls_a_head_with_tls_and_a_token(
 
 @needs_npm_tools
 @needs_go
+@go_build_timeout
 def test_go_client_without_the_token_is_refused(go_client: Path, tmp_path: Path, pki: Pki) -> None:
     doc = {"head_server": {"host": LOOPBACK, "port": 0, **HeadSecurity(token=TOKEN, pki=pki).head_keys()}}
     config = tmp_path / "config.yaml"
@@ -450,12 +460,17 @@ def test_buf_breaking_passes_against_the_released_contract() -> None:
     run([BUF, "breaking", "--against", RELEASED_CONTRACT])
 
 
+def copy_of_the_contract(tmp_path: Path) -> Path:
+    """proto/ and buf.yaml copied into tmp_path, and the copy's .proto file, to change."""
+    shutil.copy(REPO_ROOT / "buf.yaml", tmp_path)
+    shutil.copytree(REPO_ROOT / "proto", tmp_path / "proto")
+    return tmp_path / "proto" / "gym_rpc" / "v1" / "control_plane.proto"
+
+
 @needs_npm_tools
 def test_buf_breaking_reports_a_breaking_change(tmp_path: Path) -> None:
     """The check is live: renumbering a field in a copy of proto/ fails against the committed image."""
-    shutil.copy(REPO_ROOT / "buf.yaml", tmp_path)
-    shutil.copytree(REPO_ROOT / "proto", tmp_path / "proto")
-    proto = tmp_path / "proto" / "gym_rpc" / "v1" / "control_plane.proto"
+    proto = copy_of_the_contract(tmp_path)
     text = proto.read_text()
     assert "uint32 http_status = 7;" in text
     proto.write_text(text.replace("uint32 http_status = 7;", "uint32 http_status = 99;"))  # a number no field has
@@ -471,16 +486,64 @@ def test_buf_breaking_reports_a_breaking_change(tmp_path: Path) -> None:
     assert "http_status" in result.stdout + result.stderr
 
 
-def test_readme_shows_the_client_the_test_runs() -> None:
-    client = (CLIENT_DIR / "client.ts").read_text().rstrip()
-    readme = (REPO_ROOT / "README.md").read_text()
-    assert f"```ts\n{client}\n```" in readme, "README's TypeScript example differs from interop/ts/client.ts"
+def differs_from_the_release(root: Path, tmp_path: Path) -> bool:
+    """Whether the contract under `root` is not the released image's (comments aside: no source info)."""
+    released, current = tmp_path / "released.binpb", tmp_path / "current.binpb"
+    run([BUF, "build", RELEASED_CONTRACT, "--exclude-source-info", "-o", released])
+    run([BUF, "build", "--exclude-source-info", "-o", current], cwd=root)
+    return released.read_bytes() != current.read_bytes()
 
 
-def test_readme_shows_the_go_client_the_test_runs() -> None:
-    main = (GO_CLIENT_DIR / "main.go").read_text().rstrip()
+def semver(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+@needs_npm_tools
+def test_one_version_is_one_contract(tmp_path: Path) -> None:
+    """The stub packages carry proto/VERSION: it is the released version while proto/ is the released contract,
+    and higher once proto/ adds to it, so two packages of one version never hold different contracts."""
+    released, current = RELEASED_VERSION.read_text().strip(), package_stubs.contract_version()
+    if differs_from_the_release(REPO_ROOT, tmp_path):
+        assert semver(current) > semver(released), (
+            f"proto/ is no longer the released contract {released}: raise proto/VERSION ({current}), its minor "
+            "for an addition (then `make release-contract` when it is released)"
+        )
+    else:
+        assert current == released, f"proto/ is the released contract {released}, but proto/VERSION says {current}"
+    (tmp_path / "added").mkdir()
+    proto = copy_of_the_contract(tmp_path / "added")  # the comparison sees an addition
+    text = proto.read_text()
+    field = "  uint32 http_status = 7;\n"
+    assert field in text
+    proto.write_text(text.replace(field, f"{field}  bool added = 99;\n"))
+    assert differs_from_the_release(tmp_path / "added", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("fence", "program"),
+    [
+        ("ts", CLIENT_DIR / "client.ts"),
+        ("ts", PACKAGE_CONSUMER_DIR / "consumer.ts"),
+        ("go", GO_CLIENT_DIR / "main.go"),
+    ],
+    ids=["typescript-client", "npm-package-consumer", "go-client"],
+)
+def test_readme_shows_the_programs_the_tests_run(fence: str, program: Path) -> None:
+    text = program.read_text().rstrip()
     readme = (REPO_ROOT / "README.md").read_text()
-    assert f"```go\n{main}\n```" in readme, "README's Go example differs from interop/go/main.go"
+    assert f"```{fence}\n{text}\n```" in readme, f"README's copy of {program.relative_to(REPO_ROOT)} differs"
+
+
+def test_readme_installs_and_requires_the_stubs_at_the_contract_version() -> None:
+    """The README's npm install line and go.mod lines name the version `make stubs` packs, as interop/go does."""
+    readme = (REPO_ROOT / "README.md").read_text().splitlines()
+    version = package_stubs.contract_version()
+    npm_installs = [line for line in readme if line.startswith("npm install ./gym-rpc-control-plane-")]
+    assert npm_installs and all(f"-{version}.tgz " in line for line in npm_installs), npm_installs
+    go_mod = (GO_CLIENT_DIR / "go.mod").read_text()
+    for line in (f"require {GO_MODULE_PATH} v{version}", f"replace {GO_MODULE_PATH} => ../../stubs/go"):
+        assert line in readme, f"README lacks the go.mod line {line!r}"
+        assert line.split(None, 1)[1] in go_mod, f"interop/go/go.mod lacks {line!r}"
 
 
 def readme_python_client() -> str:

@@ -8,18 +8,22 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import grpc
 import pytest
+import yaml
 
-from gym_rpc.client._control import ControlClient, WatchEvent
+from gym_rpc.client._control import ControlClient, SyncControlClient, WatchEvent
 from gym_rpc.config import BaseServerConfig
+from gym_rpc.errors import HeadUnreachableError
 from gym_rpc.integrations._registration import ServerRegistration
 from gym_rpc.v1 import control_plane_pb2 as pb
+from tests.cli_helpers import running_head
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 from tests.test_head_rpc import raw_stub
 
@@ -62,7 +66,7 @@ async def test_a_lease_expires_when_its_process_is_killed_9(head_factory, caplog
     config_port, real_port = closed_port(), closed_port()
     head = await head_factory(wildcard_doc(config_port))
     client = ControlClient(head.address)
-    events = cast(AsyncGenerator[WatchEvent, None], client.watch_server_statuses(heartbeat_seconds=0.5))
+    events = client.watch_server_statuses(heartbeat_seconds=0.5)
     server = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
@@ -167,3 +171,66 @@ async def test_an_expired_server_registering_again_is_registered(head_factory):
     await stub.RegisterServerInstance(request, timeout=5)  # e.g. the head was slow, the process is alive
     assert head.registry.state("policy") == "registered"
     assert head.prober.report("policy").registration == "registered"
+
+
+class CountedRegistration(ServerRegistration):
+    """The helper as shipped, recording whether each renewal (in the order they started) reached a head."""
+
+    def __init__(self, *args: Any, **options: Any) -> None:
+        super().__init__(*args, **options)
+        self.renewals: list[bool | None] = []  # None while the renewal is under way
+        self._renewals_lock = threading.Lock()
+
+    def _refresh(self, quiet: bool) -> bool:
+        with self._renewals_lock:
+            index = len(self.renewals)
+            self.renewals.append(None)
+        self.renewals[index] = super()._refresh(quiet)
+        return bool(self.renewals[index])
+
+
+def advertised(address: str) -> str:
+    """What the head at `address` advertises for `policy` ("" when it has no registration of it, or this
+    process's channel to it is still backing off from the dead head)."""
+    try:
+        instances = SyncControlClient(address, timeout_seconds=5).list_server_instances()
+    except HeadUnreachableError:
+        return ""
+    return next(i.advertised_url for i in instances if i.name == "policy")
+
+
+async def test_a_restarted_head_learns_registrations_again_at_the_next_renewal(tmp_path: Path, caplog) -> None:
+    """A head killed -9 and started again (a new process on the same port, knowing nothing) advertises the server
+    again from the first renewal that starts once it serves: within one renewal period, with no new registration.
+    (The period is longer than the client channel's longest reconnect backoff, 2 s, as the default 10 s is: a
+    renewal sooner than that after a failed one may still find the channel backing off.)"""
+    caplog.set_level(logging.WARNING, logger="gym_rpc.integrations")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(wildcard_doc(closed_port())), encoding="utf-8")
+    real_port = closed_port()
+    with running_head(config) as first:
+        registration = CountedRegistration("policy", real_port, head=first.address, refresh_seconds=2.5)
+        assert await registration.aregister()
+        try:
+            assert await asyncio.to_thread(advertised, first.address) == f"http://{LOOPBACK}:{real_port}"
+            first.process.kill()  # a crash: nothing tells anyone
+            await asyncio.to_thread(first.process.wait, 10)
+            port = first.address.rsplit(":", 1)[1]
+            deadline = time.monotonic() + 30
+            while not registration.renewals or registration.renewals[-1] is not False:
+                assert time.monotonic() < deadline, "no renewal found the head gone"
+                await asyncio.sleep(0.05)  # a renewal failed: the helper knows the head is gone
+
+            with running_head(config, "--port", port) as second:
+                started_before = len(registration.renewals)  # renewals started before the new head served
+                assert second.address == first.address
+                while await asyncio.to_thread(advertised, second.address) == "":
+                    assert time.monotonic() < deadline + 30, f"never registered again: {registration.renewals}"
+                    await asyncio.sleep(0.05)
+                first_success = registration.renewals.index(True, started_before - 1)
+        finally:
+            await registration.aderegister()
+
+    # The renewal under way as the head came up, or the first one started after it: nothing later.
+    assert first_success <= started_before, registration.renewals
+    assert "registered with the head at" in caplog.text and "again" in caplog.text

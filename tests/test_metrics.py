@@ -8,16 +8,15 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import cast
 
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from gym_rpc.client._control import SyncControlClient, WatchEvent
+from gym_rpc.client._control import SyncControlClient
 from tests.cli_helpers import LOOPBACK, HeadProcess, running_head, threaded_http_server
 from tests.conftest import closed_port, server_entry
 
@@ -103,7 +102,7 @@ def test_head_gauges_and_rpc_counts(tmp_path: Path) -> None:
             for _ in range(3):
                 client.list_server_statuses()
             client.register_server_instance("live", pid=77, listen_host=LOOPBACK, listen_port=server.port)
-            events = cast("Generator[WatchEvent, None, None]", client.watch_server_statuses(heartbeat_seconds=0.1))
+            events = client.watch_server_statuses(heartbeat_seconds=0.1)
             next(events)  # the snapshot: the watch is open
             samples = eventually(url, lambda s: value(s, "gym_head_watchers") == 1.0, "one watcher")
             assert value(samples, "gym_head_registrations") == 1.0

@@ -14,6 +14,7 @@ import os
 import time
 from typing import Any
 
+import grpc
 import pytest
 import uvicorn
 from aiohttp import web
@@ -163,7 +164,7 @@ async def test_register_refuses_hosts_that_are_not_hosts(head_factory) -> None:
             hosts: dict[str, Any] = {field: bad}
             with pytest.raises(ControlPlaneError, match=f"INVALID_ARGUMENT.*{field}") as refused:
                 await control.register_server_instance("policy", listen_port=8001, **hosts)
-            assert refused.value.code == "INVALID_ARGUMENT"
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert (await instances(head))["policy"].advertised_url == ""  # nothing was registered
     for good, url_host in [
         ("10.0.0.5", "10.0.0.5"),

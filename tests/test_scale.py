@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
-from typing import cast
 
 import grpc
 import pytest
 import yaml
 from aiohttp import web
 
-from gym_rpc.client._control import ControlClient, SyncControlClient, WatchEvent
+from gym_rpc.client._control import ControlClient, SyncControlClient
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.server._head import HeadServer
@@ -190,7 +188,7 @@ async def test_the_status_watch_says_when_the_config_changed(head_factory, http_
     await wait_until_probed(head)
     first_version = head.config.version
     client = ControlClient(head.address)
-    events = cast(AsyncGenerator[WatchEvent, None], client.watch_server_statuses(heartbeat_seconds=60))
+    events = client.watch_server_statuses(heartbeat_seconds=60)
     try:
         snapshot = await asyncio.wait_for(anext(events), 5)
         assert (snapshot.kind, snapshot.config_version) == ("snapshot", first_version)

@@ -112,7 +112,11 @@ def _certificate(
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    folder = tmp_path_factory.mktemp("pki")
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def make_pki(folder: Path) -> Pki:
+    """A CA, a server and a client certificate it signed, and an unrelated CA, written to `folder`."""
     ca_key, other_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_cert = _certificate("gym-rpc test CA", ca_key, None, ca=True)
     server_key, client_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
@@ -231,7 +235,7 @@ async def test_typed_client_error_names_the_problem_not_the_token(head_factory) 
     for security in (ClientSecurity(), authed("wrong-" + TOKEN)):
         with pytest.raises(ControlPlaneError) as caught:
             await ControlClient(head.address, security=security).list_server_statuses()
-        assert caught.value.code == "UNAUTHENTICATED"
+        assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
         assert head.address in str(caught.value) and TOKEN_ENV_VAR in str(caught.value)
         assert TOKEN not in str(caught.value)
 

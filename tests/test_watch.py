@@ -41,13 +41,13 @@ async def start_stoppable_server() -> tuple[web.AppRunner, int]:
 @contextlib.asynccontextmanager
 async def watching(
     client: ControlClient, start_revision: int = 0, *, heartbeat_seconds: float
-) -> AsyncIterator[AsyncIterator[WatchEvent]]:
+) -> AsyncIterator[AsyncGenerator[WatchEvent, None]]:
     """A status watch that is closed (and its stream cancelled) when the block ends, however it ends."""
     events = client.watch_server_statuses(start_revision, heartbeat_seconds=heartbeat_seconds)
     try:
         yield events
     finally:
-        await cast(AsyncGenerator[WatchEvent, None], events).aclose()
+        await events.aclose()
 
 
 async def next_event(events: AsyncIterator[WatchEvent], timeout: float = 5.0) -> WatchEvent:

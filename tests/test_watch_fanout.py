@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import cast
 
-from gym_rpc.client._control import ControlClient, WatchEvent
+from gym_rpc.client._control import ControlClient
 from gym_rpc.server._servicer import ControlPlaneServicer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire._convert import seconds_to_duration
@@ -23,10 +23,7 @@ async def test_one_serialised_message_per_change_is_shared_by_all_watchers(head_
         head = await head_factory(document({"live": server_entry(port)}))
         await wait_for_status(head, "live", "success")
         client = ControlClient(head.address)
-        streams = [
-            cast(AsyncGenerator[WatchEvent, None], client.watch_server_statuses(heartbeat_seconds=60))
-            for _ in range(WATCHERS)
-        ]
+        streams = [client.watch_server_statuses(heartbeat_seconds=60) for _ in range(WATCHERS)]
         snapshots = await asyncio.gather(*(asyncio.wait_for(anext(s), 10) for s in streams))
         assert {s.kind for s in snapshots} == {"snapshot"}
         assert len({s.revision for s in snapshots}) == 1  # all watchers stand at one revision

@@ -5,7 +5,7 @@ address as well as per head. Two peers on loopback: 127.0.0.1 and ::1, both serv
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
@@ -17,7 +17,7 @@ from tests.conftest import document
 
 
 def watch_stream(client: ControlClient) -> AsyncGenerator[WatchEvent, None]:
-    return cast(AsyncGenerator[WatchEvent, None], client.watch_server_statuses(heartbeat_seconds=0.05))
+    return client.watch_server_statuses(heartbeat_seconds=0.05)
 
 
 async def dual_stack_head(head_factory: Any) -> HeadServer:

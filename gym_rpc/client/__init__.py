@@ -3,6 +3,7 @@
 * `server_client`: `ServerClient` (control plane over gRPC, data plane over aiohttp), the public API page.
 * `_control`: the blocking and async control-plane clients; `_channel`: their shared, tuned gRPC channels.
 * `_security`: the bearer token and TLS a client presents; `_tracing`: OpenTelemetry on the control channels.
+* `_watch`: a status watch that reconnects and resumes by itself (`StatusWatch`, `SyncStatusWatch`).
 * `_http`: the data plane's HTTP pools, bounded resends and traced sends; `_rollout`: the current rollout id.
 
 Nothing here imports `gym_rpc.server`: a worker never loads head code. Exports import on first use.
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from gym_rpc.client._http import HttpClientSettings, HttpPools, RetryPolicy
     from gym_rpc.client._rollout import apply_rollout_prefix, current_rollout_id, rollout_context
     from gym_rpc.client._security import ClientSecurity, ClientTls, client_security
+    from gym_rpc.client._watch import StatusWatch, SyncStatusWatch
     from gym_rpc.client.server_client import ServerClient
 
 _EXPORTS = {
@@ -29,7 +31,9 @@ _EXPORTS = {
     "RetryPolicy": "gym_rpc.client._http",
     "ServerClient": "gym_rpc.client.server_client",
     "StatusSnapshot": "gym_rpc.client._control",
+    "StatusWatch": "gym_rpc.client._watch",
     "SyncControlClient": "gym_rpc.client._control",
+    "SyncStatusWatch": "gym_rpc.client._watch",
     "apply_rollout_prefix": "gym_rpc.client._rollout",
     "client_security": "gym_rpc.client._security",
     "current_rollout_id": "gym_rpc.client._rollout",
@@ -46,7 +50,9 @@ __all__ = [
     "RetryPolicy",
     "ServerClient",
     "StatusSnapshot",
+    "StatusWatch",
     "SyncControlClient",
+    "SyncStatusWatch",
     "apply_rollout_prefix",
     "client_security",
     "current_rollout_id",

@@ -59,7 +59,14 @@ from gym_rpc.config import (
     parse_host_port,
     url_host,
 )
-from gym_rpc.errors import ConfigError, ControlPlaneError, GymRpcError, HeadUnreachableError, UnknownServerError
+from gym_rpc.errors import (
+    ConfigError,
+    ControlPlaneError,
+    GymRpcError,
+    HeadTimeoutError,
+    HeadUnreachableError,
+    UnknownServerError,
+)
 from gym_rpc.metrics import METRICS, setup_client_metrics
 from gym_rpc.telemetry import TRACING, setup_tracing
 from gym_rpc.wire import (
@@ -208,6 +215,16 @@ def _head_server_from_address(address: str) -> BaseServerConfig:
     """HOST:PORT (IPv6 bracketed) as a head server config."""
     host, port = parse_host_port(address, HEAD_ADDRESS_ENV_VAR)
     return BaseServerConfig(host=host, port=port)
+
+
+# The words of the API page for both `get` and `post`.
+_CALL_ARGS_DOC = """
+Args:
+    server_name: str
+        The name of the server you are trying to call.
+    url_path: str
+        The URL path in the server you are trying to call e.g. "/v1/responses".
+"""
 
 
 class ServerClient(BaseModel):
@@ -509,26 +526,14 @@ class ServerClient(BaseModel):
     async def get(
         self, server_name: str, url_path: str, **kwargs: Unpack[_RequestOptions]
     ) -> aiohttp.ClientResponse:
-        """
-        Args:
-            server_name: str
-                The name of the server you are trying to call.
-            url_path: str
-                The URL path in the server you are trying to call e.g. "/v1/responses".
-        """
         return await self.request(server_name, url_path, "GET", **kwargs)
 
     async def post(
         self, server_name: str, url_path: str, **kwargs: Unpack[_RequestOptions]
     ) -> aiohttp.ClientResponse:
-        """
-        Args:
-            server_name: str
-                The name of the server you are trying to call.
-            url_path: str
-                The URL path in the server you are trying to call e.g. "/v1/responses".
-        """
         return await self.request(server_name, url_path, "POST", **kwargs)
+
+    get.__doc__ = post.__doc__ = _CALL_ARGS_DOC
 
     async def aclose(self) -> None:
         """Close the running loop's data and control sessions (shared with clients of the same settings)."""
@@ -548,6 +553,8 @@ class ServerClient(BaseModel):
             return control.head_status()
         try:
             report = control.get_server_status(server_name)
+        except HeadTimeoutError:  # the head is there but answered too late: as NeMo Gym's client says then
+            return "timeout"
         except HeadUnreachableError as exc:
             return self._probe_directly(server_name, deadline, exc)
         except ControlPlaneError as exc:

@@ -13,7 +13,6 @@ unreachable or refuses the call costs a warning in the log, within a bounded tim
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import threading
@@ -21,10 +20,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypedDict
 
 from aiohttp import web
 
+from gym_rpc._tasks import cancel_and_wait
 from gym_rpc.client._channel import head_address
 from gym_rpc.client._control import SyncControlClient
 from gym_rpc.client._security import client_security
@@ -73,6 +73,17 @@ def _head_server(head: BaseServerConfig | str | None) -> BaseServerConfig:
         host, port = parse_host_port(head, "head address")
         return BaseServerConfig(host=host, port=port)
     return ServerClient.load_head_server_config()  # the injected config, GYM_RPC_HEAD, or the default
+
+
+class _Registered(TypedDict):
+    """What RegisterServerInstance says about this process, besides its server name."""
+
+    listen_port: int
+    listen_host: str
+    advertise_host: str
+    pid: int
+    start_time: float
+    lease_seconds: float | None
 
 
 class ServerRegistration:
@@ -147,17 +158,19 @@ class ServerRegistration:
         with self._lock:
             return False if self._deregistered else self._register(quiet)
 
+    def _where(self) -> _Registered:
+        return {
+            "listen_port": self.port,
+            "listen_host": self.listen_host,
+            "advertise_host": self.advertise_host,
+            "pid": self.pid,
+            "start_time": self.start_time,
+            "lease_seconds": self.lease_seconds,
+        }
+
     def _register(self, quiet: bool) -> bool:
         try:
-            self.advertised_url = self._control().register_server_instance(
-                self.server_name,
-                listen_port=self.port,
-                listen_host=self.listen_host,
-                pid=self.pid,
-                start_time=self.start_time,
-                advertise_host=self.advertise_host,
-                lease_seconds=self.lease_seconds,
-            )
+            self.advertised_url = self._control().register_server_instance(self.server_name, **self._where())
         except GymRpcError as exc:
             if not quiet:
                 logger.warning(
@@ -194,11 +207,8 @@ class ServerRegistration:
         return registered
 
     async def aderegister(self) -> bool:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
-            self._refresher = None
+        await cancel_and_wait(self._refresher)
+        self._refresher = None
         return await asyncio.to_thread(self.deregister)
 
     async def _keep_registered(self, interval: float) -> None:

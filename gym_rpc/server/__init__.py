@@ -1,7 +1,7 @@
 """The server layer: the control-plane head and the NeMo Gym bridge, and everything only they run.
 
-* `_head`: the head (gRPC server, health, reflection, HTTP head) and `run_head`; `_bridge`: the same service
-  mirrored from an upstream NeMo Gym head.
+* `_head`: the one control-plane server (gRPC server, health, reflection, HTTP head) and `run_head`; `_sources`:
+  where its config comes from (a file); `_bridge`: the same server fed by an upstream NeMo Gym head.
 * `_servicer`: the ControlPlaneService handlers; `_prober`: the status prober and watch history;
   `_registry`: registered server instances; `_http_head`: NeMo Gym's HTTP head endpoints; `_connect`: the same
   service over the Connect protocol (head_server.connect_port).

@@ -10,21 +10,15 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
-logger = logging.getLogger(__name__)
+from gym_rpc.server._interceptors import Context, Handler, HandlerInterceptor
 
-if TYPE_CHECKING:  # generic only in the type stubs
-    Handler = grpc.RpcMethodHandler[Any, Any]
-    ServerInterceptor = grpc.aio.ServerInterceptor[Any, Any]
-else:
-    Handler = grpc.RpcMethodHandler
-    ServerInterceptor = grpc.aio.ServerInterceptor
-Context = grpc.aio.ServicerContext[Any, Any]
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,11 +56,7 @@ def guard_handler(handler: Handler, method: str) -> Handler:
             async def unary_stream_guarded(request: Any, context: Context) -> AsyncIterator[Any]:
                 if isinstance(request, Undecodable):
                     await _refuse(context, request)
-                responses = unary_stream(request, context)
-                if inspect.isawaitable(responses):  # a coroutine that writes with context.write (health's Watch)
-                    await responses
-                    return
-                async for response in responses:
+                async for response in _each_response(unary_stream(request, context)):
                     yield response
 
             return grpc.unary_stream_rpc_method_handler(unary_stream_guarded, **codec)
@@ -90,11 +80,7 @@ def guard_handler(handler: Handler, method: str) -> Handler:
         stream_stream: Any = handler.stream_stream
 
         async def stream_stream_guarded(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
-            responses = stream_stream(checked(requests, context), context)
-            if inspect.isawaitable(responses):
-                await responses
-                return
-            async for response in responses:
+            async for response in _each_response(stream_stream(checked(requests, context), context)):
                 yield response
 
         return grpc.stream_stream_rpc_method_handler(stream_stream_guarded, **codec)
@@ -107,20 +93,23 @@ def guard_handler(handler: Handler, method: str) -> Handler:
     return grpc.stream_unary_rpc_method_handler(stream_unary_guarded, **codec)
 
 
-class DecodeGuardInterceptor(ServerInterceptor):
+async def _each_response(responses: Any) -> AsyncIterator[Any]:
+    """A streaming handler's responses: an async generator's, or none from a coroutine that writes them itself
+    with context.write (grpc's health Watch)."""
+    if inspect.isawaitable(responses):
+        await responses
+        return
+    async for response in responses:
+        yield response
+
+
+class DecodeGuardInterceptor(HandlerInterceptor):
     """Every handler guarded by `guard_handler`; wrapped once per method, so a call pays one dict lookup."""
 
     def __init__(self) -> None:
         self._guarded: dict[str, tuple[Handler, Handler]] = {}  # method -> (original, guarded)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
-        details: grpc.HandlerCallDetails,
-    ) -> Handler:
-        handler = await continuation(details)
-        if handler is None:
-            return handler
+    def handle(self, handler: Handler, details: grpc.HandlerCallDetails) -> Handler:
         known = self._guarded.get(details.method)
         if known is not None and known[0] is handler:
             return known[1]

@@ -27,15 +27,18 @@ import grpc
 import uvicorn
 from connectrpc.code import Code
 from connectrpc.compat import google_protobuf_codecs
-from connectrpc.errors import ConnectError
+from connectrpc.errors import ConnectError, ErrorDetail
 from connectrpc.method import IdempotencyLevel, MethodInfo, StreamType
 from connectrpc.request import RequestContext
 from connectrpc.server import ConnectASGIApplication, Endpoint
+from google.rpc import status_pb2
+from protobuf.wkt import Any as ConnectAny  # connectrpc's protobuf runtime, not google.protobuf's
 
 from gym_rpc.config import GlobalConfig
 from gym_rpc.errors import GymRpcError
 from gym_rpc.server._http_head import configured_port
-from gym_rpc.server._security import UNAUTHENTICATED_MESSAGE, Context, ServerSecurity, authenticate
+from gym_rpc.server._interceptors import Context
+from gym_rpc.server._security import UNAUTHENTICATED_MESSAGE, ServerSecurity, authenticate
 from gym_rpc.server._servicer import ControlPlaneServicer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import MAX_REQUEST_BYTES
@@ -43,6 +46,7 @@ from gym_rpc.wire import MAX_REQUEST_BYTES
 logger = logging.getLogger(__name__)
 
 CONNECT_PORT_KEY = "connect_port"
+STATUS_DETAILS_KEY = "grpc-status-details-bin"  # gRPC's trailer for google.rpc.Status details (grpcio-status)
 SERVICE = pb.DESCRIPTOR.services_by_name["ControlPlaneService"]
 STARTUP_SECONDS = 10.0
 # Open connections (each open watch holds one); uvicorn answers 503 to more. Watches are bounded by the servicer.
@@ -64,11 +68,16 @@ class _ConnectCallContext:
         self._ctx = ctx
 
     async def abort(
-        self, code: grpc.StatusCode, details: str = "", trailing_metadata: tuple[tuple[str, str], ...] = ()
+        self, code: grpc.StatusCode, details: str = "", trailing_metadata: tuple[tuple[str, str | bytes], ...] = ()
     ) -> NoReturn:
-        for key, value in trailing_metadata:  # e.g. the known server names of a NOT_FOUND
-            self._ctx.response_trailers[key] = value
-        raise ConnectError(_CONNECT_CODES.get(code, Code.UNKNOWN), details)
+        extra: list[ErrorDetail] = []
+        for key, value in trailing_metadata:
+            if key == STATUS_DETAILS_KEY:  # google.rpc.Status details (a NOT_FOUND's known names): Connect's own
+                details_any = status_pb2.Status.FromString(cast(bytes, value)).details
+                extra.extend(ErrorDetail(ConnectAny(type_url=d.type_url, value=d.value)) for d in details_any)
+            else:
+                self._ctx.response_trailers[key] = cast(str, value)
+        raise ConnectError(_CONNECT_CODES.get(code, Code.UNKNOWN), details, extra)
 
     def time_remaining(self) -> float | None:
         """Seconds left of the caller's `Connect-Timeout-Ms`, None without one (as grpc's)."""
@@ -201,6 +210,7 @@ class ConnectServer:
             http="h11",
             ws="none",
             log_config=None,
+            log_level="warning",  # no INFO "Started server process" as "uvicorn.error": the head announces it
             access_log=False,
             server_header=False,
             limit_concurrency=MAX_CONNECTIONS,

@@ -1,4 +1,5 @@
-"""The head server: the control-plane service, standard health, reflection, and the background prober."""
+"""The control-plane server (`gym-rpc head`, and `gym-rpc bridge` with another config source): the service,
+standard health, reflection, the background prober, and the sequences that start and stop them."""
 
 from __future__ import annotations
 
@@ -20,7 +21,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
-from gym_rpc.config import GlobalConfig, ServerEntry, checked_port, checked_seconds, load_config_file, url_host
+from gym_rpc.config import (
+    GlobalConfig,
+    ServerEntry,
+    checked_port,
+    checked_probe_interval,
+    checked_seconds,
+    url_host,
+)
 from gym_rpc.errors import ConfigError, GymRpcError
 from gym_rpc.metrics import metrics_disabled, setup_metrics
 from gym_rpc.server import _events as events
@@ -41,10 +49,12 @@ from gym_rpc.server._security import (
     build_health_server,
 )
 from gym_rpc.server._servicer import ControlPlaneServicer, add_control_plane_service
+from gym_rpc.server._sources import ConfigSource, FileSource
 from gym_rpc.server._tracing import server_interceptors
 from gym_rpc.telemetry import setup_tracing
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import StatusReport
+from gym_rpc.wire._convert import ReportedProcess
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +85,7 @@ class HeadOptions:
 
     def __post_init__(self) -> None:
         """Refuse what would spin (a 0 interval), never end (nan, inf) or bind another port (70000 wraps)."""
-        checked_seconds(self.probe_interval_seconds, "the probe interval (--probe-interval)")
+        checked_probe_interval(self.probe_interval_seconds)
         checked_seconds(self.probe_timeout_seconds, "the probe timeout (--probe-timeout)")
         checked_port(self.port, "the head port (--port)")
         checked_port(self.http_port, "the HTTP head port (--http-port)")
@@ -87,14 +97,28 @@ class HeadOptions:
 
 
 class HeadServer:
-    """A grpc.aio server serving one global config. Start with `start()`, end with `stop()`."""
+    """The one control-plane server: a grpc.aio server with the service, standard health, reflection, the prober,
+    and optionally NeMo Gym's HTTP head and a plaintext health port. Start with `start()`, end with `stop()`.
+
+    `config` is what it serves first and where its own `head_server` block (bind address, token, TLS, health port,
+    HTTP port) comes from; `source` is where later configs come from: the file (`gym-rpc head`, the default) or an
+    upstream NeMo Gym head (`gym-rpc bridge`, gym_rpc.server._bridge). Both get every serving feature alike.
+    """
 
     def __init__(
-        self, config: GlobalConfig, options: HeadOptions = HeadOptions(), config_path: Path | None = None
+        self,
+        config: GlobalConfig,
+        options: HeadOptions = HeadOptions(),
+        config_path: Path | None = None,
+        *,
+        source: ConfigSource | None = None,
+        service_name: str = "gym-rpc-head",
     ):
         self.config = config
         self.options = options
-        self.config_path = config_path
+        self.source: ConfigSource = source if source is not None else FileSource(config_path)
+        self._own_config = config  # the head_server block it serves with, whatever the source says later
+        self._service_name = service_name
         self.pid = os.getpid()
         self.start_time = time.time()
         self.port = 0
@@ -113,14 +137,23 @@ class HeadServer:
         self.health_port: int | None = None
         self.security = ServerSecurity()
         self._http_head: HttpHead | None = None
+        self.problem: str | None = None  # why ControlPlaneService calls are refused now (a source's upstream)
         self._connect: ConnectServer | None = None
         self._metrics_server: MetricsServer | None = None
         self._servicer: ControlPlaneServicer | None = None
-        self._reload_lock = asyncio.Lock()
+
+    @property
+    def config_path(self) -> Path | None:
+        """The config file a file-fed head reloads (None: the embedded config, or another source)."""
+        return self.source.path if isinstance(self.source, FileSource) else None
+
+    @property
+    def processes(self) -> Mapping[str, ReportedProcess]:
+        return self.source.processes
 
     @property
     def host(self) -> str:
-        return self.options.host if self.options.host is not None else self.config.head_server.host
+        return self.options.host if self.options.host is not None else self._own_config.head_server.host
 
     @property
     def address(self) -> str:
@@ -161,41 +194,32 @@ class HeadServer:
     def observed_registrations(self) -> int:
         return len(self.registry)
 
-    def _checked(self, config: GlobalConfig) -> ServerSecurity:
-        """What start-up and every reload check alike (token, TLS files, extra ports); errors name the file."""
-        try:
-            configured_http_port(config)
-            configured_connect_port(config)
-            return ServerSecurity.from_config(config)
-        except ConfigError as exc:
-            where = str(self.config_path) if self.config_path is not None else ""
-            raise ConfigError(
-                f"{where}: {exc}" if where and not str(exc).startswith(where) else str(exc)
-            ) from None
+    def served(self, config: GlobalConfig) -> GlobalConfig:
+        """`config` as this server serves it: its head_server block says where this server listens."""
+        return config.with_head_server(self.host, self.port)
 
     async def start(self) -> None:
-        self.security = security = self._checked(self.config)
-        http_port = (
-            self.options.http_port if self.options.http_port is not None else configured_http_port(self.config)
-        )
-        connect_port = (
-            self.options.connect_port
-            if self.options.connect_port is not None
-            else configured_connect_port(self.config)
-        )
-        for name, problem in self.config.malformed_servers.items():
-            logger.warning("config entry %r is not served: %s", name, problem)
-        setup_tracing(self.config.observability_enabled, service_name="gym-rpc-head")
-        setup_metrics(service_name="gym-rpc-head", prometheus=True)
+        self.source.check(self._own_config)
+        self.security = security = ServerSecurity.from_config(self._own_config)
+        own_http_port = configured_http_port(self._own_config)
+        http_port = self.options.http_port if self.options.http_port is not None else own_http_port
+        own_connect_port = configured_connect_port(self._own_config)
+        connect_port = self.options.connect_port if self.options.connect_port is not None else own_connect_port
+        setup_tracing(self.config.observability_enabled, service_name=self._service_name)
+        setup_metrics(service_name=self._service_name, prometheus=True)
         self._servicer = servicer = ControlPlaneServicer(
             self,
             max_concurrent_watches=self.options.max_concurrent_watches,
             max_watches_per_peer=self.options.max_watches_per_peer,
         )
         server = build_control_server(
-            servicer, self._health, reflection_enabled=self.options.reflection, security=security
+            servicer,
+            self._health,
+            reflection_enabled=self.options.reflection,
+            interceptors=self.source.interceptors(),
+            security=security,
         )
-        port = self.options.port if self.options.port is not None else self.config.head_server.port
+        port = self.options.port if self.options.port is not None else self._own_config.head_server.port
         refuse_busy_port(self.host, port, "--port or head_server.port")
         self.port = security.add_port(server, self.host, port)
         health_server = None
@@ -210,40 +234,35 @@ class HeadServer:
         if health_server is not None:
             await health_server.start()
             self._health_server = health_server
-        self.config = self.config.with_head_server(self.host, self.port)
+        self.config = self.served(self.config)
         self.prober.set_config_version(self.config.version)
-        await self._health.set("", _SERVING)
-        await self._health.set(SERVICE_NAME, _SERVING)
-        if http_port is not None:
-            http_head = HttpHead(self)
-            try:
+        await self._set_serving(self.problem is None)
+        try:
+            await self.source.start(self)
+            if http_port is not None:
+                http_head = HttpHead(self)
                 await http_head.start(self.host, http_port)
-            except BaseException:
-                await self.stop()  # a head that cannot serve all it was asked to serves nothing
-                raise
-            self._http_head = http_head
-        if connect_port is not None:  # the same servicer and security as the gRPC port, over Connect
-            connect = ConnectServer(servicer, security, shutdown_grace_seconds=self.options.shutdown_grace_seconds)
-            try:
+                self._http_head = http_head
+            if connect_port is not None:  # the same servicer and security as the gRPC port, over Connect
+                connect = ConnectServer(
+                    servicer, security, shutdown_grace_seconds=self.options.shutdown_grace_seconds
+                )
                 await connect.start(self.host, connect_port)
-            except BaseException:
-                await self.stop()
-                raise
-            self._connect = connect
-        if self.options.metrics_port is not None:
-            metrics_server = MetricsServer()
-            try:
+                self._connect = connect
+            if self.options.metrics_port is not None:
+                metrics_server = MetricsServer()
                 await metrics_server.start(self.host, self.options.metrics_port)
-            except BaseException:
-                await self.stop()
-                raise
-            self._metrics_server = metrics_server
+                self._metrics_server = metrics_server
+        except BaseException:
+            await self.stop()  # a head that cannot serve all it was asked to serves nothing
+            raise
         head_metrics.observe(self)
 
     async def stop(self) -> None:
-        """Report NOT_SERVING, then finish in-flight calls within the grace period."""
+        """Report NOT_SERVING, stop the source, then finish in-flight calls within the grace period."""
         head_metrics.forget(self)
         await self._health.enter_graceful_shutdown()
+        await self.source.stop()
         if self._connect is not None:
             await self._connect.stop()
             self._connect = None
@@ -263,48 +282,45 @@ class HeadServer:
             self._health_server = None
 
     async def reload(self) -> bool:
-        """Re-read the config file; True when its content changed. A bad file keeps the old config."""
-        if self.config_path is None:
-            return False
-        async with self._reload_lock:
-            old = self.config
-            try:
-                config = await self._load_for_reload()
-            except ConfigError as exc:
-                events.config_refused(self.config_path, old.version, exc)
-                raise
-            if config.version == old.version:
-                events.config_unchanged(self.config_path, old.version)
-                return False
-            for name, problem in config.malformed_servers.items():
-                if name not in old.malformed_servers:
-                    logger.warning("config entry %r is not served: %s", name, problem)
-            self.config = config
-            await self.registry.update_prober(self.prober, lambda: self.config.servers)
-            self.prober.set_config_version(config.version)
-            added = [name for name in config.servers if name not in old.servers]
-            removed = [name for name in old.servers if name not in config.servers]
-            events.config_reloaded(self.config_path, old.version, config.version, added, removed)
-            return True
+        """Load the config from the source now (SIGHUP, ReloadGlobalConfig); True when it changed. A bad config
+        keeps the old one."""
+        version = self.config.version
+        try:
+            changed = await self.source.reload(self)
+        except ConfigError as exc:
+            events.config_refused(self.source.name, version, exc)
+            raise
+        if not changed:
+            events.config_unchanged(self.source.name, version)
+        return changed
 
-    async def _load_for_reload(self) -> GlobalConfig:
-        """The config file, checked exactly as at start-up; a served server whose entry broke is refused."""
-        assert self.config_path is not None
-        loaded = await asyncio.to_thread(load_config_file, self.config_path)
-        config = loaded.with_head_server(self.host, self.port)
-        if config.version == self.config.version:
-            return config
-        self._checked(config)
-        dropped = {
-            name: problem for name, problem in config.malformed_servers.items() if name in self.config.servers
-        }
-        if dropped:
-            name, problem = next(iter(dropped.items()))
-            raise ConfigError(
-                f"{self.config_path}: server {name!r} is served but its new entry is malformed ({problem}); "
-                f"fix the entry, or delete the key to stop serving it"
-            )
-        return config
+    async def apply_config(self, config: GlobalConfig) -> bool:
+        """Serve `config` from now on (the prober follows it); False when it is what is served already."""
+        config, old = self.served(config), self.config
+        if config.version == old.version:
+            return False
+        self.config = config
+        await self.registry.update_prober(self.prober, lambda: self.config.servers)
+        self.prober.set_config_version(config.version)
+        added = [name for name in config.servers if name not in old.servers]
+        removed = [name for name in old.servers if name not in config.servers]
+        events.config_reloaded(self.source.name, old.version, config.version, added, removed)
+        return True
+
+    async def set_problem(self, problem: str | None) -> None:
+        """Refuse ControlPlaneService calls (the source's gate) and report NOT_SERVING while `problem` is set."""
+        if problem == self.problem:
+            return
+        if problem is None:
+            logger.warning("config source is back: serving config version %s", self.config.version)
+        else:
+            logger.warning("%s; refusing RPCs until it answers", problem)
+        self.problem = problem
+        await self._set_serving(problem is None)
+
+    async def _set_serving(self, serving: bool) -> None:
+        await self._health.set("", _SERVING if serving else _NOT_SERVING)
+        await self._health.set(SERVICE_NAME, _SERVING if serving else _NOT_SERVING)
 
     async def _follow_health(self, report: StatusReport | None, name: str) -> None:
         await mirror_status_in_health(self._health, report, name)

@@ -7,11 +7,12 @@ probes are stored; the RPC histogram by a server interceptor.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -163,6 +164,19 @@ def _code_of(context: grpc.aio.ServicerContext[Any, Any], error: BaseException |
     return grpc.StatusCode.UNKNOWN if isinstance(error, Exception) else grpc.StatusCode.CANCELLED
 
 
+@contextlib.contextmanager
+def _timed(method: str, context: grpc.aio.ServicerContext[Any, Any]) -> Iterator[None]:
+    """Record the call's duration and status code when the block ends, however it ends."""
+    started, error = time.perf_counter(), None
+    try:
+        yield
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        _record_rpc(method, started, _code_of(context, error))
+
+
 class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Times every unary and server-streaming call of the head (`rpc.server.call.duration`, seconds)."""
 
@@ -179,14 +193,8 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-ar
             inner_unary: Any = handler.unary_unary
 
             async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-                started, error = time.perf_counter(), None
-                try:
+                with _timed(method, context):
                     return await inner_unary(request, context)
-                except BaseException as exc:
-                    error = exc
-                    raise
-                finally:
-                    _record_rpc(method, started, _code_of(context, error))
 
             return grpc.unary_unary_rpc_method_handler(
                 unary, handler.request_deserializer, handler.response_serializer
@@ -195,15 +203,9 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-ar
             inner_stream: Any = handler.unary_stream
 
             async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-                started, error = time.perf_counter(), None
-                try:
+                with _timed(method, context):
                     async for message in inner_stream(request, context):
                         yield message
-                except BaseException as exc:
-                    error = exc
-                    raise
-                finally:
-                    _record_rpc(method, started, _code_of(context, error))
 
             return grpc.unary_stream_rpc_method_handler(
                 stream, handler.request_deserializer, handler.response_serializer
@@ -212,14 +214,8 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-ar
             inner_writer: Any = handler.unary_stream
 
             async def writer(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-                started, error = time.perf_counter(), None
-                try:
+                with _timed(method, context):
                     await inner_writer(request, context)
-                except BaseException as exc:
-                    error = exc
-                    raise
-                finally:
-                    _record_rpc(method, started, _code_of(context, error))
 
             return grpc.unary_stream_rpc_method_handler(
                 writer, handler.request_deserializer, handler.response_serializer

@@ -25,24 +25,29 @@ async def metrics_handler(request: web.Request) -> web.Response:
     return web.Response(body=prometheus_text(), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
 
 
-class MetricsServer:
-    """An aiohttp server answering only `GET /metrics`."""
+class AppServer:
+    """An aiohttp app alone on one port (the HTTP head, the metrics port): start, a one-line error naming the
+    setting to change when the port is taken, stop."""
+
+    what = "an HTTP app"  # what the error says could not be served
+    setting = "another port"  # what the error says to choose instead
 
     def __init__(self) -> None:
         self._runner: web.AppRunner | None = None
         self.port = 0
 
+    def app(self) -> web.Application:
+        raise NotImplementedError
+
     async def start(self, host: str, port: int) -> None:
-        app = web.Application()
-        app.router.add_get(METRICS_PATH, metrics_handler)
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(self.app(), access_log=None)
         await runner.setup()
         try:
             await web.TCPSite(runner, host.strip("[]"), port).start()
         except OSError as exc:
             await runner.cleanup()
             raise GymRpcError(
-                f"cannot serve /metrics on {host}:{port}: {exc.strerror or exc}; choose another --metrics-port"
+                f"cannot serve {self.what} on {host}:{port}: {exc.strerror or exc}; choose {self.setting}"
             ) from exc
         self._runner = runner
         self.port = int(runner.addresses[0][1])
@@ -51,3 +56,15 @@ class MetricsServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+
+class MetricsServer(AppServer):
+    """An aiohttp server answering only `GET /metrics`."""
+
+    what = "/metrics"
+    setting = "another --metrics-port"
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get(METRICS_PATH, metrics_handler)
+        return app

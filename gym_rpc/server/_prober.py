@@ -13,7 +13,6 @@ at most one probe per window, not a thousand.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import secrets
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from gym_rpc._tasks import cancel_and_wait, run_every
 from gym_rpc._version import __version__
 from gym_rpc.config import ServerEntry
 from gym_rpc.server import _events as events
@@ -148,15 +148,10 @@ class StatusProber:
         self._task = asyncio.create_task(self._run(), name="gym_rpc status prober")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         for _, task in list(self._in_flight.values()):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         self._in_flight.clear()
         if self._session is not None:
             await self._session.close()
@@ -300,15 +295,7 @@ class StatusProber:
                 del self._in_flight[name]
 
     async def _run(self) -> None:
-        while True:
-            started = time.monotonic()
-            try:
-                await self.probe_all()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # the prober must outlive any single bad round
-                logger.exception("status probe round failed")
-            await asyncio.sleep(max(0.0, self.interval_seconds - (time.monotonic() - started)))
+        await run_every(self.interval_seconds, self.probe_all, "status probe round", logger, now=True)
 
     async def _store(self, report: StatusReport) -> StatusReport:
         """Record a probe result (with the registration the server has now); the report as recorded."""

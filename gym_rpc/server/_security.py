@@ -19,9 +19,8 @@ import hmac
 import logging
 import os
 import ssl
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -36,6 +35,7 @@ from gym_rpc.config import (
     url_host,
 )
 from gym_rpc.errors import ConfigError, GymRpcError
+from gym_rpc.server._interceptors import Context, Handler, HandlerInterceptor, ServerInterceptor
 from gym_rpc.wire import (
     AUTHORIZATION_METADATA_KEY,
     HEALTH_METHOD_PREFIX,
@@ -197,21 +197,13 @@ def server_credentials(tls: HeadTlsConfig) -> grpc.ServerCredentials:
     )
 
 
-Context = grpc.aio.ServicerContext[Any, Any]
-if TYPE_CHECKING:  # generic only in the type stubs
-    Handler = grpc.RpcMethodHandler[Any, Any]
-    ServerInterceptor = grpc.aio.ServerInterceptor[Any, Any]
-else:
-    Handler = grpc.RpcMethodHandler
-    ServerInterceptor = grpc.aio.ServerInterceptor
-
 UNAUTHENTICATED_MESSAGE = (
     "missing or invalid bearer token: send `authorization: Bearer <token>` with the head's token "
     f"(set {TOKEN_ENV_VAR} or {HEAD_SERVER_KEY}.auth_token on the client)"
 )
 
 
-class TokenAuthInterceptor(ServerInterceptor):
+class TokenAuthInterceptor(HandlerInterceptor):
     """Every RPC but the health service needs `authorization: Bearer <token>`; others get UNAUTHENTICATED.
 
     The comparison takes the same time whatever the presented token shares with the real one, and neither the
@@ -221,13 +213,8 @@ class TokenAuthInterceptor(ServerInterceptor):
     def __init__(self, token: str) -> None:
         self._expected = token.encode()
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
-        details: grpc.HandlerCallDetails,
-    ) -> Handler:
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(HEALTH_METHOD_PREFIX):
+    def handle(self, handler: Handler, details: grpc.HandlerCallDetails) -> Handler:
+        if details.method.startswith(HEALTH_METHOD_PREFIX):
             return handler
         if not authenticate(details.invocation_metadata, self._expected):
             logger.info("refused %s: missing or invalid bearer token", details.method)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import grpc
 
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url, is_wildcard_host
-from gym_rpc.errors import ConfigError, UnknownServerError
+from gym_rpc.errors import ConfigError
 from gym_rpc.server import _events as events
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import (
@@ -33,8 +33,10 @@ from gym_rpc.server._security import (
 from gym_rpc.server._watch_feed import ReportMessages, WatchFeed
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
-from gym_rpc.wire import KNOWN_SERVERS_METADATA_KEY, StatusReport
+from gym_rpc.wire import StatusReport
 from gym_rpc.wire import _convert as convert
+from gym_rpc.wire._convert import ReportedProcess
+from gym_rpc.wire._errors import unknown_server_status
 
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 MIN_HEARTBEAT_SECONDS = 0.05
@@ -53,6 +55,11 @@ class HeadState(Protocol):
     registry: InstanceRegistry
     pid: int
     start_time: float
+
+    @property
+    def processes(self) -> Mapping[str, ReportedProcess]:
+        """pid and start time per server, as the config source reports them (a NeMo Gym upstream)."""
+        ...
 
     async def reload(self) -> bool: ...
 
@@ -105,8 +112,6 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self, request: pb.GetServerStatusRequest, context: Context
     ) -> pb.GetServerStatusResponse:
         name = request.server_name
-        if not name:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "server_name is required")
         if name == HEAD_SERVER_KEY:
             return pb.GetServerStatusResponse(report=convert.report_to_pb(self._head_report()))
         await self._require_server(name, context)
@@ -190,7 +195,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         head = self._head
         instances = [convert.head_instance_to_pb(head.config, head.pid, head.start_time)]
         instances += [
-            convert.server_instance_to_pb(entry, head.prober.report(name), head.registry.get(name))
+            convert.server_instance_to_pb(
+                entry, head.prober.report(name), head.registry.get(name), head.processes.get(name)
+            )
             for name, entry in head.config.servers.items()
         ]
         return pb.ListServerInstancesResponse(instances=instances)
@@ -199,7 +206,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self, request: pb.GetAssistantMessageHeaderRequest, context: Context
     ) -> pb.GetAssistantMessageHeaderResponse:
         name = request.model_server_name
-        await self._require_server(name, context)
+        await self._require_server(name, context, "model_server_name")
         try:
             header = self._head.config.assistant_message_header(name)
         except ConfigError as exc:
@@ -219,8 +226,6 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self, request: pb.RegisterServerInstanceRequest, context: Context
     ) -> pb.RegisterServerInstanceResponse:
         name = request.server_name
-        if not name:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "server_name is required")
         await self._require_server(name, context)
         if not 0 < request.listen_port < 65536:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "listen_port must be in 1..65535")
@@ -253,8 +258,6 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self, request: pb.DeregisterServerInstanceRequest, context: Context
     ) -> pb.DeregisterServerInstanceResponse:
         name = request.server_name
-        if not name:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "server_name is required")
         await self._require_server(name, context)
         head = self._head
         current = head.registry.get(name)
@@ -264,15 +267,14 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             await head.registry.update_prober(head.prober, lambda: head.config.servers, [name])
         return pb.DeregisterServerInstanceResponse(deregistered=deregistered)
 
-    async def _require_server(self, name: str, context: Context) -> None:
+    async def _require_server(self, name: str, context: Context, field: str = "server_name") -> None:
+        """INVALID_ARGUMENT for no name, NOT_FOUND (with the known names) for one the config does not have."""
+        if not name:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field} is required")
         servers = self._head.config.servers
         if name not in servers:
-            known = [*servers, HEAD_SERVER_KEY]
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                str(UnknownServerError(name, known)),
-                ((KNOWN_SERVERS_METADATA_KEY, ",".join(known)),),
-            )
+            status = unknown_server_status(name, [*servers, HEAD_SERVER_KEY])
+            await context.abort(status.code, status.details, status.trailing_metadata)
 
     def _head_report(self) -> StatusReport:
         head = self._head.config.head_server

@@ -1,11 +1,12 @@
 """The wire layer: what the client and the server agree on, and nothing that runs on either side alone.
 
 * `_convert`: the one conversion layer to and from the generated `gym_rpc.v1` messages.
-* `_status`: server statuses and status reports.
+* `_status`: server statuses, status reports, status snapshots and watch events.
+* `_errors`: how a failed gRPC call becomes a typed gym_rpc error; unknown names as `google.rpc.Status` details.
 * `_paths`: the rollout and trace-context URL path format (builder and parser).
 * `_names`: the service name, metadata keys, environment variable names and message-size limits.
 
-Errors live one level lower, in `gym_rpc.errors`, so that every layer (config included) can raise them.
+The error classes live one level lower, in `gym_rpc.errors`, so that every layer (config included) can raise them.
 """
 
 from gym_rpc.wire._convert import InstanceRegistration, ServerInstance
@@ -14,7 +15,7 @@ from gym_rpc.wire._names import (
     CONTROL_METHOD_PREFIX,
     HEAD_ADDRESS_ENV_VAR,
     HEALTH_METHOD_PREFIX,
-    KNOWN_SERVERS_METADATA_KEY,
+    HEALTH_SERVICE_NAME,
     MAX_REQUEST_BYTES,
     MAX_RESPONSE_BYTES,
     MIB,
@@ -42,7 +43,14 @@ from gym_rpc.wire._paths import (
     split_gym_prefixes,
     trace_path_segment,
 )
-from gym_rpc.wire._status import SERVER_STATUSES, RegistrationState, ServerStatus, StatusReport
+from gym_rpc.wire._status import (
+    SERVER_STATUSES,
+    RegistrationState,
+    ServerStatus,
+    StatusReport,
+    StatusSnapshot,
+    WatchEvent,
+)
 
 __all__ = [
     "AUTHORIZATION_METADATA_KEY",
@@ -50,7 +58,7 @@ __all__ = [
     "GYM_PREFIX_HEAD",
     "HEAD_ADDRESS_ENV_VAR",
     "HEALTH_METHOD_PREFIX",
-    "KNOWN_SERVERS_METADATA_KEY",
+    "HEALTH_SERVICE_NAME",
     "MAX_REQUEST_BYTES",
     "MAX_RESPONSE_BYTES",
     "MAX_ROLLOUT_ID_LENGTH",
@@ -75,6 +83,8 @@ __all__ = [
     "ServerInstance",
     "ServerStatus",
     "StatusReport",
+    "StatusSnapshot",
+    "WatchEvent",
     "encode_rollout_id",
     "prefixed_path",
     "rollout_path_prefix",

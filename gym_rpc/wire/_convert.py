@@ -15,7 +15,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from gym_rpc.config import HEAD_SERVER_KEY, BaseServerConfig, GlobalConfig, ServerEntry, base_url, redact_secrets
 from gym_rpc.v1 import control_plane_pb2 as pb
-from gym_rpc.wire._status import RegistrationState, ServerStatus, StatusReport
+from gym_rpc.wire._status import RegistrationState, ServerStatus, StatusReport, StatusSnapshot, WatchEvent
 
 _STATUS_TO_PB: dict[ServerStatus | None, pb.ServerStatus.ValueType] = {
     None: pb.SERVER_STATUS_UNSPECIFIED,
@@ -142,6 +142,14 @@ class ServerInstance:
 
 
 @dataclass(frozen=True)
+class ReportedProcess:
+    """The process serving one server, as a config source reports it (NeMo Gym's /server_instances)."""
+
+    pid: int
+    start_time: float  # epoch seconds; 0 when unknown
+
+
+@dataclass(frozen=True)
 class InstanceRegistration:
     """One running server process, as it registered."""
 
@@ -177,8 +185,13 @@ def head_instance_to_pb(config: GlobalConfig, pid: int, start_time: float) -> pb
 
 
 def server_instance_to_pb(
-    entry: ServerEntry, report: StatusReport, registration: InstanceRegistration | None = None
+    entry: ServerEntry,
+    report: StatusReport,
+    registration: InstanceRegistration | None = None,
+    process: ReportedProcess | None = None,
 ) -> pb.ServerInstance:
+    """A configured server as ListServerInstances shows it; what the config source reports of its process (a NeMo
+    Gym upstream's /server_instances) wins over what a registration said."""
     message = pb.ServerInstance(
         name=entry.name,
         server_type=entry.server_type,
@@ -186,12 +199,17 @@ def server_instance_to_pb(
         url=entry.url,
         status=status_to_pb(report.status),
     )
+    started = 0.0
     if registration is not None:
         message.pid = registration.pid
         message.advertised_url = registration.advertised_url
-        if registration.start_time > 0:
-            message.start_time.CopyFrom(epoch_to_timestamp(registration.start_time))
-            message.uptime.CopyFrom(seconds_to_duration(max(0.0, time.time() - registration.start_time)))
+        started = registration.start_time
+    if process is not None:
+        message.pid = process.pid
+        started = process.start_time or started
+    if started > 0:
+        message.start_time.CopyFrom(epoch_to_timestamp(started))
+        message.uptime.CopyFrom(seconds_to_duration(max(0.0, time.time() - started)))
     return message
 
 
@@ -246,3 +264,61 @@ def registration_from_pb(
         registered_at=registered_at,
         lease_ttl=request.lease_ttl.ToNanoseconds() / 1e9 if request.HasField("lease_ttl") else 0.0,
     )
+
+
+# --- responses, as the control clients return them (one converter per row of gym_rpc.client._control's table) ---
+
+
+def head_config_from_pb(response: pb.GetHeadServerConfigResponse) -> BaseServerConfig:
+    return head_server_from_pb(response.head_server)
+
+
+def changed_config_from_pb(response: pb.GetGlobalConfigResponse) -> GlobalConfig | None:
+    """None when the head answered "unchanged" (no document sent)."""
+    return None if response.unchanged else global_config_from_pb(response)
+
+
+def status_response_from_pb(response: pb.GetServerStatusResponse) -> StatusReport:
+    return report_from_pb(response.report)
+
+
+def snapshot_from_pb(response: pb.ListServerStatusesResponse) -> StatusSnapshot:
+    return StatusSnapshot(response.revision, [report_from_pb(r) for r in response.reports])
+
+
+_EVENT_KINDS = {
+    pb.WATCH_EVENT_TYPE_SNAPSHOT: "snapshot",
+    pb.WATCH_EVENT_TYPE_CHANGE: "change",
+    pb.WATCH_EVENT_TYPE_HEARTBEAT: "heartbeat",
+}
+
+
+def watch_event_from_pb(message: pb.WatchServerStatusesResponse) -> WatchEvent:
+    return WatchEvent(
+        kind=_EVENT_KINDS.get(message.type, "unknown"),
+        revision=message.revision,
+        reports=[report_from_pb(r) for r in message.reports],
+        compacted=message.compacted,
+        config_version=message.config_version,
+    )
+
+
+def instances_from_pb(response: pb.ListServerInstancesResponse) -> list[ServerInstance]:
+    return [instance_from_pb(i) for i in response.instances]
+
+
+def header_from_pb(response: pb.GetAssistantMessageHeaderResponse) -> bytes | None:
+    return response.header if response.HasField("header") else None
+
+
+def reload_from_pb(response: pb.ReloadGlobalConfigResponse) -> tuple[str, bool]:
+    """(the config version now, whether the reload changed it)."""
+    return response.version, response.changed
+
+
+def advertised_url_from_pb(response: pb.RegisterServerInstanceResponse) -> str:
+    return response.advertised_url
+
+
+def deregistered_from_pb(response: pb.DeregisterServerInstanceResponse) -> bool:
+    return response.deregistered

@@ -7,11 +7,10 @@ from gym_rpc.v1 import control_plane_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ControlPlaneService"].full_name
 CONTROL_METHOD_PREFIX = f"/{SERVICE_NAME}/"
-HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+HEALTH_SERVICE_NAME = "grpc.health.v1.Health"
+HEALTH_METHOD_PREFIX = f"/{HEALTH_SERVICE_NAME}/"
 
 AUTHORIZATION_METADATA_KEY = "authorization"
-# Trailing metadata of a NOT_FOUND answer: the known server names, comma-separated, for typed client errors.
-KNOWN_SERVERS_METADATA_KEY = "gym-rpc-known-servers"
 
 HEAD_ADDRESS_ENV_VAR = "GYM_RPC_HEAD"
 TOKEN_ENV_VAR = "GYM_RPC_TOKEN"

@@ -24,3 +24,22 @@ class StatusReport:
     http_status: int = 0
     registration: RegistrationState | None = None
     advertised_url: str = ""  # where the head sends clients while the server is registered
+
+
+@dataclass(frozen=True)
+class StatusSnapshot:
+    """Every server's latest report, current as of `revision`."""
+
+    revision: int
+    reports: list[StatusReport]
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One message of a status watch: kind is "snapshot", "change" or "heartbeat"."""
+
+    kind: str
+    revision: int
+    reports: list[StatusReport]
+    compacted: bool
+    config_version: str = ""  # the head's config version when sent; a change means: fetch the config again

@@ -1,0 +1,38 @@
+"""Background work runs and ends one way everywhere (the prober, the bridge's refresher, a registration's
+refresher): a loop that outlives any bad round, and a cancel that waits for the task to end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+
+async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
+    """Cancel `task` (None: nothing to do) and wait until it has ended, so nothing it does outlives the caller."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def run_every(
+    seconds: float, step: Callable[[], Awaitable[object]], what: str, logger: logging.Logger, *, now: bool
+) -> None:
+    """Run `step` (at once when `now`) and again `seconds` after each run began, until cancelled. A failed round is
+    logged with `what` and the loop goes on: one bad round must not end a head's background work."""
+    if not now:
+        await asyncio.sleep(seconds)
+    while True:
+        started = time.monotonic()
+        try:
+            await step()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("%s failed", what)
+        await asyncio.sleep(max(0.0, seconds - (time.monotonic() - started)))

@@ -1,0 +1,130 @@
+"""Where the control-plane server's config comes from: the one thing the head and the bridge do differently.
+
+`FileSource` reads a YAML file (at start, and again on SIGHUP or ReloadGlobalConfig): that is `gym-rpc head`.
+`gym_rpc.server._bridge.UpstreamSource` fetches from an unmodified NeMo Gym HTTP head on an interval: that is
+`gym-rpc bridge`. All else (serving, security, prober, health, watches, HTTP head) is `HeadServer`'s, shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+
+from gym_rpc.config import GlobalConfig, load_config_file
+from gym_rpc.errors import ConfigError
+from gym_rpc.server._connect import configured_connect_port
+from gym_rpc.server._http_head import configured_http_port
+from gym_rpc.server._security import ServerSecurity
+from gym_rpc.wire._convert import ReportedProcess
+
+logger = logging.getLogger(__name__)
+
+
+class ConfigTarget(Protocol):
+    """What a source feeds: the server (`HeadServer`), as far as a source needs it."""
+
+    config: GlobalConfig
+    problem: str | None
+
+    def served(self, config: GlobalConfig) -> GlobalConfig: ...
+
+    async def apply_config(self, config: GlobalConfig) -> bool: ...
+
+    async def set_problem(self, problem: str | None) -> None: ...
+
+
+class ConfigSource(Protocol):
+    """What `HeadServer` asks of its config source."""
+
+    name: Path | str  # what logs call it: the file, or the upstream URL
+
+    @property
+    def processes(self) -> Mapping[str, ReportedProcess]:
+        """pid and start time per server name, as the source reports them (empty: it reports none)."""
+        ...
+
+    def interceptors(self) -> Sequence[grpc.aio.ServerInterceptor[Any, Any]]:
+        """Interceptors the source adds to the server (the bridge refuses calls while its upstream is away)."""
+        ...
+
+    def check(self, config: GlobalConfig) -> None:
+        """Refuse the config the server starts with, naming what is wrong (ConfigError)."""
+        ...
+
+    async def start(self, head: ConfigTarget) -> None:
+        """Begin feeding `head` (after it serves): `head.apply_config` for each new config, `head.set_problem`."""
+        ...
+
+    async def stop(self) -> None: ...
+
+    async def reload(self, head: ConfigTarget) -> bool:
+        """Load the config now (SIGHUP, ReloadGlobalConfig); True when it changed; ConfigError keeps the old."""
+        ...
+
+
+class FileSource:
+    """The head's config file; without a file (the embedded config) there is nothing to reload."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.name: Path | str = path if path is not None else "the embedded config"  # what logs call this source
+        self.processes: Mapping[str, ReportedProcess] = {}
+        self._lock = asyncio.Lock()
+
+    def interceptors(self) -> Sequence[grpc.aio.ServerInterceptor[Any, Any]]:
+        return ()
+
+    def check(self, config: GlobalConfig) -> None:
+        self._validate(config)
+        self._warn_malformed(config, known={})
+
+    def _validate(self, config: GlobalConfig) -> None:
+        """What start-up and every reload check alike (token, TLS files, extra ports); errors name the file."""
+        try:
+            configured_http_port(config)
+            configured_connect_port(config)
+            ServerSecurity.from_config(config)
+        except ConfigError as exc:
+            where = str(self.path) if self.path is not None else ""
+            named = f"{where}: {exc}" if where and not str(exc).startswith(where) else str(exc)
+            raise ConfigError(named) from None
+
+    @staticmethod
+    def _warn_malformed(config: GlobalConfig, known: Mapping[str, str]) -> None:
+        for name, problem in config.malformed_servers.items():
+            if name not in known:
+                logger.warning("config entry %r is not served: %s", name, problem)
+
+    async def start(self, head: ConfigTarget) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    async def reload(self, head: ConfigTarget) -> bool:
+        """Re-read the file; True when its content changed. A bad file keeps the old config."""
+        if self.path is None:
+            return False
+        async with self._lock:
+            loaded = await asyncio.to_thread(load_config_file, self.path)
+            if head.served(loaded).version == head.config.version:
+                return False
+            self._validate(loaded)
+            self._refuse_served_turned_malformed(loaded, head.config)
+            self._warn_malformed(loaded, known=head.config.malformed_servers)
+            return await head.apply_config(loaded)
+
+    def _refuse_served_turned_malformed(self, config: GlobalConfig, current: GlobalConfig) -> None:
+        """A server being served may not turn malformed: it would vanish silently."""
+        served_broken = {n: p for n, p in config.malformed_servers.items() if n in current.servers}
+        if served_broken:
+            name, problem = next(iter(served_broken.items()))
+            raise ConfigError(
+                f"{self.path}: server {name!r} is served but its new entry is malformed ({problem}); "
+                f"fix the entry, or delete the key to stop serving it"
+            )
