@@ -33,7 +33,16 @@ def machine_lines() -> list[str]:
         f"- nproc: {usable} (CPU model: {cpu_model()}), {platform.system()} {platform.release()}",
         f"- Python {platform.python_version()} ({sys.implementation.name}); {versions}",
         "- everything on loopback (127.0.0.1); servers in separate processes from the client",
+        *_load_lines(),
     ]
+
+
+def _load_lines() -> list[str]:
+    """The load the figures were taken under: other work on the same cores is most of their scatter."""
+    if not hasattr(os, "getloadavg"):
+        return []
+    one, five, fifteen = os.getloadavg()
+    return [f"- load average when written (1 / 5 / 15 min): {one:.1f} / {five:.1f} / {fifteen:.1f}"]
 
 
 def _version(name: str) -> str:
