@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import control_plane, data_plane, isolation, memory, metrics_cost, report, tracing_cost
+from bench import control_plane, data_plane, hot_path, isolation, memory, metrics_cost, report, tracing_cost
 from bench.servers import ServerProcess
 from bench.stats import Row, table_lines
 
 RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
-SECTIONS = ("data", "tracing", "metrics", "control", "isolation", "memory")
+SECTIONS = ("data", "hotpath", "tracing", "metrics", "control", "isolation", "memory")
 # Loopback only: no proxy may divert a request, and no parent's config may stand in for the heads measured here.
 _ENV_TO_DROP = ("http_proxy", "https_proxy", "all_proxy", "NEMO_GYM_CONFIG_DICT", "GYM_RPC_HEAD")
 
@@ -71,6 +71,10 @@ def run(plan: Plan, sections: set[str]) -> list[Row]:
         if "data" in sections:
             _progress("data plane")
             rows += asyncio.run(data_plane.run(data_port, plan.data))
+        if "hotpath" in sections:
+            _progress("hot path: the speed tricks of ServerClient.request")
+            hot = plan.data
+            rows += asyncio.run(hot_path.run(data_port, hot.concurrencies[:2], hot.requests[:2], hot.rounds))
         if "tracing" in sections:
             _progress("tracing cost")
             rows += tracing_cost.rows_in_subprocess(data_port, quick=plan.quick)

@@ -102,15 +102,16 @@ NOTES = """\
   the caller's path).
 - **Data plane.** On this two-core machine the client and the server share the CPU, so requests per second are
   bound by both; the ratio and the client CPU per request show what gym_rpc adds: a cached URL lookup, the
-  rollout-prefix check, the pool choice and one more coroutine level (`post` -> `request` -> aiohttp; the first
-  attempt of the bounded-retry loop is inlined, the loop runs only after a failure). Its `json=` bodies cost no
-  more than the hand-written `data=orjson.dumps(body)`: they are made straight into the payload aiohttp sends
-  (aiohttp's own `json=` goes through `json.dumps`, several times slower: the serialisation row). Measured
-  without I/O, the client adds about 1-1.5 µs of Python per call against 60-170 µs of client CPU for the request
-  itself; in these runs its CPU per request is 0-5% above raw's, so the expected ratio is about 0.95-1.0 when the
-  client is the bottleneck. Per-round ratios scatter by tens of percent when other work shares the cores (the
-  middle half is shown): an A/A run (raw against raw) on the same loaded machine gave medians of 0.96 to 1.07
-  over 40-100 rounds, so a figure within a few percent of 0.95 is that scatter, not a difference.
+  rollout-prefix check, the pool choice and two more coroutine levels (`post` -> `request` -> the bounded-retry
+  `send` -> aiohttp). Its one speed trick, the private attributes read in one step, is measured by the "hot
+  path" rows (bench/hot_path.py); inlining `send`'s first attempt saved about 0.1 µs and went. Its `json=`
+  bodies cost no more than the hand-written `data=orjson.dumps(body)`: they are made straight into the payload
+  aiohttp sends (aiohttp's own `json=` goes through `json.dumps`, several times slower: the serialisation row).
+  Measured without I/O, the client adds about 1-2 µs of Python per call against 60-170 µs of client CPU for the
+  request itself; in these runs its CPU per request is 0-5% above raw's, so the expected ratio is about 0.95-1.0
+  when the client is the bottleneck. Per-round ratios scatter by tens of percent when other work shares the cores
+  (the middle half is shown): an A/A run (raw against raw) on the same loaded machine gave medians of 0.96 to
+  1.07 over 40-100 rounds, so a figure within a few percent of 0.95 is that scatter, not a difference.
 - **Isolation.** gRPC control calls travel on their own HTTP/2 channel and `_control=True` calls on a reserved
   aiohttp pool, so a saturated data pool does not delay them; what remains in their p99 is the shared event loop
   and CPU, which the saturating traffic keeps busy.

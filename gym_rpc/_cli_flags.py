@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
+from gym_rpc._environment import environment
 from gym_rpc.config import MIN_PROBE_INTERVAL_SECONDS
 
 ENV_ERRORS_ATTRIBUTE = "gym_rpc_env_errors"  # set on a parser: the bad variables found while building it
@@ -104,8 +104,7 @@ def env_flag(
     **kwargs: Any,
 ) -> None:
     """Add a flag whose default is `$env` when that is set (parsed with `parse`), else `default`."""
-    environment = os.environ if environ is None else environ
-    raw = environment.get(env)
+    raw = (environment().by_name() if environ is None else environ).get(env)
     value = default
     if raw is not None and raw.strip():
         try:

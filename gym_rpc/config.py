@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from gym_rpc.errors import ConfigError, UnknownServerError
 
@@ -84,14 +84,17 @@ class HeadTlsConfig(BaseModel):
     server_name: str | None = None  # clients: the name to verify in the head's certificate (default: the host)
 
 
-class HeadSecurityConfig(BaseModel):
-    """The security keys of `head_server`: a bearer token, TLS, and a plaintext port serving only health."""
+class HeadServerSettings(BaseModel):
+    """The `head_server` block's keys beyond host and port (BaseServerConfig), the one model of them: a bearer
+    token, TLS, and the extra ports (plaintext health only, NeMo Gym's HTTP head, the Connect protocol)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True, hide_input_in_errors=True)
 
     auth_token: str | None = None
     tls: HeadTlsConfig | None = None
     health_port: int | None = Field(default=None, ge=0, lt=65536)  # 0: a free port
+    http_port: StrictInt | None = Field(default=None, ge=0, lt=65536)  # None: no HTTP head; 0: a free port
+    connect_port: StrictInt | None = Field(default=None, ge=0, lt=65536)  # None: no Connect port; 0: a free port
 
 
 def validation_error_line(error: ValidationError, block: str) -> str:
@@ -161,11 +164,12 @@ def as_server_config(value: ServerConfigLike, what: str = HEAD_SERVER_KEY) -> Ba
         raise ConfigError(f"{what}: {exc}") from exc
 
 
-def head_security_config(head_server: ServerConfigLike) -> HeadSecurityConfig:
-    """Validate the security keys of a head_server block (of any shape `server_config_block` accepts)."""
+def head_server_settings(head_server: ServerConfigLike) -> HeadServerSettings:
+    """The settings of a head_server block (of any shape `server_config_block` accepts), validated: the one place
+    they are parsed (the head, the bridge, and clients reading their token and TLS)."""
     block = server_config_block(head_server)
     try:
-        return HeadSecurityConfig.model_validate(block)
+        return HeadServerSettings.model_validate(block)
     except ValidationError as exc:
         raise ConfigError(validation_error_line(exc, HEAD_SERVER_KEY)) from None
 
@@ -395,6 +399,7 @@ class GlobalConfig:
 
     document: dict[str, Any] = field(repr=False)  # holds secrets (API keys, the head's token)
     head_server: BaseServerConfig = field(repr=False)
+    head_settings: HeadServerSettings = field(repr=False)  # the head_server block's other keys, parsed
     servers: dict[str, ServerEntry] = field(repr=False)
     checkpoint_enabled: bool
     observability_enabled: bool
@@ -428,7 +433,7 @@ class GlobalConfig:
             head_server = BaseServerConfig.model_validate(dict(head))
         except ValidationError as exc:
             raise ConfigError(validation_error_line(exc, HEAD_SERVER_KEY)) from None
-        head_security_config(head_server)  # a malformed tls block fails at load, not at the first connection
+        head_settings = head_server_settings(head_server)  # a malformed block fails at load, not at first use
         unusable = _servers_with_unresolved_address(unresolved)
         nodes = {name: node for name, node in doc.items() if name not in unusable}
         servers = {name: entry for name, node in nodes.items() if (entry := _server_entry(name, node)) is not None}
@@ -440,6 +445,7 @@ class GlobalConfig:
         return cls(
             document=doc,
             head_server=head_server,
+            head_settings=head_settings,
             servers=servers,
             checkpoint_enabled=_enabled(doc.get("checkpoint", False)),
             observability_enabled=bool(doc.get("observability_enabled", False)),

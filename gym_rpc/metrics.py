@@ -15,24 +15,28 @@ otherwise pay one boolean check per call:
 from __future__ import annotations
 
 import logging
-import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import metrics
 
-from gym_rpc.telemetry import SDK_DISABLED_ENV_VAR
+from gym_rpc._environment import (
+    EXEMPLAR_FILTER_ENV_VAR,
+    METRICS_EXPORTER_ENV_VAR,
+    OTLP_METRICS_ENDPOINT_ENV_VARS,
+    OTLP_METRICS_PROTOCOL_ENV_VARS,
+    SDK_DISABLED_ENV_VAR,
+    environment,
+)
+from gym_rpc._version import __version__
+from gym_rpc.telemetry import exporter_names, otlp_endpoint_set, otlp_protocol
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader
 
 logger = logging.getLogger(__name__)
 
-METRICS_EXPORTER_ENV_VAR = "OTEL_METRICS_EXPORTER"
-OTLP_METRICS_ENDPOINT_ENV_VARS = ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-OTLP_METRICS_PROTOCOL_ENV_VARS = ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
-EXEMPLAR_FILTER_ENV_VAR = "OTEL_METRICS_EXEMPLAR_FILTER"
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 METER_NAME = "gym_rpc"
 
@@ -53,13 +57,12 @@ _provider_installed = False
 
 
 def _exporter_names(environ: Mapping[str, str]) -> list[str]:
-    raw = environ.get(METRICS_EXPORTER_ENV_VAR) or ""
-    return [name.strip().lower() for name in raw.split(",") if name.strip()]
+    return exporter_names(environ, METRICS_EXPORTER_ENV_VAR)
 
 
 def metrics_disabled(environ: Mapping[str, str] | None = None) -> bool:
     """OTEL_SDK_DISABLED=true or OTEL_METRICS_EXPORTER=none: no metrics at all."""
-    env = os.environ if environ is None else environ
+    env = environment().by_name() if environ is None else environ
     if (env.get(SDK_DISABLED_ENV_VAR) or "").strip().lower() == "true":
         return True
     return _exporter_names(env) == ["none"]
@@ -67,11 +70,11 @@ def metrics_disabled(environ: Mapping[str, str] | None = None) -> bool:
 
 def metrics_exported(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the environment names a metrics exporter or an OTLP endpoint (rule 2 above)."""
-    env = os.environ if environ is None else environ
+    env = environment().by_name() if environ is None else environ
     if metrics_disabled(env):
         return False
     names = [n for n in _exporter_names(env) if n != "none"]
-    return bool(names) or any(env.get(name) for name in OTLP_METRICS_ENDPOINT_ENV_VARS)
+    return bool(names) or otlp_endpoint_set(env, OTLP_METRICS_ENDPOINT_ENV_VARS)
 
 
 def _application_provider_installed() -> bool:
@@ -87,7 +90,7 @@ def _readers(environ: Mapping[str, str], prometheus: bool) -> list[MetricReader]
 
         readers.append(PrometheusMetricReader())
     names = _exporter_names(environ) or (
-        ["otlp"] if any(environ.get(n) for n in OTLP_METRICS_ENDPOINT_ENV_VARS) else []
+        ["otlp"] if otlp_endpoint_set(environ, OTLP_METRICS_ENDPOINT_ENV_VARS) else []
     )
     for name in dict.fromkeys(names):
         if name == "otlp":
@@ -104,7 +107,7 @@ def _readers(environ: Mapping[str, str], prometheus: bool) -> list[MetricReader]
 
 
 def _otlp_exporter(environ: Mapping[str, str]) -> MetricExporter | None:
-    protocol = next((environ[n].strip() for n in OTLP_METRICS_PROTOCOL_ENV_VARS if environ.get(n)), "grpc")
+    protocol = otlp_protocol(environ, OTLP_METRICS_PROTOCOL_ENV_VARS)
     try:
         if protocol == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
@@ -133,10 +136,11 @@ def setup_metrics(*, service_name: str, prometheus: bool) -> bool:
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.resources import Resource
 
-        attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service_name}
-        readers = _readers(os.environ, prometheus)
+        env = environment()
+        attributes = {} if env.otel_service_name else {"service.name": service_name}
+        readers = _readers(env.by_name(), prometheus)
         provider = MeterProvider(
-            metric_readers=readers, resource=Resource.create(attributes), **_exemplar_filter(os.environ)
+            metric_readers=readers, resource=Resource.create(attributes), **_exemplar_filter(env.by_name())
         )
         metrics.set_meter_provider(provider)
         _provider_installed = True
@@ -187,6 +191,11 @@ def prometheus_text() -> bytes:
 
 
 def meter() -> metrics.Meter:
-    from gym_rpc._version import __version__
-
     return metrics.get_meter(METER_NAME, __version__)
+
+
+def seconds_histogram(name: str, description: str, buckets: Iterable[float]) -> metrics.Histogram:
+    """A duration histogram in seconds with its bucket boundaries (the advice exporters honour)."""
+    return meter().create_histogram(
+        name, unit="s", description=description, explicit_bucket_boundaries_advisory=list(buckets)
+    )

@@ -33,13 +33,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import threading
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
+from gym_rpc._environment import (
+    OTLP_TRACES_ENDPOINT_ENV_VARS,
+    OTLP_TRACES_PROTOCOL_ENV_VARS,
+    SDK_DISABLED_ENV_VAR,
+    TRACES_EXPORTER_ENV_VAR,
+    environment,
+)
 from gym_rpc._version import __version__
 
 if TYPE_CHECKING:
@@ -47,12 +53,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SDK_DISABLED_ENV_VAR = "OTEL_SDK_DISABLED"
-TRACES_EXPORTER_ENV_VAR = "OTEL_TRACES_EXPORTER"
-OTLP_ENDPOINT_ENV_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-OTLP_PROTOCOL_ENV_VARS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
-SERVICE_NAME_ENV_VAR = "OTEL_SERVICE_NAME"
-RESOURCE_ATTRIBUTES_ENV_VAR = "OTEL_RESOURCE_ATTRIBUTES"
 DEFAULT_SERVICE_NAME = "gym-rpc"
 TRACER_NAME = "gym_rpc"
 
@@ -92,23 +92,31 @@ def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() == "true"
 
 
-def _exporter_names(environ: Mapping[str, str]) -> list[str]:
-    raw = environ.get(TRACES_EXPORTER_ENV_VAR) or ""
+def exporter_names(environ: Mapping[str, str], variable: str = TRACES_EXPORTER_ENV_VAR) -> list[str]:
+    """The exporters an OTEL_*_EXPORTER variable names, lower case (metrics reads its own the same way)."""
+    raw = environ.get(variable) or ""
     return [name.strip().lower() for name in raw.split(",") if name.strip()]
 
 
-def _otlp_endpoint_set(environ: Mapping[str, str]) -> bool:
-    return any((environ.get(name) or "").strip() for name in OTLP_ENDPOINT_ENV_VARS)
+def otlp_endpoint_set(
+    environ: Mapping[str, str], variables: tuple[str, ...] = OTLP_TRACES_ENDPOINT_ENV_VARS
+) -> bool:
+    return any((environ.get(name) or "").strip() for name in variables)
+
+
+def otlp_protocol(environ: Mapping[str, str], variables: tuple[str, ...] = OTLP_TRACES_PROTOCOL_ENV_VARS) -> str:
+    """The OTLP protocol the first set variable names, else gRPC (OpenTelemetry's default)."""
+    return next((environ[name].strip() for name in variables if environ.get(name)), "grpc")
 
 
 def environment_choice(environ: Mapping[str, str]) -> bool | None:
     """What the OTEL_* variables say: False (forced off), True (on), None (nothing: the config decides)."""
     if _truthy(environ.get(SDK_DISABLED_ENV_VAR)):
         return False
-    exporters = _exporter_names(environ)
+    exporters = exporter_names(environ)
     if "none" in exporters:
         return False
-    if exporters or _otlp_endpoint_set(environ):
+    if exporters or otlp_endpoint_set(environ):
         return True
     return None
 
@@ -146,7 +154,7 @@ def setup_tracing(observability_enabled: bool = False, *, service_name: str | No
         return TRACING.enabled
     with _lock:
         if not TRACING.decided:
-            TRACING.environment_says = environment_choice(os.environ)
+            TRACING.environment_says = environment_choice(environment().by_name())
             TRACING.decided = True
         turn_on = _decision(TRACING.environment_says, observability_enabled, _application_provider_installed())
         if turn_on and not TRACING.enabled:
@@ -169,21 +177,20 @@ def _ensure_tracer_provider(service_name: str | None) -> None:
         logger.warning("tracing is on but opentelemetry-sdk is not installed: spans are not recorded")
         return
     provider = TracerProvider(resource=Resource.create(_resource_attributes(service_name)))
-    for processor in _span_processors(os.environ):
+    for processor in _span_processors(environment().by_name()):
         provider.add_span_processor(processor)
     trace.set_tracer_provider(provider)
 
 
 def _resource_attributes(service_name: str | None) -> dict[str, str]:
     """service.name: OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES win (the SDK reads them), else ours."""
-    named_by_environment = os.environ.get(SERVICE_NAME_ENV_VAR) or "service.name=" in (
-        os.environ.get(RESOURCE_ATTRIBUTES_ENV_VAR) or ""
-    )
+    env = environment()
+    named_by_environment = env.otel_service_name or "service.name=" in (env.otel_resource_attributes or "")
     return {} if named_by_environment else {"service.name": service_name or DEFAULT_SERVICE_NAME}
 
 
 def _span_processors(environ: Mapping[str, str]) -> list[SpanProcessor]:
-    names = _exporter_names(environ) or (["otlp"] if _otlp_endpoint_set(environ) else [])
+    names = exporter_names(environ) or (["otlp"] if otlp_endpoint_set(environ) else [])
     processors: list[SpanProcessor] = []
     for name in dict.fromkeys(names):
         if name == "otlp":
@@ -203,7 +210,7 @@ def _span_processors(environ: Mapping[str, str]) -> list[SpanProcessor]:
 
 def _otlp_processor(environ: Mapping[str, str]) -> SpanProcessor | None:
     """A batching processor with the OTLP exporter the protocol variable asks for (gRPC by default)."""
-    protocol = next((environ[name].strip() for name in OTLP_PROTOCOL_ENV_VARS if environ.get(name)), "grpc")
+    protocol = otlp_protocol(environ)
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
     try:

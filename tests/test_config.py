@@ -136,6 +136,26 @@ def test_bad_head_server_is_a_config_error(head: Any) -> None:
 
 
 @pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        *[(key, value) for key in ("http_port", "connect_port") for value in ("8080", True, -1, 65536, 1.5)],
+        *[("health_port", value) for value in (-1, 65536, 1.5, "x")],  # as before: "8080" is 8080 here
+    ],
+)
+def test_a_bad_extra_port_fails_at_load_naming_the_key(key: str, value: Any) -> None:
+    """The head_server block has one model (HeadServerSettings), checked when the config loads."""
+    with pytest.raises(ConfigError, match=rf"^head_server\.{key}: Input should be"):
+        GlobalConfig.from_document({"head_server": {"host": "127.0.0.1", "port": 1, key: value}})
+
+
+def test_the_head_server_block_is_parsed_once_into_its_settings() -> None:
+    block = {"host": "127.0.0.1", "port": 1, "http_port": 0, "connect_port": 2, "auth_token": "t" * 32}
+    settings = GlobalConfig.from_document({"head_server": block}).head_settings
+    assert (settings.http_port, settings.connect_port, settings.health_port) == (0, 2, None)
+    assert (settings.auth_token, settings.tls) == ("t" * 32, None)
+
+
+@pytest.mark.parametrize(
     ("value", "enabled"),
     [
         ({"enabled": True}, True),

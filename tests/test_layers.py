@@ -85,3 +85,34 @@ def test_every_curated_export_resolves(package: str) -> None:
     assert missing == []
     with pytest.raises(AttributeError, match="no_such_name"):
         _ = module.no_such_name
+
+
+def _architecture_boxes() -> dict[str, list[str]]:
+    """The README's architecture picture: box title -> the module names on its lines."""
+    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    picture = text.split("### Architecture", 1)[1].split("```\n", 2)[1]
+    boxes: dict[str, list[str]] = {}
+    title = ""
+    for line in picture.splitlines():
+        if line.startswith("┌"):
+            title = line.strip("┌─┐▼ ").split()[0]
+            boxes[title] = []
+        elif line.startswith("│"):
+            boxes[title].append(line.strip("│ ").split()[0])
+    return boxes
+
+
+def test_the_readme_picture_has_one_line_per_module_in_its_layer() -> None:
+    package = REPO_ROOT / "gym_rpc"
+    expected: dict[str, list[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package).parts
+        if parts[0] == "v1" or path.name in {"__init__.py", "__main__.py"}:
+            continue
+        box = f"{parts[0]}/" if len(parts) > 1 else "top-level"
+        expected.setdefault(box, []).append(path.name)
+    boxes = _architecture_boxes()
+    top_level = [name for title in ("on", "foundations") for name in boxes[title] if name != "v1/"]
+    assert sorted(top_level) == expected.pop("top-level")
+    assert {box: sorted(boxes[box]) for box in expected} == expected
+    assert "v1/" in boxes["foundations"]

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gym_rpc.cli import build_parser
 from gym_rpc.client import ControlClient
-from gym_rpc.config import head_security_config, load_config_file, redact_secrets
+from gym_rpc.config import head_server_settings, load_config_file, redact_secrets
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError
 from gym_rpc.server import _security as server_security
 from gym_rpc.server._head import HeadOptions, HeadServer
@@ -287,7 +287,7 @@ async def test_head_token_from_an_environment_interpolation(tmp_path, monkeypatc
         "head_server:\n  host: 127.0.0.1\n  port: 0\n  auth_token: ${oc.env:GYM_RPC_TOKEN}\n", encoding="utf-8"
     )
     config = load_config_file(str(path))
-    assert head_security_config(config.head_server).auth_token == TOKEN
+    assert head_server_settings(config.head_server).auth_token == TOKEN
     monkeypatch.delenv("GYM_RPC_TOKEN")  # from here on only the interpolated value can make the head secure
     head = HeadServer(config, HeadOptions(port=0), config_path=path)
     await head.start()

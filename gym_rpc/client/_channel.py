@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import weakref
 
 import grpc
 
+from gym_rpc._environment import environment
 from gym_rpc.client._security import CLIENT_MESSAGE_OPTIONS, ClientTls
 from gym_rpc.client._tracing import aio_client_interceptors, traced_sync_channel
 from gym_rpc.config import DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT, parse_host_port, url_host
@@ -62,7 +62,7 @@ def head_address(host: str, port: int) -> str:
 
 def default_head_address() -> str:
     """The head address from GYM_RPC_HEAD, else 127.0.0.1:11000."""
-    return os.environ.get(HEAD_ADDRESS_ENV_VAR) or head_address(DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT)
+    return environment().head_address or head_address(DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT)
 
 
 # gRPC target schemes a caller may spell out; anything else must be HOST:PORT.

@@ -15,6 +15,7 @@ import socket
 import threading
 import weakref
 from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -240,7 +241,7 @@ class HttpPools:
 
 
 # What may be worth another attempt: a dropped connection (ServerDisconnectedError, ClientOSError) and a refused
-# or unreachable server (ClientConnectorError, a ClientOSError too). `resend` decides; nothing else is retried.
+# or unreachable server (ClientConnectorError, a ClientOSError too). `send` decides; nothing else is retried.
 RESENDABLE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
@@ -258,38 +259,17 @@ async def send(
     A dropped connection (ServerDisconnectedError, ClientOSError) is resent only when the caller allows it. A
     refused or unreachable server (ClientConnectorError) never received the request, so it is retried as well and
     then reported as ServerUnreachableError naming the URL. Nothing else is retried.
-
-    The hot path (ServerClient.request) inlines the first attempt and calls `resend` only after a failure, which
-    saves a coroutine level on every call; the two must stay in step.
     """
-    try:
-        return await session.request(method, url, **kwargs)
-    except RESENDABLE_ERRORS as error:
-        return await resend(session, method, url, retry, resend_after_disconnect, kwargs, error, on_resend)
-
-
-async def resend(
-    session: aiohttp.ClientSession,
-    method: str,
-    url: str,
-    retry: RetryPolicy,
-    resend_after_disconnect: bool,
-    kwargs: _RequestOptions,
-    error: aiohttp.ClientError,
-    on_resend: Callable[[int], None] | None = None,
-) -> aiohttp.ClientResponse:
-    """The attempts after a first one failed with `error`, with backoff, until one returns or the last fails."""
     attempt = 1
     while True:
-        _raise_unless_resendable(error, url, attempt, retry, resend_after_disconnect)
+        try:
+            return await session.request(method, url, **kwargs)
+        except RESENDABLE_ERRORS as error:
+            _raise_unless_resendable(error, url, attempt, retry, resend_after_disconnect)
         await asyncio.sleep(retry.backoff_seconds(attempt))
         attempt += 1
         if on_resend is not None:
             on_resend(attempt)
-        try:
-            return await session.request(method, url, **kwargs)
-        except RESENDABLE_ERRORS as next_error:
-            error = next_error
 
 
 def _raise_unless_resendable(
@@ -312,16 +292,29 @@ def _server_address(base_url: str) -> tuple[str, int]:
     return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
 
 
+@dataclass(slots=True)
+class ObservedCall:
+    """A data-plane call as the observed paths take it (`traced_send`, client._metrics.metered_send): made only
+    while tracing or metrics are on, so the plain path pays nothing for it."""
+
+    session: aiohttp.ClientSession
+    method: str
+    base_url: str
+    url_path: str
+    retry: RetryPolicy
+    resend_after_disconnect: bool
+    kwargs: _RequestOptions
+    server_name: str
+
+    async def send(self, on_resend: Callable[[int], None] | None = None) -> aiohttp.ClientResponse:
+        url = self.base_url + self.url_path
+        return await send(
+            self.session, self.method, url, self.retry, self.resend_after_disconnect, self.kwargs, on_resend
+        )
+
+
 async def traced_send(
-    session: aiohttp.ClientSession,
-    method: str,
-    base_url: str,
-    url_path: str,
-    retry: RetryPolicy,
-    resend_after_disconnect: bool,
-    kwargs: _RequestOptions,
-    server_name: str,
-    on_resend: Callable[[int], None] | None = None,
+    call: ObservedCall, on_resend: Callable[[int], None] | None = None
 ) -> aiohttp.ClientResponse:
     """`send` as a CLIENT span whose context goes out in the `traceparent` header; a resent call carries
     `http.request.resend_count` (the number of attempts after the first).
@@ -331,9 +324,9 @@ async def traced_send(
     session that aiohttp's OpenTelemetry instrumentation traces, its spans are the CLIENT spans (one per attempt)
     and ours only adds attributes to them (gym_rpc.client._aiohttp_instrumentation).
     """
-    url = base_url + url_path
+    method, kwargs, server_name = call.method, call.kwargs, call.server_name
     rollout_id = current_rollout_id()
-    if session_instrumented(session):  # its span is the CLIENT span: ours only adds attributes to it
+    if session_instrumented(call.session):  # its span is the CLIENT span: ours only adds attributes to it
         gym_attributes: dict[str, Any] = {SERVER_NAME_ATTRIBUTE: server_name}
         if rollout_id is not None:
             gym_attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
@@ -344,11 +337,11 @@ async def traced_send(
                 on_resend(attempt)
 
         kwargs["trace_request_ctx"] = instrumentation_request_context(gym_attributes)
-        return await send(session, method, url, retry, resend_after_disconnect, kwargs, count_instrumented_resend)
-    host, port = _server_address(base_url)
+        return await call.send(count_instrumented_resend)
+    host, port = _server_address(call.base_url)
     attributes: dict[str, Any] = {
         **method_attributes(method),
-        URL_FULL: url,
+        URL_FULL: call.base_url + call.url_path,
         SERVER_ADDRESS: host,
         SERVER_PORT: port,
         SERVER_NAME_ATTRIBUTE: server_name,
@@ -368,9 +361,7 @@ async def traced_send(
             if on_resend is not None:
                 on_resend(attempt)
 
-        response: aiohttp.ClientResponse = await send(
-            session, method, url, retry, resend_after_disconnect, kwargs, count_resend
-        )
+        response = await call.send(count_resend)
     except BaseException as error:
         record_failure(span, error)
         raise

@@ -18,14 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
 
-from gym_rpc.client._http import RetryPolicy, send, traced_send
+from gym_rpc.client._http import ObservedCall, traced_send
 from gym_rpc.errors import ServerUnreachableError
-from gym_rpc.metrics import meter
+from gym_rpc.metrics import meter, seconds_histogram
 from gym_rpc.telemetry import TRACING
 
 if TYPE_CHECKING:
     import aiohttp
-    from aiohttp.client import _RequestOptions
 
 SERVER_NAME = "gym.server.name"
 # Seconds: from a loopback call (a millisecond) to a long model generation (minutes).
@@ -63,11 +62,10 @@ def _instruments() -> _ClientInstruments:
         description="ServerClient calls in flight",
     )
     return _ClientInstruments(
-        duration=m.create_histogram(
+        duration=seconds_histogram(
             "http.client.request.duration",
-            unit="s",
-            description="ServerClient calls, from sending to the response headers, resends included",
-            explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS),
+            "ServerClient calls, from sending to the response headers, resends included",
+            DURATION_BUCKETS,
         ),
         resends=m.create_counter(
             "gym.client.resends", unit="{attempt}", description="attempts after a dropped or refused connection"
@@ -90,18 +88,10 @@ def _outcome_attributes(server_name: str, method: str, outcome: int | str) -> Ma
     return {**_attributes(server_name, method), key: outcome}
 
 
-async def metered_send(
-    session: aiohttp.ClientSession,
-    method: str,
-    base_url: str,
-    url_path: str,
-    retry: RetryPolicy,
-    resend_after_disconnect: bool,
-    kwargs: _RequestOptions,
-    server_name: str,
-) -> aiohttp.ClientResponse:
+async def metered_send(call: ObservedCall) -> aiohttp.ClientResponse:
     """`send` (traced when tracing is on) with the call's duration, in-flight count, resends and give-ups."""
     instruments = _instruments()
+    server_name, method = call.server_name, call.method
     attributes = _attributes(server_name, method)
     count_resend: Callable[[int], None] = lambda attempt: instruments.resends.add(1, attributes)  # noqa: E731
     key = (server_name, method)
@@ -111,13 +101,9 @@ async def metered_send(
     outcome: int | str = "unknown"
     try:
         if TRACING.enabled:
-            response = await traced_send(
-                session, method, base_url, url_path, retry, resend_after_disconnect, kwargs, server_name,
-                on_resend=count_resend,
-            )  # fmt: skip
+            response = await traced_send(call, on_resend=count_resend)
         else:
-            url = base_url + url_path
-            response = await send(session, method, url, retry, resend_after_disconnect, kwargs, count_resend)
+            response = await call.send(count_resend)
         outcome = response.status
         return response
     except ServerUnreachableError:

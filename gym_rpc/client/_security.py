@@ -6,17 +6,17 @@ or GYM_RPC_TLS_CA (plus GYM_RPC_TLS_CERT / GYM_RPC_TLS_KEY for a client certific
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import grpc
 
+from gym_rpc._environment import Environment, environment
 from gym_rpc.config import (
     HEAD_SERVER_KEY,
     HeadTlsConfig,
     ServerConfigLike,
     configured_token,
-    head_security_config,
+    head_server_settings,
     read_file_bytes,
 )
 from gym_rpc.errors import ConfigError
@@ -27,7 +27,6 @@ from gym_rpc.wire import (
     TLS_CA_ENV_VAR,
     TLS_CERT_ENV_VAR,
     TLS_KEY_ENV_VAR,
-    TOKEN_ENV_VAR,
 )
 
 CLIENT_MESSAGE_OPTIONS: tuple[tuple[str, int], ...] = (
@@ -73,21 +72,18 @@ def client_security(head_server: ServerConfigLike | None = None, *, token: str |
     Token: `token`, else `auth_token` of the head_server block, else GYM_RPC_TOKEN. TLS: on when the block has
     `tls` or GYM_RPC_TLS_CA is set; each file comes from the block, else its environment variable.
     """
-    settings = head_security_config({} if head_server is None else head_server)
-    chosen_token = (
-        configured_token(token)
-        or configured_token(settings.auth_token)
-        or configured_token(os.environ.get(TOKEN_ENV_VAR))
-    )
-    return ClientSecurity(token=chosen_token, tls=_client_tls(settings.tls))
+    settings = head_server_settings({} if head_server is None else head_server)
+    env = environment()
+    chosen_token = configured_token(token) or configured_token(settings.auth_token) or configured_token(env.token)
+    return ClientSecurity(token=chosen_token, tls=_client_tls(settings.tls, env))
 
 
-def _client_tls(tls: HeadTlsConfig | None) -> ClientTls | None:
-    ca_file = (tls.ca_file if tls else None) or os.environ.get(TLS_CA_ENV_VAR) or None
+def _client_tls(tls: HeadTlsConfig | None, env: Environment) -> ClientTls | None:
+    ca_file = (tls.ca_file if tls else None) or env.tls_ca_file
     if tls is None and ca_file is None:
         return None
-    cert_file = (tls.client_cert_file if tls else None) or os.environ.get(TLS_CERT_ENV_VAR) or None
-    key_file = (tls.client_key_file if tls else None) or os.environ.get(TLS_KEY_ENV_VAR) or None
+    cert_file = (tls.client_cert_file if tls else None) or env.tls_cert_file
+    key_file = (tls.client_key_file if tls else None) or env.tls_key_file
     if bool(cert_file) != bool(key_file):
         raise ConfigError(
             f"a client certificate needs both a certificate and a key ({TLS_CERT_ENV_VAR} and {TLS_KEY_ENV_VAR}, "

@@ -11,7 +11,6 @@ import asyncio
 import http.client
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -24,14 +23,20 @@ from aiohttp.payload import BytesPayload
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer, field_validator
 
+from gym_rpc._environment import (
+    NEMO_GYM_CONFIG_DICT_ENV_VAR,
+    NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR,
+    NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR,
+    environment,
+)
 from gym_rpc.client._channel import head_address
 from gym_rpc.client._control import SyncControlClient
 from gym_rpc.client._http import (
-    RESENDABLE_ERRORS,
     HttpClientSettings,
     HttpPools,
+    ObservedCall,
     request_timeout_error,
-    resend,
+    send,
     traced_send,
 )
 from gym_rpc.client._metrics import metered_send
@@ -106,9 +111,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-NEMO_GYM_CONFIG_DICT_ENV_VAR_NAME = "NEMO_GYM_CONFIG_DICT"
-NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR_NAME = "NEMO_GYM_MODEL_SERVER_BASE_URL"
-NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR_NAME = "NEMO_GYM_MODEL_SERVER_NAME"
+NEMO_GYM_CONFIG_DICT_ENV_VAR_NAME = NEMO_GYM_CONFIG_DICT_ENV_VAR
+NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR_NAME = NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR
+NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR_NAME = NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR
 SESSION_ID_KEY = "session_id"
 
 _GLOBAL_CONFIG_DICT_FIELD = "global_config_dict"
@@ -178,7 +183,7 @@ def _injected_config() -> GlobalConfig | None:
     """The config a parent injected in NEMO_GYM_CONFIG_DICT (YAML or JSON text), or None when not set.
 
     Interpolations nothing reads stay unresolved (GlobalConfig.from_document, lenient), as in NeMo Gym."""
-    text = os.environ.get(NEMO_GYM_CONFIG_DICT_ENV_VAR_NAME)
+    text = environment().nemo_gym_config_dict
     if not text:
         return None
     document: Any = None
@@ -205,10 +210,8 @@ def _injected_head_server(injected: GlobalConfig) -> BaseServerConfig:
 def _model_server_override(server_name: str) -> str | None:
     """NEMO_GYM_MODEL_SERVER_BASE_URL when NEMO_GYM_MODEL_SERVER_NAME names `server_name`: the URL a launcher gave
     a harness it started where the head is unreachable, rollout prefix included (it binds no rollout context)."""
-    override = os.environ.get(NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR_NAME)
-    if override and os.environ.get(NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR_NAME) == server_name:
-        return override.rstrip("/")
-    return None
+    override = environment().model_server_override(server_name)
+    return override.rstrip("/") if override is not None else None
 
 
 def _head_server_from_address(address: str) -> BaseServerConfig:
@@ -225,6 +228,15 @@ Args:
     url_path: str
         The URL path in the server you are trying to call e.g. "/v1/responses".
 """
+
+
+def _private_attributes(client: ServerClient) -> dict[str, Any]:
+    """The hot path's one speed trick, fenced here: `ServerClient.request` reads its private attributes from
+    pydantic's store in one step, because each `self._x` read goes through BaseModel.__getattr__ (about 1.5 µs).
+    Kept because `make bench` shows it pays (section `hotpath`, bench/hot_path.py: the same client reading
+    `self._x` costs a few µs more per call with no I/O, a few percent of the client's CPU per real request);
+    drop it when that row says it no longer does."""
+    return client.__pydantic_private__  # type: ignore[return-value]
 
 
 class ServerClient(BaseModel):
@@ -291,7 +303,7 @@ class ServerClient(BaseModel):
         super().__setstate__(state)
         setup_tracing(self._global_config.observability_enabled)  # a new process decides too
         setup_client_metrics()
-        named = os.environ.get(NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR_NAME)
+        named = environment().model_server_name
         if named and _model_server_override(named) is not None:
             self._server_base_urls.pop(named, None)  # this process's launcher URL wins over the sender's cache
 
@@ -326,7 +338,7 @@ class ServerClient(BaseModel):
         injected = _injected_config()
         if injected is not None:
             return _injected_head_server(injected)
-        address = os.environ.get(HEAD_ADDRESS_ENV_VAR)
+        address = environment().head_address
         if address:
             return _head_server_from_address(address)
         return BaseServerConfig(host=DEFAULT_HEAD_HOST, port=DEFAULT_HEAD_PORT)
@@ -489,12 +501,11 @@ class ServerClient(BaseModel):
         The hot path: a cached URL, the rollout prefix rule and the request itself. The caller reads and releases
         the response, as with aiohttp.
         """
-        # One read of pydantic's private-attribute store: each `self._x` read costs about 1.7 µs via __getattr__.
-        private: dict[str, Any] = self.__pydantic_private__  # type: ignore[assignment]
+        private = _private_attributes(self)
         url = private["_server_base_urls"].get(server_name) or await self._aresolve_base_url(server_name)
         body = kwargs.get("json")
         if body is not None:
-            if type(body) is not dict and isinstance(body, BaseModel):  # a dict skips pydantic's ABC check
+            if isinstance(body, BaseModel):
                 body = body.model_dump(mode="json", exclude_unset=True)
             if kwargs.get("data") is not None:
                 raise ValueError("data and json parameters can not be used at the same time")
@@ -511,15 +522,11 @@ class ServerClient(BaseModel):
             if TRACING.enabled or METRICS.enabled:  # what tracing and metrics cost when off
                 retry = pools.settings.retry
                 observed = metered_send if METRICS.enabled else traced_send
-                return await observed(
+                call = ObservedCall(
                     session, method, url, url_path, retry, _resend_after_disconnect, kwargs, server_name
                 )
-            try:  # the first attempt of http.send, inlined: one coroutine level less per call
-                return await session.request(method, full_url, **kwargs)
-            except RESENDABLE_ERRORS as error:
-                return await resend(
-                    session, method, full_url, pools.settings.retry, _resend_after_disconnect, kwargs, error
-                )
+                return await observed(call)
+            return await send(session, method, full_url, pools.settings.retry, _resend_after_disconnect, kwargs)
         except TimeoutError as error:  # aiohttp's says neither which server nor which deadline
             raise request_timeout_error(server_name, method, full_url, session, kwargs) from error
 
@@ -658,7 +665,7 @@ def setup_server_client(head_server_config: Optional[ServerConfigLike] = None) -
     with _clients_lock:
         cached = _clients.get(key)
     fresh: ServerClient | None = None
-    injected = bool(os.environ.get(NEMO_GYM_CONFIG_DICT_ENV_VAR_NAME))
+    injected = environment().nemo_gym_config_dict is not None
     if cached is not None and not injected and cached.head_server_config == (head or _default_head()):
         changed = cached._config_if_changed()
         if changed is None:
@@ -685,7 +692,5 @@ def _default_head() -> BaseServerConfig:
 def get_server_url(server_name: str) -> str:
     """The server's base URL: NEMO_GYM_MODEL_SERVER_BASE_URL when NEMO_GYM_MODEL_SERVER_NAME names this server
     (a harness where the head is unreachable), else from the global config."""
-    override = os.environ.get(NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR_NAME)
-    if override and os.environ.get(NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR_NAME) == server_name:
-        return override
-    return setup_server_client()._resolve_base_url(server_name)
+    override = environment().model_server_override(server_name)
+    return override if override is not None else setup_server_client()._resolve_base_url(server_name)

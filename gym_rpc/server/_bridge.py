@@ -55,7 +55,8 @@ class BridgeOptions(HeadOptions):
     port: int | None = DEFAULT_HEAD_PORT  # 0: a free port
     refresh_interval_seconds: float = 1.0
     fetch_timeout_seconds: float = 2.0  # bounds each upstream request
-    # The bridge's own head_server settings, the keys of the head's block: auth_token, tls, health_port, http_port.
+    # The bridge's own head_server settings, the keys of the head's block: auth_token, tls and the ports
+    # (HeadServerSettings).
     head_server: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -34,9 +34,7 @@ from connectrpc.server import ConnectASGIApplication, Endpoint
 from google.rpc import status_pb2
 from protobuf.wkt import Any as ConnectAny  # connectrpc's protobuf runtime, not google.protobuf's
 
-from gym_rpc.config import GlobalConfig
 from gym_rpc.errors import GymRpcError
-from gym_rpc.server._http_head import configured_port
 from gym_rpc.server._interceptors import Context
 from gym_rpc.server._security import UNAUTHENTICATED_MESSAGE, ServerSecurity, authenticate
 from gym_rpc.server._servicer import ControlPlaneServicer
@@ -54,11 +52,6 @@ MAX_CONNECTIONS = 1024
 # grpc's CANCELLED is Connect's "canceled"; every other code has the same name in both.
 _CONNECT_CODES = {status: Code[status.name] for status in grpc.StatusCode if status.name in Code.__members__}
 _CONNECT_CODES[grpc.StatusCode.CANCELLED] = Code.CANCELED
-
-
-def configured_connect_port(config: GlobalConfig) -> int | None:
-    """`head_server.connect_port` of the config: None when absent (no Connect port), 0 for a free port."""
-    return configured_port(config, CONNECT_PORT_KEY)
 
 
 class _ConnectCallContext:

@@ -34,10 +34,10 @@ from gym_rpc.metrics import metrics_disabled, setup_metrics
 from gym_rpc.server import _events as events
 from gym_rpc.server import _metrics as head_metrics
 from gym_rpc.server._bad_requests import DecodeGuardInterceptor
-from gym_rpc.server._connect import ConnectServer, configured_connect_port
+from gym_rpc.server._connect import ConnectServer
 from gym_rpc.server._connection_limits import raise_fd_soft_limit
 from gym_rpc.server._health import HealthServicer
-from gym_rpc.server._http_head import HttpHead, configured_http_port
+from gym_rpc.server._http_head import HttpHead
 from gym_rpc.server._metrics_http import MetricsServer
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import InstanceRegistry
@@ -201,10 +201,9 @@ class HeadServer:
     async def start(self) -> None:
         self.source.check(self._own_config)
         self.security = security = ServerSecurity.from_config(self._own_config)
-        own_http_port = configured_http_port(self._own_config)
-        http_port = self.options.http_port if self.options.http_port is not None else own_http_port
-        own_connect_port = configured_connect_port(self._own_config)
-        connect_port = self.options.connect_port if self.options.connect_port is not None else own_connect_port
+        own = self._own_config.head_settings
+        http_port = self.options.http_port if self.options.http_port is not None else own.http_port
+        connect_port = self.options.connect_port if self.options.connect_port is not None else own.connect_port
         setup_tracing(self.config.observability_enabled, service_name=self._service_name)
         setup_metrics(service_name=self._service_name, prometheus=True)
         self._servicer = servicer = ControlPlaneServicer(
@@ -263,15 +262,11 @@ class HeadServer:
         head_metrics.forget(self)
         await self._health.enter_graceful_shutdown()
         await self.source.stop()
-        if self._connect is not None:
-            await self._connect.stop()
-            self._connect = None
-        if self._metrics_server is not None:
-            await self._metrics_server.stop()
-            self._metrics_server = None
-        if self._http_head is not None:
-            await self._http_head.stop()
-            self._http_head = None
+        extra_ports: tuple[_Stoppable | None, ...] = (self._connect, self._metrics_server, self._http_head)
+        for extra in extra_ports:
+            if extra is not None:
+                await extra.stop()
+        self._connect = self._metrics_server = self._http_head = None
         if self._server is not None:
             await self._server.stop(self.options.shutdown_grace_seconds)
             self._server = None
@@ -398,6 +393,10 @@ async def mirror_status_in_health(
     else:
         serving = _SERVING if report.status == "success" else _NOT_SERVING
     await health_servicer.set(name, serving)
+
+
+class _Stoppable(Protocol):
+    async def stop(self) -> None: ...
 
 
 class Servable(Protocol):

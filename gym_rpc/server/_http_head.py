@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import yaml
 from aiohttp import web
 
 from gym_rpc.config import HEAD_SERVER_KEY, GlobalConfig, redact_secrets
-from gym_rpc.errors import ConfigError, GymRpcError
+from gym_rpc.errors import GymRpcError
 from gym_rpc.server._connection_limits import (
     DEFAULT_KEEPALIVE_TIMEOUT_SECONDS,
     BoundedListener,
@@ -35,22 +34,6 @@ logger = logging.getLogger(__name__)
 
 HTTP_PORT_KEY = "http_port"
 _JSON = "application/json"
-
-
-def configured_http_port(config: GlobalConfig) -> int | None:
-    """`head_server.http_port` of the config: None when absent (no HTTP head), 0 for a free port."""
-    return configured_port(config, HTTP_PORT_KEY)
-
-
-def configured_port(config: GlobalConfig, key: str) -> int | None:
-    """`head_server.<key>` of the config, an extra port of the head: None when absent, 0 for a free port."""
-    head = config.document.get(HEAD_SERVER_KEY)
-    value = head.get(key) if isinstance(head, Mapping) else None
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 65536:
-        raise ConfigError(f"{HEAD_SERVER_KEY}.{key} must be an integer in 0..65535, not {value!r}")
-    return value
 
 
 def config_yaml_body(config: GlobalConfig) -> bytes:

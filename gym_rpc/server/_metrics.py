@@ -20,7 +20,7 @@ import grpc
 from opentelemetry.metrics import CallbackOptions, Histogram, Observation
 
 from gym_rpc.config import ServerEntry
-from gym_rpc.metrics import meter
+from gym_rpc.metrics import meter, seconds_histogram
 from gym_rpc.wire import StatusReport
 
 SERVER_NAME = "gym.server.name"
@@ -112,20 +112,16 @@ def _instruments() -> _HeadInstruments:
         "gym.head.registrations", [_registrations], unit="{instance}", description="registered server instances"
     )
     return _HeadInstruments(
-        probe_duration=m.create_histogram(
-            "gym.probe.duration",
-            unit="s",
-            description="how long status probes took, by server and result",
-            explicit_bucket_boundaries_advisory=list(PROBE_BUCKETS),
+        probe_duration=seconds_histogram(
+            "gym.probe.duration", "how long status probes took, by server and result", PROBE_BUCKETS
         ),
         status_changes=m.create_counter(
             "gym.server.status_changes", unit="{change}", description="status changes seen by the prober"
         ),
-        rpc_duration=m.create_histogram(
+        rpc_duration=seconds_histogram(
             "rpc.server.call.duration",
-            unit="s",
-            description="control-plane RPCs served, by method and status code (count: the _count series)",
-            explicit_bucket_boundaries_advisory=list(RPC_BUCKETS),
+            "control-plane RPCs served, by method and status code (count: the _count series)",
+            RPC_BUCKETS,
         ),
     )
 

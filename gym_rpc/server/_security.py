@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextvars
 import hmac
 import logging
-import os
 import ssl
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,12 +24,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from gym_rpc._environment import environment
 from gym_rpc.config import (
     HEAD_SERVER_KEY,
     REDACTED,
     GlobalConfig,
     HeadTlsConfig,
-    head_security_config,
     read_file_bytes,
     url_host,
 )
@@ -88,7 +87,7 @@ class ServerSecurity:
     @classmethod
     def from_config(cls, config: GlobalConfig) -> ServerSecurity:
         """From `head_server` of the config; the token falls back to GYM_RPC_TOKEN."""
-        settings = head_security_config(config.head_server)
+        settings = config.head_settings
         token = head_token(settings.auth_token, f"{HEAD_SERVER_KEY}.auth_token") or _environment_token()
         if settings.tls is not None:
             check_tls_files(settings.tls)
@@ -150,7 +149,7 @@ def head_token(value: str | None, setting: str) -> str | None:
 
 def _environment_token() -> str | None:
     """GYM_RPC_TOKEN: unset or empty means none (an empty export is how shells unset); a placeholder is refused."""
-    value = os.environ.get(TOKEN_ENV_VAR)
+    value = environment().token
     return head_token(value, TOKEN_ENV_VAR) if value else None
 
 

@@ -17,8 +17,6 @@ import grpc
 
 from gym_rpc.config import GlobalConfig, load_config_file
 from gym_rpc.errors import ConfigError
-from gym_rpc.server._connect import configured_connect_port
-from gym_rpc.server._http_head import configured_http_port
 from gym_rpc.server._security import ServerSecurity
 from gym_rpc.wire._convert import ReportedProcess
 
@@ -84,10 +82,8 @@ class FileSource:
         self._warn_malformed(config, known={})
 
     def _validate(self, config: GlobalConfig) -> None:
-        """What start-up and every reload check alike (token, TLS files, extra ports); errors name the file."""
+        """What start-up and every reload check alike (token, TLS files); errors name the file."""
         try:
-            configured_http_port(config)
-            configured_connect_port(config)
             ServerSecurity.from_config(config)
         except ConfigError as exc:
             where = str(self.path) if self.path is not None else ""

@@ -3,6 +3,11 @@ message-size limits. Kept here so the client and the server never import each ot
 
 from __future__ import annotations
 
+from gym_rpc._environment import HEAD_ADDRESS_ENV_VAR as HEAD_ADDRESS_ENV_VAR  # read by gym_rpc._environment
+from gym_rpc._environment import TLS_CA_ENV_VAR as TLS_CA_ENV_VAR
+from gym_rpc._environment import TLS_CERT_ENV_VAR as TLS_CERT_ENV_VAR
+from gym_rpc._environment import TLS_KEY_ENV_VAR as TLS_KEY_ENV_VAR
+from gym_rpc._environment import TOKEN_ENV_VAR as TOKEN_ENV_VAR
 from gym_rpc.v1 import control_plane_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ControlPlaneService"].full_name
@@ -12,11 +17,6 @@ HEALTH_METHOD_PREFIX = f"/{HEALTH_SERVICE_NAME}/"
 
 AUTHORIZATION_METADATA_KEY = "authorization"
 
-HEAD_ADDRESS_ENV_VAR = "GYM_RPC_HEAD"
-TOKEN_ENV_VAR = "GYM_RPC_TOKEN"
-TLS_CA_ENV_VAR = "GYM_RPC_TLS_CA"
-TLS_CERT_ENV_VAR = "GYM_RPC_TLS_CERT"
-TLS_KEY_ENV_VAR = "GYM_RPC_TLS_KEY"
 
 MIB = 1024 * 1024
 MAX_REQUEST_BYTES = 4 * MIB  # head: every request is a name or a few numbers

@@ -1,0 +1,132 @@
+"""Does the speed trick of `ServerClient.request` pay? `gym_rpc.client.server_client._private_attributes`: the
+private attributes read from pydantic's store in one step. The shipped client against the same client reading
+`self._x` (each read goes through pydantic's BaseModel.__getattr__), all else alike.
+
+Two figures. Against the real data server (interleaved rounds, bench/data_plane.py's `compare`): the median of
+the per-round ratios shipped / without requests per second, with each side's CPU per request; on two shared cores
+a few µs per request drown in the scatter. With no I/O (a session whose `request` returns at once): the client's
+own µs per call, the best of interleaved blocks, where the trick's saving shows by itself. Above 1 the trick pays;
+near 1 in both, it should go. The first attempt of `send` used to be made inline too: that saved about 0.1 µs of
+no-I/O time per call (under 0.2 % of the client's CPU per request), did not pay, and went.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Unpack
+
+import aiohttp
+from pydantic import BaseModel
+
+from bench.data_plane import PATH, PAYLOAD, SERVER_NAME, Block, compare, make_client, ours_post
+from bench.stats import Row, median, percentile, ratio_row
+from gym_rpc.client._http import HttpPools, close_http_sessions, send
+from gym_rpc.client.server_client import ServerClient, _json_payload
+
+if TYPE_CHECKING:
+    from aiohttp.client import _RequestOptions
+
+NO_IO_CALLS = 2000  # per block
+NO_IO_BLOCKS = 30  # per side, interleaved; the best block is the figure
+
+
+class WithoutTrick(ServerClient):
+    """`ServerClient.request` reading `self._x`, all else as shipped (observability off, so no prefix rule)."""
+
+    async def request(
+        self,
+        server_name: str,
+        url_path: str,
+        method: str,
+        _control: bool = False,
+        _resend_after_disconnect: bool = True,
+        **kwargs: Unpack[_RequestOptions],
+    ) -> aiohttp.ClientResponse:
+        url = self._server_base_urls.get(server_name) or await self._aresolve_base_url(server_name)
+        body: Any = kwargs.get("json")
+        if body is not None:
+            if isinstance(body, BaseModel):
+                body = body.model_dump(mode="json", exclude_unset=True)
+            del kwargs["json"]
+            kwargs["data"] = _json_payload(body)
+        pools = self._http
+        sessions = pools.sessions()
+        session = sessions.control if _control else sessions.data
+        return await send(session, method, url + url_path, pools.settings.retry, _resend_after_disconnect, kwargs)
+
+
+def make_without(port: int) -> WithoutTrick:
+    shipped = make_client(port)
+    return WithoutTrick(
+        head_server_config=shipped.head_server_config, global_config_dict=shipped.global_config_dict
+    )
+
+
+async def run(port: int, concurrencies: tuple[int, ...], requests: tuple[int, ...], rounds: int) -> list[Row]:
+    rows: list[Row] = []
+    shipped, without = make_client(port), make_without(port)
+    try:
+        for concurrency, count in zip(concurrencies, requests, strict=True):
+            comparison = await compare(ours_post(shipped), ours_post(without), concurrency, count, rounds)
+            ratios = comparison.ratios
+            middle = f"{percentile(ratios, 0.25):.2f}-{percentile(ratios, 0.75):.2f}"
+            rows.append(
+                ratio_row(
+                    "hot path",
+                    f"ServerClient.post with vs without its speed trick (one read of pydantic's private store), "
+                    f"concurrency {concurrency} ({len(ratios)} rounds, middle half {middle})",
+                    _figures(comparison.ours),
+                    f"without: {_figures(comparison.raw)}",
+                    median(ratios),
+                    None,  # informs: on two shared cores the no-I/O row below is the one that can tell
+                )
+            )
+    finally:
+        await close_http_sessions()
+    rows.append(await _no_io_row(port))
+    return rows
+
+
+def _figures(blocks: list[Block]) -> str:
+    """Requests per second and this process's CPU per request (the client's own cost, less moved by load)."""
+    rps = median([b.requests_per_second for b in blocks])
+    return f"{rps:.0f} req/s, {median([b.cpu_us_per_request for b in blocks]):.1f} µs CPU/req"
+
+
+class _NoIoSession:
+    async def request(self, method: str, url: str, **kwargs: Any) -> None:
+        return None
+
+
+def _no_io(client: ServerClient) -> ServerClient:
+    """The client with sessions whose `request` returns at once: what remains is the client's own work."""
+    private: dict[str, Any] = client.__pydantic_private__  # type: ignore[assignment]
+    pools: HttpPools = private["_http"]
+    session = _NoIoSession()
+    private["_http"] = SimpleNamespace(settings=pools.settings, sessions=lambda: SimpleNamespace(data=session))
+    return client
+
+
+async def _us_per_call(client: ServerClient) -> float:
+    started = time.perf_counter()
+    for _ in range(NO_IO_CALLS):
+        await client.request(SERVER_NAME, PATH, "POST", json=PAYLOAD)
+    return (time.perf_counter() - started) / NO_IO_CALLS * 1e6
+
+
+async def _no_io_row(port: int) -> Row:
+    shipped, without = _no_io(make_client(port)), _no_io(make_without(port))
+    best_shipped = best_without = float("inf")
+    for _ in range(NO_IO_BLOCKS):
+        best_shipped = min(best_shipped, await _us_per_call(shipped))
+        best_without = min(best_without, await _us_per_call(without))
+    return ratio_row(
+        "hot path",
+        f"ServerClient.post's own work (no I/O), with vs without its speed trick (best of {NO_IO_BLOCKS} "
+        f"interleaved blocks of {NO_IO_CALLS} calls; ratio: time without / with)",
+        f"{best_shipped:.2f} µs/call",
+        f"without: {best_without:.2f} µs/call",
+        best_without / best_shipped,
+        None,
+    )

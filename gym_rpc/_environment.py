@@ -1,0 +1,131 @@
+"""Every environment variable gym_rpc reads, read by one settings object (pydantic-settings).
+
+Nothing else in gym_rpc reads `os.environ`: the library (head address, token, TLS, NeMo Gym's injected
+config), the CLI's flag defaults and OpenTelemetry's standard variables all come from `environment()`. The README's
+"Environment variables" table lists the same names (tests/test_environment.py keeps them in step).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# The library's own.
+HEAD_ADDRESS_ENV_VAR = "GYM_RPC_HEAD"
+TOKEN_ENV_VAR = "GYM_RPC_TOKEN"
+TLS_CA_ENV_VAR = "GYM_RPC_TLS_CA"
+TLS_CERT_ENV_VAR = "GYM_RPC_TLS_CERT"
+TLS_KEY_ENV_VAR = "GYM_RPC_TLS_KEY"
+# What a NeMo Gym launcher sets for the processes it starts.
+NEMO_GYM_CONFIG_DICT_ENV_VAR = "NEMO_GYM_CONFIG_DICT"
+NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR = "NEMO_GYM_MODEL_SERVER_BASE_URL"
+NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR = "NEMO_GYM_MODEL_SERVER_NAME"
+# The CLI's flag defaults (gym_rpc._cli_flags.env_flag parses them, naming a bad one).
+TIMEOUT_ENV_VAR = "GYM_RPC_TIMEOUT"
+OUTPUT_ENV_VAR = "GYM_RPC_OUTPUT"
+LOG_LEVEL_ENV_VAR = "GYM_RPC_LOG_LEVEL"
+LOG_FORMAT_ENV_VAR = "GYM_RPC_LOG_FORMAT"
+CONFIG_ENV_VAR = "GYM_RPC_CONFIG"
+PROBE_INTERVAL_ENV_VAR = "GYM_RPC_PROBE_INTERVAL"
+PROBE_TIMEOUT_ENV_VAR = "GYM_RPC_PROBE_TIMEOUT"
+HTTP_PORT_ENV_VAR = "GYM_RPC_HTTP_PORT"
+METRICS_PORT_ENV_VAR = "GYM_RPC_METRICS_PORT"
+CONNECT_PORT_ENV_VAR = "GYM_RPC_CONNECT_PORT"
+WAIT_TIMEOUT_ENV_VAR = "GYM_RPC_WAIT_TIMEOUT"
+# OpenTelemetry's standard variables that decide whether and where gym_rpc traces and measures.
+SDK_DISABLED_ENV_VAR = "OTEL_SDK_DISABLED"
+SERVICE_NAME_ENV_VAR = "OTEL_SERVICE_NAME"
+RESOURCE_ATTRIBUTES_ENV_VAR = "OTEL_RESOURCE_ATTRIBUTES"
+TRACES_EXPORTER_ENV_VAR = "OTEL_TRACES_EXPORTER"
+METRICS_EXPORTER_ENV_VAR = "OTEL_METRICS_EXPORTER"
+EXEMPLAR_FILTER_ENV_VAR = "OTEL_METRICS_EXEMPLAR_FILTER"
+OTLP_ENDPOINT_ENV_VAR = "OTEL_EXPORTER_OTLP_ENDPOINT"
+OTLP_PROTOCOL_ENV_VAR = "OTEL_EXPORTER_OTLP_PROTOCOL"
+OTLP_TRACES_ENDPOINT_ENV_VAR = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+OTLP_TRACES_PROTOCOL_ENV_VAR = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+OTLP_METRICS_ENDPOINT_ENV_VAR = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
+OTLP_METRICS_PROTOCOL_ENV_VAR = "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"
+# Per signal, the signal's own variable first: OpenTelemetry's order of precedence.
+OTLP_TRACES_ENDPOINT_ENV_VARS = (OTLP_TRACES_ENDPOINT_ENV_VAR, OTLP_ENDPOINT_ENV_VAR)
+OTLP_TRACES_PROTOCOL_ENV_VARS = (OTLP_TRACES_PROTOCOL_ENV_VAR, OTLP_PROTOCOL_ENV_VAR)
+OTLP_METRICS_ENDPOINT_ENV_VARS = (OTLP_METRICS_ENDPOINT_ENV_VAR, OTLP_ENDPOINT_ENV_VAR)
+OTLP_METRICS_PROTOCOL_ENV_VARS = (OTLP_METRICS_PROTOCOL_ENV_VAR, OTLP_PROTOCOL_ENV_VAR)
+
+
+def _variable(name: str, *, secret: bool = False) -> str | None:
+    return Field(default=None, validation_alias=name, repr=not secret)
+
+
+class Environment(BaseSettings):
+    """What the environment says. Values stay text: each reader parses its own (the CLI names a bad flag default,
+    the config a bad address). An empty value counts as unset (an empty export is how shells unset)."""
+
+    model_config = SettingsConfigDict(case_sensitive=True, extra="ignore", frozen=True, env_ignore_empty=True)
+
+    head_address: str | None = _variable(HEAD_ADDRESS_ENV_VAR)
+    token: str | None = _variable(TOKEN_ENV_VAR, secret=True)
+    tls_ca_file: str | None = _variable(TLS_CA_ENV_VAR)
+    tls_cert_file: str | None = _variable(TLS_CERT_ENV_VAR)
+    tls_key_file: str | None = _variable(TLS_KEY_ENV_VAR)
+    nemo_gym_config_dict: str | None = _variable(NEMO_GYM_CONFIG_DICT_ENV_VAR, secret=True)
+    model_server_base_url: str | None = _variable(NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR)
+    model_server_name: str | None = _variable(NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR)
+    cli_timeout: str | None = _variable(TIMEOUT_ENV_VAR)
+    cli_output: str | None = _variable(OUTPUT_ENV_VAR)
+    cli_log_level: str | None = _variable(LOG_LEVEL_ENV_VAR)
+    cli_log_format: str | None = _variable(LOG_FORMAT_ENV_VAR)
+    cli_config: str | None = _variable(CONFIG_ENV_VAR)
+    cli_probe_interval: str | None = _variable(PROBE_INTERVAL_ENV_VAR)
+    cli_probe_timeout: str | None = _variable(PROBE_TIMEOUT_ENV_VAR)
+    cli_http_port: str | None = _variable(HTTP_PORT_ENV_VAR)
+    cli_metrics_port: str | None = _variable(METRICS_PORT_ENV_VAR)
+    cli_connect_port: str | None = _variable(CONNECT_PORT_ENV_VAR)
+    cli_wait_timeout: str | None = _variable(WAIT_TIMEOUT_ENV_VAR)
+    otel_sdk_disabled: str | None = _variable(SDK_DISABLED_ENV_VAR)
+    otel_service_name: str | None = _variable(SERVICE_NAME_ENV_VAR)
+    otel_resource_attributes: str | None = _variable(RESOURCE_ATTRIBUTES_ENV_VAR)
+    otel_traces_exporter: str | None = _variable(TRACES_EXPORTER_ENV_VAR)
+    otel_metrics_exporter: str | None = _variable(METRICS_EXPORTER_ENV_VAR)
+    otel_exemplar_filter: str | None = _variable(EXEMPLAR_FILTER_ENV_VAR)
+    otlp_endpoint: str | None = _variable(OTLP_ENDPOINT_ENV_VAR)
+    otlp_protocol: str | None = _variable(OTLP_PROTOCOL_ENV_VAR)
+    otlp_traces_endpoint: str | None = _variable(OTLP_TRACES_ENDPOINT_ENV_VAR)
+    otlp_traces_protocol: str | None = _variable(OTLP_TRACES_PROTOCOL_ENV_VAR)
+    otlp_metrics_endpoint: str | None = _variable(OTLP_METRICS_ENDPOINT_ENV_VAR)
+    otlp_metrics_protocol: str | None = _variable(OTLP_METRICS_PROTOCOL_ENV_VAR)
+
+    def model_server_override(self, server_name: str) -> str | None:
+        """NEMO_GYM_MODEL_SERVER_BASE_URL when NEMO_GYM_MODEL_SERVER_NAME names `server_name`."""
+        if self.model_server_base_url and self.model_server_name == server_name:
+            return self.model_server_base_url
+        return None
+
+    def by_name(self) -> dict[str, str]:
+        """The variables that are set, by their names: for readers written against a mapping (the OpenTelemetry
+        rules, the CLI's flag defaults), which tests feed a mapping of their own."""
+        names = {field: info.validation_alias for field, info in type(self).model_fields.items()}
+        return {str(names[field]): value for field, value in self if value is not None}
+
+
+def variable_names() -> list[str]:
+    """Every variable gym_rpc reads, in declaration order."""
+    return [str(info.validation_alias) for info in Environment.model_fields.values()]
+
+
+_NAMES = tuple(variable_names())
+
+
+def environment() -> Environment:
+    """The environment as it is now: read when needed, never at import (tests and launchers set variables after
+    gym_rpc is imported). Parsing costs about 2 ms, so the object is reused while the values stay the same (a
+    lookup of each name costs microseconds; the CLI builds its parser and ServerClient looks for an injected
+    config on every `setup_server_client`)."""
+    return _parsed(tuple(map(os.environ.get, _NAMES)))
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(values: tuple[str | None, ...]) -> Environment:  # values: the cache key
+    return Environment()
