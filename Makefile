@@ -78,8 +78,9 @@ bench-scale: $(STAMP)
 # Results stay in mutants/ (git-ignored; a second run re-tests only what changed); writes bench/MUTATION.md.
 mutate: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[mutation]'
-	nice -n 19 $(BIN)/mutmut run --max-children 2 || true
-	$(BIN)/python tools/mutation_report.py > bench/MUTATION.md
+	started=$$(date +%s); nice -n 19 $(BIN)/mutmut run --max-children 2 || true; \
+	$(BIN)/python tools/mutation_report.py --seconds $$(( $$(date +%s) - started )) \
+		--load "$$(cut -d' ' -f1-3 /proc/loadavg)" > bench/MUTATION.md
 	@tail -n 1 bench/MUTATION.md
 
 clean:

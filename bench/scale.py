@@ -54,7 +54,7 @@ class ScalePlan:
     watchers: tuple[int, ...] = (1, 100, 1000)
     pollers: tuple[int, ...] = (1, 100, 1000)
     probe_interval: float = 2.0  # the head's default
-    idle_seconds: float = 6.0  # three probe rounds
+    idle_seconds: float = 10.0  # five probe rounds (the head's CPU is read in 10 ms ticks)
     list_calls: int = 40
     config_pairs: int = 40
     watch_rounds: int = 3  # each round: one death and one recovery
@@ -535,7 +535,7 @@ def render(
         "",
         "Per change and watcher, the CPU the head and the watchers' process (all W watches, one Python process) "
         "spent above their idle rates, read from /proc and `time.process_time()` over all changes (the head's "
-        f"in 1/{CLOCK_TICKS} s ticks).",
+        f"in 1/{CLOCK_TICKS} s ticks; at small W the fixed work per change, the bench's own included, dominates).",
         "",
         "| W | fan-out p50 | fan-out p99 | last watcher p50 (per change) | death → last watcher p50 | head RSS | "
         "fan-out p50 per watcher | head CPU per watcher | watchers' CPU per watcher |",

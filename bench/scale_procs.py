@@ -131,10 +131,12 @@ class Child:
         )
         line = self._read_line(ready_timeout)
         if not line.startswith(READY_PREFIX):
-            self.stop()
+            self.process.kill()  # ended before its log is read: stop() closes it
+            self.process.wait(10)
             self._log.seek(0)
             log = self._log.read()[-2000:]
-            raise RuntimeError(f"{args[0]} did not start within {ready_timeout}s; its stderr ends:\n{log}")
+            self.stop()
+            raise RuntimeError(f"{args[0]} did not start (no READY line in {ready_timeout}s); stderr ends:\n{log}")
         self.info: dict[str, Any] = json.loads(line[len(READY_PREFIX) :])
 
     @property

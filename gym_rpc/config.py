@@ -690,7 +690,9 @@ def parse_config_text(text: str, source: str = "<config>") -> dict[str, Any]:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
-        problem = getattr(exc, "problem", None) or str(exc)
+        if isinstance(exc, yaml.reader.ReaderError):  # a control character: no mark, a position in the text
+            where = f"{source}:{text.count(chr(10), 0, exc.position) + 1}"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]  # one line, without PyYAML's "in ..."
         raise ConfigError(f"{where}: invalid YAML: {problem}") from exc
     except RecursionError:  # a small recursion limit set by the embedding program; MAX_CONFIG_DEPTH is the rule
         raise ConfigError(f"{source}: config nested too deeply to parse") from None

@@ -350,6 +350,19 @@ async def test_a_silent_upstream_is_unavailable_within_the_fetch_timeout(silent_
     assert "no answer in time" in message
 
 
+async def test_a_bridge_pointed_at_a_grpc_port_says_so_in_one_line(head_factory, bridge_factory, caplog):
+    """Issue 14, item 13: the HTTP/2 bytes a gRPC port answers are never quoted raw."""
+    head = await head_factory(document({}))
+    bridge = await bridge_factory(f"http://{head.address}")
+
+    message = await refusal(ControlClient(bridge.address))
+
+    assert "the answer is not HTTP/1.1 (a gRPC port answers HTTP/2)" in message
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("gym_rpc") and r.levelno >= 30]
+    assert warnings and all("not HTTP/1.1" in w for w in warnings), warnings
+    assert not [t for t in [message, *warnings] if "\\x00" in t or "\n" in t]
+
+
 async def test_server_client_loads_its_config_through_the_bridge(nemo_head, bridge_factory, http_server):
     live_port = await http_server()
     upstream = await nemo_head(upstream_document(live_port, closed_port()))

@@ -5,13 +5,58 @@ Each test names the mutant class it kills: a change to the code that left the re
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import inspect
+import logging
+import random
+import re
+import socket
+import sys
+import time
+import tracemalloc
+from pathlib import Path
 
-from gym_rpc.client import ClientSecurity, ClientTls
+import aiohttp
+import grpc
+import pytest
+from aiohttp import web
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import BaseModel, ValidationError
+
+from gym_rpc import config as config_module
+from gym_rpc.client import ClientSecurity, ClientTls, ControlClient
+from gym_rpc.client._aiohttp_instrumentation import _add_attributes
+from gym_rpc.client._http import (
+    HttpClientSettings,
+    LoopSessions,
+    RetryPolicy,
+    _sessions_by_loop,
+    close_loop_sessions,
+    loop_sessions,
+    send,
+)
 from gym_rpc.client._rollout import apply_rollout_prefix
-from gym_rpc.config import BaseServerConfig, get_first_server_config_dict
-from gym_rpc.errors import ConfigError, InvalidRolloutIdError, MalformedGymPrefixError
-from gym_rpc.wire._paths import encode_rollout_id, rollout_path_prefix, split_gym_prefixes
+from gym_rpc.config import (
+    BaseServerConfig,
+    GlobalConfig,
+    HeadTlsConfig,
+    ServerEntry,
+    get_first_server_config_dict,
+    load_config_file,
+    parse_config_text,
+    validation_error_line,
+)
+from gym_rpc.errors import (
+    ConfigError,
+    ControlPlaneError,
+    InvalidRolloutIdError,
+    MalformedGymPrefixError,
+    ServerUnreachableError,
+)
+from gym_rpc.server._prober import Changes, StatusProber, new_probe_session, probe, unsampled_traceparent
+from gym_rpc.server._security import ServerSecurity, _bearer_token
+from gym_rpc.wire._paths import _first_segment, encode_rollout_id, rollout_path_prefix, split_gym_prefixes
+from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 
 def test_server_config_repr_redacts_only_secret_keys() -> None:
@@ -86,3 +131,583 @@ def test_token_capture_is_any_truthy_flag_and_an_empty_id_has_no_prefix() -> Non
     assert rollout_path_prefix("r", 0) == "/ng-rollout/r"  # type: ignore[arg-type]
     assert rollout_path_prefix("", True) == ""
     assert rollout_path_prefix(None, True) == ""
+
+
+# --- data-plane resends ------------------------------------------------------------------------------------------
+
+
+def test_backoff_is_exponential_capped_and_half_random() -> None:
+    """RetryPolicy.backoff_seconds: after the n-th failure, a pause in [c/2, c] with c = min(max, initial *
+    multiplier ** (n - 1)); both halves of that range are reached (random.seed: the same draws every run)."""
+    policy = RetryPolicy(initial_backoff_seconds=0.1, multiplier=3.0, max_backoff_seconds=2.0)
+    random.seed(18)
+    for failed, ceiling in ((1, 0.1), (2, 0.3), (3, 0.9), (4, 2.0), (9, 2.0)):
+        pauses = [policy.backoff_seconds(failed) for _ in range(200)]
+        assert ceiling / 2 <= min(pauses) < ceiling * 0.55, (failed, min(pauses))
+        assert ceiling * 0.95 < max(pauses) <= ceiling, (failed, max(pauses))
+
+
+async def test_a_resent_request_carries_the_same_body_and_each_resend_is_counted() -> None:
+    """resend(): every attempt sends the caller's body again, and `on_resend` hears the number of each attempt
+    after the first (the metrics and the span's http.request.resend_count come from it)."""
+    bodies: list[bytes] = []
+
+    async def drop_then_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            length = re.search(rb"(?i)content-length: *(\d+)", head)
+            body = await reader.readexactly(int(length.group(1))) if length else b""
+            bodies.append(body)
+            if len(bodies) == 3:  # the first two connections are dropped unanswered
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+                )
+                await writer.drain()
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(drop_then_echo, LOOPBACK, 0)
+    url = f"http://{LOOPBACK}:{server.sockets[0].getsockname()[1]}/v1/responses"
+    attempts: list[int] = []
+    policy = RetryPolicy(attempts=3, initial_backoff_seconds=0.01, max_backoff_seconds=0.02)
+    try:
+        async with aiohttp.ClientSession() as session:
+            response = await send(
+                session, "POST", url, policy, True, {"json": {"a": 1}}, on_resend=attempts.append
+            )
+            async with response:
+                assert await response.read() == b'{"a": 1}'
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert bodies == [b'{"a": 1}'] * 3
+    assert attempts == [2, 3]
+
+
+async def test_a_refused_server_is_named_with_the_operating_systems_reason() -> None:
+    """_raise_unless_resendable: ServerUnreachableError carries the OS error's text, not the wrapper's."""
+    port = closed_port()
+    url = f"http://{LOOPBACK}:{port}/x"
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(ServerUnreachableError) as caught:
+            await send(session, "GET", url, RetryPolicy(attempts=1), True, {})
+    assert str(caught.value) == (
+        f"server at {url} is unreachable after 1 attempt(s) "
+        f"([Errno 111] Connect call failed ('{LOOPBACK}', {port})); "
+        "check that it runs and that its host and port in the global config are right"
+    )
+
+
+async def test_closing_a_loops_sessions_forgets_them_and_is_harmless_twice() -> None:
+    """close_loop_sessions: nothing opened is nothing to close; closing one settings' sessions keeps the others
+    and the loop's entry; the last one removes the loop's entry."""
+    loop = asyncio.get_running_loop()
+    first, second = HttpClientSettings(), HttpClientSettings(max_connections=5)
+    await close_loop_sessions(first)  # no session of this loop yet
+    first_sessions, second_sessions = loop_sessions(first), loop_sessions(second)
+    await close_loop_sessions(first)
+    assert first_sessions.is_closed and not second_sessions.is_closed
+    assert list(_sessions_by_loop[loop]) == [second]
+    await close_loop_sessions(first)  # already closed
+    await close_loop_sessions(second)
+    assert loop not in _sessions_by_loop
+
+
+# --- the bounded YAML loader -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader's bounds lowered (read from the module at each check), so their exact edges are cheap to hit."""
+    monkeypatch.setattr(config_module, "MAX_CONFIG_VALUES", 9)
+    monkeypatch.setattr(config_module, "MAX_CONFIG_DEPTH", 3)
+    monkeypatch.setattr(config_module, "MAX_CONFIG_BYTES", 64)
+
+
+VALUES_OVER = "refusing a config of more than 9 values (with its YAML aliases expanded)"
+
+
+@pytest.mark.usefixtures("small_bounds")
+def test_the_value_bound_counts_every_node_with_aliases_expanded() -> None:
+    """Every node counts one, an alias the size of what it names: `a: &l [1, 2]` + `b: *l` is 1 (the mapping) +
+    1 + 3 + 1 + 3 = 9 values, the bound: accepted. One value more is refused, naming where the count ran over."""
+    assert parse_config_text("a: &l [1, 2]\nb: *l\n") == {"a": [1, 2], "b": [1, 2]}
+    assert parse_config_text("a: [1, 2]\nb: [3, 4]\n") == {"a": [1, 2], "b": [3, 4]}
+    for text, where in (("a: &l [1, 2, 3]\nb: *l\n", "v.yaml:2:4"), ("a: &l [1, 2]\nb: *l\nc: 1\n", "v.yaml:3:4")):
+        with pytest.raises(ConfigError) as caught:
+            parse_config_text(text, "v.yaml")
+        assert str(caught.value) == f"{where}: {VALUES_OVER}"
+
+
+@pytest.mark.usefixtures("small_bounds")
+def test_the_depth_bound_is_exact_and_names_the_line() -> None:
+    assert parse_config_text("a: {b: 1}\n") == {"a": {"b": 1}}  # three levels: the document, a, b
+    with pytest.raises(ConfigError) as caught:
+        parse_config_text("a:\n  b: {c: 1}\n", "d.yaml")
+    assert str(caught.value) == "d.yaml:2:7: refusing a config nested more than 3 levels deep"
+
+
+@pytest.mark.usefixtures("small_bounds")
+def test_the_size_bound_is_exact_for_text_and_files(tmp_path: Path) -> None:
+    exactly = "a: " + "x" * 60 + "\n"
+    assert len(exactly) == 64 and parse_config_text(exactly) == {"a": "x" * 60}
+    with pytest.raises(ConfigError) as caught:
+        parse_config_text(exactly + " ", "t.yaml")
+    assert str(caught.value) == "t.yaml: refusing a config larger than 0 MiB"
+    path = tmp_path / "f.yaml"
+    path.write_text(exactly, encoding="utf-8")
+    assert load_config_file(path).document == {"a": "x" * 60}
+    path.write_text(exactly + "#", encoding="utf-8")
+    with pytest.raises(ConfigError) as caught:
+        load_config_file(path)
+    assert str(caught.value) == f"{path}: refusing a config larger than 0 MiB"
+
+
+def test_a_file_over_16_mib_is_refused_after_reading_only_its_first_16_mib(tmp_path: Path) -> None:
+    """load_config_file reads at most 16 MiB + 1 byte: a 256 MiB (sparse) file is refused without reading it."""
+    path = tmp_path / "huge.yaml"
+    with path.open("wb") as file:
+        file.truncate(256 * 1024 * 1024)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConfigError) as caught:
+            load_config_file(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(caught.value) == f"{path}: refusing a config larger than 16 MiB"
+    assert peak < 64 * 1024 * 1024, peak
+
+
+def test_a_file_that_is_not_utf8_is_named_with_its_line_and_byte(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"\n# caf\xe9\nkey: 1\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config_file(path)
+    assert str(caught.value) == f"{path}:2: not UTF-8 text (byte 0xe9 at offset 6); save the file as UTF-8"
+
+
+def test_a_missing_file_is_named_with_the_systems_reason(tmp_path: Path) -> None:
+    path = tmp_path / "absent.yaml"
+    with pytest.raises(ConfigError) as caught:
+        load_config_file(path)
+    assert str(caught.value) == f"cannot read config file {path}: No such file or directory"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("a: [1\n", "y.yaml:2:1: invalid YAML: expected ',' or ']', but got '<stream end>'"),
+        ("a: *nowhere\n", "y.yaml:1:4: invalid YAML: found undefined alias 'nowhere'"),
+        ("a: 1\n---\nb: 2\n", "y.yaml:2:1: invalid YAML: but found another document"),
+        (
+            "a: 1\nb: \x07\n",
+            "y.yaml:2: invalid YAML: unacceptable character #x0007: special characters are not allowed",
+        ),
+        (
+            "a: !!python/object:os.system x\n",
+            "y.yaml:1:4: invalid YAML: could not determine a constructor for the tag "
+            "'tag:yaml.org,2002:python/object:os.system'",
+        ),
+    ],
+)
+def test_invalid_yaml_is_one_line_naming_line_column_and_problem(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config_text(text, "y.yaml")
+    assert str(caught.value) == message
+
+
+def test_a_document_too_deep_for_pythons_stack_is_one_line() -> None:
+    """parse_config_text: an embedding program's small recursion limit gives one line, not a RecursionError."""
+    depth = len(inspect.stack(0))
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(depth + 60)
+    try:
+        with pytest.raises(ConfigError) as caught:
+            parse_config_text("a: " + "[" * 90 + "]" * 90 + "\n", "r.yaml")
+    finally:
+        sys.setrecursionlimit(limit)
+    assert str(caught.value) == "r.yaml: config nested too deeply to parse"
+
+
+def test_duplicate_keys_are_refused_after_merge_keys_too() -> None:
+    """Merge keys (`<<`) are not duplicates of each other, and a duplicate after one is still found."""
+    base = "base: &b {x: 1}\nmore: &m {y: 2}\n"
+    assert parse_config_text(base + "c:\n  <<: *b\n  <<: *m\n")["c"] == {"x": 1, "y": 2}
+    with pytest.raises(ConfigError) as caught:
+        parse_config_text(base + "c:\n  <<: *b\n  z: 1\n  z: 2\n", "m.yaml")
+    assert str(caught.value) == "m.yaml:6:3: duplicate key 'z'"
+
+
+# --- pydantic errors, harness headers, unresolved servers --------------------------------------------------------
+
+
+class _Three(BaseModel):
+    a: int
+    b: int
+    c: int
+
+
+@pytest.mark.parametrize(
+    ("given", "line"),
+    [
+        ({}, "blk.a: Field required (and 2 more problems)"),
+        ({"c": 1}, "blk.a: Field required (and 1 more problem)"),
+        ({"b": 1, "c": 1}, "blk.a: Field required"),
+        (
+            {"a": "x", "b": 1, "c": 1},
+            "blk.a: Input should be a valid integer, unable to parse string as an integer",
+        ),
+    ],
+)
+def test_validation_errors_are_one_line_counting_the_others(given: dict[str, object], line: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        _Three.model_validate(given)
+    assert validation_error_line(caught.value, "blk") == line
+
+
+def test_a_harness_package_without_a_header_declares_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """_declared_header: a harness package that defines no ASSISTANT_MESSAGE_HEADER declares no header; one that
+    defines something other than text or bytes is one exact line naming the server."""
+    (tmp_path / "plain_harness.py").write_text("NAME = 'x'\n", encoding="utf-8")
+    (tmp_path / "odd_harness.py").write_text("ASSISTANT_MESSAGE_HEADER = 42\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def agent(package: str) -> dict[str, object]:
+        entry = server_entry(8100, "responses_api_agents", harness_package=package)
+        next(iter(entry["responses_api_agents"].values()))["model_server"] = {"name": "policy"}
+        return entry
+
+    plain = GlobalConfig.from_document(document({"policy": server_entry(8000), "agent": agent("plain_harness")}))
+    assert plain.assistant_message_header("policy") is None
+    odd = GlobalConfig.from_document(document({"policy": server_entry(8000), "agent": agent("odd_harness")}))
+    with pytest.raises(ConfigError) as caught:
+        odd.assistant_message_header("policy")
+    assert str(caught.value) == "server 'agent': assistant_message_header must be text or bytes"
+
+
+def test_a_server_whose_address_cannot_be_resolved_is_named_when_called() -> None:
+    """GlobalConfig.raise_unusable: only the server that cannot be resolved raises, with one exact line."""
+    config = GlobalConfig.from_document(
+        document({"good": server_entry(8000), "bad": server_entry(8001, host="${oc.env:H18_UNSET_HOST}")}),
+        lenient=True,
+    )
+    config.raise_unusable("good")
+    for call in (config.raise_unusable, config.server):
+        with pytest.raises(ConfigError) as caught:
+            call("bad")
+        assert str(caught.value).startswith("server 'bad' cannot be called: cannot resolve ")
+        assert "H18_UNSET_HOST" in str(caught.value)
+
+
+# --- the head's token check --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("metadata", "token"),
+    [
+        ((("authorization", "Bearer t0k"),), "t0k"),
+        ((("authorization", b"Bearer t0k"),), "t0k"),  # a bytes value is decoded, not shown as b'...'
+        ((("authorization", "  bearer   t0k  "),), "t0k"),
+        ((("authorization", "Basic t0k"),), None),
+        ((("authorization", b"Bearer t\xffk"),), "t\ufffdk"),  # undecodable bytes are replaced, never raised
+        ((("authorization", "Bearer a b"),), "a b"),
+        ((("x-other", "Bearer t0k"), ("authorization", "Bearer 2nd")), "2nd"),
+        ((), None),
+    ],
+)
+def test_the_bearer_token_is_read_from_the_first_authorization_entry(metadata: object, token: str | None) -> None:
+    assert _bearer_token(metadata) == token
+
+
+async def test_a_refused_call_is_logged_naming_the_method_only(head_factory, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="gym_rpc.server._security")
+    head = await head_factory(document({}, head_server={"host": LOOPBACK, "port": 0, "auth_token": "s3cret-t0k"}))
+    with pytest.raises(ControlPlaneError):
+        await ControlClient(head.address, security=ClientSecurity(token="wrong")).list_server_statuses()
+    refused = [r.getMessage() for r in caplog.records if r.name == "gym_rpc.server._security"]
+    assert refused == [
+        "refused /gym_rpc.v1.ControlPlaneService/ListServerStatuses: missing or invalid bearer token"
+    ]
+
+
+# --- the watch history -------------------------------------------------------------------------------------------
+
+
+async def test_changes_since_is_exactly_what_a_watcher_missed() -> None:
+    """StatusProber.changes_since: nothing at (or past) the current revision; the latest report per server of
+    every change after the given revision; a compacted snapshot once that revision is older than the history."""
+    config = GlobalConfig.from_document(document({"a": server_entry(1001), "b": server_entry(1002)}))
+    prober = StatusProber(config.servers, history_size=3)
+    await prober.set_servers(config.servers)  # two changes: a and b appear, unprobed
+    start = prober.revision
+    assert prober.changes_since(start) == Changes(start, [], compacted=False)
+    assert prober.changes_since(start + 5) == Changes(start, [], compacted=False)
+
+    await prober.set_registration("a", "registered", "http://10.0.0.1:1001")
+    await prober.set_registration("a", "registered", "http://10.0.0.1:1001")  # no change: nothing recorded
+    assert prober.revision == start + 1
+    a_registered = prober.report("a")
+    assert (a_registered.registration, a_registered.advertised_url) == ("registered", "http://10.0.0.1:1001")
+    assert prober.changes_since(start) == Changes(start + 1, [a_registered], compacted=False)
+
+    await prober.set_registration("b", "expired", "")
+    await prober.set_registration("a", "deregistered", "")
+    latest = prober.reports()
+    assert [(r.server_name, r.registration) for r in latest] == [("a", "deregistered"), ("b", "expired")]
+    # The history holds the last three changes (start+1 .. start+3): a watcher at `start` missed nothing older.
+    assert prober.changes_since(start) == Changes(start + 3, [latest[0], latest[1]], compacted=False)
+    assert prober.changes_since(start + 2) == Changes(start + 3, [latest[0]], compacted=False)
+    assert prober.changes_since(start - 1) == Changes(start + 3, latest, compacted=True)
+    await prober.set_registration("gone", "registered", "http://x")  # not a server of the config: ignored
+    assert prober.revision == start + 3
+
+
+async def test_a_caller_that_outwaits_its_deadline_gets_an_exact_timeout_report(silent_server: int) -> None:
+    """StatusProber.probe_now: joined to a longer probe in flight, a caller gets TIMEOUT after its own deadline,
+    with the server's name and URL; with no probe in flight its own probe is bounded by its deadline."""
+    config = GlobalConfig.from_document(document({"s": server_entry(silent_server)}))
+    url = f"http://{LOOPBACK}:{silent_server}"
+    prober = StatusProber(config.servers, interval_seconds=3600, probe_timeout_seconds=30)
+    await prober.start()  # the first round's probe waits up to 30 s on the silent server
+    try:
+        before = time.time()
+        report = await prober.probe_now("s", 0.2)
+        assert (report.server_name, report.status, report.url, report.detail) == (
+            "s",
+            "timeout",
+            url,
+            "no answer within 0.2s",
+        )
+        assert 0.2 <= report.latency_seconds < 30 and before <= report.checked_at <= time.time()
+    finally:
+        await prober.stop()
+    prober = StatusProber(config.servers, interval_seconds=3600, probe_timeout_seconds=0.1)
+    await prober.start()
+    try:
+        if prober.report("s").status is None:  # the first round's result comes within its 0.1 s
+            assert await prober.wait_for_change(prober.revision, 10)
+        report = await prober.probe_now("s", 0.3)  # nothing in flight: a probe of its own, bounded by 0.3 s
+        assert (report.status, report.detail) == ("timeout", "no answer within 0.3s")
+    finally:
+        await prober.stop()
+
+
+@pytest.mark.parametrize(
+    ("security", "banner"),
+    [
+        (ServerSecurity(), "plaintext, no token"),
+        (ServerSecurity(token="t"), "plaintext, token required"),
+        (ServerSecurity(tls=HeadTlsConfig(cert_file="c", key_file="k")), "TLS, no token"),
+        (
+            ServerSecurity(tls=HeadTlsConfig(cert_file="c", key_file="k", client_ca_file="ca"), token="t"),
+            "mutual TLS, token required",
+        ),
+    ],
+)
+def test_the_banner_says_what_guards_the_port(security: ServerSecurity, banner: str) -> None:
+    assert security.describe() == banner
+
+
+async def test_the_health_port_has_the_main_ports_message_bound(head_factory) -> None:
+    """build_health_server: the plaintext health port is built with the same bounds (here: 4 MiB requests)."""
+    head = await head_factory(document({}, head_server={"host": LOOPBACK, "port": 0, "health_port": 0}))
+    async with grpc.aio.insecure_channel(f"{LOOPBACK}:{head.health_port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        assert (
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+        ).status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Check(health_pb2.HealthCheckRequest(service="x" * (5 * 1024 * 1024)), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+# --- URL prefixes ------------------------------------------------------------------------------------------------
+
+
+def test_an_unhashable_rollout_id_is_named_in_the_typed_error() -> None:
+    with pytest.raises(InvalidRolloutIdError) as caught:
+        rollout_path_prefix(["r"])  # type: ignore[arg-type]
+    assert str(caught.value) == "invalid rollout id ['r']: must be a non-empty string, not . or .."
+
+
+@pytest.mark.parametrize(
+    ("path", "split"),
+    [("", ("", "")), ("/a", ("a", "")), ("/a/b/c", ("a", "/b/c")), ("//x", ("", "/x")), ("/ab/", ("ab", "/"))],
+)
+def test_the_first_segment_and_the_rest_keep_the_rests_slash(path: str, split: tuple[str, str]) -> None:
+    assert _first_segment(path) == split
+
+
+def test_a_long_malformed_traceparent_is_quoted_to_80_characters() -> None:
+    segment = "z" * 100
+    with pytest.raises(MalformedGymPrefixError) as caught:
+        split_gym_prefixes(f"/ng-trace/{segment}/v1")
+    assert (
+        str(caught.value) == f"malformed traceparent segment {'z' * 80!r}: expected 00-<32 hex>-<16 hex>-<2 hex>"
+    )
+
+
+# --- the data-plane sessions -------------------------------------------------------------------------------------
+
+POOLS = HttpClientSettings(
+    max_connections=7,
+    max_connections_per_host=3,
+    control_max_connections=5,
+    keepalive_timeout_seconds=4.5,
+    connect_timeout_seconds=2.5,
+    total_timeout_seconds=60.0,
+    control_total_timeout_seconds=9.0,
+)
+
+
+async def test_the_data_and_control_sessions_are_built_from_the_settings() -> None:
+    """LoopSessions: each setting reaches the pool it names; no proxies from the environment, no cookies."""
+    sessions = LoopSessions(POOLS)
+    try:
+        assert sessions.loop is asyncio.get_running_loop() and sessions.is_closed is False
+        for session, limit, per_host, total in ((sessions.data, 7, 3, 60.0), (sessions.control, 5, 0, 9.0)):
+            connector = session.connector
+            assert isinstance(connector, aiohttp.TCPConnector)
+            assert (connector.limit, connector.limit_per_host, connector._keepalive_timeout) == (
+                limit,
+                per_host,
+                4.5,
+            )
+            assert session.timeout == aiohttp.ClientTimeout(total=total, sock_connect=2.5)
+            assert session.trust_env is False and isinstance(session.cookie_jar, aiohttp.DummyCookieJar)
+    finally:
+        await sessions.close()
+    assert sessions.is_closed is True and sessions.data.closed and sessions.control.closed
+
+
+async def test_pooled_connections_use_tcp_keepalive(http_server) -> None:
+    """_keepalive_socket: a connection of the data pool has keepalive on, idle 60 s, every 10 s, 5 probes."""
+    done = asyncio.Event()
+
+    async def streaming(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"first")
+        await done.wait()  # the connection stays checked out while the test looks at its socket
+        return response
+
+    app = web.Application()
+    app.router.add_get("/", streaming)
+    port = await http_server(app)
+    sessions = LoopSessions(POOLS)
+    try:
+        async with sessions.data.get(f"http://{LOOPBACK}:{port}/") as response:
+            assert response.connection is not None and response.connection.transport is not None
+            sock = response.connection.transport.get_extra_info("socket")
+            options = [
+                sock.getsockopt(level, option)
+                for level, option in (
+                    (socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                    (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                    (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                    (socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+                )
+            ]
+            done.set()
+    finally:
+        done.set()
+        await sessions.close()
+    assert options == [1, 60, 10, 5]
+
+
+async def test_one_loop_gets_the_same_sessions_until_they_are_closed() -> None:
+    first = loop_sessions(POOLS)
+    try:
+        assert loop_sessions(POOLS) is first
+    finally:
+        await close_loop_sessions(POOLS)
+    second = loop_sessions(POOLS)
+    try:
+        assert second is not first and not second.is_closed
+    finally:
+        await close_loop_sessions(POOLS)
+
+
+async def test_sessions_carry_our_trace_config_while_aiohttps_instrumentation_is_on() -> None:
+    """_new_session: with opentelemetry-instrumentation-aiohttp-client active, every new session gets the
+    TraceConfig that adds gym_rpc's attributes to the instrumentation's spans; without it, none."""
+    from opentelemetry.instrumentation.aiohttp_client import AioHttpClientInstrumentor
+
+    def ours(session: aiohttp.ClientSession) -> bool:
+        return any(_add_attributes in config.on_request_headers_sent for config in session.trace_configs)
+
+    plain = LoopSessions(POOLS)
+    instrumentor = AioHttpClientInstrumentor()
+    instrumentor.instrument()
+    try:
+        traced = LoopSessions(POOLS)
+    finally:
+        instrumentor.uninstrument()
+    try:
+        assert not ours(plain.data) and ours(traced.data) and ours(traced.control)
+    finally:
+        await plain.close()
+        await traced.close()
+
+
+# --- probes ------------------------------------------------------------------------------------------------------
+
+
+async def test_a_probe_reports_exactly_what_it_got(http_server, silent_server: int) -> None:
+    """probe(): any HTTP answer is success with its status code and no detail; a refused connection says why,
+    with no HTTP status; a silent server is a timeout naming the deadline."""
+    answering, refused = await http_server(), closed_port()
+    async with new_probe_session() as session:
+        ok = await probe(session, "ok", f"http://{LOOPBACK}:{answering}", 5)
+        down = await probe(session, "down", f"http://{LOOPBACK}:{refused}", 5)
+        mute = await probe(session, "mute", f"http://{LOOPBACK}:{silent_server}", 0.2)
+    assert (ok.status, ok.http_status, ok.detail) == ("success", 200, "")
+    assert (down.status, down.http_status, down.detail) == (
+        "connection_error",
+        0,
+        f"[Errno 111] Connect call failed ('{LOOPBACK}', {refused})",
+    )
+    assert (mute.status, mute.http_status, mute.detail) == ("timeout", 0, "no answer within 0.2s")
+
+
+def test_probe_traceparents_are_unsampled_and_random() -> None:
+    """unsampled_traceparent: W3C version 00, a random 128-bit trace id and 64-bit span id, sampled flag off."""
+    seen = {unsampled_traceparent() for _ in range(200)}
+    assert len(seen) == 200
+    assert all(re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-00", header) for header in seen)
+    assert len({header[3:35] for header in seen}) == 200 and len({header[36:52] for header in seen}) == 200
+
+
+async def test_wait_for_change_is_true_on_a_change_and_false_after_its_timeout() -> None:
+    config = GlobalConfig.from_document(document({"a": server_entry(1001)}))
+    prober = StatusProber({})
+    revision = prober.revision
+    assert await prober.wait_for_change(revision, 0.05) is False
+
+    async def change_soon() -> None:
+        await asyncio.sleep(0.05)
+        await prober.set_servers(config.servers)
+
+    changing = asyncio.create_task(change_soon())
+    assert await prober.wait_for_change(revision, 30) is True
+    await changing
+    assert await prober.wait_for_change(revision, 0) is True  # already past it: no wait at all
+
+
+def test_a_server_entrys_repr_redacts_its_config_only() -> None:
+    """ServerEntry.__repr_args__: the config block is redacted; name, host and URL are shown as they are, even
+    when they look like a secret-named pair."""
+    entry = ServerEntry(
+        name="token=abc",
+        server_type="t",
+        impl_name="i",
+        host="h",
+        port=1,
+        url="http://h:1",
+        config={"api_key": "sk-1"},
+    )
+    assert repr(entry) == (
+        "ServerEntry(name='token=abc', server_type='t', impl_name='i', host='h', port=1, url='http://h:1', "
+        "config={'api_key': '<redacted>'})"
+    )

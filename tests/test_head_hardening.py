@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,12 +16,12 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gym_rpc.client._control import ControlClient
+from gym_rpc.client._control import ControlClient, SyncControlClient
 from gym_rpc.client._security import ClientSecurity
 from gym_rpc.errors import ConfigError, ControlPlaneError
 from gym_rpc.server._head import HeadServer
 from gym_rpc.wire import TOKEN_ENV_VAR
-from tests.cli_helpers import run_cli
+from tests.cli_helpers import STARTUP_SECONDS, run_cli, running_head
 from tests.conftest import LOOPBACK, document, server_entry
 from tests.test_config_limits import BILLION_LAUGHS
 
@@ -162,11 +163,39 @@ async def test_reload_of_a_billion_laughs_is_refused_in_bounded_time(head_factor
     assert (await ControlClient(head.address).get_global_config(timeout=5)).version == old_version
 
 
-async def test_reload_of_a_non_utf8_file_is_one_clear_line(head_factory, caplog) -> None:
+def test_sighup_with_a_billion_laughs_keeps_the_head_answering(tmp_path: Path) -> None:
+    """The bomb through SIGHUP, to a real `gym-rpc head`: refused in one log line, the control plane answering."""
+    path = tmp_path / "head.yaml"
+    path.write_text(yaml.safe_dump({"head_server": {"host": LOOPBACK, "port": 0}}), encoding="utf-8")
+    with running_head(path) as head:
+        client = SyncControlClient(head.address, timeout_seconds=10.0)
+        version = client.get_global_config().version
+        path.write_text(BILLION_LAUGHS, encoding="utf-8")
+        head.process.send_signal(signal.SIGHUP)
+        head.wait_for_stderr("aliases expanded", STARTUP_SECONDS)
+        assert client.get_global_config().version == version
+        assert client.head_status() == "success"
+        assert head.process.poll() is None
+    (refused,) = [line for line in head.stderr_text.splitlines() if "reload" in line]
+    assert f"config reload from {path} refused, old config kept" in refused
+    assert "Traceback" not in head.stderr_text
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("model_name: café\n".encode("latin-1"), ":1: not UTF-8 text"),
+        (("a: " + "[" * 3000 + "]" * 3000 + "\n").encode(), "nested more than 100 levels deep"),
+    ],
+    ids=["non-utf8", "deep"],
+)
+async def test_reload_of_a_non_utf8_or_deep_file_is_one_clear_line(
+    head_factory, caplog, content: bytes, needle: str
+) -> None:
     head = await head_factory(document({}))
-    config_path(head).write_bytes("model_name: café\n".encode("latin-1"))
+    config_path(head).write_bytes(content)
     message = await reload_refused(head)
-    assert f"{config_path(head)}:1: not UTF-8 text" in message
+    assert str(config_path(head)) in message and needle in message
     assert "Unexpected" not in message and "\n" not in message
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 

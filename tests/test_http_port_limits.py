@@ -1,6 +1,6 @@
-"""The HTTP port cannot take the head down (issue 14, item 2): a head whose file-descriptor limit is 1024 is held
-by 1,100 idle and slow-header sockets on its NeMo Gym HTTP port, and its gRPC port still answers, its log stays
-small, and the HTTP port serves again once the silent sockets are dropped."""
+"""The HTTP side cannot take the head down (issue 14, item 2): a head whose file-descriptor limit is 1024 is held
+by 1,100 idle and slow-header sockets on its NeMo Gym HTTP port (or its metrics port, or its Connect port), and its
+gRPC port still answers, its log stays small, and the port serves again once the silent sockets are dropped."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import re
 import resource
 import selectors
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,10 +23,18 @@ from aiohttp import web
 from gym_rpc.client._control import SyncControlClient
 from gym_rpc.server._connection_limits import BoundedListener, RateLimitedLog, connection_bound
 from tests.cli_helpers import STARTUP_SECONDS, cli_command, cli_env
+from tests.test_security import Pki, pki
+
+__all__ = ["pki"]  # the module-scoped certificate fixture, shared with the security tests
 
 FD_LIMIT = 1024
 ATTACK_SOCKETS = 1100
-BANNER = re.compile(r"listening on (\S+) .*NeMo Gym HTTP head on http://127\.0\.0\.1:(\d+)")
+# The flag that opens each HTTP-side port, and how the banner names the port.
+HTTP_SIDE_PORTS = {
+    "http": ("--http-port", r"NeMo Gym HTTP head on http://127\.0\.0\.1:(\d+)"),
+    "metrics": ("--metrics-port", r"metrics on http://127\.0\.0\.1:(\d+)/metrics"),
+    "connect": ("--connect-port", r"Connect on http://127\.0\.0\.1:(\d+)"),
+}
 
 
 def limit_fds() -> None:
@@ -33,11 +42,13 @@ def limit_fds() -> None:
 
 
 @contextlib.contextmanager
-def head_with_fd_limit(log: Path) -> Iterator[tuple[str, int]]:
-    """`gym-rpc head --http-port 0` under `ulimit -n 1024` (soft and hard), stderr into `log`."""
+def head_with_fd_limit(log: Path, flag: str, pattern: str) -> Iterator[tuple[str, int]]:
+    """`gym-rpc head FLAG 0` under `ulimit -n 1024` (soft and hard), stderr into `log`: (gRPC address, the port
+    `pattern` finds in the banner)."""
+    banner = re.compile(r"listening on (\S+) .*" + pattern)
     with log.open("wb") as stderr:
         process = subprocess.Popen(
-            cli_command(["head", "--port", "0", "--http-port", "0", "--probe-interval", "0.5"]),
+            cli_command(["head", "--port", "0", flag, "0", "--probe-interval", "0.5"]),
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
@@ -48,10 +59,10 @@ def head_with_fd_limit(log: Path) -> Iterator[tuple[str, int]]:
             assert process.stdout is not None
             deadline = time.monotonic() + STARTUP_SECONDS
             line = process.stdout.readline()
-            while not BANNER.search(line):
+            while not banner.search(line):
                 assert time.monotonic() < deadline and line, f"no banner: {line!r} {log.read_text()[:2000]}"
                 line = process.stdout.readline()
-            match = BANNER.search(line)
+            match = banner.search(line)
             assert match is not None
             yield match.group(1), int(match.group(2))
         finally:
@@ -72,8 +83,9 @@ def many_fds() -> Iterator[None]:
 
 
 def open_attack_sockets(port: int) -> list[socket.socket]:
-    """1,100 connections, opened in batches of 100 that each wait (up to 5 s) for the handshake, so all of them
-    reach the head; half stay idle, half send a request line and one header and then nothing (slowloris)."""
+    """1,100 connections, opened in batches of 100 that each wait for the handshake (up to 5 s, or until none
+    completed for 1 s: past the head's bound and the kernel's backlog the rest wait unanswered), so all the head
+    takes reach it; half stay idle, half send a request line and one header and then nothing (slowloris)."""
     sockets: list[socket.socket] = []
     while len(sockets) < ATTACK_SOCKETS:
         batch = []
@@ -87,10 +99,12 @@ def open_attack_sockets(port: int) -> list[socket.socket]:
             for sock in batch:
                 selector.register(sock, selectors.EVENT_WRITE)
             pending, deadline = set(batch), time.monotonic() + 5.0
-            while pending and time.monotonic() < deadline:
-                for key, _ in selector.select(0.5):
+            progress = time.monotonic()
+            while pending and time.monotonic() < min(deadline, progress + 1.0):
+                for key, _ in selector.select(0.2):
                     pending.discard(key.fileobj)
                     selector.unregister(key.fileobj)
+                    progress = time.monotonic()
         for index, sock in enumerate(batch):
             if index % 2:
                 with contextlib.suppress(OSError):
@@ -99,9 +113,12 @@ def open_attack_sockets(port: int) -> list[socket.socket]:
     return sockets
 
 
-def test_a_flood_of_silent_http_sockets_leaves_grpc_answering_and_the_log_small(tmp_path: Path, many_fds) -> None:
+@pytest.mark.parametrize("side", list(HTTP_SIDE_PORTS))
+def test_a_flood_of_silent_http_sockets_leaves_grpc_answering_and_the_log_small(
+    tmp_path: Path, many_fds, side: str
+) -> None:
     log = tmp_path / "head.log"
-    with head_with_fd_limit(log) as (address, http_port):
+    with head_with_fd_limit(log, *HTTP_SIDE_PORTS[side]) as (address, http_port):
         sockets = open_attack_sockets(http_port)
         try:
             time.sleep(1.0)  # let the head accept what it will
@@ -113,17 +130,17 @@ def test_a_flood_of_silent_http_sockets_leaves_grpc_answering_and_the_log_small(
         finally:
             for sock in sockets:
                 sock.close()
-        # The HTTP port serves again once the flood is gone.
+        # The port serves again once the flood is gone (any HTTP answer: 200, or Connect's 404 for GET /).
         deadline = time.monotonic() + 20.0
         while True:
             try:
                 with socket.create_connection(("127.0.0.1", http_port), timeout=5) as probe:
                     probe.sendall(b"GET / HTTP/1.1\r\nHost: head\r\nConnection: close\r\n\r\n")
-                    if probe.recv(64).startswith(b"HTTP/1.1 200"):
+                    if probe.recv(64).startswith(b"HTTP/1.1 "):
                         break
             except OSError:
                 pass
-            assert time.monotonic() < deadline, "the HTTP port never served again"
+            assert time.monotonic() < deadline, f"the {side} port never served again"
             time.sleep(0.2)
     size = log.stat().st_size
     assert size < 20_000, f"{size} bytes of log: {log.read_text()[:3000]}"
@@ -152,15 +169,22 @@ def test_the_head_raises_its_soft_fd_limit_to_the_hard_one(tmp_path: Path) -> No
         process.wait(timeout=10)
 
 
-async def test_silent_connections_are_dropped_at_the_header_deadline_and_the_bound_holds() -> None:
+async def ok_runner(listener: BoundedListener) -> web.AppRunner:
+    """An aiohttp app answering "ok" to GET /, set up to be served through `listener`."""
+
     async def ok(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
-    listener = BoundedListener(max_connections=2, header_timeout_seconds=0.3)
     app = web.Application(middlewares=[listener.mark_answered])
     app.router.add_get("/", ok)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
+    return runner
+
+
+async def test_silent_connections_are_dropped_at_the_header_deadline_and_the_bound_holds() -> None:
+    listener = BoundedListener(max_connections=2, header_timeout_seconds=0.3)
+    runner = await ok_runner(listener)
     port = listener.listen("127.0.0.1", 0)
     listener.start(runner)
     try:
@@ -184,13 +208,41 @@ async def test_silent_connections_are_dropped_at_the_header_deadline_and_the_bou
         await runner.cleanup()
 
 
+async def test_a_silent_tls_client_is_dropped_at_the_deadline_without_stalling_the_others(pki: Pki) -> None:
+    """The Connect port with TLS: a client that never sends its ClientHello is closed at the header deadline, and
+    the handshake it owes does not hold up the accept loop meanwhile."""
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(pki.server_cert, pki.server_key)
+    listener = BoundedListener(max_connections=2, header_timeout_seconds=3.0)
+    runner = await ok_runner(listener)
+    port = listener.listen("127.0.0.1", 0)
+    assert runner.server is not None
+    listener.start_protocol(runner.server, ssl_context=server_tls)
+    try:
+        silent_reader, silent_writer = await asyncio.open_connection("127.0.0.1", port)
+        client_tls = ssl.create_default_context(cafile=str(pki.ca))
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client_tls)
+        writer.write(b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        assert (await asyncio.wait_for(reader.read(), timeout=10)).startswith(b"HTTP/1.1 200")
+        assert not silent_reader.at_eof()  # served while the silent one still waited for its deadline
+        writer.close()
+        assert await asyncio.wait_for(silent_reader.read(), timeout=10) == b""  # dropped at the deadline
+        silent_writer.close()
+    finally:
+        await listener.stop()
+        await runner.cleanup()
+
+
 def test_connection_bound_keeps_a_reserve_for_grpc() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
+        # Three HTTP-side ports (HTTP head, metrics, Connect), all full, still leave 512 descriptors free.
         resource.setrlimit(resource.RLIMIT_NOFILE, (600, hard))
-        assert connection_bound(256) == 88  # 600 - 512 reserved
+        assert connection_bound(256) == 29  # (600 - 512) // 3
         resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
-        assert connection_bound(256) == 256
+        assert connection_bound(256) == connection_bound(1024) == 170
+        resource.setrlimit(resource.RLIMIT_NOFILE, (4096, hard))
+        assert connection_bound(256) == 256 and connection_bound(1024) == 1024
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 

@@ -8,28 +8,42 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import os
+import pty
 import re
+import select
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
+import yaml
+from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
+from gym_rpc._version import __version__
 from gym_rpc.cli import build_parser
-from gym_rpc.client import ControlClient
-from gym_rpc.config import head_server_settings, load_config_file, redact_secrets
+from gym_rpc.client import ControlClient, SyncControlClient
+from gym_rpc.client._channel import close_aio_channels
+from gym_rpc.client._security import client_security
+from gym_rpc.config import GlobalConfig, head_server_settings, load_config_file, redact_secrets
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError
+from gym_rpc.integrations import ServerRegistration
+from gym_rpc.server import _connect as connect_server
 from gym_rpc.server import _security as server_security
 from gym_rpc.server._head import HeadOptions, HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import MAX_RESPONSE_BYTES, SERVICE_NAME
-from tests.cli_helpers import cli_env, run_cli, running_head
+from tests.cli_helpers import cli_command, cli_env, run_cli, running_head
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 SLACK_SECONDS = 5.0  # on top of a promised figure, for a loaded 2-core machine
@@ -415,3 +429,289 @@ def test_bridge_and_command_defaults_are_the_documented_ones() -> None:
     assert (bridge.listen, bridge.fetch_timeout) == ("127.0.0.1:11000", 2.0)
     assert parser.parse_args(["status"]).timeout == 5.0
     assert parser.parse_args(["config"]).timeout == 5.0
+
+
+def test_status_freshness_defaults_to_half_the_probe_interval() -> None:
+    """README: a result younger than the freshness bound is served from the cache ("--status-max-age, default half
+    of --probe-interval")."""
+    assert build_parser().parse_args(["head"]).status_max_age is None  # unset: the head's default
+    head = HeadServer(GlobalConfig.from_document(document({})), HeadOptions(probe_interval_seconds=4.0))
+    assert head.observed_prober.default_max_age_seconds == 2.0
+    head = HeadServer(
+        GlobalConfig.from_document(document({})),
+        HeadOptions(probe_interval_seconds=4.0, status_max_age_seconds=0.5),
+    )
+    assert head.observed_prober.default_max_age_seconds == 0.5
+
+
+def test_tcsh_completion_names_every_command() -> None:
+    """README: `gym-rpc completion bash|zsh|tcsh` prints a completion script (bash, zsh: test_cli_operability)."""
+    result = run_cli(["completion", "tcsh"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("#") and "complete gym-rpc" in result.stdout
+    for command in ("head", "bridge", "status", "wait", "config", "demo", "completion"):
+        assert command in result.stdout
+
+
+CLEAR_SCREEN = b"\x1b[H\x1b[2J"
+
+
+def test_status_watch_on_a_terminal_redraws_every_second(tmp_path: Path) -> None:
+    """README: `status --watch` redraws on every change, "a table on a terminal also every second, so LAST CHECKED
+    is always the last probe": on a pseudo-terminal, with nothing changing (one revision throughout), the table is
+    drawn again and again, about a second apart."""
+    config = _config_file(tmp_path / "gym.yaml", document({"gone": server_entry(closed_port())}))
+    with running_head(config) as head:
+        primary, replica = pty.openpty()
+        watcher = subprocess.Popen(
+            cli_command(["status", "--head", head.address, "--watch"]),
+            stdin=subprocess.DEVNULL,
+            stdout=replica,
+            stderr=subprocess.DEVNULL,
+            env=cli_env(),
+        )
+        os.close(replica)
+        output, drawn_at = b"", list[float]()
+        deadline = time.monotonic() + 30
+        try:
+            while len(drawn_at) < 5 and time.monotonic() < deadline:  # 4 whole draws, each ended by the next
+                if select.select([primary], [], [], 0.2)[0]:
+                    output += os.read(primary, 65536)
+                    drawn_at += [time.monotonic()] * (output.count(CLEAR_SCREEN) - len(drawn_at))
+        finally:
+            watcher.send_signal(signal.SIGINT)
+            assert watcher.wait(timeout=20) == 130
+            os.close(primary)
+    draws = output.split(CLEAR_SCREEN)[1:5]
+    assert len(drawn_at) >= 5 and all(draws), output
+    assert len({draw.split(b"\r\n", 1)[0] for draw in draws[:4]}) == 1  # the same revision: no change came
+    assert drawn_at[3] - drawn_at[1] >= 1.5  # redrawn about every second, not in a busy loop
+
+
+# --- logs, probes, registration and retries ----------------------------------------------------------------------
+
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (DEBUG|INFO|WARNING|ERROR) [\w.]+: ")
+
+
+def _config_file(path: Path, doc: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def test_text_logs_are_utc_time_level_logger_message_and_v_lifts_the_level_to_info(tmp_path: Path) -> None:
+    """README (Logs): "one record per line: 2026-11-30T22:41:07.123Z WARNING gym_rpc.head: message" and "-v on
+    head and bridge: at least info": with GYM_RPC_LOG_LEVEL=warning and -v, the INFO line of a server's first
+    probe is printed, in that format."""
+    config = _config_file(tmp_path / "gym.yaml", document({"gone": server_entry(closed_port())}))
+    with running_head(config, "-v", env={"GYM_RPC_LOG_LEVEL": "warning"}) as head:
+        head.wait_for_stderr("gone: pending -> connection_error on the first probe", 20)
+        line = next(line for line in head.stderr_text.splitlines() if "gone: pending" in line)
+    assert LOG_LINE.match(line), line
+    assert " INFO gym_rpc.head: gone: pending -> connection_error on the first probe (" in line
+
+
+def test_log_level_warning_prints_no_info_line(tmp_path: Path) -> None:
+    """README (Logs): "--log-level debug|info|warning|error sets the least severe record printed". At warning,
+    the INFO lines of a first probe and of the start are left out, the WARNING of a refused reload is printed."""
+    config = _config_file(tmp_path / "gym.yaml", document({"gone": server_entry(closed_port())}))
+    with running_head(config, "--log-level", "warning") as head:
+        client = SyncControlClient(head.address, timeout_seconds=5)
+        deadline = time.monotonic() + 20
+        while client.get_server_status("gone").status != "connection_error":  # the INFO event has happened
+            assert time.monotonic() < deadline, "the first probe never came"
+            time.sleep(0.05)
+        config.write_text("head_server: [not, a, mapping\n", encoding="utf-8")
+        head.process.send_signal(signal.SIGHUP)
+        head.wait_for_stderr("refused, old config kept", 20)
+        lines = head.stderr_text.splitlines()
+    assert [line for line in lines if LOG_LINE.match(line) and " INFO " in line] == []
+    assert any(" WARNING gym_rpc.head: config reload from " in line for line in lines), lines
+
+
+async def test_probes_identify_themselves_with_the_gym_rpc_user_agent(head_factory, http_server) -> None:
+    """README (Tracing): the head's status probes send "a User-Agent of gym-rpc-probe/VERSION"."""
+    agents: list[str] = []
+    probed = asyncio.Event()
+
+    async def answer(request: web.Request) -> web.Response:
+        agents.append(request.headers.get("User-Agent", ""))
+        probed.set()
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    await head_factory(document({"policy": server_entry(await http_server(app))}))
+    await asyncio.wait_for(probed.wait(), 10)
+    assert set(agents) == {f"gym-rpc-probe/{__version__}"}
+
+
+async def test_registrations_and_deregistrations_are_logged_once_each(head_factory, caplog) -> None:
+    """README (Logs): "policy_model: registered pid 4242 at http://10.0.0.5:8000[, replacing pid 4100]" and
+    "policy_model: deregistered pid 4242", INFO, logger gym_rpc.head; a renewal is not logged again. README
+    (RPC table): Deregister removes "only its own: a newer process's registration stays"."""
+    caplog.set_level(logging.INFO, logger="gym_rpc.head")
+    head = await head_factory(document({"policy": server_entry(closed_port(), host="0.0.0.0")}))
+    client = ControlClient(head.address)
+    port = closed_port()
+    for pid in (4100, 4100, 4242):  # a renewal, then a new process
+        await client.register_server_instance("policy", listen_port=port, pid=pid, start_time=time.time())
+    assert await client.deregister_server_instance("policy", pid=4100) is False  # not its registration any more
+    assert await client.deregister_server_instance("policy", pid=4242) is True
+    logged = [
+        (record.levelname, record.getMessage())
+        for record in caplog.records
+        if record.name == "gym_rpc.head" and "registered pid" in record.getMessage()
+    ]
+    assert logged == [
+        ("INFO", f"policy: registered pid 4100 at http://{LOOPBACK}:{port}"),
+        ("INFO", f"policy: registered pid 4242 at http://{LOOPBACK}:{port}, replacing pid 4100"),
+        ("INFO", "policy: deregistered pid 4242"),
+    ]
+
+
+async def test_registration_helper_defaults_and_its_2_second_deadline(silent_server, caplog) -> None:
+    """README (Running across machines): the helper "registers again every 10 s (refresh_seconds)", its lease is
+    "lease_seconds, default three refresh periods; 0 for none", and "each call has a 2 s deadline": against a
+    head that accepts and never answers, register() gives up after 2 s with a warning, and the server serves on."""
+    head = f"{LOOPBACK}:{silent_server}"
+    registration = ServerRegistration("policy", 8000, head=head)
+    assert (registration.refresh_seconds, registration.lease_seconds) == (10.0, 30.0)
+    assert ServerRegistration("policy", 8000, head=head, lease_seconds=0).lease_seconds is None
+    started = time.monotonic()
+    assert await asyncio.to_thread(registration.register) is False
+    elapsed = time.monotonic() - started
+    assert 1.9 <= elapsed < 2.0 + SLACK_SECONDS, f"gave up after {elapsed:.1f}s"
+    assert f"policy: not registered with the head at {head}" in caplog.text
+
+
+async def test_control_calls_retry_unavailable_a_few_times_then_give_up() -> None:
+    """README (From Python): control calls "retry UNAVAILABLE a few times with backoff": a real gRPC server that
+    answers UNAVAILABLE three times is answered on the fourth attempt; one that always does is asked four times,
+    then the caller gets the error, not an endless retry."""
+    calls = 0
+    failures = 3
+
+    async def list_statuses(request: Any, context: grpc.aio.ServicerContext) -> pb.ListServerStatusesResponse:
+        nonlocal calls
+        calls += 1
+        if calls <= failures:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "warming up")
+        return pb.ListServerStatusesResponse(revision=7)
+
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "ListServerStatuses": grpc.unary_unary_rpc_method_handler(
+                list_statuses,
+                request_deserializer=pb.ListServerStatusesRequest.FromString,
+                response_serializer=pb.ListServerStatusesResponse.SerializeToString,
+            )
+        },
+    )
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port(f"{LOOPBACK}:0")
+    await server.start()
+    try:
+        client = ControlClient(f"{LOOPBACK}:{port}", timeout_seconds=20)
+        assert (await client.list_server_statuses()).revision == 7
+        assert calls == 4
+        calls, failures = 0, 100
+        with pytest.raises(ControlPlaneError, match="warming up"):
+            await client.list_server_statuses()
+        assert calls == 4
+    finally:
+        await close_aio_channels()
+        await server.stop(None)
+
+
+# --- the token is read at start ----------------------------------------------------------------------------------
+
+
+async def test_an_empty_token_variable_counts_as_unset(head_factory, monkeypatch) -> None:
+    """SECURITY.md: "An empty GYM_RPC_TOKEN= in the environment counts as unset": the head starts without a token
+    (no call needs one) and a client sends none."""
+    monkeypatch.setenv("GYM_RPC_TOKEN", "")
+    head = await head_factory(document({}))
+    assert client_security().metadata() == ()
+    async with grpc.aio.insecure_channel(head.address) as channel:
+        assert list((await _list_statuses(channel)(pb.ListServerStatusesRequest(), timeout=5)).reports) == []
+
+
+async def test_a_reload_does_not_change_the_token(head_factory) -> None:
+    """SECURITY.md: "A token or TLS setting is read when the head starts; changing them needs a restart (a SIGHUP
+    reload changes the served config only)": after a reload to another token the old token still opens every call
+    and the new one does not."""
+    head = await head_factory(document({}, head_server={"host": LOOPBACK, "port": 0, "auth_token": TOKEN}))
+    assert head.config_path is not None
+    _config_file(
+        head.config_path, document({}, head_server={"host": LOOPBACK, "port": 0, "auth_token": "other-token-42"})
+    )
+    assert await head.reload() is True  # the served config changed
+    async with grpc.aio.insecure_channel(head.address) as channel:
+        answer = await _list_statuses(channel)(
+            pb.ListServerStatusesRequest(), timeout=5, metadata=(("authorization", f"Bearer {TOKEN}"),)
+        )
+        assert list(answer.reports) == []
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _list_statuses(channel)(
+                pb.ListServerStatusesRequest(), timeout=5, metadata=(("authorization", "Bearer other-token-42"),)
+            )
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+# --- metrics -----------------------------------------------------------------------------------------------------
+
+
+def test_metrics_carry_the_scope_and_target_info_and_no_urls_or_secrets(tmp_path: Path) -> None:
+    """README (Metrics): "Every series also carries otel_scope_name="gym_rpc"", and the exposition has
+    "target_info (the resource: service_name="gym-rpc-head" unless OTEL_SERVICE_NAME says otherwise)". SECURITY.md:
+    metrics carry "no config values, URLs or secrets"."""
+    port = closed_port()
+    entry = server_entry(port, api_key="sk-metrics-secret", base_url="http://10.9.8.7:1234/v1")
+    config = _config_file(tmp_path / "gym.yaml", document({"gone": entry}))
+    with running_head(config, "--metrics-port", "0") as head:
+        match = re.search(r"metrics on (http://\S+/metrics)", head.banner)
+        assert match, head.banner
+        with urllib.request.urlopen(match.group(1), timeout=5) as response:
+            text = response.read().decode()
+    samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+    targets = [sample.labels for sample in samples if sample.name == "target_info"]
+    assert len(targets) == 1 and targets[0]["service_name"] == "gym-rpc-head", targets
+    gym = [sample for sample in samples if sample.name.startswith("gym_")]
+    assert gym and {sample.labels.get("otel_scope_name") for sample in gym} == {"gym_rpc"}
+    assert value_of(samples, "gym_server_up", gym_server_name="gone") == 0.0
+    for leak in ("sk-metrics-secret", "10.9.8.7", f":{port}", "http://"):
+        assert leak not in text
+
+
+def value_of(samples: list[Any], name: str, **labels: str) -> float | None:
+    found = [s for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    return found[0].value if len(found) == 1 else None
+
+
+async def test_the_connect_port_answers_503_beyond_its_connection_bound(head_factory, monkeypatch) -> None:
+    """README (The Connect port): "at most 1024 open connections (more are answered 503)". The figure is checked
+    as a literal; the behaviour with the bound lowered to 2 (1024 sockets are not worth holding in the suite)."""
+    assert connect_server.MAX_CONNECTIONS == 1024
+    monkeypatch.setattr(connect_server, "MAX_CONNECTIONS", 2)
+    head = await head_factory(document({}), connect_port=0)
+    assert head.connect_url is not None
+    host, port = head.connect_url.removeprefix("http://").rsplit(":", 1)
+    idle = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+    url = f"{head.connect_url}/{SERVICE_NAME}/ListServerStatuses"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            async with http.post(url, json={}) as answer:
+                assert answer.status == 503
+            for _, writer in idle:
+                writer.close()
+            async with asyncio.timeout(10):
+                while True:  # the idle connections are gone once the server has seen them close
+                    async with http.post(url, json={}, headers={"Connection": "close"}) as answer:
+                        if answer.status == 200:
+                            break
+                    await asyncio.sleep(0.05)
+    finally:
+        for _, writer in idle:
+            writer.close()

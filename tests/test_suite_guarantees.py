@@ -57,9 +57,8 @@ def test_hypothesis_examples_are_derandomised_by_default() -> None:
     assert settings().database is None  # nothing remembered from an earlier run changes this one
 
 
-def test_every_test_docs_promises_names_exists() -> None:
-    """docs/PROMISES.md maps each documented promise to its tests: a renamed or deleted test must not leave a
-    promise pointing at nothing."""
+def _tests_named_but_missing(document: str) -> tuple[int, list[str]]:
+    """How many `file::test` names (or `::test` after a named file) the document has; those that do not exist."""
     root = Path(__file__).resolve().parent.parent
     defined = {
         (path.name, name)
@@ -67,8 +66,8 @@ def test_every_test_docs_promises_names_exists() -> None:
         for name in re.findall(r"^(?:async )?def (test_\w+)", path.read_text(encoding="utf-8"), re.M)
     }
     files = {path.name for path in (root / "tests").glob("test_*.py")}
-    table = (root / "docs" / "PROMISES.md").read_text(encoding="utf-8")
-    named = re.findall(r"`(?:(test_\w+\.py)(?:::(test_\w+))?|::(test_\w+))", table)
+    text = (root / document).read_text(encoding="utf-8")
+    named = re.findall(r"`(?:tests/)?(?:(test_\w+\.py)(?:::(test_\w+))?|::(test_\w+))", text)
     current_file = ""
     missing = []
     for file_name, test_in_file, test_after in named:
@@ -79,5 +78,33 @@ def test_every_test_docs_promises_names_exists() -> None:
         test = test_in_file or test_after
         if test and (current_file, test) not in defined:
             missing.append(f"{current_file}::{test}")
-    assert len(named) > 150
+    return len(named), missing
+
+
+def test_every_test_docs_promises_names_exists() -> None:
+    """docs/PROMISES.md maps each documented promise to its tests: a renamed or deleted test must not leave a
+    promise pointing at nothing."""
+    named, missing = _tests_named_but_missing("docs/PROMISES.md")
+    assert named > 300
     assert missing == []
+
+
+def test_every_test_security_md_names_exists() -> None:
+    """SECURITY.md's "What is defended" table names the test of each line: each of them exists."""
+    named, missing = _tests_named_but_missing("SECURITY.md")
+    assert named > 20
+    assert missing == []
+
+
+def test_every_defended_line_of_security_md_names_a_test_that_exists() -> None:
+    """Each row of SECURITY.md's "What is defended" table names at least one test (that each exists is checked
+    above), so no defence is listed without its proof."""
+    text = (Path(__file__).resolve().parent.parent / "SECURITY.md").read_text(encoding="utf-8")
+    section = text.split("## What is defended, and the test that proves it", 1)[1].split("\n## ", 1)[0]
+    rows = [
+        line
+        for line in section.splitlines()
+        if line.startswith("| ") and not line.startswith(("| defended", "| ---"))
+    ]
+    assert len(rows) > 20
+    assert [row for row in rows if not re.search(r"`(?:tests/)?(?:test_\w+\.py)?::test_\w+", row)] == []

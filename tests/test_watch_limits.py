@@ -1,9 +1,12 @@
 """One client cannot take every watch slot of the head (issue 14, item 5): watches are capped per client
 address as well as per head. Two peers on loopback: 127.0.0.1 and ::1, both served by a head bound to
-`localhost`."""
+`localhost`. `gym-rpc status --watch` refused a slot waits for one."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import signal
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -13,6 +16,7 @@ from gym_rpc.client._control import ControlClient, WatchEvent
 from gym_rpc.errors import ControlPlaneError, GymRpcError
 from gym_rpc.server._head import HeadServer
 from gym_rpc.server._servicer import peer_address
+from tests.cli_helpers import STARTUP_SECONDS, running_cli
 from tests.conftest import document
 
 
@@ -51,6 +55,29 @@ async def test_one_client_address_cannot_take_every_watch(head_factory) -> None:
     finally:
         for watch in held:
             await watch.aclose()
+
+
+async def test_status_watch_waits_for_a_free_slot_instead_of_giving_up(head_factory) -> None:
+    head = await head_factory(document({}), max_concurrent_watches=1, max_watches_per_peer=1)
+    held = watch_stream(ControlClient(head.address, timeout_seconds=5.0))
+    assert (await anext(held)).kind == "snapshot"
+    released = False
+    try:
+        with running_cli(["status", "--head", head.address, "--watch", "--json"]) as watcher:
+            # The head runs in this event loop: the blocking waits on the subprocess go to a thread.
+            await asyncio.to_thread(watcher.wait_for_stderr, "RESOURCE_EXHAUSTED", STARTUP_SECONDS)
+            await asyncio.to_thread(watcher.wait_for_stderr, "retrying", STARTUP_SECONDS)
+            assert watcher.process.poll() is None  # still waiting, not given up
+            await held.aclose()
+            released = True
+            line = json.loads(await asyncio.to_thread(watcher.read_line, STARTUP_SECONDS))
+            assert line["kind"] == "snapshot" and line["servers"] == []
+            watcher.process.send_signal(signal.SIGINT)
+            assert await asyncio.to_thread(watcher.wait, 20) == 130
+            assert "Traceback" not in watcher.stderr_text
+    finally:
+        if not released:
+            await held.aclose()
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ a survivor without a note is marked UNEXPLAINED, so a new survivor cannot hide i
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -63,6 +64,10 @@ def mutant_diff(name: str) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, help="how long `mutmut run` took (make mutate measures it)")
+    parser.add_argument("--load", help="the load average when it ended (/proc/loadavg)")
+    args = parser.parse_args()
     results = load_results()
     notes: dict[str, str] = tomllib.loads(NOTES.read_text(encoding="utf-8")) if NOTES.exists() else {}
     totals: Counter[str] = Counter()
@@ -79,6 +84,12 @@ def main() -> None:
         "mutant, the tests of the selection that executed the mutated function. Killed: a test failed. Survived:",
         "every test passed (each one is explained below). No tests: no test of the selection runs that function",
         "(listed per module).",
+        "",
+        *(
+            [f"Run: {args.seconds / 60:.1f} min, 2 workers at nice 19; load average at the end {args.load}."]
+            if args.seconds is not None
+            else []
+        ),
         "",
         "| module | mutants | " + " | ".join(COLUMNS) + " |",
         "| --- | --- | " + " | ".join("---" for _ in COLUMNS) + " |",

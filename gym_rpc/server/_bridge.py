@@ -94,9 +94,14 @@ async def _get_json(session: aiohttp.ClientSession, url: str) -> Any:
             if response.status != 200:
                 raise UpstreamError(f"GET {url} answered HTTP {response.status}")
             body = await response.read()
+    except aiohttp.ClientResponseError as exc:  # bytes that are no HTTP/1.1 response (aiohttp quotes them raw)
+        raise UpstreamError(
+            f"GET {url} failed: the answer is not HTTP/1.1 (a gRPC port answers HTTP/2); --upstream takes the "
+            f"NeMo Gym head's HTTP address"
+        ) from exc
     except (aiohttp.ClientError, TimeoutError) as exc:
         reason = "no answer in time" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
-        raise UpstreamError(f"GET {url} failed: {reason}") from exc
+        raise UpstreamError(f"GET {url} failed: {' '.join(reason.split())}") from exc
     try:
         return json.loads(body)
     except ValueError as exc:

@@ -35,6 +35,7 @@ from google.rpc import status_pb2
 from protobuf.wkt import Any as ConnectAny  # connectrpc's protobuf runtime, not google.protobuf's
 
 from gym_rpc.errors import GymRpcError
+from gym_rpc.server._connection_limits import BoundedListener, connection_bound
 from gym_rpc.server._interceptors import Context
 from gym_rpc.server._security import UNAUTHENTICATED_MESSAGE, ServerSecurity, authenticate
 from gym_rpc.server._servicer import ControlPlaneServicer
@@ -47,7 +48,8 @@ CONNECT_PORT_KEY = "connect_port"
 STATUS_DETAILS_KEY = "grpc-status-details-bin"  # gRPC's trailer for google.rpc.Status details (grpcio-status)
 SERVICE = pb.DESCRIPTOR.services_by_name["ControlPlaneService"]
 STARTUP_SECONDS = 10.0
-# Open connections (each open watch holds one); uvicorn answers 503 to more. Watches are bounded by the servicer.
+# Open connections (each open watch holds one), fewer when the descriptor limit is low (connection_bound); more
+# wait in the kernel's backlog. Watches are bounded by the servicer.
 MAX_CONNECTIONS = 1024
 # grpc's CANCELLED is Connect's "canceled"; every other code has the same name in both.
 _CONNECT_CODES = {status: Code[status.name] for status in grpc.StatusCode if status.name in Code.__members__}
@@ -161,20 +163,39 @@ class ControlPlaneConnectApplication(ConnectASGIApplication[ControlPlaneServicer
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn inside the head's event loop: the head owns the signals (SIGTERM, SIGINT, SIGHUP), not uvicorn."""
+    """uvicorn inside the head's event loop: the head owns the signals (SIGTERM, SIGINT, SIGHUP), not uvicorn,
+    and its connections come through a BoundedListener (bounded count, header deadline), not asyncio's server."""
 
-    def __init__(self, config: uvicorn.Config) -> None:
+    def __init__(self, config: uvicorn.Config, listener: BoundedListener) -> None:
         super().__init__(config)
         self.listening = asyncio.Event()
+        self._listener = listener
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.started:
-            self.listening.set()
+        config = self.config
+
+        def protocol() -> asyncio.Protocol:
+            made: asyncio.Protocol = config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state
+            )
+            return made
+
+        self.servers = []
+        self._listener.start_protocol(
+            protocol,
+            ssl_context=config.ssl,
+            has_request=lambda made: getattr(made, "cycle", None) is not None,  # h11: a request was parsed
+        )
+        self.started = True
+        self.listening.set()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await self._listener.stop()  # accept no more; the open connections are uvicorn's to end
+        await super().shutdown(sockets=sockets)
 
 
 class ConnectServer:
@@ -215,16 +236,22 @@ class ConnectServer:
         )
 
     async def start(self, host: str, port: int) -> None:
-        listener = _bind(host, port)
-        self.port = int(listener.getsockname()[1])
-        server = _EmbeddedUvicorn(self._config())
-        task = asyncio.get_running_loop().create_task(server.serve(sockets=[listener]))
+        listener = BoundedListener(connection_bound(MAX_CONNECTIONS))
+        try:
+            self.port = listener.listen(host.strip("[]"), port)
+        except OSError as exc:
+            raise GymRpcError(
+                f"cannot serve Connect on {host}:{port}: {exc.strerror or exc}; choose another "
+                f"head_server.{CONNECT_PORT_KEY} (or --connect-port)"
+            ) from exc
+        server = _EmbeddedUvicorn(self._config(), listener)
+        task = asyncio.get_running_loop().create_task(server.serve())
         listening = asyncio.ensure_future(server.listening.wait())
         await asyncio.wait({listening, task}, timeout=STARTUP_SECONDS, return_when=asyncio.FIRST_COMPLETED)
         listening.cancel()
         if not server.started:
             task.cancel()
-            listener.close()
+            await listener.stop()
             error: object = "startup timed out"
             try:
                 await task
@@ -248,25 +275,3 @@ class ConnectServer:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """A bound (not yet listening) TCP socket; uvicorn listens on it. Bound here so port 0 tells its port."""
-    host = host.strip("[]")
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        listener = socket.socket(family, kind, proto)
-    except OSError as exc:
-        raise GymRpcError(f"cannot serve Connect on {host}:{port}: {exc.strerror or exc}") from exc
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(address)
-    except OSError as exc:
-        listener.close()
-        raise GymRpcError(
-            f"cannot serve Connect on {host}:{port}: {exc.strerror or exc}; choose another "
-            f"head_server.{CONNECT_PORT_KEY} (or --connect-port)"
-        ) from exc
-    return listener

@@ -1,12 +1,13 @@
-"""Bounds on the head's HTTP side, so idle or slow clients of NeMo Gym's HTTP head can never starve its gRPC port.
+"""Bounds on the head's HTTP side (NeMo Gym's HTTP head, the metrics port, the Connect port), so idle or slow
+clients there can never starve its gRPC port.
 
-Without them ~1,000 idle sockets on the HTTP port take every file descriptor of a process limited to 1,024: the
-gRPC port can no longer accept, and asyncio logs a traceback per failed accept (100 MB in 20 s). Here:
+Without them ~1,000 idle sockets on one of those ports take every file descriptor of a process limited to 1,024:
+the gRPC port can no longer accept, and asyncio logs a traceback per failed accept (100 MB in 20 s). Here:
 
 * `BoundedListener` accepts at most `max_connections` at once and stops accepting at the bound (further clients
   wait in the kernel's backlog, costing the head no descriptor); a connection that sends no complete request
-  within `header_timeout_seconds` is dropped, and idle keep-alive connections close after aiohttp's
-  `keepalive_timeout`.
+  (nor completes its TLS handshake) within `header_timeout_seconds` is dropped, and idle keep-alive connections
+  close after the HTTP server's own keep-alive timeout. `BoundedSite` serves an aiohttp app through one.
 * `connection_bound` keeps a reserve of descriptors for gRPC, the prober and files whatever the limit.
 * `raise_fd_soft_limit` lifts the soft limit to the hard one where the system allows.
 * `RateLimitedLog` turns a repeating failure into one line per interval with a count.
@@ -20,11 +21,14 @@ import functools
 import logging
 import resource
 import socket
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+
+from gym_rpc.errors import GymRpcError
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +37,7 @@ DEFAULT_HEADER_TIMEOUT_SECONDS = 10.0  # a client has this long to send its firs
 DEFAULT_KEEPALIVE_TIMEOUT_SECONDS = 15.0  # an idle keep-alive connection is closed after this
 FD_RESERVE = 512  # descriptors never given to HTTP connections: gRPC, health, the prober's probes, files
 MIN_HTTP_CONNECTIONS = 8
+HTTP_PORTS = 3  # bounded ports one head may serve: NeMo Gym's HTTP head, the metrics port, the Connect port
 ACCEPT_RETRY_SECONDS = 0.5  # pause after a failed accept (EMFILE, ENOBUFS) instead of spinning
 TARGET_SOFT_FD_LIMIT = 65536
 
@@ -48,11 +53,12 @@ def raise_fd_soft_limit(target: int = TARGET_SOFT_FD_LIMIT) -> int:
 
 
 def connection_bound(max_connections: int = DEFAULT_MAX_HTTP_CONNECTIONS) -> int:
-    """`max_connections`, lowered so that FD_RESERVE descriptors of the soft limit stay free for the rest."""
+    """`max_connections`, lowered so that FD_RESERVE descriptors of the soft limit stay free for the rest even
+    when every HTTP-side port (HTTP_PORTS of them) is full."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
         return max_connections
-    return max(MIN_HTTP_CONNECTIONS, min(max_connections, soft - FD_RESERVE))
+    return max(MIN_HTTP_CONNECTIONS, min(max_connections, (soft - FD_RESERVE) // HTTP_PORTS))
 
 
 class RateLimitedLog:
@@ -75,17 +81,20 @@ class RateLimitedLog:
 
 
 class BoundedListener:
-    """Serve an aiohttp app on listening sockets with at most `max_connections` connections at once."""
+    """Serve an HTTP server's protocol on listening sockets with at most `max_connections` connections at once."""
 
     def __init__(
         self, max_connections: int, header_timeout_seconds: float = DEFAULT_HEADER_TIMEOUT_SECONDS
     ) -> None:
-        self._server: web.Server | None = None
+        self._protocol_factory: Callable[[], asyncio.Protocol] | None = None
+        self._ssl: ssl.SSLContext | None = None
+        self._has_request: Callable[[Any], bool] = lambda protocol: False
         self._slots = asyncio.Semaphore(max_connections)
         self.max_connections = max_connections
         self._header_timeout = header_timeout_seconds
         self._connections: dict[Any, _CountedConnection] = {}  # transport -> its connection, while open
         self._tasks: list[asyncio.Task[None]] = []
+        self._setups: set[asyncio.Task[None]] = set()  # connections being set up (a TLS handshake, say)
         self._listeners: list[socket.socket] = []
         self._accept_failures = RateLimitedLog(logger)
 
@@ -122,17 +131,31 @@ class BoundedListener:
 
     def start(self, runner: web.AppRunner) -> None:
         """Accept connections for `runner` (set up, its app using `mark_answered`) on the listening sockets."""
-        self._server = runner.server
-        assert self._server is not None, "the runner is set up before the listener starts"
+        assert runner.server is not None, "the runner is set up before the listener starts"
+        self.start_protocol(runner.server)
+
+    def start_protocol(
+        self,
+        protocol_factory: Callable[[], asyncio.Protocol],
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        has_request: Callable[[Any], bool] | None = None,
+    ) -> None:
+        """Accept connections for any HTTP server's protocol; `has_request(protocol)` tells the header deadline
+        that a connection delivered a complete request (besides `mark_answered`, for aiohttp apps)."""
+        self._protocol_factory, self._ssl = protocol_factory, ssl_context
+        if has_request is not None:
+            self._has_request = has_request
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._accept(sock), name="gym_rpc http accept") for sock in self._listeners
         ]
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._setups]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
@@ -157,19 +180,32 @@ class BoundedListener:
             except BaseException:
                 self._slots.release()
                 raise
-            made: list[_CountedConnection] = []
-            try:
-                await loop.connect_accepted_socket(functools.partial(self._protocol, made), connection)
-            except OSError:
-                connection.close()
-                if not made or made[0].transport is None:  # else its connection_lost gives the slot back
-                    self._slots.release()
+            # Set up apart from the accept loop: a TLS handshake waits on the client.
+            setup = loop.create_task(self._set_up(connection), name="gym_rpc http connection")
+            self._setups.add(setup)
+            setup.add_done_callback(self._setups.discard)
+
+    async def _set_up(self, connection: socket.socket) -> None:
+        made: list[_CountedConnection] = []
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(
+                functools.partial(self._protocol, made),
+                connection,
+                ssl=self._ssl,
+                ssl_handshake_timeout=self._header_timeout if self._ssl else None,
+            )
+        except BaseException as exc:  # a failed or timed-out handshake (OSError), or stop() cancelling
+            connection.close()
+            if not made or made[0].transport is None:  # else its connection_lost gives the slot back
+                self._slots.release()
+            if not isinstance(exc, OSError):
+                raise
 
     def _protocol(self, made: list[_CountedConnection]) -> _CountedConnection:
-        """aiohttp's protocol for one connection, inside one that gives the slot back when the connection ends;
-        also appended to `made`, so a failed accept knows whether it got that far."""
-        assert self._server is not None
-        connection = _CountedConnection(self._server(), self)
+        """The server's protocol for one connection, inside one that gives the slot back when the connection
+        ends; also appended to `made`, so a failed set-up knows whether it got that far."""
+        assert self._protocol_factory is not None
+        connection = _CountedConnection(self._protocol_factory(), self)
         made.append(connection)
         asyncio.get_running_loop().call_later(self._header_timeout, connection.drop_if_silent)
         return connection
@@ -222,5 +258,35 @@ class _CountedConnection(asyncio.Protocol):
 
     def drop_if_silent(self) -> None:
         """The header deadline: a connection that has not delivered a complete request yet is closed."""
-        if not self.answered and self.transport is not None and not self.transport.is_closing():
+        listener = self._listener
+        if listener is None or self.answered or listener._has_request(self._inner):
+            return
+        if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
+
+
+class BoundedSite:
+    """An aiohttp app served on host:port through a BoundedListener: what `web.TCPSite` does, bounded."""
+
+    def __init__(self, app: web.Application) -> None:
+        self._listener = BoundedListener(connection_bound())
+        app.middlewares.append(self._listener.mark_answered)
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=DEFAULT_KEEPALIVE_TIMEOUT_SECONDS)
+
+    async def start(self, host: str, port: int, *, what: str, setting: str) -> int:
+        """The port served. When host:port cannot be bound, a one-line GymRpcError saying `what` could not be
+        served and to choose another `setting`."""
+        await self._runner.setup()
+        try:
+            served = self._listener.listen(host.strip("[]"), port)
+        except OSError as exc:
+            await self._runner.cleanup()
+            raise GymRpcError(
+                f"cannot serve {what} on {host}:{port}: {exc.strerror or exc}; choose another {setting}"
+            ) from exc
+        self._listener.start(self._runner)
+        return served
+
+    async def stop(self) -> None:
+        await self._listener.stop()
+        await self._runner.cleanup()

@@ -21,13 +21,7 @@ import yaml
 from aiohttp import web
 
 from gym_rpc.config import HEAD_SERVER_KEY, GlobalConfig, redact_secrets
-from gym_rpc.errors import GymRpcError
-from gym_rpc.server._connection_limits import (
-    DEFAULT_KEEPALIVE_TIMEOUT_SECONDS,
-    BoundedListener,
-    connection_bound,
-)
-from gym_rpc.server._metrics_http import METRICS_PATH, metrics_handler
+from gym_rpc.server._metrics_http import METRICS_PATH, AppServer, metrics_handler
 from gym_rpc.server._servicer import HeadState
 
 logger = logging.getLogger(__name__)
@@ -72,51 +66,24 @@ def server_instances(head: HeadState) -> list[dict[str, Any]]:
     return instances
 
 
-class HttpHead:
+class HttpHead(AppServer):
     """An aiohttp server answering NeMo Gym's head endpoints from a head's current state."""
 
+    what = "NeMo Gym's HTTP head"
+    setting = f"{HEAD_SERVER_KEY}.{HTTP_PORT_KEY} (or --http-port)"
+
     def __init__(self, head: HeadState) -> None:
+        super().__init__()
         self._head = head
         self._yaml_body: tuple[str, bytes] | None = None  # (version, body): rendered once per config version
-        self._runner: web.AppRunner | None = None
-        self._listener: BoundedListener | None = None
-        self.port = 0
 
-    def app(self, middlewares: list[Any] | None = None) -> web.Application:
-        app = web.Application(middlewares=middlewares or [])
+    def app(self) -> web.Application:
+        app = web.Application()
         app.router.add_get("/", self._liveness)
         app.router.add_get("/global_config_dict_yaml", self._global_config_dict_yaml)
         app.router.add_get("/server_instances", self._server_instances)
         app.router.add_get(METRICS_PATH, metrics_handler)
         return app
-
-    async def start(self, host: str, port: int) -> None:
-        """Serve on host:port with bounded connections (gym_rpc.server._connection_limits)."""
-        listener = BoundedListener(connection_bound())
-        runner = web.AppRunner(
-            self.app([listener.mark_answered]),
-            access_log=None,
-            keepalive_timeout=DEFAULT_KEEPALIVE_TIMEOUT_SECONDS,
-        )
-        await runner.setup()
-        try:
-            self.port = listener.listen(host.strip("[]"), port)
-        except OSError as exc:
-            await runner.cleanup()
-            raise GymRpcError(
-                f"cannot serve NeMo Gym's HTTP head on {host}:{port}: {exc.strerror or exc}; "
-                f"choose another {HEAD_SERVER_KEY}.{HTTP_PORT_KEY} (or --http-port)"
-            ) from exc
-        listener.start(runner)
-        self._runner, self._listener = runner, listener
-
-    async def stop(self) -> None:
-        if self._listener is not None:
-            await self._listener.stop()
-            self._listener = None
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
 
     async def _liveness(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gym_rpc.errors import GymRpcError
 from gym_rpc.metrics import METRICS, PROMETHEUS_CONTENT_TYPE, prometheus_text
+from gym_rpc.server._connection_limits import BoundedSite
 
 METRICS_PATH = "/metrics"
 
@@ -26,43 +26,36 @@ async def metrics_handler(request: web.Request) -> web.Response:
 
 
 class AppServer:
-    """An aiohttp app alone on one port (the HTTP head, the metrics port): start, a one-line error naming the
-    setting to change when the port is taken, stop."""
+    """An aiohttp app alone on one port (the HTTP head, the metrics port), with bounded connections
+    (gym_rpc.server._connection_limits): start, a one-line error naming the setting to change when the port is
+    taken, stop."""
 
     what = "an HTTP app"  # what the error says could not be served
-    setting = "another port"  # what the error says to choose instead
+    setting = "port"  # what the error says to choose another of
 
     def __init__(self) -> None:
-        self._runner: web.AppRunner | None = None
+        self._site: BoundedSite | None = None
         self.port = 0
 
     def app(self) -> web.Application:
         raise NotImplementedError
 
     async def start(self, host: str, port: int) -> None:
-        runner = web.AppRunner(self.app(), access_log=None)
-        await runner.setup()
-        try:
-            await web.TCPSite(runner, host.strip("[]"), port).start()
-        except OSError as exc:
-            await runner.cleanup()
-            raise GymRpcError(
-                f"cannot serve {self.what} on {host}:{port}: {exc.strerror or exc}; choose {self.setting}"
-            ) from exc
-        self._runner = runner
-        self.port = int(runner.addresses[0][1])
+        site = BoundedSite(self.app())
+        self.port = await site.start(host, port, what=self.what, setting=self.setting)
+        self._site = site
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._site is not None:
+            await self._site.stop()
+            self._site = None
 
 
 class MetricsServer(AppServer):
     """An aiohttp server answering only `GET /metrics`."""
 
     what = "/metrics"
-    setting = "another --metrics-port"
+    setting = "--metrics-port"
 
     def app(self) -> web.Application:
         app = web.Application()
