@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import control_plane, data_plane, hot_path, isolation, memory, metrics_cost, report, tracing_cost
+from bench import control_plane, data_plane, flag_cost, hot_path, isolation, memory, report
 from bench.servers import ServerProcess
 from bench.stats import Row, table_lines
 
@@ -77,10 +77,11 @@ def run(plan: Plan, sections: set[str]) -> list[Row]:
             rows += asyncio.run(hot_path.run(data_port, hot.concurrencies[:2], hot.requests[:2], hot.rounds))
         if "tracing" in sections:
             _progress("tracing cost")
-            rows += tracing_cost.rows_in_subprocess(data_port, quick=plan.quick)
+            rows += flag_cost.rows_in_subprocess("bench.tracing_cost", data_port, quick=plan.quick)
+            rows += flag_cost.rows_in_subprocess("bench.tracing_sampled_cost", data_port, quick=plan.quick)
         if "metrics" in sections:
             _progress("metrics cost")
-            rows += metrics_cost.rows_in_subprocess(data_port, quick=plan.quick)
+            rows += flag_cost.rows_in_subprocess("bench.metrics_cost", data_port, quick=plan.quick)
         if sections & {"control", "isolation"}:
             control_args = [
                 f"--servers={plan.control.servers}",

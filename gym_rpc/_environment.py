@@ -23,6 +23,9 @@ TLS_KEY_ENV_VAR = "GYM_RPC_TLS_KEY"
 NEMO_GYM_CONFIG_DICT_ENV_VAR = "NEMO_GYM_CONFIG_DICT"
 NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR = "NEMO_GYM_MODEL_SERVER_BASE_URL"
 NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR = "NEMO_GYM_MODEL_SERVER_NAME"
+# NeMo Gym's telemetry switches (gym_rpc._telemetry_switches): NEMO_GYM_OTEL_<KEY>, else NEMO_LENS_<KEY>.
+NEMO_GYM_TELEMETRY_KEYS = ("ENABLED", "TRACES_ENABLED", "METRICS_ENABLED", "EXPORTER")
+NEMO_GYM_TELEMETRY_PREFIXES = ("NEMO_GYM_OTEL", "NEMO_LENS")
 # The CLI's flag defaults (gym_rpc._cli_flags.env_flag parses them, naming a bad one).
 TIMEOUT_ENV_VAR = "GYM_RPC_TIMEOUT"
 OUTPUT_ENV_VAR = "GYM_RPC_OUTPUT"
@@ -73,6 +76,14 @@ class Environment(BaseSettings):
     nemo_gym_config_dict: str | None = _variable(NEMO_GYM_CONFIG_DICT_ENV_VAR, secret=True)
     model_server_base_url: str | None = _variable(NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR)
     model_server_name: str | None = _variable(NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR)
+    nemo_gym_otel_enabled: str | None = _variable("NEMO_GYM_OTEL_ENABLED")
+    nemo_gym_otel_traces_enabled: str | None = _variable("NEMO_GYM_OTEL_TRACES_ENABLED")
+    nemo_gym_otel_metrics_enabled: str | None = _variable("NEMO_GYM_OTEL_METRICS_ENABLED")
+    nemo_gym_otel_exporter: str | None = _variable("NEMO_GYM_OTEL_EXPORTER")
+    nemo_lens_enabled: str | None = _variable("NEMO_LENS_ENABLED")
+    nemo_lens_traces_enabled: str | None = _variable("NEMO_LENS_TRACES_ENABLED")
+    nemo_lens_metrics_enabled: str | None = _variable("NEMO_LENS_METRICS_ENABLED")
+    nemo_lens_exporter: str | None = _variable("NEMO_LENS_EXPORTER")
     cli_timeout: str | None = _variable(TIMEOUT_ENV_VAR)
     cli_output: str | None = _variable(OUTPUT_ENV_VAR)
     cli_log_level: str | None = _variable(LOG_LEVEL_ENV_VAR)

@@ -5,6 +5,9 @@ head installs when the application has none, with a Prometheus reader behind `GE
 when the environment asks for one. Rollout workers (ServerClient) measure only when metrics are on for them, and
 otherwise pay one boolean check per call:
 
+0. NeMo Gym's own switches (`NEMO_GYM_OTEL_*` variables, the config's `telemetry:` block) are first read as the
+   OTEL_* variables they mean (`gym_rpc._telemetry_switches`): Gym's telemetry on sets the metrics exporter, off
+   (or its metrics off) sets it to `none`.
 1. `OTEL_SDK_DISABLED=true` or `OTEL_METRICS_EXPORTER=none`: off everywhere (the head's /metrics answers 404).
 2. `OTEL_METRICS_EXPORTER` naming an exporter (`otlp`, `console`), or `OTEL_EXPORTER_OTLP_ENDPOINT` /
    `OTEL_EXPORTER_OTLP_METRICS_ENDPOINT` set: on, exported there.
@@ -29,6 +32,7 @@ from gym_rpc._environment import (
     SDK_DISABLED_ENV_VAR,
     environment,
 )
+from gym_rpc._telemetry_switches import effective_environment
 from gym_rpc._version import __version__
 from gym_rpc.telemetry import exporter_names, otlp_endpoint_set, otlp_protocol
 
@@ -44,11 +48,12 @@ METER_NAME = "gym_rpc"
 class MetricsState:
     """`enabled`: whether ServerClient records its metrics (read on every call: a plain attribute)."""
 
-    __slots__ = ("enabled", "prometheus")
+    __slots__ = ("enabled", "prometheus", "telemetry_block")
 
     def __init__(self) -> None:
         self.enabled = False
         self.prometheus = False  # a Prometheus reader feeds prometheus_client's registry (the head's /metrics)
+        self.telemetry_block: Any = None  # the config's `telemetry:` (NeMo Gym's switches), once one was given
 
 
 METRICS = MetricsState()
@@ -60,9 +65,16 @@ def _exporter_names(environ: Mapping[str, str]) -> list[str]:
     return exporter_names(environ, METRICS_EXPORTER_ENV_VAR)
 
 
+def _environment(telemetry_block: Any = None) -> Mapping[str, str]:
+    """The process's environment with NeMo Gym's switches applied (this block, else the last one given)."""
+    if telemetry_block is not None:
+        METRICS.telemetry_block = telemetry_block
+    return effective_environment(environment().by_name(), METRICS.telemetry_block)
+
+
 def metrics_disabled(environ: Mapping[str, str] | None = None) -> bool:
     """OTEL_SDK_DISABLED=true or OTEL_METRICS_EXPORTER=none: no metrics at all."""
-    env = environment().by_name() if environ is None else environ
+    env = _environment() if environ is None else environ
     if (env.get(SDK_DISABLED_ENV_VAR) or "").strip().lower() == "true":
         return True
     return _exporter_names(env) == ["none"]
@@ -70,7 +82,7 @@ def metrics_disabled(environ: Mapping[str, str] | None = None) -> bool:
 
 def metrics_exported(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the environment names a metrics exporter or an OTLP endpoint (rule 2 above)."""
-    env = environment().by_name() if environ is None else environ
+    env = _environment() if environ is None else environ
     if metrics_disabled(env):
         return False
     names = [n for n in _exporter_names(env) if n != "none"]
@@ -124,11 +136,12 @@ def _otlp_exporter(environ: Mapping[str, str]) -> MetricExporter | None:
     return None
 
 
-def setup_metrics(*, service_name: str, prometheus: bool) -> bool:
+def setup_metrics(*, service_name: str, prometheus: bool, telemetry_block: Any = None) -> bool:
     """Install the SDK's MeterProvider (once per process, never replacing the application's) with the readers the
     environment asks for, plus a Prometheus reader when `prometheus`. False when metrics are disabled."""
     global _provider_installed
-    if metrics_disabled():
+    environ = _environment(telemetry_block)
+    if metrics_disabled(environ):
         return False
     with _lock:
         if _provider_installed or _application_provider_installed():
@@ -136,11 +149,10 @@ def setup_metrics(*, service_name: str, prometheus: bool) -> bool:
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.resources import Resource
 
-        env = environment()
-        attributes = {} if env.otel_service_name else {"service.name": service_name}
-        readers = _readers(env.by_name(), prometheus)
+        attributes = {} if environment().otel_service_name else {"service.name": service_name}
+        readers = _readers(environ, prometheus)
         provider = MeterProvider(
-            metric_readers=readers, resource=Resource.create(attributes), **_exemplar_filter(env.by_name())
+            metric_readers=readers, resource=Resource.create(attributes), **_exemplar_filter(environ)
         )
         metrics.set_meter_provider(provider)
         _provider_installed = True
@@ -158,9 +170,10 @@ def _exemplar_filter(environ: Mapping[str, str]) -> dict[str, Any]:
     return {"exemplar_filter": AlwaysOffExemplarFilter()}
 
 
-def setup_client_metrics(service_name: str = "gym-rpc") -> bool:
-    """Turn worker metrics on when the environment exports them (rule 2); called by every ServerClient."""
-    if METRICS.enabled or not metrics_exported():
+def setup_client_metrics(service_name: str = "gym-rpc", telemetry_block: Any = None) -> bool:
+    """Turn worker metrics on when the environment exports them (rule 2); called by every ServerClient with its
+    config's `telemetry:` block."""
+    if METRICS.enabled or not metrics_exported(_environment(telemetry_block)):
         return METRICS.enabled
     if setup_metrics(service_name=service_name, prometheus=False):
         METRICS.enabled = True

@@ -3,6 +3,9 @@ default.
 
 When is tracing on? Decided once per process, by `setup_tracing()` or the first `tracing_enabled()`:
 
+0. NeMo Gym's own switches (`NEMO_GYM_OTEL_*` variables, its config's `telemetry:` block) are first read as the
+   OTEL_* variables they mean (`gym_rpc._telemetry_switches`): Gym's telemetry on sets the traces exporter, off
+   sets it to `none`.
 1. `OTEL_SDK_DISABLED=true`, or `OTEL_TRACES_EXPORTER=none`: off, whatever the config says.
 2. `OTEL_TRACES_EXPORTER` naming an exporter, or `OTEL_EXPORTER_OTLP_ENDPOINT` /
    `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` set: on.
@@ -23,7 +26,7 @@ extra; `OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf` picks HTTP over the default g
 asks for it, and a console exporter for `OTEL_TRACES_EXPORTER=console`.
 
 This module holds the decision and what both sides share (the tracer, attribute names, SERVER spans); each side
-keeps its own instrumentation: `gym_rpc.client._tracing` (control channels), `gym_rpc.client._http.traced_send`
+keeps its own instrumentation: `gym_rpc.client._tracing` (control channels), `gym_rpc.client._http_tracing`
 (data-plane calls), `gym_rpc.server._tracing` (the head's interceptor), `gym_rpc.integrations._middleware`
 (receiving servers).
 """
@@ -46,6 +49,7 @@ from gym_rpc._environment import (
     TRACES_EXPORTER_ENV_VAR,
     environment,
 )
+from gym_rpc._telemetry_switches import effective_environment
 from gym_rpc._version import __version__
 
 if TYPE_CHECKING:
@@ -121,9 +125,15 @@ def environment_choice(environ: Mapping[str, str]) -> bool | None:
     return None
 
 
-def decide_tracing(environ: Mapping[str, str], observability_enabled: bool, application_provider: bool) -> bool:
-    """The rule of this module's docstring, as a pure function."""
-    return _decision(environment_choice(environ), observability_enabled, application_provider)
+def decide_tracing(
+    environ: Mapping[str, str],
+    observability_enabled: bool,
+    application_provider: bool,
+    telemetry_block: Any = None,
+) -> bool:
+    """The rule of this module's docstring, as a pure function (`telemetry_block`: the config's `telemetry:`)."""
+    choice = environment_choice(effective_environment(environ, telemetry_block))
+    return _decision(choice, observability_enabled, application_provider)
 
 
 def _decision(environment_says: bool | None, observability_enabled: bool, application_provider: bool) -> bool:
@@ -144,21 +154,23 @@ def tracing_enabled() -> bool:
     return TRACING.enabled
 
 
-def setup_tracing(observability_enabled: bool = False, *, service_name: str | None = None) -> bool:
-    """Decide (once) whether to trace and, when on, make sure a TracerProvider records the spans.
+def setup_tracing(
+    observability_enabled: bool = False, *, service_name: str | None = None, telemetry_block: Any = None
+) -> bool:
+    """Decide whether to trace (until it is on) and, when on, make sure a TracerProvider records the spans.
 
-    Called by the head (with its config's observability_enabled) and by ServerClient (with the config it got);
+    Called by the head and by ServerClient with their config's observability_enabled and `telemetry:` block;
     applications may call it first to set `service_name`. Returns the decision.
     """
-    if TRACING.enabled or (TRACING.decided and not observability_enabled):
+    if TRACING.enabled or (TRACING.decided and not observability_enabled and telemetry_block is None):
         return TRACING.enabled
+    environ = effective_environment(environment().by_name(), telemetry_block)
     with _lock:
-        if not TRACING.decided:
-            TRACING.environment_says = environment_choice(environment().by_name())
-            TRACING.decided = True
+        TRACING.environment_says = environment_choice(environ)
+        TRACING.decided = True
         turn_on = _decision(TRACING.environment_says, observability_enabled, _application_provider_installed())
         if turn_on and not TRACING.enabled:
-            _ensure_tracer_provider(service_name)
+            _ensure_tracer_provider(service_name, environ)
             TRACING.enabled = True
         return TRACING.enabled
 
@@ -166,7 +178,7 @@ def setup_tracing(observability_enabled: bool = False, *, service_name: str | No
 # --- the TracerProvider ------------------------------------------------------------------------------------------
 
 
-def _ensure_tracer_provider(service_name: str | None) -> None:
+def _ensure_tracer_provider(service_name: str | None, environ: Mapping[str, str]) -> None:
     """Install the SDK's provider with the configured exporters, unless the application installed one."""
     if _application_provider_installed():
         return  # never replaced
@@ -177,7 +189,7 @@ def _ensure_tracer_provider(service_name: str | None) -> None:
         logger.warning("tracing is on but opentelemetry-sdk is not installed: spans are not recorded")
         return
     provider = TracerProvider(resource=Resource.create(_resource_attributes(service_name)))
-    for processor in _span_processors(environment().by_name()):
+    for processor in _span_processors(environ):
         provider.add_span_processor(processor)
     trace.set_tracer_provider(provider)
 

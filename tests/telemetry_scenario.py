@@ -130,14 +130,15 @@ async def health_check(address: str, traced: bool) -> int:
         return int(answer.status)
 
 
-def install_app_provider() -> Any:
-    """What an application does before using gym_rpc: its own SDK provider, here with an in-memory exporter."""
+def install_app_provider(sampler: Any = None) -> Any:
+    """What an application does before using gym_rpc: its own SDK provider (the SDK's default sampler unless
+    given), here with an in-memory exporter."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
+    provider = TracerProvider(sampler=sampler)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     return exporter

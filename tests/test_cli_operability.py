@@ -22,6 +22,7 @@ from gym_rpc import __version__
 from gym_rpc.client._control import SyncControlClient
 from tests.cli_helpers import (
     LOOPBACK,
+    CliProcess,
     HeadProcess,
     ThreadedHttpServer,
     run_cli,
@@ -390,3 +391,73 @@ def test_json_log_lines_carry_the_current_trace_and_span_ids() -> None:
     assert inside["message"] == "inside a span"
     assert inside["gym.server.name"] == "policy_model"
     assert (inside["level"], inside["logger"]) == ("WARNING", "tests.json_log")
+
+
+def test_watch_table_on_a_terminal_redraws_with_fresh_last_checked(tmp_path: Path) -> None:
+    """On a terminal the table is redrawn every second though nothing changes, each time with the head's latest
+    probe: LAST CHECKED stays under a probe interval or so instead of growing from the last change."""
+    import pty
+    import select
+
+    with threaded_http_server() as steady:
+        config = write_config(tmp_path / "config.yaml", {"steady": server_entry(steady.port)})
+        with running_head(config) as head:
+            wait_until_probed(head.address)
+            primary, secondary = pty.openpty()
+            env = {k: v for k, v in os.environ.items() if k != "GYM_RPC_HEAD"}
+            watcher = subprocess.Popen(
+                [sys.executable, "-m", "gym_rpc", "status", "--head", head.address, "--watch"],
+                stdout=secondary,
+                stderr=subprocess.PIPE,
+                env={**env, "TERM": "dumb", "COLUMNS": "200"},
+            )
+            os.close(secondary)
+            output = b""
+            deadline = time.monotonic() + 20
+            try:
+                while output.count(b"revision ") < 6 and time.monotonic() < deadline:
+                    ready, _, _ = select.select([primary], [], [], 0.5)
+                    if ready:
+                        try:
+                            output += os.read(primary, 65536)
+                        except OSError:
+                            break
+            finally:
+                watcher.send_signal(signal.SIGINT)
+                watcher.wait(timeout=10)
+                os.close(primary)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", output.decode(errors="replace"))
+    revisions = re.findall(r"revision (\d+)", text)
+    assert len(revisions) >= 6, text
+    assert len(set(revisions)) == 1  # nothing changed: the redraws came from the one-second refresh
+    ages = [float(age) for age in re.findall(r"(\d+\.\d)s ago", text)]
+    # Five whole drawings at least (the last may be cut off mid-read); the head probes every 0.1 s.
+    assert len(ages) >= 5 and max(ages) < 2.0, ages
+
+
+def test_watch_rides_out_a_head_restart_until_ctrl_c(tmp_path: Path) -> None:
+    """Without --max-wait, `status --watch` never gives up on a gone head: it retries with pauses capped at 5 s
+    and draws again once a head answers on that address; only Ctrl-C ends it."""
+    port = closed_port()  # held for the test, so the restarted head gets the same port back
+    config = write_config(tmp_path / "config.yaml", {})
+    with running_head(config, "--port", str(port)) as head:
+        address = head.address
+        watcher = CliProcess(["status", "--head", address, "--watch", "-o", "jsonl"])
+        try:
+            assert json.loads(watcher.read_line(WAIT_SECONDS))["kind"] == "snapshot"
+            head.process.kill()
+            head.process.wait(timeout=WAIT_SECONDS)
+            deadline = time.monotonic() + 3 * WAIT_SECONDS
+            while watcher.stderr_text.count("retrying in") < 4:  # 0.2, 0.4, 0.8, 1.6 s: backing off
+                assert time.monotonic() < deadline and watcher.process.poll() is None, watcher.stderr_text
+                time.sleep(0.1)
+            with running_head(config, "--port", str(port)) as restarted:
+                assert restarted.address == address
+                assert "revision" in json.loads(watcher.read_line(WAIT_SECONDS + 5))
+            watcher.process.send_signal(signal.SIGINT)
+            assert watcher.wait(timeout=20) == 130  # a hang guard for a loaded machine
+        finally:
+            watcher.close()
+    pauses = [float(p) for p in re.findall(r"retrying in ([0-9.]+)s", watcher.stderr_text)]
+    assert len(pauses) >= 4 and max(pauses) <= 5.0, pauses
+    assert "Traceback" not in watcher.stderr_text

@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -159,9 +160,20 @@ def assert_dashboard_uses_only(exposed: Iterable[str]) -> None:
     assert queried <= set(exposed), queried - set(exposed)
 
 
-def test_metrics_off_answers_404(tmp_path: Path) -> None:
-    config = write_config(tmp_path / "config.yaml", {"gone": server_entry(closed_port())})
-    with running_head(config, "--metrics-port", "0", env={"OTEL_METRICS_EXPORTER": "none"}) as head:
+@pytest.mark.parametrize(
+    ("environ", "block"),
+    [
+        ({"OTEL_METRICS_EXPORTER": "none"}, None),
+        ({"NEMO_GYM_OTEL_ENABLED": "0"}, None),  # NeMo Gym's switch, off by its variable
+        ({}, {"enabled": True, "metrics_enabled": False, "exporter": "console"}),  # or by its config block
+    ],
+)
+def test_metrics_off_answers_404(tmp_path: Path, environ: dict[str, str], block: dict[str, Any] | None) -> None:
+    servers: dict[str, Any] = {"gone": server_entry(closed_port())}
+    if block is not None:
+        servers["telemetry"] = block
+    config = write_config(tmp_path / "config.yaml", servers)
+    with running_head(config, "--metrics-port", "0", env=environ) as head:
         url = announced(head, METRICS_PATTERN)
         with pytest.raises(urllib.error.HTTPError) as raised:
             urllib.request.urlopen(url, timeout=5)

@@ -22,6 +22,7 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from gym_rpc._telemetry_switches import effective_environment
 from gym_rpc.client._rollout import trace_context_path_segment
 from gym_rpc.telemetry import decide_tracing, environment_choice
 from tests.conftest import LOOPBACK
@@ -33,8 +34,8 @@ SCENARIO_TIMEOUT_SECONDS = 30
 
 
 def scenario_environment(**otel: str) -> dict[str, str]:
-    """This process's environment without any OTEL_* variable, plus the given ones."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    """This process's environment without any OTEL_* (or NeMo Gym telemetry) variable, plus the given ones."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_OTEL_", "NEMO_LENS_"))}
     env.update(otel)
     return env
 
@@ -100,6 +101,43 @@ def test_decision_rule(
     environ: dict[str, str], observability_enabled: bool, application_provider: bool, expected: bool
 ) -> None:
     assert decide_tracing(environ, observability_enabled, application_provider) is expected
+
+
+GYM_ON = {"NEMO_GYM_OTEL_ENABLED": "1"}
+
+
+@pytest.mark.parametrize(
+    ("environ", "block", "observability_enabled", "application_provider", "expected"),
+    [
+        (GYM_ON, None, False, False, True),
+        ({"NEMO_LENS_ENABLED": "yes"}, None, False, False, True),  # the nemo-lens spelling, read second
+        ({"NEMO_GYM_OTEL_ENABLED": "0", "NEMO_LENS_ENABLED": "1"}, None, False, False, False),
+        ({**GYM_ON, "NEMO_GYM_OTEL_TRACES_ENABLED": "false"}, None, False, False, False),
+        ({"NEMO_GYM_OTEL_TRACES_ENABLED": "1"}, None, False, False, False),  # alone: Gym's telemetry is off
+        ({"NEMO_GYM_OTEL_ENABLED": "0", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}, None, True, True, False),
+        ({**GYM_ON, "OTEL_SDK_DISABLED": "true"}, None, False, False, False),
+        ({**GYM_ON, "OTEL_TRACES_EXPORTER": "none"}, None, False, False, False),
+        ({}, {"enabled": True}, False, False, True),
+        ({}, {"enabled": True, "traces_enabled": False}, True, True, False),
+        ({}, {"enabled": False}, True, True, True),  # a block's false is never written out: the rest decides
+        ({"NEMO_GYM_OTEL_ENABLED": "off"}, {"enabled": True}, False, False, False),  # the variable wins
+        ({"NEMO_GYM_OTEL_TRACES_ENABLED": "0"}, {"enabled": True}, False, False, False),
+        ({}, "not a mapping", True, True, True),
+    ],
+)
+def test_nemo_gyms_telemetry_switches(
+    environ: dict[str, str], block: Any, observability_enabled: bool, application_provider: bool, expected: bool
+) -> None:
+    assert decide_tracing(environ, observability_enabled, application_provider, block) is expected
+
+
+def test_nemo_gyms_exporter_is_the_default_for_both_signals() -> None:
+    environ = {**GYM_ON, "NEMO_GYM_OTEL_EXPORTER": "Console", "OTEL_METRICS_EXPORTER": "otlp"}
+    effective = effective_environment(environ)
+    assert (effective["OTEL_TRACES_EXPORTER"], effective["OTEL_METRICS_EXPORTER"]) == ("console", "otlp")
+    assert effective_environment({}, {"enabled": True})["OTEL_TRACES_EXPORTER"] == "otlp"
+    untouched = {"OTEL_SERVICE_NAME": "w"}
+    assert effective_environment(untouched, {"enabled": False}) is untouched
 
 
 def test_environment_without_a_say_leaves_it_to_the_config() -> None:
@@ -334,6 +372,12 @@ def test_the_applications_provider_is_kept() -> None:
     result = run_decision("app", OTEL_SERVICE_NAME="my-worker")
     assert result["steps"] == [False, False, True, True, True]
     assert result["kept_app_provider"] is True
+
+
+def test_nemo_gyms_variables_install_the_sdk_provider_with_its_exporter() -> None:
+    result = run_decision("none", NEMO_GYM_OTEL_ENABLED="true", NEMO_GYM_OTEL_EXPORTER="console")
+    assert result["steps"] == [True, True, True, True, True]
+    assert result["provider"] == "opentelemetry.sdk.trace.TracerProvider"
 
 
 def test_forced_off_stays_off_whatever_the_config() -> None:

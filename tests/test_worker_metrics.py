@@ -16,7 +16,7 @@ POST = {"http.request.method": "POST"}
 
 
 def run_scenario(mode: str, **otel: str) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_OTEL_", "NEMO_LENS_"))}
     env.update(otel)
     completed = subprocess.run(
         [sys.executable, str(SCENARIO), mode], env=env, capture_output=True, text=True, timeout=60, check=False
@@ -70,6 +70,14 @@ def test_an_exporter_in_the_environment_turns_worker_metrics_on() -> None:
 def test_exporter_none_keeps_them_off() -> None:
     result = run_scenario("env", OTEL_METRICS_EXPORTER="none")
     assert result["enabled"] is False
+
+
+def test_nemo_gyms_switches_turn_worker_metrics_on_and_off() -> None:
+    """NeMo Gym's `telemetry:` block (here with its console exporter) turns them on; its variables win over it."""
+    assert run_scenario("gym-block")["enabled"] is True
+    assert run_scenario("env", NEMO_GYM_OTEL_ENABLED="1", NEMO_GYM_OTEL_EXPORTER="console")["enabled"] is True
+    assert run_scenario("gym-block", NEMO_GYM_OTEL_METRICS_ENABLED="false")["enabled"] is False
+    assert run_scenario("gym-block", NEMO_GYM_OTEL_ENABLED="0")["enabled"] is False
 
 
 DASHBOARD = Path(__file__).parent.parent / "examples" / "grafana-dashboard.json"

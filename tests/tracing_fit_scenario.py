@@ -6,6 +6,8 @@ tracing fits the OpenTelemetry set-ups NeMo Gym users run. Each mode prints one 
 * `rollout-span`: two rollouts under `rollout_context(id, span=True)`, each a model call and a /verify.
 * `probes`: a head probing a traced aiohttp server (TraceContextPathMiddleware) for a while, the aiohttp client
   instrumentation on too: no span at all may come of it.
+* `sampled-rollouts`: a parent-based sampler that keeps only rollout "keep"; rollouts "keep" and "drop" each post
+  twice to a server that notes the `traceparent` it gets.
 * `first-fetch`: `ServerClient.load_from_global_config()` from the head at $GYM_RPC_HEAD, whose config turns
   tracing on: the fetch itself is a span.
 """
@@ -139,6 +141,55 @@ async def probes(exporter: Any) -> dict[str, Any]:
     }
 
 
+def keep_one_rollout_sampler() -> Any:
+    """A parent-based sampler whose root keeps the rollout span with gym.rollout_id "keep", nothing else."""
+    from opentelemetry.sdk.trace.sampling import Decision, ParentBased, Sampler, SamplingResult
+
+    class KeepOneRollout(Sampler):
+        def should_sample(self, parent_context: Any, trace_id: int, name: str, *args: Any, **kwargs: Any) -> Any:
+            attributes = kwargs.get("attributes") or (args[1] if len(args) > 1 else None) or {}
+            keep = attributes.get("gym.rollout_id") == "keep"
+            return SamplingResult(Decision.RECORD_AND_SAMPLE if keep else Decision.DROP, attributes)
+
+        def get_description(self) -> str:
+            return "KeepOneRollout"
+
+    return ParentBased(KeepOneRollout())
+
+
+async def sampled_rollouts(exporter: Any) -> dict[str, Any]:
+    from opentelemetry import trace
+
+    received: list[str | None] = []
+
+    async def note(request: web.Request) -> web.Response:
+        await request.read()
+        received.append(request.headers.get("traceparent"))
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", note)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, LOOPBACK, 0).start()
+    inject_config({"policy_model": entry(int(runner.addresses[0][1]))})
+    from gym_rpc.client import ServerClient, rollout_context
+
+    client = ServerClient.load_from_global_config()
+    rollouts = {}
+    for rollout_id in ("keep", "drop"):
+        with rollout_context(rollout_id, span=True):
+            context = trace.get_current_span().get_span_context()
+            rollouts[rollout_id] = {"trace_id": f"{context.trace_id:032x}", "span_id": f"{context.span_id:016x}"}
+            for _ in range(2):
+                async with await client.post("policy_model", "/v1/responses", json={}) as response:
+                    await response.read()
+    await client.aclose()
+    await runner.cleanup()
+    spans = [span_json(s) for s in exporter.get_finished_spans()]
+    return {"rollouts": rollouts, "received": received, "spans": spans}
+
+
 async def first_fetch(exporter: Any) -> dict[str, Any]:
     from gym_rpc.client import ServerClient
     from gym_rpc.telemetry import TRACING
@@ -156,11 +207,14 @@ MODES = {
     "rollout-span": rollout_span,
     "probes": probes,
     "first-fetch": first_fetch,
+    "sampled-rollouts": sampled_rollouts,
 }
+SAMPLERS = {"sampled-rollouts": keep_one_rollout_sampler}
 
 
 async def main(mode: str) -> None:
-    exporter = install_app_provider()
+    sampler = SAMPLERS.get(mode)
+    exporter = install_app_provider(sampler() if sampler is not None else None)
     result = await MODES[mode](exporter)
     print("RESULT " + json.dumps(result), flush=True)
 

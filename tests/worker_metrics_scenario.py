@@ -99,6 +99,8 @@ async def main(mode: str) -> None:
         "gone": {"resources_servers": {"impl": {"host": LOOPBACK, "port": closed.getsockname()[1]}}},
         "http_client": {"retry": {"attempts": 3, "initial_backoff_seconds": 0.01}},
     }
+    if mode == "gym-block":  # NeMo Gym's own switch in the config, the environment silent
+        document["telemetry"] = {"enabled": True, "traces_enabled": False, "exporter": "console"}
     os.environ["NEMO_GYM_CONFIG_DICT"] = json.dumps(document)
 
     from gym_rpc.client.server_client import ServerClient

@@ -9,40 +9,20 @@ loop and a new loop never gets a session bound to a dead one. Close them with `c
 from __future__ import annotations
 
 import asyncio
-import functools
 import random
 import socket
 import threading
 import weakref
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import aiohttp
-from multidict import CIMultiDict
-from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
 
-from gym_rpc.client._aiohttp_instrumentation import request_context as instrumentation_request_context
-from gym_rpc.client._aiohttp_instrumentation import session_instrumented
 from gym_rpc.client._aiohttp_instrumentation import trace_configs as instrumentation_trace_configs
-from gym_rpc.client._rollout import current_rollout_id
 from gym_rpc.config import validation_error_line
 from gym_rpc.errors import ConfigError, RequestTimeoutError, ServerUnreachableError
-from gym_rpc.telemetry import (
-    ROLLOUT_ID_ATTRIBUTE,
-    SERVER_ADDRESS,
-    SERVER_NAME_ATTRIBUTE,
-    SERVER_PORT,
-    URL_FULL,
-    method_attributes,
-    propagation,
-    record_failure,
-    set_response_status,
-    span_name,
-    tracer,
-)
 
 if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
@@ -54,7 +34,6 @@ UPSTREAM_POOL_KEYS = {
     "global_aiohttp_connector_limit_per_host": "max_connections_per_host",
 }
 DEFAULT_TOTAL_TIMEOUT_SECONDS = 1800.0  # per data-plane call, headers included; see HttpClientSettings
-HTTP_REQUEST_RESEND_COUNT = "http.request.resend_count"  # OpenTelemetry http semantic conventions
 _TCP_KEEPALIVE_IDLE_SECONDS = 60
 _TCP_KEEPALIVE_INTERVAL_SECONDS = 10
 _TCP_KEEPALIVE_PROBES = 5
@@ -286,12 +265,6 @@ def _raise_unless_resendable(
         raise error
 
 
-@functools.lru_cache(maxsize=1024)
-def _server_address(base_url: str) -> tuple[str, int]:
-    parts = urlsplit(base_url)
-    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
-
-
 @dataclass(slots=True)
 class ObservedCall:
     """A data-plane call as the observed paths take it (`traced_send`, client._metrics.metered_send): made only
@@ -311,65 +284,6 @@ class ObservedCall:
         return await send(
             self.session, self.method, url, self.retry, self.resend_after_disconnect, self.kwargs, on_resend
         )
-
-
-async def traced_send(
-    call: ObservedCall, on_resend: Callable[[int], None] | None = None
-) -> aiohttp.ClientResponse:
-    """`send` as a CLIENT span whose context goes out in the `traceparent` header; a resent call carries
-    `http.request.resend_count` (the number of attempts after the first).
-
-    The span ends when the response headers arrive (the caller reads the body) and covers the resends. It is never
-    made the current span: nothing runs under it in this process, and attaching a context costs a few µs. On a
-    session that aiohttp's OpenTelemetry instrumentation traces, its spans are the CLIENT spans (one per attempt)
-    and ours only adds attributes to them (gym_rpc.client._aiohttp_instrumentation).
-    """
-    method, kwargs, server_name = call.method, call.kwargs, call.server_name
-    rollout_id = current_rollout_id()
-    if session_instrumented(call.session):  # its span is the CLIENT span: ours only adds attributes to it
-        gym_attributes: dict[str, Any] = {SERVER_NAME_ATTRIBUTE: server_name}
-        if rollout_id is not None:
-            gym_attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
-
-        def count_instrumented_resend(attempt: int) -> None:
-            gym_attributes[HTTP_REQUEST_RESEND_COUNT] = attempt - 1
-            if on_resend is not None:
-                on_resend(attempt)
-
-        kwargs["trace_request_ctx"] = instrumentation_request_context(gym_attributes)
-        return await call.send(count_instrumented_resend)
-    host, port = _server_address(call.base_url)
-    attributes: dict[str, Any] = {
-        **method_attributes(method),
-        URL_FULL: call.base_url + call.url_path,
-        SERVER_ADDRESS: host,
-        SERVER_PORT: port,
-        SERVER_NAME_ATTRIBUTE: server_name,
-    }
-    if rollout_id is not None:
-        attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
-    span = tracer().start_span(span_name(method), kind=trace.SpanKind.CLIENT, attributes=attributes)
-    try:
-        given = kwargs.get("headers")
-        # A copy (the caller's headers stay untouched) in which ours replaces any traceparent, whatever its case.
-        headers: MutableMapping[str, str] = CIMultiDict(given) if given else {}
-        propagation().inject(headers, context=trace.set_span_in_context(span))
-        kwargs["headers"] = headers
-
-        def count_resend(attempt: int) -> None:
-            span.set_attribute(HTTP_REQUEST_RESEND_COUNT, attempt - 1)
-            if on_resend is not None:
-                on_resend(attempt)
-
-        response = await call.send(count_resend)
-    except BaseException as error:
-        record_failure(span, error)
-        raise
-    else:
-        set_response_status(span, response.status, server=False)
-        return response
-    finally:
-        span.end()
 
 
 def request_timeout_error(

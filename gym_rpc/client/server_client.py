@@ -29,6 +29,7 @@ from gym_rpc._environment import (
     NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR,
     environment,
 )
+from gym_rpc._telemetry_switches import TELEMETRY_KEY
 from gym_rpc.client._channel import head_address
 from gym_rpc.client._control import SyncControlClient
 from gym_rpc.client._http import (
@@ -37,8 +38,8 @@ from gym_rpc.client._http import (
     ObservedCall,
     request_timeout_error,
     send,
-    traced_send,
 )
+from gym_rpc.client._http_tracing import traced_send
 from gym_rpc.client._metrics import metered_send
 from gym_rpc.client._nemo_gym import nemo_gym_rollout_id, rollout_id_from_run_body
 from gym_rpc.client._rollout import (
@@ -230,6 +231,14 @@ Args:
 """
 
 
+def _setup_telemetry(config: GlobalConfig) -> None:
+    """Tracing and worker metrics as the environment and the config say (its observability_enabled and NeMo Gym's
+    `telemetry:` block): decided per process, by gym_rpc.telemetry and gym_rpc.metrics."""
+    block = config.document.get(TELEMETRY_KEY)
+    setup_tracing(config.observability_enabled, telemetry_block=block)
+    setup_client_metrics(telemetry_block=block)
+
+
 def _private_attributes(client: ServerClient) -> dict[str, Any]:
     """The hot path's one speed trick, fenced here: `ServerClient.request` reads its private attributes from
     pydantic's store in one step, because each `self._x` read goes through BaseModel.__getattr__ (about 1.5 µs).
@@ -283,8 +292,7 @@ class ServerClient(BaseModel):
             config = GlobalConfig.from_document({str(k): v for k, v in document.items()}, lenient=True)
         self._global_config = config
         self._http = HttpPools(HttpClientSettings.from_document(config.document))
-        setup_tracing(config.observability_enabled)  # decided once per process (gym_rpc.telemetry)
-        setup_client_metrics()  # on when the environment exports metrics (gym_rpc.metrics)
+        _setup_telemetry(config)
 
     def __getstate__(self) -> dict[Any, Any]:
         """Pickle without the live HttpPools (its sessions are this process's), keeping its settings."""
@@ -301,8 +309,7 @@ class ServerClient(BaseModel):
         settings: HttpClientSettings = state.pop(_HTTP_SETTINGS_STATE_KEY)
         state["__pydantic_private__"] = {**(state["__pydantic_private__"] or {}), "_http": HttpPools(settings)}
         super().__setstate__(state)
-        setup_tracing(self._global_config.observability_enabled)  # a new process decides too
-        setup_client_metrics()
+        _setup_telemetry(self._global_config)  # a new process decides too
         named = environment().model_server_name
         if named and _model_server_override(named) is not None:
             self._server_base_urls.pop(named, None)  # this process's launcher URL wins over the sender's cache

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
+from gym_rpc._telemetry_switches import TELEMETRY_KEY
 from gym_rpc.config import (
     GlobalConfig,
     ServerEntry,
@@ -204,8 +205,11 @@ class HeadServer:
         own = self._own_config.head_settings
         http_port = self.options.http_port if self.options.http_port is not None else own.http_port
         connect_port = self.options.connect_port if self.options.connect_port is not None else own.connect_port
-        setup_tracing(self.config.observability_enabled, service_name=self._service_name)
-        setup_metrics(service_name=self._service_name, prometheus=True)
+        telemetry_block = self.config.document.get(TELEMETRY_KEY)  # NeMo Gym's switches (gym_rpc.telemetry)
+        setup_tracing(
+            self.config.observability_enabled, service_name=self._service_name, telemetry_block=telemetry_block
+        )
+        setup_metrics(service_name=self._service_name, prometheus=True, telemetry_block=telemetry_block)
         self._servicer = servicer = ControlPlaneServicer(
             self,
             max_concurrent_watches=self.options.max_concurrent_watches,

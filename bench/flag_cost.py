@@ -1,0 +1,148 @@
+"""What one of gym_rpc's per-process switches (tracing, worker metrics) costs a rollout worker: `ServerClient.post`
+requests per second with it on over the same with it off, both in one process against the same data server, in
+interleaved blocks (on/off, off/on, ...), the figure being the median of the per-round ratios.
+
+A switch is a per-process decision that never turns off again, so each benchmark flips gym_rpc's flag between
+blocks itself and runs in a process of its own (`rows_in_subprocess`), so that nothing of it leaks into the
+others. `tracing_cost` and `metrics_cost` say what "on" is; this module runs and reports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.data_plane import Block, Post, make_client, ours_post
+from bench.servers import REPO_ROOT, ServerProcess
+from bench.stats import Row, median, ratio_row, table_lines
+from gym_rpc.client._http import close_http_sessions
+
+
+@dataclass(frozen=True)
+class FlagPlan:
+    concurrencies: tuple[int, ...] = (1, 64)
+    requests: tuple[int, ...] = (2000, 6000)
+    rounds: int = 5
+
+
+FULL_PLAN = FlagPlan()
+QUICK_PLAN = FlagPlan(requests=(60, 200), rounds=2)
+
+TimedBlock = Callable[[Post, int, int, bool], Awaitable[Block]]
+
+
+@dataclass(frozen=True)
+class FlagCost:
+    """One switch's benchmark: how to turn it on for the process, how to run one block with it on or off."""
+
+    name: str  # "tracing": progress lines and the table's area
+    measure: str  # "ServerClient.post traced / untraced"
+    on_label: str  # "traced": in "+N µs CPU/req traced"
+    install: Callable[[], None]
+    timed_block: TimedBlock
+    goals: Mapping[int, float] = field(default_factory=dict)  # concurrency -> minimum ratio
+
+
+@contextmanager
+def switched(state: Any, on: bool) -> Iterator[None]:
+    """gym_rpc's `state.enabled` flag (TRACING, METRICS) for one block: benchmarks only, as a process never turns
+    its switch off."""
+    previous = state.enabled
+    state.enabled = on
+    try:
+        yield
+    finally:
+        state.enabled = previous
+
+
+@dataclass
+class Rounds:
+    concurrency: int
+    ratios: list[float] = field(default_factory=list)
+    on: list[Block] = field(default_factory=list)
+    off: list[Block] = field(default_factory=list)
+
+
+async def interleaved(cost: FlagCost, post: Post, concurrency: int, requests: int, rounds: int) -> Rounds:
+    warm = max(requests // 4, concurrency)
+    await cost.timed_block(post, warm, concurrency, True)
+    await cost.timed_block(post, warm, concurrency, False)
+    result = Rounds(concurrency)
+    for index in range(rounds):
+        order = (True, False) if index % 2 == 0 else (False, True)
+        blocks = {on: await cost.timed_block(post, requests, concurrency, on) for on in order}
+        result.on.append(blocks[True])
+        result.off.append(blocks[False])
+        on_rps, off_rps = blocks[True].requests_per_second, blocks[False].requests_per_second
+        result.ratios.append(on_rps / off_rps)
+        print(
+            f"  {cost.name} c={concurrency} round {index + 1}/{rounds}: on {on_rps:.0f} rps, off {off_rps:.0f} "
+            f"rps, ratio {result.ratios[-1]:.3f}",
+            file=sys.stderr,
+        )
+    return result
+
+
+def row_of(cost: FlagCost, rounds: Rounds) -> Row:
+    on_rps = median([b.requests_per_second for b in rounds.on])
+    off_rps = median([b.requests_per_second for b in rounds.off])
+    on_cpu = median([b.cpu_us_per_request for b in rounds.on])
+    off_cpu = median([b.cpu_us_per_request for b in rounds.off])
+    spread = f"rounds {min(rounds.ratios):.2f} to {max(rounds.ratios):.2f}"
+    return ratio_row(
+        cost.name,
+        f"{cost.measure}, concurrency {rounds.concurrency} "
+        f"(req/s; median of per-round ratios, {spread}; +{on_cpu - off_cpu:.0f} µs CPU/req {cost.on_label})",
+        f"on: {on_rps:.0f} req/s, {on_cpu:.0f} µs CPU/req",
+        f"off: {off_rps:.0f} req/s, {off_cpu:.0f} µs CPU/req",
+        median(rounds.ratios),
+        cost.goals.get(rounds.concurrency),
+    )
+
+
+async def run(cost: FlagCost, port: int, plan: FlagPlan) -> list[Row]:
+    cost.install()
+    client = make_client(port, observability_enabled=True)  # rollout prefixes on, as observed deployments run
+    post = ours_post(client)
+    rows: list[Row] = []
+    try:
+        for concurrency, requests in zip(plan.concurrencies, plan.requests, strict=True):
+            rows.append(row_of(cost, await interleaved(cost, post, concurrency, requests, plan.rounds)))
+    finally:
+        await close_http_sessions()
+    return rows
+
+
+def rows_in_subprocess(module: str, port: int, quick: bool = False) -> list[Row]:
+    """Run `python -m <module>` (a benchmark of this kind) in a fresh interpreter, as a switch is decided per
+    process, against the data server on `port`; its rows."""
+    command = [sys.executable, "-m", module, f"--port={port}", "--json", *(["--quick"] if quick else [])]
+    completed = subprocess.run(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, timeout=600, check=True)
+    return [Row(**fields) for fields in json.loads(completed.stdout)]
+
+
+def main(cost: FlagCost, prog: str, doc: str | None, argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=doc)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    parser.add_argument("--port", type=int, help="a running data server (python -m bench.servers data)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args(argv)
+    plan = QUICK_PLAN if args.quick else FULL_PLAN
+    if args.port is not None:
+        rows = asyncio.run(run(cost, args.port, plan))
+    else:
+        with ServerProcess("data") as data:
+            rows = asyncio.run(run(cost, int(data.info["port"]), plan))
+    if args.json:
+        print(json.dumps([dataclasses.asdict(row) for row in rows]))
+    else:
+        print("\n".join(table_lines(rows)))
+    return 0
