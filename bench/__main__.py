@@ -72,7 +72,7 @@ def run(plan: Plan, sections: set[str]) -> list[Row]:
             _progress("data plane")
             rows += asyncio.run(data_plane.run(data_port, plan.data))
         if "hotpath" in sections:
-            _progress("hot path: the speed tricks of ServerClient.request")
+            _progress("hot path: the speed trick of ServerClient.request")
             hot = plan.data
             rows += asyncio.run(hot_path.run(data_port, hot.concurrencies[:2], hot.requests[:2], hot.rounds))
         if "tracing" in sections:
