@@ -64,7 +64,7 @@ run: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/gym-rpc demo
 
-# Benchmarks against baselines measured in the same run (~2 min); prints the ratio table, writes bench/RESULTS.md.
+# Benchmarks against baselines measured in the same run (~6 min); prints the ratio table, writes bench/RESULTS.md.
 # Not part of `make test` (tests/test_bench_smoke.py runs `python -m bench --quick` so the code cannot rot).
 bench: $(STAMP)
 	$(BIN)/python -m bench

@@ -3,15 +3,20 @@ raw aiohttp a user could write by hand, `session.post(url, data=orjson.dumps(bod
 process, at several concurrencies. Both sides parse the answer with `orjson.loads`, as NeMo Gym's
 `get_response_json` does.
 
-Rounds alternate which side goes first (AB, BA, ...); each round yields one ratio (ours / raw requests per
+Rounds alternate which side goes first (ABBA, BAAB, ...); each round yields one ratio (ours / raw requests per
 second), and the figure is the median of those ratios, so a noisy second on two shared cores moves single rounds,
-not the result. Client CPU per request (process time over requests) is reported beside it: it is what the
-client adds, and what the ratio hides once the server is the bottleneck.
+not the result. Blocks are short (a few tenths of a second) and rounds many: a burst of load from elsewhere then
+spans both sides of a round. The garbage collector is kept fair: each block starts on a collected heap, so one
+side's garbage is never collected on the other side's clock, and what the process built before measuring
+(imports, clients) is frozen, so a full collection, whichever block it lands in, costs what the requests left
+rather than the size of the imports. Client CPU per request (process time over requests) is reported beside the
+ratio: it is what the client adds, and what the ratio hides once the server is the bottleneck.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -20,11 +25,13 @@ from typing import Any
 
 import aiohttp
 import orjson
+from aiohttp.payload import JsonPayload
 from omegaconf import OmegaConf
 
-from bench.stats import Row, median, percentile, ratio_row
+from bench.stats import Row, interleaved_latencies, median, percentile, ratio_row
 from gym_rpc.client._http import HttpClientSettings, close_http_sessions
 from gym_rpc.client.server_client import ServerClient
+from gym_rpc.client.server_client import _json_payload as json_body_payload
 from gym_rpc.config import BaseServerConfig
 
 SERVER_NAME = "policy_model"
@@ -104,6 +111,13 @@ async def run_block(post: Post, requests: int, concurrency: int) -> Block:
     return Block(requests / wall, cpu / requests * 1e6)
 
 
+async def collected_block(post: Post, requests: int, concurrency: int) -> Block:
+    """A block that starts on a collected heap (the collection untimed): what it is charged for collecting is its
+    own garbage, never the previous block's."""
+    gc.collect()
+    return await run_block(post, requests, concurrency)
+
+
 @dataclass
 class Comparison:
     concurrency: int
@@ -115,12 +129,12 @@ class Comparison:
 async def compare(ours: Post, raw: Post, concurrency: int, requests: int, rounds: int) -> Comparison:
     """Rounds of four blocks, ABBA then BAAB: whichever side runs first after a switch pays for the switch (idle
     connections, caches), and in a round each side runs once first and once second, so that cost cancels."""
-    await run_block(ours, max(requests // 4, concurrency), concurrency)  # warm: connections, caches
-    await run_block(raw, max(requests // 4, concurrency), concurrency)
+    await run_block(ours, max(requests, concurrency), concurrency)  # warm: connections, caches
+    await run_block(raw, max(requests, concurrency), concurrency)
     result = Comparison(concurrency)
     for index in range(rounds):
         order = (ours, raw, raw, ours) if index % 2 == 0 else (raw, ours, ours, raw)
-        blocks = [(post, await run_block(post, requests, concurrency)) for post in order]
+        blocks = [(post, await collected_block(post, requests, concurrency)) for post in order]
         mine = [block for post, block in blocks if post is ours]
         theirs = [block for post, block in blocks if post is raw]
         result.ours += mine
@@ -156,23 +170,51 @@ def rows_of(comparison: Comparison) -> list[Row]:
     ]
 
 
+def serialisation_row(pairs: int, batch: int = 200) -> Row:
+    """What a `json=` body costs to serialise: gym_rpc's (orjson, as NeMo Gym's client) against aiohttp's own
+    `json=` (a JsonPayload made with the standard library's `json.dumps`), both into the payload aiohttp sends."""
+
+    def ours() -> None:
+        for _ in range(batch):
+            json_body_payload(PAYLOAD)
+
+    def aiohttp_default() -> None:
+        for _ in range(batch):
+            JsonPayload(PAYLOAD)
+
+    mine, theirs = interleaved_latencies(ours, aiohttp_default, pairs)
+    return ratio_row(
+        "data plane",
+        f"serialise a json= body (~1 KB) into the payload sent (median of {pairs} interleaved batches)",
+        f"orjson: {mine.p50_ms * 1e3 / batch:.1f} µs",
+        f"aiohttp's json= (json.dumps): {theirs.p50_ms * 1e3 / batch:.1f} µs",
+        theirs.p50_ms / mine.p50_ms,
+        1.0,
+    )
+
+
 @dataclass(frozen=True)
 class DataPlanePlan:
     concurrencies: tuple[int, ...] = (1, 64, 512)
-    # Short blocks, many rounds: the blocks of a round run within a second of each other, so a burst of load from
-    # elsewhere hits both sides, and the median of the rounds' ratios shrugs off the rounds it hit unevenly.
-    requests: tuple[int, ...] = (400, 1500, 2000)
-    rounds: int = 20
+    # Short blocks, many rounds: the four blocks of a round run within a second or so, so a burst of load from
+    # elsewhere hits both sides, and the median of the rounds' ratios shrugs off the rounds it hit unevenly. At 512
+    # a block is one request per worker: on a loaded two-core machine, blocks of two per worker scattered
+    # about three times as much per second of bench.
+    requests: tuple[int, ...] = (100, 256, 512)
+    rounds: int = 80
+    serialisation_pairs: int = 50
 
 
-QUICK_DATA_PLANE = DataPlanePlan(requests=(40, 150, 200), rounds=1)
+QUICK_DATA_PLANE = DataPlanePlan(requests=(20, 64, 512), rounds=1, serialisation_pairs=3)
 
 
 async def run(port: int, plan: DataPlanePlan) -> list[Row]:
     client = make_client(port)
     url = f"http://127.0.0.1:{port}{PATH}"
     session = raw_session()
-    rows: list[Row] = []
+    rows = [serialisation_row(plan.serialisation_pairs)]
+    gc.collect()
+    gc.freeze()  # what this process built before measuring (imports, clients, servers' handles) is settled heap
     try:
         for concurrency, requests in zip(plan.concurrencies, plan.requests, strict=True):
             comparison = await compare(
@@ -180,6 +222,7 @@ async def run(port: int, plan: DataPlanePlan) -> list[Row]:
             )
             rows.extend(rows_of(comparison))
     finally:
+        gc.unfreeze()
         await session.close()
         await close_http_sessions()
     return rows

@@ -33,7 +33,16 @@ def machine_lines() -> list[str]:
         f"- nproc: {usable} (CPU model: {cpu_model()}), {platform.system()} {platform.release()}",
         f"- Python {platform.python_version()} ({sys.implementation.name}); {versions}",
         "- everything on loopback (127.0.0.1); servers in separate processes from the client",
+        *_load_lines(),
     ]
+
+
+def _load_lines() -> list[str]:
+    """The load the figures were taken under: other work on the same cores is most of their scatter."""
+    if not hasattr(os, "getloadavg"):
+        return []
+    one, five, fifteen = os.getloadavg()
+    return [f"- load average when written (1 / 5 / 15 min): {one:.1f} / {five:.1f} / {fifteen:.1f}"]
 
 
 def _version(name: str) -> str:
@@ -63,9 +72,14 @@ METHOD = """\
   NeMo Gym does: `OmegaConf.create(json.loads(requests.get(url).text))` for the config and one blocking
   `requests.get` per server for statuses (a 2 s timeout per server, as DESIGN's 4.14 s for two silent ones).
 - Data plane: a child process runs an aiohttp server answering `POST /v1/responses`; the bench process sends the
-  same ~1 KB JSON body through `ServerClient.post` and through raw `aiohttp.ClientSession.post` (same connection
-  limit, no cookie jar, as gym_rpc's pool: the ratio isolates what ServerClient adds), reading each body.
-  Client CPU per request is this process's CPU time over requests.
+  same ~1 KB JSON body as NeMo Gym code does, `ServerClient.post(name, path, json=body)`, and as the best raw
+  aiohttp a user could write by hand, `session.post(url, data=orjson.dumps(body))` with a JSON Content-Type (same
+  connection limits and deadline, no cookie jar, as gym_rpc's pool: the ratio isolates what ServerClient adds);
+  both read each answer with `orjson.loads`. Rounds of four short blocks (ABBA, then BAAB; 100, 256 and 512
+  requests at concurrency 1, 64 and 512), 80 rounds; each block starts on a collected heap (untimed) and the
+  heap built before measuring is frozen, so no side pays for collecting the other's garbage. Client CPU per
+  request is this process's CPU time over requests. The serialisation row times 200 `json=` bodies made into the
+  payload aiohttp sends: gym_rpc's (orjson) against aiohttp's own `json=` (`json.dumps`), interleaved.
 - Isolation: the client's data pool is capped and kept full by 8x as many slow requests; control calls run back
   to back in the same event loop. The baseline is the same HTTP call made over the shared data pool, as NeMo Gym
   has only one pool (waits cut short by the window's end count as lower bounds).
@@ -90,12 +104,14 @@ NOTES = """\
   bound by both; the ratio and the client CPU per request show what gym_rpc adds: a cached URL lookup, the
   rollout-prefix check, the pool choice and two more coroutine levels (`post` -> `request` -> the bounded-retry
   `send` -> aiohttp). Its one speed trick, the private attributes read in one step, is measured by the "hot
-  path" rows (bench/hot_path.py); inlining `send`'s first attempt saved about 0.1 µs and went. Profiled with
-  cProfile and a no-I/O micro-benchmark: about 1.7 µs of Python per call, about 3 µs of client CPU per request in
-  all against 60-170 µs for the request itself, so the expected ratio is about 0.96-0.99 when the client is the
-  bottleneck.
-  Per-round ratios scatter by several percent when other work shares the cores (the middle half is shown); the
-  median of them is the figure, and a figure just under 0.95 in a noisy run is that scatter.
+  path" rows (bench/hot_path.py); inlining `send`'s first attempt saved about 0.1 µs and went. Its `json=`
+  bodies cost no more than the hand-written `data=orjson.dumps(body)`: they are made straight into the payload
+  aiohttp sends (aiohttp's own `json=` goes through `json.dumps`, several times slower: the serialisation row).
+  Measured without I/O, the client adds about 1-2 µs of Python per call against 60-170 µs of client CPU for the
+  request itself; in these runs its CPU per request is 0-5% above raw's, so the expected ratio is about 0.95-1.0
+  when the client is the bottleneck. Per-round ratios scatter by tens of percent when other work shares the cores
+  (the middle half is shown): an A/A run (raw against raw) on the same loaded machine gave medians of 0.96 to
+  1.07 over 40-100 rounds, so a figure within a few percent of 0.95 is that scatter, not a difference.
 - **Isolation.** gRPC control calls travel on their own HTTP/2 channel and `_control=True` calls on a reserved
   aiohttp pool, so a saturated data pool does not delay them; what remains in their p99 is the shared event loop
   and CPU, which the saturating traffic keeps busy.

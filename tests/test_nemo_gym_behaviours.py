@@ -37,8 +37,8 @@ from gym_rpc.client.server_client import (
     setup_server_client,
     trace_context_path_segment,
 )
-from gym_rpc.config import BaseServerConfig
-from gym_rpc.errors import ConfigError, HeadUnreachableError, UnknownServerError
+from gym_rpc.config import BaseServerConfig, ServerConfigLike
+from gym_rpc.errors import ConfigError, ControlPlaneError, HeadUnreachableError, UnknownServerError
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 CONFIG_ENV = "NEMO_GYM_CONFIG_DICT"
@@ -124,13 +124,23 @@ async def test_every_entry_point_takes_a_head_config_of_any_shape(head_factory) 
         assert await asyncio.to_thread(built.poll_for_status, "head_server") == "success", shape
 
 
-async def test_a_foreign_head_model_carries_its_token(head_factory) -> None:
+@pytest.mark.parametrize("shape", ["another pydantic model", "plain object", "mapping"])
+async def test_a_head_config_of_any_shape_carries_its_token(head_factory, shape: str) -> None:
     doc = document({"policy": server_entry(8000, api_key="sk-secret")}, head_server={"host": LOOPBACK, "port": 0})
     head = await head_factory({**doc, "head_server": {"host": LOOPBACK, "port": 0, "auth_token": "t0ken"}})
-    config = ForeignSecureHeadConfig(host=LOOPBACK, port=head.port, auth_token="t0ken")
+    fields: dict[str, Any] = {"host": LOOPBACK, "port": head.port, "auth_token": "t0ken"}
+    shapes: dict[str, ServerConfigLike] = {
+        "another pydantic model": ForeignSecureHeadConfig(**fields),
+        "plain object": types.SimpleNamespace(**fields),
+        "mapping": fields,
+    }
+    config = shapes[shape]
     client = await asyncio.to_thread(ServerClient.load_from_global_config, head_server_config=config)
     entry = client.global_config_dict.policy.responses_api_models.responses_api_models_impl
     assert entry.api_key == "sk-secret"  # only an authenticated caller gets the secrets
+    anonymous = {"host": LOOPBACK, "port": head.port}
+    with pytest.raises(ControlPlaneError, match="token"):  # the head refuses a caller without its token
+        await asyncio.to_thread(ServerClient.load_from_global_config, head_server_config=anonymous)
 
 
 @pytest.mark.parametrize(
@@ -210,7 +220,7 @@ def test_nemo_gym_is_never_imported_by_gym_rpc(nemo_gym_path: Path) -> None:
         sys.path.insert(0, {str(nemo_gym_path)!r})
         from omegaconf import OmegaConf
         from gym_rpc.client.server_client import ServerClient
-        from gym_rpc.config import BaseServerConfig
+        from gym_rpc.config import BaseServerConfig, ServerConfigLike
         entry = {{"host": "127.0.0.1", "port": 1}}
         doc = {{"observability_enabled": True, "tools": {{"resources_servers": {{"x": entry}}}}}}
         client = ServerClient(head_server_config=BaseServerConfig(host="127.0.0.1", port=1),
