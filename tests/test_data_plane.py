@@ -23,6 +23,7 @@ from gym_rpc.client.server_client import ServerClient, rollout_context
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import GymRpcError, ServerUnreachableError
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.raw_servers import start_dropping_server
 
 FAST_RETRY = {"retry": {"initial_backoff_seconds": 0.01, "max_backoff_seconds": 0.05}}
 
@@ -218,23 +219,9 @@ async def dropping_server() -> AsyncIterator[DropServer]:
     servers: list[asyncio.Server] = []
 
     async def start(drops: int) -> tuple[int, list[int]]:
-        connections = [0]
-
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            connections[0] += 1
-            try:
-                await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-                if connections[0] > drops:
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
-                    await writer.drain()
-            except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
-                pass
-            finally:
-                writer.close()
-
-        server = await asyncio.start_server(handle, LOOPBACK, 0)
+        server, port, connections = await start_dropping_server(drops)
         servers.append(server)
-        return int(server.sockets[0].getsockname()[1]), connections
+        return port, connections
 
     yield start
     for server in servers:

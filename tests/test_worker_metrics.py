@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 SCENARIO = Path(__file__).with_name("worker_metrics_scenario.py")
+REPO = Path(__file__).parent.parent
 POST = {"http.request.method": "POST"}
 
 
 def run_scenario(mode: str, **otel: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_OTEL_", "NEMO_LENS_"))}
-    env.update(otel)
+    env.update(otel, PYTHONPATH=str(REPO))  # the scenario imports tests.raw_servers
     completed = subprocess.run(
         [sys.executable, str(SCENARIO), mode], env=env, capture_output=True, text=True, timeout=60, check=False
     )

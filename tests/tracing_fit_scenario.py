@@ -22,44 +22,16 @@ from typing import Any
 
 from aiohttp import web
 
+from tests.raw_servers import start_dropping_server, start_ok_server
 from tests.telemetry_scenario import install_app_provider, span_json
 
 LOOPBACK = "127.0.0.1"
 
 
-async def _ok(request: web.Request) -> web.Response:
-    await request.read()
-    return web.json_response({"ok": True})
-
-
 async def start_server(*, middleware: bool = False) -> tuple[web.AppRunner, int]:
     from gym_rpc.integrations import TraceContextPathMiddleware
 
-    app = web.Application(middlewares=[TraceContextPathMiddleware.aiohttp()] if middleware else [])
-    app.router.add_route("*", "/{tail:.*}", _ok)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, LOOPBACK, 0).start()
-    return runner, int(runner.addresses[0][1])
-
-
-async def start_dropping_server(drops: int) -> tuple[asyncio.Server, int]:
-    connections = [0]
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connections[0] += 1
-        try:
-            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            if connections[0] > drops:
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(handle, LOOPBACK, 0)
-    return server, int(server.sockets[0].getsockname()[1])
+    return await start_ok_server([TraceContextPathMiddleware.aiohttp()] if middleware else [])
 
 
 def inject_config(servers: dict[str, Any]) -> None:
@@ -76,7 +48,7 @@ async def aiohttp_instrumented(exporter: Any) -> dict[str, Any]:
 
     AioHttpClientInstrumentor().instrument()
     runner, port = await start_server()
-    dropping, dropping_port = await start_dropping_server(1)
+    dropping, dropping_port, _ = await start_dropping_server(1)
     inject_config({"policy_model": entry(port), "judge": entry(dropping_port, "resources_servers")})
     from gym_rpc.client import ServerClient, rollout_context
 

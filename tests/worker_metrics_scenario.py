@@ -18,44 +18,10 @@ import socket
 import sys
 from typing import Any
 
-from aiohttp import web
+from tests.raw_servers import start_dropping_server, start_ok_server
 
 LOOPBACK = "127.0.0.1"
 OK_CALLS = 5
-
-
-async def _ok(request: web.Request) -> web.Response:
-    return web.json_response({"ok": True})
-
-
-async def start_ok_server() -> tuple[web.AppRunner, int]:
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", _ok)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, LOOPBACK, 0)
-    await site.start()
-    return runner, int(runner.addresses[0][1])
-
-
-async def start_dropping_server(drops: int) -> tuple[asyncio.Server, int]:
-    """Reads a request and drops the connection for the first `drops` connections, then answers 200."""
-    connections = [0]
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connections[0] += 1
-        try:
-            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            if connections[0] > drops:
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(handle, LOOPBACK, 0)
-    return server, int(server.sockets[0].getsockname()[1])
 
 
 def collected(reader: Any) -> dict[str, list[dict[str, Any]]]:
@@ -89,7 +55,7 @@ async def main(mode: str) -> None:
         metrics.set_meter_provider(MeterProvider(metric_readers=[PrometheusMetricReader()]))
 
     ok_runner, ok_port = await start_ok_server()
-    dropping, dropping_port = await start_dropping_server(1)
+    dropping, dropping_port, _ = await start_dropping_server(1)
     closed = socket.socket()
     closed.bind((LOOPBACK, 0))  # bound, never listening: refused for the whole scenario
     document = {

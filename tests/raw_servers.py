@@ -1,0 +1,47 @@
+"""Loopback HTTP servers shared by test modules and the scenario scripts they run in fresh interpreters."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+LOOPBACK = "127.0.0.1"
+
+
+async def _ok(request: web.Request) -> web.Response:
+    await request.read()
+    return web.json_response({"ok": True})
+
+
+async def start_ok_server(middlewares: Sequence[Any] = ()) -> tuple[web.AppRunner, int]:
+    """An aiohttp server answering every method and path with {"ok": true}."""
+    app = web.Application(middlewares=list(middlewares))
+    app.router.add_route("*", "/{tail:.*}", _ok)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, LOOPBACK, 0).start()
+    return runner, int(runner.addresses[0][1])
+
+
+async def start_dropping_server(drops: int) -> tuple[asyncio.Server, int, list[int]]:
+    """A raw HTTP server that reads and then drops the first `drops` connections without answering, and answers 200
+    on later ones. Returns the server, its port and a one-item list counting the connections."""
+    connections = [0]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections[0] += 1
+        try:
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            if connections[0] > drops:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, LOOPBACK, 0)
+    return server, int(server.sockets[0].getsockname()[1]), connections
