@@ -7,6 +7,9 @@ a file added to it (a new module's tests) is picked up as new tests, without re-
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -40,3 +43,38 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
         return collection_path.name not in SELECTED_FILES or None
     return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `mutmut run` (rootdir mutants/, beside mutmut's stats), the fastest tests first.
+
+    mutmut runs a mutant's tests with `-x` but in no set order: a killed mutant should cost its fastest killing
+    test, not every slow test that happened to come before it.
+    """
+    stats = config.rootpath / "mutmut-stats.json"
+    if not stats.is_file():
+        return
+    seconds: dict[str, float] = json.loads(stats.read_text(encoding="utf-8")).get("duration_by_test", {})
+    items.sort(key=lambda item: seconds.get(item.nodeid, 0.0))
+
+
+_rootpath = Path()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """mutmut's fork server ignores SIGINT, and every process it forks would too: a `gym-rpc status --watch` that a
+    test stops with SIGINT would never stop, and the test's failure would count as a kill of any mutant."""
+    global _rootpath
+    _rootpath = config.rootpath
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Under `mutmut run`, which test killed which mutant (mutmut keeps only the exit code): one JSON line per
+    failed test phase in mutants/mutmut-kills.jsonl, for tools/mutation_report.py."""
+    mutant = os.environ.get("MUTANT_UNDER_TEST", "")
+    if report.passed or report.skipped or "__mutmut_" not in mutant:
+        return
+    line = {"mutant": mutant, "test": report.nodeid, "when": report.when, "error": report.longreprtext[-600:]}
+    with open(_rootpath / "mutmut-kills.jsonl", "a", encoding="utf-8") as kills:
+        kills.write(json.dumps(line) + "\n")
