@@ -6,6 +6,7 @@ Each test names the mutant class it kills: a change to the code that left the re
 from __future__ import annotations
 
 import asyncio
+import datetime
 import inspect
 import itertools
 import logging
@@ -913,6 +914,11 @@ def test_a_document_that_is_no_mapping_or_no_json_or_unresolvable_gets_one_exact
         "a global config must be a mapping, not list": [1],
         "config is not representable as JSON: Circular reference detected": circular,
         "cannot resolve config interpolations: Interpolation key 'nope' not found": {"a": "${nope}"},
+        # JSON with `default=str` takes a date; OmegaConf, which resolves the interpolation, does not
+        "cannot resolve config interpolations: Value 'date' is not a supported primitive type": {
+            "d": datetime.date(2024, 1, 2),
+            "x": "${y}",
+        },
     }
     for message, refused_document in refusals.items():
         with pytest.raises(ConfigError) as refused:
@@ -925,3 +931,49 @@ def test_a_key_with_two_server_types_is_malformed_with_one_exact_reason() -> Non
     loaded = GlobalConfig.from_document({"a": two_types})
     assert loaded.servers == {}
     assert loaded.malformed_servers == {"a": "it has 2 server types (t1, t2); one server name holds one type"}
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (42, "the head must be a mapping or an object with host and port (such as a BaseServerConfig), not int"),
+        ({"port": 1}, "the head has no host: a server config needs host and port"),
+        ({}, "the head has no host and no port: a server config needs host and port"),
+        ({"host": "h", "port": "x"}, "the head: 1 validation error for BaseServerConfig"),
+    ],
+)
+def test_a_server_config_of_no_usable_shape_is_named(value: object, message: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        config_module.as_server_config(value, "the head")  # type: ignore[arg-type]
+    assert str(refused.value).splitlines()[0] == message
+
+
+def test_an_unreadable_file_is_named_with_the_systems_reason_only(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as refused:
+        config_module.read_file_bytes(str(tmp_path / "ca.pem"), "the CA file")
+    assert str(refused.value) == f"cannot read the CA file {tmp_path / 'ca.pem'}: No such file or directory"
+
+
+def test_a_lenient_document_keeps_what_it_cannot_resolve_as_written_and_says_why() -> None:
+    server = {"t": {"i": {"host": "${nope}", "port": 1}}}
+    loaded = GlobalConfig.from_document({"a": [1, "${nope}"], "n": "${a.0}", "s": server}, lenient=True)
+    assert loaded.document == {"a": [1, "${nope}"], "n": 1, "s": server}
+    assert loaded.unresolved_servers == {"s": "s.t.i.host = '${nope}' (Interpolation key 'nope' not found)"}
+
+
+def test_a_lenient_document_that_is_no_mapping_or_no_json_gets_one_exact_line() -> None:
+    circular: dict[str, object] = {}
+    circular["self"] = circular
+    refusals = {
+        "a global config must be a mapping, not list": [1],
+        "config is not representable as JSON: Circular reference detected": circular,
+        # JSON with `default=str` takes a date; OmegaConf, which resolves the interpolation, does not
+        "cannot read config interpolations: Value 'date' is not a supported primitive type": {
+            "d": datetime.date(2024, 1, 2),
+            "x": "${y}",
+        },
+    }
+    for message, refused_document in refusals.items():
+        with pytest.raises(ConfigError) as refused:
+            GlobalConfig.from_document(refused_document, lenient=True)  # type: ignore[arg-type]
+        assert str(refused.value).splitlines()[0] == message
