@@ -79,9 +79,10 @@ bench-scale: $(STAMP)
 # first on PATH for the mypy pass. Writes bench/MUTATION.md.
 mutate: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[mutation]'
-	started=$$(date +%s); PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/mutmut run --max-children 2 || true; \
-	$(BIN)/python tools/mutation_report.py --seconds $$(( $$(date +%s) - started )) \
-		--load "$$(cut -d' ' -f1-3 /proc/loadavg)" > bench/MUTATION.md
+	started=$$(date +%s); load_start="$$(cut -d' ' -f1-3 /proc/loadavg)"; \
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/mutmut run --max-children 2 || true; \
+	$(BIN)/python tools/mutation_report.py --seconds $$(( $$(date +%s) - started )) --load-start "$$load_start" \
+		--load "$$(cut -d' ' -f1-3 /proc/loadavg)" --commit "$$(git rev-parse --short HEAD)" > bench/MUTATION.md
 	@tail -n 1 bench/MUTATION.md
 
 clean:
