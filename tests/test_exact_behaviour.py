@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 import tracemalloc
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from gym_rpc.client._aiohttp_instrumentation import _add_attributes
 from gym_rpc.client._http import (
     HttpClientSettings,
     LoopSessions,
+    ObservedCall,
     RetryPolicy,
     _sessions_by_loop,
     close_loop_sessions,
@@ -65,6 +66,7 @@ from gym_rpc.server._security import ServerSecurity, _bearer_token
 from gym_rpc.wire import StatusReport, WatchEvent
 from gym_rpc.wire._paths import _first_segment, encode_rollout_id, rollout_path_prefix, split_gym_prefixes
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.raw_servers import start_dropping_server
 
 
 def test_server_config_repr_redacts_only_secret_keys() -> None:
@@ -977,3 +979,62 @@ def test_a_lenient_document_that_is_no_mapping_or_no_json_gets_one_exact_line() 
         with pytest.raises(ConfigError) as refused:
             GlobalConfig.from_document(refused_document, lenient=True)  # type: ignore[arg-type]
         assert str(refused.value).splitlines()[0] == message
+
+
+async def test_an_observed_call_resends_to_its_base_url_and_path_as_told() -> None:
+    """ObservedCall.send (the traced and metered paths): base URL + path, the caller's resend rule and counter."""
+    server, port, connections = await start_dropping_server(drops=1)
+    base = f"http://{LOOPBACK}:{port}"
+    policy = RetryPolicy(attempts=2, initial_backoff_seconds=0.01, max_backoff_seconds=0.02)
+    resends: list[int] = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            call = ObservedCall(session, "POST", base, "/v1/x", policy, True, {"data": b"{}"}, "srv")
+            async with await call.send(resends.append) as response:
+                assert (response.status, str(response.url)) == (200, f"{base}/v1/x")
+            assert (resends, connections) == ([2], [2])
+            connections[0] = 0
+            with pytest.raises(aiohttp.ServerDisconnectedError):
+                await ObservedCall(session, "POST", base, "/v1/x", policy, False, {"data": b"{}"}, "srv").send()
+            assert connections == [1]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_a_server_without_a_config_of_its_own_takes_the_token_of_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("GYM_RPC_TOKEN", " s3cret ")
+    assert ServerSecurity.from_environment() == ServerSecurity(token="s3cret")
+    monkeypatch.setenv("GYM_RPC_TOKEN", "")
+    assert ServerSecurity.from_environment() == ServerSecurity(token=None)
+
+
+async def _end_at_once(request: bytes, context: object) -> AsyncIterator[bytes]:
+    """A status watch that a control plane other than gym_rpc's head (which never does) ends without an error."""
+    return
+    yield
+
+
+@FLAVOURS
+async def test_a_watch_the_head_ends_without_an_error_is_an_outage_named_as_such(events_of: WatchFactory) -> None:
+    watch = grpc.unary_stream_rpc_method_handler(_end_at_once)  # bytes in and out: no message is ever sent
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("gym_rpc.v1.ControlPlaneService", {"WatchServerStatuses": watch}),)
+    )
+    address = f"{LOOPBACK}:{server.add_insecure_port(f'{LOOPBACK}:0')}"
+    await server.start()
+    retried: list[ControlPlaneError] = []
+    try:
+        with pytest.raises(HeadUnreachableError) as ended:
+            await events_of(address, 1, max_wait_seconds=0.3, on_retry=lambda error, _: retried.append(error))
+    finally:
+        await server.stop(None)
+    assert (str(ended.value), ended.value.address, ended.value.code) == (
+        f"head server at {address} ended the status watch",
+        address,
+        grpc.StatusCode.UNAVAILABLE,
+    )
+    assert retried and {str(error) for error in retried} == {str(ended.value)}
