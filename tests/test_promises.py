@@ -43,7 +43,7 @@ from gym_rpc.server import _security as server_security
 from gym_rpc.server._head import HeadOptions, HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import MAX_RESPONSE_BYTES, SERVICE_NAME
-from tests.cli_helpers import cli_command, cli_env, run_cli, running_head
+from tests.cli_helpers import CliProcess, cli_env, run_cli, running_head
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 SLACK_SECONDS = 5.0  # on top of a promised figure, for a loaded 2-core machine
@@ -463,13 +463,7 @@ def test_status_watch_on_a_terminal_redraws_every_second(tmp_path: Path) -> None
     config = _config_file(tmp_path / "gym.yaml", document({"gone": server_entry(closed_port())}))
     with running_head(config) as head:
         primary, replica = pty.openpty()
-        watcher = subprocess.Popen(
-            cli_command(["status", "--head", head.address, "--watch"]),
-            stdin=subprocess.DEVNULL,
-            stdout=replica,
-            stderr=subprocess.DEVNULL,
-            env=cli_env(),
-        )
+        watcher = CliProcess(["status", "--head", head.address, "--watch"], stdout=replica)
         os.close(replica)
         output, drawn_at = b"", list[float]()
         deadline = time.monotonic() + 30
@@ -479,8 +473,8 @@ def test_status_watch_on_a_terminal_redraws_every_second(tmp_path: Path) -> None
                     output += os.read(primary, 65536)
                     drawn_at += [time.monotonic()] * (output.count(CLEAR_SCREEN) - len(drawn_at))
         finally:
-            watcher.send_signal(signal.SIGINT)
-            assert watcher.wait(timeout=20) == 130
+            assert watcher.interrupt() == 130
+            watcher.close()
             os.close(primary)
     draws = output.split(CLEAR_SCREEN)[1:5]
     assert len(drawn_at) >= 5 and all(draws), output
