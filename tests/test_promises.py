@@ -94,15 +94,20 @@ async def test_at_most_128_concurrent_streams_per_connection(head_factory) -> No
 
 
 async def test_a_connection_that_never_handshakes_is_closed_after_10_seconds(head_factory) -> None:
-    """SECURITY.md: "a connection that does not complete its HTTP/2 (or TLS) handshake within 10 s is closed"."""
-    head = await head_factory(document({}))
+    """SECURITY.md: "a connection that does not complete its HTTP/2 (or TLS) handshake within 10 s is closed".
+    The deadline is HeadOptions.handshake_timeout_seconds, 10 s by default (a literal in
+    test_keepalive_and_ping_rules_are_the_documented_figures); lowered to 1.5 s here, so the suite does not wait
+    10 s to see the head hang up."""
+    head = await head_factory(document({}), handshake_timeout_seconds=1.5)
     reader, writer = await asyncio.open_connection(LOOPBACK, head.port)
     opened = time.monotonic()
     try:
-        await asyncio.wait_for(reader.read(), 10 + SLACK_SECONDS * 2)  # returns at end of stream: the head hung up
+        await asyncio.wait_for(
+            reader.read(), 1.5 + SLACK_SECONDS * 2
+        )  # returns at end of stream: the head hung up
         closed_after = time.monotonic() - opened
         assert reader.at_eof()
-        assert closed_after > 5.0, f"closed after {closed_after:.1f}s, long before the 10 s handshake deadline"
+        assert closed_after > 1.0, f"closed after {closed_after:.1f}s, long before the 1.5 s handshake deadline"
     finally:
         writer.close()
     assert (await ControlClient(head.address).list_server_statuses()).reports == []  # the head serves on
@@ -127,6 +132,7 @@ def test_keepalive_and_ping_rules_are_the_documented_figures() -> None:
     }
     assert HeadOptions().max_concurrent_watches == 512
     assert HeadOptions().shutdown_grace_seconds == 0.5
+    assert HeadOptions().handshake_timeout_seconds == 10.0
 
 
 def test_the_port_is_not_shared_with_a_second_process() -> None:
