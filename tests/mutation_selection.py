@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -62,11 +61,8 @@ _rootpath = Path()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """mutmut's fork server ignores SIGINT, and every process it forks would too: a `gym-rpc status --watch` that a
-    test stops with SIGINT would never stop, and the test's failure would count as a kill of any mutant."""
     global _rootpath
     _rootpath = config.rootpath
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
