@@ -111,6 +111,7 @@ def main() -> None:
     parser.add_argument("--load-start", help="the load average when it started (/proc/loadavg)")
     parser.add_argument("--load", help="the load average when it ended (/proc/loadavg)")
     parser.add_argument("--commit", help="the commit the mutants were made from")
+    parser.add_argument("--workers", type=int, default=4, help="mutmut's --max-children")
     args = parser.parse_args()
     results = load_results()
     notes: dict[str, str] = tomllib.loads(NOTES.read_text(encoding="utf-8")) if NOTES.exists() else {}
@@ -125,7 +126,7 @@ def main() -> None:
     run = []
     if args.seconds is not None:
         run.append(
-            f"Run: {args.seconds / 60:.1f} min from scratch (mutants/ removed first), 2 workers"
+            f"Run: {args.seconds / 60:.1f} min from scratch (mutants/ removed first), {args.workers} workers"
             + (f", commit {args.commit}" if args.commit else "")
             + f"; load average at the start {args.load_start or '?'}, at the end {args.load or '?'}."
         )
