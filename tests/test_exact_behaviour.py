@@ -62,11 +62,12 @@ from gym_rpc.errors import (
     ServerUnreachableError,
 )
 from gym_rpc.server._prober import Changes, StatusProber, new_probe_session, probe, unsampled_traceparent
-from gym_rpc.server._security import ServerSecurity, _bearer_token
+from gym_rpc.server._security import ServerSecurity, _bearer_token, check_tls_files, with_handshake_timeout
 from gym_rpc.wire import StatusReport, WatchEvent
 from gym_rpc.wire._paths import _first_segment, encode_rollout_id, rollout_path_prefix, split_gym_prefixes
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 from tests.raw_servers import start_dropping_server
+from tests.test_security import make_pki
 
 
 def test_server_config_repr_redacts_only_secret_keys() -> None:
@@ -693,6 +694,7 @@ async def test_a_probe_reports_exactly_what_it_got(http_server, silent_server: i
         f"[Errno 111] Connect call failed ('{LOOPBACK}', {refused})",
     )
     assert (mute.status, mute.http_status, mute.detail) == ("timeout", 0, "no answer within 0.2s")
+    assert 0 <= mute.latency_seconds < 1.0  # the deadline is the probe's own 0.2 s, not a floor above it
 
 
 def test_probe_traceparents_are_unsampled_and_random() -> None:
@@ -1038,3 +1040,112 @@ async def test_a_watch_the_head_ends_without_an_error_is_an_outage_named_as_such
         grpc.StatusCode.UNAVAILABLE,
     )
     assert retried and {str(error) for error in retried} == {str(ended.value)}
+
+
+def test_tls_files_the_head_cannot_serve_are_named_with_the_reason(tmp_path: Path) -> None:
+    pki = make_pki(tmp_path)
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("not pem")
+    refusals = {
+        f"cannot read head_server.tls.cert_file {tmp_path}/gone.pem: No such file or directory": HeadTlsConfig(
+            cert_file=str(tmp_path / "gone.pem"), key_file=str(pki.server_key)
+        ),
+        f"cannot read head_server.tls.key_file {tmp_path}/gone.key: No such file or directory": HeadTlsConfig(
+            cert_file=str(pki.server_cert), key_file=str(tmp_path / "gone.key")
+        ),
+        f"head_server.tls: {pki.server_cert} (cert_file) and {pki.client_key} (key_file) are not a PEM "
+        "certificate chain and its unencrypted private key (KEY_VALUES_MISMATCH)": HeadTlsConfig(
+            cert_file=str(pki.server_cert), key_file=str(pki.client_key)
+        ),
+        f"head_server.tls.client_ca_file {not_pem} is not a PEM CA certificate (NO_CERTIFICATE_OR_CRL_FOUND)": (
+            HeadTlsConfig(
+                cert_file=str(pki.server_cert), key_file=str(pki.server_key), client_ca_file=str(not_pem)
+            )
+        ),
+    }
+    for message, tls in refusals.items():
+        with pytest.raises(ConfigError) as refused:
+            check_tls_files(tls)
+        assert str(refused.value) == message
+
+
+def test_another_handshake_deadline_replaces_the_default_option() -> None:
+    options = with_handshake_timeout(1.5)
+    assert [name for name, _ in options].count("grpc.server_handshake_timeout_ms") == 1
+    assert dict(options)["grpc.server_handshake_timeout_ms"] == 1500
+
+
+def test_http_client_must_be_a_mapping_and_each_upstream_pool_key_is_read() -> None:
+    with pytest.raises(ConfigError) as refused:
+        HttpClientSettings.from_document({"http_client": [1]})
+    assert str(refused.value) == "http_client must be a mapping, not list"
+    only_per_host = HttpClientSettings.from_document({"global_aiohttp_connector_limit_per_host": 7})
+    assert only_per_host.max_connections_per_host == 7
+
+
+async def test_a_probe_sends_an_unsampled_traceparent_and_names_an_unexpected_error(http_server) -> None:
+    seen: list[str] = []
+
+    async def record(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("traceparent", ""))
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/", record)
+    port = await http_server(app)
+    async with new_probe_session() as session:
+        answered = await probe(session, "s", f"http://{LOOPBACK}:{port}/", 5)
+        bad = await probe(session, "bad", "http://[::1", 5)
+    assert len(seen) == 1 and re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-00", seen[0]), seen
+    assert 0 <= answered.latency_seconds < 5
+    assert (bad.status, bad.detail) == ("unknown_error", "InvalidUrlClientError: http://[::1")
+
+
+async def test_the_first_config_version_is_no_change_and_a_later_one_is() -> None:
+    prober = StatusProber({})
+    revision = prober.revision
+    prober.set_config_version("a")
+    assert prober.revision == revision
+    prober.set_config_version("b")
+    assert prober.revision == revision + 1
+
+
+async def test_a_stored_probe_keeps_the_registration_and_counts_probes_in_a_row(caplog) -> None:
+    servers = GlobalConfig.from_document(document({"s": server_entry(1)})).servers
+    prober = StatusProber(servers)
+    await prober.set_servers(servers)
+    url = servers["s"].url
+    ok = StatusReport(server_name="s", status="success", url=url, checked_at=time.time(), http_status=200)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            await prober._store(ok)
+        await prober.set_registration("s", None, "http://advertised:1")
+        failed = StatusReport(
+            server_name="s", status="connection_error", url=url, checked_at=time.time(), detail="refused"
+        )
+        stored = await prober._store(failed)
+    assert (stored.status, stored.advertised_url) == ("connection_error", "http://advertised:1")
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert warnings == ["s: success -> connection_error after 3 probes (refused)"]
+    assert prober.fresh_report("s", 0) is None  # 0: no cached answer is fresh enough
+    assert prober.fresh_report("s", 60) == stored
+
+
+async def test_every_probe_sent_is_counted_once(http_server) -> None:
+    port = await http_server()
+    servers = GlobalConfig.from_document(document({"s": server_entry(port)})).servers
+    probed = asyncio.Event()
+
+    async def on_change(report: StatusReport | None, name: str) -> None:
+        if report is not None and report.status is not None:  # the first background round's probe
+            probed.set()
+
+    prober = StatusProber(servers, interval_seconds=3600, on_change=on_change)
+    await prober.start()
+    try:
+        await asyncio.wait_for(probed.wait(), 10)
+        await prober.probe_now("s", 5)
+        await prober.probe_now("s", 5)
+    finally:
+        await prober.stop()
+    assert (prober.probes_started, prober.probes_joined) == (3, 0)
