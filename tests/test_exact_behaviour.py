@@ -6,6 +6,7 @@ Each test names the mutant class it kills: a change to the code that left the re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import inspect
 import itertools
@@ -777,8 +778,10 @@ async def test_a_watch_from_the_current_revision_resumes_with_heartbeats(
     (not compacted) snapshot."""
     head = await head_factory(document({"gone": server_entry(closed_port())}), probe_interval_seconds=3600)
     revision = (await ControlClient(head.address).list_server_statuses()).revision
+    started = time.monotonic()
     resumed = await events_of(head.address, 2, start_revision=revision, heartbeat_seconds=0.2)
     assert [(event.kind, event.revision) for event in resumed] == [("heartbeat", revision)] * 2
+    assert time.monotonic() - started < 4.0  # two at 0.2 s, where the head's default of 5 s would take 10 s
     fresh = await events_of(head.address, 1, heartbeat_seconds=0.2)
     assert (fresh[0].kind, fresh[0].compacted, fresh[0].revision) == ("snapshot", False, revision)
 
@@ -1097,7 +1100,7 @@ async def test_a_probe_sends_an_unsampled_traceparent_and_names_an_unexpected_er
         answered = await probe(session, "s", f"http://{LOOPBACK}:{port}/", 5)
         bad = await probe(session, "bad", "http://[::1", 5)
     assert len(seen) == 1 and re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-00", seen[0]), seen
-    assert 0 <= answered.latency_seconds < 5
+    assert 0 < answered.latency_seconds < 5
     assert (bad.status, bad.detail) == ("unknown_error", "InvalidUrlClientError: http://[::1")
 
 
@@ -1124,11 +1127,16 @@ async def test_a_stored_probe_keeps_the_registration_and_counts_probes_in_a_row(
             server_name="s", status="connection_error", url=url, checked_at=time.time(), detail="refused"
         )
         stored = await prober._store(failed)
-    assert (stored.status, stored.advertised_url) == ("connection_error", "http://advertised:1")
+        assert (stored.status, stored.advertised_url) == ("connection_error", "http://advertised:1")
+        await prober._store(failed)
+        await prober._store(dataclasses.replace(failed, status="timeout", detail="no answer within 1s"))
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
-    assert warnings == ["s: success -> connection_error after 3 probes (refused)"]
+    assert warnings == [
+        "s: success -> connection_error after 3 probes (refused)",
+        "s: connection_error -> timeout after 2 probes (no answer within 1s)",  # counted again from the change
+    ]
     assert prober.fresh_report("s", 0) is None  # 0: no cached answer is fresh enough
-    assert prober.fresh_report("s", 60) == stored
+    assert prober.fresh_report("s", 60) == prober.report("s")
 
 
 async def test_every_probe_sent_is_counted_once(http_server) -> None:
@@ -1149,3 +1157,13 @@ async def test_every_probe_sent_is_counted_once(http_server) -> None:
     finally:
         await prober.stop()
     assert (prober.probes_started, prober.probes_joined) == (3, 0)
+
+
+async def test_a_method_nobody_serves_is_unimplemented_behind_the_token_check_too(head_factory) -> None:
+    """The token interceptor passes a call no handler serves through untouched (gRPC answers UNIMPLEMENTED)."""
+    head = await head_factory(document({}, head_server={"host": LOOPBACK, "port": 0, "auth_token": "s3cret-t0k"}))
+    async with grpc.aio.insecure_channel(head.address) as channel:
+        missing = channel.unary_unary("/gym_rpc.v1.ControlPlaneService/NoSuchMethod", None, None)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await missing(b"", timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
