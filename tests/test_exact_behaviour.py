@@ -1167,3 +1167,18 @@ async def test_a_method_nobody_serves_is_unimplemented_behind_the_token_check_to
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await missing(b"", timeout=10)
     assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_pauses_before_any_event_start_at_the_first_backoff() -> None:
+    """A head down from the start: the first pause is backoff(1) (the count of failures starts at 0)."""
+    policy = RetryPolicy(initial_backoff_seconds=0.1, multiplier=10.0, max_backoff_seconds=5.0)
+    pauses: list[float] = []
+    with pytest.raises(HeadUnreachableError):
+        await _async_events(
+            f"{LOOPBACK}:{closed_port()}",
+            1,
+            max_wait_seconds=0.5,
+            retry=policy,
+            on_retry=lambda _, p: pauses.append(p),
+        )
+    assert 0.05 <= pauses[0] <= 0.1, pauses
