@@ -30,12 +30,14 @@ from gym_rpc.client._aiohttp_instrumentation import request_context as instrumen
 from gym_rpc.client._aiohttp_instrumentation import session_instrumented
 from gym_rpc.client._http import ObservedCall
 from gym_rpc.client._rollout import current_rollout_id
+from gym_rpc.client._sdk_spans import ClientSpan, span_plan
 from gym_rpc.telemetry import (
     ROLLOUT_ID_ATTRIBUTE,
     SERVER_ADDRESS,
     SERVER_NAME_ATTRIBUTE,
     SERVER_PORT,
     URL_FULL,
+    SpanRecorder,
     method_attributes,
     propagation,
     record_failure,
@@ -77,37 +79,20 @@ def _is_default_propagator(propagator: TextMapPropagator) -> bool:
     )
 
 
-def trace_context_headers(given: Any, span: trace.Span) -> MutableMapping[str, str]:
-    """A copy of the caller's headers (never touched) carrying `span`'s context, ours replacing any traceparent."""
+def trace_context_headers(given: Any, context: trace.SpanContext) -> MutableMapping[str, str]:
+    """A copy of the caller's headers (never touched) carrying `context`, ours replacing any traceparent."""
     headers: MutableMapping[str, str] = CIMultiDict(given) if given else {}
-    context = span.get_span_context()
     propagate = propagation()
     default = _is_default_propagator(propagate.get_global_textmap())
     if default and not context.trace_state and not baggage.get_all():
         flags = context.trace_flags
         headers[TRACEPARENT_HEADER] = f"00-{context.trace_id:032x}-{context.span_id:016x}-{flags:02x}"
     else:
-        propagate.inject(headers, context=trace.set_span_in_context(span))
+        propagate.inject(headers, context=trace.set_span_in_context(trace.NonRecordingSpan(context)))
     return headers
 
 
-@functools.lru_cache(maxsize=8)
-def _unsampled_parents_stay_unsampled(sampler: object) -> bool:
-    """Whether `sampler` (the tracer's) drops every child of an unsampled parent: the SDK's ParentBased with its
-    default ALWAYS_OFF for such children (every `parentbased_*` choice of OTEL_TRACES_SAMPLER). Anything else,
-    or an application's tracer that is not the SDK's, decides per call as usual."""
-    try:
-        from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
-    except ImportError:
-        return False
-    return (
-        type(sampler) is ParentBased
-        and getattr(sampler, "_local_parent_not_sampled", None) is ALWAYS_OFF
-        and getattr(sampler, "_remote_parent_not_sampled", None) is ALWAYS_OFF
-    )
-
-
-def _resend_counter(span: trace.Span, on_resend: Callable[[int], None] | None) -> Callable[[int], None]:
+def _resend_counter(span: SpanRecorder, on_resend: Callable[[int], None] | None) -> Callable[[int], None]:
     def count_resend(attempt: int) -> None:
         span.set_attribute(HTTP_REQUEST_RESEND_COUNT, attempt - 1)
         if on_resend is not None:
@@ -123,27 +108,31 @@ async def traced_send(
     `http.request.resend_count` (the number of attempts after the first).
 
     The span ends when the response headers arrive (the caller reads the body) and covers the resends. It is never
-    made the current span: nothing runs under it in this process, and attaching a context costs a few µs. On a
-    session that aiohttp's OpenTelemetry instrumentation traces, its spans are the CLIENT spans (one per attempt)
-    and ours only adds attributes to them (gym_rpc.client._aiohttp_instrumentation).
+    made the current span: nothing runs under it in this process, and attaching a context costs a few µs. Where
+    gym_rpc.client._sdk_spans proves it the same, the SDK's work is done directly (or skipped, for a child of an
+    unsampled parent). On a session that aiohttp's OpenTelemetry instrumentation traces, its spans are the CLIENT
+    spans (one per attempt) and ours only adds attributes to them (gym_rpc.client._aiohttp_instrumentation).
     """
     kwargs, rollout_id = call.kwargs, current_rollout_id()
     if session_instrumented(call.session):
         return await _send_with_attributes(call, rollout_id, on_resend)
-    parent = trace.get_current_span()
-    parent_context = parent.get_span_context()
-    if parent_context.is_valid and not parent_context.trace_flags.sampled:
-        active = tracer()
-        if _unsampled_parents_stay_unsampled(getattr(active, "sampler", None)):
-            kwargs["headers"] = trace_context_headers(kwargs.get("headers"), parent)
-            return await call.send(on_resend)
+    active = tracer()
+    parent = trace.get_current_span().get_span_context()
+    plan = span_plan(active)
+    if plan is not None and plan.drops(parent):
+        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), parent)
+        return await call.send(on_resend)
     name, static = _static_attributes(call.method, call.base_url, call.server_name)
     attributes = {**static, URL_FULL: call.base_url + call.url_path}
     if rollout_id is not None:
         attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
-    span = tracer().start_span(name, kind=_CLIENT, attributes=attributes)
+    span: ClientSpan | trace.Span
+    if plan is not None and plan.records_directly(parent):
+        span = plan.start(name, attributes, parent)
+    else:
+        span = active.start_span(name, kind=_CLIENT, attributes=attributes)
     try:
-        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), span)
+        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), span.get_span_context())
         response = await call.send(_resend_counter(span, on_resend))
     except BaseException as error:
         record_failure(span, error)
