@@ -41,7 +41,7 @@ from opentelemetry.sdk.trace.sampling import (
 from gym_rpc.client import _http_tracing
 from gym_rpc.client._http import ObservedCall, RetryPolicy
 from gym_rpc.client._rollout import rollout_context
-from gym_rpc.client._sdk_spans import SpanPlan, _does_nothing, span_plan
+from gym_rpc.client._sdk_spans import DIRECT, DROP, SDK, SpanPlan, _does_nothing, span_plan
 from gym_rpc.errors import ServerUnreachableError
 from gym_rpc.telemetry import TRACER_NAME
 from tests.raw_servers import LOOPBACK
@@ -169,13 +169,18 @@ async def under_parent(parent: str, tracer: trace.Tracer, call: Callable[[], Awa
             with tracer.start_as_current_span("gym.rollout"):
                 return await call()
         if parent == "remote":
-            remote = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "v=1"}
+            traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+            remote = {"traceparent": traceparent, "tracestate": "v=1"}
             token = otel_context.attach(propagate.extract(remote))
             try:
                 return await call()
             finally:
                 otel_context.detach(token)
         return await call()
+
+
+def attributes_of(span: ReadableSpan) -> dict[str, Any]:
+    return dict(span.attributes or {})
 
 
 def comparable(span: ReadableSpan) -> dict[str, Any]:
@@ -190,7 +195,7 @@ def comparable(span: ReadableSpan) -> dict[str, Any]:
         "parent": None if parent is None else (parent.is_remote, parent.trace_flags, parent.trace_state),
         "same trace as parent": parent is None or span.context.trace_id == parent.trace_id,
         "context": (span.context.is_remote, span.context.trace_flags, span.context.trace_state),
-        "attributes": list(span.attributes.items()),
+        "attributes": list(attributes_of(span).items()),
         "dropped": (span.dropped_attributes, span.dropped_events, span.dropped_links),
         "status": (span.status.status_code, span.status.description),
         "events": [(event.name, dict(event.attributes or {})) for event in span.events],
@@ -236,7 +241,7 @@ async def test_a_direct_span_exports_what_the_sdks_own_does(
 
     assert direct_outcome == sdk_outcome == int(path[1:])
     assert comparable(direct_span) == comparable(sdk_span)
-    assert dict(direct_span.attributes)["gym.rollout_id"] == "r-1"
+    assert attributes_of(direct_span)["gym.rollout_id"] == "r-1"
     for span, sent in zip((direct_span, sdk_span), receiver.traceparents, strict=True):  # what went out is it
         context = span.context
         assert sent == f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
@@ -303,20 +308,32 @@ async def free_port() -> int:
 
 def not_direct(traced: Traced, parent: trace.SpanContext) -> bool:
     plan = plan_for(traced)
-    return plan is None or not plan.records_directly(parent)
+    return plan is None or plan.way(parent) is not DIRECT
 
 
 SAMPLED_LOCAL = trace.SpanContext(1, 2, False, trace.TraceFlags(1))
+# No parent (a root), then sampled and unsampled, local and remote parents.
+PARENTS = [
+    trace.INVALID_SPAN_CONTEXT,
+    SAMPLED_LOCAL,
+    trace.SpanContext(1, 2, False, trace.TraceFlags(0)),
+    trace.SpanContext(1, 2, True, trace.TraceFlags(1)),
+    trace.SpanContext(1, 2, True, trace.TraceFlags(0)),
+]
 
 
 @pytest.mark.parametrize(
     "provider_arguments",
     [
         pytest.param({"sampler": SameSampler()}, id="a sampler of another class"),
-        pytest.param({"sampler": ParentBased(ALWAYS_ON, local_parent_sampled=TraceIdRatioBased(1.0))},
-                     id="a parent-based sampler whose delegate is not always-on"),  # fmt: skip
+        pytest.param(
+            {"sampler": ParentBased(ALWAYS_ON, local_parent_sampled=TraceIdRatioBased(1.0))},
+            id="a parent-based sampler whose delegate is not always-on",
+        ),
         pytest.param({"span_limits": SpanLimits(max_span_attribute_length=64)}, id="a value length limit"),
-        pytest.param({"active_span_processor": sdk_trace.ConcurrentMultiSpanProcessor()}, id="concurrent processors"),
+        pytest.param(
+            {"active_span_processor": sdk_trace.ConcurrentMultiSpanProcessor()}, id="concurrent processors"
+        ),
     ],
 )
 def test_what_cannot_be_proven_takes_the_sdks_path(
@@ -336,7 +353,7 @@ async def test_a_sampler_that_adds_attributes_is_obeyed(traced: Callable[..., Tr
     tagging = traced(sampler=TaggingSampler())
     assert not_direct(tagging, SAMPLED_LOCAL)
     _, span = await exported_call(tagging, "rollout", receiver.base_url, "/200")
-    assert dict(span.attributes)["tagged"] == 1
+    assert attributes_of(span)["tagged"] == 1
 
 
 async def test_span_limits_are_the_sdks(traced: Callable[..., Traced], receiver: Receiver) -> None:
@@ -344,17 +361,19 @@ async def test_span_limits_are_the_sdks(traced: Callable[..., Traced], receiver:
     both export what the SDK does."""
     truncating = traced(span_limits=SpanLimits(max_span_attribute_length=4))
     _, span = await exported_call(truncating, "rollout", receiver.base_url, "/200")
-    assert dict(span.attributes)["gym.server.name"] == "poli"
+    assert attributes_of(span)["gym.server.name"] == "poli"
     counting = traced(span_limits=SpanLimits(max_span_attributes=3))
     assert not not_direct(counting, SAMPLED_LOCAL)
     _, direct = await exported_call(counting, "rollout", receiver.base_url, "/200")
     sdk = traced(span_limits=SpanLimits(max_span_attributes=3), sampler=SameSampler())
     _, reference = await exported_call(sdk, "rollout", receiver.base_url, "/200")
     assert comparable(direct) == comparable(reference)
-    assert len(direct.attributes) == 3 and direct.dropped_attributes > 0
+    assert len(attributes_of(direct)) == 3 and direct.dropped_attributes > 0
 
 
-async def test_a_processor_added_later_sees_the_sdks_spans(traced: Callable[..., Traced], receiver: Receiver) -> None:
+async def test_a_processor_added_later_sees_the_sdks_spans(
+    traced: Callable[..., Traced], receiver: Receiver
+) -> None:
     """The plan follows the tracer's state: a processor that looks at starting spans, added after calls were
     made, gets the SDK's path from the next call on (and a plain batching one keeps the direct path)."""
     current = traced()
@@ -369,18 +388,21 @@ async def test_a_processor_added_later_sees_the_sdks_spans(traced: Callable[...,
     assert [s.kind for s in current.finished()] == [trace.SpanKind.CLIENT, trace.SpanKind.INTERNAL] * 2
 
 
-def test_unsampled_parents_children_are_dropped_only_when_the_sampler_says_so(traced: Callable[..., Traced]) -> None:
-    unsampled_local = trace.SpanContext(1, 2, False, trace.TraceFlags(0))
-    unsampled_remote = trace.SpanContext(1, 2, True, trace.TraceFlags(0))
+def test_unsampled_parents_children_are_dropped_only_when_the_sampler_says_so(
+    traced: Callable[..., Traced],
+) -> None:
     default = plan_for(traced())
-    assert default is not None and default.drops(unsampled_local) and default.drops(unsampled_remote)
-    assert not default.drops(SAMPLED_LOCAL)
+    assert default is not None
+    assert [default.way(parent) for parent in PARENTS] == [DIRECT, DIRECT, DROP, DIRECT, DROP]
     remote_kept = plan_for(traced(sampler=ParentBased(ALWAYS_ON, remote_parent_not_sampled=ALWAYS_ON)))
-    assert remote_kept is not None and remote_kept.drops(unsampled_local) and not remote_kept.drops(unsampled_remote)
+    assert remote_kept is not None
+    assert [remote_kept.way(parent) for parent in PARENTS] == [DIRECT, DIRECT, DROP, DIRECT, DIRECT]
     assert plan_for(traced(sampler=SameSampler())) is None
     always_on = plan_for(traced(sampler=ALWAYS_ON))
-    assert always_on is not None and not always_on.drops(unsampled_local)
-    assert always_on.records_directly(unsampled_local)  # the SDK's always-on sampler records it
+    assert always_on is not None and {always_on.way(parent) for parent in PARENTS} == {DIRECT}
+    ratio_root = plan_for(traced(sampler=ParentBased(TraceIdRatioBased(0.5))))
+    assert ratio_root is not None
+    assert [ratio_root.way(parent) for parent in PARENTS] == [SDK, DIRECT, DROP, DIRECT, DROP]
 
 
 # --- the SDK internals this module reads -------------------------------------------------------------------------
@@ -402,10 +424,10 @@ def test_the_sdk_internals_read_are_where_they_were(traced: Callable[..., Traced
     assert not _does_nothing(BatchSpanProcessor.on_end)
     assert isinstance(DEFAULT_ON, ParentBased) and DEFAULT_ON._root is ALWAYS_ON
     assert (DEFAULT_ON._local_parent_sampled, DEFAULT_ON._remote_parent_sampled) == (ALWAYS_ON, ALWAYS_ON)
-    assert (DEFAULT_ON._local_parent_not_sampled, DEFAULT_ON._remote_parent_not_sampled) == (ALWAYS_OFF, ALWAYS_OFF)
+    not_sampled = (DEFAULT_ON._local_parent_not_sampled, DEFAULT_ON._remote_parent_not_sampled)
+    assert not_sampled == (ALWAYS_OFF, ALWAYS_OFF)
     assert isinstance(ALWAYS_ON, StaticSampler) and ALWAYS_ON._decision is Decision.RECORD_AND_SAMPLE
-    assert ALWAYS_OFF._decision is Decision.DROP  # type: ignore[attr-defined]
+    assert ALWAYS_OFF._decision is Decision.DROP
     plan = span_plan(tracer)
     assert plan is not None
-    assert plan.direct_root and plan.direct_child == ((False, True), (False, True))
-    assert plan.dropped_unsampled_child == (True, True)
+    assert [plan.way(parent) for parent in PARENTS] == [DIRECT, DIRECT, DROP, DIRECT, DROP]

@@ -22,15 +22,18 @@ from urllib.parse import urlsplit
 import aiohttp
 from multidict import CIMultiDict
 from opentelemetry import baggage, trace
+from opentelemetry import context as otel_context
+from opentelemetry.context import Context
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 from gym_rpc.client._aiohttp_instrumentation import request_context as instrumentation_request_context
 from gym_rpc.client._aiohttp_instrumentation import session_instrumented
 from gym_rpc.client._http import ObservedCall
 from gym_rpc.client._rollout import current_rollout_id
-from gym_rpc.client._sdk_spans import ClientSpan, span_plan
+from gym_rpc.client._sdk_spans import DIRECT, DROP, SDK, ClientSpan, span_plan
 from gym_rpc.telemetry import (
     ROLLOUT_ID_ATTRIBUTE,
     SERVER_ADDRESS,
@@ -79,16 +82,21 @@ def _is_default_propagator(propagator: TextMapPropagator) -> bool:
     )
 
 
-def trace_context_headers(given: Any, context: trace.SpanContext) -> MutableMapping[str, str]:
-    """A copy of the caller's headers (never touched) carrying `context`, ours replacing any traceparent."""
+def trace_context_headers(
+    given: Any, context: trace.SpanContext, current: Context | None = None
+) -> MutableMapping[str, str]:
+    """A copy of the caller's headers (never touched) carrying `context`, ours replacing any traceparent; the
+    baggage is `current`'s (the current context's by default)."""
     headers: MutableMapping[str, str] = CIMultiDict(given) if given else {}
     propagate = propagation()
     default = _is_default_propagator(propagate.get_global_textmap())
-    if default and not context.trace_state and not baggage.get_all():
+    state = context.trace_state
+    if default and (state is DEFAULT_TRACE_STATE or not state) and not baggage.get_all(current):
         flags = context.trace_flags
         headers[TRACEPARENT_HEADER] = f"00-{context.trace_id:032x}-{context.span_id:016x}-{flags:02x}"
     else:
-        propagate.inject(headers, context=trace.set_span_in_context(trace.NonRecordingSpan(context)))
+        carried = trace.set_span_in_context(trace.NonRecordingSpan(context), current)
+        propagate.inject(headers, context=carried)
     return headers
 
 
@@ -116,23 +124,24 @@ async def traced_send(
     kwargs, rollout_id = call.kwargs, current_rollout_id()
     if session_instrumented(call.session):
         return await _send_with_attributes(call, rollout_id, on_resend)
-    active = tracer()
-    parent = trace.get_current_span().get_span_context()
+    active, current = tracer(), otel_context.get_current()
+    parent = trace.get_current_span(current).get_span_context()
     plan = span_plan(active)
-    if plan is not None and plan.drops(parent):
-        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), parent)
+    way = SDK if plan is None else plan.way(parent)
+    if way is DROP:
+        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), parent, current)
         return await call.send(on_resend)
     name, static = _static_attributes(call.method, call.base_url, call.server_name)
     attributes = {**static, URL_FULL: call.base_url + call.url_path}
     if rollout_id is not None:
         attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
     span: ClientSpan | trace.Span
-    if plan is not None and plan.records_directly(parent):
+    if plan is not None and way is DIRECT:
         span = plan.start(name, attributes, parent)
     else:
         span = active.start_span(name, kind=_CLIENT, attributes=attributes)
     try:
-        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), span.get_span_context())
+        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), span.get_span_context(), current)
         response = await call.send(_resend_counter(span, on_resend))
     except BaseException as error:
         record_failure(span, error)

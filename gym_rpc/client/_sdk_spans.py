@@ -8,16 +8,17 @@ throughput. A call's span has a few str/int attributes, maybe an error status, n
 never made current; what the SDK finally hands its processors for it is one `ReadableSpan`. Built directly, it
 costs ~3 µs. Two shortcuts, each taken only when it is provably what the SDK would do:
 
-* **A recorded span, built directly** (`SpanPlan.start`): the tracer is exactly the SDK's `Tracer`, enabled, with
-  its internal metrics off; its sampler would surely record and sample (an always-on sampler, or a parent-based
-  one whose delegate for this parent, or for a root, is always-on; such samplers add no attributes and keep the
-  parent's trace state); the active processor is the SDK's `SynchronousMultiSpanProcessor` holding only exact
-  `BatchSpanProcessor` / `SimpleSpanProcessor` instances, whose `on_start` and `_on_ending` do nothing (checked on
-  their code, so an SDK that gives them work turns this off); no span attribute value length limit, and an
-  attribute count limit the span stays within (checked at its end). Ids come from the tracer's id generator, trace
-  flags and state follow the parent as the SDK does. A span that must record an exception becomes the SDK's own
-  `Span` from then on (same context, start time, attributes and status), so the exception event is the SDK's.
-* **No span for a child of an unsampled parent** (`SpanPlan.drops`): under a parent-based sampler whose delegate
+* **A recorded span, built directly** (`DIRECT`, `SpanPlan.start`): the tracer is exactly the SDK's `Tracer`,
+  enabled, with its internal metrics off; its sampler would surely record and sample (an always-on sampler, or a
+  parent-based one whose delegate for this parent, or for a root, is always-on; such samplers add no attributes
+  and keep the parent's trace state); the active processor is the SDK's `SynchronousMultiSpanProcessor` holding
+  only exact `BatchSpanProcessor` / `SimpleSpanProcessor` instances, whose `on_start` and `_on_ending` do nothing
+  (checked on their code, so an SDK that gives them work turns this off); no span attribute value length limit,
+  and an attribute count limit the span stays within (checked at its end). Ids come from the tracer's id
+  generator, trace flags and state follow the parent as the SDK's do. A span that must record an exception
+  becomes the SDK's own `Span` from then on (same context, start time, attributes and status), so the exception
+  event is the SDK's.
+* **No span for a child of an unsampled parent** (`DROP`): under a parent-based sampler whose delegate
   for an unsampled parent (local or remote, as the parent is) always drops, the SDK would make a non-recording span
   that nothing sees; the call carries its parent's context instead (the rollout's "sampled once" decision).
 
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from time import time_ns
 from typing import Any
 
@@ -44,45 +44,72 @@ _SAMPLED = trace.TraceFlags(trace.TraceFlags.SAMPLED)
 _SAMPLED_RANDOM = trace.TraceFlags(trace.TraceFlags.SAMPLED | trace.TraceFlags.RANDOM_TRACE_ID)
 _UNSET_STATUS = trace.Status(_UNSET)
 _PlanKey = tuple[Any, ...]
+# SpanPlan._facts: (parent, way, trace id, trace flags, trace state, the parent a span records) of a child.
+_Facts = tuple[trace.SpanContext | None, str, int | None, trace.TraceFlags | None, Any, trace.SpanContext | None]
 
 
-@dataclass(frozen=True, slots=True)
+SDK, DIRECT, DROP = "sdk", "direct", "drop"  # SpanPlan.way: what a call does about its span
+
+
 class SpanPlan:
-    """What one SDK tracer, in one state, would do with a CLIENT span: `start` it directly, or record nothing.
+    """What one SDK tracer, in one state, would do with a CLIENT span, by its parent: nothing to prove (`SDK`: its
+    own path), a span `start` builds `DIRECT`ly, or no span at all (`DROP`).
 
-    The tables are indexed by the parent's flags, bools as indices: [is remote][sampled], [is remote]."""
+    The decision and the parent's ids are remembered for the last parent: a rollout's calls share one."""
 
-    tracer: Any
-    readable_span: Callable[..., Any]  # opentelemetry.sdk.trace.ReadableSpan
-    sdk_span: Callable[..., Any]  # opentelemetry.sdk.trace._Span: what Tracer.start_span makes
-    max_attributes: int | None
-    direct_root: bool
-    direct_child: tuple[tuple[bool, bool], tuple[bool, bool]]
-    dropped_unsampled_child: tuple[bool, bool]
+    __slots__ = ("_direct_child", "_direct_root", "_dropped_child", "_last", "max_attributes", "readable_span",
+                 "sdk_span", "tracer")  # fmt: skip
 
-    def drops(self, parent: trace.SpanContext) -> bool:
-        """Whether `parent` is valid and unsampled, and the SDK would record nothing for a child of it."""
-        return parent.is_valid and not parent.trace_flags.sampled and self.dropped_unsampled_child[parent.is_remote]
+    def __init__(
+        self,
+        tracer: Any,
+        readable_span: Callable[..., Any],
+        sdk_span: Callable[..., Any],
+        max_attributes: int | None,
+        direct_root: bool,
+        direct_child: tuple[tuple[bool, bool], tuple[bool, bool]],
+        dropped_unsampled_child: tuple[bool, bool],
+    ) -> None:
+        self.tracer = tracer
+        self.readable_span = readable_span  # opentelemetry.sdk.trace.ReadableSpan
+        self.sdk_span = sdk_span  # opentelemetry.sdk.trace._Span: what Tracer.start_span makes
+        self.max_attributes = max_attributes
+        self._direct_root = direct_root
+        self._direct_child = direct_child  # [parent is remote][parent sampled]
+        self._dropped_child = dropped_unsampled_child  # [parent is remote], for an unsampled parent
+        self._last: _Facts = (None, SDK, None, None, None, None)
 
-    def records_directly(self, parent: trace.SpanContext) -> bool:
-        """Whether a child of `parent` (or a root, for an invalid one) may be built by `start`."""
-        if parent.is_valid:
-            return self.direct_child[parent.is_remote][parent.trace_flags.sampled]
-        return self.direct_root
+    def way(self, parent: trace.SpanContext) -> str:
+        """SDK, DIRECT or DROP for a child of `parent` (a root span for an invalid one)."""
+        return self._facts(parent)[1]
 
     def start(self, name: str, attributes: dict[str, Any], parent: trace.SpanContext) -> ClientSpan:
-        """The span the SDK would start now (only where `records_directly`), its processors told at its end."""
+        """The span the SDK would start now (only where `way` is DIRECT), its processors told at its end."""
+        _, _, trace_id, flags, state, recorded_parent = self._facts(parent)
         ids = self.tracer.id_generator
-        if parent.is_valid:
-            trace_id, random_id, state, parent_or_none = (
-                parent.trace_id, parent.trace_flags.random_trace_id, parent.trace_state, parent,
-            )  # fmt: skip
-        else:  # the SDK's order of id generator calls
-            trace_id, state, parent_or_none = ids.generate_trace_id(), None, None
-            random_id = ids.is_trace_id_random()
-        flags = _SAMPLED_RANDOM if random_id else _SAMPLED
+        if trace_id is None:  # a root, with the SDK's order of id generator calls
+            trace_id = ids.generate_trace_id()
+            flags = _SAMPLED_RANDOM if ids.is_trace_id_random() else _SAMPLED
         context = trace.SpanContext(trace_id, ids.generate_span_id(), False, flags, state)
-        return ClientSpan(self, name, context, parent_or_none, attributes, time_ns())
+        return ClientSpan(self, name, context, recorded_parent, attributes, time_ns())
+
+    def _facts(self, parent: trace.SpanContext) -> _Facts:
+        last = self._last
+        if last[0] is parent:
+            return last
+        if not parent.is_valid:
+            last = (parent, DIRECT if self._direct_root else SDK, None, None, None, None)
+        else:
+            flags, remote = parent.trace_flags, parent.is_remote
+            sampled = flags.sampled
+            if self._direct_child[remote][sampled]:
+                way = DIRECT
+            else:
+                way = DROP if not sampled and self._dropped_child[remote] else SDK
+            child_flags = _SAMPLED_RANDOM if flags.random_trace_id else _SAMPLED
+            last = (parent, way, parent.trace_id, child_flags, parent.trace_state, parent)
+        self._last = last
+        return last
 
 
 class ClientSpan:
