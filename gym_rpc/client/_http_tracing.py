@@ -15,6 +15,7 @@ costs almost nothing. A rollout sampled at 1 in 10 costs a tenth of a traced one
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -83,21 +84,39 @@ def _is_default_propagator(propagator: TextMapPropagator) -> bool:
 
 
 def trace_context_headers(
-    given: Any, context: trace.SpanContext, current: Context | None = None
+    given: Any, context: trace.SpanContext, current: Context | None = None, carries_baggage: bool | None = None
 ) -> MutableMapping[str, str]:
-    """A copy of the caller's headers (never touched) carrying `context`, ours replacing any traceparent; the
-    baggage is `current`'s (the current context's by default)."""
+    """A copy of the caller's headers (never touched) carrying `context`, ours replacing any traceparent, and the
+    baggage of `current` (the current context by default; `carries_baggage` when the caller knows)."""
     headers: MutableMapping[str, str] = CIMultiDict(given) if given else {}
     propagate = propagation()
     default = _is_default_propagator(propagate.get_global_textmap())
+    if carries_baggage is None:
+        carries_baggage = bool(baggage.get_all(current))
     state = context.trace_state
-    if default and (state is DEFAULT_TRACE_STATE or not state) and not baggage.get_all(current):
+    if default and (state is DEFAULT_TRACE_STATE or not state) and not carries_baggage:
         flags = context.trace_flags
         headers[TRACEPARENT_HEADER] = f"00-{context.trace_id:032x}-{context.span_id:016x}-{flags:02x}"
     else:
         carried = trace.set_span_in_context(trace.NonRecordingSpan(context), current)
         propagate.inject(headers, context=carried)
     return headers
+
+
+_last_inherited: tuple[Callable[[], Context | None], trace.SpanContext, bool] = (
+    lambda: None, trace.INVALID_SPAN_CONTEXT, False,
+)  # fmt: skip
+
+
+def _inherited(current: Context) -> tuple[trace.SpanContext, bool]:
+    """The current span's context (a call's parent) and whether `current` carries baggage. Contexts are immutable
+    and a rollout's calls share one, so the answer is remembered for the last (weakly: it is not kept alive)."""
+    global _last_inherited
+    last = _last_inherited
+    if last[0]() is not current:
+        parent = trace.get_current_span(current).get_span_context()
+        last = _last_inherited = (weakref.ref(current), parent, bool(baggage.get_all(current)))
+    return last[1], last[2]
 
 
 def _resend_counter(span: SpanRecorder, on_resend: Callable[[int], None] | None) -> Callable[[int], None]:
@@ -125,11 +144,11 @@ async def traced_send(
     if session_instrumented(call.session):
         return await _send_with_attributes(call, rollout_id, on_resend)
     active, current = tracer(), otel_context.get_current()
-    parent = trace.get_current_span(current).get_span_context()
+    parent, carries_baggage = _inherited(current)
     plan = span_plan(active)
     way = SDK if plan is None else plan.way(parent)
     if way is DROP:
-        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), parent, current)
+        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), parent, current, carries_baggage)
         return await call.send(on_resend)
     name, static = _static_attributes(call.method, call.base_url, call.server_name)
     attributes = {**static, URL_FULL: call.base_url + call.url_path}
@@ -141,7 +160,8 @@ async def traced_send(
     else:
         span = active.start_span(name, kind=_CLIENT, attributes=attributes)
     try:
-        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), span.get_span_context(), current)
+        context = span.get_span_context()
+        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), context, current, carries_baggage)
         response = await call.send(_resend_counter(span, on_resend))
     except BaseException as error:
         record_failure(span, error)
