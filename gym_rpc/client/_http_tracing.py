@@ -95,8 +95,8 @@ def trace_context_headers(
         carries_baggage = bool(baggage.get_all(current))
     state = context.trace_state
     if default and (state is DEFAULT_TRACE_STATE or not state) and not carries_baggage:
-        flags = context.trace_flags
-        headers[TRACEPARENT_HEADER] = f"00-{context.trace_id:032x}-{context.span_id:016x}-{flags:02x}"
+        ids = (context.trace_id, context.span_id, context.trace_flags)
+        headers[TRACEPARENT_HEADER] = "00-%032x-%016x-%02x" % ids  # noqa: UP031 (here faster than an f-string)
     else:
         carried = trace.set_span_in_context(trace.NonRecordingSpan(context), current)
         propagate.inject(headers, context=carried)
