@@ -11,6 +11,7 @@ import contextlib
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -32,6 +33,7 @@ def cli_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The test process's environment without a stray head address, unbuffered, plus `extra`."""
     env = {k: v for k, v in os.environ.items() if k != HEAD_ADDRESS_ENV_VAR}
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT (see CliProcess.wait) prints every thread's stack to stderr
     env.update(extra or {})
     return env
 
@@ -52,22 +54,29 @@ def run_cli(
 class CliProcess:
     """A running `gym-rpc` subprocess whose stdout lines can be awaited with a deadline."""
 
-    def __init__(self, args: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, args: Sequence[str], env: Mapping[str, str] | None = None, stdout: int | None = None
+    ) -> None:
+        """`stdout`: a file descriptor to write to (a pseudo-terminal, say) instead of lines read here."""
         self.args = list(args)
         self.process = subprocess.Popen(
             cli_command(args),
-            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if stdout is None else stdout,
             stderr=subprocess.PIPE,
             text=True,
             env=cli_env(env),
         )
         self._stdout: queue.Queue[str | None] = queue.Queue()
         self._stderr: list[str | None] = []
-        assert self.process.stdout is not None and self.process.stderr is not None
+        assert self.process.stderr is not None
         self._readers = [
-            threading.Thread(target=self._drain, args=(self.process.stdout, self._stdout.put), daemon=True),
-            threading.Thread(target=self._drain, args=(self.process.stderr, self._stderr.append), daemon=True),
+            threading.Thread(target=self._drain, args=(self.process.stderr, self._stderr.append), daemon=True)
         ]
+        if self.process.stdout is not None:
+            self._readers.append(
+                threading.Thread(target=self._drain, args=(self.process.stdout, self._stdout.put), daemon=True)
+            )
         for reader in self._readers:
             reader.start()
 
@@ -117,11 +126,27 @@ class CliProcess:
             time.sleep(0.02)
 
     def wait(self, timeout: float) -> int:
-        """The exit code; fails the test when the process runs on past `timeout`."""
+        """The exit code; fails the test when the process runs on past `timeout`, with every thread's stack.
+
+        A process still running then gets SIGABRT, on which faulthandler (PYTHONFAULTHANDLER, see cli_env) prints
+        where each of its threads was: a hang is shown where it is, not only that it happened.
+        """
         try:
             return self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"`gym-rpc {' '.join(self.args)}` still runs after {timeout}s") from None
+            self.process.send_signal(signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=10)
+            self._readers[0].join(timeout=5)
+            raise AssertionError(
+                f"`gym-rpc {' '.join(self.args)}` still runs after {timeout}s; its stacks and stderr:\n"
+                f"{self.stderr_text}"
+            ) from None
+
+    def interrupt(self, timeout: float = 20.0) -> int:
+        """Ctrl-C: SIGINT, then the exit code (`timeout` is a hang guard for a loaded machine, see `wait`)."""
+        self.process.send_signal(signal.SIGINT)
+        return self.wait(timeout)
 
     def close(self) -> None:
         """Kill the process if it still runs and collect its output threads."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -31,6 +32,21 @@ LOOPBACK = "127.0.0.1"
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("fuzz", max_examples=3000, derandomize=False, database=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def let_children_take_sigint() -> None:
+    """Give this process Python's own SIGINT handler when SIGINT was inherited ignored.
+
+    A suite started with SIGINT ignored (a bare `cmd &` in a shell without job control: SigIgn 0x6) would pass the
+    ignore on to every subprocess it starts, and a `gym-rpc status --watch` that ignores Ctrl-C never ends when a
+    test sends it SIGINT. A handler (unlike an ignore) is reset to the default by exec, so every child starts as
+    from a terminal, whatever way the suite was launched.
+    """
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+let_children_take_sigint()
 
 
 _held_ports: list[socket.socket] = []

@@ -1,27 +1,54 @@
 """`python -m bench --quick` runs every benchmark at tiny sizes (real server processes on loopback) and prints the
-ratio table, so the bench code cannot rot between `make bench` runs. The figures of a quick run mean nothing; only
-that each benchmark ran and reported is checked."""
+ratio table, and `python -m bench.scale --quick` does the same for the scale report, so the bench code cannot rot
+between `make bench` runs. The figures of a quick run mean nothing; only that each benchmark ran and reported is
+checked. Both run at once: each spends most of its 10 s (quiet machine) starting and awaiting its own processes."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_quick_bench_prints_the_ratio_table_and_writes_the_report(tmp_path: Path) -> None:
-    out = tmp_path / "RESULTS.md"
-    done = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--out", str(out)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,  # a hang guard: about 30 s on a quiet machine, several times that under load
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+@contextlib.contextmanager
+def quick_runs(tmp_path: Path, *modules: str) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """`python -m MODULE --quick --out tmp/MODULE.md` for each module at once, stdout and stderr into files (no
+    pipe to fill while the other is awaited); every one still running at exit is killed."""
+    runs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for module in modules:
+            with (tmp_path / f"{module}.out").open("wb") as out, (tmp_path / f"{module}.err").open("wb") as err:
+                command = [sys.executable, "-m", module, "--quick", "--out", str(tmp_path / f"{module}.md")]
+                runs[module] = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=err)
+        yield runs
+    finally:
+        for run in runs.values():
+            if run.poll() is None:
+                run.kill()
+            run.wait(timeout=10)
+
+
+def finished(tmp_path: Path, module: str, run: subprocess.Popen[bytes]) -> tuple[str, str]:
+    """The run's stdout and report, once it exited 0 (180 s: a hang guard, several times a loaded machine's)."""
+    code = run.wait(timeout=180)
+    assert code == 0, (tmp_path / f"{module}.err").read_text(encoding="utf-8")[-3000:]
+    stdout = (tmp_path / f"{module}.out").read_text(encoding="utf-8")
+    return stdout, (tmp_path / f"{module}.md").read_text(encoding="utf-8")
+
+
+def test_quick_benches_print_their_tables_and_write_their_reports(tmp_path: Path) -> None:
+    with quick_runs(tmp_path, "bench", "bench.scale") as runs:
+        stdout, report = finished(tmp_path, "bench", runs["bench"])
+        check_ratio_table(stdout, report)
+        check_scale_report(finished(tmp_path, "bench.scale", runs["bench.scale"])[1])
+
+
+def check_ratio_table(stdout: str, report: str) -> None:
+    table = [line for line in stdout.splitlines() if line.startswith("| ")]
     assert table[0] == "| area | measure | gym_rpc | baseline (same run) | ratio | goal | met |"
     rows = [line.split(" | ") for line in table[1:]]
     areas = {cells[0].lstrip("| ") for cells in rows}
@@ -43,25 +70,14 @@ def test_quick_bench_prints_the_ratio_table_and_writes_the_report(tmp_path: Path
         "with worker metrics / without",
     ):
         assert expected in measures
-    assert "goals met" in done.stdout
-    report = out.read_text(encoding="utf-8")
+    assert "goals met" in stdout
     assert "## Machine" in report and "nproc:" in report and "grpcio" in report and "aiohttp" in report
     assert table[0] in report
 
 
-def test_quick_scale_bench_writes_every_section_and_the_goals(tmp_path: Path) -> None:
-    """`python -m bench.scale --quick`: real head and server processes at tiny sizes; every section is written
-    with its rows, and the probes through the head stay within one per freshness window."""
-    out = tmp_path / "SCALE.md"
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.scale", "--quick", "--out", str(out)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = out.read_text(encoding="utf-8")
+def check_scale_report(report: str) -> None:
+    """Every section is written with its rows, and the probes through the head stay within one per freshness
+    window."""
     for heading in ("## Servers N", "## Config at N = 6", "## Watchers W", "## Pollers P", "## Goals"):
         assert heading in report, heading
     for row in ("| 3 | ", "| 6 | ", "| whole document | ", "| `known_version` = current"):

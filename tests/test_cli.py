@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from gym_rpc.config import (
 from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR
 from tests.cli_helpers import (
     LOOPBACK,
+    STARTUP_SECONDS,
     CliProcess,
     HeadProcess,
     ThreadedHttpServer,
@@ -395,9 +398,65 @@ def test_status_watch_prints_snapshot_then_change(tmp_path: Path) -> None:
             assert changes[-1]["revision"] > settled[-1]["revision"]
             assert server_status(changes[-1], "gone") == "connection_error"
 
-            watcher.process.send_signal(signal.SIGINT)
-            assert watcher.wait(timeout=20) == 130  # a hang guard for a loaded machine
+            assert watcher.interrupt() == 130
             assert "Traceback" not in watcher.stderr_text
+
+
+@pytest.fixture(scope="module")
+def quiet_head() -> Iterator[HeadProcess]:
+    with running_head() as head:
+        yield head
+
+
+@pytest.mark.parametrize(
+    ("module", "signals"),
+    [("argparse", 1), ("grpc", 1), ("grpc", 2), ("gym_rpc.cli", 1)],
+    ids=["cli-imports-begin", "amid-imports", "twice-amid-imports", "cli-imported"],
+)
+def test_ctrl_c_exits_130_even_while_the_cli_starts(quiet_head: HeadProcess, module: str, signals: int) -> None:
+    """README: Ctrl-C exits 130, also while `gym-rpc` is still starting: importing the CLI takes a good part of a
+    second (seconds under load), and an interrupt escaping it killed the process by SIGINT instead (returncode -2).
+    The interpreter reports each import as it ends (PYTHONPROFILEIMPORTTIME, on stderr); SIGINT goes as soon as
+    `module` is imported: when the CLI's imports begin, amid them (also twice in a row), once they are done
+    (argument parsing and the first call follow). Only Python's own start-up, before gym_rpc runs, is left
+    (README: the first ~20 ms)."""
+    args = ["status", "--watch", "--json", "--head", quiet_head.address]
+    with running_cli(args, env={"PYTHONPROFILEIMPORTTIME": "1"}) as watcher:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while not re.search(rf"\| +{re.escape(module)}$", watcher.stderr_text, re.M):
+            assert time.monotonic() < deadline and watcher.process.poll() is None, watcher.stderr_text[-2000:]
+            time.sleep(0.005)
+        for _ in range(signals):
+            watcher.process.send_signal(signal.SIGINT)
+        assert watcher.wait(timeout=20) == 130, watcher.stderr_text[-2000:]  # a hang guard for a loaded machine
+        assert "Traceback" not in watcher.stderr_text
+
+
+def test_a_caught_ctrl_c_inside_code_run_from_a_string_still_exits_130(tmp_path: Path) -> None:
+    """CPython marks a KeyboardInterrupt raised in code run from a string (a namedtuple or dataclass made while a
+    module imports: where a Ctrl-C during the CLI's start-up often lands) as unhandled even once caught, and
+    `python -m` then kills itself with SIGINT (-2) whatever it exits with. gym_rpc.__main__ clears the mark."""
+    (tmp_path / "interrupted_in_a_string.py").write_text(
+        "import sys\n"
+        "from gym_rpc.__main__ import _ending\n"
+        "try:\n"
+        "    exec('raise KeyboardInterrupt')\n"
+        "except KeyboardInterrupt:\n"
+        "    _ending()\n"
+        "    sys.exit(130)\n",
+        encoding="utf-8",
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # gym_rpc itself is installed
+    command = [sys.executable, "-m", "interrupted_in_a_string"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert (result.returncode, result.stderr) == (130, "")
+
+
+def test_the_gym_rpc_command_starts_where_ctrl_c_is_caught() -> None:
+    """The installed `gym-rpc` script runs gym_rpc.__main__ (which catches Ctrl-C from the CLI's first import on),
+    as `python -m gym_rpc` does, not gym_rpc.cli directly."""
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    assert pyproject["project"]["scripts"] == {"gym-rpc": "gym_rpc.__main__:main"}
 
 
 def test_status_watch_retries_a_gone_head_until_max_wait(tmp_path: Path) -> None:

@@ -74,6 +74,7 @@ def test_a_busy_port_is_one_line_without_c_core_noise() -> None:
         {"probe_interval_seconds": float("nan")},
         {"probe_timeout_seconds": -1.0},
         {"probe_interval_seconds": float("inf")},
+        {"handshake_timeout_seconds": 0.0},
         {"port": 70000},
         {"http_port": -1},
     ],

@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
@@ -18,6 +17,7 @@ import grpc
 import pytest
 import yaml
 
+from gym_rpc.client._channel import CHANNEL_OPTIONS
 from gym_rpc.client._control import ControlClient, SyncControlClient, WatchEvent
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import HeadUnreachableError
@@ -28,6 +28,7 @@ from tests.conftest import LOOPBACK, closed_port, document, server_entry
 from tests.test_head_rpc import raw_stub
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+RECONNECT_BACKOFF_SECONDS = int(dict(CHANNEL_OPTIONS)["grpc.max_reconnect_backoff_ms"]) / 1000  # 2 s
 
 SERVER_SCRIPT = """
 import sys
@@ -174,19 +175,20 @@ async def test_an_expired_server_registering_again_is_registered(head_factory):
 
 
 class CountedRegistration(ServerRegistration):
-    """The helper as shipped, recording whether each renewal (in the order they started) reached a head."""
+    """The helper as shipped, recording when each renewal started and whether it reached a head."""
 
     def __init__(self, *args: Any, **options: Any) -> None:
         super().__init__(*args, **options)
-        self.renewals: list[bool | None] = []  # None while the renewal is under way
-        self._renewals_lock = threading.Lock()
+        self.renewals: list[
+            tuple[float, bool | None]
+        ] = []  # (time.monotonic() at its start, None while under way)
 
     def _refresh(self, quiet: bool) -> bool:
-        with self._renewals_lock:
-            index = len(self.renewals)
-            self.renewals.append(None)
-        self.renewals[index] = super()._refresh(quiet)
-        return bool(self.renewals[index])
+        index = len(self.renewals)  # renewals never overlap: the helper awaits each before sleeping again
+        self.renewals.append((time.monotonic(), None))
+        reached = super()._refresh(quiet)
+        self.renewals[index] = (self.renewals[index][0], reached)
+        return reached
 
 
 def advertised(address: str) -> str:
@@ -201,9 +203,9 @@ def advertised(address: str) -> str:
 
 async def test_a_restarted_head_learns_registrations_again_at_the_next_renewal(tmp_path: Path, caplog) -> None:
     """A head killed -9 and started again (a new process on the same port, knowing nothing) advertises the server
-    again from the first renewal that starts once it serves: within one renewal period, with no new registration.
-    (The period is longer than the client channel's longest reconnect backoff, 2 s, as the default 10 s is: a
-    renewal sooner than that after a failed one may still find the channel backing off.)"""
+    again from a renewal, with no new registration: the first renewal once it serves, unless this process's
+    channel to the head is still waiting out its reconnect backoff then (it keeps redialling the gone head, at most
+    2 s apart plus gRPC's 20 % jitter): every renewal that starts after that reaches the new head."""
     caplog.set_level(logging.WARNING, logger="gym_rpc.integrations")
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(wildcard_doc(closed_port())), encoding="utf-8")
@@ -217,20 +219,27 @@ async def test_a_restarted_head_learns_registrations_again_at_the_next_renewal(t
             await asyncio.to_thread(first.process.wait, 10)
             port = first.address.rsplit(":", 1)[1]
             deadline = time.monotonic() + 30
-            while not registration.renewals or registration.renewals[-1] is not False:
+            while not registration.renewals or registration.renewals[-1][1] is not False:
                 assert time.monotonic() < deadline, "no renewal found the head gone"
                 await asyncio.sleep(0.05)  # a renewal failed: the helper knows the head is gone
 
             with running_head(config, "--port", port) as second:
-                started_before = len(registration.renewals)  # renewals started before the new head served
+                serving_since = time.monotonic()  # at the latest: its "listening" line has been read
                 assert second.address == first.address
                 while await asyncio.to_thread(advertised, second.address) == "":
                     assert time.monotonic() < deadline + 30, f"never registered again: {registration.renewals}"
                     await asyncio.sleep(0.05)
-                first_success = registration.renewals.index(True, started_before - 1)
+                while not any(reached for _, reached in registration.renewals):  # a renewal did it (recorded soon)
+                    assert time.monotonic() < deadline + 30, registration.renewals
+                    await asyncio.sleep(0.05)
         finally:
             await registration.aderegister()
 
-    # The renewal under way as the head came up, or the first one started after it: nothing later.
-    assert first_success <= started_before, registration.renewals
+    backed_off_until = serving_since + RECONNECT_BACKOFF_SECONDS * 1.2
+    failed_later = [
+        round(started - serving_since, 2)
+        for started, reached in registration.renewals
+        if reached is False and started >= backed_off_until
+    ]
+    assert failed_later == [], registration.renewals
     assert "registered with the head at" in caplog.text and "again" in caplog.text

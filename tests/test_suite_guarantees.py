@@ -9,14 +9,17 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
 import pytest
 from hypothesis import settings
 
-from tests.conftest import LOOPBACK, closed_port
+from tests.conftest import LOOPBACK, closed_port, let_children_take_sigint
 
 
 def test_a_closed_port_refuses_connections_at_once() -> None:
@@ -49,6 +52,25 @@ async def test_a_test_may_serve_on_a_held_port_and_get_it_back_after_a_stop() ->
         await server.stop(None)
     with socket.socket() as client:
         assert client.connect_ex((LOOPBACK, port)) == 111  # closed again, still held
+
+
+def _child_takes_sigint() -> bool:
+    """Whether a Python started by this process now turns SIGINT into KeyboardInterrupt (not ignored)."""
+    probe = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    answer = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30, check=True)
+    return answer.stdout.strip() == "True"
+
+
+def test_subprocesses_take_sigint_even_when_the_suite_was_started_ignoring_it() -> None:
+    """The CLI watch tests end `status --watch` with SIGINT: a child that inherited an ignored one never ends."""
+    assert _child_takes_sigint()  # however this run was launched
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under `pytest &` in a shell without job control
+    try:
+        assert not _child_takes_sigint()
+        let_children_take_sigint()
+        assert _child_takes_sigint()
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.mark.skipif(os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci", reason="a local fuzzing profile is loaded")

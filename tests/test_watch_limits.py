@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -72,8 +71,7 @@ async def test_status_watch_waits_for_a_free_slot_instead_of_giving_up(head_fact
             released = True
             line = json.loads(await asyncio.to_thread(watcher.read_line, STARTUP_SECONDS))
             assert line["kind"] == "snapshot" and line["servers"] == []
-            watcher.process.send_signal(signal.SIGINT)
-            assert await asyncio.to_thread(watcher.wait, 20) == 130
+            assert await asyncio.to_thread(watcher.interrupt) == 130
             assert "Traceback" not in watcher.stderr_text
     finally:
         if not released:

@@ -45,9 +45,10 @@ from gym_rpc.server._registry import InstanceRegistry
 from gym_rpc.server._security import (
     DEFAULT_MAX_CONCURRENT_WATCHES,
     DEFAULT_MAX_WATCHES_PER_PEER,
-    SERVER_OPTIONS,
+    HANDSHAKE_TIMEOUT_SECONDS,
     ServerSecurity,
     build_health_server,
+    with_handshake_timeout,
 )
 from gym_rpc.server._servicer import ControlPlaneServicer, add_control_plane_service
 from gym_rpc.server._sources import ConfigSource, FileSource
@@ -83,11 +84,13 @@ class HeadOptions:
     max_watches_per_peer: int = DEFAULT_MAX_WATCHES_PER_PEER  # per client IP address; more get RESOURCE_EXHAUSTED
     metrics_port: int | None = None  # GET /metrics alone on this port; None: only on the HTTP head (if any)
     status_max_age_seconds: float | None = None  # GetServerStatus freshness when unstated; None: half the interval
+    handshake_timeout_seconds: float = HANDSHAKE_TIMEOUT_SECONDS  # a gRPC connection not set up by then is closed
 
     def __post_init__(self) -> None:
         """Refuse what would spin (a 0 interval), never end (nan, inf) or bind another port (70000 wraps)."""
         checked_probe_interval(self.probe_interval_seconds)
         checked_seconds(self.probe_timeout_seconds, "the probe timeout (--probe-timeout)")
+        checked_seconds(self.handshake_timeout_seconds, "HeadOptions.handshake_timeout_seconds")
         checked_port(self.port, "the head port (--port)")
         checked_port(self.http_port, "the HTTP head port (--http-port)")
         checked_port(self.metrics_port, "the metrics port (--metrics-port)")
@@ -221,6 +224,7 @@ class HeadServer:
             reflection_enabled=self.options.reflection,
             interceptors=self.source.interceptors(),
             security=security,
+            handshake_timeout_seconds=self.options.handshake_timeout_seconds,
         )
         port = self.options.port if self.options.port is not None else self._own_config.head_server.port
         refuse_busy_port(self.host, port, "--port or head_server.port")
@@ -358,12 +362,14 @@ def build_control_server(
     reflection_enabled: bool,
     interceptors: Sequence[grpc.aio.ServerInterceptor[Any, Any]] = (),
     security: ServerSecurity | None = None,
+    handshake_timeout_seconds: float = HANDSHAKE_TIMEOUT_SECONDS,
 ) -> grpc.aio.Server:
     """A grpc.aio server with the control plane, standard health and (optionally) reflection; not bound yet.
 
     Shared by the head and the bridge, so both serve the same services the same way: the resource bounds of
-    SERVER_OPTIONS, and token authentication (from `security`, by default GYM_RPC_TOKEN) before any other
-    interceptor but tracing's. Bind it with `security.add_port` to serve TLS when configured.
+    SERVER_OPTIONS (with the handshake deadline given), and token authentication (from `security`, by default
+    GYM_RPC_TOKEN) before any other interceptor but tracing's. Bind it with `security.add_port` to serve TLS when
+    configured.
     """
     security = security if security is not None else ServerSecurity.from_environment()
     # Tracing outermost (no interceptor when off: gym_rpc.telemetry), then metrics, so refused calls are traced and
@@ -377,7 +383,9 @@ def build_control_server(
         *interceptors,
         DecodeGuardInterceptor(),
     ]
-    server = grpc.aio.server(interceptors=traced_and_guarded, options=SERVER_OPTIONS)
+    server = grpc.aio.server(
+        interceptors=traced_and_guarded, options=with_handshake_timeout(handshake_timeout_seconds)
+    )
     add_control_plane_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if reflection_enabled:

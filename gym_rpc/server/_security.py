@@ -50,9 +50,12 @@ MAX_CONCURRENT_STREAMS = 128  # per connection
 DEFAULT_MAX_CONCURRENT_WATCHES = 512  # per head, across all clients
 DEFAULT_MAX_WATCHES_PER_PEER = 128  # per client IP address: one client cannot take them all
 
+HANDSHAKE_TIMEOUT_SECONDS = 10.0  # the default of HeadOptions.handshake_timeout_seconds
+
 # The head's side of the bargain: small requests, bounded streams per connection, pings no more often than every
 # 10 s while no data flows (a client that pings harder is sent GOAWAY), dead peers noticed by the head's own
-# keepalive, and a connection that never completes its handshake dropped after 10 s.
+# keepalive, and a connection that never completes its handshake dropped after 10 s (the control port can lower it:
+# `with_handshake_timeout`).
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
     ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
@@ -62,11 +65,18 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 2),
-    ("grpc.server_handshake_timeout_ms", 10_000),
+    ("grpc.server_handshake_timeout_ms", round(HANDSHAKE_TIMEOUT_SECONDS * 1000)),
     # Refuse to share the port with another process (grpc allows SO_REUSEPORT by default); SO_REUSEADDR stays
     # on, so a restarted head binds its port again at once.
     ("grpc.so_reuseport", 0),
 )
+
+
+def with_handshake_timeout(seconds: float) -> tuple[tuple[str, int], ...]:
+    """SERVER_OPTIONS with another handshake deadline."""
+    option = "grpc.server_handshake_timeout_ms"
+    return (*((name, value) for name, value in SERVER_OPTIONS if name != option), (option, round(seconds * 1000)))
+
 
 _authenticated: contextvars.ContextVar[bool] = contextvars.ContextVar("gym_rpc_authenticated", default=False)
 
