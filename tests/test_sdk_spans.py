@@ -44,7 +44,7 @@ from gym_rpc.client._rollout import rollout_context
 from gym_rpc.client._sdk_spans import DIRECT, DROP, SDK, SpanPlan, _does_nothing, span_plan
 from gym_rpc.errors import ServerUnreachableError
 from gym_rpc.telemetry import TRACER_NAME
-from tests.raw_servers import LOOPBACK
+from tests.raw_servers import LOOPBACK, start_dropping_server
 
 RETRY = RetryPolicy(attempts=2, initial_backoff_seconds=0.01, max_backoff_seconds=0.01)
 
@@ -253,7 +253,7 @@ async def test_a_resent_call_and_a_failed_one_export_what_the_sdks_own_do(
     """A call resent once (resend count), and one that fails (the exception event, error status and type: the
     direct span becomes the SDK's own to record them)."""
     refused_port = await free_port()
-    server, port = await start_every_other_dropping_server()
+    server, port, _ = await start_dropping_server(lambda number: number % 2 == 1)  # each call is resent once
     for base_url in (f"http://{LOOPBACK}:{port}", f"http://{LOOPBACK}:{refused_port}"):
         outcomes, spans = [], []
         for sampler in (None, SameSampler()):  # the direct path, then the SDK's
@@ -271,28 +271,6 @@ async def test_a_resent_call_and_a_failed_one_export_what_the_sdks_own_do(
             assert [name for name, _ in direct["events"]] == ["exception"]
     server.close()
     await server.wait_closed()
-
-
-async def start_every_other_dropping_server() -> tuple[asyncio.Server, int]:
-    """A raw HTTP server that drops every odd-numbered connection unanswered and answers 200 on the others: each
-    call is resent once."""
-    connections = 0
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal connections
-        connections += 1
-        try:
-            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            if connections % 2 == 0:
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(handle, LOOPBACK, 0)
-    return server, int(server.sockets[0].getsockname()[1])
 
 
 async def free_port() -> int:
