@@ -166,8 +166,10 @@ class HeadProcess(CliProcess):
 
 
 @contextlib.contextmanager
-def running_cli(args: Sequence[str], env: Mapping[str, str] | None = None) -> Iterator[CliProcess]:
-    process = CliProcess(args, env)
+def running_cli(
+    args: Sequence[str], env: Mapping[str, str] | None = None, stdout: int | None = None
+) -> Iterator[CliProcess]:
+    process = CliProcess(args, env, stdout)
     try:
         yield process
     finally:

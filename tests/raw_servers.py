@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -26,16 +26,18 @@ async def start_ok_server(middlewares: Sequence[Any] = ()) -> tuple[web.AppRunne
     return runner, int(runner.addresses[0][1])
 
 
-async def start_dropping_server(drops: int) -> tuple[asyncio.Server, int, list[int]]:
-    """A raw HTTP server that reads and then drops the first `drops` connections without answering, and answers 200
-    on later ones. Returns the server, its port and a one-item list counting the connections."""
+async def start_dropping_server(drops: int | Callable[[int], bool]) -> tuple[asyncio.Server, int, list[int]]:
+    """A raw HTTP server that reads and then drops the first `drops` connections without answering (or those whose
+    number, from 1, `drops` picks), and answers 200 on the others. Returns the server, its port and a one-item list
+    counting the connections."""
     connections = [0]
+    dropped = drops if callable(drops) else lambda number: number <= drops
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections[0] += 1
         try:
             await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            if connections[0] > drops:
+            if not dropped(connections[0]):
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):

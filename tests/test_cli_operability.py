@@ -404,21 +404,20 @@ def test_watch_table_on_a_terminal_redraws_with_fresh_last_checked(tmp_path: Pat
             wait_until_probed(head.address)
             primary, secondary = pty.openpty()
             args = ["status", "--head", head.address, "--watch"]
-            watcher = CliProcess(args, {"TERM": "dumb", "COLUMNS": "200"}, stdout=secondary)
-            os.close(secondary)
             output = b""
-            deadline = time.monotonic() + 20
             try:
-                while output.count(b"revision ") < 6 and time.monotonic() < deadline:
-                    ready, _, _ = select.select([primary], [], [], 0.5)
-                    if ready:
-                        try:
-                            output += os.read(primary, 65536)
-                        except OSError:
-                            break
+                with running_cli(args, {"TERM": "dumb", "COLUMNS": "200"}, stdout=secondary) as watcher:
+                    os.close(secondary)
+                    deadline = time.monotonic() + 20
+                    while output.count(b"revision ") < 6 and time.monotonic() < deadline:
+                        ready, _, _ = select.select([primary], [], [], 0.5)
+                        if ready:
+                            try:
+                                output += os.read(primary, 65536)
+                            except OSError:
+                                break
+                    assert watcher.interrupt() == 130
             finally:
-                assert watcher.interrupt() == 130
-                watcher.close()
                 os.close(primary)
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", output.decode(errors="replace"))
     revisions = re.findall(r"revision (\d+)", text)

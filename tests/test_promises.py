@@ -43,7 +43,7 @@ from gym_rpc.server import _security as server_security
 from gym_rpc.server._head import HeadOptions, HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import MAX_RESPONSE_BYTES, SERVICE_NAME
-from tests.cli_helpers import CliProcess, cli_env, run_cli, running_head
+from tests.cli_helpers import cli_env, run_cli, running_cli, running_head
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 SLACK_SECONDS = 5.0  # on top of a promised figure, for a loaded 2-core machine
@@ -102,9 +102,8 @@ async def test_a_connection_that_never_handshakes_is_closed_after_10_seconds(hea
     reader, writer = await asyncio.open_connection(LOOPBACK, head.port)
     opened = time.monotonic()
     try:
-        await asyncio.wait_for(
-            reader.read(), 1.5 + SLACK_SECONDS * 2
-        )  # returns at end of stream: the head hung up
+        # read() returns at the end of the stream: the head hung up.
+        await asyncio.wait_for(reader.read(), 1.5 + SLACK_SECONDS * 2)
         closed_after = time.monotonic() - opened
         assert reader.at_eof()
         assert closed_after > 1.0, f"closed after {closed_after:.1f}s, long before the 1.5 s handshake deadline"
@@ -469,18 +468,17 @@ def test_status_watch_on_a_terminal_redraws_every_second(tmp_path: Path) -> None
     config = _config_file(tmp_path / "gym.yaml", document({"gone": server_entry(closed_port())}))
     with running_head(config) as head:
         primary, replica = pty.openpty()
-        watcher = CliProcess(["status", "--head", head.address, "--watch"], stdout=replica)
-        os.close(replica)
         output, drawn_at = b"", list[float]()
-        deadline = time.monotonic() + 30
         try:
-            while len(drawn_at) < 5 and time.monotonic() < deadline:  # 4 whole draws, each ended by the next
-                if select.select([primary], [], [], 0.2)[0]:
-                    output += os.read(primary, 65536)
-                    drawn_at += [time.monotonic()] * (output.count(CLEAR_SCREEN) - len(drawn_at))
+            with running_cli(["status", "--head", head.address, "--watch"], stdout=replica) as watcher:
+                os.close(replica)
+                deadline = time.monotonic() + 30
+                while len(drawn_at) < 5 and time.monotonic() < deadline:  # 4 whole draws, each ended by the next
+                    if select.select([primary], [], [], 0.2)[0]:
+                        output += os.read(primary, 65536)
+                        drawn_at += [time.monotonic()] * (output.count(CLEAR_SCREEN) - len(drawn_at))
+                assert watcher.interrupt() == 130
         finally:
-            assert watcher.interrupt() == 130
-            watcher.close()
             os.close(primary)
     draws = output.split(CLEAR_SCREEN)[1:5]
     assert len(drawn_at) >= 5 and all(draws), output

@@ -126,7 +126,7 @@ def test_trace_context_headers_are_what_the_global_propagator_writes(
     token = otel_context.attach(context)
     try:
         given = {"X-Mine": "1", "TraceParent": "00-ffffffffffffffffffffffffffffffff-ffffffffffffffff-01"}
-        ours = trace_context_headers(given, span)
+        ours = trace_context_headers(given, span.get_span_context())
         expected: dict[str, str] = {}
         propagate.inject(expected, context=trace.set_span_in_context(span))
     finally:

@@ -13,7 +13,7 @@ import random
 import socket
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -279,9 +279,10 @@ class ObservedCall:
     kwargs: _RequestOptions
     server_name: str
 
-    async def send(self, on_resend: Callable[[int], None] | None = None) -> aiohttp.ClientResponse:
+    def send(self, on_resend: Callable[[int], None] | None = None) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
+        """`send`'s coroutine itself (awaited by the caller: no frame of its own to pass every resumption)."""
         url = self.base_url + self.url_path
-        return await send(
+        return send(
             self.session, self.method, url, self.retry, self.resend_after_disconnect, self.kwargs, on_resend
         )
 

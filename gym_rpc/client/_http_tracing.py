@@ -15,6 +15,7 @@ costs almost nothing. A rollout sampled at 1 in 10 costs a tenth of a traced one
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,20 +23,25 @@ from urllib.parse import urlsplit
 import aiohttp
 from multidict import CIMultiDict
 from opentelemetry import baggage, trace
+from opentelemetry import context as otel_context
+from opentelemetry.context import Context
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 from gym_rpc.client._aiohttp_instrumentation import request_context as instrumentation_request_context
 from gym_rpc.client._aiohttp_instrumentation import session_instrumented
 from gym_rpc.client._http import ObservedCall
 from gym_rpc.client._rollout import current_rollout_id
+from gym_rpc.client._sdk_spans import DIRECT, DROP, SDK, ClientSpan, span_plan
 from gym_rpc.telemetry import (
     ROLLOUT_ID_ATTRIBUTE,
     SERVER_ADDRESS,
     SERVER_NAME_ATTRIBUTE,
     SERVER_PORT,
     URL_FULL,
+    SpanRecorder,
     method_attributes,
     propagation,
     record_failure,
@@ -77,37 +83,43 @@ def _is_default_propagator(propagator: TextMapPropagator) -> bool:
     )
 
 
-def trace_context_headers(given: Any, span: trace.Span) -> MutableMapping[str, str]:
-    """A copy of the caller's headers (never touched) carrying `span`'s context, ours replacing any traceparent."""
+def trace_context_headers(
+    given: Any, context: trace.SpanContext, current: Context | None = None, carries_baggage: bool | None = None
+) -> MutableMapping[str, str]:
+    """A copy of the caller's headers (never touched) carrying `context`, ours replacing any traceparent, and the
+    baggage of `current` (the current context by default; `carries_baggage` when the caller knows)."""
     headers: MutableMapping[str, str] = CIMultiDict(given) if given else {}
-    context = span.get_span_context()
     propagate = propagation()
     default = _is_default_propagator(propagate.get_global_textmap())
-    if default and not context.trace_state and not baggage.get_all():
-        flags = context.trace_flags
-        headers[TRACEPARENT_HEADER] = f"00-{context.trace_id:032x}-{context.span_id:016x}-{flags:02x}"
+    if carries_baggage is None:
+        carries_baggage = bool(baggage.get_all(current))
+    state = context.trace_state
+    if default and (state is DEFAULT_TRACE_STATE or not state) and not carries_baggage:
+        ids = (context.trace_id, context.span_id, context.trace_flags)
+        headers[TRACEPARENT_HEADER] = "00-%032x-%016x-%02x" % ids  # noqa: UP031 (here faster than an f-string)
     else:
-        propagate.inject(headers, context=trace.set_span_in_context(span))
+        carried = trace.set_span_in_context(trace.NonRecordingSpan(context), current)
+        propagate.inject(headers, context=carried)
     return headers
 
 
-@functools.lru_cache(maxsize=8)
-def _unsampled_parents_stay_unsampled(sampler: object) -> bool:
-    """Whether `sampler` (the tracer's) drops every child of an unsampled parent: the SDK's ParentBased with its
-    default ALWAYS_OFF for such children (every `parentbased_*` choice of OTEL_TRACES_SAMPLER). Anything else,
-    or an application's tracer that is not the SDK's, decides per call as usual."""
-    try:
-        from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
-    except ImportError:
-        return False
-    return (
-        type(sampler) is ParentBased
-        and getattr(sampler, "_local_parent_not_sampled", None) is ALWAYS_OFF
-        and getattr(sampler, "_remote_parent_not_sampled", None) is ALWAYS_OFF
-    )
+_last_inherited: tuple[Callable[[], Context | None], trace.SpanContext, bool] = (
+    lambda: None, trace.INVALID_SPAN_CONTEXT, False,
+)  # fmt: skip
 
 
-def _resend_counter(span: trace.Span, on_resend: Callable[[int], None] | None) -> Callable[[int], None]:
+def _inherited(current: Context) -> tuple[trace.SpanContext, bool]:
+    """The current span's context (a call's parent) and whether `current` carries baggage. Contexts are immutable
+    and a rollout's calls share one, so the answer is remembered for the last (weakly: it is not kept alive)."""
+    global _last_inherited
+    last = _last_inherited
+    if last[0]() is not current:
+        parent = trace.get_current_span(current).get_span_context()
+        last = _last_inherited = (weakref.ref(current), parent, bool(baggage.get_all(current)))
+    return last[1], last[2]
+
+
+def _resend_counter(span: SpanRecorder, on_resend: Callable[[int], None] | None) -> Callable[[int], None]:
     def count_resend(attempt: int) -> None:
         span.set_attribute(HTTP_REQUEST_RESEND_COUNT, attempt - 1)
         if on_resend is not None:
@@ -123,27 +135,33 @@ async def traced_send(
     `http.request.resend_count` (the number of attempts after the first).
 
     The span ends when the response headers arrive (the caller reads the body) and covers the resends. It is never
-    made the current span: nothing runs under it in this process, and attaching a context costs a few µs. On a
-    session that aiohttp's OpenTelemetry instrumentation traces, its spans are the CLIENT spans (one per attempt)
-    and ours only adds attributes to them (gym_rpc.client._aiohttp_instrumentation).
+    made the current span: nothing runs under it in this process, and attaching a context costs a few µs. Where
+    gym_rpc.client._sdk_spans proves it the same, the SDK's work is done directly (or skipped, for a child of an
+    unsampled parent). On a session that aiohttp's OpenTelemetry instrumentation traces, its spans are the CLIENT
+    spans (one per attempt) and ours only adds attributes to them (gym_rpc.client._aiohttp_instrumentation).
     """
     kwargs, rollout_id = call.kwargs, current_rollout_id()
     if session_instrumented(call.session):
         return await _send_with_attributes(call, rollout_id, on_resend)
-    parent = trace.get_current_span()
-    parent_context = parent.get_span_context()
-    if parent_context.is_valid and not parent_context.trace_flags.sampled:
-        active = tracer()
-        if _unsampled_parents_stay_unsampled(getattr(active, "sampler", None)):
-            kwargs["headers"] = trace_context_headers(kwargs.get("headers"), parent)
-            return await call.send(on_resend)
+    active, current = tracer(), otel_context.get_current()
+    parent, carries_baggage = _inherited(current)
+    plan = span_plan(active)
+    way = SDK if plan is None else plan.way(parent)
+    if way is DROP:
+        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), parent, current, carries_baggage)
+        return await call.send(on_resend)
     name, static = _static_attributes(call.method, call.base_url, call.server_name)
     attributes = {**static, URL_FULL: call.base_url + call.url_path}
     if rollout_id is not None:
         attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
-    span = tracer().start_span(name, kind=_CLIENT, attributes=attributes)
+    span: ClientSpan | trace.Span
+    if plan is not None and way is DIRECT:
+        span = plan.start(name, attributes, parent)
+    else:
+        span = active.start_span(name, kind=_CLIENT, attributes=attributes)
     try:
-        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), span)
+        context = span.get_span_context()
+        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), context, current, carries_baggage)
         response = await call.send(_resend_counter(span, on_resend))
     except BaseException as error:
         record_failure(span, error)
