@@ -57,6 +57,7 @@ from gym_rpc.config import (
 from gym_rpc.errors import (
     ConfigError,
     ControlPlaneError,
+    GymRpcError,
     HeadUnreachableError,
     InvalidRolloutIdError,
     MalformedGymPrefixError,
@@ -1182,3 +1183,32 @@ async def test_pauses_before_any_event_start_at_the_first_backoff() -> None:
             on_retry=lambda _, p: pauses.append(p),
         )
     assert 0.05 <= pauses[0] <= 0.1, pauses
+
+
+async def test_a_port_in_use_is_named_with_grpcs_reason_and_the_likely_cause() -> None:
+    taken = socket.socket()
+    taken.bind((LOOPBACK, 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
+    try:
+        with pytest.raises(GymRpcError) as refused:
+            ServerSecurity().add_port(server, LOOPBACK, port)
+    finally:
+        taken.close()
+    assert str(refused.value) == (
+        f"cannot listen on {LOOPBACK}:{port}: Failed to bind to address {LOOPBACK}:{port}; "
+        "set GRPC_VERBOSITY=debug environment variable to see detailed error message.; "
+        "is another process using the port?"
+    )
+
+
+async def test_each_caller_that_shares_a_probe_in_flight_counts_once(silent_server: int) -> None:
+    servers = GlobalConfig.from_document(document({"s": server_entry(silent_server)})).servers
+    prober = StatusProber(servers, interval_seconds=3600, probe_timeout_seconds=0.3)
+    await prober.start()
+    try:
+        await asyncio.gather(*(prober.probe_now("s", 5) for _ in range(3)))
+    finally:
+        await prober.stop()
+    assert (prober.probes_started, prober.probes_joined) == (1, 3)  # the background round's probe, joined by all 3
