@@ -64,7 +64,13 @@ from gym_rpc.errors import (
     ServerUnreachableError,
 )
 from gym_rpc.server._prober import Changes, StatusProber, new_probe_session, probe, unsampled_traceparent
-from gym_rpc.server._security import ServerSecurity, _bearer_token, check_tls_files, with_handshake_timeout
+from gym_rpc.server._security import (
+    ServerSecurity,
+    _bearer_token,
+    check_tls_files,
+    head_token,
+    with_handshake_timeout,
+)
 from gym_rpc.wire import StatusReport, WatchEvent
 from gym_rpc.wire._paths import _first_segment, encode_rollout_id, rollout_path_prefix, split_gym_prefixes
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
@@ -1212,3 +1218,38 @@ async def test_each_caller_that_shares_a_probe_in_flight_counts_once(silent_serv
     finally:
         await prober.stop()
     assert (prober.probes_started, prober.probes_joined) == (1, 3)  # the background round's probe, joined by all 3
+
+
+_PLACEHOLDER_TOKEN_REFUSAL = (
+    "auth_token is a placeholder (such as <redacted>, which `gym-rpc config` prints in place of the token), not a "
+    "token; set the real token, or remove the key to run without one"
+)
+
+
+def test_a_blank_head_token_is_refused_with_the_exact_reason() -> None:
+    with pytest.raises(ConfigError) as refused:
+        head_token("  ", "auth_token")
+    assert str(refused.value) == (
+        "auth_token is empty, which would run the head without authentication; set a real token, or remove "
+        "the key to run without one"
+    )
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["none", " Changeme ", "TOKEN", "[token]", "{set}", "*****", "()", "<your token here>", "<x", "<redacted>"],
+)
+def test_a_placeholder_head_token_is_refused_whatever_its_case_and_brackets(value: str) -> None:
+    """Every placeholder rule on its own: a word in any case, a word in brackets, only brackets, a leading '<'."""
+    with pytest.raises(ConfigError) as refused:
+        head_token(value, "auth_token")
+    assert str(refused.value) == _PLACEHOLDER_TOKEN_REFUSAL
+
+
+@pytest.mark.parametrize(
+    ("value", "token"),
+    [(" XsetX ", "XsetX"), ("t0ken>", "t0ken>"), ("tokens", "tokens"), ("x<none>", "x<none>"), (None, None)],
+)
+def test_a_real_head_token_is_kept_without_its_outer_spaces(value: str | None, token: str | None) -> None:
+    """Only the listed brackets are stripped before the word check; a token that merely contains one is kept."""
+    assert head_token(value, "auth_token") == token
