@@ -1253,3 +1253,82 @@ def test_a_placeholder_head_token_is_refused_whatever_its_case_and_brackets(valu
 def test_a_real_head_token_is_kept_without_its_outer_spaces(value: str | None, token: str | None) -> None:
     """Only the listed brackets are stripped before the word check; a token that merely contains one is kept."""
     assert head_token(value, "auth_token") == token
+
+
+_Seen = tuple[int, tuple[tuple[bytes, bytes], ...]]  # the client's port and the raw request headers
+
+
+async def _probe_recorder(http_server: Callable[..., Awaitable[int]]) -> tuple[int, list[_Seen]]:
+    """A real aiohttp server that records each request's client port and raw headers and sets a cookie."""
+    seen: list[_Seen] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        assert request.transport is not None
+        seen.append((request.transport.get_extra_info("peername")[1], request.raw_headers))
+        response = web.Response(text="ok")
+        response.set_cookie("session", "abc")
+        return response
+
+    app = web.Application()
+    app.router.add_get("/", answer)
+    return await http_server(app), seen
+
+
+async def test_a_probe_session_opens_a_fresh_connection_per_probe_with_our_user_agent_and_no_cookies(
+    http_server: Callable[..., Awaitable[int]],
+) -> None:
+    """new_probe_session: force_close (two probes, two client ports), the probe User-Agent spelled as written, and
+    no cookie sent back (to a hostname: aiohttp's default jar would ignore cookies for an IP address anyway)."""
+    port, seen = await _probe_recorder(http_server)
+    async with new_probe_session() as session:
+        for _ in range(2):
+            report = await probe(session, "s", f"http://localhost:{port}", 5)
+            assert (report.status, report.http_status) == ("success", 200)
+    assert len(seen) == 2 and seen[0][0] != seen[1][0]
+    for _, raw_headers in seen:
+        names = [name for name, _ in raw_headers]
+        assert [value for name, value in raw_headers if name.lower() == b"user-agent"] == [b"gym-rpc-probe/0.1.0"]
+        assert b"User-Agent" in names and b"Cookie" not in names and b"cookie" not in names
+
+
+async def test_a_probe_session_ignores_proxy_settings_in_the_environment(
+    http_server: Callable[..., Awaitable[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """trust_env=False: an HTTP_PROXY that refuses connections does not turn a live server into an error."""
+    monkeypatch.setenv("HTTP_PROXY", f"http://{LOOPBACK}:{closed_port()}")
+    for name in ("NO_PROXY", "no_proxy", "http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    port, seen = await _probe_recorder(http_server)
+    async with new_probe_session() as session:
+        report = await probe(session, "s", f"http://{LOOPBACK}:{port}", 5)
+    assert (report.status, report.http_status, report.detail, len(seen)) == ("success", 200, "", 1)
+
+
+async def test_a_probe_session_has_the_connection_limit_it_is_given() -> None:
+    async with new_probe_session() as default, new_probe_session(3) as three:
+        assert default.connector is not None and three.connector is not None
+        assert (default.connector.limit, three.connector.limit) == (100, 3)
+
+
+async def test_a_probe_session_is_not_traced_while_aiohttps_instrumentation_is_on(
+    http_server: Callable[..., Awaitable[int]],
+) -> None:
+    """The instrumentation's trace config is removed from the probe session: no span for a probe."""
+    from opentelemetry.instrumentation.aiohttp_client import AioHttpClientInstrumentor
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    port, seen = await _probe_recorder(http_server)
+    instrumentor = AioHttpClientInstrumentor()
+    instrumentor.instrument(tracer_provider=provider)
+    try:
+        async with new_probe_session() as session:
+            report = await probe(session, "s", f"http://{LOOPBACK}:{port}", 5)
+            assert session.trace_configs == []
+    finally:
+        instrumentor.uninstrument()
+    assert (report.status, len(seen), exporter.get_finished_spans()) == ("success", 1, ())
