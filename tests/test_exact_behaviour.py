@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 import tracemalloc
+import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -1332,3 +1333,47 @@ async def test_a_probe_session_is_not_traced_while_aiohttps_instrumentation_is_o
     finally:
         instrumentor.uninstrument()
     assert (report.status, len(seen), exporter.get_finished_spans()) == ("success", 1, ())
+
+
+def test_server_config_block_resolves_a_dictconfig_into_plain_dicts() -> None:
+    """Kills server_config_block mutants 3-6, 10, 11: a DictConfig is turned into plain, resolved dicts."""
+    from omegaconf import OmegaConf
+
+    block = config_module.server_config_block(
+        OmegaConf.create({"host": "127.0.0.1", "port": "${p}", "p": 5, "tls": {"cert": "c"}})
+    )
+    assert block == {"host": "127.0.0.1", "port": 5, "p": 5, "tls": {"cert": "c"}}
+    assert type(block["tls"]) is dict
+
+
+def test_server_config_block_takes_an_object_with_only_host_or_only_port() -> None:
+    """Kills server_config_block mutants 13, 14, 18-20, 24, 25: either attribute alone makes it a server config."""
+    assert config_module.server_config_block(types.SimpleNamespace(host="h")) == {"host": "h"}
+    assert config_module.server_config_block(types.SimpleNamespace(port=5)) == {"port": 5}
+
+
+def test_from_document_names_the_first_unresolvable_global_key_read_at_once() -> None:
+    """Kills from_document mutants 7, 8, 12, 13, 15, 17-19: the exact line for a global key needed at once."""
+    reason = "'${oops}' (Interpolation key 'oops' not found)"
+    documents: dict[str, dict[str, Any]] = {
+        f"cannot resolve head_server.port: {reason}": {"head_server": {"host": "127.0.0.1", "port": "${oops}"}},
+        f"cannot resolve head_server.tls.cert: {reason}": {
+            "head_server": {"host": "127.0.0.1", "port": 1, "tls": {"cert": "${oops}"}}
+        },
+        f"cannot resolve observability_enabled: {reason}": {"observability_enabled": "${oops}"},
+    }
+    for message, unresolvable in documents.items():
+        with pytest.raises(ConfigError) as caught:
+            GlobalConfig.from_document(unresolvable, lenient=True)
+        assert str(caught.value) == message
+
+
+def test_from_document_refuses_a_non_mapping_head_or_a_non_json_value_with_one_exact_line() -> None:
+    """Kills from_document mutants 29 and 62."""
+    with pytest.raises(ConfigError) as caught:
+        GlobalConfig.from_document({"head_server": 5})
+    assert str(caught.value) == "head_server must be a mapping with host and port"
+    with pytest.raises(ConfigError) as caught:
+        GlobalConfig.from_document({"x": b"ab"}, lenient=True)
+    not_json = "config is not representable as JSON: Object of type bytes is not JSON serializable"
+    assert str(caught.value) == not_json
