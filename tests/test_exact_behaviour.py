@@ -64,6 +64,7 @@ from gym_rpc.errors import (
     MalformedGymPrefixError,
     ServerUnreachableError,
 )
+from gym_rpc.server._head import HeadOptions
 from gym_rpc.server._prober import Changes, StatusProber, new_probe_session, probe, unsampled_traceparent
 from gym_rpc.server._security import (
     ServerSecurity,
@@ -1377,3 +1378,196 @@ def test_from_document_refuses_a_non_mapping_head_or_a_non_json_value_with_one_e
         GlobalConfig.from_document({"x": b"ab"}, lenient=True)
     not_json = "config is not representable as JSON: Object of type bytes is not JSON serializable"
     assert str(caught.value) == not_json
+
+
+# --- URL hosts and badly shaped server entries -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("host", "expected"),
+    [
+        ("fe80::1%ethX", "[fe80::1%ethX]"),  # the zone is kept as written, whatever its letters
+        ("fe80::1%a%b%c", "[fe80::1%a%b%c]"),  # only what comes before the first '%' must be an address
+        ("[::1", "[::1]"),  # a stray bracket on either side is mended, not doubled
+        ("::1]", "[::1]"),
+    ],
+)
+def test_url_host_brackets_what_is_an_ipv6_address_before_its_zone(host: str, expected: str) -> None:
+    """Kills url_host mutants 2, 3 and 9: the brackets stripped (and only they), the address split at the first
+    '%'."""
+    assert config_module.url_host(host) == expected
+
+
+def test_a_server_entry_with_neither_host_nor_port_names_both() -> None:
+    """Kills _malformed_server mutants 43 and 44: the missing keys are joined by ' and no '."""
+    config = GlobalConfig.from_document(
+        {"no_address": {"responses_api_models": {"impl": {"entrypoint": "app.py"}}}}
+    )
+    assert config.malformed_servers == {"no_address": "responses_api_models.impl has no host and no port"}
+
+
+# --- the status prober: its defaults, its task, its log lines ----------------------------------------------------
+
+
+async def test_a_prober_made_without_settings_has_the_heads_defaults() -> None:
+    """Kills StatusProber.__init__ mutants 1-3: a 2 s interval, a 1 s probe timeout, results fresh for half the
+    interval, and a watch history of 1024 changes (a watcher 1024 changes behind resumes, one more behind does
+    not), as HeadOptions has them."""
+    options = HeadOptions()
+    assert (options.probe_interval_seconds, options.probe_timeout_seconds, options.watch_history_size) == (
+        2.0,
+        1.0,
+        1024,
+    )
+    servers = GlobalConfig.from_document(document({"a": server_entry(1001)})).servers
+    prober = StatusProber(servers)
+    assert (prober.interval_seconds, prober.probe_timeout_seconds, prober.default_max_age_seconds) == (
+        2.0,
+        1.0,
+        1.0,
+    )
+    await prober.set_servers(servers)
+    start = prober.revision
+    for port in range(1, 1025):
+        await prober.set_registration("a", "registered", f"http://10.0.0.1:{port}")
+    assert prober.revision == start + 1024
+    assert prober.changes_since(start) == Changes(start + 1024, [prober.report("a")], compacted=False)
+    assert prober.changes_since(start - 1).compacted is True
+
+
+def test_a_new_probers_revision_is_the_wall_clock_in_milliseconds() -> None:
+    """Kills StatusProber.__init__ mutant 21: revisions start at the wall clock in ms (so they keep rising across
+    head restarts), not at some other fraction of it."""
+    before = time.time_ns() // 1_000_000
+    revision = StatusProber({}).revision
+    assert before <= revision <= time.time_ns() // 1_000_000
+
+
+async def test_a_moved_server_restarts_unprobed_but_keeps_its_registration() -> None:
+    """Kills set_servers mutants 12, 17, 22-24, 27 and 34: a server whose URL changes is unprobed again at the new
+    URL, with the registration and advertised URL it had; the listener is told the new report, not None."""
+    told: list[tuple[StatusReport | None, str]] = []
+
+    async def on_change(report: StatusReport | None, name: str) -> None:
+        told.append((report, name))
+
+    first = GlobalConfig.from_document(document({"a": server_entry(1001)})).servers
+    moved = GlobalConfig.from_document(document({"a": server_entry(1002)})).servers
+    prober = StatusProber(first, on_change=on_change)
+    await prober.set_servers(first)
+    await prober.set_registration("a", "registered", "http://10.0.0.1:1001")
+    await prober.set_servers(moved)
+    expected = StatusReport(
+        server_name="a",
+        status=None,
+        url=f"http://{LOOPBACK}:1002",
+        registration="registered",
+        advertised_url="http://10.0.0.1:1001",
+    )
+    assert prober.report("a") == expected
+    assert [(report and (report.url, report.registration), name) for report, name in told] == [
+        ((f"http://{LOOPBACK}:1001", None), "a"),
+        ((f"http://{LOOPBACK}:1001", "registered"), "a"),
+        ((f"http://{LOOPBACK}:1002", "registered"), "a"),
+    ]
+
+
+async def test_the_first_probe_line_says_no_probe_had_given_pending(http_server, caplog) -> None:
+    """Kills set_servers mutant 32: `gym.probes` (the probes in a row that gave the old status) is 0 on the line
+    of a server's first probe: a new server starts counting at 0."""
+    port = await http_server()
+    servers = GlobalConfig.from_document(document({"s": server_entry(port)})).servers
+    prober = StatusProber(servers, interval_seconds=3600)
+    caplog.set_level(logging.INFO, logger="gym_rpc.head")
+    await prober.start()
+    try:
+        if prober.report("s").status is None:
+            assert await prober.wait_for_change(prober.revision, 10)
+    finally:
+        await prober.stop()
+    [line] = [record for record in caplog.records if record.name == "gym_rpc.head"]
+    assert line.getMessage() == "s: pending -> success on the first probe"
+    assert line.__dict__["gym.probes"] == 0
+
+
+async def test_the_probers_task_is_named_and_ends_with_stop() -> None:
+    """Kills start mutants 5, 8, 9 and stop mutant 1: one background task, named "gym_rpc status prober" (what a
+    dump of a hung head's tasks shows), and stop() cancels it and waits for it to end."""
+    prober = StatusProber({}, interval_seconds=3600)
+    before = asyncio.all_tasks()
+    await prober.start()
+    tasks = asyncio.all_tasks() - before
+    await prober.stop()
+    assert [task.get_name() for task in tasks] == ["gym_rpc status prober"]
+    assert all(task.cancelled() for task in tasks)
+
+
+async def test_a_failed_probe_round_is_logged_by_name(http_server) -> None:
+    """Kills _run mutants 11 and 12: a round that fails (here the change listener raises) is logged as
+    "status probe round failed", with the exception."""
+    port = await http_server()
+    servers = GlobalConfig.from_document(document({"s": server_entry(port)})).servers
+    broken = RuntimeError("the listener broke")
+
+    async def on_change(report: StatusReport | None, name: str) -> None:
+        if report is not None and report.status is not None:  # a probe result, not the server's arrival
+            raise broken
+
+    class Kept(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.ERROR)
+            self.records: list[logging.LogRecord] = []
+            self.logged = asyncio.Event()
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(record)
+            self.logged.set()
+
+    kept = Kept()
+    prober_logger = logging.getLogger("gym_rpc.server._prober")
+    prober_logger.addHandler(kept)
+    prober = StatusProber(servers, interval_seconds=3600, on_change=on_change)
+    await prober.start()
+    try:
+        await asyncio.wait_for(kept.logged.wait(), 10)
+    finally:
+        await prober.stop()
+        prober_logger.removeHandler(kept)
+    assert [(r.getMessage(), r.exc_info and r.exc_info[1]) for r in kept.records] == [
+        ("status probe round failed", broken)
+    ]
+
+
+async def _probes_of_a_round_at_age(
+    prober: StatusProber, name: str, age: float, within: tuple[float, float]
+) -> int:
+    """The probes a background round (probe_all) starts when the server's cached result is `age` s old.
+
+    The round is run only when the loop woke with the result's age inside `within` and nothing in flight; a loaded
+    machine that woke too late gets a fresh result and another try."""
+    for _ in range(5):
+        cached = prober.report(name)
+        await asyncio.sleep(max(0.0, cached.checked_at + age - time.time()))
+        started, waited = prober.probes_started, time.time() - cached.checked_at
+        if prober.report(name) is cached and not prober.waiting_on_probe(name) and within[0] < waited < within[1]:
+            await prober.probe_all()  # decides at once (no await before it looks at the age)
+            return prober.probes_started - started
+        await prober.probe_now(name, 5)
+    raise AssertionError(f"the loop never woke with the result {within[0]} to {within[1]} s old")
+
+
+async def test_a_round_asks_again_after_half_the_interval_even_with_a_longer_max_age(http_server) -> None:
+    """Kills probe_all mutants 6 and 7: the background round's freshness window is half the interval when the
+    stated default max age is longer (a 3 s interval: a 1.25 s old result is kept, a 2 s old one is asked
+    again)."""
+    port = await http_server()
+    servers = GlobalConfig.from_document(document({"s": server_entry(port)})).servers
+    prober = StatusProber(servers, interval_seconds=3.0, default_max_age_seconds=3600)
+    await prober.start()
+    try:
+        if prober.report("s").status is None:
+            assert await prober.wait_for_change(prober.revision, 10)
+        assert await _probes_of_a_round_at_age(prober, "s", 1.25, (1.0, 1.5)) == 0
+        assert await _probes_of_a_round_at_age(prober, "s", 2.0, (1.5, 3.0)) == 1
+    finally:
+        await prober.stop()
