@@ -73,6 +73,7 @@ from gym_rpc.server._security import (
     head_token,
     with_handshake_timeout,
 )
+from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import StatusReport, WatchEvent
 from gym_rpc.wire._paths import _first_segment, encode_rollout_id, rollout_path_prefix, split_gym_prefixes
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
@@ -1571,3 +1572,33 @@ async def test_a_round_asks_again_after_half_the_interval_even_with_a_longer_max
         assert await _probes_of_a_round_at_age(prober, "s", 2.0, (1.5, 3.0)) == 1
     finally:
         await prober.stop()
+
+
+async def test_a_client_without_a_token_sends_no_authorization_at_all() -> None:
+    """Kills ClientSecurity.metadata mutant 2: with no token (none, or empty) a call carries no `authorization`
+    metadata (not a "Bearer None"); with one it carries "Bearer <token>"."""
+    seen: list[list[tuple[str, str | bytes]]] = []
+
+    async def list_statuses(
+        request: pb.ListServerStatusesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListServerStatusesResponse:
+        seen.append([(key, value) for key, value in context.invocation_metadata() or () if key == "authorization"])
+        return pb.ListServerStatusesResponse()
+
+    handler = grpc.unary_unary_rpc_method_handler(
+        list_statuses,
+        request_deserializer=pb.ListServerStatusesRequest.FromString,
+        response_serializer=pb.ListServerStatusesResponse.SerializeToString,
+    )
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("gym_rpc.v1.ControlPlaneService", {"ListServerStatuses": handler}),)
+    )
+    port = server.add_insecure_port(f"{LOOPBACK}:0")
+    await server.start()
+    try:
+        for security in (ClientSecurity(), ClientSecurity(token=""), ClientSecurity(token="s3cret-t0k")):
+            await ControlClient(f"{LOOPBACK}:{port}", security=security).list_server_statuses()
+    finally:
+        await server.stop(None)
+    assert seen == [[], [], [("authorization", "Bearer s3cret-t0k")]]
