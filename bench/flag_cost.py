@@ -1,6 +1,7 @@
 """What one of gym_rpc's per-process switches (tracing, worker metrics) costs a rollout worker: `ServerClient.post`
 requests per second with it on over the same with it off, both in one process against the same data server, in
-interleaved blocks (on/off, off/on, ...), the figure being the median of the per-round ratios.
+rounds of short interleaved blocks (on/off/off/on, off/on/on/off, ...: bench.data_plane's method, each block on a
+collected heap), the figure being the median of the per-round ratios.
 
 A switch is a per-process decision that never turns off again, so each benchmark flips gym_rpc's flag between
 blocks itself and runs in a process of its own (`rows_in_subprocess`), so that nothing of it leaks into the
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import json
 import subprocess
 import sys
@@ -22,19 +24,22 @@ from typing import Any
 
 from bench.data_plane import Block, Post, make_client, ours_post
 from bench.servers import REPO_ROOT, ServerProcess
-from bench.stats import Row, median, ratio_row, table_lines
+from bench.stats import Row, median, percentile, ratio_row, table_lines
 from gym_rpc.client._http import close_http_sessions
 
 
 @dataclass(frozen=True)
 class FlagPlan:
+    """Requests per block at each concurrency, and rounds of four blocks each (bench.data_plane's sizes: short
+    blocks, many rounds)."""
+
     concurrencies: tuple[int, ...] = (1, 64)
-    requests: tuple[int, ...] = (2000, 6000)
-    rounds: int = 5
+    requests: tuple[int, ...] = (100, 512)
+    rounds: int = 40
 
 
 FULL_PLAN = FlagPlan()
-QUICK_PLAN = FlagPlan(requests=(60, 200), rounds=2)
+QUICK_PLAN = FlagPlan(requests=(30, 128), rounds=2)
 
 TimedBlock = Callable[[Post, int, int, bool], Awaitable[Block]]
 
@@ -72,22 +77,35 @@ class Rounds:
 
 
 async def interleaved(cost: FlagCost, post: Post, concurrency: int, requests: int, rounds: int) -> Rounds:
-    warm = max(requests // 4, concurrency)
+    """Rounds of four blocks, on/off/off/on then off/on/on/off, as bench.data_plane.compare runs its sides (and
+    for its reasons): each block starts on a collected heap, and what the process built before measuring is
+    frozen, so neither side is charged for collecting the other's garbage. The round's ratio is the on blocks'
+    requests per second over the off blocks'."""
+    warm = max(requests, concurrency)
     await cost.timed_block(post, warm, concurrency, True)
     await cost.timed_block(post, warm, concurrency, False)
     result = Rounds(concurrency)
-    for index in range(rounds):
-        order = (True, False) if index % 2 == 0 else (False, True)
-        blocks = {on: await cost.timed_block(post, requests, concurrency, on) for on in order}
-        result.on.append(blocks[True])
-        result.off.append(blocks[False])
-        on_rps, off_rps = blocks[True].requests_per_second, blocks[False].requests_per_second
-        result.ratios.append(on_rps / off_rps)
-        print(
-            f"  {cost.name} c={concurrency} round {index + 1}/{rounds}: on {on_rps:.0f} rps, off {off_rps:.0f} "
-            f"rps, ratio {result.ratios[-1]:.3f}",
-            file=sys.stderr,
-        )
+    gc.freeze()
+    try:
+        for index in range(rounds):
+            order = (True, False, False, True) if index % 2 == 0 else (False, True, True, False)
+            blocks: dict[bool, list[Block]] = {True: [], False: []}
+            for on in order:
+                gc.collect()
+                blocks[on].append(await cost.timed_block(post, requests, concurrency, on))
+            result.on += blocks[True]
+            result.off += blocks[False]
+            # Equal requests per block: the ratio of requests per second is the inverse ratio of summed times.
+            result.ratios.append(
+                sum(1 / b.requests_per_second for b in blocks[False])
+                / sum(1 / b.requests_per_second for b in blocks[True])
+            )
+    finally:
+        gc.unfreeze()
+    print(
+        f"  {cost.name} c={concurrency}: per-round ratios {' '.join(f'{r:.2f}' for r in result.ratios)}",
+        file=sys.stderr,
+    )
     return result
 
 
@@ -96,7 +114,8 @@ def row_of(cost: FlagCost, rounds: Rounds) -> Row:
     off_rps = median([b.requests_per_second for b in rounds.off])
     on_cpu = median([b.cpu_us_per_request for b in rounds.on])
     off_cpu = median([b.cpu_us_per_request for b in rounds.off])
-    spread = f"rounds {min(rounds.ratios):.2f} to {max(rounds.ratios):.2f}"
+    ratios = rounds.ratios
+    spread = f"{len(ratios)} rounds, middle half {percentile(ratios, 0.25):.2f}-{percentile(ratios, 0.75):.2f}"
     return ratio_row(
         cost.name,
         f"{cost.measure}, concurrency {rounds.concurrency} "

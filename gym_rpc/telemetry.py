@@ -38,7 +38,7 @@ import functools
 import logging
 import threading
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
@@ -279,25 +279,14 @@ def propagation() -> Any:
     return propagate
 
 
-class SpanRecorder(Protocol):
-    """What the helpers below record on: the API's span, or a data-plane call's `ClientSpan`
-    (gym_rpc.client._sdk_spans)."""
-
-    def set_attribute(self, key: str, value: str | int) -> None: ...
-
-    def set_status(self, status: trace.Status) -> None: ...
-
-    def record_exception(self, exception: BaseException) -> None: ...
-
-
-def record_failure(span: SpanRecorder, error: BaseException) -> None:
+def record_failure(span: trace.Span, error: BaseException) -> None:
     """An exception instead of an answer: error.type, the exception event and the span's error status."""
     span.set_attribute(ERROR_TYPE, type(error).__qualname__)
     span.record_exception(error)
     span.set_status(trace.Status(trace.StatusCode.ERROR, str(error) or type(error).__name__))
 
 
-def set_response_status(span: SpanRecorder, status: int, *, server: bool) -> None:
+def set_response_status(span: trace.Span, status: int, *, server: bool) -> None:
     """The status code, and the span's error status as the http conventions say (server: 5xx; client: 4xx too)."""
     span.set_attribute(HTTP_RESPONSE_STATUS_CODE, status)
     if status >= 500 or (status >= 400 and not server):

@@ -34,14 +34,15 @@ from gym_rpc.client._aiohttp_instrumentation import request_context as instrumen
 from gym_rpc.client._aiohttp_instrumentation import session_instrumented
 from gym_rpc.client._http import ObservedCall
 from gym_rpc.client._rollout import current_rollout_id
-from gym_rpc.client._sdk_spans import DIRECT, DROP, SDK, ClientSpan, span_plan
+from gym_rpc.client._sdk_spans import DIRECT, DROP, ERROR_STATUS, SDK, UNSET_STATUS, SpanPlan, span_plan
 from gym_rpc.telemetry import (
+    ERROR_TYPE,
+    HTTP_RESPONSE_STATUS_CODE,
     ROLLOUT_ID_ATTRIBUTE,
     SERVER_ADDRESS,
     SERVER_NAME_ATTRIBUTE,
     SERVER_PORT,
     URL_FULL,
-    SpanRecorder,
     method_attributes,
     propagation,
     record_failure,
@@ -56,18 +57,16 @@ _CLIENT = trace.SpanKind.CLIENT
 
 
 @functools.lru_cache(maxsize=1024)
-def _static_attributes(method: str, base_url: str, server_name: str) -> tuple[str, Mapping[str, Any]]:
-    """The span name and the attributes every call of `method` to `server_name` at `base_url` shares (shared:
-    callers copy them)."""
+def _static_attributes(method: str, base_url: str, server_name: str) -> Mapping[str, Any]:
+    """The attributes every call of `method` to `server_name` at `base_url` shares (shared: callers copy them)."""
     parts = urlsplit(base_url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    attributes = {
+    return {
         **method_attributes(method),
         SERVER_ADDRESS: parts.hostname or "",
         SERVER_PORT: port,
         SERVER_NAME_ATTRIBUTE: server_name,
     }
-    return span_name(method), attributes
 
 
 @functools.lru_cache(maxsize=8)
@@ -84,48 +83,60 @@ def _is_default_propagator(propagator: TextMapPropagator) -> bool:
 
 
 def trace_context_headers(
-    given: Any, context: trace.SpanContext, current: Context | None = None, carries_baggage: bool | None = None
+    given: Any,
+    context: trace.SpanContext,
+    current: Context | None = None,
+    carries_baggage: bool | None = None,
+    traceparent: str | None = None,
 ) -> MutableMapping[str, str]:
     """A copy of the caller's headers (never touched) carrying `context`, ours replacing any traceparent, and the
-    baggage of `current` (the current context by default; `carries_baggage` when the caller knows)."""
-    headers: MutableMapping[str, str] = CIMultiDict(given) if given else {}
+    baggage of `current` (the current context by default; `carries_baggage` when the caller knows). `traceparent`:
+    `context` as the W3C propagator writes it, when the caller has it already."""
+    # A CIMultiDict, which aiohttp takes as it is (a dict it copies into one first).
+    headers: MutableMapping[str, str] = CIMultiDict(given) if given else CIMultiDict()
     propagate = propagation()
     default = _is_default_propagator(propagate.get_global_textmap())
     if carries_baggage is None:
         carries_baggage = bool(baggage.get_all(current))
     state = context.trace_state
     if default and (state is DEFAULT_TRACE_STATE or not state) and not carries_baggage:
-        ids = (context.trace_id, context.span_id, context.trace_flags)
-        headers[TRACEPARENT_HEADER] = "00-%032x-%016x-%02x" % ids  # noqa: UP031 (here faster than an f-string)
+        if traceparent is None:
+            ids = (context.trace_id, context.span_id, context.trace_flags)
+            traceparent = "00-%032x-%016x-%02x" % ids  # noqa: UP031 (here faster than an f-string)
+        headers[TRACEPARENT_HEADER] = traceparent
     else:
         carried = trace.set_span_in_context(trace.NonRecordingSpan(context), current)
         propagate.inject(headers, context=carried)
     return headers
 
 
-_last_inherited: tuple[Callable[[], Context | None], trace.SpanContext, bool] = (
-    lambda: None, trace.INVALID_SPAN_CONTEXT, False,
+_last_route: tuple[Callable[[], Context | None], SpanPlan | None, trace.SpanContext, bool, str] = (
+    lambda: None, None, trace.INVALID_SPAN_CONTEXT, False, SDK,
 )  # fmt: skip
 
 
-def _inherited(current: Context) -> tuple[trace.SpanContext, bool]:
-    """The current span's context (a call's parent) and whether `current` carries baggage. Contexts are immutable
-    and a rollout's calls share one, so the answer is remembered for the last (weakly: it is not kept alive)."""
-    global _last_inherited
-    last = _last_inherited
-    if last[0]() is not current:
-        parent = trace.get_current_span(current).get_span_context()
-        last = _last_inherited = (weakref.ref(current), parent, bool(baggage.get_all(current)))
-    return last[1], last[2]
+def _route(current: Context, plan: SpanPlan | None) -> tuple[trace.SpanContext, bool, str]:
+    """A call's parent (the current span's context), whether `current` carries baggage, and what `plan` does with
+    a child of that parent (SDK, DIRECT or DROP). Contexts are immutable and a rollout's calls share one, so the
+    answer is remembered for the last context and plan (the context weakly: it is not kept alive)."""
+    global _last_route
+    parent = trace.get_current_span(current).get_span_context()
+    way = SDK if plan is None else plan.way(parent)
+    _last_route = (weakref.ref(current), plan, parent, bool(baggage.get_all(current)), way)
+    return parent, _last_route[3], way
 
 
-def _resend_counter(span: SpanRecorder, on_resend: Callable[[int], None] | None) -> Callable[[int], None]:
-    def count_resend(attempt: int) -> None:
-        span.set_attribute(HTTP_REQUEST_RESEND_COUNT, attempt - 1)
-        if on_resend is not None:
-            on_resend(attempt)
+def _attempts_noted(attempts: list[int], on_resend: Callable[[int], None] | None) -> Callable[[int], None]:
+    """send's `on_resend`: each attempt after the first noted in `attempts` (a bound append when nobody else
+    listens: no closure on the hot path), and passed on."""
+    if on_resend is None:
+        return attempts.append
 
-    return count_resend
+    def note(attempt: int) -> None:
+        attempts.append(attempt)
+        on_resend(attempt)
+
+    return note
 
 
 async def traced_send(
@@ -139,38 +150,89 @@ async def traced_send(
     gym_rpc.client._sdk_spans proves it the same, the SDK's work is done directly (or skipped, for a child of an
     unsampled parent). On a session that aiohttp's OpenTelemetry instrumentation traces, its spans are the CLIENT
     spans (one per attempt) and ours only adds attributes to them (gym_rpc.client._aiohttp_instrumentation).
+
+    Every traced call runs this between aiohttp's own work, where each line costs two to three times what it
+    costs in a loop of its own (cold caches): the direct path is written out here, in as few calls as it can.
     """
     kwargs, rollout_id = call.kwargs, current_rollout_id()
     if session_instrumented(call.session):
         return await _send_with_attributes(call, rollout_id, on_resend)
     active, current = tracer(), otel_context.get_current()
-    parent, carries_baggage = _inherited(current)
     plan = span_plan(active)
-    way = SDK if plan is None else plan.way(parent)
+    last = _last_route
+    if last[0]() is current and last[1] is plan:
+        parent, carries_baggage, way = last[2], last[3], last[4]
+    else:
+        parent, carries_baggage, way = _route(current, plan)
     if way is DROP:
         kwargs["headers"] = trace_context_headers(kwargs.get("headers"), parent, current, carries_baggage)
         return await call.send(on_resend)
-    name, static = _static_attributes(call.method, call.base_url, call.server_name)
-    attributes = {**static, URL_FULL: call.base_url + call.url_path}
+    request = (call.method, call.base_url, call.server_name, call.url_path, rollout_id)
+    direct = plan if way is DIRECT else None
+    span: trace.Span | None = None  # the SDK's, unless the span is direct (then no object until it ends)
+    if direct is not None:
+        begun = direct.begin(parent)
+        context, traceparent = begun[0], begun[2]
+    else:
+        span = active.start_span(span_name(call.method), kind=_CLIENT, attributes=_call_attributes(*request))
+        context, traceparent = span.get_span_context(), None
+    attempts: list[int] = []  # after the first
+    try:  # one place for both kinds of span: an exception event's stack trace is the same from either
+        kwargs["headers"] = trace_context_headers(
+            kwargs.get("headers"), context, current, carries_baggage, traceparent
+        )
+        response = await call.send(_attempts_noted(attempts, on_resend))
+    except BaseException as error:
+        if direct is not None:  # a direct span becomes the SDK's own to record it
+            span = direct.sdk_span(span_name(call.method), begun, _call_attributes(*request), UNSET_STATUS)
+        assert span is not None
+        if attempts:
+            span.set_attribute(HTTP_REQUEST_RESEND_COUNT, attempts[-1] - 1)
+        record_failure(span, error)
+        span.end()
+        raise
+    if direct is None:
+        assert span is not None
+        if attempts:
+            span.set_attribute(HTTP_REQUEST_RESEND_COUNT, attempts[-1] - 1)
+        set_response_status(span, response.status, server=False)
+        span.end()
+    elif attempts:  # its own attributes, in the order the SDK's span would have them
+        attributes = {**_call_attributes(*request), HTTP_REQUEST_RESEND_COUNT: attempts[-1] - 1}
+        direct.finish(span_name(call.method), attributes, _answered(attributes, response.status), begun)
+    else:
+        direct.finish(*_finished(*request, response.status), begun)
+    return response
+
+
+def _call_attributes(
+    method: str, base_url: str, server_name: str, url_path: str, rollout_id: str | None
+) -> dict[str, Any]:
+    """A call's span attributes before its answer: the server's, the URL and the rollout id."""
+    attributes = {**_static_attributes(method, base_url, server_name), URL_FULL: base_url + url_path}
     if rollout_id is not None:
         attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
-    span: ClientSpan | trace.Span
-    if plan is not None and way is DIRECT:
-        span = plan.start(name, attributes, parent)
-    else:
-        span = active.start_span(name, kind=_CLIENT, attributes=attributes)
-    try:
-        context = span.get_span_context()
-        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), context, current, carries_baggage)
-        response = await call.send(_resend_counter(span, on_resend))
-    except BaseException as error:
-        record_failure(span, error)
-        raise
-    else:
-        set_response_status(span, response.status, server=False)
-        return response
-    finally:
-        span.end()
+    return attributes
+
+
+def _answered(attributes: dict[str, Any], status: int) -> trace.Status:
+    """The answer's status code in `attributes`, and the span's status (set_response_status's client rule)."""
+    attributes[HTTP_RESPONSE_STATUS_CODE] = status
+    if status >= 400:
+        attributes[ERROR_TYPE] = str(status)
+        return ERROR_STATUS
+    return UNSET_STATUS
+
+
+@functools.lru_cache(maxsize=4096)
+def _finished(
+    method: str, base_url: str, server_name: str, url_path: str, rollout_id: str | None, status: int
+) -> tuple[str, Mapping[str, Any], trace.Status]:
+    """The span name, attributes and status of a direct span answered with `status` at the first attempt, shared
+    by every such call (mostly a rollout's calls to one server): a span holds them read-only until its export,
+    so calls that share them leave the batching processor one dict to hold, not one each."""
+    attributes = _call_attributes(method, base_url, server_name, url_path, rollout_id)
+    return span_name(method), attributes, _answered(attributes, status)
 
 
 async def _send_with_attributes(

@@ -31,21 +31,29 @@ tests/test_sdk_spans.py fails loudly when one moves, and compares what both path
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Mapping
 from time import time_ns
 from typing import Any
 
 from opentelemetry import trace
+from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 _CLIENT = trace.SpanKind.CLIENT
 _UNSET = trace.StatusCode.UNSET
-_OK = trace.StatusCode.OK
 _SAMPLED = trace.TraceFlags(trace.TraceFlags.SAMPLED)
 _SAMPLED_RANDOM = trace.TraceFlags(trace.TraceFlags.SAMPLED | trace.TraceFlags.RANDOM_TRACE_ID)
-_UNSET_STATUS = trace.Status(_UNSET)
+UNSET_STATUS = trace.Status(_UNSET)
+ERROR_STATUS = trace.Status(trace.StatusCode.ERROR)
 _PlanKey = tuple[Any, ...]
-# SpanPlan._facts: (parent, way, trace id, trace flags, trace state, the parent a span records) of a child.
-_Facts = tuple[trace.SpanContext | None, str, int | None, trace.TraceFlags | None, Any, trace.SpanContext | None]
+# SpanPlan._facts: (parent, way, trace id, trace flags, trace state, the parent a span records, and the parts of a
+# child's traceparent before and after its span id) of a child.
+_Facts = tuple[
+    trace.SpanContext | None, str, int | None, trace.TraceFlags | None, Any, trace.SpanContext | None, str, str
+]
+_NEW_TUPLE = tuple.__new__
+# SpanPlan.begin: a direct span's context, the parent it records, its traceparent header and its start time.
+Begun = tuple[trace.SpanContext, trace.SpanContext | None, str, int]
 
 
 SDK, DIRECT, DROP = "sdk", "direct", "drop"  # SpanPlan.way: what a call does about its span
@@ -53,18 +61,20 @@ SDK, DIRECT, DROP = "sdk", "direct", "drop"  # SpanPlan.way: what a call does ab
 
 class SpanPlan:
     """What one SDK tracer, in one state, would do with a CLIENT span, by its parent: nothing to prove (`SDK`: its
-    own path), a span `start` builds `DIRECT`ly, or no span at all (`DROP`).
+    own path), a span built `DIRECT`ly (`begin`, then `finish` or `sdk_span`), or no span at all (`DROP`).
 
-    The decision and the parent's ids are remembered for the last parent: a rollout's calls share one."""
+    The decision and the parent's ids are remembered for the last parent: a rollout's calls share one. A direct
+    span is no object of its own until it ends: `begin` gives its context, `finish` hands the processors the one
+    `ReadableSpan` the SDK would, so a call makes one span object, not three."""
 
-    __slots__ = ("_direct_child", "_direct_root", "_dropped_child", "_last", "max_attributes", "readable_span",
-                 "sdk_span", "tracer")  # fmt: skip
+    __slots__ = ("_direct_child", "_direct_root", "_dropped_child", "_ends", "_last", "_random_ids",
+                 "max_attributes", "readable_span", "sdk_span_type", "tracer")  # fmt: skip
 
     def __init__(
         self,
         tracer: Any,
         readable_span: Callable[..., Any],
-        sdk_span: Callable[..., Any],
+        sdk_span_type: Callable[..., Any],
         max_attributes: int | None,
         direct_root: bool,
         direct_child: tuple[tuple[bool, bool], tuple[bool, bool]],
@@ -72,33 +82,91 @@ class SpanPlan:
     ) -> None:
         self.tracer = tracer
         self.readable_span = readable_span  # opentelemetry.sdk.trace.ReadableSpan
-        self.sdk_span = sdk_span  # opentelemetry.sdk.trace._Span: what Tracer.start_span makes
+        self.sdk_span_type = sdk_span_type  # opentelemetry.sdk.trace._Span: what Tracer.start_span makes
         self.max_attributes = max_attributes
         self._direct_root = direct_root
         self._direct_child = direct_child  # [parent is remote][parent sampled]
         self._dropped_child = dropped_unsampled_child  # [parent is remote], for an unsampled parent
-        self._last: _Facts = (None, SDK, None, None, None, None)
+        self._random_ids = _is_random_id_generator(tracer.id_generator)
+        # What SynchronousMultiSpanProcessor.on_end calls for a direct span, which is always sampled: a
+        # BatchSpanProcessor's on_end, when it is the SDK's as known here, only hands a sampled span to its batch.
+        self._ends = tuple(
+            p._batch_processor.emit if _is_known_batch_on_end(type(p).on_end) else p.on_end
+            for p in tracer.span_processor._span_processors
+        )
+        self._last: _Facts = (None, SDK, None, None, None, None, "", "")
 
     def way(self, parent: trace.SpanContext) -> str:
         """SDK, DIRECT or DROP for a child of `parent` (a root span for an invalid one)."""
-        return self._facts(parent)[1]
+        last = self._last
+        return (last if last[0] is parent else self._facts(parent))[1]
 
-    def start(self, name: str, attributes: dict[str, Any], parent: trace.SpanContext) -> ClientSpan:
-        """The span the SDK would start now (only where `way` is DIRECT), its processors told at its end."""
-        _, _, trace_id, flags, state, recorded_parent = self._facts(parent)
-        ids = self.tracer.id_generator
+    def begin(self, parent: trace.SpanContext) -> Begun:
+        """A span the SDK would start now (only where `way` is DIRECT): its context, the parent it records, its
+        `traceparent` as the W3C propagator writes it, and its start time."""
+        last = self._last
+        if last[0] is not parent:
+            last = self._facts(parent)
+        _, _, trace_id, flags, state, recorded_parent, head, tail = last
         if trace_id is None:  # a root, with the SDK's order of id generator calls
+            ids = self.tracer.id_generator
             trace_id = ids.generate_trace_id()
             flags = _SAMPLED_RANDOM if ids.is_trace_id_random() else _SAMPLED
-        context = trace.SpanContext(trace_id, ids.generate_span_id(), False, flags, state)
-        return ClientSpan(self, name, context, recorded_parent, attributes, time_ns())
+            state = DEFAULT_TRACE_STATE  # SpanContext's for None
+            head, tail = "00-%032x-" % trace_id, "-%02x" % flags  # noqa: UP031 (faster than f-strings here)
+        if self._random_ids:  # RandomIdGenerator.generate_span_id, inline
+            span_id = random.getrandbits(64)
+            while span_id == 0:
+                span_id = random.getrandbits(64)
+        else:
+            span_id = self.tracer.id_generator.generate_span_id()
+        # The tuple SpanContext(trace_id, span_id, False, flags, state) makes, without its checks: both ids are
+        # valid (the parent's, or the generator's), so is_valid is True.
+        context = _NEW_TUPLE(trace.SpanContext, (trace_id, span_id, False, flags, state, True))
+        return context, recorded_parent, "%s%016x%s" % (head, span_id, tail), time_ns()  # noqa: UP031
+
+    def finish(self, name: str, attributes: Mapping[str, Any], status: trace.Status, begun: Begun) -> None:
+        """End a span `begin` started: the `ReadableSpan` the SDK's would become, to each processor. One that
+        outgrew the attribute count limit becomes the SDK's own span, which decides what it drops."""
+        max_attributes = self.max_attributes
+        if max_attributes is not None and len(attributes) > max_attributes:
+            self.sdk_span(name, begun, dict(attributes), status).end()
+            return
+        tracer = self.tracer
+        span = self.readable_span(
+            name, begun[0], begun[1], tracer.resource, attributes, (), (), _CLIENT, tracer.instrumentation_info,
+            status, begun[3], time_ns(), tracer._instrumentation_scope,
+        )  # fmt: skip
+        for end in self._ends:
+            end(span)
+
+    def sdk_span(self, name: str, begun: Begun, attributes: Mapping[str, Any], status: trace.Status) -> Any:
+        """The SDK's own span for one `begin` started (as `Tracer.start_span` makes it, started at its start
+        time): what records an exception, so that its event is the SDK's."""
+        tracer = self.tracer
+        span = self.sdk_span_type(
+            name=name,
+            context=begun[0],
+            parent=begun[1],
+            sampler=tracer.sampler,
+            resource=tracer.resource,
+            attributes=attributes,
+            span_processor=tracer.span_processor,
+            kind=_CLIENT,
+            links=(),
+            instrumentation_info=tracer.instrumentation_info,
+            limits=tracer._span_limits,
+            instrumentation_scope=tracer._instrumentation_scope,
+        )
+        span.start(start_time=begun[3])
+        if status.status_code is not _UNSET:
+            span.set_status(status)
+        return span
 
     def _facts(self, parent: trace.SpanContext) -> _Facts:
-        last = self._last
-        if last[0] is parent:
-            return last
+        last: _Facts
         if not parent.is_valid:
-            last = (parent, DIRECT if self._direct_root else SDK, None, None, None, None)
+            last = (parent, DIRECT if self._direct_root else SDK, None, None, None, None, "", "")
         else:
             flags, remote = parent.trace_flags, parent.is_remote
             sampled = flags.sampled
@@ -107,98 +175,10 @@ class SpanPlan:
             else:
                 way = DROP if not sampled and self._dropped_child[remote] else SDK
             child_flags = _SAMPLED_RANDOM if flags.random_trace_id else _SAMPLED
-            last = (parent, way, parent.trace_id, child_flags, parent.trace_state, parent)
+            head, tail = "00-%032x-" % parent.trace_id, "-%02x" % child_flags  # noqa: UP031
+            last = (parent, way, parent.trace_id, child_flags, parent.trace_state, parent, head, tail)
         self._last = last
         return last
-
-
-class ClientSpan:
-    """A CLIENT span started by `SpanPlan.start`: attributes and status kept as given, one `ReadableSpan` for the
-    processors at `end`. Recording an exception (or outgrowing the attribute count limit) turns it into the SDK's
-    own span, from then on."""
-
-    __slots__ = ("_attributes", "_context", "_name", "_parent", "_plan", "_sdk", "_start_time", "_status")
-
-    def __init__(
-        self,
-        plan: SpanPlan,
-        name: str,
-        context: trace.SpanContext,
-        parent: trace.SpanContext | None,
-        attributes: dict[str, Any],
-        start_time: int,
-    ) -> None:
-        self._plan, self._name, self._context, self._parent = plan, name, context, parent
-        self._attributes, self._start_time = attributes, start_time
-        self._status = _UNSET_STATUS
-        self._sdk: Any = None
-
-    def get_span_context(self) -> trace.SpanContext:
-        return self._context
-
-    def set_attribute(self, key: str, value: str | int) -> None:
-        """A str or int value, as the SDK keeps it without a value length limit."""
-        if self._sdk is None:
-            self._attributes[key] = value
-        else:
-            self._sdk.set_attribute(key, value)
-
-    def set_status(self, status: trace.Status) -> None:
-        """The SDK's rule: an OK status is final, an UNSET one changes nothing."""
-        if self._sdk is not None:
-            self._sdk.set_status(status)
-        elif self._status.status_code is not _OK and status.status_code is not _UNSET:
-            self._status = status
-
-    def record_exception(self, exception: BaseException) -> None:
-        self._as_sdk_span().record_exception(exception)
-
-    def end(self) -> None:
-        plan = self._plan
-        if self._sdk is None and plan.max_attributes is not None and len(self._attributes) > plan.max_attributes:
-            self._as_sdk_span()  # the SDK decides what it drops
-        if self._sdk is not None:
-            self._sdk.end()
-            return
-        tracer = plan.tracer
-        span = plan.readable_span(
-            name=self._name,
-            context=self._context,
-            parent=self._parent,
-            resource=tracer.resource,
-            attributes=self._attributes,
-            kind=_CLIENT,
-            instrumentation_info=tracer.instrumentation_info,
-            status=self._status,
-            start_time=self._start_time,
-            end_time=time_ns(),
-            instrumentation_scope=tracer._instrumentation_scope,
-        )
-        tracer.span_processor.on_end(span)
-
-    def _as_sdk_span(self) -> Any:
-        """The SDK's span this one is (as `Tracer.start_span` makes it), started at its start time."""
-        if self._sdk is None:
-            tracer = self._plan.tracer
-            span = self._plan.sdk_span(
-                name=self._name,
-                context=self._context,
-                parent=self._parent,
-                sampler=tracer.sampler,
-                resource=tracer.resource,
-                attributes=self._attributes,
-                span_processor=tracer.span_processor,
-                kind=_CLIENT,
-                links=(),
-                instrumentation_info=tracer.instrumentation_info,
-                limits=tracer._span_limits,
-                instrumentation_scope=tracer._instrumentation_scope,
-            )
-            span.start(start_time=self._start_time)
-            if self._status.status_code is not _UNSET:
-                span.set_status(self._status)
-            self._sdk = span
-        return self._sdk
 
 
 def span_plan(tracer: Any) -> SpanPlan | None:
@@ -230,6 +210,7 @@ def _state_key(tracer: Any) -> _PlanKey | None:
         return (
             tracer,
             tracer.sampler,
+            tracer.id_generator,
             processor,
             processor._span_processors,
             limits,
@@ -295,12 +276,39 @@ def _plan(tracer: Any) -> SpanPlan | None:
     return SpanPlan(
         tracer=tracer,
         readable_span=sdk_trace.ReadableSpan,
-        sdk_span=sdk_span,
+        sdk_span_type=sdk_span,
         max_attributes=limits.max_span_attributes,
         direct_root=direct_root,
         direct_child=direct_child,
         dropped_unsampled_child=(local_dropped, remote_dropped),
     )
+
+
+def _is_random_id_generator(ids: Any) -> bool:
+    try:
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+    except ImportError:
+        return False
+    return type(ids) is RandomIdGenerator
+
+
+def _batch_on_end(self: Any, span: Any) -> None:  # BatchSpanProcessor.on_end as the SDK writes it
+    if not (span.context and span.context.trace_flags.sampled):
+        return
+    self._batch_processor.emit(span)
+
+
+@functools.cache
+def _is_known_batch_on_end(function: Any) -> bool:
+    """Whether `function` is the same code as `_batch_on_end` (compiled by this interpreter, as ours is)."""
+    return _same_code(function, _batch_on_end)
+
+
+def _same_code(function: Any, model: Any) -> bool:
+    code, known = getattr(function, "__code__", None), model.__code__
+    return code is not None and (code.co_code, code.co_consts, code.co_names) == (
+        known.co_code, known.co_consts, known.co_names,
+    )  # fmt: skip
 
 
 def _pass(*args: Any, **kwargs: Any) -> None:
@@ -310,5 +318,4 @@ def _pass(*args: Any, **kwargs: Any) -> None:
 @functools.cache
 def _does_nothing(function: Any) -> bool:
     """Whether `function`'s body is a bare `pass` (compiled by this interpreter, as ours is)."""
-    code, empty = getattr(function, "__code__", None), _pass.__code__
-    return code is not None and code.co_code == empty.co_code and code.co_consts == empty.co_consts
+    return _same_code(function, _pass)
