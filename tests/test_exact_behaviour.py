@@ -37,6 +37,7 @@ from gym_rpc.client._http import (
     HttpClientSettings,
     LoopSessions,
     ObservedCall,
+    ResendListener,
     RetryPolicy,
     _sessions_by_loop,
     close_loop_sessions,
@@ -170,7 +171,7 @@ def test_backoff_is_exponential_capped_and_half_random() -> None:
 
 
 async def test_a_resent_request_carries_the_same_body_and_each_resend_is_counted() -> None:
-    """resend(): every attempt sends the caller's body again, and `on_resend` hears the number of each attempt
+    """send(): every attempt sends the caller's body again, and its observer hears the number of each attempt
     after the first (the metrics and the span's http.request.resend_count come from it)."""
     bodies: list[bytes] = []
 
@@ -195,7 +196,7 @@ async def test_a_resent_request_carries_the_same_body_and_each_resend_is_counted
     try:
         async with aiohttp.ClientSession() as session:
             response = await send(
-                session, "POST", url, policy, True, {"json": {"a": 1}}, on_resend=attempts.append
+                session, "POST", url, policy, True, {"json": {"a": 1}}, ResendListener(attempts.append)
             )
             async with response:
                 assert await response.read() == b'{"a": 1}'
@@ -1005,7 +1006,7 @@ async def test_an_observed_call_resends_to_its_base_url_and_path_as_told() -> No
     try:
         async with aiohttp.ClientSession() as session:
             call = ObservedCall(session, "POST", base, "/v1/x", policy, True, {"data": b"{}"}, "srv")
-            async with await call.send(resends.append) as response:
+            async with await call.send(ResendListener(resends.append)) as response:
                 assert (response.status, str(response.url)) == (200, f"{base}/v1/x")
             assert (resends, connections) == ([2], [2])
             connections[0] = 0

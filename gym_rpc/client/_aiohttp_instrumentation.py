@@ -31,7 +31,8 @@ def instrumentation_active() -> bool:
 
 def session_instrumented(session: aiohttp.ClientSession) -> bool:
     """Whether the instrumentation added its TraceConfig to `session` (it marks it)."""
-    configs: Any = getattr(session, "trace_configs", None) or getattr(session, "_trace_configs", None)
+    # aiohttp's own attribute first: its public `trace_configs` is a property, a Python call more on every call.
+    configs: Any = getattr(session, "_trace_configs", None) or getattr(session, "trace_configs", None)
     if not configs:  # every traced call asks: the common answer without a generator
         return False
     return any(getattr(config, "_is_instrumented_by_opentelemetry", False) for config in configs)

@@ -15,7 +15,7 @@ import threading
 import weakref
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
@@ -224,6 +224,18 @@ class HttpPools:
 RESENDABLE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
+class CallObserver(Protocol):
+    """What `send` tells whoever observes a call (a span, the worker metrics): each attempt after the first, then
+    the answer or the error the caller gets, with the number of attempts made. Told from inside `send`, so
+    observing adds no coroutine between the caller and aiohttp (each one costs every resumption of the call)."""
+
+    def resent(self, attempt: int) -> None: ...
+
+    def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None: ...
+
+    def failed(self, error: BaseException, attempts: int) -> None: ...
+
+
 async def send(
     session: aiohttp.ClientSession,
     method: str,
@@ -231,24 +243,52 @@ async def send(
     retry: RetryPolicy,
     resend_after_disconnect: bool,
     kwargs: _RequestOptions,
-    on_resend: Callable[[int], None] | None = None,
+    observer: CallObserver | None = None,
 ) -> aiohttp.ClientResponse:
-    """One request with honest, bounded retries; `on_resend(attempt)` is told of every attempt after the first.
+    """One request with honest, bounded retries; `observer` is told of every attempt after the first, and of the
+    answer or the error.
 
     A dropped connection (ServerDisconnectedError, ClientOSError) is resent only when the caller allows it. A
     refused or unreachable server (ClientConnectorError) never received the request, so it is retried as well and
     then reported as ServerUnreachableError naming the URL. Nothing else is retried.
     """
     attempt = 1
-    while True:
-        try:
-            return await session.request(method, url, **kwargs)
-        except RESENDABLE_ERRORS as error:
-            _raise_unless_resendable(error, url, attempt, retry, resend_after_disconnect)
-        await asyncio.sleep(retry.backoff_seconds(attempt))
-        attempt += 1
-        if on_resend is not None:
-            on_resend(attempt)
+    try:
+        while True:
+            try:
+                response = await session.request(method, url, **kwargs)
+                break
+            except RESENDABLE_ERRORS as error:
+                _raise_unless_resendable(error, url, attempt, retry, resend_after_disconnect)
+            await asyncio.sleep(retry.backoff_seconds(attempt))
+            attempt += 1
+            if observer is not None:
+                observer.resent(attempt)
+    except BaseException as error:
+        if observer is not None:
+            observer.failed(error, attempt)
+        raise
+    if observer is not None:
+        observer.answered(response, attempt)
+    return response
+
+
+class ResendListener:
+    """A CallObserver that passes on only the resends (`on_resend(attempt)`)."""
+
+    __slots__ = ("on_resend",)
+
+    def __init__(self, on_resend: Callable[[int], None]) -> None:
+        self.on_resend = on_resend
+
+    def resent(self, attempt: int) -> None:
+        self.on_resend(attempt)
+
+    def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
+        pass
+
+    def failed(self, error: BaseException, attempts: int) -> None:
+        pass
 
 
 def _raise_unless_resendable(
@@ -279,11 +319,11 @@ class ObservedCall:
     kwargs: _RequestOptions
     server_name: str
 
-    def send(self, on_resend: Callable[[int], None] | None = None) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
+    def send(self, observer: CallObserver | None = None) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
         """`send`'s coroutine itself (awaited by the caller: no frame of its own to pass every resumption)."""
         url = self.base_url + self.url_path
         return send(
-            self.session, self.method, url, self.retry, self.resend_after_disconnect, self.kwargs, on_resend
+            self.session, self.method, url, self.retry, self.resend_after_disconnect, self.kwargs, observer
         )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Coroutine, Mapping, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -32,9 +32,9 @@ from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 from gym_rpc.client._aiohttp_instrumentation import request_context as instrumentation_request_context
 from gym_rpc.client._aiohttp_instrumentation import session_instrumented
-from gym_rpc.client._http import ObservedCall
+from gym_rpc.client._http import ObservedCall, ResendListener
 from gym_rpc.client._rollout import current_rollout_id
-from gym_rpc.client._sdk_spans import DIRECT, DROP, ERROR_STATUS, SDK, UNSET_STATUS, SpanPlan, span_plan
+from gym_rpc.client._sdk_spans import DIRECT, DROP, ERROR_STATUS, SDK, UNSET_STATUS, Begun, SpanPlan, span_plan
 from gym_rpc.telemetry import (
     ERROR_TYPE,
     HTTP_RESPONSE_STATUS_CODE,
@@ -52,6 +52,8 @@ from gym_rpc.telemetry import (
 )
 
 HTTP_REQUEST_RESEND_COUNT = "http.request.resend_count"  # OpenTelemetry http semantic conventions
+# A call as its span's attributes know it: method, base URL, server name, path and rollout id.
+_Request = tuple[str, str, str, str, str | None]
 TRACEPARENT_HEADER = "traceparent"
 _CLIENT = trace.SpanKind.CLIENT
 
@@ -126,24 +128,11 @@ def _route(current: Context, plan: SpanPlan | None) -> tuple[trace.SpanContext, 
     return parent, _last_route[3], way
 
 
-def _attempts_noted(attempts: list[int], on_resend: Callable[[int], None] | None) -> Callable[[int], None]:
-    """send's `on_resend`: each attempt after the first noted in `attempts` (a bound append when nobody else
-    listens: no closure on the hot path), and passed on."""
-    if on_resend is None:
-        return attempts.append
-
-    def note(attempt: int) -> None:
-        attempts.append(attempt)
-        on_resend(attempt)
-
-    return note
-
-
-async def traced_send(
+def traced_send(
     call: ObservedCall, on_resend: Callable[[int], None] | None = None
-) -> aiohttp.ClientResponse:
+) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
     """`call.send()` as a CLIENT span whose context goes out in the `traceparent` header; a resent call carries
-    `http.request.resend_count` (the number of attempts after the first).
+    `http.request.resend_count` (the number of attempts after the first), and `on_resend` hears each attempt.
 
     The span ends when the response headers arrive (the caller reads the body) and covers the resends. It is never
     made the current span: nothing runs under it in this process, and attaching a context costs a few µs. Where
@@ -151,12 +140,14 @@ async def traced_send(
     unsampled parent). On a session that aiohttp's OpenTelemetry instrumentation traces, its spans are the CLIENT
     spans (one per attempt) and ours only adds attributes to them (gym_rpc.client._aiohttp_instrumentation).
 
-    Every traced call runs this between aiohttp's own work, where each line costs two to three times what it
-    costs in a loop of its own (cold caches): the direct path is written out here, in as few calls as it can.
+    It returns `send`'s own coroutine, the span told of the outcome from inside it (a CallObserver): a coroutine of
+    ours between the caller and aiohttp would cost every resumption of the call. Every traced call runs this
+    between aiohttp's own work, where each line costs several times what it costs in a loop of its own (cold
+    caches), so the direct path takes as few calls as it can.
     """
     kwargs, rollout_id = call.kwargs, current_rollout_id()
     if session_instrumented(call.session):
-        return await _send_with_attributes(call, rollout_id, on_resend)
+        return _send_with_attributes(call, rollout_id, on_resend)
     active, current = tracer(), otel_context.get_current()
     plan = span_plan(active)
     last = _last_route
@@ -166,43 +157,82 @@ async def traced_send(
         parent, carries_baggage, way = _route(current, plan)
     if way is DROP:
         kwargs["headers"] = trace_context_headers(kwargs.get("headers"), parent, current, carries_baggage)
-        return await call.send(on_resend)
+        return call.send(None if on_resend is None else ResendListener(on_resend))
     request = (call.method, call.base_url, call.server_name, call.url_path, rollout_id)
-    direct = plan if way is DIRECT else None
-    span: trace.Span | None = None  # the SDK's, unless the span is direct (then no object until it ends)
-    if direct is not None:
-        begun = direct.begin(parent)
-        context, traceparent = begun[0], begun[2]
-    else:
-        span = active.start_span(span_name(call.method), kind=_CLIENT, attributes=_call_attributes(*request))
-        context, traceparent = span.get_span_context(), None
-    attempts: list[int] = []  # after the first
-    try:  # one place for both kinds of span: an exception event's stack trace is the same from either
+    if way is DIRECT:
+        assert plan is not None
+        begun = plan.begin(parent)
         kwargs["headers"] = trace_context_headers(
-            kwargs.get("headers"), context, current, carries_baggage, traceparent
+            kwargs.get("headers"), begun[0], current, carries_baggage, begun[2]
         )
-        response = await call.send(_attempts_noted(attempts, on_resend))
-    except BaseException as error:
-        if direct is not None:  # a direct span becomes the SDK's own to record it
-            span = direct.sdk_span(span_name(call.method), begun, _call_attributes(*request), UNSET_STATUS)
-        assert span is not None
-        if attempts:
-            span.set_attribute(HTTP_REQUEST_RESEND_COUNT, attempts[-1] - 1)
-        record_failure(span, error)
+        return call.send(_DirectCall((plan, begun, request, on_resend)))
+    span = active.start_span(span_name(call.method), kind=_CLIENT, attributes=_call_attributes(*request))
+    try:
+        kwargs["headers"] = trace_context_headers(
+            kwargs.get("headers"), span.get_span_context(), current, carries_baggage
+        )
+    except BaseException:
         span.end()
         raise
-    if direct is None:
-        assert span is not None
-        if attempts:
-            span.set_attribute(HTTP_REQUEST_RESEND_COUNT, attempts[-1] - 1)
-        set_response_status(span, response.status, server=False)
+    return call.send(_SdkCall(span, on_resend))
+
+
+class _DirectCall(tuple[SpanPlan, Begun, _Request, Callable[[int], None] | None]):
+    """The CallObserver of a call whose span `SpanPlan.begin` started, made as a plain tuple (plan, begun, request,
+    on_resend: no Python call to build it): at the answer, `finish`ed directly (with the attributes a rollout's
+    calls share, unless it was resent); at an error, made the SDK's own span to record it, so the exception event
+    is the SDK's."""
+
+    __slots__ = ()
+
+    def resent(self, attempt: int) -> None:
+        on_resend = self[3]
+        if on_resend is not None:
+            on_resend(attempt)
+
+    def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
+        plan, begun, request, _ = self
+        if attempts == 1:
+            plan.finish(*_finished(*request, response.status), begun)
+            return
+        attributes = _attributes_after(request, attempts)
+        plan.finish(span_name(request[0]), attributes, _answered(attributes, response.status), begun)
+
+    def failed(self, error: BaseException, attempts: int) -> None:
+        plan, begun, request, _ = self
+        span = plan.sdk_span(span_name(request[0]), begun, _attributes_after(request, attempts), UNSET_STATUS)
+        record_failure(span, error)
         span.end()
-    elif attempts:  # its own attributes, in the order the SDK's span would have them
-        attributes = {**_call_attributes(*request), HTTP_REQUEST_RESEND_COUNT: attempts[-1] - 1}
-        direct.finish(span_name(call.method), attributes, _answered(attributes, response.status), begun)
-    else:
-        direct.finish(*_finished(*request, response.status), begun)
-    return response
+
+
+def _attributes_after(request: _Request, attempts: int) -> dict[str, Any]:
+    """A call's own attributes after `attempts` attempts, in the order the SDK's span would have them."""
+    attributes = _call_attributes(*request)
+    if attempts > 1:
+        attributes[HTTP_REQUEST_RESEND_COUNT] = attempts - 1
+    return attributes
+
+
+class _SdkCall:
+    """The CallObserver of a call in the SDK's own span."""
+
+    __slots__ = ("on_resend", "span")
+
+    def __init__(self, span: trace.Span, on_resend: Callable[[int], None] | None) -> None:
+        self.span, self.on_resend = span, on_resend
+
+    def resent(self, attempt: int) -> None:
+        self.span.set_attribute(HTTP_REQUEST_RESEND_COUNT, attempt - 1)
+        if self.on_resend is not None:
+            self.on_resend(attempt)
+
+    def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
+        set_response_status(self.span, response.status, server=False)
+        self.span.end()
+
+    def failed(self, error: BaseException, attempts: int) -> None:
+        record_failure(self.span, error)
+        self.span.end()
 
 
 def _call_attributes(
@@ -235,9 +265,9 @@ def _finished(
     return span_name(method), attributes, _answered(attributes, status)
 
 
-async def _send_with_attributes(
+def _send_with_attributes(
     call: ObservedCall, rollout_id: str | None, on_resend: Callable[[int], None] | None
-) -> aiohttp.ClientResponse:
+) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
     """`call.send()` on a session aiohttp's instrumentation traces: its span is the CLIENT span, ours adds
     attributes."""
     gym_attributes: dict[str, Any] = {SERVER_NAME_ATTRIBUTE: call.server_name}
@@ -250,4 +280,4 @@ async def _send_with_attributes(
             on_resend(attempt)
 
     call.kwargs["trace_request_ctx"] = instrumentation_request_context(gym_attributes)
-    return await call.send(count_instrumented_resend)
+    return call.send(ResendListener(count_instrumented_resend))

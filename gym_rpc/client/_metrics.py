@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
 
-from gym_rpc.client._http import ObservedCall
+from gym_rpc.client._http import ObservedCall, ResendListener
 from gym_rpc.client._http_tracing import traced_send
 from gym_rpc.errors import ServerUnreachableError
 from gym_rpc.metrics import meter, seconds_histogram
@@ -104,7 +104,7 @@ async def metered_send(call: ObservedCall) -> aiohttp.ClientResponse:
         if TRACING.enabled:
             response = await traced_send(call, on_resend=count_resend)
         else:
-            response = await call.send(count_resend)
+            response = await call.send(ResendListener(count_resend))
         outcome = response.status
         return response
     except ServerUnreachableError:

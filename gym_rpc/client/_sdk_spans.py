@@ -182,8 +182,20 @@ class SpanPlan:
 
 
 def span_plan(tracer: Any) -> SpanPlan | None:
-    """The plan for `tracer` as it is now (None: take the SDK's path); re-made whenever its state changes."""
-    key = _state_key(tracer)
+    """The plan for `tracer` as it is now (None: take the SDK's path); re-made whenever its state changes.
+
+    The key is everything of the tracer's state a plan depends on, compared by identity and value on every call
+    (an application adding a processor or changing a limit gets a new plan); None: not an SDK tracer as known
+    here. Read inline: this runs on every traced call."""
+    try:
+        processor, limits, config = tracer.span_processor, tracer._span_limits, tracer._tracer_config
+        key: _PlanKey | None = (
+            tracer, tracer.sampler, tracer.id_generator, processor, processor._span_processors, limits,
+            limits.max_span_attributes, limits.max_span_attribute_length, config, config.is_enabled,
+            tracer._tracer_metrics,
+        )  # fmt: skip
+    except AttributeError:
+        key = None
     cached = _last_plan
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -198,30 +210,6 @@ _last_plan: tuple[_PlanKey | None, SpanPlan | None] | None = None
 def _remember(key: _PlanKey | None, plan: SpanPlan | None) -> None:
     global _last_plan
     _last_plan = (key, plan)
-
-
-def _state_key(tracer: Any) -> _PlanKey | None:
-    """Everything of the tracer's state a plan depends on (compared by identity and value on every call; an
-    application adding a processor or changing a limit gets a new plan). None: not an SDK tracer as known here."""
-    try:
-        processor = tracer.span_processor
-        limits = tracer._span_limits
-        config = tracer._tracer_config
-        return (
-            tracer,
-            tracer.sampler,
-            tracer.id_generator,
-            processor,
-            processor._span_processors,
-            limits,
-            limits.max_span_attributes,
-            limits.max_span_attribute_length,
-            config,
-            config.is_enabled,
-            tracer._tracer_metrics,
-        )
-    except AttributeError:
-        return None
 
 
 def _plan(tracer: Any) -> SpanPlan | None:
