@@ -113,15 +113,18 @@ NOTES = """\
   (the middle half is shown): an A/A run (raw against raw) on the same loaded machine gave medians of 0.96 to
   1.07 over 40-100 rounds, so a figure within a few percent of 0.95 is that scatter, not a difference.
 - **Tracing.** Traced, a call costs its span (built directly as the SDK's `ReadableSpan` where
-  `gym_rpc.client._sdk_spans` proves that the same: about 3 µs without I/O, against about 16 µs for the SDK's
-  `start_span` + `end`), its `traceparent` header, the batching processor's queue and export thread, and the
-  garbage collection its held spans cause: each holds 2 tracked objects (11 on the SDK's path), and every
-  collection they trigger also walks the objects of the 64 requests in flight. Without I/O the whole traced path
-  adds about 5.5 µs per call, within 0.7 µs of a bare inline span with no checks at all; with real requests the
-  same work costs three to four times that (colder caches, the collections, the export thread taking the GIL).
-  On this machine (load under 1, c=64) the SDK's path added about 62 µs of client CPU per request (0.54x) and the
-  direct one 18-28 µs against 69-86 µs untraced: ratios of 0.72-0.86 in different runs, around the 0.85 goal,
-  with per-round ratios scattering by tens of percent.
+  `gym_rpc.client._sdk_spans` proves that the same: about 2.5 µs without I/O, against about 16 µs for the SDK's
+  `start_span` + `end`), its `traceparent` header (aiohttp's handling of one more header: about 3 µs of client
+  CPU with real requests), the batching processor's queue and export thread, and the garbage its held spans
+  leave. Without I/O the whole traced path adds about 4.5 µs per call; with real requests the same work costs
+  three to four times that: measured with py-spy, the traced side's aiohttp code itself runs slower (colder
+  caches), and each coroutine level between the caller and aiohttp costs about 2 µs per request, which is why a
+  traced call adds none (the span hears the answer from inside `send`). The flag rows use the data-plane rows'
+  method (40 rounds of four short blocks, collected heap); with the old one (5 rounds of 6,000 requests) the
+  same code's median moved between 0.63 and 0.84 from run to run. The goal row has every call in one rollout
+  (one parent); with rollouts of 8 calls, each its own `gym.rollout` span made by the SDK, a fully traced worker
+  paid about twice the extra CPU per call in this session (0.78x at c=64, load about 1), the rollout spans
+  included.
 - **Isolation.** gRPC control calls travel on their own HTTP/2 channel and `_control=True` calls on a reserved
   aiohttp pool, so a saturated data pool does not delay them; what remains in their p99 is the shared event loop
   and CPU, which the saturating traffic keeps busy.

@@ -112,20 +112,33 @@ def trace_context_headers(
     return headers
 
 
-_last_route: tuple[Callable[[], Context | None], SpanPlan | None, trace.SpanContext, bool, str] = (
-    lambda: None, None, trace.INVALID_SPAN_CONTEXT, False, SDK,
-)  # fmt: skip
+# _route's answer for one context: (the context, weakly; the plan; the parent; whether the context carries baggage;
+# the way; the parent's own traceparent, for a call that carries it on unsampled).
+_Route = tuple[Callable[[], Context | None], SpanPlan | None, trace.SpanContext, bool, str, str | None]
+_last_route: _Route = (lambda: None, None, trace.INVALID_SPAN_CONTEXT, False, SDK, None)
+_routes: dict[int, _Route] = {}
+REMEMBERED_CONTEXTS = 4096  # contexts whose routes are kept (then they start afresh)
 
 
-def _route(current: Context, plan: SpanPlan | None) -> tuple[trace.SpanContext, bool, str]:
+def _route(current: Context, plan: SpanPlan | None) -> _Route:
     """A call's parent (the current span's context), whether `current` carries baggage, and what `plan` does with
     a child of that parent (SDK, DIRECT or DROP). Contexts are immutable and a rollout's calls share one, so the
-    answer is remembered for the last context and plan (the context weakly: it is not kept alive)."""
+    answer is remembered per context (weakly: it is not kept alive) for at most REMEMBERED_CONTEXTS at once, and
+    the last one is checked first by the caller."""
     global _last_route
-    parent = trace.get_current_span(current).get_span_context()
-    way = SDK if plan is None else plan.way(parent)
-    _last_route = (weakref.ref(current), plan, parent, bool(baggage.get_all(current)), way)
-    return parent, _last_route[3], way
+    route = _routes.get(id(current))
+    if route is None or route[0]() is not current or route[1] is not plan:
+        parent = trace.get_current_span(current).get_span_context()
+        way = SDK if plan is None else plan.way(parent)
+        carried = None
+        if way is DROP:
+            carried = "00-%032x-%016x-%02x" % (parent.trace_id, parent.span_id, parent.trace_flags)  # noqa: UP031
+        route = (weakref.ref(current), plan, parent, bool(baggage.get_all(current)), way, carried)
+        if len(_routes) >= REMEMBERED_CONTEXTS:
+            _routes.clear()
+        _routes[id(current)] = route
+    _last_route = route
+    return route
 
 
 def traced_send(
@@ -150,13 +163,12 @@ def traced_send(
         return _send_with_attributes(call, rollout_id, on_resend)
     active, current = tracer(), otel_context.get_current()
     plan = span_plan(active)
-    last = _last_route
-    if last[0]() is current and last[1] is plan:
-        parent, carries_baggage, way = last[2], last[3], last[4]
-    else:
-        parent, carries_baggage, way = _route(current, plan)
+    route = _last_route
+    if route[0]() is not current or route[1] is not plan:
+        route = _route(current, plan)
+    _, _, parent, carries_baggage, way, carried = route
     if way is DROP:
-        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), parent, current, carries_baggage)
+        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), parent, current, carries_baggage, carried)
         return call.send(None if on_resend is None else ResendListener(on_resend))
     request = (call.method, call.base_url, call.server_name, call.url_path, rollout_id)
     if way is DIRECT:

@@ -57,6 +57,7 @@ Begun = tuple[trace.SpanContext, trace.SpanContext | None, str, int]
 
 
 SDK, DIRECT, DROP = "sdk", "direct", "drop"  # SpanPlan.way: what a call does about its span
+REMEMBERED_PARENTS = 4096  # parents whose children's facts a plan keeps (then it starts afresh)
 
 
 class SpanPlan:
@@ -67,7 +68,7 @@ class SpanPlan:
     span is no object of its own until it ends: `begin` gives its context, `finish` hands the processors the one
     `ReadableSpan` the SDK would, so a call makes one span object, not three."""
 
-    __slots__ = ("_direct_child", "_direct_root", "_dropped_child", "_ends", "_last", "_random_ids",
+    __slots__ = ("_by_parent", "_direct_child", "_direct_root", "_dropped_child", "_ends", "_last", "_random_ids",
                  "max_attributes", "readable_span", "sdk_span_type", "tracer")  # fmt: skip
 
     def __init__(
@@ -95,6 +96,7 @@ class SpanPlan:
             for p in tracer.span_processor._span_processors
         )
         self._last: _Facts = (None, SDK, None, None, None, None, "", "")
+        self._by_parent: dict[int, _Facts] = {}
 
     def way(self, parent: trace.SpanContext) -> str:
         """SDK, DIRECT or DROP for a child of `parent` (a root span for an invalid one)."""
@@ -164,6 +166,12 @@ class SpanPlan:
         return span
 
     def _facts(self, parent: trace.SpanContext) -> _Facts:
+        """What a child of `parent` is, remembered per parent (held, so its id names no other while it is) for at
+        most REMEMBERED_PARENTS at once: a worker runs many rollouts at a time, each a parent of its calls."""
+        known = self._by_parent.get(id(parent))
+        if known is not None and known[0] is parent:
+            self._last = known
+            return known
         last: _Facts
         if not parent.is_valid:
             last = (parent, DIRECT if self._direct_root else SDK, None, None, None, None, "", "")
@@ -177,7 +185,9 @@ class SpanPlan:
             child_flags = _SAMPLED_RANDOM if flags.random_trace_id else _SAMPLED
             head, tail = "00-%032x-" % parent.trace_id, "-%02x" % child_flags  # noqa: UP031
             last = (parent, way, parent.trace_id, child_flags, parent.trace_state, parent, head, tail)
-        self._last = last
+        if len(self._by_parent) >= REMEMBERED_PARENTS:
+            self._by_parent.clear()
+        self._by_parent[id(parent)] = self._last = last
         return last
 
 
