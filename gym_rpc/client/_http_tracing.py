@@ -32,7 +32,7 @@ from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 from gym_rpc.client._aiohttp_instrumentation import request_context as instrumentation_request_context
 from gym_rpc.client._aiohttp_instrumentation import session_instrumented
-from gym_rpc.client._http import ObservedCall, ResendListener
+from gym_rpc.client._http import ObservedCall, ResendListener, send
 from gym_rpc.client._rollout import current_rollout_id
 from gym_rpc.client._sdk_spans import DIRECT, DROP, ERROR_STATUS, SDK, UNSET_STATUS, Begun, SpanPlan, span_plan
 from gym_rpc.telemetry import (
@@ -158,8 +158,8 @@ def traced_send(
     between aiohttp's own work, where each line costs several times what it costs in a loop of its own (cold
     caches), so the direct path takes as few calls as it can.
     """
-    kwargs, rollout_id = call.kwargs, current_rollout_id()
-    if session_instrumented(call.session):
+    kwargs, rollout_id, session = call.kwargs, current_rollout_id(), call.session
+    if getattr(session, "_trace_configs", True) and session_instrumented(session):  # aiohttp's list, else ask
         return _send_with_attributes(call, rollout_id, on_resend)
     active, current = tracer(), otel_context.get_current()
     plan = span_plan(active)
@@ -177,7 +177,9 @@ def traced_send(
         kwargs["headers"] = trace_context_headers(
             kwargs.get("headers"), begun[0], current, carries_baggage, begun[2]
         )
-        return call.send(_DirectCall((plan, begun, request, on_resend)))
+        observer = _DirectCall((plan, begun, request, on_resend))
+        url = call.base_url + call.url_path  # ObservedCall.send, inline: one call less on every traced call
+        return send(session, call.method, url, call.retry, call.resend_after_disconnect, kwargs, observer)
     span = active.start_span(span_name(call.method), kind=_CLIENT, attributes=_call_attributes(*request))
     try:
         kwargs["headers"] = trace_context_headers(
