@@ -207,6 +207,48 @@ async def test_a_resent_request_carries_the_same_body_and_each_resend_is_counted
     assert attempts == [2, 3]
 
 
+class RecordingObserver:
+    """A CallObserver noting what it is told, in order."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[Any, ...]] = []
+
+    def resent(self, attempt: int) -> None:
+        self.told.append(("resent", attempt))
+
+    def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
+        self.told.append(("answered", response, attempts))
+
+    def failed(self, error: BaseException, attempts: int) -> None:
+        self.told.append(("failed", error, attempts))
+
+
+async def test_send_tells_its_observer_each_resend_then_the_answer_or_error_with_the_attempts_made() -> None:
+    """send(): after one dropped connection and then an answer, the observer hears resent(2), then answered with
+    the very response the caller gets and 2 attempts; for a refused port, every resend, then failed with the very
+    ServerUnreachableError raised and all of the policy's attempts."""
+    policy = RetryPolicy(attempts=3, initial_backoff_seconds=0.01, max_backoff_seconds=0.02)
+    server, port, connections = await start_dropping_server(drops=1)
+    answered = RecordingObserver()
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = f"http://{LOOPBACK}:{port}/v1/responses"
+            async with await send(session, "POST", url, policy, True, {"data": b"{}"}, answered) as response:
+                assert response.status == 200
+            assert answered.told == [("resent", 2), ("answered", response, 2)]
+            assert connections == [2]
+
+            failed = RecordingObserver()
+            refused = f"http://{LOOPBACK}:{closed_port()}/v1/responses"
+            with pytest.raises(ServerUnreachableError) as caught:
+                await send(session, "POST", refused, policy, True, {"data": b"{}"}, failed)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert failed.told == [("resent", 2), ("resent", 3), ("failed", caught.value, 3)]
+    assert str(caught.value).startswith(f"server at {refused} is unreachable after 3 attempt(s) ")
+
+
 async def test_a_refused_server_is_named_with_the_operating_systems_reason() -> None:
     """_raise_unless_resendable: ServerUnreachableError carries the OS error's text, not the wrapper's."""
     port = closed_port()

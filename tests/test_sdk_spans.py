@@ -11,6 +11,8 @@ class (`SameSampler`): the module cannot prove what it does, so the SDK works as
 from __future__ import annotations
 
 import asyncio
+import inspect
+import random
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, Tra
 from opentelemetry.sdk.trace._tracer_metrics import NoOpTracerMetrics
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import (
     ALWAYS_OFF,
     ALWAYS_ON,
@@ -39,9 +42,17 @@ from opentelemetry.sdk.trace.sampling import (
 )
 
 from gym_rpc.client import _http_tracing
-from gym_rpc.client._http import ObservedCall, RetryPolicy
+from gym_rpc.client._http import ObservedCall, RetryPolicy, send
 from gym_rpc.client._rollout import rollout_context
-from gym_rpc.client._sdk_spans import DIRECT, DROP, SDK, SpanPlan, _does_nothing, span_plan
+from gym_rpc.client._sdk_spans import (
+    DIRECT,
+    DROP,
+    SDK,
+    SpanPlan,
+    _does_nothing,
+    _same_code,
+    span_plan,
+)
 from gym_rpc.errors import ServerUnreachableError
 from gym_rpc.telemetry import TRACER_NAME
 from tests.raw_servers import LOOPBACK, start_dropping_server
@@ -98,7 +109,8 @@ class Traced:
     exporter: InMemorySpanExporter = field(default_factory=InMemorySpanExporter)
 
     def __post_init__(self) -> None:
-        self.provider.add_span_processor(BatchSpanProcessor(self.exporter))
+        self.processor = BatchSpanProcessor(self.exporter)
+        self.provider.add_span_processor(self.processor)
         self.tracer = self.provider.get_tracer(TRACER_NAME, "test")
 
     def finished(self) -> list[ReadableSpan]:
@@ -409,3 +421,219 @@ def test_the_sdk_internals_read_are_where_they_were(traced: Callable[..., Traced
     plan = span_plan(tracer)
     assert plan is not None
     assert [plan.way(parent) for parent in PARENTS] == [DIRECT, DIRECT, DROP, DIRECT, DROP]
+
+
+def _reference_generate_span_id(self: Any) -> int:  # RandomIdGenerator.generate_span_id, which begin inlines
+    span_id = random.getrandbits(64)
+    while span_id == trace.INVALID_SPAN_ID:
+        span_id = random.getrandbits(64)
+    return span_id
+
+
+def _reference_multi_on_end(self: Any, span: Any) -> None:  # the loop SpanPlan.finish makes itself
+    for sp in self._span_processors:
+        sp.on_end(span)
+
+
+def _reference_multi_on_start(self: Any, span: Any, parent_context: Any = None) -> None:
+    for sp in self._span_processors:
+        sp.on_start(span, parent_context=parent_context)
+
+
+def _reference_multi_on_ending(self: Any, span: Any) -> None:
+    for sp in self._span_processors:
+        sp._on_ending(span)
+
+
+def test_the_sdk_code_the_direct_span_stands_in_for_is_what_it_was() -> None:
+    """What SpanPlan.begin and finish do in the SDK's stead: ReadableSpan taken positionally, SpanContext's tuple
+    made without its checks, RandomIdGenerator's span id inline, the processors' loop and a known batching on_end
+    replaced by its emit. If this fails after an SDK upgrade, gym_rpc.client._sdk_spans must be re-proven."""
+    parameters = list(inspect.signature(ReadableSpan.__init__).parameters.values())[1:]
+    assert [p.name for p in parameters] == [
+        "name", "context", "parent", "resource", "attributes", "events", "links", "kind", "instrumentation_info",
+        "status", "start_time", "end_time", "instrumentation_scope",
+    ]  # fmt: skip
+    assert {p.kind for p in parameters} == {inspect.Parameter.POSITIONAL_OR_KEYWORD}
+
+    trace_id, span_id = 0x0AF7651916CD43DD8448EB211C80319C, 0x00F067AA0BA902B7
+    ways = (
+        (trace.TraceFlags(1), trace.DEFAULT_TRACE_STATE),
+        (trace.TraceFlags(3), trace.TraceState([("v", "1")])),
+    )
+    for flags, state in ways:
+        made = tuple.__new__(trace.SpanContext, (trace_id, span_id, False, flags, state, True))
+        checked = trace.SpanContext(trace_id, span_id, False, flags, state)
+        assert made == checked and type(made) is type(checked) is trace.SpanContext
+        fields = ("trace_id", "span_id", "is_remote", "trace_flags", "trace_state", "is_valid")
+        assert [getattr(made, name) for name in fields] == [getattr(checked, name) for name in fields]
+        assert [getattr(made, name) for name in fields] == [trace_id, span_id, False, flags, state, True]
+    assert trace.SpanContext(trace_id, span_id, False, trace.TraceFlags(1), None).trace_state is (
+        trace.DEFAULT_TRACE_STATE
+    )  # what begin gives a root span
+
+    assert trace.INVALID_SPAN_ID == 0  # begin's inline check
+    assert _same_code(RandomIdGenerator.generate_span_id, _reference_generate_span_id)
+    assert not _same_code(RandomIdGenerator.generate_trace_id, _reference_generate_span_id)  # it tells them apart
+    multi = sdk_trace.SynchronousMultiSpanProcessor
+    assert _same_code(multi.on_end, _reference_multi_on_end)
+    # A direct span skips the multi-processor's on_start and _on_ending: only its processors' (which do nothing).
+    assert _same_code(multi.on_start, _reference_multi_on_start)
+    assert _same_code(multi._on_ending, _reference_multi_on_ending)
+
+
+# --- what the direct path is given, it uses ----------------------------------------------------------------------
+
+
+class KnownIds(IdGenerator):
+    """An application's id generator: known ids, in the order asked for."""
+
+    def __init__(self) -> None:
+        self.span_ids = iter([0x00F067AA0BA902B7, 0x00F067AA0BA902B8, 0x00F067AA0BA902B9])
+
+    def generate_trace_id(self) -> int:
+        return 0x4BF92F3577B34DA6A3CE929D0E0E4736
+
+    def generate_span_id(self) -> int:
+        return next(self.span_ids)
+
+
+@pytest.mark.parametrize(
+    ("parent", "traceparent"),
+    [
+        pytest.param("none", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", id="a root span"),
+        pytest.param("rollout", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b8-01", id="a rollout's call"),
+    ],
+)
+async def test_a_tracers_own_id_generator_makes_a_direct_spans_ids(
+    traced: Callable[..., Traced], receiver: Receiver, parent: str, traceparent: str
+) -> None:
+    """Only RandomIdGenerator's span ids are made inline: any other generator is asked, as the SDK asks it (its
+    trace id for a root, not random: flags 01), and its ids are the span's and the server's traceparent's."""
+    direct = traced(id_generator=KnownIds())
+    assert plan_for(direct) is not None
+    _, direct_span = await exported_call(direct, parent, receiver.base_url, "/200")
+    sdk = traced(id_generator=KnownIds(), sampler=SameSampler())
+    assert plan_for(sdk) is None
+    _, sdk_span = await exported_call(sdk, parent, receiver.base_url, "/200")
+
+    assert receiver.traceparents == [traceparent, traceparent]
+    assert (direct_span.context.trace_id, direct_span.context.span_id) == (
+        0x4BF92F3577B34DA6A3CE929D0E0E4736,
+        int(traceparent[36:52], 16),
+    )
+    assert direct_span.context == sdk_span.context and direct_span.parent == sdk_span.parent
+    assert comparable(direct_span) == comparable(sdk_span)
+
+
+async def three_posts(base_url: str) -> list[int | BaseException]:
+    return [await post(base_url, "/v1/responses") for _ in range(3)]
+
+
+async def test_a_rollouts_calls_share_attributes_only_while_they_are_the_same(
+    traced: Callable[..., Traced],
+) -> None:
+    """Three calls of one rollout to one URL, the third resent once: the first two have equal attributes (shared
+    by the direct path) and no resend count, the third its own with `http.request.resend_count` 1 (and the first
+    two are not changed by it); each exports what the SDK's path does for the same calls."""
+    server, port, connections = await start_dropping_server(lambda number: number in (3, 7))  # each third call
+    base_url = f"http://{LOOPBACK}:{port}"
+    exported = []
+    try:
+        for sampler in (None, SameSampler()):  # the direct path, then the SDK's
+            made = traced(sampler=sampler)
+            assert (plan_for(made) is None) is (sampler is not None)
+            assert await under_parent("rollout", made.tracer, lambda: three_posts(base_url)) == [200, 200, 200]
+            exported.append([comparable(s) for s in made.finished() if s.kind is trace.SpanKind.CLIENT])
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert connections == [8]
+    direct, sdk = exported
+    assert direct == sdk
+    first, second, third = (dict(span["attributes"]) for span in direct)
+    assert (
+        first
+        == second
+        == {
+            "http.request.method": "POST",
+            "server.address": LOOPBACK,
+            "server.port": port,
+            "gym.server.name": "policy_model",
+            "url.full": f"{base_url}/v1/responses",
+            "gym.rollout_id": "r-1",
+            "http.response.status_code": 200,
+        }
+    )
+    assert third == {**first, "http.request.resend_count": 1}
+    assert list(third)[-2:] == ["http.request.resend_count", "http.response.status_code"]  # the SDK's order
+
+
+@pytest.mark.parametrize("where", ["class", "instance"])
+async def test_a_processors_on_end_replaced_after_the_plan_is_made_gets_the_direct_span(
+    traced: Callable[..., Traced], receiver: Receiver, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A direct span goes to each processor's `on_end` as looked up at its end, as the SDK's multi-processor does:
+    one replaced later (on the class, or on the instance as mock.patch.object does) gets it."""
+    patched = traced()
+    plan = plan_for(patched)
+    assert plan is not None and plan.way(SAMPLED_LOCAL) is DIRECT
+    processor = patched.processor
+    seen: list[ReadableSpan] = []
+    known_on_end = BatchSpanProcessor.on_end
+
+    def on_end(self: BatchSpanProcessor, span: ReadableSpan) -> None:
+        seen.append(span)
+        known_on_end(self, span)
+
+    if where == "class":
+        monkeypatch.setattr(BatchSpanProcessor, "on_end", on_end)
+    else:
+        monkeypatch.setattr(processor, "on_end", lambda span: on_end(processor, span))
+    _, span = await exported_call(patched, "rollout", receiver.base_url, "/200")
+    assert [(s.name, s.kind) for s in seen] == [
+        ("POST", trace.SpanKind.CLIENT),
+        ("gym.rollout", trace.SpanKind.INTERNAL),
+    ]
+    assert seen[0] is span  # the direct span, given to on_end and exported by it
+
+
+def unsampled_parent() -> otel_context.Context:
+    parent = trace.SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, False, trace.TraceFlags(0))
+    return trace.set_span_in_context(trace.NonRecordingSpan(parent))
+
+
+@pytest.mark.parametrize(
+    ("sampler", "unsampled", "way"),
+    [
+        pytest.param(None, False, DIRECT, id="a direct span"),
+        pytest.param(SameSampler(), False, SDK, id="the sdk's span"),
+        pytest.param(None, True, DROP, id="no span: an unsampled parent"),
+    ],
+)
+async def test_a_traced_call_is_sends_own_coroutine(
+    traced: Callable[..., Traced], receiver: Receiver, sampler: Sampler | None, unsampled: bool, way: str
+) -> None:
+    """traced_send returns `send`'s coroutine itself, whichever way the span goes: a coroutine of ours between the
+    caller and aiohttp would cost every resumption of every traced call."""
+    made = traced(sampler=sampler)
+    token = otel_context.attach(unsampled_parent() if unsampled else otel_context.get_current())
+    try:
+        parent = trace.get_current_span().get_span_context()
+        plan = plan_for(made)
+        assert (SDK if plan is None else plan.way(parent)) == way
+        async with aiohttp.ClientSession() as session:
+            call = ObservedCall(session, "POST", receiver.base_url, "/200", RETRY, True, {"data": b"{}"}, "srv")
+            coroutine = _http_tracing.traced_send(call)
+            assert inspect.iscoroutine(coroutine) and coroutine.cr_code is send.__code__
+            async with await coroutine as response:
+                assert response.status == 200
+    finally:
+        otel_context.detach(token)
+    spans = made.finished()
+    if way is DROP:  # the parent's context, carried on
+        assert (spans, receiver.traceparents) == ([], ["00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"])
+    else:
+        [context] = [span.context for span in spans]
+        # A root span: sampled, its trace id random (RandomIdGenerator's).
+        assert receiver.traceparents == [f"00-{context.trace_id:032x}-{context.span_id:016x}-03"]

@@ -154,7 +154,9 @@ def traced_send(
     spans (one per attempt) and ours only adds attributes to them (gym_rpc.client._aiohttp_instrumentation).
 
     It returns `send`'s own coroutine, the span told of the outcome from inside it (a CallObserver): a coroutine of
-    ours between the caller and aiohttp would cost every resumption of the call. Every traced call runs this
+    ours between the caller and aiohttp would cost every resumption of the call. The span starts here, so the
+    coroutine must be awaited at once (as ServerClient.request and metered_send do): one never awaited would
+    leave its span unended. Every traced call runs this
     between aiohttp's own work, where each line costs several times what it costs in a loop of its own (cold
     caches), so the direct path takes as few calls as it can.
     """
@@ -175,7 +177,7 @@ def traced_send(
         assert plan is not None
         begun = plan.begin(parent)
         kwargs["headers"] = trace_context_headers(
-            kwargs.get("headers"), begun[0], current, carries_baggage, begun[2]
+            kwargs.get("headers"), begun.context, current, carries_baggage, begun.traceparent
         )
         observer = _DirectCall((plan, begun, request, on_resend))
         url = call.base_url + call.url_path  # ObservedCall.send, inline: one call less on every traced call
@@ -214,7 +216,7 @@ class _DirectCall(tuple[SpanPlan, Begun, _Request, Callable[[int], None] | None]
 
     def failed(self, error: BaseException, attempts: int) -> None:
         plan, begun, request, _ = self
-        span = plan.sdk_span(span_name(request[0]), begun, _attributes_after(request, attempts), UNSET_STATUS)
+        span = plan.sdk_span(span_name(request[0]), _attributes_after(request, attempts), UNSET_STATUS, begun)
         record_failure(span, error)
         span.end()
 

@@ -34,7 +34,7 @@ import functools
 import random
 from collections.abc import Callable, Mapping
 from time import time_ns
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentelemetry import trace
 from opentelemetry.trace.span import DEFAULT_TRACE_STATE
@@ -52,8 +52,16 @@ _Facts = tuple[
     trace.SpanContext | None, str, int | None, trace.TraceFlags | None, Any, trace.SpanContext | None, str, str
 ]
 _NEW_TUPLE = tuple.__new__
-# SpanPlan.begin: a direct span's context, the parent it records, its traceparent header and its start time.
-Begun = tuple[trace.SpanContext, trace.SpanContext | None, str, int]
+
+
+class Begun(NamedTuple):
+    """What `SpanPlan.begin` started: a direct span's context, the parent it records, its traceparent header and
+    its start time (made as a plain tuple: no Python call)."""
+
+    context: trace.SpanContext
+    parent: trace.SpanContext | None
+    traceparent: str
+    start_time: int
 
 
 SDK, DIRECT, DROP = "sdk", "direct", "drop"  # SpanPlan.way: what a call does about its span
@@ -68,7 +76,7 @@ class SpanPlan:
     span is no object of its own until it ends: `begin` gives its context, `finish` hands the processors the one
     `ReadableSpan` the SDK would, so a call makes one span object, not three."""
 
-    __slots__ = ("_by_parent", "_direct_child", "_direct_root", "_dropped_child", "_ends", "_last", "_random_ids",
+    __slots__ = ("_by_parent", "_direct_child", "_direct_root", "_dropped_child", "_last", "_random_ids",
                  "max_attributes", "readable_span", "sdk_span_type", "tracer")  # fmt: skip
 
     def __init__(
@@ -89,12 +97,6 @@ class SpanPlan:
         self._direct_child = direct_child  # [parent is remote][parent sampled]
         self._dropped_child = dropped_unsampled_child  # [parent is remote], for an unsampled parent
         self._random_ids = _is_random_id_generator(tracer.id_generator)
-        # What SynchronousMultiSpanProcessor.on_end calls for a direct span, which is always sampled: a
-        # BatchSpanProcessor's on_end, when it is the SDK's as known here, only hands a sampled span to its batch.
-        self._ends = tuple(
-            p._batch_processor.emit if _is_known_batch_on_end(type(p).on_end) else p.on_end
-            for p in tracer.span_processor._span_processors
-        )
         self._last: _Facts = (None, SDK, None, None, None, None, "", "")
         self._by_parent: dict[int, _Facts] = {}
 
@@ -125,31 +127,32 @@ class SpanPlan:
         # The tuple SpanContext(trace_id, span_id, False, flags, state) makes, without its checks: both ids are
         # valid (the parent's, or the generator's), so is_valid is True.
         context = _NEW_TUPLE(trace.SpanContext, (trace_id, span_id, False, flags, state, True))
-        return context, recorded_parent, "%s%016x%s" % (head, span_id, tail), time_ns()  # noqa: UP031
+        traceparent = "%s%016x%s" % (head, span_id, tail)  # noqa: UP031
+        return _NEW_TUPLE(Begun, (context, recorded_parent, traceparent, time_ns()))
 
     def finish(self, name: str, attributes: Mapping[str, Any], status: trace.Status, begun: Begun) -> None:
         """End a span `begin` started: the `ReadableSpan` the SDK's would become, to each processor. One that
         outgrew the attribute count limit becomes the SDK's own span, which decides what it drops."""
         max_attributes = self.max_attributes
         if max_attributes is not None and len(attributes) > max_attributes:
-            self.sdk_span(name, begun, dict(attributes), status).end()
+            self.sdk_span(name, dict(attributes), status, begun).end()
             return
         tracer = self.tracer
         span = self.readable_span(
-            name, begun[0], begun[1], tracer.resource, attributes, (), (), _CLIENT, tracer.instrumentation_info,
-            status, begun[3], time_ns(), tracer._instrumentation_scope,
+            name, begun.context, begun.parent, tracer.resource, attributes, (), (), _CLIENT,
+            tracer.instrumentation_info, status, begun.start_time, time_ns(), tracer._instrumentation_scope,
         )  # fmt: skip
-        for end in self._ends:
-            end(span)
+        for processor in tracer.span_processor._span_processors:  # SynchronousMultiSpanProcessor.on_end's loop
+            processor.on_end(span)
 
-    def sdk_span(self, name: str, begun: Begun, attributes: Mapping[str, Any], status: trace.Status) -> Any:
+    def sdk_span(self, name: str, attributes: Mapping[str, Any], status: trace.Status, begun: Begun) -> Any:
         """The SDK's own span for one `begin` started (as `Tracer.start_span` makes it, started at its start
         time): what records an exception, so that its event is the SDK's."""
         tracer = self.tracer
         span = self.sdk_span_type(
             name=name,
-            context=begun[0],
-            parent=begun[1],
+            context=begun.context,
+            parent=begun.parent,
             sampler=tracer.sampler,
             resource=tracer.resource,
             attributes=attributes,
@@ -160,7 +163,7 @@ class SpanPlan:
             limits=tracer._span_limits,
             instrumentation_scope=tracer._instrumentation_scope,
         )
-        span.start(start_time=begun[3])
+        span.start(start_time=begun.start_time)
         if status.status_code is not _UNSET:
             span.set_status(status)
         return span
@@ -288,18 +291,6 @@ def _is_random_id_generator(ids: Any) -> bool:
     except ImportError:
         return False
     return type(ids) is RandomIdGenerator
-
-
-def _batch_on_end(self: Any, span: Any) -> None:  # BatchSpanProcessor.on_end as the SDK writes it
-    if not (span.context and span.context.trace_flags.sampled):
-        return
-    self._batch_processor.emit(span)
-
-
-@functools.cache
-def _is_known_batch_on_end(function: Any) -> bool:
-    """Whether `function` is the same code as `_batch_on_end` (compiled by this interpreter, as ours is)."""
-    return _same_code(function, _batch_on_end)
 
 
 def _same_code(function: Any, model: Any) -> bool:
