@@ -49,6 +49,7 @@ from gym_rpc.client._sdk_spans import (
     DROP,
     SDK,
     SpanPlan,
+    _batch_on_end,
     _does_nothing,
     _same_code,
     span_plan,
@@ -472,6 +473,8 @@ def test_the_sdk_code_the_direct_span_stands_in_for_is_what_it_was() -> None:
         trace.DEFAULT_TRACE_STATE
     )  # what begin gives a root span
 
+    assert _same_code(BatchSpanProcessor.on_end, _batch_on_end)  # finish hands a batch the span as it would
+    assert not _same_code(SimpleSpanProcessor.on_end, _batch_on_end)
     assert trace.INVALID_SPAN_ID == 0  # begin's inline check
     assert _same_code(RandomIdGenerator.generate_span_id, _reference_generate_span_id)
     assert not _same_code(RandomIdGenerator.generate_trace_id, _reference_generate_span_id)  # it tells them apart

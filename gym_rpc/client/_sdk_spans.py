@@ -78,7 +78,7 @@ class SpanPlan:
     `ReadableSpan` the SDK would, so a call makes one span object, not three."""
 
     __slots__ = ("_by_parent", "_direct_child", "_direct_root", "_dropped_child", "_last", "_random_ids",
-                 "max_attributes", "readable_span", "sdk_span_type", "tracer")  # fmt: skip
+                 "batch_on_end", "max_attributes", "readable_span", "sdk_span_type", "tracer")  # fmt: skip
 
     def __init__(
         self,
@@ -89,8 +89,10 @@ class SpanPlan:
         direct_root: bool,
         direct_child: tuple[tuple[bool, bool], tuple[bool, bool]],
         dropped_unsampled_child: tuple[bool, bool],
+        batch_on_end: Callable[..., None] | None = None,
     ) -> None:
         self.tracer = tracer
+        self.batch_on_end = batch_on_end  # BatchSpanProcessor.on_end when its code is the one known here
         self.readable_span = readable_span  # opentelemetry.sdk.trace.ReadableSpan
         self.sdk_span_type = sdk_span_type  # opentelemetry.sdk.trace._Span: what Tracer.start_span makes
         self.max_attributes = max_attributes
@@ -143,8 +145,14 @@ class SpanPlan:
             name, begun.context, begun.parent, tracer.resource, attributes, (), (), _CLIENT,
             tracer.instrumentation_info, status, begun.start_time, time_ns(), tracer._instrumentation_scope,
         )  # fmt: skip
+        known = self.batch_on_end
         for processor in tracer.span_processor._span_processors:  # SynchronousMultiSpanProcessor.on_end's loop
-            processor.on_end(span)
+            # The SDK's BatchSpanProcessor.on_end (as looked up now: on the class, not replaced on the instance)
+            # only hands a sampled span, as a direct one is, to its batch.
+            if type(processor).on_end is known and "on_end" not in processor.__dict__:
+                processor._batch_processor.emit(span)
+            else:
+                processor.on_end(span)
 
     def sdk_span(self, name: str, attributes: Mapping[str, Any], status: trace.Status, begun: Begun) -> Any:
         """The SDK's own span for one `begin` started (as `Tracer.start_span` makes it, started at its start
@@ -283,6 +291,7 @@ def _plan(tracer: Any) -> SpanPlan | None:
         direct_root=direct_root,
         direct_child=direct_child,
         dropped_unsampled_child=(local_dropped, remote_dropped),
+        batch_on_end=BatchSpanProcessor.on_end if _same_code(BatchSpanProcessor.on_end, _batch_on_end) else None,
     )
 
 
@@ -292,6 +301,12 @@ def _is_random_id_generator(ids: Any) -> bool:
     except ImportError:
         return False
     return type(ids) is RandomIdGenerator
+
+
+def _batch_on_end(self: Any, span: Any) -> None:  # BatchSpanProcessor.on_end as the SDK writes it
+    if not (span.context and span.context.trace_flags.sampled):
+        return
+    self._batch_processor.emit(span)
 
 
 def _same_code(function: Any, model: Any) -> bool:
