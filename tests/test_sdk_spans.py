@@ -446,6 +446,21 @@ def _reference_multi_on_ending(self: Any, span: Any) -> None:
         sp._on_ending(span)
 
 
+def test_the_context_getter_is_the_apis_context_variable_and_answers_as_get_current() -> None:
+    """traced_send reads the current context with the runtime context's own ContextVar.get (context_getter): the
+    API's default runtime context still keeps it there, and it answers what get_current does, attached or not."""
+    runtime: Any = otel_context._RUNTIME_CONTEXT
+    assert type(runtime).__name__ == "ContextVarsRuntimeContext"
+    assert _http_tracing._current_context == runtime._current_context.get  # the variable's own bound get
+    assert _http_tracing._current_context() is otel_context.get_current()
+    token = otel_context.attach(otel_context.set_value("gym-rpc-test", 1))
+    try:
+        assert _http_tracing._current_context() is otel_context.get_current()
+        assert otel_context.get_value("gym-rpc-test", _http_tracing._current_context()) == 1
+    finally:
+        otel_context.detach(token)
+
+
 def test_the_sdk_code_the_direct_span_stands_in_for_is_what_it_was() -> None:
     """What SpanPlan.begin and finish do in the SDK's stead: ReadableSpan taken positionally, SpanContext's tuple
     made without its checks, RandomIdGenerator's span id inline, the processors' loop and a known batching on_end

@@ -23,7 +23,6 @@ from urllib.parse import urlsplit
 import aiohttp
 from multidict import CIMultiDict
 from opentelemetry import baggage, trace
-from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.propagators.textmap import TextMapPropagator
@@ -33,8 +32,18 @@ from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 from gym_rpc.client._aiohttp_instrumentation import request_context as instrumentation_request_context
 from gym_rpc.client._aiohttp_instrumentation import session_instrumented
 from gym_rpc.client._http import ObservedCall, ResendListener, send
-from gym_rpc.client._rollout import current_rollout_id
-from gym_rpc.client._sdk_spans import DIRECT, DROP, ERROR_STATUS, SDK, UNSET_STATUS, Begun, SpanPlan, span_plan
+from gym_rpc.client._rollout import rollout_id_in_context
+from gym_rpc.client._sdk_spans import (
+    DIRECT,
+    DROP,
+    ERROR_STATUS,
+    SDK,
+    UNSET_STATUS,
+    Begun,
+    SpanPlan,
+    context_getter,
+    span_plan,
+)
 from gym_rpc.telemetry import (
     ERROR_TYPE,
     HTTP_RESPONSE_STATUS_CODE,
@@ -117,6 +126,7 @@ def trace_context_headers(
 _Route = tuple[Callable[[], Context | None], SpanPlan | None, trace.SpanContext, bool, str, str | None]
 _last_route: _Route = (lambda: None, None, trace.INVALID_SPAN_CONTEXT, False, SDK, None)
 _routes: dict[int, _Route] = {}
+_current_context = context_getter()  # opentelemetry.context.get_current, in one call
 REMEMBERED_CONTEXTS = 4096  # contexts whose routes are kept (then they start afresh)
 
 
@@ -160,10 +170,10 @@ def traced_send(
     between aiohttp's own work, where each line costs several times what it costs in a loop of its own (cold
     caches), so the direct path takes as few calls as it can.
     """
-    kwargs, rollout_id, session = call.kwargs, current_rollout_id(), call.session
+    kwargs, rollout_id, session = call.kwargs, rollout_id_in_context(), call.session
     if getattr(session, "_trace_configs", True) and session_instrumented(session):  # aiohttp's list, else ask
         return _send_with_attributes(call, rollout_id, on_resend)
-    active, current = tracer(), otel_context.get_current()
+    active, current = tracer(), _current_context()
     plan = span_plan(active)
     route = _last_route
     if route[0]() is not current or route[1] is not plan:

@@ -23,6 +23,10 @@ def current_rollout_id() -> str | None:
     return _rollout_id.get()
 
 
+# current_rollout_id without a Python call of its own, for the data plane's hot paths (each call is one).
+rollout_id_in_context = _rollout_id.get
+
+
 ROLLOUT_SPAN_NAME = "gym.rollout"
 
 

@@ -24,13 +24,15 @@ costs ~2.5 µs. Two shortcuts, each taken only when it is provably what the SDK 
   that nothing sees; the call carries its parent's context instead (the rollout's "sampled once" decision).
 
 Anything else takes the SDK's path, unchanged. The conditions read private SDK attributes (the sampler's
-delegates and decision, the processors' tuple, the tracer's limits, config and metrics, `_Span`): this is the only
-module that does, every read guarded (an attribute an upgrade moved means "not provable": the SDK's path), and
-tests/test_sdk_spans.py fails loudly when one moves, and compares what both paths export field by field.
+delegates and decision, the processors' tuple, the tracer's limits, config and metrics, `_Span`; and the API's
+runtime context, for `context_getter`): this is the only module that does, every read guarded (an attribute an
+upgrade moved means "not provable": the SDK's path), and tests/test_sdk_spans.py fails loudly when one moves, and
+compares what both paths export field by field.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import random
 from collections.abc import Callable, Mapping
@@ -201,6 +203,20 @@ class SpanPlan:
             self._by_parent.clear()
         self._by_parent[id(parent)] = self._last = last
         return last
+
+
+def context_getter() -> Callable[[], Any]:
+    """`opentelemetry.context.get_current` without its two Python calls, where the runtime context is the API's
+    default one (a ContextVar, chosen once when the API is imported): that variable's own `get`."""
+    from opentelemetry import context
+    from opentelemetry.context.contextvars_context import ContextVarsRuntimeContext
+
+    runtime = getattr(context, "_RUNTIME_CONTEXT", None)
+    variable = getattr(runtime, "_current_context", None)
+    if type(runtime) is ContextVarsRuntimeContext and isinstance(variable, contextvars.ContextVar):
+        getter: Callable[[], Any] = variable.get
+        return getter
+    return context.get_current
 
 
 def span_plan(tracer: Any) -> SpanPlan | None:

@@ -46,6 +46,7 @@ from gym_rpc.client._rollout import (
     apply_rollout_prefix,
     current_rollout_id,
     rollout_context,
+    rollout_id_in_context,
     trace_context_path_segment,
 )
 from gym_rpc.client._security import ClientSecurity, client_security
@@ -650,7 +651,7 @@ def _observed_path(config: GlobalConfig, server_name: str, url_path: str, body: 
     entry = config.servers.get(server_name)
     if entry is None:  # a server known only from NEMO_GYM_MODEL_SERVER_BASE_URL: its URL carries the prefix
         return url_path
-    rollout_id = current_rollout_id() or nemo_gym_rollout_id()
+    rollout_id = rollout_id_in_context() or nemo_gym_rollout_id()
     if not rollout_id and url_path == "/verify" and entry.server_type == RESOURCES_SERVER_TYPE:
         rollout_id = rollout_id_from_run_body(body)
     return prefixed_path(url_path, entry.server_type, rollout_id)
