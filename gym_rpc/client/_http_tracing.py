@@ -219,7 +219,7 @@ class _DirectCall(tuple[SpanPlan, Begun, _Request, Callable[[int], None] | None]
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
         plan, begun, request, _ = self
         if attempts == 1:
-            plan.finish(*_finished(*request, response.status), begun)
+            plan.finish(*_finished(request, response.status), begun)
             return
         attributes = _attributes_after(request, attempts)
         plan.finish(span_name(request[0]), attributes, _answered(attributes, response.status), begun)
@@ -281,14 +281,12 @@ def _answered(attributes: dict[str, Any], status: int) -> trace.Status:
 
 
 @functools.lru_cache(maxsize=4096)
-def _finished(
-    method: str, base_url: str, server_name: str, url_path: str, rollout_id: str | None, status: int
-) -> tuple[str, Mapping[str, Any], trace.Status]:
+def _finished(request: _Request, status: int) -> tuple[str, Mapping[str, Any], trace.Status]:
     """The span name, attributes and status of a direct span answered with `status` at the first attempt, shared
     by every such call (mostly a rollout's calls to one server): a span holds them read-only until its export,
     so calls that share them leave the batching processor one dict to hold, not one each."""
-    attributes = _call_attributes(method, base_url, server_name, url_path, rollout_id)
-    return span_name(method), attributes, _answered(attributes, status)
+    attributes = _call_attributes(*request)
+    return span_name(request[0]), attributes, _answered(attributes, status)
 
 
 def _send_with_attributes(
