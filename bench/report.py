@@ -114,17 +114,20 @@ NOTES = """\
   1.07 over 40-100 rounds, so a figure within a few percent of 0.95 is that scatter, not a difference.
 - **Tracing.** Traced, a call costs its span (built directly as the SDK's `ReadableSpan` where
   `gym_rpc.client._sdk_spans` proves that the same: about 2.5 µs without I/O, against about 16 µs for the SDK's
-  `start_span` + `end`), its `traceparent` header (aiohttp's handling of one more header: about 3 µs of client
-  CPU with real requests), the batching processor's queue and export thread, and the garbage its held spans
-  leave. Without I/O the whole traced path adds about 4.5 µs per call; with real requests the same work costs
-  three to four times that: measured with py-spy, the traced side's aiohttp code itself runs slower (colder
-  caches), and each coroutine level between the caller and aiohttp costs about 2 µs per request, which is why a
-  traced call adds none (the span hears the answer from inside `send`). The flag rows use the data-plane rows'
-  method (40 rounds of four short blocks, collected heap); with the old one (5 rounds of 6,000 requests) the
-  same code's median moved between 0.63 and 0.84 from run to run. The goal row has every call in one rollout
-  (one parent); with rollouts of 8 calls, each its own `gym.rollout` span made by the SDK, a fully traced worker
-  paid about twice the extra CPU per call in this session (0.78x at c=64, load about 1), the rollout spans
-  included.
+  `start_span` + `end`), its `traceparent` header, and the batching processor. Without I/O the whole traced path
+  adds about 4.5 µs per call; with real requests at c=64 on a quiet machine it adds about 17 µs of client CPU
+  (about 77-80 µs untraced), which is the 0.83 of the goal row. Measured apart in one session (40 interleaved
+  rounds each): the header alone (aiohttp copying one more header twice) about 3-4 µs; the whole path with a
+  provider that has no processor at all about 12 µs (0.87x); the SDK's `BatchSpanProcessor` about 5 µs more per
+  span (its emit, the spans it holds until export, its thread), garbage collection about 1 µs of that. With
+  py-spy the traced side's aiohttp code itself runs slower (colder caches), and each coroutine level between
+  the caller and aiohttp costs about 2 µs per request, which is why a traced call adds none (the span hears the
+  answer from inside `send`). The ratio moves with the untraced CPU per request: the same code gave 0.84-0.87
+  under a load of 1-1.4 (untraced 82-98 µs). The flag rows use the data-plane rows' method (40 rounds of four
+  short blocks, collected heap); with the old one (5 rounds of 6,000 requests) the same code's median moved
+  between 0.63 and 0.84 from run to run. The goal row has every call in one rollout (one parent); with rollouts
+  of 8 calls, each its own `gym.rollout` span made by the SDK, a fully traced worker paid about twice the extra
+  CPU per call (0.78x at c=64, load about 1), the rollout spans included.
 - **Isolation.** gRPC control calls travel on their own HTTP/2 channel and `_control=True` calls on a reserved
   aiohttp pool, so a saturated data pool does not delay them; what remains in their p99 is the shared event loop
   and CPU, which the saturating traffic keeps busy.
