@@ -286,10 +286,15 @@ def record_failure(span: trace.Span, error: BaseException) -> None:
     span.set_status(trace.Status(trace.StatusCode.ERROR, str(error) or type(error).__name__))
 
 
+def is_error_status(status: int, *, server: bool) -> bool:
+    """Whether an HTTP answer makes the span an error, as the http conventions say (server: 5xx; client: 4xx)."""
+    return status >= 500 or (status >= 400 and not server)
+
+
 def set_response_status(span: trace.Span, status: int, *, server: bool) -> None:
-    """The status code, and the span's error status as the http conventions say (server: 5xx; client: 4xx too)."""
+    """The status code, and the span's error status (`is_error_status`) with the code as its error.type."""
     span.set_attribute(HTTP_RESPONSE_STATUS_CODE, status)
-    if status >= 500 or (status >= 400 and not server):
+    if is_error_status(status, server=server):
         span.set_attribute(ERROR_TYPE, str(status))
         span.set_status(trace.Status(trace.StatusCode.ERROR))
 

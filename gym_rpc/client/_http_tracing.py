@@ -52,6 +52,7 @@ from gym_rpc.telemetry import (
     SERVER_NAME_ATTRIBUTE,
     SERVER_PORT,
     URL_FULL,
+    is_error_status,
     method_attributes,
     propagation,
     record_failure,
@@ -166,9 +167,8 @@ def traced_send(
     It returns `send`'s own coroutine, the span told of the outcome from inside it (a CallObserver): a coroutine of
     ours between the caller and aiohttp would cost every resumption of the call. The span starts here, so the
     coroutine must be awaited at once (as ServerClient.request and metered_send do): one never awaited would
-    leave its span unended. Every traced call runs this
-    between aiohttp's own work, where each line costs several times what it costs in a loop of its own (cold
-    caches), so the direct path takes as few calls as it can.
+    leave its span unended. Every traced call runs this between aiohttp's own work, where each line costs several
+    times what it costs in a loop of its own (cold caches), so the direct path takes as few calls as it can.
     """
     kwargs, rollout_id, session = call.kwargs, rollout_id_in_context(), call.session
     if getattr(session, "_trace_configs", True) and session_instrumented(session):  # aiohttp's list, else ask
@@ -272,9 +272,10 @@ def _call_attributes(
 
 
 def _answered(attributes: dict[str, Any], status: int) -> trace.Status:
-    """The answer's status code in `attributes`, and the span's status (set_response_status's client rule)."""
+    """set_response_status for a direct client span: the answer's status code (and error.type) in `attributes`,
+    and the span's status."""
     attributes[HTTP_RESPONSE_STATUS_CODE] = status
-    if status >= 400:
+    if is_error_status(status, server=False):
         attributes[ERROR_TYPE] = str(status)
         return ERROR_STATUS
     return UNSET_STATUS
