@@ -111,13 +111,6 @@ async def run_block(post: Post, requests: int, concurrency: int) -> Block:
     return Block(requests / wall, cpu / requests * 1e6)
 
 
-async def collected_block(post: Post, requests: int, concurrency: int) -> Block:
-    """A block that starts on a collected heap (the collection untimed): what it is charged for collecting is its
-    own garbage, never the previous block's."""
-    gc.collect()
-    return await run_block(post, requests, concurrency)
-
-
 @dataclass
 class Comparison:
     concurrency: int
@@ -126,23 +119,41 @@ class Comparison:
     raw: list[Block] = field(default_factory=list)
 
 
-async def compare(ours: Post, raw: Post, concurrency: int, requests: int, rounds: int) -> Comparison:
+async def abba_rounds(
+    side_a: Callable[[], Awaitable[Block]], side_b: Callable[[], Awaitable[Block]], rounds: int
+) -> tuple[list[float], list[Block], list[Block]]:
     """Rounds of four blocks, ABBA then BAAB: whichever side runs first after a switch pays for the switch (idle
-    connections, caches), and in a round each side runs once first and once second, so that cost cancels."""
+    connections, caches), and in a round each side runs once first and once second, so that cost cancels. Each
+    block starts on a collected heap (the collection untimed): what it is charged for collecting is its own
+    garbage, never the previous block's. Returns the per-round ratios (A's requests per
+    second over B's) and the blocks of A and of B."""
+    ratios: list[float] = []
+    blocks_a: list[Block] = []
+    blocks_b: list[Block] = []
+    for index in range(rounds):
+        order = (side_a, side_b, side_b, side_a) if index % 2 == 0 else (side_b, side_a, side_a, side_b)
+        round_a: list[Block] = []
+        round_b: list[Block] = []
+        for side in order:
+            gc.collect()
+            (round_a if side is side_a else round_b).append(await side())
+        blocks_a += round_a
+        blocks_b += round_b
+        # Equal requests per block: the ratio of requests per second is the inverse ratio of summed times.
+        ratios.append(
+            sum(1 / b.requests_per_second for b in round_b) / sum(1 / b.requests_per_second for b in round_a)
+        )
+    return ratios, blocks_a, blocks_b
+
+
+async def compare(ours: Post, raw: Post, concurrency: int, requests: int, rounds: int) -> Comparison:
+    """`abba_rounds` of gym_rpc's post against the raw one, after a warm block of each."""
     await run_block(ours, max(requests, concurrency), concurrency)  # warm: connections, caches
     await run_block(raw, max(requests, concurrency), concurrency)
     result = Comparison(concurrency)
-    for index in range(rounds):
-        order = (ours, raw, raw, ours) if index % 2 == 0 else (raw, ours, ours, raw)
-        blocks = [(post, await collected_block(post, requests, concurrency)) for post in order]
-        mine = [block for post, block in blocks if post is ours]
-        theirs = [block for post, block in blocks if post is raw]
-        result.ours += mine
-        result.raw += theirs
-        # Equal requests per block: the ratio of requests per second is the inverse ratio of summed times.
-        result.ratios.append(
-            sum(1 / b.requests_per_second for b in theirs) / sum(1 / b.requests_per_second for b in mine)
-        )
+    result.ratios, result.ours, result.raw = await abba_rounds(
+        lambda: run_block(ours, requests, concurrency), lambda: run_block(raw, requests, concurrency), rounds
+    )
     print(
         f"  data plane c={concurrency}: per-round ratios {' '.join(f'{r:.2f}' for r in result.ratios)}",
         file=sys.stderr,

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.data_plane import Block, Post, make_client, ours_post
+from bench.data_plane import Block, Post, abba_rounds, make_client, ours_post
 from bench.servers import REPO_ROOT, ServerProcess
 from bench.stats import Row, median, percentile, ratio_row, table_lines
 from gym_rpc.client._http import close_http_sessions
@@ -77,29 +77,19 @@ class Rounds:
 
 
 async def interleaved(cost: FlagCost, post: Post, concurrency: int, requests: int, rounds: int) -> Rounds:
-    """Rounds of four blocks, on/off/off/on then off/on/on/off, as bench.data_plane.compare runs its sides (and
-    for its reasons): each block starts on a collected heap, and what the process built before measuring is
-    frozen, so neither side is charged for collecting the other's garbage. The round's ratio is the on blocks'
-    requests per second over the off blocks'."""
+    """bench.data_plane's `abba_rounds` of the switch on (A) against off (B), with what the process built before
+    measuring frozen: neither side is charged for collecting the other's garbage."""
     warm = max(requests, concurrency)
     await cost.timed_block(post, warm, concurrency, True)
     await cost.timed_block(post, warm, concurrency, False)
     result = Rounds(concurrency)
     gc.freeze()
     try:
-        for index in range(rounds):
-            order = (True, False, False, True) if index % 2 == 0 else (False, True, True, False)
-            blocks: dict[bool, list[Block]] = {True: [], False: []}
-            for on in order:
-                gc.collect()
-                blocks[on].append(await cost.timed_block(post, requests, concurrency, on))
-            result.on += blocks[True]
-            result.off += blocks[False]
-            # Equal requests per block: the ratio of requests per second is the inverse ratio of summed times.
-            result.ratios.append(
-                sum(1 / b.requests_per_second for b in blocks[False])
-                / sum(1 / b.requests_per_second for b in blocks[True])
-            )
+        result.ratios, result.on, result.off = await abba_rounds(
+            lambda: cost.timed_block(post, requests, concurrency, True),
+            lambda: cost.timed_block(post, requests, concurrency, False),
+            rounds,
+        )
     finally:
         gc.unfreeze()
     print(
