@@ -167,7 +167,7 @@ async def post(base_url: str, path: str) -> int | BaseException:
     async with aiohttp.ClientSession() as session:
         call = ObservedCall(session, "POST", base_url, path, RETRY, True, {"data": b"{}"}, "policy_model")
         try:
-            response = await _http_tracing.traced_send(call)
+            response = await _http_tracing.traced_send(*call)
         except (ServerUnreachableError, aiohttp.ClientError) as error:
             return error
         async with response:
@@ -642,7 +642,7 @@ async def test_a_traced_call_is_sends_own_coroutine(
         assert (SDK if plan is None else plan.way(parent)) == way
         async with aiohttp.ClientSession() as session:
             call = ObservedCall(session, "POST", receiver.base_url, "/200", RETRY, True, {"data": b"{}"}, "srv")
-            coroutine = _http_tracing.traced_send(call)
+            coroutine = _http_tracing.traced_send(*call)
             assert inspect.iscoroutine(coroutine) and coroutine.cr_code is send.__code__
             async with await coroutine as response:
                 assert response.status == 200

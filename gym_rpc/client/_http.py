@@ -14,8 +14,7 @@ import socket
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
@@ -305,10 +304,9 @@ def _raise_unless_resendable(
         raise error
 
 
-@dataclass(slots=True)
-class ObservedCall:
-    """A data-plane call as the observed paths take it (`traced_send`, client._metrics.metered_send): made only
-    while tracing or metrics are on, so the plain path pays nothing for it."""
+class ObservedCall(NamedTuple):
+    """A data-plane call as the metered path takes it (client._metrics.metered_send), in `traced_send`'s order of
+    parameters: made only while metrics are on, so the plain path pays nothing for it."""
 
     session: aiohttp.ClientSession
     method: str

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Coroutine, Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -31,7 +31,7 @@ from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 from gym_rpc.client._aiohttp_instrumentation import request_context as instrumentation_request_context
 from gym_rpc.client._aiohttp_instrumentation import session_instrumented
-from gym_rpc.client._http import ObservedCall, ResendListener, send
+from gym_rpc.client._http import CallObserver, ResendListener, RetryPolicy, send
 from gym_rpc.client._rollout import rollout_id_in_context
 from gym_rpc.client._sdk_spans import (
     DIRECT,
@@ -60,6 +60,9 @@ from gym_rpc.telemetry import (
     span_name,
     tracer,
 )
+
+if TYPE_CHECKING:
+    from aiohttp.client import _RequestOptions
 
 HTTP_REQUEST_RESEND_COUNT = "http.request.resend_count"  # OpenTelemetry http semantic conventions
 # A call as its span's attributes know it: method, base URL, server name, path and rollout id.
@@ -122,29 +125,46 @@ def trace_context_headers(
     return headers
 
 
-# _route's answer for one context: (the context, weakly; the plan; the parent; whether the context carries baggage;
-# the way; the parent's own traceparent, for a call that carries it on unsampled).
-_Route = tuple[Callable[[], Context | None], SpanPlan | None, trace.SpanContext, bool, str, str | None]
-_last_route: _Route = (lambda: None, None, trace.INVALID_SPAN_CONTEXT, False, SDK, None)
+# _route's answer for one context: (the context, weakly; the plan; the global propagator; the parent; whether the
+# context carries baggage; the way; whether the headers need only a traceparent; the parent's own traceparent, for
+# a call that carries it on unsampled).
+_Route = tuple[
+    Callable[[], Context | None], SpanPlan | None, TextMapPropagator | None, trace.SpanContext, bool, str, bool,
+    str | None,
+]  # fmt: skip
+_last_route: _Route = (lambda: None, None, None, trace.INVALID_SPAN_CONTEXT, False, SDK, False, None)
 _routes: dict[int, _Route] = {}
 _current_context = context_getter()  # opentelemetry.context.get_current, in one call
 REMEMBERED_CONTEXTS = 4096  # contexts whose routes are kept (then they start afresh)
 
 
-def _route(current: Context, plan: SpanPlan | None) -> _Route:
-    """A call's parent (the current span's context), whether `current` carries baggage, and what `plan` does with
-    a child of that parent (SDK, DIRECT or DROP). Contexts are immutable and a rollout's calls share one, so the
-    answer is remembered per context (weakly: it is not kept alive) for at most REMEMBERED_CONTEXTS at once, and
-    the last one is checked first by the caller."""
+def _global_textmap() -> TextMapPropagator:
+    """opentelemetry.propagate.get_global_textmap, bound on the first traced call (importing it loads the
+    configured propagators)."""
+    global _global_textmap
+    _global_textmap = propagation().get_global_textmap
+    return _global_textmap()
+
+
+def _route(current: Context, plan: SpanPlan | None, textmap: TextMapPropagator) -> _Route:
+    """A call's parent (the current span's context), whether `current` carries baggage, what `plan` does with a
+    child of that parent (SDK, DIRECT or DROP), and whether a child's headers are only its traceparent (the
+    default propagators, no baggage, no trace state). Contexts are immutable and a rollout's calls share one, so
+    the answer is remembered per context (weakly: it is not kept alive) for at most REMEMBERED_CONTEXTS at once,
+    and the last one is checked first by the caller."""
     global _last_route
     route = _routes.get(id(current))
-    if route is None or route[0]() is not current or route[1] is not plan:
+    if route is None or route[0]() is not current or route[1] is not plan or route[2] is not textmap:
         parent = trace.get_current_span(current).get_span_context()
         way = SDK if plan is None else plan.way(parent)
         carried = None
         if way is DROP:
             carried = "00-%032x-%016x-%02x" % (parent.trace_id, parent.span_id, parent.trace_flags)  # noqa: UP031
-        route = (weakref.ref(current), plan, parent, bool(baggage.get_all(current)), way, carried)
+        carries_baggage = bool(baggage.get_all(current))
+        state = parent.trace_state
+        no_state = state is DEFAULT_TRACE_STATE or not state
+        plain = _is_default_propagator(textmap) and not carries_baggage and no_state
+        route = (weakref.ref(current), plan, textmap, parent, carries_baggage, way, plain, carried)
         if len(_routes) >= REMEMBERED_CONTEXTS:
             _routes.clear()
         _routes[id(current)] = route
@@ -153,10 +173,19 @@ def _route(current: Context, plan: SpanPlan | None) -> _Route:
 
 
 def traced_send(
-    call: ObservedCall, on_resend: Callable[[int], None] | None = None
+    session: aiohttp.ClientSession,
+    method: str,
+    base_url: str,
+    url_path: str,
+    retry: RetryPolicy,
+    resend_after_disconnect: bool,
+    kwargs: _RequestOptions,
+    server_name: str,
+    on_resend: Callable[[int], None] | None = None,
 ) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
-    """`call.send()` as a CLIENT span whose context goes out in the `traceparent` header; a resent call carries
-    `http.request.resend_count` (the number of attempts after the first), and `on_resend` hears each attempt.
+    """`send(session, method, base_url + url_path, ...)` as a CLIENT span whose context goes out in the
+    `traceparent` header; a resent call carries `http.request.resend_count` (the number of attempts after the
+    first), and `on_resend` hears each attempt.
 
     The span ends when the response headers arrive (the caller reads the body) and covers the resends. It is never
     made the current span: nothing runs under it in this process, and attaching a context costs a few µs. Where
@@ -168,65 +197,70 @@ def traced_send(
     ours between the caller and aiohttp would cost every resumption of the call. The span starts here, so the
     coroutine must be awaited at once (as ServerClient.request and metered_send do): one never awaited would
     leave its span unended. Every traced call runs this between aiohttp's own work, where each line costs several
-    times what it costs in a loop of its own (cold caches), so the direct path takes as few calls as it can.
+    times what it costs in a loop of its own (cold caches), so the direct path takes as few calls as it can: the
+    call comes as parameters, not as an object, and its span's start and observer are one tuple.
     """
-    kwargs, rollout_id, session = call.kwargs, rollout_id_in_context(), call.session
+    rollout_id, url = rollout_id_in_context(), base_url + url_path
     if getattr(session, "_trace_configs", True) and session_instrumented(session):  # aiohttp's list, else ask
-        return _send_with_attributes(call, rollout_id, on_resend)
-    active, current = tracer(), _current_context()
+        instrumented = _instrumented_call_observer(kwargs, server_name, rollout_id, on_resend)
+        return send(session, method, url, retry, resend_after_disconnect, kwargs, instrumented)
+    active, current, textmap = tracer(), _current_context(), _global_textmap()
     plan = span_plan(active)
     route = _last_route
-    if route[0]() is not current or route[1] is not plan:
-        route = _route(current, plan)
-    _, _, parent, carries_baggage, way, carried = route
-    if way is DROP:
-        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), parent, current, carries_baggage, carried)
-        return call.send(None if on_resend is None else ResendListener(on_resend))
-    request = (call.method, call.base_url, call.server_name, call.url_path, rollout_id)
+    if route[0]() is not current or route[1] is not plan or route[2] is not textmap:
+        route = _route(current, plan, textmap)
+    _, _, _, parent, carries_baggage, way, plain, carried = route
+    given = kwargs.get("headers")
+    observer: CallObserver | None
     if way is DIRECT:
         assert plan is not None
-        begun = plan.begin(parent)
-        kwargs["headers"] = trace_context_headers(
-            kwargs.get("headers"), begun.context, current, carries_baggage, begun.traceparent
-        )
-        observer = _DirectCall((plan, begun, request, on_resend))
-        url = call.base_url + call.url_path  # ObservedCall.send, inline: one call less on every traced call
-        return send(session, call.method, url, call.retry, call.resend_after_disconnect, kwargs, observer)
-    span = active.start_span(span_name(call.method), kind=_CLIENT, attributes=_call_attributes(*request))
-    try:
-        kwargs["headers"] = trace_context_headers(
-            kwargs.get("headers"), span.get_span_context(), current, carries_baggage
-        )
-    except BaseException:
-        span.end()
-        raise
-    return call.send(_SdkCall(span, on_resend))
+        request = (method, base_url, server_name, url_path, rollout_id)
+        observer = begun = plan.begin(parent, _DirectCall, request, on_resend)
+        if plain:  # trace_context_headers, inline
+            headers: MutableMapping[str, str] = CIMultiDict(given) if given else CIMultiDict()
+            headers[TRACEPARENT_HEADER] = begun.traceparent
+            kwargs["headers"] = headers
+        else:
+            context, traceparent = begun.context, begun.traceparent
+            kwargs["headers"] = trace_context_headers(given, context, current, carries_baggage, traceparent)
+    elif way is DROP:
+        kwargs["headers"] = trace_context_headers(given, parent, current, carries_baggage, carried)
+        observer = None if on_resend is None else ResendListener(on_resend)
+    else:
+        attributes = _call_attributes(method, base_url, server_name, url_path, rollout_id)
+        span = active.start_span(span_name(method), kind=_CLIENT, attributes=attributes)
+        try:
+            kwargs["headers"] = trace_context_headers(given, span.get_span_context(), current, carries_baggage)
+        except BaseException:
+            span.end()
+            raise
+        observer = _SdkCall(span, on_resend)
+    return send(session, method, url, retry, resend_after_disconnect, kwargs, observer)
 
 
-class _DirectCall(tuple[SpanPlan, Begun, _Request, Callable[[int], None] | None]):
-    """The CallObserver of a call whose span `SpanPlan.begin` started, made as a plain tuple (plan, begun, request,
-    on_resend: no Python call to build it): at the answer, `finish`ed directly (with the attributes a rollout's
-    calls share, unless it was resent); at an error, made the SDK's own span to record it, so the exception event
-    is the SDK's."""
+class _DirectCall(Begun):
+    """The CallObserver of a call whose span `SpanPlan.begin` started (its `request` is the call as its span's
+    attributes know it): at the answer, `finish`ed directly (with the attributes a rollout's calls share, unless it
+    was resent); at an error, made the SDK's own span to record it, so the exception event is the SDK's."""
 
     __slots__ = ()
 
     def resent(self, attempt: int) -> None:
-        on_resend = self[3]
+        on_resend = self.on_resend
         if on_resend is not None:
             on_resend(attempt)
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
-        plan, begun, request, _ = self
+        request = self.request
         if attempts == 1:
-            plan.finish(*_finished(request, response.status), begun)
+            self.plan.finish(*_finished(request, response.status), self)
             return
         attributes = _attributes_after(request, attempts)
-        plan.finish(span_name(request[0]), attributes, _answered(attributes, response.status), begun)
+        self.plan.finish(span_name(request[0]), attributes, _answered(attributes, response.status), self)
 
     def failed(self, error: BaseException, attempts: int) -> None:
-        plan, begun, request, _ = self
-        span = plan.sdk_span(span_name(request[0]), _attributes_after(request, attempts), UNSET_STATUS, begun)
+        request = self.request
+        span = self.plan.sdk_span(span_name(request[0]), _attributes_after(request, attempts), UNSET_STATUS, self)
         record_failure(span, error)
         span.end()
 
@@ -290,12 +324,12 @@ def _finished(request: _Request, status: int) -> tuple[str, Mapping[str, Any], t
     return span_name(request[0]), attributes, _answered(attributes, status)
 
 
-def _send_with_attributes(
-    call: ObservedCall, rollout_id: str | None, on_resend: Callable[[int], None] | None
-) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
-    """`call.send()` on a session aiohttp's instrumentation traces: its span is the CLIENT span, ours adds
-    attributes."""
-    gym_attributes: dict[str, Any] = {SERVER_NAME_ATTRIBUTE: call.server_name}
+def _instrumented_call_observer(
+    kwargs: _RequestOptions, server_name: str, rollout_id: str | None, on_resend: Callable[[int], None] | None
+) -> CallObserver:
+    """For a call on a session aiohttp's instrumentation traces: its span is the CLIENT span, and ours adds
+    attributes to it (through `kwargs`), the resend count among them."""
+    gym_attributes: dict[str, Any] = {SERVER_NAME_ATTRIBUTE: server_name}
     if rollout_id is not None:
         gym_attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
 
@@ -304,5 +338,5 @@ def _send_with_attributes(
         if on_resend is not None:
             on_resend(attempt)
 
-    call.kwargs["trace_request_ctx"] = instrumentation_request_context(gym_attributes)
-    return call.send(ResendListener(count_instrumented_resend))
+    kwargs["trace_request_ctx"] = instrumentation_request_context(gym_attributes)
+    return ResendListener(count_instrumented_resend)

@@ -102,7 +102,7 @@ async def metered_send(call: ObservedCall) -> aiohttp.ClientResponse:
     outcome: int | str = "unknown"
     try:
         if TRACING.enabled:
-            response = await traced_send(call, on_resend=count_resend)
+            response = await traced_send(*call, on_resend=count_resend)
         else:
             response = await call.send(ResendListener(count_resend))
         outcome = response.status

@@ -37,7 +37,7 @@ import functools
 import random
 from collections.abc import Callable, Mapping
 from time import time_ns
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.trace.span import DEFAULT_TRACE_STATE
@@ -58,13 +58,20 @@ _NEW_TUPLE = tuple.__new__
 
 
 class Begun(NamedTuple):
-    """What `SpanPlan.begin` started: a direct span's context, the parent it records, its traceparent header and
-    its start time (made as a plain tuple: no Python call)."""
+    """What `SpanPlan.begin` started: a direct span's context, the parent it records, its traceparent header, its
+    start time and its plan; and what the caller carries with it to the span's end (`request`, `on_resend`),
+    so that a call makes one tuple for its span, not two. Made as a plain tuple: no Python call."""
 
     context: trace.SpanContext
     parent: trace.SpanContext | None
     traceparent: str
     start_time: int
+    plan: SpanPlan
+    request: Any
+    on_resend: Any
+
+
+BegunType = TypeVar("BegunType", bound=Begun)
 
 
 SDK, DIRECT, DROP = "sdk", "direct", "drop"  # SpanPlan.way: what a call does about its span
@@ -110,9 +117,12 @@ class SpanPlan:
         last = self._last
         return (last if last[0] is parent else self._facts(parent))[1]
 
-    def begin(self, parent: trace.SpanContext) -> Begun:
-        """A span the SDK would start now (only where `way` is DIRECT): its context, the parent it records, its
-        `traceparent` as the W3C propagator writes it, and its start time."""
+    def begin(
+        self, parent: trace.SpanContext, made_as: type[BegunType], request: Any, on_resend: Any
+    ) -> BegunType:
+        """A span the SDK would start now (only where `way` is DIRECT), as a `made_as` (a Begun): its context, the
+        parent it records, its `traceparent` as the W3C propagator writes it, its start time, and the caller's
+        `request` and `on_resend`."""
         last = self._last
         if last[0] is not parent:
             last = self._facts(parent)
@@ -133,7 +143,7 @@ class SpanPlan:
         # valid (the parent's, or the generator's), so is_valid is True.
         context = _NEW_TUPLE(trace.SpanContext, (trace_id, span_id, False, flags, state, True))
         traceparent = "%s%016x%s" % (head, span_id, tail)  # noqa: UP031
-        return _NEW_TUPLE(Begun, (context, recorded_parent, traceparent, time_ns()))
+        return _NEW_TUPLE(made_as, (context, recorded_parent, traceparent, time_ns(), self, request, on_resend))
 
     def finish(self, name: str, attributes: Mapping[str, Any], status: trace.Status, begun: Begun) -> None:
         """End a span `begin` started: the `ReadableSpan` the SDK's would become, to each processor. One that
