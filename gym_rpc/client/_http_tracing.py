@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import aiohttp
-from multidict import CIMultiDict
+from multidict import CIMultiDict, istr
 from opentelemetry import baggage, trace
 from opentelemetry.context import Context
 from opentelemetry.propagators.composite import CompositePropagator
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 HTTP_REQUEST_RESEND_COUNT = "http.request.resend_count"  # OpenTelemetry http semantic conventions
 # A call as its span's attributes know it: method, base URL, server name, path and rollout id.
 _Request = tuple[str, str, str, str, str | None]
-TRACEPARENT_HEADER = "traceparent"
+TRACEPARENT_HEADER = istr("traceparent")  # an istr, as aiohttp's own header names: its copies take it as is
 _CLIENT = trace.SpanKind.CLIENT
 
 

@@ -528,10 +528,11 @@ class ServerClient(BaseModel):
         full_url = url + url_path
         try:
             if TRACING.enabled or METRICS.enabled:  # what tracing and metrics cost when off
-                call = (session, method, url, url_path, pools.settings.retry, _resend_after_disconnect, kwargs)
+                retry, resend = pools.settings.retry, _resend_after_disconnect
                 if METRICS.enabled:
-                    return await metered_send(ObservedCall(*call, server_name))
-                return await traced_send(*call, server_name)
+                    call = ObservedCall(session, method, url, url_path, retry, resend, kwargs, server_name)
+                    return await metered_send(call)
+                return await traced_send(session, method, url, url_path, retry, resend, kwargs, server_name)
             return await send(session, method, full_url, pools.settings.retry, _resend_after_disconnect, kwargs)
         except TimeoutError as error:  # aiohttp's says neither which server nor which deadline
             raise request_timeout_error(server_name, method, full_url, session, kwargs) from error
