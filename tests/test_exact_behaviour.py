@@ -1039,21 +1039,22 @@ def test_a_lenient_document_that_is_no_mapping_or_no_json_gets_one_exact_line() 
         assert str(refused.value).splitlines()[0] == message
 
 
-async def test_an_observed_call_resends_to_its_base_url_and_path_as_told() -> None:
-    """ObservedCall.send (the traced and metered paths): base URL + path, the caller's resend rule and counter."""
+async def test_an_observed_call_resends_to_its_url_as_told() -> None:
+    """ObservedCall.send (the metered path): its URL, the caller's resend rule and counter."""
     server, port, connections = await start_dropping_server(drops=1)
     base = f"http://{LOOPBACK}:{port}"
     policy = RetryPolicy(attempts=2, initial_backoff_seconds=0.01, max_backoff_seconds=0.02)
     resends: list[int] = []
     try:
         async with aiohttp.ClientSession() as session:
-            call = ObservedCall(session, "POST", base, "/v1/x", policy, True, {"data": b"{}"}, "srv")
+            call = ObservedCall(session, "POST", base, f"{base}/v1/x", policy, True, {"data": b"{}"}, "srv")
             async with await call.send(ResendListener(resends.append)) as response:
                 assert (response.status, str(response.url)) == (200, f"{base}/v1/x")
             assert (resends, connections) == ([2], [2])
             connections[0] = 0
             with pytest.raises(aiohttp.ServerDisconnectedError):
-                await ObservedCall(session, "POST", base, "/v1/x", policy, False, {"data": b"{}"}, "srv").send()
+                call = ObservedCall(session, "POST", base, f"{base}/v1/x", policy, False, {"data": b"{}"}, "srv")
+                await call.send()
             assert connections == [1]
     finally:
         server.close()

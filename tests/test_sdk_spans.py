@@ -42,7 +42,7 @@ from opentelemetry.sdk.trace.sampling import (
 )
 
 from gym_rpc.client import _http_tracing
-from gym_rpc.client._http import ObservedCall, RetryPolicy, send
+from gym_rpc.client._http import RetryPolicy, send
 from gym_rpc.client._rollout import rollout_context
 from gym_rpc.client._sdk_spans import (
     DIRECT,
@@ -165,9 +165,11 @@ async def receiver() -> AsyncIterator[Receiver]:
 async def post(base_url: str, path: str) -> int | BaseException:
     """One traced POST as ServerClient makes it (a fresh session: no pooled connection between paths)."""
     async with aiohttp.ClientSession() as session:
-        call = ObservedCall(session, "POST", base_url, path, RETRY, True, {"data": b"{}"}, "policy_model")
+        url = base_url + path
         try:
-            response = await _http_tracing.traced_send(*call)
+            response = await _http_tracing.traced_send(
+                session, "POST", base_url, url, RETRY, True, {"data": b"{}"}, "policy_model"
+            )
         except (ServerUnreachableError, aiohttp.ClientError) as error:
             return error
         async with response:
@@ -641,8 +643,8 @@ async def test_a_traced_call_is_sends_own_coroutine(
         plan = plan_for(made)
         assert (SDK if plan is None else plan.way(parent)) == way
         async with aiohttp.ClientSession() as session:
-            call = ObservedCall(session, "POST", receiver.base_url, "/200", RETRY, True, {"data": b"{}"}, "srv")
-            coroutine = _http_tracing.traced_send(*call)
+            base, url = receiver.base_url, receiver.base_url + "/200"
+            coroutine = _http_tracing.traced_send(session, "POST", base, url, RETRY, True, {"data": b"{}"}, "srv")
             assert inspect.iscoroutine(coroutine) and coroutine.cr_code is send.__code__
             async with await coroutine as response:
                 assert response.status == 200

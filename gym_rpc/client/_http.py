@@ -310,8 +310,8 @@ class ObservedCall(NamedTuple):
 
     session: aiohttp.ClientSession
     method: str
-    base_url: str
-    url_path: str
+    base_url: str  # the server's
+    url: str  # under base_url
     retry: RetryPolicy
     resend_after_disconnect: bool
     kwargs: _RequestOptions
@@ -319,9 +319,8 @@ class ObservedCall(NamedTuple):
 
     def send(self, observer: CallObserver | None = None) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
         """`send`'s coroutine itself (awaited by the caller: no frame of its own to pass every resumption)."""
-        url = self.base_url + self.url_path
         return send(
-            self.session, self.method, url, self.retry, self.resend_after_disconnect, self.kwargs, observer
+            self.session, self.method, self.url, self.retry, self.resend_after_disconnect, self.kwargs, observer
         )
 
 

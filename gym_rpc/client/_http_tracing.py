@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
 
 HTTP_REQUEST_RESEND_COUNT = "http.request.resend_count"  # OpenTelemetry http semantic conventions
-# A call as its span's attributes know it: method, base URL, server name, path and rollout id.
+# A call as its span's attributes know it: method, base URL, server name, URL and rollout id.
 _Request = tuple[str, str, str, str, str | None]
 TRACEPARENT_HEADER = istr("traceparent")  # an istr, as aiohttp's own header names: its copies take it as is
 _CLIENT = trace.SpanKind.CLIENT
@@ -176,16 +176,16 @@ def traced_send(
     session: aiohttp.ClientSession,
     method: str,
     base_url: str,
-    url_path: str,
+    url: str,
     retry: RetryPolicy,
     resend_after_disconnect: bool,
     kwargs: _RequestOptions,
     server_name: str,
     on_resend: Callable[[int], None] | None = None,
 ) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
-    """`send(session, method, base_url + url_path, ...)` as a CLIENT span whose context goes out in the
-    `traceparent` header; a resent call carries `http.request.resend_count` (the number of attempts after the
-    first), and `on_resend` hears each attempt.
+    """`send(session, method, url, ...)` (`url` under `base_url`, the server's) as a CLIENT span whose context
+    goes out in the `traceparent` header; a resent call carries `http.request.resend_count` (the number of
+    attempts after the first), and `on_resend` hears each attempt.
 
     The span ends when the response headers arrive (the caller reads the body) and covers the resends. It is never
     made the current span: nothing runs under it in this process, and attaching a context costs a few µs. Where
@@ -200,7 +200,7 @@ def traced_send(
     times what it costs in a loop of its own (cold caches), so the direct path takes as few calls as it can: the
     call comes as parameters, not as an object, and its span's start and observer are one tuple.
     """
-    rollout_id, url = rollout_id_in_context(), base_url + url_path
+    rollout_id = rollout_id_in_context()
     if getattr(session, "_trace_configs", True) and session_instrumented(session):  # aiohttp's list, else ask
         instrumented = _instrumented_call_observer(kwargs, server_name, rollout_id, on_resend)
         return send(session, method, url, retry, resend_after_disconnect, kwargs, instrumented)
@@ -214,7 +214,7 @@ def traced_send(
     observer: CallObserver | None
     if way is DIRECT:
         assert plan is not None
-        request = (method, base_url, server_name, url_path, rollout_id)
+        request = (method, base_url, server_name, url, rollout_id)
         observer = begun = plan.begin(parent, _DirectCall, request, on_resend)
         if plain:  # trace_context_headers, inline
             headers: MutableMapping[str, str] = CIMultiDict(given) if given else CIMultiDict()
@@ -227,7 +227,7 @@ def traced_send(
         kwargs["headers"] = trace_context_headers(given, parent, current, carries_baggage, carried)
         observer = None if on_resend is None else ResendListener(on_resend)
     else:
-        attributes = _call_attributes(method, base_url, server_name, url_path, rollout_id)
+        attributes = _call_attributes(method, base_url, server_name, url, rollout_id)
         span = active.start_span(span_name(method), kind=_CLIENT, attributes=attributes)
         try:
             kwargs["headers"] = trace_context_headers(given, span.get_span_context(), current, carries_baggage)
@@ -296,10 +296,10 @@ class _SdkCall:
 
 
 def _call_attributes(
-    method: str, base_url: str, server_name: str, url_path: str, rollout_id: str | None
+    method: str, base_url: str, server_name: str, url: str, rollout_id: str | None
 ) -> dict[str, Any]:
     """A call's span attributes before its answer: the server's, the URL and the rollout id."""
-    attributes = {**_static_attributes(method, base_url, server_name), URL_FULL: base_url + url_path}
+    attributes = {**_static_attributes(method, base_url, server_name), URL_FULL: url}
     if rollout_id is not None:
         attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
     return attributes

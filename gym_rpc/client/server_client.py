@@ -530,9 +530,9 @@ class ServerClient(BaseModel):
             if TRACING.enabled or METRICS.enabled:  # what tracing and metrics cost when off
                 retry, resend = pools.settings.retry, _resend_after_disconnect
                 if METRICS.enabled:
-                    call = ObservedCall(session, method, url, url_path, retry, resend, kwargs, server_name)
+                    call = ObservedCall(session, method, url, full_url, retry, resend, kwargs, server_name)
                     return await metered_send(call)
-                return await traced_send(session, method, url, url_path, retry, resend, kwargs, server_name)
+                return await traced_send(session, method, url, full_url, retry, resend, kwargs, server_name)
             return await send(session, method, full_url, pools.settings.retry, _resend_after_disconnect, kwargs)
         except TimeoutError as error:  # aiohttp's says neither which server nor which deadline
             raise request_timeout_error(server_name, method, full_url, session, kwargs) from error
