@@ -40,6 +40,7 @@ from opentelemetry.sdk.trace.sampling import (
     StaticSampler,
     TraceIdRatioBased,
 )
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from gym_rpc.client import _http_tracing
 from gym_rpc.client._http import RetryPolicy, send
@@ -657,3 +658,30 @@ async def test_a_traced_call_is_sends_own_coroutine(
         [context] = [span.context for span in spans]
         # A root span: sampled, its trace id random (RandomIdGenerator's).
         assert receiver.traceparents == [f"00-{context.trace_id:032x}-{context.span_id:016x}-03"]
+
+
+class WritesNothing(TraceContextTextMapPropagator):
+    """A propagator of its own (not the default one) that carries nothing."""
+
+    def inject(self, carrier: Any, context: Any = None, setter: Any = None) -> None:
+        pass
+
+
+async def test_a_propagator_set_after_traced_calls_is_the_one_the_next_call_uses(
+    traced: Callable[..., Traced], receiver: Receiver
+) -> None:
+    """The route a rollout's calls share remembers that the default propagator needs only a traceparent; set
+    another one and the next call of the same rollout goes through it (here: no traceparent at all)."""
+    made = traced()
+    default = propagate.get_global_textmap()
+    with rollout_context("r-1"), made.tracer.start_as_current_span("gym.rollout"):
+        assert await post(receiver.base_url, "/200") == 200
+        propagate.set_global_textmap(WritesNothing())
+        try:
+            assert await post(receiver.base_url, "/200") == 200
+        finally:
+            propagate.set_global_textmap(default)
+        assert await post(receiver.base_url, "/200") == 200
+    first, silent, again = receiver.traceparents
+    assert first is not None and again is not None and silent is None
+    assert len([s for s in made.finished() if s.kind is trace.SpanKind.CLIENT]) == 3

@@ -40,6 +40,7 @@ from gym_rpc.client._sdk_spans import (
     SDK,
     UNSET_STATUS,
     Begun,
+    Ending,
     SpanPlan,
     context_getter,
     span_plan,
@@ -140,9 +141,14 @@ REMEMBERED_CONTEXTS = 4096  # contexts whose routes are kept (then they start af
 
 def _global_textmap() -> TextMapPropagator:
     """opentelemetry.propagate.get_global_textmap, bound on the first traced call (importing it loads the
-    configured propagators)."""
+    configured propagators): where that function returns the module's `_HTTP_TEXT_FORMAT`, as the API's does, a
+    C-level read of it, without a Python call."""
     global _global_textmap
-    _global_textmap = propagation().get_global_textmap
+    propagate = propagation()
+    if getattr(propagate, "_HTTP_TEXT_FORMAT", None) is propagate.get_global_textmap():
+        _global_textmap = functools.partial(getattr, propagate, "_HTTP_TEXT_FORMAT")
+    else:
+        _global_textmap = propagate.get_global_textmap
     return _global_textmap()
 
 
@@ -253,10 +259,10 @@ class _DirectCall(Begun):
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
         request = self.request
         if attempts == 1:
-            self.plan.finish(*_finished(request, response.status), self)
+            self.plan.finish(_finished(request, response.status), self)
             return
         attributes = _attributes_after(request, attempts)
-        self.plan.finish(span_name(request[0]), attributes, _answered(attributes, response.status), self)
+        self.plan.finish((span_name(request[0]), attributes, _answered(attributes, response.status)), self)
 
     def failed(self, error: BaseException, attempts: int) -> None:
         request = self.request
@@ -316,7 +322,7 @@ def _answered(attributes: dict[str, Any], status: int) -> trace.Status:
 
 
 @functools.lru_cache(maxsize=4096)
-def _finished(request: _Request, status: int) -> tuple[str, Mapping[str, Any], trace.Status]:
+def _finished(request: _Request, status: int) -> Ending:
     """The span name, attributes and status of a direct span answered with `status` at the first attempt, shared
     by every such call (mostly a rollout's calls to one server): a span holds them read-only until its export,
     so calls that share them leave the batching processor one dict to hold, not one each."""

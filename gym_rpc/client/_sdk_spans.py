@@ -55,6 +55,8 @@ _Facts = tuple[
     trace.SpanContext | None, str, int | None, trace.TraceFlags | None, Any, trace.SpanContext | None, str, str
 ]
 _NEW_TUPLE = tuple.__new__
+_SPAN_CONTEXT = trace.SpanContext
+Ending = tuple[str, Mapping[str, Any], trace.Status]  # a span's name, attributes and status at its end
 
 
 class Begun(NamedTuple):
@@ -141,13 +143,15 @@ class SpanPlan:
             span_id = self.tracer.id_generator.generate_span_id()
         # The tuple SpanContext(trace_id, span_id, False, flags, state) makes, without its checks: both ids are
         # valid (the parent's, or the generator's), so is_valid is True.
-        context = _NEW_TUPLE(trace.SpanContext, (trace_id, span_id, False, flags, state, True))
+        context = _NEW_TUPLE(_SPAN_CONTEXT, (trace_id, span_id, False, flags, state, True))
         traceparent = head + span_id.to_bytes(8, "big").hex() + tail  # "%016x" % span_id, for less
         return _NEW_TUPLE(made_as, (context, recorded_parent, traceparent, time_ns(), self, request, on_resend))
 
-    def finish(self, name: str, attributes: Mapping[str, Any], status: trace.Status, begun: Begun) -> None:
-        """End a span `begin` started: the `ReadableSpan` the SDK's would become, to each processor. One that
-        outgrew the attribute count limit becomes the SDK's own span, which decides what it drops."""
+    def finish(self, ending: Ending, begun: Begun) -> None:
+        """End a span `begin` started with its name, attributes and status: the `ReadableSpan` the SDK's would
+        become, to each processor. One that outgrew the attribute count limit becomes the SDK's own span, which
+        decides what it drops."""
+        name, attributes, status = ending
         max_attributes = self.max_attributes
         if max_attributes is not None and len(attributes) > max_attributes:
             self.sdk_span(name, dict(attributes), status, begun).end()
