@@ -141,14 +141,9 @@ REMEMBERED_CONTEXTS = 4096  # contexts whose routes are kept (then they start af
 
 def _global_textmap() -> TextMapPropagator:
     """opentelemetry.propagate.get_global_textmap, bound on the first traced call (importing it loads the
-    configured propagators): where that function returns the module's `_HTTP_TEXT_FORMAT`, as the API's does, a
-    C-level read of it, without a Python call."""
+    configured propagators)."""
     global _global_textmap
-    propagate = propagation()
-    if getattr(propagate, "_HTTP_TEXT_FORMAT", None) is propagate.get_global_textmap():
-        _global_textmap = functools.partial(getattr, propagate, "_HTTP_TEXT_FORMAT")
-    else:
-        _global_textmap = propagate.get_global_textmap
+    _global_textmap = propagation().get_global_textmap
     return _global_textmap()
 
 
