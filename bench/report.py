@@ -113,17 +113,20 @@ NOTES = """\
   (the middle half is shown): an A/A run (raw against raw) on the same loaded machine gave medians of 0.96 to
   1.07 over 40-100 rounds, so a figure within a few percent of 0.95 is that scatter, not a difference.
 - **Tracing.** Traced, a call costs its span (built directly as the SDK's `ReadableSpan` where
-  `gym_rpc.client._sdk_spans` proves that the same: about 2.5 µs without I/O, against about 16 µs for the SDK's
-  `start_span` + `end`), its `traceparent` header, and the batching processor. Without I/O the whole traced path
-  adds about 4.5 µs per call; with real requests at c=64 on a quiet machine it adds about 17 µs of client CPU
-  (about 77-80 µs untraced), which is the 0.83 of the goal row. Measured apart in one session (40 interleaved
-  rounds each): the header alone (aiohttp copying one more header twice) about 3-4 µs; the whole path with a
-  provider that has no processor at all about 12 µs (0.87x); the SDK's `BatchSpanProcessor` about 5 µs more per
-  span (its emit, the spans it holds until export, its thread), garbage collection about 1 µs of that. With
-  py-spy the traced side's aiohttp code itself runs slower (colder caches), and each coroutine level between
-  the caller and aiohttp costs about 2 µs per request, which is why a traced call adds none (the span hears the
-  answer from inside `send`). The ratio moves with the untraced CPU per request: the same code gave 0.84-0.87
-  under a load of 1-1.4 (untraced 82-98 µs). The flag rows use the data-plane rows' method (40 rounds of four
+  `gym_rpc.client._sdk_spans` proves that the same, against about 16 µs for the SDK's `start_span` + `end`), its
+  `traceparent` header, and the batching processor. Without I/O the whole traced path adds about 3.8 µs per call;
+  with real requests at c=64 on a quiet machine it adds about 14 µs of client CPU (about 80 µs untraced): 0.84 to
+  0.86 from run to run. Measured apart as extra client CPU per call (40 interleaved rounds each, two runs): tracing
+  on with nothing done, none; the header alone (a constant `traceparent`) about 3.3 µs (0.965x); everything but
+  the span's end (no `ReadableSpan`, nothing for the processor) about 8.4 µs (0.91x); the `ReadableSpan` made but
+  not handed over about 10 µs; held until export as the processor holds it, but in a plain list, about 12.4 µs;
+  the `BatchSpanProcessor`'s emit and thread the last 2 µs. Garbage collection is about 2.3 µs of the whole (0.88x
+  with the collector off during blocks). Between aiohttp's work each line costs 3-4 times what it costs in a loop
+  of its own (cold caches), so the path makes as few Python calls and objects as it can and adds no coroutine
+  between the caller and aiohttp (each such level cost about 2 µs per request: the span hears the answer from
+  inside `send`). The ratio moves with the untraced CPU per request, nearer 1 the more a request costs: an
+  earlier version gave 0.82 on a quiet machine and 0.84-0.87 under a load of 1-1.4 (untraced 82-98 µs). The flag
+  rows use the data-plane rows' method (40 rounds of four
   short blocks, collected heap); with the old one (5 rounds of 6,000 requests) the same code's median moved
   between 0.63 and 0.84 from run to run. The goal row has every call in one rollout (one parent); with rollouts
   of 8 calls, each its own `gym.rollout` span made by the SDK, a fully traced worker paid about twice the extra
