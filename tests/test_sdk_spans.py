@@ -685,3 +685,40 @@ async def test_a_propagator_set_after_traced_calls_is_the_one_the_next_call_uses
     first, silent, again = receiver.traceparents
     assert first is not None and again is not None and silent is None
     assert len([s for s in made.finished() if s.kind is trace.SpanKind.CLIENT]) == 3
+
+
+async def test_a_direct_call_keeps_the_callers_headers_and_puts_its_own_traceparent_in_place_of_theirs(
+    traced: Callable[..., Traced],
+) -> None:
+    """The direct path builds the headers itself when only a traceparent is to be added: the caller's other
+    headers go out as given, a traceparent of theirs (in any case) is replaced by the span's, and their mapping is
+    never touched."""
+    made = traced()
+    seen: list[tuple[list[str], str | None]] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        seen.append((request.headers.getall("traceparent", []), request.headers.get("x-caller")))
+        return web.Response(text="{}")
+
+    app = web.Application()
+    app.router.add_post("/", answer)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, LOOPBACK, 0).start()
+    base = f"http://{LOOPBACK}:{runner.addresses[0][1]}"
+    given = {"X-Caller": "kept", "TraceParent": f"00-{'1' * 32}-{'2' * 16}-01"}
+    try:
+        with rollout_context("r-1"), made.tracer.start_as_current_span("gym.rollout"):
+            assert plan_for(made) is not None
+            async with aiohttp.ClientSession() as session:
+                response = await _http_tracing.traced_send(
+                    session, "POST", base, f"{base}/", RETRY, True, {"data": b"{}", "headers": given}, "srv"
+                )
+                async with response:
+                    assert response.status == 200
+    finally:
+        await runner.cleanup()
+    [span] = [s for s in made.finished() if s.kind is trace.SpanKind.CLIENT]
+    ids = (span.context.trace_id, span.context.span_id, span.context.trace_flags)
+    assert seen == [(["00-%032x-%016x-%02x" % ids], "kept")]  # noqa: UP031
+    assert given == {"X-Caller": "kept", "TraceParent": f"00-{'1' * 32}-{'2' * 16}-01"}
