@@ -98,6 +98,12 @@ def _is_default_propagator(propagator: TextMapPropagator) -> bool:
     )
 
 
+def _only_traceparent(textmap: TextMapPropagator, state: Any, carries_baggage: bool) -> bool:
+    """Whether what `textmap` writes for a span context with trace state `state` is its `traceparent` alone: the
+    default propagator, no trace state, no baggage to carry."""
+    return _is_default_propagator(textmap) and (state is DEFAULT_TRACE_STATE or not state) and not carries_baggage
+
+
 def trace_context_headers(
     given: Any,
     context: trace.SpanContext,
@@ -111,11 +117,9 @@ def trace_context_headers(
     # A CIMultiDict, which aiohttp takes as it is (a dict it copies into one first).
     headers: MutableMapping[str, str] = CIMultiDict(given) if given else CIMultiDict()
     propagate = propagation()
-    default = _is_default_propagator(propagate.get_global_textmap())
     if carries_baggage is None:
         carries_baggage = bool(baggage.get_all(current))
-    state = context.trace_state
-    if default and (state is DEFAULT_TRACE_STATE or not state) and not carries_baggage:
+    if _only_traceparent(propagate.get_global_textmap(), context.trace_state, carries_baggage):
         if traceparent is None:
             ids = (context.trace_id, context.span_id, context.trace_flags)
             traceparent = "00-%032x-%016x-%02x" % ids  # noqa: UP031 (here faster than an f-string)
@@ -162,9 +166,7 @@ def _route(current: Context, plan: SpanPlan | None, textmap: TextMapPropagator) 
         if way is DROP:
             carried = "00-%032x-%016x-%02x" % (parent.trace_id, parent.span_id, parent.trace_flags)  # noqa: UP031
         carries_baggage = bool(baggage.get_all(current))
-        state = parent.trace_state
-        no_state = state is DEFAULT_TRACE_STATE or not state
-        plain = _is_default_propagator(textmap) and not carries_baggage and no_state
+        plain = _only_traceparent(textmap, parent.trace_state, carries_baggage)  # a direct child keeps its state
         route = (weakref.ref(current), plan, textmap, parent, carries_baggage, way, plain, carried)
         if len(_routes) >= REMEMBERED_CONTEXTS:
             _routes.clear()
