@@ -61,6 +61,7 @@ from gym_rpc.telemetry import (
     span_name,
     tracer,
 )
+from gym_rpc.wire import TRACEPARENT_HEADER
 
 if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
@@ -68,7 +69,8 @@ if TYPE_CHECKING:
 HTTP_REQUEST_RESEND_COUNT = "http.request.resend_count"  # OpenTelemetry http semantic conventions
 # A call as its span's attributes know it: method, base URL, server name, URL and rollout id.
 _Request = tuple[str, str, str, str, str | None]
-TRACEPARENT_HEADER = istr("traceparent")  # an istr, as aiohttp's own header names: its copies take it as is
+# The header name as an istr, as aiohttp's own header names are: its copies take it as it is.
+_TRACEPARENT_NAME = istr(TRACEPARENT_HEADER)
 _CLIENT = trace.SpanKind.CLIENT
 
 
@@ -123,7 +125,7 @@ def trace_context_headers(
         if traceparent is None:
             ids = (context.trace_id, context.span_id, context.trace_flags)
             traceparent = "00-%032x-%016x-%02x" % ids  # noqa: UP031 (here faster than an f-string)
-        headers[TRACEPARENT_HEADER] = traceparent
+        headers[_TRACEPARENT_NAME] = traceparent
     else:
         carried = trace.set_span_in_context(trace.NonRecordingSpan(context), current)
         propagate.inject(headers, context=carried)
@@ -221,7 +223,7 @@ def traced_send(
         observer = begun = plan.begin(parent, _DirectCall, request, on_resend)
         if plain:  # trace_context_headers, inline
             headers: MutableMapping[str, str] = CIMultiDict(given) if given else CIMultiDict()
-            headers[TRACEPARENT_HEADER] = begun.traceparent
+            headers[_TRACEPARENT_NAME] = begun.traceparent
             kwargs["headers"] = headers
         else:
             context, traceparent = begun.context, begun.traceparent

@@ -30,11 +30,11 @@ from yarl import URL
 from gym_rpc.client._rollout import rollout_context
 from gym_rpc.errors import MalformedGymPrefixError
 from gym_rpc.telemetry import propagation, record_failure, server_span, set_response_status, tracing_enabled
-from gym_rpc.wire import GYM_PREFIX_HEAD, GymPrefixes, split_gym_prefixes
+from gym_rpc.wire import GYM_PREFIX_HEAD, TRACEPARENT_HEADER, GymPrefixes, split_gym_prefixes
 
 ROLLOUT_ID_KEY = "rollout_id"
 TOKEN_CAPTURE_KEY = "token_capture"
-TRACEPARENT_HEADER = "traceparent"
+_TRACEPARENT_ASGI = TRACEPARENT_HEADER.encode("ascii")  # ASGI header names are lower-case bytes
 
 # Characters left as they are when a decoded ASGI path has to be re-encoded (RFC 3986 pchar minus '%').
 _PATH_SAFE = "/:@!$&'()*+,;=-._~"
@@ -281,8 +281,8 @@ def _rewritten_scope(scope: Scope, mount: str, raw_mount: str, prefixes: GymPref
     state[TOKEN_CAPTURE_KEY] = prefixes.token_capture
     rewritten["state"] = state
     if prefixes.traceparent is not None:
-        headers = [(name, value) for name, value in scope.get("headers", ()) if name.lower() != b"traceparent"]
-        headers.append((b"traceparent", prefixes.traceparent.encode("ascii")))
+        headers = [(name, value) for name, value in scope.get("headers", ()) if name.lower() != _TRACEPARENT_ASGI]
+        headers.append((_TRACEPARENT_ASGI, prefixes.traceparent.encode("ascii")))
         rewritten["headers"] = headers
     return rewritten
 

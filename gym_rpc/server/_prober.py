@@ -28,12 +28,11 @@ from gym_rpc._tasks import cancel_and_wait, run_every
 from gym_rpc._version import __version__
 from gym_rpc.config import ServerEntry
 from gym_rpc.server import _events as events
-from gym_rpc.wire import RegistrationState, ServerStatus, StatusReport
+from gym_rpc.wire import TRACEPARENT_HEADER, RegistrationState, ServerStatus, StatusReport
 
 logger = logging.getLogger(__name__)
 
 PROBE_USER_AGENT = f"gym-rpc-probe/{__version__}"
-TRACEPARENT_HEADER = "traceparent"
 AIOHTTP_INSTRUMENTATION_MODULE = "opentelemetry.instrumentation.aiohttp_client"
 
 ChangeListener = Callable[[StatusReport | None, str], Awaitable[None]]

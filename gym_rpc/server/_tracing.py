@@ -8,11 +8,10 @@ from typing import Any
 import grpc
 
 from gym_rpc.telemetry import tracing_enabled
-from gym_rpc.wire import CONTROL_METHOD_PREFIX, HEALTH_METHOD_PREFIX
+from gym_rpc.wire import CONTROL_METHOD_PREFIX, HEALTH_METHOD_PREFIX, TRACEPARENT_HEADER
 
 # A watch is a stream that may stay open for hours: one span for it would tell nothing and end never.
 _UNTRACED_CONTROL_METHODS = frozenset({CONTROL_METHOD_PREFIX + "WatchServerStatuses"})
-_TRACEPARENT_KEY = "traceparent"
 
 
 def _server_span_wanted(details: grpc.HandlerCallDetails) -> bool:
@@ -21,7 +20,7 @@ def _server_span_wanted(details: grpc.HandlerCallDetails) -> bool:
     if method.startswith(CONTROL_METHOD_PREFIX):
         return method not in _UNTRACED_CONTROL_METHODS
     if method.startswith(HEALTH_METHOD_PREFIX):
-        return any(key == _TRACEPARENT_KEY for key, _ in details.invocation_metadata or ())
+        return any(key == TRACEPARENT_HEADER for key, _ in details.invocation_metadata or ())
     return False
 
 

@@ -23,6 +23,8 @@ MODEL_SERVER_PATHS = frozenset({"/v1/responses", "/v1/chat/completions", "/v1/me
 MAX_ROLLOUT_ID_LENGTH = 256
 _ROLLOUT_PATH_HEAD = f"/{ROLLOUT_SEGMENT}/"
 
+# The W3C trace-context header (and gRPC metadata key) that `/ng-trace/<tp>` stands for.
+TRACEPARENT_HEADER = "traceparent"
 TRACEPARENT_PATTERN = "00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}"
 TRACEPARENT_RE = re.compile(TRACEPARENT_PATTERN)
 # Every Gym prefix starts with this: one startswith() decides the common case (no prefix) at near-zero cost.
