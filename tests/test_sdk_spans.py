@@ -11,6 +11,7 @@ class (`SameSampler`): the module cannot prove what it does, so the SDK works as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import random
 import warnings
@@ -687,12 +688,13 @@ async def test_a_propagator_set_after_traced_calls_is_the_one_the_next_call_uses
     assert len([s for s in made.finished() if s.kind is trace.SpanKind.CLIENT]) == 3
 
 
-async def test_a_direct_call_keeps_the_callers_headers_and_puts_its_own_traceparent_in_place_of_theirs(
-    traced: Callable[..., Traced],
+@pytest.mark.parametrize("unsampled", [False, True], ids=["a direct span", "no span: an unsampled parent"])
+async def test_a_traced_call_keeps_the_callers_headers_and_puts_its_own_traceparent_in_place_of_theirs(
+    traced: Callable[..., Traced], unsampled: bool
 ) -> None:
-    """The direct path builds the headers itself when only a traceparent is to be added: the caller's other
-    headers go out as given, a traceparent of theirs (in any case) is replaced by the span's, and their mapping is
-    never touched."""
+    """The direct and the dropped paths build the headers themselves when only a traceparent is to be added: the
+    caller's other headers go out as given, a traceparent of theirs (in any case) is replaced by the span's (with
+    no span, the unsampled parent's), and their mapping is never touched."""
     made = traced()
     seen: list[tuple[list[str], str | None]] = []
 
@@ -707,9 +709,14 @@ async def test_a_direct_call_keeps_the_callers_headers_and_puts_its_own_tracepar
     await web.TCPSite(runner, LOOPBACK, 0).start()
     base = f"http://{LOOPBACK}:{runner.addresses[0][1]}"
     given = {"X-Caller": "kept", "TraceParent": f"00-{'1' * 32}-{'2' * 16}-01"}
+    token = otel_context.attach(unsampled_parent() if unsampled else otel_context.get_current())
+    rollout_span = contextlib.nullcontext() if unsampled else made.tracer.start_as_current_span("gym.rollout")
     try:
-        with rollout_context("r-1"), made.tracer.start_as_current_span("gym.rollout"):
-            assert plan_for(made) is not None
+        with rollout_context("r-1"), rollout_span:
+            plan = plan_for(made)
+            assert plan is not None and plan.way(trace.get_current_span().get_span_context()) == (
+                DROP if unsampled else DIRECT
+            )
             async with aiohttp.ClientSession() as session:
                 response = await _http_tracing.traced_send(
                     session, "POST", base, f"{base}/", RETRY, True, {"data": b"{}", "headers": given}, "srv"
@@ -717,8 +724,14 @@ async def test_a_direct_call_keeps_the_callers_headers_and_puts_its_own_tracepar
                 async with response:
                     assert response.status == 200
     finally:
+        otel_context.detach(token)
         await runner.cleanup()
-    [span] = [s for s in made.finished() if s.kind is trace.SpanKind.CLIENT]
-    ids = (span.context.trace_id, span.context.span_id, span.context.trace_flags)
-    assert seen == [(["00-%032x-%016x-%02x" % ids], "kept")]  # noqa: UP031
+    calls = [s for s in made.finished() if s.kind is trace.SpanKind.CLIENT]
+    if unsampled:
+        assert calls == []
+        assert seen == [(["00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"], "kept")]
+    else:
+        [span] = calls
+        ids = (span.context.trace_id, span.context.span_id, span.context.trace_flags)
+        assert seen == [(["00-%032x-%016x-%02x" % ids], "kept")]  # noqa: UP031
     assert given == {"X-Caller": "kept", "TraceParent": f"00-{'1' * 32}-{'2' * 16}-01"}

@@ -134,12 +134,12 @@ def trace_context_headers(
 
 # _route's answer for one context: (the context, weakly; the plan; the global propagator; the parent; whether the
 # context carries baggage; the way; whether the headers need only a traceparent; the parent's own traceparent, for
-# a call that carries it on unsampled).
+# a call that carries it on unsampled; "" for others).
 _Route = tuple[
     Callable[[], Context | None], SpanPlan | None, TextMapPropagator | None, trace.SpanContext, bool, str, bool,
-    str | None,
+    str,
 ]  # fmt: skip
-_last_route: _Route = (lambda: None, None, None, trace.INVALID_SPAN_CONTEXT, False, SDK, False, None)
+_last_route: _Route = (lambda: None, None, None, trace.INVALID_SPAN_CONTEXT, False, SDK, False, "")
 _routes: dict[int, _Route] = {}
 _current_context = context_getter()  # opentelemetry.context.get_current, in one call
 REMEMBERED_CONTEXTS = 4096  # contexts whose routes are kept (then they start afresh)
@@ -164,7 +164,7 @@ def _route(current: Context, plan: SpanPlan | None, textmap: TextMapPropagator) 
     if route is None or route[0]() is not current or route[1] is not plan or route[2] is not textmap:
         parent = trace.get_current_span(current).get_span_context()
         way = SDK if plan is None else plan.way(parent)
-        carried = None
+        carried = ""
         if way is DROP:
             carried = "00-%032x-%016x-%02x" % (parent.trace_id, parent.span_id, parent.trace_flags)  # noqa: UP031
         carries_baggage = bool(baggage.get_all(current))
@@ -221,16 +221,10 @@ def traced_send(
         assert plan is not None
         request = (method, base_url, server_name, url, rollout_id)
         observer = begun = plan.begin(parent, _DirectCall, request, on_resend)
-        if plain:  # trace_context_headers, inline
-            headers: MutableMapping[str, str] = CIMultiDict(given) if given else CIMultiDict()
-            headers[_TRACEPARENT_NAME] = begun.traceparent
-            kwargs["headers"] = headers
-        else:
-            context, traceparent = begun.context, begun.traceparent
-            kwargs["headers"] = trace_context_headers(given, context, current, carries_baggage, traceparent)
-    elif way is DROP:
-        kwargs["headers"] = trace_context_headers(given, parent, current, carries_baggage, carried)
+        context, traceparent = begun.context, begun.traceparent
+    elif way is DROP:  # the parent's context carried on
         observer = None if on_resend is None else ResendListener(on_resend)
+        context, traceparent = parent, carried
     else:
         attributes = _call_attributes(method, base_url, server_name, url, rollout_id)
         span = active.start_span(span_name(method), kind=_CLIENT, attributes=attributes)
@@ -239,7 +233,13 @@ def traced_send(
         except BaseException:
             span.end()
             raise
-        observer = _SdkCall(span, on_resend)
+        return send(session, method, url, retry, resend_after_disconnect, kwargs, _SdkCall(span, on_resend))
+    if plain:  # trace_context_headers, inline
+        headers: MutableMapping[str, str] = CIMultiDict(given) if given else CIMultiDict()
+        headers[_TRACEPARENT_NAME] = traceparent
+    else:
+        headers = trace_context_headers(given, context, current, carries_baggage, traceparent)
+    kwargs["headers"] = headers
     return send(session, method, url, retry, resend_after_disconnect, kwargs, observer)
 
 
