@@ -5,12 +5,17 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from urllib.parse import unquote
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry import trace as otel_trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Tracer
 
+from gym_rpc.client import _rollout as rollout_module
 from gym_rpc.client._rollout import (
     _rollout_id,
     apply_rollout_prefix,
@@ -250,3 +255,65 @@ async def test_a_binding_made_in_a_task_stays_in_that_task():
         assert await asyncio.create_task(bind_and_keep()) == "child-only"
         assert current_rollout_id() == "parent"
     assert current_rollout_id() is None
+
+
+@pytest.fixture
+def exported(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Tracer, InMemorySpanExporter]]:
+    """gym_rpc's tracer for rollout spans made a real SDK tracer exporting into memory, with tracing on."""
+    monkeypatch.setattr(TRACING, "enabled", True)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    sdk_tracer = provider.get_tracer("gym_rpc.tests")
+    monkeypatch.setattr(rollout_module, "tracer", lambda: sdk_tracer)
+    yield sdk_tracer, exporter
+    provider.shutdown()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [None, ValueError("boom"), asyncio.CancelledError()],
+    ids=["a block that ends", "an exception", "a cancellation"],
+)
+def test_a_rollout_span_is_what_start_as_current_span_makes(
+    exported: tuple[Tracer, InMemorySpanExporter], error: BaseException | None
+) -> None:
+    """rollout_context(id, span=True) opens its span as the SDK's start_as_current_span does: current inside and
+    not after, the rollout id its attribute; an Exception leaving the block is its exception event and error
+    status, a BaseException (a cancellation) is not; ended either way."""
+    sdk_tracer, exporter = exported
+
+    def current_inside(block: AbstractContextManager[object]) -> object:
+        inside = None
+        try:
+            with block:
+                inside = otel_trace.get_current_span()
+                if error is not None:
+                    raise error
+        except BaseException as caught:
+            assert caught is error
+        return inside
+
+    before = otel_trace.get_current_span()
+    ours_inside = current_inside(rollout_context("r-1", span=True))
+    assert otel_trace.get_current_span() is before and current_rollout_id() is None
+    current_inside(sdk_tracer.start_as_current_span("gym.rollout", attributes={"gym.rollout_id": "r-1"}))
+    ours, sdk = exporter.get_finished_spans()
+    assert ours_inside is not None and ours_inside.get_span_context() == ours.context
+
+    def shape(span: ReadableSpan) -> tuple[object, ...]:
+        events = [
+            (event.name, {k: v for k, v in (event.attributes or {}).items() if k != "exception.stacktrace"})
+            for event in span.events
+        ]
+        return (
+            span.name,
+            span.kind,
+            dict(span.attributes or {}),
+            span.status.status_code,
+            span.status.description,
+            events,
+        )
+
+    assert shape(ours) == shape(sdk)
+    assert [event.name for event in ours.events] == (["exception"] if isinstance(error, Exception) else [])

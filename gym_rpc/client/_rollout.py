@@ -10,6 +10,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from gym_rpc.telemetry import ROLLOUT_ID_ATTRIBUTE, TRACING, tracer
@@ -42,12 +43,25 @@ def rollout_context(rollout_id: str | None, *, span: bool = False) -> Iterator[s
         encode_rollout_id(rollout_id)  # fail where the id is bound, not at the first call
     token = _rollout_id.set(rollout_id)
     try:
-        if span and TRACING.enabled:
-            attributes = {ROLLOUT_ID_ATTRIBUTE: rollout_id} if rollout_id else {}
-            with tracer().start_as_current_span(ROLLOUT_SPAN_NAME, attributes=attributes):
-                yield rollout_id
-        else:
+        if not (span and TRACING.enabled):
             yield rollout_id
+            return
+        # tracer().start_as_current_span(...) as the API's use_span runs it (the span current inside; an Exception
+        # leaving the block recorded and made its error status; ended once the context is restored), without its
+        # two context managers of its own: a worker opens one per rollout, and a rollout can be a few calls.
+        attributes = {ROLLOUT_ID_ATTRIBUTE: rollout_id} if rollout_id else {}
+        rollout_span = tracer().start_span(ROLLOUT_SPAN_NAME, attributes=attributes)
+        attached = otel_context.attach(trace.set_span_in_context(rollout_span))
+        try:
+            yield rollout_id
+        except Exception as error:
+            if rollout_span.is_recording():
+                rollout_span.record_exception(error)
+                rollout_span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+            raise
+        finally:
+            otel_context.detach(attached)
+            rollout_span.end()
     finally:
         _rollout_id.reset(token)
 
