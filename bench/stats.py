@@ -105,6 +105,15 @@ class Row:
     ratio: float
     goal_text: str = ""
     met: bool | None = None
+    goal_ratio: float | None = None  # a minimum ratio (ratio_row's goal)
+
+    def ratio_text(self) -> str:
+        """The ratio as shown, one digit more where two would show it equal to its goal: a miss never reads as
+        the goal itself ("0.848x", not "0.85x", against 0.85)."""
+        shown = fmt_ratio(self.ratio)
+        if self.goal_ratio is not None and shown == fmt_ratio(self.goal_ratio) and self.ratio != self.goal_ratio:
+            return f"{self.ratio:.3f}x"
+        return shown
 
 
 def ratio_row(area: str, measure: str, ours: str, baseline: str, ratio: float, goal: float | None) -> Row:
@@ -112,7 +121,7 @@ def ratio_row(area: str, measure: str, ours: str, baseline: str, ratio: float, g
     if goal is None:
         return Row(area, measure, ours, baseline, ratio)
     met = not math.isnan(ratio) and ratio >= goal
-    return Row(area, measure, ours, baseline, ratio, f"≥ {fmt_ratio(goal)}", met)
+    return Row(area, measure, ours, baseline, ratio, f"≥ {fmt_ratio(goal)}", met, goal)
 
 
 TABLE_HEADER = ("area", "measure", "gym_rpc", "baseline (same run)", "ratio", "goal", "met")
@@ -123,6 +132,6 @@ def table_lines(rows: Sequence[Row]) -> list[str]:
     lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "|".join("---" for _ in TABLE_HEADER) + "|"]
     for row in rows:
         met = "—" if row.met is None else ("yes" if row.met else "NO")
-        cells = (row.area, row.measure, row.ours, row.baseline, fmt_ratio(row.ratio), row.goal_text or "—", met)
+        cells = (row.area, row.measure, row.ours, row.baseline, row.ratio_text(), row.goal_text or "—", met)
         lines.append("| " + " | ".join(cells) + " |")
     return lines

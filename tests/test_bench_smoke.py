@@ -84,3 +84,19 @@ def check_scale_report(report: str) -> None:
         assert row in report, row
     assert "| probes received per window <= 1, whatever P | " in report
     assert "refused during these runs (UNAVAILABLE, streams past a connection's limit): 0." in report
+
+
+def test_a_ratio_at_its_goal_to_two_digits_is_shown_with_three() -> None:
+    """A miss never reads as the goal itself: 0.848 against 0.85 shows "0.848x" (and its verdict NO), 0.853 shows
+    "0.853x", while ratios that two digits tell apart from the goal, and rows without one, keep two."""
+    from bench.stats import ratio_row, table_lines
+
+    def shown(ratio: float, goal: float | None) -> list[str]:
+        [_, _, line] = table_lines([ratio_row("tracing", "m", "a", "b", ratio, goal)])
+        return line.rstrip(" |").split(" | ")[4:7]
+
+    assert shown(0.848, 0.85) == ["0.848x", "≥ 0.85x", "NO"]
+    assert shown(0.853, 0.85) == ["0.853x", "≥ 0.85x", "yes"]
+    assert shown(0.85, 0.85) == ["0.85x", "≥ 0.85x", "yes"]
+    assert shown(0.87, 0.85) == ["0.87x", "≥ 0.85x", "yes"]
+    assert shown(0.848, None) == ["0.85x", "—", "—"]
