@@ -283,7 +283,7 @@ def test_a_rollout_span_is_what_start_as_current_span_makes(
     status, a BaseException (a cancellation) is not; ended either way."""
     sdk_tracer, exporter = exported
 
-    def current_inside(block: AbstractContextManager[object]) -> object:
+    def current_inside(block: AbstractContextManager[object]) -> otel_trace.Span | None:
         inside = None
         try:
             with block:
