@@ -32,18 +32,19 @@ from pydantic import BaseModel, ValidationError
 
 from gym_rpc import config as config_module
 from gym_rpc.client import ClientSecurity, ClientTls, ControlClient, SyncControlClient
-from gym_rpc.client._aiohttp_instrumentation import _add_attributes
+from gym_rpc.client import _metrics as client_metrics
+from gym_rpc.client._aiohttp_instrumentation import _ATTRIBUTES_KEY, _add_attributes
 from gym_rpc.client._http import (
     HttpClientSettings,
     LoopSessions,
-    ObservedCall,
-    ResendListener,
     RetryPolicy,
     _sessions_by_loop,
     close_loop_sessions,
     loop_sessions,
     send,
 )
+from gym_rpc.client._http_tracing import traced_send
+from gym_rpc.client._metrics import metered_send
 from gym_rpc.client._rollout import apply_rollout_prefix
 from gym_rpc.client._watch import StatusWatch, SyncStatusWatch
 from gym_rpc.config import (
@@ -74,6 +75,7 @@ from gym_rpc.server._security import (
     head_token,
     with_handshake_timeout,
 )
+from gym_rpc.telemetry import TRACING
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import StatusReport, WatchEvent
 from gym_rpc.wire._paths import _first_segment, encode_rollout_id, rollout_path_prefix, split_gym_prefixes
@@ -191,20 +193,18 @@ async def test_a_resent_request_carries_the_same_body_and_each_resend_is_counted
 
     server = await asyncio.start_server(drop_then_echo, LOOPBACK, 0)
     url = f"http://{LOOPBACK}:{server.sockets[0].getsockname()[1]}/v1/responses"
-    attempts: list[int] = []
+    observer = RecordingObserver()
     policy = RetryPolicy(attempts=3, initial_backoff_seconds=0.01, max_backoff_seconds=0.02)
     try:
         async with aiohttp.ClientSession() as session:
-            response = await send(
-                session, "POST", url, policy, True, {"json": {"a": 1}}, ResendListener(attempts.append)
-            )
+            response = await send(session, "POST", url, policy, True, {"json": {"a": 1}}, observer)
             async with response:
                 assert await response.read() == b'{"a": 1}'
     finally:
         server.close()
         await server.wait_closed()
     assert bodies == [b'{"a": 1}'] * 3
-    assert attempts == [2, 3]
+    assert observer.told == [("resent", 2), ("resent", 3), ("answered", response, 3)]
 
 
 class RecordingObserver:
@@ -730,6 +730,40 @@ async def test_sessions_carry_our_trace_config_while_aiohttps_instrumentation_is
         await traced.close()
 
 
+async def test_a_call_on_an_instrumented_session_tells_the_other_observer_everything() -> None:
+    """traced_send on a session aiohttp's instrumentation traces: the call's attributes (the resend count among
+    them) go to the instrumentation's span through `trace_request_ctx`, and the other observer (the worker
+    metrics') hears each resend and the answer as from any traced call."""
+    from opentelemetry.instrumentation.aiohttp_client import AioHttpClientInstrumentor
+
+    server, port, connections = await start_dropping_server(drops=1)
+    base = f"http://{LOOPBACK}:{port}"
+    policy = RetryPolicy(attempts=2, initial_backoff_seconds=0.01, max_backoff_seconds=0.02)
+    observer = RecordingObserver()
+    instrumentor = AioHttpClientInstrumentor()
+    instrumentor.instrument()
+    try:
+        traced = LoopSessions(POOLS)
+    finally:
+        instrumentor.uninstrument()
+    kwargs: Any = {"data": b"{}"}
+    try:
+        response = await traced_send(
+            traced.data, "POST", base, f"{base}/v1/x", policy, True, kwargs, "srv", observer
+        )
+        async with response:
+            assert response.status == 200
+    finally:
+        await traced.close()
+        server.close()
+        await server.wait_closed()
+    assert (observer.told, connections) == ([("resent", 2), ("answered", response, 2)], [2])
+    assert kwargs["trace_request_ctx"][_ATTRIBUTES_KEY] == {
+        "gym.server.name": "srv",
+        "http.request.resend_count": 1,
+    }
+
+
 # --- probes ------------------------------------------------------------------------------------------------------
 
 
@@ -1039,23 +1073,30 @@ def test_a_lenient_document_that_is_no_mapping_or_no_json_gets_one_exact_line() 
         assert str(refused.value).splitlines()[0] == message
 
 
-async def test_an_observed_call_resends_to_its_url_as_told() -> None:
-    """ObservedCall.send (the metered path): its URL, the caller's resend rule and counter."""
+@pytest.mark.parametrize("traced", [False, True], ids=["untraced", "traced"])
+async def test_a_metered_call_is_sends_own_coroutine_to_its_url_and_in_flight_until_it_ends(
+    monkeypatch: pytest.MonkeyPatch, traced: bool
+) -> None:
+    """metered_send (worker metrics on), traced or not: send's own coroutine (no coroutine of ours between the
+    caller and aiohttp), to its URL under the caller's resend rule, counted in flight from its making until its
+    answer or its error."""
+    monkeypatch.setattr(TRACING, "enabled", traced)
     server, port, connections = await start_dropping_server(drops=1)
     base = f"http://{LOOPBACK}:{port}"
     policy = RetryPolicy(attempts=2, initial_backoff_seconds=0.01, max_backoff_seconds=0.02)
-    resends: list[int] = []
+    in_flight = client_metrics._in_flight
     try:
         async with aiohttp.ClientSession() as session:
-            call = ObservedCall(session, "POST", base, f"{base}/v1/x", policy, True, {"data": b"{}"}, "srv")
-            async with await call.send(ResendListener(resends.append)) as response:
+            sending = metered_send(session, "POST", base, f"{base}/v1/x", policy, True, {"data": b"{}"}, "srv")
+            assert inspect.iscoroutine(sending) and sending.cr_code is send.__code__
+            assert in_flight[("srv", "POST")] == 1
+            async with await sending as response:
                 assert (response.status, str(response.url)) == (200, f"{base}/v1/x")
-            assert (resends, connections) == ([2], [2])
+            assert (connections, in_flight[("srv", "POST")]) == ([2], 0)
             connections[0] = 0
             with pytest.raises(aiohttp.ServerDisconnectedError):
-                call = ObservedCall(session, "POST", base, f"{base}/v1/x", policy, False, {"data": b"{}"}, "srv")
-                await call.send()
-            assert connections == [1]
+                await metered_send(session, "POST", base, f"{base}/v1/x", policy, False, {"data": b"{}"}, "srv")
+            assert (connections, in_flight[("srv", "POST")]) == ([1], 0)
     finally:
         server.close()
         await server.wait_closed()

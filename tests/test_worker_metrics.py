@@ -56,6 +56,21 @@ def test_requests_resends_and_unreachable_servers_are_counted() -> None:
     assert set(points(result, "http.client.active_requests").values()) == {0}  # every call finished
 
 
+def test_traced_calls_are_metered_as_untraced_ones_and_each_is_one_span() -> None:
+    """With tracing on as well, every call is counted as without it and is one CLIENT span with its outcome: the
+    span and the metrics both hear the call from inside `send`."""
+    traced, untraced = run_scenario("app-traced"), run_scenario("app")
+    for name in ("http.client.request.duration", "gym.client.resends", "gym.client.unreachable"):
+        assert points(traced, name) == points(untraced, name), name
+    assert set(points(traced, "http.client.active_requests").values()) == {0}
+    outcomes = sorted(
+        (span["gym.server.name"], span.get("http.response.status_code", span.get("error.type")),
+         span.get("http.request.resend_count", 0))
+        for span in traced["spans"]
+    )  # fmt: skip
+    assert outcomes == [("flaky", 200, 1), ("gone", "ServerUnreachableError", 2)] + [("ok", 200, 0)] * 5
+
+
 def test_off_records_nothing() -> None:
     result = run_scenario("off")
     assert result["enabled"] is False

@@ -5,7 +5,8 @@ port; prints the metrics an in-memory reader collected, as JSON.
 `python tests/worker_metrics_scenario.py app` installs the application's MeterProvider and calls
 `enable_client_metrics()`; `env` relies on OTEL_METRICS_EXPORTER (the test sets it), so gym_rpc installs the
 provider; `off` installs a provider but never enables client metrics; `prometheus` exposes them through
-prometheus_client and reports the names a scrape shows. The result is the line starting "RESULT "
+prometheus_client and reports the names a scrape shows; `app-traced` is `app` with the SDK's TracerProvider and
+tracing on, and reports the CLIENT spans too. The result is the line starting "RESULT "
 (an exporter may print to stdout too).
 """
 
@@ -47,8 +48,19 @@ async def main(mode: str) -> None:
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     reader = InMemoryMetricReader()
-    if mode in ("app", "off"):
+    if mode in ("app", "app-traced", "off"):
         metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+    spans = None
+    if mode == "app-traced":
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        spans = InMemorySpanExporter()
+        tracer_provider = TracerProvider()
+        tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+        trace.set_tracer_provider(tracer_provider)
     if mode == "prometheus":  # an application exposing its metrics to Prometheus
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
 
@@ -65,6 +77,8 @@ async def main(mode: str) -> None:
         "gone": {"resources_servers": {"impl": {"host": LOOPBACK, "port": closed.getsockname()[1]}}},
         "http_client": {"retry": {"attempts": 3, "initial_backoff_seconds": 0.01}},
     }
+    if mode == "app-traced":
+        document["observability_enabled"] = True  # gym_rpc traces its calls
     if mode == "gym-block":  # NeMo Gym's own switch in the config, the environment silent
         document["telemetry"] = {"enabled": True, "traces_enabled": False, "exporter": "console"}
     os.environ["NEMO_GYM_CONFIG_DICT"] = json.dumps(document)
@@ -73,7 +87,7 @@ async def main(mode: str) -> None:
     from gym_rpc.errors import ServerUnreachableError
     from gym_rpc.metrics import METRICS, enable_client_metrics
 
-    if mode in ("app", "prometheus"):
+    if mode in ("app", "app-traced", "prometheus"):
         enable_client_metrics()
     client = ServerClient.load_from_global_config()
     enabled = METRICS.enabled
@@ -95,7 +109,8 @@ async def main(mode: str) -> None:
         "enabled": enabled,
         "provider": type(metrics.get_meter_provider()).__module__,
         "unreachable_raised": unreachable,
-        "metrics": collected(reader) if mode in ("app", "off") else {},
+        "metrics": collected(reader) if mode in ("app", "app-traced", "off") else {},
+        "spans": None if spans is None else [dict(span.attributes or {}) for span in spans.get_finished_spans()],
     }
     if mode == "prometheus":
         import prometheus_client

@@ -31,7 +31,7 @@ from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 from gym_rpc.client._aiohttp_instrumentation import request_context as instrumentation_request_context
 from gym_rpc.client._aiohttp_instrumentation import session_instrumented
-from gym_rpc.client._http import CallObserver, ResendListener, RetryPolicy, send
+from gym_rpc.client._http import CallObserver, RetryPolicy, send
 from gym_rpc.client._rollout import rollout_id_in_context
 from gym_rpc.client._sdk_spans import (
     DIRECT,
@@ -186,11 +186,12 @@ def traced_send(
     resend_after_disconnect: bool,
     kwargs: _RequestOptions,
     server_name: str,
-    on_resend: Callable[[int], None] | None = None,
+    also: CallObserver | None = None,
 ) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
     """`send(session, method, url, ...)` (`url` under `base_url`, the server's) as a CLIENT span whose context
     goes out in the `traceparent` header; a resent call carries `http.request.resend_count` (the number of
-    attempts after the first), and `on_resend` hears each attempt.
+    attempts after the first). `also` (the worker metrics') is told what the span is: each resend, the answer or
+    the error.
 
     The span ends when the response headers arrive (the caller reads the body) and covers the resends. It is never
     made the current span: nothing runs under it in this process, and attaching a context costs a few µs. Where
@@ -207,7 +208,7 @@ def traced_send(
     """
     rollout_id = rollout_id_in_context()
     if getattr(session, "_trace_configs", True) and session_instrumented(session):  # aiohttp's list, else ask
-        instrumented = _instrumented_call_observer(kwargs, server_name, rollout_id, on_resend)
+        instrumented = _InstrumentedCall(kwargs, server_name, rollout_id, also)
         return send(session, method, url, retry, resend_after_disconnect, kwargs, instrumented)
     active, current, textmap = tracer(), _current_context(), _global_textmap()
     plan = span_plan(active)
@@ -220,10 +221,10 @@ def traced_send(
     if way is DIRECT:
         assert plan is not None
         request = (method, base_url, server_name, url, rollout_id)
-        observer = begun = plan.begin(parent, _DirectCall, request, on_resend)
+        observer = begun = plan.begin(parent, _DirectCall, request, also)
         context, traceparent = begun.context, begun.traceparent
     elif way is DROP:  # the parent's context carried on
-        observer = None if on_resend is None else ResendListener(on_resend)
+        observer = also
         context, traceparent = parent, carried
     else:
         attributes = _call_attributes(method, base_url, server_name, url, rollout_id)
@@ -233,7 +234,7 @@ def traced_send(
         except BaseException:
             span.end()
             raise
-        return send(session, method, url, retry, resend_after_disconnect, kwargs, _SdkCall(span, on_resend))
+        return send(session, method, url, retry, resend_after_disconnect, kwargs, _SdkCall(span, also))
     if plain:  # trace_context_headers, inline
         headers: MutableMapping[str, str] = CIMultiDict(given) if given else CIMultiDict()
         headers[_TRACEPARENT_NAME] = traceparent
@@ -251,23 +252,27 @@ class _DirectCall(Begun):
     __slots__ = ()
 
     def resent(self, attempt: int) -> None:
-        on_resend = self.on_resend
-        if on_resend is not None:
-            on_resend(attempt)
+        also = self.also
+        if also is not None:
+            also.resent(attempt)
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
-        request = self.request
+        request, also = self.request, self.also
         if attempts == 1:
             self.plan.finish(_finished(request, response.status), self)
-            return
-        attributes = _attributes_after(request, attempts)
-        self.plan.finish((span_name(request[0]), attributes, _answered(attributes, response.status)), self)
+        else:
+            attributes = _attributes_after(request, attempts)
+            self.plan.finish((span_name(request[0]), attributes, _answered(attributes, response.status)), self)
+        if also is not None:
+            also.answered(response, attempts)
 
     def failed(self, error: BaseException, attempts: int) -> None:
-        request = self.request
+        request, also = self.request, self.also
         span = self.plan.sdk_span(span_name(request[0]), _attributes_after(request, attempts), UNSET_STATUS, self)
         record_failure(span, error)
         span.end()
+        if also is not None:
+            also.failed(error, attempts)
 
 
 def _attributes_after(request: _Request, attempts: int) -> dict[str, Any]:
@@ -279,25 +284,29 @@ def _attributes_after(request: _Request, attempts: int) -> dict[str, Any]:
 
 
 class _SdkCall:
-    """The CallObserver of a call in the SDK's own span."""
+    """The CallObserver of a call in the SDK's own span (`also` told after it)."""
 
-    __slots__ = ("on_resend", "span")
+    __slots__ = ("also", "span")
 
-    def __init__(self, span: trace.Span, on_resend: Callable[[int], None] | None) -> None:
-        self.span, self.on_resend = span, on_resend
+    def __init__(self, span: trace.Span, also: CallObserver | None) -> None:
+        self.span, self.also = span, also
 
     def resent(self, attempt: int) -> None:
         self.span.set_attribute(HTTP_REQUEST_RESEND_COUNT, attempt - 1)
-        if self.on_resend is not None:
-            self.on_resend(attempt)
+        if self.also is not None:
+            self.also.resent(attempt)
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
         set_response_status(self.span, response.status, server=False)
         self.span.end()
+        if self.also is not None:
+            self.also.answered(response, attempts)
 
     def failed(self, error: BaseException, attempts: int) -> None:
         record_failure(self.span, error)
         self.span.end()
+        if self.also is not None:
+            self.also.failed(error, attempts)
 
 
 def _call_attributes(
@@ -329,19 +338,31 @@ def _finished(request: _Request, status: int) -> Ending:
     return span_name(request[0]), attributes, _answered(attributes, status)
 
 
-def _instrumented_call_observer(
-    kwargs: _RequestOptions, server_name: str, rollout_id: str | None, on_resend: Callable[[int], None] | None
-) -> CallObserver:
-    """For a call on a session aiohttp's instrumentation traces: its span is the CLIENT span, and ours adds
-    attributes to it (through `kwargs`), the resend count among them."""
-    gym_attributes: dict[str, Any] = {SERVER_NAME_ATTRIBUTE: server_name}
-    if rollout_id is not None:
-        gym_attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
+class _InstrumentedCall:
+    """The CallObserver of a call on a session aiohttp's instrumentation traces: its span is the CLIENT span, and
+    ours adds attributes to it (through the call's `trace_request_ctx`), the resend count among them; `also` is
+    told everything."""
 
-    def count_instrumented_resend(attempt: int) -> None:
-        gym_attributes[HTTP_REQUEST_RESEND_COUNT] = attempt - 1
-        if on_resend is not None:
-            on_resend(attempt)
+    __slots__ = ("also", "gym_attributes")
 
-    kwargs["trace_request_ctx"] = instrumentation_request_context(gym_attributes)
-    return ResendListener(count_instrumented_resend)
+    def __init__(
+        self, kwargs: _RequestOptions, server_name: str, rollout_id: str | None, also: CallObserver | None
+    ) -> None:
+        gym_attributes: dict[str, Any] = {SERVER_NAME_ATTRIBUTE: server_name}
+        if rollout_id is not None:
+            gym_attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
+        kwargs["trace_request_ctx"] = instrumentation_request_context(gym_attributes)
+        self.gym_attributes, self.also = gym_attributes, also
+
+    def resent(self, attempt: int) -> None:
+        self.gym_attributes[HTTP_REQUEST_RESEND_COUNT] = attempt - 1
+        if self.also is not None:
+            self.also.resent(attempt)
+
+    def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
+        if self.also is not None:
+            self.also.answered(response, attempts)
+
+    def failed(self, error: BaseException, attempts: int) -> None:
+        if self.also is not None:
+            self.also.failed(error, attempts)

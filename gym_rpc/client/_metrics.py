@@ -12,13 +12,13 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
 
-from gym_rpc.client._http import ObservedCall, ResendListener
+from gym_rpc.client._http import RetryPolicy, send
 from gym_rpc.client._http_tracing import traced_send
 from gym_rpc.errors import ServerUnreachableError
 from gym_rpc.metrics import meter, seconds_histogram
@@ -26,6 +26,7 @@ from gym_rpc.telemetry import TRACING
 
 if TYPE_CHECKING:
     import aiohttp
+    from aiohttp.client import _RequestOptions
 
 SERVER_NAME = "gym.server.name"
 # Seconds: from a loopback call (a millisecond) to a long model generation (minutes).
@@ -89,34 +90,59 @@ def _outcome_attributes(server_name: str, method: str, outcome: int | str) -> Ma
     return {**_attributes(server_name, method), key: outcome}
 
 
-async def metered_send(call: ObservedCall) -> aiohttp.ClientResponse:
-    """`send` (traced when tracing is on) with the call's duration, in-flight count, resends and give-ups."""
-    instruments = _instruments()
-    server_name, method = call.server_name, call.method
-    attributes = _attributes(server_name, method)
-    count_resend: Callable[[int], None] = lambda attempt: instruments.resends.add(1, attributes)  # noqa: E731
-    key = (server_name, method)
-    with _in_flight_lock:
-        _in_flight[key] = _in_flight.get(key, 0) + 1
-    started = time.perf_counter()
-    outcome: int | str = "unknown"
-    try:
-        if TRACING.enabled:
-            response = await traced_send(*call, on_resend=count_resend)
-        else:
-            response = await call.send(ResendListener(count_resend))
-        outcome = response.status
-        return response
-    except ServerUnreachableError:
-        instruments.unreachable.add(1, attributes)
-        outcome = ServerUnreachableError.__name__
-        raise
-    except BaseException as error:
-        outcome = type(error).__qualname__
-        raise
-    finally:
+class MeteredCall:
+    """The CallObserver of a call while worker metrics are on: in flight from its making, its resends and a give-up
+    counted, its duration recorded at its answer or error. Told from inside `send`, so metering adds no coroutine
+    between the caller and aiohttp."""
+
+    __slots__ = ("attributes", "instruments", "key", "started")
+
+    def __init__(self, server_name: str, method: str) -> None:
+        self.instruments = _instruments()
+        self.key = key = (server_name, method)
+        self.attributes = _attributes(server_name, method)
         with _in_flight_lock:
-            _in_flight[key] -= 1
-        instruments.duration.record(
-            time.perf_counter() - started, _outcome_attributes(server_name, method, outcome)
+            _in_flight[key] = _in_flight.get(key, 0) + 1
+        self.started = time.perf_counter()
+
+    def resent(self, attempt: int) -> None:
+        self.instruments.resends.add(1, self.attributes)
+
+    def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
+        self._ended(response.status)
+
+    def failed(self, error: BaseException, attempts: int) -> None:
+        if isinstance(error, ServerUnreachableError):
+            self.instruments.unreachable.add(1, self.attributes)
+        self._ended(type(error).__qualname__)
+
+    def _ended(self, outcome: int | str) -> None:
+        with _in_flight_lock:
+            _in_flight[self.key] -= 1
+        self.instruments.duration.record(
+            time.perf_counter() - self.started, _outcome_attributes(*self.key, outcome)
         )
+
+
+def metered_send(
+    session: aiohttp.ClientSession,
+    method: str,
+    base_url: str,
+    url: str,
+    retry: RetryPolicy,
+    resend_after_disconnect: bool,
+    kwargs: _RequestOptions,
+    server_name: str,
+) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
+    """`send` (`traced_send` when tracing is on, same parameters) with the call metered: its own coroutine, which
+    must be awaited at once, as the call is counted in flight from here."""
+    metered = MeteredCall(server_name, method)
+    if not TRACING.enabled:
+        return send(session, method, url, retry, resend_after_disconnect, kwargs, metered)
+    try:
+        return traced_send(
+            session, method, base_url, url, retry, resend_after_disconnect, kwargs, server_name, metered
+        )
+    except BaseException as error:  # no send to tell it: the call ends here
+        metered.failed(error, 0)
+        raise

@@ -61,7 +61,7 @@ Ending = tuple[str, Mapping[str, Any], trace.Status]  # a span's name, attribute
 
 class Begun(NamedTuple):
     """What `SpanPlan.begin` started: a direct span's context, the parent it records, its traceparent header, its
-    start time and its plan; and what the caller carries with it to the span's end (`request`, `on_resend`),
+    start time and its plan; and what the caller carries with it to the span's end (`request`, `also`),
     so that a call makes one tuple for its span, not two. Made as a plain tuple: no Python call."""
 
     context: trace.SpanContext
@@ -70,7 +70,7 @@ class Begun(NamedTuple):
     start_time: int
     plan: SpanPlan
     request: Any
-    on_resend: Any
+    also: Any
 
 
 BegunType = TypeVar("BegunType", bound=Begun)
@@ -119,12 +119,10 @@ class SpanPlan:
         last = self._last
         return (last if last[0] is parent else self._facts(parent))[1]
 
-    def begin(
-        self, parent: trace.SpanContext, made_as: type[BegunType], request: Any, on_resend: Any
-    ) -> BegunType:
+    def begin(self, parent: trace.SpanContext, made_as: type[BegunType], request: Any, also: Any) -> BegunType:
         """A span the SDK would start now (only where `way` is DIRECT), as a `made_as` (a Begun): its context, the
         parent it records, its `traceparent` as the W3C propagator writes it, its start time, and the caller's
-        `request` and `on_resend`."""
+        `request` and `also`."""
         last = self._last
         if last[0] is not parent:
             last = self._facts(parent)
@@ -145,7 +143,7 @@ class SpanPlan:
         # valid (the parent's, or the generator's), so is_valid is True.
         context = _NEW_TUPLE(_SPAN_CONTEXT, (trace_id, span_id, False, flags, state, True))
         traceparent = head + span_id.to_bytes(8, "big").hex() + tail  # "%016x" % span_id, for less
-        return _NEW_TUPLE(made_as, (context, recorded_parent, traceparent, time_ns(), self, request, on_resend))
+        return _NEW_TUPLE(made_as, (context, recorded_parent, traceparent, time_ns(), self, request, also))
 
     def finish(self, ending: Ending, begun: Begun) -> None:
         """End a span `begin` started with its name, attributes and status: the `ReadableSpan` the SDK's would

@@ -35,7 +35,6 @@ from gym_rpc.client._control import SyncControlClient
 from gym_rpc.client._http import (
     HttpClientSettings,
     HttpPools,
-    ObservedCall,
     request_timeout_error,
     send,
 )
@@ -529,10 +528,8 @@ class ServerClient(BaseModel):
         try:
             if TRACING.enabled or METRICS.enabled:  # what tracing and metrics cost when off
                 retry, resend = pools.settings.retry, _resend_after_disconnect
-                if METRICS.enabled:
-                    call = ObservedCall(session, method, url, full_url, retry, resend, kwargs, server_name)
-                    return await metered_send(call)
-                return await traced_send(session, method, url, full_url, retry, resend, kwargs, server_name)
+                observed = metered_send if METRICS.enabled else traced_send
+                return await observed(session, method, url, full_url, retry, resend, kwargs, server_name)
             return await send(session, method, full_url, pools.settings.retry, _resend_after_disconnect, kwargs)
         except TimeoutError as error:  # aiohttp's says neither which server nor which deadline
             raise request_timeout_error(server_name, method, full_url, session, kwargs) from error
