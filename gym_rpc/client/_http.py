@@ -13,8 +13,8 @@ import random
 import socket
 import threading
 import weakref
-from collections.abc import Callable, Coroutine, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
@@ -272,24 +272,6 @@ async def send(
     return response
 
 
-class ResendListener:
-    """A CallObserver that passes on only the resends (`on_resend(attempt)`)."""
-
-    __slots__ = ("on_resend",)
-
-    def __init__(self, on_resend: Callable[[int], None]) -> None:
-        self.on_resend = on_resend
-
-    def resent(self, attempt: int) -> None:
-        self.on_resend(attempt)
-
-    def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
-        pass
-
-    def failed(self, error: BaseException, attempts: int) -> None:
-        pass
-
-
 def _raise_unless_resendable(
     error: aiohttp.ClientError, url: str, attempt: int, retry: RetryPolicy, resend_after_disconnect: bool
 ) -> None:
@@ -302,26 +284,6 @@ def _raise_unless_resendable(
         return
     if not resend_after_disconnect or attempt >= retry.attempts:
         raise error
-
-
-class ObservedCall(NamedTuple):
-    """A data-plane call as the metered path takes it (client._metrics.metered_send), in `traced_send`'s order of
-    parameters: made only while metrics are on, so the plain path pays nothing for it."""
-
-    session: aiohttp.ClientSession
-    method: str
-    base_url: str  # the server's
-    url: str  # under base_url
-    retry: RetryPolicy
-    resend_after_disconnect: bool
-    kwargs: _RequestOptions
-    server_name: str
-
-    def send(self, observer: CallObserver | None = None) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
-        """`send`'s coroutine itself (awaited by the caller: no frame of its own to pass every resumption)."""
-        return send(
-            self.session, self.method, self.url, self.retry, self.resend_after_disconnect, self.kwargs, observer
-        )
 
 
 def request_timeout_error(
