@@ -735,3 +735,43 @@ async def test_a_traced_call_keeps_the_callers_headers_and_puts_its_own_tracepar
         ids = (span.context.trace_id, span.context.span_id, span.context.trace_flags)
         assert seen == [(["00-%032x-%016x-%02x" % ids], "kept")]  # noqa: UP031
     assert given == {"X-Caller": "kept", "TraceParent": f"00-{'1' * 32}-{'2' * 16}-01"}
+
+
+class FailingOnEnd(SpanProcessor):
+    """A processor whose on_end raises: the SDK's multi-processor hands it on to whoever ended the span."""
+
+    def on_end(self, span: ReadableSpan) -> None:
+        raise RuntimeError("a processor that fails")
+
+
+class ToldAnswers:
+    """A second observer noting the answers it is told of."""
+
+    def __init__(self) -> None:
+        self.answers: list[aiohttp.ClientResponse] = []
+
+    def resent(self, attempt: int) -> None:
+        pass
+
+    def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
+        self.answers.append(response)
+
+    def failed(self, error: BaseException, attempts: int) -> None:
+        pass
+
+
+async def test_the_other_observer_is_told_before_the_spans_work_which_may_raise(
+    traced: Callable[..., Traced], receiver: Receiver
+) -> None:
+    """traced_send's `also` (the worker metrics') hears the answer before the span ends: a processor that raises
+    at the span's end reaches the caller, but the call has been counted."""
+    made = traced()
+    made.provider.add_span_processor(FailingOnEnd())
+    also = ToldAnswers()
+    async with aiohttp.ClientSession() as session:
+        base, url = receiver.base_url, receiver.base_url + "/200"
+        with pytest.raises(RuntimeError, match="a processor that fails"):
+            await _http_tracing.traced_send(session, "POST", base, url, RETRY, True, {"data": b"{}"}, "srv", also)
+        [response] = also.answers
+        assert response.status == 200
+        response.close()

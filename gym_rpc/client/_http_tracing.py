@@ -190,8 +190,8 @@ def traced_send(
 ) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
     """`send(session, method, url, ...)` (`url` under `base_url`, the server's) as a CLIENT span whose context
     goes out in the `traceparent` header; a resent call carries `http.request.resend_count` (the number of
-    attempts after the first). `also` (the worker metrics') is told what the span is: each resend, the answer or
-    the error.
+    attempts after the first). `also` (the worker metrics') is told what the span is, each resend, the answer or
+    the error, and before it: whatever the span's work raises, the call has been counted.
 
     The span ends when the response headers arrive (the caller reads the body) and covers the resends. It is never
     made the current span: nothing runs under it in this process, and attaching a context costs a few µs. Where
@@ -247,7 +247,8 @@ def traced_send(
 class _DirectCall(Begun):
     """The CallObserver of a call whose span `SpanPlan.begin` started (its `request` is the call as its span's
     attributes know it): at the answer, `finish`ed directly (with the attributes a rollout's calls share, unless it
-    was resent); at an error, made the SDK's own span to record it, so the exception event is the SDK's."""
+    was resent); at an error, made the SDK's own span to record it, so the exception event is the SDK's. `also`
+    is told first."""
 
     __slots__ = ()
 
@@ -258,21 +259,21 @@ class _DirectCall(Begun):
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
         request, also = self.request, self.also
-        if attempts == 1:
-            self.plan.finish(_finished(request, response.status), self)
-        else:
-            attributes = _attributes_after(request, attempts)
-            self.plan.finish((span_name(request[0]), attributes, _answered(attributes, response.status)), self)
         if also is not None:
             also.answered(response, attempts)
+        if attempts == 1:
+            self.plan.finish(_finished(request, response.status), self)
+            return
+        attributes = _attributes_after(request, attempts)
+        self.plan.finish((span_name(request[0]), attributes, _answered(attributes, response.status)), self)
 
     def failed(self, error: BaseException, attempts: int) -> None:
         request, also = self.request, self.also
+        if also is not None:
+            also.failed(error, attempts)
         span = self.plan.sdk_span(span_name(request[0]), _attributes_after(request, attempts), UNSET_STATUS, self)
         record_failure(span, error)
         span.end()
-        if also is not None:
-            also.failed(error, attempts)
 
 
 def _attributes_after(request: _Request, attempts: int) -> dict[str, Any]:
@@ -284,7 +285,7 @@ def _attributes_after(request: _Request, attempts: int) -> dict[str, Any]:
 
 
 class _SdkCall:
-    """The CallObserver of a call in the SDK's own span (`also` told after it)."""
+    """The CallObserver of a call in the SDK's own span (`also` told first)."""
 
     __slots__ = ("also", "span")
 
@@ -292,21 +293,21 @@ class _SdkCall:
         self.span, self.also = span, also
 
     def resent(self, attempt: int) -> None:
-        self.span.set_attribute(HTTP_REQUEST_RESEND_COUNT, attempt - 1)
         if self.also is not None:
             self.also.resent(attempt)
+        self.span.set_attribute(HTTP_REQUEST_RESEND_COUNT, attempt - 1)
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
-        set_response_status(self.span, response.status, server=False)
-        self.span.end()
         if self.also is not None:
             self.also.answered(response, attempts)
+        set_response_status(self.span, response.status, server=False)
+        self.span.end()
 
     def failed(self, error: BaseException, attempts: int) -> None:
-        record_failure(self.span, error)
-        self.span.end()
         if self.also is not None:
             self.also.failed(error, attempts)
+        record_failure(self.span, error)
+        self.span.end()
 
 
 def _call_attributes(
@@ -341,7 +342,7 @@ def _finished(request: _Request, status: int) -> Ending:
 class _InstrumentedCall:
     """The CallObserver of a call on a session aiohttp's instrumentation traces: its span is the CLIENT span, and
     ours adds attributes to it (through the call's `trace_request_ctx`), the resend count among them; `also` is
-    told everything."""
+    told everything, first."""
 
     __slots__ = ("also", "gym_attributes")
 
@@ -355,9 +356,9 @@ class _InstrumentedCall:
         self.gym_attributes, self.also = gym_attributes, also
 
     def resent(self, attempt: int) -> None:
-        self.gym_attributes[HTTP_REQUEST_RESEND_COUNT] = attempt - 1
         if self.also is not None:
             self.also.resent(attempt)
+        self.gym_attributes[HTTP_REQUEST_RESEND_COUNT] = attempt - 1
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
         if self.also is not None:
