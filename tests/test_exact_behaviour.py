@@ -708,21 +708,27 @@ async def test_one_loop_gets_the_same_sessions_until_they_are_closed() -> None:
         await close_loop_sessions(POOLS)
 
 
+def sessions_made_while_instrumented() -> LoopSessions:
+    """Sessions made while opentelemetry-instrumentation-aiohttp-client is on (and off again at once)."""
+    from opentelemetry.instrumentation.aiohttp_client import AioHttpClientInstrumentor
+
+    instrumentor = AioHttpClientInstrumentor()
+    instrumentor.instrument()
+    try:
+        return LoopSessions(POOLS)
+    finally:
+        instrumentor.uninstrument()
+
+
 async def test_sessions_carry_our_trace_config_while_aiohttps_instrumentation_is_on() -> None:
     """_new_session: with opentelemetry-instrumentation-aiohttp-client active, every new session gets the
     TraceConfig that adds gym_rpc's attributes to the instrumentation's spans; without it, none."""
-    from opentelemetry.instrumentation.aiohttp_client import AioHttpClientInstrumentor
 
     def ours(session: aiohttp.ClientSession) -> bool:
         return any(_add_attributes in config.on_request_headers_sent for config in session.trace_configs)
 
     plain = LoopSessions(POOLS)
-    instrumentor = AioHttpClientInstrumentor()
-    instrumentor.instrument()
-    try:
-        traced = LoopSessions(POOLS)
-    finally:
-        instrumentor.uninstrument()
+    traced = sessions_made_while_instrumented()
     try:
         assert not ours(plain.data) and ours(traced.data) and ours(traced.control)
     finally:
@@ -734,18 +740,11 @@ async def test_a_call_on_an_instrumented_session_tells_the_other_observer_everyt
     """traced_send on a session aiohttp's instrumentation traces: the call's attributes (the resend count among
     them) go to the instrumentation's span through `trace_request_ctx`, and the other observer (the worker
     metrics') hears each resend and the answer as from any traced call."""
-    from opentelemetry.instrumentation.aiohttp_client import AioHttpClientInstrumentor
-
     server, port, connections = await start_dropping_server(drops=1)
     base = f"http://{LOOPBACK}:{port}"
     policy = RetryPolicy(attempts=2, initial_backoff_seconds=0.01, max_backoff_seconds=0.02)
     observer = RecordingObserver()
-    instrumentor = AioHttpClientInstrumentor()
-    instrumentor.instrument()
-    try:
-        traced = LoopSessions(POOLS)
-    finally:
-        instrumentor.uninstrument()
+    traced = sessions_made_while_instrumented()
     kwargs: Any = {"data": b"{}"}
     try:
         response = await traced_send(
