@@ -8,8 +8,9 @@ propagator, baggage or trace state goes through `opentelemetry.propagate` as usu
 
 Sampling is decided once per rollout: under a parent-based sampler (the SDK's default) a call whose parent span,
 e.g. its rollout's (`rollout_context(id, span=True)`), was not sampled could only get an unsampled span, so it
-gets none: it carries the parent's context on (unsampled, so the receiving server records nothing either) and
-costs almost nothing. A rollout sampled at 1 in 10 costs a tenth of a traced one.
+gets none: it carries the parent's context on (unsampled, so the receiving server records nothing either),
+paying only for its header and its checks. The rollout's own span is the SDK's either way, so with short
+rollouts sampling saves less than its ratio (README, "Tracing": 1 in 10 in rollouts of 8 measures 0.87x).
 """
 
 from __future__ import annotations
