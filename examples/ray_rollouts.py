@@ -22,11 +22,10 @@ from typing import Any
 import ray
 from aiohttp import web
 
-from gym_rpc.client._rollout import rollout_context
-from gym_rpc.client.server_client import ServerClient
+from gym_rpc.client import ServerClient, rollout_context
 from gym_rpc.config import BaseServerConfig, parse_host_port
 from gym_rpc.demo import MODEL_SERVER, RESOURCES_SERVER, DemoStats, demo_config, model_app, resources_app
-from gym_rpc.server._head import HeadOptions, HeadServer
+from gym_rpc.server import HeadOptions, HeadServer
 
 
 class RolloutWorker:

@@ -42,9 +42,7 @@ from gym_rpc._environment import (
     WAIT_TIMEOUT_ENV_VAR,
 )
 from gym_rpc._logging import LOG_FORMATS, LOG_LEVELS, configure_logging
-from gym_rpc.client._channel import DEFAULT_TIMEOUT_SECONDS
-from gym_rpc.client._control import SyncControlClient, WatchEvent
-from gym_rpc.client._watch import SyncStatusWatch
+from gym_rpc.client import DEFAULT_TIMEOUT_SECONDS, SyncControlClient, SyncStatusWatch
 from gym_rpc.config import (
     HEAD_SERVER_KEY,
     GlobalConfig,
@@ -54,7 +52,7 @@ from gym_rpc.config import (
     url_host,
 )
 from gym_rpc.errors import ControlPlaneError, GymRpcError, HeadUnreachableError, UnknownServerError
-from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, ServerInstance, StatusReport
+from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, ServerInstance, StatusReport, WatchEvent
 
 if TYPE_CHECKING:
     from gym_rpc.server import HeadServer

@@ -17,13 +17,10 @@ from typing import Any
 from aiohttp import web
 
 from gym_rpc._render import format_status_table
-from gym_rpc.client._channel import close_aio_channels
-from gym_rpc.client._control import ControlClient
-from gym_rpc.client._rollout import rollout_context
-from gym_rpc.client.server_client import ServerClient
+from gym_rpc.client import ControlClient, ServerClient, close_aio_channels, rollout_context
 from gym_rpc.config import BaseServerConfig, GlobalConfig, default_config_text, parse_config_text
-from gym_rpc.integrations._middleware import TraceContextPathMiddleware
-from gym_rpc.server._head import HeadOptions, HeadServer
+from gym_rpc.integrations import TraceContextPathMiddleware
+from gym_rpc.server import HeadOptions, HeadServer
 
 LOOPBACK = "127.0.0.1"
 MODEL_SERVER = "policy_model"

@@ -57,6 +57,7 @@ from gym_rpc.config import (
     parse_config_text,
     validation_error_line,
 )
+from gym_rpc.config import _parsing as config_parsing
 from gym_rpc.errors import (
     ConfigError,
     ControlPlaneError,
@@ -284,9 +285,9 @@ async def test_closing_a_loops_sessions_forgets_them_and_is_harmless_twice() -> 
 @pytest.fixture
 def small_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
     """The loader's bounds lowered (read from the module at each check), so their exact edges are cheap to hit."""
-    monkeypatch.setattr(config_module, "MAX_CONFIG_VALUES", 9)
-    monkeypatch.setattr(config_module, "MAX_CONFIG_DEPTH", 3)
-    monkeypatch.setattr(config_module, "MAX_CONFIG_BYTES", 64)
+    monkeypatch.setattr(config_parsing, "MAX_CONFIG_VALUES", 9)
+    monkeypatch.setattr(config_parsing, "MAX_CONFIG_DEPTH", 3)
+    monkeypatch.setattr(config_parsing, "MAX_CONFIG_BYTES", 64)
 
 
 VALUES_OVER = "refusing a config of more than 9 values (with its YAML aliases expanded)"

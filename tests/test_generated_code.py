@@ -63,7 +63,7 @@ def hand_written_modules() -> list[Path]:
 
 def test_only_the_grpc_facing_modules_import_generated_messages() -> None:
     modules = hand_written_modules()
-    assert REPO_ROOT / "gym_rpc" / "config.py" in modules  # the scan does look at hand-written code
+    assert REPO_ROOT / "gym_rpc" / "config" / "_global.py" in modules  # the scan does look at hand-written code
     offenders = [
         f"{path.relative_to(REPO_ROOT)}:{number}: {line.strip()}"
         for path in modules

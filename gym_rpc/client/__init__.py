@@ -14,9 +14,15 @@ from typing import TYPE_CHECKING
 from gym_rpc._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from gym_rpc.client._channel import default_head_address, head_address
+    from gym_rpc.client._channel import (
+        DEFAULT_TIMEOUT_SECONDS,
+        close_aio_channels,
+        close_sync_channels,
+        default_head_address,
+        head_address,
+    )
     from gym_rpc.client._control import ControlClient, StatusSnapshot, SyncControlClient
-    from gym_rpc.client._http import HttpClientSettings, HttpPools, RetryPolicy
+    from gym_rpc.client._http import HttpClientSettings, HttpPools, RetryPolicy, close_http_sessions
     from gym_rpc.client._rollout import apply_rollout_prefix, current_rollout_id, rollout_context
     from gym_rpc.client._security import ClientSecurity, ClientTls, client_security
     from gym_rpc.client._watch import StatusWatch, SyncStatusWatch
@@ -26,6 +32,7 @@ _EXPORTS = {
     "ClientSecurity": "gym_rpc.client._security",
     "ClientTls": "gym_rpc.client._security",
     "ControlClient": "gym_rpc.client._control",
+    "DEFAULT_TIMEOUT_SECONDS": "gym_rpc.client._channel",
     "HttpClientSettings": "gym_rpc.client._http",
     "HttpPools": "gym_rpc.client._http",
     "RetryPolicy": "gym_rpc.client._http",
@@ -36,12 +43,16 @@ _EXPORTS = {
     "SyncStatusWatch": "gym_rpc.client._watch",
     "apply_rollout_prefix": "gym_rpc.client._rollout",
     "client_security": "gym_rpc.client._security",
+    "close_aio_channels": "gym_rpc.client._channel",
+    "close_http_sessions": "gym_rpc.client._http",
+    "close_sync_channels": "gym_rpc.client._channel",
     "current_rollout_id": "gym_rpc.client._rollout",
     "default_head_address": "gym_rpc.client._channel",
     "head_address": "gym_rpc.client._channel",
     "rollout_context": "gym_rpc.client._rollout",
 }
 __all__ = [
+    "DEFAULT_TIMEOUT_SECONDS",
     "ClientSecurity",
     "ClientTls",
     "ControlClient",
@@ -55,6 +66,9 @@ __all__ = [
     "SyncStatusWatch",
     "apply_rollout_prefix",
     "client_security",
+    "close_aio_channels",
+    "close_http_sessions",
+    "close_sync_channels",
     "current_rollout_id",
     "default_head_address",
     "head_address",

@@ -14,8 +14,7 @@ from grpc_health.v1 import health_pb2
 
 from gym_rpc.client._rpc import AsyncTransport, BlockingTransport, Call, Rpc, StreamRpc
 from gym_rpc.v1 import control_plane_pb2 as pb
-from gym_rpc.wire import HEALTH_SERVICE_NAME, ServerStatus, StatusSnapshot, WatchEvent
-from gym_rpc.wire import _convert as convert
+from gym_rpc.wire import HEALTH_SERVICE_NAME, ServerStatus, StatusSnapshot, WatchEvent, convert
 
 # --- request builders: each one's signature is the client method's ---
 

@@ -27,8 +27,7 @@ from gym_rpc.client._channel import (
 )
 from gym_rpc.client._security import ClientSecurity, client_security
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
-from gym_rpc.wire import HEALTH_SERVICE_NAME, SERVICE_NAME
-from gym_rpc.wire._errors import from_grpc_error, status_code
+from gym_rpc.wire import HEALTH_SERVICE_NAME, SERVICE_NAME, from_grpc_error, status_code
 
 Params = ParamSpec("Params")
 Request = TypeVar("Request")

@@ -27,7 +27,7 @@ from aiohttp.typedefs import Handler, Middleware
 from multidict import CIMultiDict
 from yarl import URL
 
-from gym_rpc.client._rollout import rollout_context
+from gym_rpc.client import rollout_context
 from gym_rpc.errors import MalformedGymPrefixError
 from gym_rpc.telemetry import propagation, record_failure, server_span, set_response_status, tracing_enabled
 from gym_rpc.wire import GYM_PREFIX_HEAD, TRACEPARENT_HEADER, GymPrefixes, split_gym_prefixes

@@ -25,10 +25,7 @@ from typing import Any, TypedDict
 from aiohttp import web
 
 from gym_rpc._tasks import cancel_and_wait
-from gym_rpc.client._channel import head_address
-from gym_rpc.client._control import SyncControlClient
-from gym_rpc.client._security import client_security
-from gym_rpc.client.server_client import ServerClient
+from gym_rpc.client import ServerClient, SyncControlClient, client_security, head_address
 from gym_rpc.config import BaseServerConfig, parse_host_port
 from gym_rpc.errors import GymRpcError
 

@@ -36,8 +36,7 @@ from gym_rpc.server._head import HeadOptions, HeadServer
 from gym_rpc.server._interceptors import Handler, HandlerInterceptor, ServerInterceptor
 from gym_rpc.server._security import aborting_handler
 from gym_rpc.server._sources import ConfigTarget
-from gym_rpc.wire import SERVICE_NAME
-from gym_rpc.wire._convert import ReportedProcess
+from gym_rpc.wire import SERVICE_NAME, ReportedProcess
 
 logger = logging.getLogger(__name__)
 

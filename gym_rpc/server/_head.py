@@ -55,8 +55,7 @@ from gym_rpc.server._sources import ConfigSource, FileSource
 from gym_rpc.server._tracing import server_interceptors
 from gym_rpc.telemetry import setup_tracing
 from gym_rpc.v1 import control_plane_pb2 as pb
-from gym_rpc.wire import StatusReport
-from gym_rpc.wire._convert import ReportedProcess
+from gym_rpc.wire import ReportedProcess, StatusReport
 
 logger = logging.getLogger(__name__)
 

@@ -33,10 +33,7 @@ from gym_rpc.server._security import (
 from gym_rpc.server._watch_feed import ReportMessages, WatchFeed
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
-from gym_rpc.wire import StatusReport
-from gym_rpc.wire import _convert as convert
-from gym_rpc.wire._convert import ReportedProcess
-from gym_rpc.wire._errors import unknown_server_status
+from gym_rpc.wire import ReportedProcess, StatusReport, convert, unknown_server_status
 
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 MIN_HEARTBEAT_SECONDS = 0.05

@@ -18,7 +18,7 @@ import grpc
 from gym_rpc.config import GlobalConfig, load_config_file
 from gym_rpc.errors import ConfigError
 from gym_rpc.server._security import ServerSecurity
-from gym_rpc.wire._convert import ReportedProcess
+from gym_rpc.wire import ReportedProcess
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,7 @@ from collections.abc import Callable, Hashable
 
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.v1 import control_plane_pb2 as pb
-from gym_rpc.wire import StatusReport
-from gym_rpc.wire import _convert as convert
+from gym_rpc.wire import StatusReport, convert
 
 Message = pb.WatchServerStatusesResponse
 

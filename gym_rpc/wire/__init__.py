@@ -1,6 +1,6 @@
 """The wire layer: what the client and the server agree on, and nothing that runs on either side alone.
 
-* `_convert`: the one conversion layer to and from the generated `gym_rpc.v1` messages.
+* `_convert` (exported as `convert`): the one conversion layer to and from the generated `gym_rpc.v1` messages.
 * `_status`: server statuses, status reports, status snapshots and watch events.
 * `_errors`: how a failed gRPC call becomes a typed gym_rpc error; unknown names as `google.rpc.Status` details.
 * `_paths`: the rollout and trace-context URL path format (builder and parser).
@@ -9,7 +9,9 @@
 The error classes live one level lower, in `gym_rpc.errors`, so that every layer (config included) can raise them.
 """
 
-from gym_rpc.wire._convert import InstanceRegistration, ServerInstance
+from gym_rpc.wire import _convert as convert
+from gym_rpc.wire._convert import InstanceRegistration, ReportedProcess, ServerInstance
+from gym_rpc.wire._errors import from_grpc_error, status_code, unknown_server_status
 from gym_rpc.wire._names import (
     AUTHORIZATION_METADATA_KEY,
     CONTROL_METHOD_PREFIX,
@@ -82,14 +84,19 @@ __all__ = [
     "GymPrefixes",
     "InstanceRegistration",
     "RegistrationState",
+    "ReportedProcess",
     "ServerInstance",
     "ServerStatus",
     "StatusReport",
     "StatusSnapshot",
     "WatchEvent",
+    "convert",
     "encode_rollout_id",
+    "from_grpc_error",
     "prefixed_path",
     "rollout_path_prefix",
     "split_gym_prefixes",
+    "status_code",
     "trace_path_segment",
+    "unknown_server_status",
 ]

@@ -1,0 +1,54 @@
+"""Server addresses: which bind hosts are wildcards, what a client dials instead, and base URLs."""
+
+from __future__ import annotations
+
+import ipaddress
+from urllib.parse import urlsplit
+
+from gym_rpc.errors import ConfigError
+
+_WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
+
+
+def is_wildcard_host(host: str) -> bool:
+    """Whether a bind address means "every interface" (0.0.0.0, ::, empty): valid to bind, not to dial."""
+    return host.strip() in _WILDCARD_HOSTS
+
+
+def connectable_host(host: str) -> str:
+    """Map a bind address to one a client can dial: wildcards become loopback of the same family."""
+    host = host.strip()
+    if host in _WILDCARD_HOSTS:
+        return "::1" if ":" in host else "127.0.0.1"
+    return host
+
+
+def url_host(host: str) -> str:
+    """Bracket IPv6 literals so they can stand in a URL authority."""
+    bare = host.strip("[]")
+    try:
+        if ipaddress.ip_address(bare.split("%", 1)[0]).version == 6:
+            return f"[{bare}]"
+    except ValueError:
+        pass
+    return host
+
+
+def parse_host_port(text: str, what: str) -> tuple[str, int]:
+    """HOST:PORT (IPv6 bracketed) as (host, port); `what` names the setting in the error."""
+    try:
+        parts = urlsplit(f"//{text.strip()}")
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host = port = None
+    if not host or port is None:
+        raise ConfigError(f"{what} {text!r}: expected HOST:PORT, e.g. 127.0.0.1:11000")
+    return host, port
+
+
+def base_url(host: str, port: int) -> str:
+    """The http:// base URL of a server bound at host:port."""
+    authority = url_host(connectable_host(host))
+    if authority.startswith("[") and "%" in authority and "%25" not in authority:
+        authority = authority.replace("%", "%25", 1)  # an IPv6 zone id in a URL is written %25 (RFC 6874)
+    return f"http://{authority}:{port}"

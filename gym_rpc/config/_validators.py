@@ -1,0 +1,49 @@
+"""Checks of values a person types (flags, config keys), with one-line messages that name the flag or key."""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import ValidationError
+
+from gym_rpc.errors import ConfigError
+
+# The shortest probe interval a head accepts: shorter rounds would keep a core busy probing (and every server
+# answering) for statuses no caller can tell apart.
+MIN_PROBE_INTERVAL_SECONDS = 0.05
+
+
+def validation_error_line(error: ValidationError, block: str) -> str:
+    """One line a person reads for a pydantic error: `block.key: what is wrong` (pydantic's own text spans
+    several lines and ends in a documentation URL), plus how many other problems there are."""
+    problems = error.errors(include_url=False, include_input=False)
+    if not problems:
+        return f"{block}: invalid"
+    first = problems[0]
+    where = ".".join([block, *(str(part) for part in first["loc"])])
+    more = (
+        f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
+    )
+    return f"{where}: {first['msg']}{more}"
+
+
+def checked_port(value: int | None, what: str) -> int | None:
+    """A port to bind (0: a free one); anything outside 0..65535 is refused rather than wrapped by the OS."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535):
+        raise ConfigError(f"{what} must be in 0..65535 (0 picks a free port), not {value!r}")
+    return value
+
+
+def checked_seconds(value: float, what: str, minimum: float = 0.0) -> float:
+    """A positive, finite duration (at least `minimum`): 0 would spin a core in a loop that waits it, nan and inf
+    never end one."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{what} must be a positive number of seconds, not {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{what} must be at least {minimum:g} seconds, not {value!r}")
+    return float(value)
+
+
+def checked_probe_interval(value: float) -> float:
+    """The head's probe interval: positive, finite and no shorter than MIN_PROBE_INTERVAL_SECONDS."""
+    return checked_seconds(value, "the probe interval (--probe-interval)", MIN_PROBE_INTERVAL_SECONDS)
