@@ -88,6 +88,34 @@ registration and its advertised address, as for a deregistration.
 """
 Global___RegistrationState: _TypeAlias = RegistrationState  # noqa: Y015
 
+class _InstanceOrigin:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _InstanceOriginEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_InstanceOrigin.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    INSTANCE_ORIGIN_UNSPECIFIED: _InstanceOrigin.ValueType  # 0
+    """Not said (a head older than replicas)."""
+    INSTANCE_ORIGIN_CONFIG: _InstanceOrigin.ValueType  # 1
+    """The config entry's own host and port."""
+    INSTANCE_ORIGIN_STATIC_REPLICA: _InstanceOrigin.ValueType  # 2
+    """A static replica listed in the config entry (its `replicas:` key)."""
+    INSTANCE_ORIGIN_REGISTERED: _InstanceOrigin.ValueType  # 3
+    """A process that registered (RegisterServerInstance) at an address no config instance holds."""
+
+class InstanceOrigin(_InstanceOrigin, metaclass=_InstanceOriginEnumTypeWrapper):
+    """InstanceOrigin says where an instance of a server comes from."""
+
+INSTANCE_ORIGIN_UNSPECIFIED: InstanceOrigin.ValueType  # 0
+"""Not said (a head older than replicas)."""
+INSTANCE_ORIGIN_CONFIG: InstanceOrigin.ValueType  # 1
+"""The config entry's own host and port."""
+INSTANCE_ORIGIN_STATIC_REPLICA: InstanceOrigin.ValueType  # 2
+"""A static replica listed in the config entry (its `replicas:` key)."""
+INSTANCE_ORIGIN_REGISTERED: InstanceOrigin.ValueType  # 3
+"""A process that registered (RegisterServerInstance) at an address no config instance holds."""
+Global___InstanceOrigin: _TypeAlias = InstanceOrigin  # noqa: Y015
+
 class _WatchEventType:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -115,6 +143,114 @@ WATCH_EVENT_TYPE_CHANGE: WatchEventType.ValueType  # 2
 WATCH_EVENT_TYPE_HEARTBEAT: WatchEventType.ValueType  # 3
 """Nothing changed; carries the current revision only."""
 Global___WatchEventType: _TypeAlias = WatchEventType  # noqa: Y015
+
+@_typing.final
+class InstanceReport(_message.Message):
+    """InstanceReport is the state of one instance (replica) of a server: its own address, probe, registration,
+    labels and draining flag. A server has one or more instances; one that is not replicated has exactly one.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    URL_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    HTTP_STATUS_FIELD_NUMBER: _builtins.int
+    LATENCY_FIELD_NUMBER: _builtins.int
+    CHECKED_AT_FIELD_NUMBER: _builtins.int
+    REGISTRATION_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    ORIGIN_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    """Identifies the instance among its server's instances, stable while its address is: the authority
+    (`host:port`, IPv6 bracketed) of `url`. A process restarting at the same address keeps its instance_id, so
+    rollouts hashed to it stay with it.
+    """
+    url: _builtins.str
+    """Base URL clients call the instance at."""
+    status: Global___ServerStatus.ValueType
+    """Latest probe result of this instance; UNSPECIFIED until its first probe finishes."""
+    detail: _builtins.str
+    """Human-readable detail of a failed probe (empty on success)."""
+    http_status: _builtins.int
+    """HTTP status code the instance answered its probe with (0 when it did not answer)."""
+    registration: Global___RegistrationState.ValueType
+    """Whether a process holds a registration for this instance, or why it no longer does."""
+    draining: _builtins.bool
+    """True while the instance drains (its process is stopping): it gets no new work, its in-flight calls finish,
+    then it deregisters. Clients pick other instances for new rollouts and for calls of no rollout.
+    """
+    origin: Global___InstanceOrigin.ValueType
+    """Where the instance comes from."""
+    pid: _builtins.int
+    """Process id of the instance's process when known (it registered), 0 otherwise."""
+    @_builtins.property
+    def latency(self) -> _duration_pb2.Duration:
+        """How long the probe took."""
+
+    @_builtins.property
+    def checked_at(self) -> _timestamp_pb2.Timestamp:
+        """When the probe finished."""
+
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Labels the registration carried, e.g. `weights_version: "42"`; clients may restrict a server to the
+        instances whose labels match. At most 16, keys of at most 63 characters ([A-Za-z0-9._/-], starting and
+        ending with a letter or digit), values of at most 256 printable characters.
+        """
+
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """When that process started, when known."""
+
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        url: _builtins.str = ...,
+        status: Global___ServerStatus.ValueType = ...,
+        detail: _builtins.str = ...,
+        http_status: _builtins.int = ...,
+        latency: _duration_pb2.Duration | None = ...,
+        checked_at: _timestamp_pb2.Timestamp | None = ...,
+        registration: Global___RegistrationState.ValueType = ...,
+        draining: _builtins.bool = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        origin: Global___InstanceOrigin.ValueType = ...,
+        pid: _builtins.int = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checked_at", b"checked_at", "latency", b"latency", "start_time", b"start_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checked_at", b"checked_at", "detail", b"detail", "draining", b"draining", "http_status", b"http_status", "instance_id", b"instance_id", "labels", b"labels", "latency", b"latency", "origin", b"origin", "pid", b"pid", "registration", b"registration", "start_time", b"start_time", "status", b"status", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InstanceReport: _TypeAlias = InstanceReport  # noqa: Y015
 
 @_typing.final
 class HeadServer(_message.Message):
@@ -323,6 +459,7 @@ class ServerStatusReport(_message.Message):
     HTTP_STATUS_FIELD_NUMBER: _builtins.int
     REGISTRATION_FIELD_NUMBER: _builtins.int
     ADVERTISED_URL_FIELD_NUMBER: _builtins.int
+    INSTANCES_FIELD_NUMBER: _builtins.int
     server_name: _builtins.str
     """Server name."""
     status: Global___ServerStatus.ValueType
@@ -347,6 +484,15 @@ class ServerStatusReport(_message.Message):
     def checked_at(self) -> _timestamp_pb2.Timestamp:
         """When the probe finished."""
 
+    @_builtins.property
+    def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceReport]:
+        """Every instance of the server: the config's own first, then static replicas in the config's order, then
+        registered ones in the order they first registered. Any change to one of them (added, removed, its status,
+        its draining flag or labels) is a change of this report: one revision, sent by status watches. The report's
+        own fields stay what a client of one instance expects: with several instances, `status` is SUCCESS when any
+        instance that is not draining is SUCCESS (else the config instance's status), `url` the config instance's.
+        """
+
     def __init__(
         self,
         *,
@@ -359,10 +505,11 @@ class ServerStatusReport(_message.Message):
         http_status: _builtins.int = ...,
         registration: Global___RegistrationState.ValueType = ...,
         advertised_url: _builtins.str = ...,
+        instances: _abc.Iterable[Global___InstanceReport] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checked_at", b"checked_at", "latency", b"latency"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertised_url", b"advertised_url", "checked_at", b"checked_at", "detail", b"detail", "http_status", b"http_status", "latency", b"latency", "registration", b"registration", "server_name", b"server_name", "status", b"status", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertised_url", b"advertised_url", "checked_at", b"checked_at", "detail", b"detail", "http_status", b"http_status", "instances", b"instances", "latency", b"latency", "registration", b"registration", "server_name", b"server_name", "status", b"status", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -564,6 +711,26 @@ class ServerInstance(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NAME_FIELD_NUMBER: _builtins.int
     SERVER_TYPE_FIELD_NUMBER: _builtins.int
     IMPL_NAME_FIELD_NUMBER: _builtins.int
@@ -573,6 +740,10 @@ class ServerInstance(_message.Message):
     UPTIME_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     ADVERTISED_URL_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    ORIGIN_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Server name ("head_server" for the head itself)."""
     server_type: _builtins.str
@@ -589,6 +760,12 @@ class ServerInstance(_message.Message):
     """Base URL the server advertised by registering (RegisterServerInstance); empty when it has not registered.
     Clients use it instead of loopback for servers whose config host is a wildcard.
     """
+    instance_id: _builtins.str
+    """The instance this row shows (InstanceReport.instance_id); empty for the head's own row."""
+    draining: _builtins.bool
+    """Whether it is draining (InstanceReport.draining)."""
+    origin: Global___InstanceOrigin.ValueType
+    """Where it comes from."""
     @_builtins.property
     def start_time(self) -> _timestamp_pb2.Timestamp:
         """Process start time when known."""
@@ -596,6 +773,10 @@ class ServerInstance(_message.Message):
     @_builtins.property
     def uptime(self) -> _duration_pb2.Duration:
         """Time since start_time when known."""
+
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Its labels (InstanceReport.labels)."""
 
     def __init__(
         self,
@@ -609,10 +790,14 @@ class ServerInstance(_message.Message):
         uptime: _duration_pb2.Duration | None = ...,
         status: Global___ServerStatus.ValueType = ...,
         advertised_url: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        draining: _builtins.bool = ...,
+        origin: Global___InstanceOrigin.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["start_time", b"start_time", "uptime", b"uptime"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertised_url", b"advertised_url", "impl_name", b"impl_name", "name", b"name", "pid", b"pid", "server_type", b"server_type", "start_time", b"start_time", "status", b"status", "uptime", b"uptime", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertised_url", b"advertised_url", "draining", b"draining", "impl_name", b"impl_name", "instance_id", b"instance_id", "labels", b"labels", "name", b"name", "origin", b"origin", "pid", b"pid", "server_type", b"server_type", "start_time", b"start_time", "status", b"status", "uptime", b"uptime", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -737,6 +922,26 @@ class RegisterServerInstanceRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SERVER_NAME_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
     START_TIME_FIELD_NUMBER: _builtins.int
@@ -744,6 +949,8 @@ class RegisterServerInstanceRequest(_message.Message):
     LISTEN_PORT_FIELD_NUMBER: _builtins.int
     ADVERTISE_HOST_FIELD_NUMBER: _builtins.int
     LEASE_TTL_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
     server_name: _builtins.str
     """Server name as in the global config."""
     pid: _builtins.int
@@ -758,6 +965,10 @@ class RegisterServerInstanceRequest(_message.Message):
     """Host clients should dial, when the server knows better than the head (NAT, several interfaces); empty
     leaves the choice to the head as described for listen_host.
     """
+    draining: _builtins.bool
+    """True when the process is stopping and drains: clients send it no new work. The registration helpers send it
+    on SIGTERM, wait for the calls in flight, then deregister.
+    """
     @_builtins.property
     def start_time(self) -> _timestamp_pb2.Timestamp:
         """When the server process started; unset when not known."""
@@ -770,6 +981,12 @@ class RegisterServerInstanceRequest(_message.Message):
         registration helpers renew every refresh period and ask for three of them.
         """
 
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Labels of this instance (InstanceReport.labels for the bounds); a renewal carries them again, and a change of
+        them is a change of the instance. Bad labels get INVALID_ARGUMENT naming the label.
+        """
+
     def __init__(
         self,
         *,
@@ -780,10 +997,12 @@ class RegisterServerInstanceRequest(_message.Message):
         listen_port: _builtins.int = ...,
         advertise_host: _builtins.str = ...,
         lease_ttl: _duration_pb2.Duration | None = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        draining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease_ttl", b"lease_ttl", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_host", b"advertise_host", "lease_ttl", b"lease_ttl", "listen_host", b"listen_host", "listen_port", b"listen_port", "pid", b"pid", "server_name", b"server_name", "start_time", b"start_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_host", b"advertise_host", "draining", b"draining", "labels", b"labels", "lease_ttl", b"lease_ttl", "listen_host", b"listen_host", "listen_port", b"listen_port", "pid", b"pid", "server_name", b"server_name", "start_time", b"start_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -797,8 +1016,11 @@ class RegisterServerInstanceResponse(_message.Message):
 
     ADVERTISED_URL_FIELD_NUMBER: _builtins.int
     LEASE_TTL_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     advertised_url: _builtins.str
     """Base URL the head advertises for the server from now on (http://host:port, IPv6 bracketed)."""
+    instance_id: _builtins.str
+    """The instance this registration holds (InstanceReport.instance_id)."""
     @_builtins.property
     def lease_ttl(self) -> _duration_pb2.Duration:
         """The lease granted (the request's lease_ttl); unset when the registration does not expire."""
@@ -808,10 +1030,11 @@ class RegisterServerInstanceResponse(_message.Message):
         *,
         advertised_url: _builtins.str = ...,
         lease_ttl: _duration_pb2.Duration | None = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease_ttl", b"lease_ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertised_url", b"advertised_url", "lease_ttl", b"lease_ttl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertised_url", b"advertised_url", "instance_id", b"instance_id", "lease_ttl", b"lease_ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -825,21 +1048,25 @@ class DeregisterServerInstanceRequest(_message.Message):
 
     SERVER_NAME_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     server_name: _builtins.str
     """Server name as in the global config."""
     pid: _builtins.int
-    """Process id given at registration: a registration of another pid (a newer process) is left alone. 0
-    removes the server's registration whatever its pid.
+    """Process id given at registration: a registration of another pid (a newer process) is left alone."""
+    instance_id: _builtins.str
+    """The instance to deregister (RegisterServerInstanceResponse.instance_id); empty: the server's registration
+    whose pid is `pid`.
     """
     def __init__(
         self,
         *,
         server_name: _builtins.str = ...,
         pid: _builtins.int = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pid", b"pid", "server_name", b"server_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "pid", b"pid", "server_name", b"server_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

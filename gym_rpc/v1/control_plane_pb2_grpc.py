@@ -128,7 +128,8 @@ class ControlPlaneServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListServerInstances(self, request, context):
-        """ListServerInstances returns what `gym status` shows: one row per server and one for the head.
+        """ListServerInstances returns what `gym status` shows: one row for the head, then one per instance of every
+        server (a server with replicas has one row per replica, each with its instance_id).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -151,16 +152,17 @@ class ControlPlaneServiceServicer:
     def RegisterServerInstance(self, request, context):
         """RegisterServerInstance records a running server process of the global config and the address clients
         reach it at. For a server bound to a wildcard address (0.0.0.0, ::) the head advertises the address it saw
-        this call come from, so clients on other hosts stop dialling their own loopback. A later registration of the
-        same server replaces the earlier one. Unknown server names get NOT_FOUND.
+        this call come from, so clients on other hosts stop dialling their own loopback. A registration at an address
+        that an instance of the server already holds replaces that instance (a restart); one at an address no live
+        instance of the server holds adds a replica. Unknown server names get NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeregisterServerInstance(self, request, context):
-        """DeregisterServerInstance forgets a server's registration (the server is stopping): clients and the prober go
-        back to the address in the config.
+        """DeregisterServerInstance forgets one registered instance of a server (it is stopping): clients stop sending
+        it calls, and a wildcard-bound server's config instance goes back to the address in the config.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -49,7 +49,9 @@ class ControlPlaneServiceStub:
     WatchServerStatuses: _grpc.UnaryStreamMultiCallable[_control_plane_pb2.WatchServerStatusesRequest, _control_plane_pb2.WatchServerStatusesResponse]
     """WatchServerStatuses streams a snapshot of every server's status, then every change, then heartbeats."""
     ListServerInstances: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.ListServerInstancesRequest, _control_plane_pb2.ListServerInstancesResponse]
-    """ListServerInstances returns what `gym status` shows: one row per server and one for the head."""
+    """ListServerInstances returns what `gym status` shows: one row for the head, then one per instance of every
+    server (a server with replicas has one row per replica, each with its instance_id).
+    """
     GetAssistantMessageHeader: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.GetAssistantMessageHeaderRequest, _control_plane_pb2.GetAssistantMessageHeaderResponse]
     """GetAssistantMessageHeader returns the header bytes the harnesses using a model server declare, if any."""
     ReloadGlobalConfig: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.ReloadGlobalConfigRequest, _control_plane_pb2.ReloadGlobalConfigResponse]
@@ -57,12 +59,13 @@ class ControlPlaneServiceStub:
     RegisterServerInstance: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.RegisterServerInstanceRequest, _control_plane_pb2.RegisterServerInstanceResponse]
     """RegisterServerInstance records a running server process of the global config and the address clients
     reach it at. For a server bound to a wildcard address (0.0.0.0, ::) the head advertises the address it saw
-    this call come from, so clients on other hosts stop dialling their own loopback. A later registration of the
-    same server replaces the earlier one. Unknown server names get NOT_FOUND.
+    this call come from, so clients on other hosts stop dialling their own loopback. A registration at an address
+    that an instance of the server already holds replaces that instance (a restart); one at an address no live
+    instance of the server holds adds a replica. Unknown server names get NOT_FOUND.
     """
     DeregisterServerInstance: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.DeregisterServerInstanceRequest, _control_plane_pb2.DeregisterServerInstanceResponse]
-    """DeregisterServerInstance forgets a server's registration (the server is stopping): clients and the prober go
-    back to the address in the config.
+    """DeregisterServerInstance forgets one registered instance of a server (it is stopping): clients stop sending
+    it calls, and a wildcard-bound server's config instance goes back to the address in the config.
     """
 
 @_typing.type_check_only
@@ -83,7 +86,9 @@ class ControlPlaneServiceAsyncStub(ControlPlaneServiceStub):
     WatchServerStatuses: _aio.UnaryStreamMultiCallable[_control_plane_pb2.WatchServerStatusesRequest, _control_plane_pb2.WatchServerStatusesResponse]  # type: ignore[assignment]
     """WatchServerStatuses streams a snapshot of every server's status, then every change, then heartbeats."""
     ListServerInstances: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.ListServerInstancesRequest, _control_plane_pb2.ListServerInstancesResponse]  # type: ignore[assignment]
-    """ListServerInstances returns what `gym status` shows: one row per server and one for the head."""
+    """ListServerInstances returns what `gym status` shows: one row for the head, then one per instance of every
+    server (a server with replicas has one row per replica, each with its instance_id).
+    """
     GetAssistantMessageHeader: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.GetAssistantMessageHeaderRequest, _control_plane_pb2.GetAssistantMessageHeaderResponse]  # type: ignore[assignment]
     """GetAssistantMessageHeader returns the header bytes the harnesses using a model server declare, if any."""
     ReloadGlobalConfig: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.ReloadGlobalConfigRequest, _control_plane_pb2.ReloadGlobalConfigResponse]  # type: ignore[assignment]
@@ -91,12 +96,13 @@ class ControlPlaneServiceAsyncStub(ControlPlaneServiceStub):
     RegisterServerInstance: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.RegisterServerInstanceRequest, _control_plane_pb2.RegisterServerInstanceResponse]  # type: ignore[assignment]
     """RegisterServerInstance records a running server process of the global config and the address clients
     reach it at. For a server bound to a wildcard address (0.0.0.0, ::) the head advertises the address it saw
-    this call come from, so clients on other hosts stop dialling their own loopback. A later registration of the
-    same server replaces the earlier one. Unknown server names get NOT_FOUND.
+    this call come from, so clients on other hosts stop dialling their own loopback. A registration at an address
+    that an instance of the server already holds replaces that instance (a restart); one at an address no live
+    instance of the server holds adds a replica. Unknown server names get NOT_FOUND.
     """
     DeregisterServerInstance: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.DeregisterServerInstanceRequest, _control_plane_pb2.DeregisterServerInstanceResponse]  # type: ignore[assignment]
-    """DeregisterServerInstance forgets a server's registration (the server is stopping): clients and the prober go
-    back to the address in the config.
+    """DeregisterServerInstance forgets one registered instance of a server (it is stopping): clients stop sending
+    it calls, and a wildcard-bound server's config instance goes back to the address in the config.
     """
 
 class ControlPlaneServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -150,7 +156,9 @@ class ControlPlaneServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _control_plane_pb2.ListServerInstancesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_control_plane_pb2.ListServerInstancesResponse, _abc.Awaitable[_control_plane_pb2.ListServerInstancesResponse]]:
-        """ListServerInstances returns what `gym status` shows: one row per server and one for the head."""
+        """ListServerInstances returns what `gym status` shows: one row for the head, then one per instance of every
+        server (a server with replicas has one row per replica, each with its instance_id).
+        """
 
     @_abc_1.abstractmethod
     def GetAssistantMessageHeader(
@@ -176,8 +184,9 @@ class ControlPlaneServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_control_plane_pb2.RegisterServerInstanceResponse, _abc.Awaitable[_control_plane_pb2.RegisterServerInstanceResponse]]:
         """RegisterServerInstance records a running server process of the global config and the address clients
         reach it at. For a server bound to a wildcard address (0.0.0.0, ::) the head advertises the address it saw
-        this call come from, so clients on other hosts stop dialling their own loopback. A later registration of the
-        same server replaces the earlier one. Unknown server names get NOT_FOUND.
+        this call come from, so clients on other hosts stop dialling their own loopback. A registration at an address
+        that an instance of the server already holds replaces that instance (a restart); one at an address no live
+        instance of the server holds adds a replica. Unknown server names get NOT_FOUND.
         """
 
     @_abc_1.abstractmethod
@@ -186,8 +195,8 @@ class ControlPlaneServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _control_plane_pb2.DeregisterServerInstanceRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_control_plane_pb2.DeregisterServerInstanceResponse, _abc.Awaitable[_control_plane_pb2.DeregisterServerInstanceResponse]]:
-        """DeregisterServerInstance forgets a server's registration (the server is stopping): clients and the prober go
-        back to the address in the config.
+        """DeregisterServerInstance forgets one registered instance of a server (it is stopping): clients stop sending
+        it calls, and a wildcard-bound server's config instance goes back to the address in the config.
         """
 
 def add_ControlPlaneServiceServicer_to_server(servicer: ControlPlaneServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -48,6 +48,8 @@ from gym_rpc.wire._paths import (
 )
 from gym_rpc.wire._status import (
     SERVER_STATUSES,
+    InstanceOrigin,
+    InstanceReport,
     RegistrationState,
     ServerStatus,
     StatusReport,
@@ -82,7 +84,9 @@ __all__ = [
     "TRACEPARENT_RE",
     "TRACE_SEGMENT",
     "GymPrefixes",
+    "InstanceOrigin",
     "InstanceRegistration",
+    "InstanceReport",
     "RegistrationState",
     "ReportedProcess",
     "ServerInstance",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from google.protobuf.duration_pb2 import Duration
@@ -15,7 +16,15 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from gym_rpc.config import HEAD_SERVER_KEY, BaseServerConfig, GlobalConfig, ServerEntry, base_url, redact_secrets
 from gym_rpc.v1 import control_plane_pb2 as pb
-from gym_rpc.wire._status import RegistrationState, ServerStatus, StatusReport, StatusSnapshot, WatchEvent
+from gym_rpc.wire._status import (
+    InstanceOrigin,
+    InstanceReport,
+    RegistrationState,
+    ServerStatus,
+    StatusReport,
+    StatusSnapshot,
+    WatchEvent,
+)
 
 _STATUS_TO_PB: dict[ServerStatus | None, pb.ServerStatus.ValueType] = {
     None: pb.SERVER_STATUS_UNSPECIFIED,
@@ -57,6 +66,54 @@ _REGISTRATION_TO_PB: dict[RegistrationState | None, pb.RegistrationState.ValueTy
 _REGISTRATION_FROM_PB: dict[int, RegistrationState | None] = {v: k for k, v in _REGISTRATION_TO_PB.items()}
 
 
+_ORIGIN_TO_PB: dict[InstanceOrigin | None, pb.InstanceOrigin.ValueType] = {
+    None: pb.INSTANCE_ORIGIN_UNSPECIFIED,
+    "config": pb.INSTANCE_ORIGIN_CONFIG,
+    "static_replica": pb.INSTANCE_ORIGIN_STATIC_REPLICA,
+    "registered": pb.INSTANCE_ORIGIN_REGISTERED,
+}
+_ORIGIN_FROM_PB: dict[int, InstanceOrigin | None] = {v: k for k, v in _ORIGIN_TO_PB.items()}
+
+
+def instance_report_to_pb(instance: InstanceReport) -> pb.InstanceReport:
+    message = pb.InstanceReport(
+        instance_id=instance.instance_id,
+        url=instance.url,
+        status=status_to_pb(instance.status),
+        detail=instance.detail,
+        http_status=instance.http_status,
+        registration=_REGISTRATION_TO_PB[instance.registration],
+        draining=instance.draining,
+        labels=instance.labels,
+        origin=_ORIGIN_TO_PB[instance.origin],
+        pid=instance.pid,
+    )
+    if instance.checked_at:
+        message.latency.CopyFrom(seconds_to_duration(instance.latency_seconds))
+        message.checked_at.CopyFrom(epoch_to_timestamp(instance.checked_at))
+    if instance.start_time > 0:
+        message.start_time.CopyFrom(epoch_to_timestamp(instance.start_time))
+    return message
+
+
+def instance_report_from_pb(message: pb.InstanceReport) -> InstanceReport:
+    return InstanceReport(
+        instance_id=message.instance_id,
+        url=message.url,
+        status=status_from_pb(message.status),
+        detail=message.detail,
+        http_status=message.http_status,
+        latency_seconds=message.latency.ToNanoseconds() / 1e9,
+        checked_at=message.checked_at.ToNanoseconds() / 1e9,
+        registration=_REGISTRATION_FROM_PB.get(message.registration),
+        draining=message.draining,
+        labels=dict(message.labels),
+        origin=_ORIGIN_FROM_PB.get(message.origin),  # None too for values a newer head adds
+        pid=message.pid,
+        start_time=message.start_time.ToNanoseconds() / 1e9 if message.HasField("start_time") else 0.0,
+    )
+
+
 def report_to_pb(report: StatusReport) -> pb.ServerStatusReport:
     message = pb.ServerStatusReport(
         server_name=report.server_name,
@@ -66,6 +123,7 @@ def report_to_pb(report: StatusReport) -> pb.ServerStatusReport:
         http_status=report.http_status,
         registration=_REGISTRATION_TO_PB[report.registration],
         advertised_url=report.advertised_url,
+        instances=[instance_report_to_pb(instance) for instance in report.instances],
     )
     if report.checked_at:
         message.latency.CopyFrom(seconds_to_duration(report.latency_seconds))
@@ -84,6 +142,7 @@ def report_from_pb(message: pb.ServerStatusReport) -> StatusReport:
         http_status=message.http_status,
         registration=_REGISTRATION_FROM_PB.get(message.registration),  # None too for values a newer head adds
         advertised_url=message.advertised_url,
+        instances=tuple(instance_report_from_pb(instance) for instance in message.instances),
     )
 
 
@@ -139,6 +198,10 @@ class ServerInstance:
     start_time: float
     status: ServerStatus | None
     advertised_url: str = ""  # set when the server registered (RegisterServerInstance)
+    instance_id: str = ""  # which instance of the server this row is; "" for the head's own row
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    draining: bool = False
+    origin: InstanceOrigin | None = None
 
 
 @dataclass(frozen=True)
@@ -223,6 +286,10 @@ def instance_from_pb(message: pb.ServerInstance) -> ServerInstance:
         start_time=message.start_time.ToNanoseconds() / 1e9 if message.HasField("start_time") else 0.0,
         status=status_from_pb(message.status),
         advertised_url=message.advertised_url,
+        instance_id=message.instance_id,
+        labels=dict(message.labels),
+        draining=message.draining,
+        origin=_ORIGIN_FROM_PB.get(message.origin),
     )
 
 

@@ -2,13 +2,39 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 ServerStatus = Literal["success", "connection_error", "timeout", "unknown_error"]
 SERVER_STATUSES: tuple[ServerStatus, ...] = get_args(ServerStatus)
 # Whether a process of the server is registered with the head, or why it no longer is; None: never registered.
 RegistrationState = Literal["registered", "deregistered", "expired"]
+# Where an instance of a server comes from: the config entry's own address, a static replica listed in the config,
+# or a process that registered at an address of its own; None: a head older than replicas did not say.
+InstanceOrigin = Literal["config", "static_replica", "registered"]
+
+
+@dataclass(frozen=True)
+class InstanceReport:
+    """One instance (replica) of a server: its own address, probe result, registration, labels and draining flag.
+
+    `instance_id` is the authority (`host:port`) of `url`: stable while the address is, so a process restarting at
+    the same address is the same instance."""
+
+    instance_id: str
+    url: str
+    status: ServerStatus | None = None  # None until its first probe
+    detail: str = ""
+    http_status: int = 0
+    latency_seconds: float = 0.0
+    checked_at: float = 0.0  # epoch seconds; 0 when never checked
+    registration: RegistrationState | None = None
+    draining: bool = False
+    labels: Mapping[str, str] = field(default_factory=dict)
+    origin: InstanceOrigin | None = None
+    pid: int = 0
+    start_time: float = 0.0  # epoch seconds; 0 when unknown
 
 
 @dataclass(frozen=True)
@@ -24,6 +50,9 @@ class StatusReport:
     http_status: int = 0
     registration: RegistrationState | None = None
     advertised_url: str = ""  # where the head sends clients while the server is registered
+    # Every instance of the server, the config's first (proto: ServerStatusReport.instances); empty from a head
+    # older than replicas, which has one instance per server (`url`).
+    instances: tuple[InstanceReport, ...] = ()
 
 
 @dataclass(frozen=True)
