@@ -65,7 +65,7 @@ def check_ratio_table(stdout: str, report: str) -> None:
         "ListServerStatuses",
         "with vs without its speed trick (one read of pydantic's private store), concurrency 1",
         "ServerClient.post's own work (no I/O)",
-        "traced / untraced, concurrency 64",
+        "traced / untraced, every call recorded, concurrency 64",
         "1 rollout in 10 sampled",
         "with worker metrics / without",
     ):

@@ -29,11 +29,12 @@ class Traced:
     exporter: InMemorySpanExporter = field(default_factory=InMemorySpanExporter)
 
     def __post_init__(self) -> None:
-        self.provider.add_span_processor(BatchSpanProcessor(self.exporter))
+        self.processor = BatchSpanProcessor(self.exporter)
+        self.provider.add_span_processor(self.processor)
         self.tracer = self.provider.get_tracer(TRACER_NAME, "test")
 
     def finished(self) -> list[ReadableSpan]:
-        assert self.provider.force_flush(10_000)
+        assert self.processor.force_flush(10_000)  # ours alone: another processor of the test's may say no
         return list(self.exporter.get_finished_spans())
 
     def clients(self) -> list[ReadableSpan]:
