@@ -6,12 +6,11 @@ them; no span for a child of an unsampled parent; and `send`'s own coroutine, wh
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
-from omegaconf import OmegaConf
 from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
@@ -24,39 +23,15 @@ from gym_rpc.client import _http_tracing, rollout_context
 from gym_rpc.client._http import RetryPolicy, send
 from gym_rpc.client._http_tracing import is_default_propagator, traced_send
 from gym_rpc.client.server_client import ServerClient
-from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import ServerUnreachableError
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.conftest import LOOPBACK, closed_port
 from tests.raw_servers import start_dropping_server
-from tests.tracing_helpers import Receiver, Traced, receiver, traced
+from tests.tracing_helpers import Receiver, Traced, client_for, client_of, receiver, traced
 
-__all__ = ["receiver", "traced"]  # fixtures
+__all__ = ["client_of", "receiver", "traced"]  # fixtures
 
 REMOTE_TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 UNSAMPLED_PARENT = trace.SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, False)
-
-
-def client_for(port: int, **global_keys: Any) -> ServerClient:
-    doc = document(
-        {"policy_model": server_entry(port)},
-        http_client={"retry": {"attempts": 2, "initial_backoff_seconds": 0.01, "max_backoff_seconds": 0.01}},
-        **global_keys,
-    )
-    head = BaseServerConfig(host=LOOPBACK, port=closed_port())
-    return ServerClient(head_server_config=head, global_config_dict=OmegaConf.create(doc))
-
-
-@pytest.fixture
-async def client_of() -> AsyncIterator[Callable[[int], ServerClient]]:
-    made: list[ServerClient] = []
-
-    def make(port: int) -> ServerClient:
-        made.append(client_for(port))
-        return made[-1]
-
-    yield make
-    for client in made:
-        await client.aclose()
 
 
 async def post(client: ServerClient, path: str, headers: dict[str, str] | None = None) -> int:

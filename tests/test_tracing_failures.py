@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
-from omegaconf import OmegaConf
 from opentelemetry import trace
 from opentelemetry.sdk.metrics import ExemplarFilter, MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -25,14 +24,13 @@ from gym_rpc.client import _metrics as client_metrics
 from gym_rpc.client import rollout_context
 from gym_rpc.client._http import RetryPolicy, send
 from gym_rpc.client.server_client import ServerClient
-from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import ServerUnreachableError
 from gym_rpc.integrations import TraceContextPathMiddleware
 from gym_rpc.metrics import METRICS
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
-from tests.tracing_helpers import Receiver, Traced, receiver, traced
+from tests.conftest import LOOPBACK, closed_port
+from tests.tracing_helpers import Receiver, Traced, client_of, receiver, traced
 
-__all__ = ["receiver", "traced"]  # fixtures
+__all__ = ["client_of", "receiver", "traced"]  # fixtures
 
 CALLS = 5
 
@@ -136,28 +134,6 @@ def failure_log(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixtur
         ]
 
     return lines
-
-
-def client_for(port: int) -> ServerClient:
-    doc = document(
-        {"policy_model": server_entry(port)},
-        http_client={"retry": {"attempts": 2, "initial_backoff_seconds": 0.01, "max_backoff_seconds": 0.01}},
-    )
-    head = BaseServerConfig(host=LOOPBACK, port=closed_port())
-    return ServerClient(head_server_config=head, global_config_dict=OmegaConf.create(doc))
-
-
-@pytest.fixture
-async def client_of() -> AsyncIterator[Callable[[int], ServerClient]]:
-    made: list[ServerClient] = []
-
-    def make(port: int) -> ServerClient:
-        made.append(client_for(port))
-        return made[-1]
-
-    yield make
-    for client in made:
-        await client.aclose()
 
 
 async def calls_answered(client: ServerClient, calls: int = CALLS, *, rollout_span: bool = True) -> list[bytes]:

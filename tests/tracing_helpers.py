@@ -1,6 +1,6 @@
 """What the tracing tests share: an SDK TracerProvider made gym_rpc's tracer for one test (never installed as the
-global provider: the suite's other tests keep theirs), its finished spans, and a loopback server noting the trace
-headers and the client connection of every request it answers."""
+global provider: the suite's other tests keep theirs), its finished spans, a loopback server noting the trace
+headers and the client connection of every request it answers, and ServerClients calling it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from omegaconf import OmegaConf
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -17,8 +18,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from gym_rpc import telemetry
 from gym_rpc.client import _http_tracing, _rollout
+from gym_rpc.client.server_client import ServerClient
+from gym_rpc.config import BaseServerConfig
 from gym_rpc.telemetry import TRACER_NAME, TRACING
-from tests.raw_servers import LOOPBACK
+from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 
 @dataclass
@@ -100,3 +103,27 @@ async def receiver() -> AsyncIterator[Receiver]:
     port = int(runner.addresses[0][1])
     yield Receiver(f"http://{LOOPBACK}:{port}", port, requests)
     await runner.cleanup()
+
+
+def client_for(port: int) -> ServerClient:
+    """A ServerClient whose "policy_model" is on `port`, resending once after 10 ms."""
+    doc = document(
+        {"policy_model": server_entry(port)},
+        http_client={"retry": {"attempts": 2, "initial_backoff_seconds": 0.01, "max_backoff_seconds": 0.01}},
+    )
+    head = BaseServerConfig(host=LOOPBACK, port=closed_port())
+    return ServerClient(head_server_config=head, global_config_dict=OmegaConf.create(doc))
+
+
+@pytest.fixture
+async def client_of() -> AsyncIterator[Callable[[int], ServerClient]]:
+    """`client_for`, each client closed after the test."""
+    made: list[ServerClient] = []
+
+    def make(port: int) -> ServerClient:
+        made.append(client_for(port))
+        return made[-1]
+
+    yield make
+    for client in made:
+        await client.aclose()
