@@ -115,16 +115,16 @@ NOTES = """\
 - **Tracing.** A traced call is one span on OpenTelemetry's public API: the SDK's `start_span` and `end` (its
   sampler, attribute checks, a lock, the `Span` and its `ReadableSpan`), its `traceparent` header, and the batching
   processor's queue and thread; the spans it holds until export also lengthen young garbage collections. With every
-  call traced, c=64 measured 0.71x and 0.72x in runs of `python -m bench.tracing_cost` on a loaded machine (load
-  average 5-10): reported with no goal (expected about 0.65, never below 0.6). Tracing a large run is sampling
-  whole rollouts at their root, `ParentBased(TraceIdRatioBased(r))` with `rollout_context(id, span=True)`: a call
-  whose parent is unsampled makes no span (gym_rpc's policy, from the parent's public trace flags) and costs its
-  checks and its header; each rollout keeps its `gym.rollout` span. In rollouts of 8 calls with 1 in 10 sampled:
-  0.87x, 0.90x and 0.90x at c=64 in the same runs (goal 0.85). The path before built the SDK's `ReadableSpan` by
-  hand from private SDK attributes to save about 15 µs per recorded span (0.87x with every call traced, 0.88x
-  sampled in `make bench` on 63236c6); under sampling the public API is within noise of it, so it went. Tracing
-  off, the hot path is the untraced one (one boolean check), so the data-plane rows do not move. The flag rows use
-  the data-plane rows' method (80 rounds of four short blocks, collected heap).
+  call traced, c=64 measured 0.71x, 0.71x, 0.72x and 0.74x in four runs of `python -m bench.tracing_cost` on a
+  loaded machine (load average 5-10): reported with no goal (expected about 0.65, never below 0.6). Tracing a large
+  run is sampling whole rollouts at their root, `ParentBased(TraceIdRatioBased(r))` with `rollout_context(id,
+  span=True)`: a call whose parent is unsampled makes no span (gym_rpc's policy, from the parent's public trace
+  flags) and costs its checks and its header; each rollout keeps its `gym.rollout` span. In rollouts of 8 calls
+  with 1 in 10 sampled: 0.87x, 0.87x, 0.90x and 0.90x at c=64 in the same runs (goal 0.85). The path before built
+  the SDK's `ReadableSpan` by hand from private SDK attributes to save about 15 µs per recorded span (0.87x with
+  every call traced, 0.88x sampled in `make bench` on 63236c6); under sampling the public API is within noise of
+  it, so it went. Tracing off, the hot path is the untraced one (one boolean check), so the data-plane rows do not
+  move. The flag rows use the data-plane rows' method (80 rounds of four short blocks, collected heap).
 - **Isolation.** gRPC control calls travel on their own HTTP/2 channel and `_control=True` calls on a reserved
   aiohttp pool, so a saturated data pool does not delay them; what remains in their p99 is the shared event loop
   and CPU, which the saturating traffic keeps busy.
