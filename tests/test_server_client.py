@@ -143,6 +143,19 @@ async def test_load_from_real_head(head_factory, monkeypatch: pytest.MonkeyPatch
     assert from_env.global_config_dict == client.global_config_dict
 
 
+async def test_a_served_config_is_not_resolved_again(head_factory) -> None:
+    """The head resolved its document at load: an escaped interpolation is literal `${...}` text in what it serves,
+    and the client keeps it as text (resolving it again failed every client's load), with the head's version."""
+    doc = document({"policy": server_entry(8000, prompt_template=r"answer in \${format}")})
+    head = await head_factory(doc)
+    assert head.config.servers["policy"].config["prompt_template"] == "answer in ${format}"
+    client = await asyncio.to_thread(ServerClient.load_from_global_config, head_config(head.port))
+    assert client._global_config.servers["policy"].config["prompt_template"] == "answer in ${format}"
+    assert client._global_config.document == head.config.document
+    assert client._global_config.version == head.config.version
+    assert client._resolve_base_url("policy") == "http://127.0.0.1:8000"
+
+
 def test_unreachable_head_fails_fast_with_its_address(monkeypatch: pytest.MonkeyPatch) -> None:
     port = closed_port()
     monkeypatch.setenv(HEAD_ADDRESS_ENV_VAR, f"{LOOPBACK}:{port}")

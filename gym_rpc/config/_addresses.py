@@ -26,6 +26,8 @@ def connectable_host(host: str) -> str:
 
 def url_host(host: str) -> str:
     """Bracket IPv6 literals so they can stand in a URL authority."""
+    if ":" not in host:  # an IPv6 literal has one; parsing every hostname and IPv4 address costs far more
+        return host
     bare = host.strip("[]")
     try:
         if ipaddress.ip_address(bare.split("%", 1)[0]).version == 6:

@@ -147,6 +147,34 @@ class GlobalConfig:
         needed_now = [path for path in unresolved if path.split(".", 1)[0] in _GLOBAL_KEYS_READ_AT_ONCE]
         if needed_now:
             raise ConfigError(f"cannot resolve {needed_now[0]}: {unresolved[needed_now[0]]}")
+        try:
+            config_json = json.dumps(doc, ensure_ascii=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"config is not representable as JSON: {exc}") from exc
+        return cls._of_resolved(doc, config_json, _servers_with_unresolved_address(unresolved))
+
+    @classmethod
+    def from_served_json(cls, config_json: str, version: str = "") -> GlobalConfig:
+        """The typed view of the document a head serves (GetGlobalConfig's `config_json`, its `version`).
+
+        The head resolved and checked it when it loaded it, so it is neither resolved again (a `${` still in it is
+        text the head's document holds, such as an escaped `\\${...}`: resolving it again would fail the client)
+        nor serialised again (the text is the document's JSON as `from_document` writes it). The version is the
+        head's: one computed here from a redacted document would miss secret changes."""
+        try:
+            document = json.loads(config_json)
+        except ValueError as exc:
+            raise ConfigError(f"the head's config is not JSON: {exc}") from exc
+        if not isinstance(document, dict):
+            raise ConfigError(f"the head's config must be a mapping, not {type(document).__name__}")
+        return cls._of_resolved(document, config_json, {}, version)
+
+    @classmethod
+    def _of_resolved(
+        cls, doc: dict[str, Any], config_json: str, unusable: dict[str, str], version: str = ""
+    ) -> GlobalConfig:
+        """The typed view of a resolved document whose JSON is `config_json`; `unusable`: servers whose address
+        could not be resolved (left out of `servers`)."""
         head = doc.get(HEAD_SERVER_KEY) or {"host": DEFAULT_HEAD_HOST, "port": DEFAULT_HEAD_PORT}
         if not isinstance(head, Mapping):
             raise ConfigError("head_server must be a mapping with host and port")
@@ -155,14 +183,13 @@ class GlobalConfig:
         except ValidationError as exc:
             raise ConfigError(validation_error_line(exc, HEAD_SERVER_KEY)) from None
         head_settings = head_server_settings(head_server)  # a malformed block fails at load, not at first use
-        unusable = _servers_with_unresolved_address(unresolved)
         nodes = {name: node for name, node in doc.items() if name not in unusable}
         servers = {name: entry for name, node in nodes.items() if (entry := _server_entry(name, node)) is not None}
-        malformed = {name: reason for name, node in nodes.items() if (reason := _malformed_server(name, node))}
-        try:
-            config_json = json.dumps(doc, ensure_ascii=False)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"config is not representable as JSON: {exc}") from exc
+        malformed = {
+            name: reason
+            for name, node in nodes.items()
+            if name not in servers and (reason := _malformed_server(name, node))
+        }
         return cls(
             document=doc,
             head_server=head_server,
@@ -171,20 +198,20 @@ class GlobalConfig:
             checkpoint_enabled=_enabled(doc.get("checkpoint", False)),
             observability_enabled=bool(doc.get("observability_enabled", False)),
             config_json=config_json,
-            version=hashlib.sha256(config_json.encode()).hexdigest()[:16],
+            version=version or hashlib.sha256(config_json.encode()).hexdigest()[:16],
             malformed_servers=malformed,
             unresolved_servers=unusable,
         )
 
     def with_head_server(self, host: str, port: int) -> GlobalConfig:
-        """This config with `head_server` saying where the head really listens (e.g. after binding port 0)."""
+        """This config with `head_server` saying where the head really listens (e.g. after binding port 0). Its
+        document is resolved already: resolving it again would turn an escaped interpolation's text into one."""
         if (host, port) == (self.head_server.host, self.head_server.port):
             return self
         head = self.document.get(HEAD_SERVER_KEY)
         head_block = dict(head) if isinstance(head, Mapping) else {}
-        return GlobalConfig.from_document(
-            {**self.document, HEAD_SERVER_KEY: {**head_block, "host": host, "port": port}}
-        )
+        doc = {**self.document, HEAD_SERVER_KEY: {**head_block, "host": host, "port": port}}
+        return GlobalConfig._of_resolved(doc, json.dumps(doc, ensure_ascii=False), self.unresolved_servers)
 
     @cached_property
     def redacted_json(self) -> str:

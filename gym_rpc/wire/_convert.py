@@ -180,10 +180,10 @@ def _entry_to_pb(entry: ServerEntry, redact: bool) -> pb.ServerEntry:
 
 
 def global_config_from_pb(message: pb.GetGlobalConfigResponse) -> GlobalConfig:
-    """Rebuild the typed view from the exact JSON; the head already validated it. The version stays the head's:
-    one computed here from a redacted document would miss secret changes and disagree with ReloadGlobalConfig."""
-    config = GlobalConfig.from_document(json.loads(message.config_json))
-    return dataclasses.replace(config, version=message.version) if message.version else config
+    """Rebuild the typed view from the exact JSON the head resolved and validated (GlobalConfig.from_served_json).
+    The version stays the head's: one computed here from a redacted document would miss secret changes and
+    disagree with ReloadGlobalConfig."""
+    return GlobalConfig.from_served_json(message.config_json, message.version)
 
 
 @dataclass(frozen=True)
