@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import control_plane, data_plane, flag_cost, hot_path, isolation, memory, report
-from bench.servers import ServerProcess
+from bench import allocations, control_plane, data_plane, flag_cost, hot_path, isolation, memory, report
+from bench.servers import ServerProcess, pinned_apart
 from bench.stats import Row, table_lines
 
 RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
@@ -27,6 +27,7 @@ _ENV_TO_DROP = ("http_proxy", "https_proxy", "all_proxy", "NEMO_GYM_CONFIG_DICT"
 @dataclass(frozen=True)
 class Plan:
     data: data_plane.DataPlanePlan
+    allocations: allocations.AllocationPlan
     control: control_plane.ControlPlan
     isolation: isolation.IsolationPlan
     memory: memory.MemoryPlan
@@ -37,6 +38,7 @@ class Plan:
 
 FULL = Plan(
     data_plane.DataPlanePlan(),
+    allocations.AllocationPlan(),
     control_plane.ControlPlan(),
     isolation.IsolationPlan(),
     memory.MemoryPlan(),
@@ -45,6 +47,7 @@ FULL = Plan(
 )
 QUICK = Plan(
     data_plane.QUICK_DATA_PLANE,
+    allocations.QUICK_ALLOCATIONS,
     control_plane.QUICK_CONTROL,
     isolation.QUICK_ISOLATION,
     memory.QUICK_MEMORY,
@@ -64,24 +67,35 @@ def _progress(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
 
 
+def data_plane_rows(plan: Plan, sections: set[str], data_port: int) -> list[Row]:
+    """The rows that time ServerClient.post: client and data server pinned apart (`pinned_apart`)."""
+    rows: list[Row] = []
+    if "data" in sections:
+        _progress("data plane")
+        rows += asyncio.run(data_plane.run(data_port, plan.data))
+        _progress("data plane: objects a call keeps alive")
+        rows += asyncio.run(allocations.run(data_port, plan.allocations))
+    if "hotpath" in sections:
+        _progress("hot path: the speed trick of ServerClient.request")
+        hot = plan.data
+        rows += asyncio.run(hot_path.run(data_port, hot.concurrencies[:2], hot.requests[:2], hot.rounds[:2]))
+    if "tracing" in sections:
+        _progress("tracing cost")
+        rows += flag_cost.rows_in_subprocess("bench.tracing_cost", data_port, quick=plan.quick)
+        rows += flag_cost.rows_in_subprocess("bench.tracing_sampled_cost", data_port, quick=plan.quick)
+    if "metrics" in sections:
+        _progress("metrics cost")
+        rows += flag_cost.rows_in_subprocess("bench.metrics_cost", data_port, quick=plan.quick)
+    return rows
+
+
 def run(plan: Plan, sections: set[str]) -> list[Row]:
     rows: list[Row] = []
     with ServerProcess("data") as data:
         data_port = int(data.info["port"])
-        if "data" in sections:
-            _progress("data plane")
-            rows += asyncio.run(data_plane.run(data_port, plan.data))
-        if "hotpath" in sections:
-            _progress("hot path: the speed trick of ServerClient.request")
-            hot = plan.data
-            rows += asyncio.run(hot_path.run(data_port, hot.concurrencies[:2], hot.requests[:2], hot.rounds))
-        if "tracing" in sections:
-            _progress("tracing cost")
-            rows += flag_cost.rows_in_subprocess("bench.tracing_cost", data_port, quick=plan.quick)
-            rows += flag_cost.rows_in_subprocess("bench.tracing_sampled_cost", data_port, quick=plan.quick)
-        if "metrics" in sections:
-            _progress("metrics cost")
-            rows += flag_cost.rows_in_subprocess("bench.metrics_cost", data_port, quick=plan.quick)
+        if sections & {"data", "hotpath", "tracing", "metrics"}:
+            with pinned_apart(data.pid):
+                rows += data_plane_rows(plan, sections, data_port)
         if sections & {"control", "isolation"}:
             control_args = [
                 f"--servers={plan.control.servers}",

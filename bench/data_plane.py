@@ -3,18 +3,22 @@ raw aiohttp a user could write by hand, `session.post(url, data=orjson.dumps(bod
 process, at several concurrencies. Both sides parse the answer with `orjson.loads`, as NeMo Gym's
 `get_response_json` does.
 
+Measured as rollout workers run: the garbage collector on and left alone (nothing frozen, nothing collected between
+blocks: each side pays for the collections its own objects cause, wherever they land), and a live heap beside the
+client (`rollout_buffers`: what a worker holds of its rollouts), so every full collection scans what it would scan
+in a worker. Client and server are pinned to separate cores where the machine has two (bench/__main__.py).
+
 Rounds alternate which side goes first (ABBA, BAAB, ...); each round yields one ratio (ours / raw requests per
 second), and the figure is the median of those ratios, so a noisy second on two shared cores moves single rounds,
 not the result. Blocks are short (a few tenths of a second) and rounds many: a burst of load from elsewhere then
-spans both sides of a round. The garbage collector is kept fair: each block starts on a collected heap, so one
-side's garbage is never collected on the other side's clock, and what the process built before measuring
-(imports, clients) is frozen, so a full collection, whichever block it lands in, costs what the requests left
-rather than the size of the imports. Client CPU per request (process time over requests) is reported beside the
-ratio: it is what the client adds, and what the ratio hides once the server is the bottleneck.
+spans both sides of a round, and a collection landing in one block lands in the other side's block as often. Client
+CPU per request (process time over requests) is reported beside the ratio: it is what the client adds, and what the
+ratio hides once the server is the bottleneck.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import sys
@@ -28,7 +32,8 @@ import orjson
 from aiohttp.payload import JsonPayload
 from omegaconf import OmegaConf
 
-from bench.stats import Row, interleaved_latencies, median, percentile, ratio_row
+from bench.servers import ServerProcess, pinned_apart
+from bench.stats import Row, interleaved_latencies, median, percentile, ratio_row, table_lines
 from gym_rpc.client._http import HttpClientSettings, close_http_sessions
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.client.server_client import _json_payload as json_body_payload
@@ -52,6 +57,31 @@ JSON_HEADERS = {"Content-Type": "application/json"}  # what a hand-written raw p
 POOL = HttpClientSettings()
 
 Post = Callable[[], Awaitable[None]]
+# Minimum ratio to raw aiohttp + orjson, per concurrency (DESIGN's performance targets).
+RATIO_GOALS = {1: 0.95, 64: 0.97, 512: 0.97, 2048: 0.97, 4096: 0.97}
+LIVE_HEAP_RECORDS = 300_000
+
+
+@dataclass(frozen=True)
+class LiveHeap:
+    """What a rollout worker's heap holds beside its client, alive while the blocks run: its rollout records."""
+
+    records: list[dict[str, Any]]
+
+    def tracked_objects(self) -> int:
+        """The objects of the heap the collector tracks (and every full collection scans)."""
+        return sum(1 for record in self.records if gc.is_tracked(record)) + sum(
+            1 for record in self.records if gc.is_tracked(record["token_ids"])
+        )
+
+    def describe(self) -> str:
+        return f"a live heap of {len(self.records):,} small dicts ({self.tracked_objects():,} objects tracked)"
+
+
+def rollout_buffers(records: int) -> LiveHeap:
+    """`records` small dicts as a worker keeps its rollouts (an id, a reward, a few token ids). Each holds a list,
+    so the collector tracks both (a dict of numbers and strings alone it does not track, and would never scan)."""
+    return LiveHeap([{"rollout_id": i, "reward": 0.0, "token_ids": [i, 1, 2, 3]} for i in range(records)])
 
 
 def make_client(port: int, **global_keys: Any) -> ServerClient:
@@ -93,10 +123,16 @@ def raw_post(session: aiohttp.ClientSession, url: str) -> Post:
 class Block:
     requests_per_second: float
     cpu_us_per_request: float
+    # The collector's runs during the block per 10,000 requests, by generation (young, middle, full).
+    collections_per_10k: tuple[float, ...] = (0.0, 0.0, 0.0)
+
+
+def _collections() -> list[int]:
+    return [generation["collections"] for generation in gc.get_stats()]
 
 
 async def run_block(post: Post, requests: int, concurrency: int) -> Block:
-    """`requests` calls by `concurrency` workers; wall time and this process's CPU time."""
+    """`requests` calls by `concurrency` workers; wall time, this process's CPU time, and the collections run."""
     remaining = requests
 
     async def worker() -> None:
@@ -105,10 +141,18 @@ async def run_block(post: Post, requests: int, concurrency: int) -> Block:
             remaining -= 1
             await post()
 
+    collections = _collections()
     started_wall, started_cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall, cpu = time.perf_counter() - started_wall, time.process_time() - started_cpu
-    return Block(requests / wall, cpu / requests * 1e6)
+    ran = [after - before for before, after in zip(collections, _collections(), strict=True)]
+    return Block(requests / wall, cpu / requests * 1e6, tuple(count * 1e4 / requests for count in ran))
+
+
+def collections_text(blocks: list[Block]) -> str:
+    """The collector's runs per 10,000 requests over the blocks (young / middle / full generation)."""
+    runs = [sum(b.collections_per_10k[generation] for b in blocks) / len(blocks) for generation in range(3)]
+    return "GC runs per 10k req " + "/".join(f"{count:.0f}" for count in runs)
 
 
 @dataclass
@@ -123,10 +167,10 @@ async def abba_rounds(
     side_a: Callable[[], Awaitable[Block]], side_b: Callable[[], Awaitable[Block]], rounds: int
 ) -> tuple[list[float], list[Block], list[Block]]:
     """Rounds of four blocks, ABBA then BAAB: whichever side runs first after a switch pays for the switch (idle
-    connections, caches), and in a round each side runs once first and once second, so that cost cancels. Each
-    block starts on a collected heap (the collection untimed): what it is charged for collecting is its own
-    garbage, never the previous block's. Returns the per-round ratios (A's requests per
-    second over B's) and the blocks of A and of B."""
+    connections, caches), and in a round each side runs once first and once second, so that cost cancels. The
+    collector is left alone, as in a worker: a collection runs in whichever block its threshold is crossed, each
+    side's as often over many rounds, and a side that keeps more objects alive crosses it more often. Returns the
+    per-round ratios (A's requests per second over B's) and the blocks of A and of B."""
     ratios: list[float] = []
     blocks_a: list[Block] = []
     blocks_b: list[Block] = []
@@ -135,7 +179,6 @@ async def abba_rounds(
         round_a: list[Block] = []
         round_b: list[Block] = []
         for side in order:
-            gc.collect()
             (round_a if side is side_a else round_b).append(await side())
         blocks_a += round_a
         blocks_b += round_b
@@ -161,7 +204,7 @@ async def compare(ours: Post, raw: Post, concurrency: int, requests: int, rounds
     return result
 
 
-def rows_of(comparison: Comparison) -> list[Row]:
+def rows_of(comparison: Comparison, heap: LiveHeap) -> list[Row]:
     ours_rps = median([b.requests_per_second for b in comparison.ours])
     raw_rps = median([b.requests_per_second for b in comparison.raw])
     ours_cpu = median([b.cpu_us_per_request for b in comparison.ours])
@@ -172,11 +215,12 @@ def rows_of(comparison: Comparison) -> list[Row]:
         ratio_row(
             "data plane",
             f"POST /v1/responses with json= (baseline: data=orjson.dumps(body)), concurrency "
-            f"{comparison.concurrency} (median of per-round ratios, {spread})",
-            f"{ours_rps:.0f} req/s, {ours_cpu:.0f} µs CPU/req",
-            f"raw aiohttp + orjson: {raw_rps:.0f} req/s, {raw_cpu:.0f} µs CPU/req",
+            f"{comparison.concurrency}, GC on beside {heap.describe()} (median of per-round ratios, {spread})",
+            f"{ours_rps:.0f} req/s, {ours_cpu:.0f} µs CPU/req, {collections_text(comparison.ours)}",
+            f"raw aiohttp + orjson: {raw_rps:.0f} req/s, {raw_cpu:.0f} µs CPU/req, "
+            f"{collections_text(comparison.raw)}",
             median(comparison.ratios),
-            0.95,
+            RATIO_GOALS.get(comparison.concurrency),
         )
     ]
 
@@ -206,17 +250,26 @@ def serialisation_row(pairs: int, batch: int = 200) -> Row:
 
 @dataclass(frozen=True)
 class DataPlanePlan:
-    concurrencies: tuple[int, ...] = (1, 64, 512)
+    concurrencies: tuple[int, ...] = (1, 64, 512, 2048, 4096)
     # Short blocks, many rounds: the four blocks of a round run within a second or so, so a burst of load from
-    # elsewhere hits both sides, and the median of the rounds' ratios shrugs off the rounds it hit unevenly. At 512
-    # a block is one request per worker: on a loaded two-core machine, blocks of two per worker scattered
+    # elsewhere hits both sides, and the median of the rounds' ratios shrugs off the rounds it hit unevenly. From
+    # 512 up a block is one request per worker: on a loaded two-core machine, blocks of two per worker scattered
     # about three times as much per second of bench.
-    requests: tuple[int, ...] = (100, 256, 512)
-    rounds: int = 80
+    requests: tuple[int, ...] = (100, 256, 512, 2048, 4096)
+    # Rounds per concurrency: what keeps each row's middle half within about ±0.03 of its median in a few tens of
+    # seconds (bench/RESULTS.md's notes say how that was found).
+    rounds: tuple[int, ...] = (80, 80, 80, 30, 20)
     serialisation_pairs: int = 50
+    live_heap_records: int = LIVE_HEAP_RECORDS
 
 
-QUICK_DATA_PLANE = DataPlanePlan(requests=(20, 64, 512), rounds=1, serialisation_pairs=3)
+QUICK_DATA_PLANE = DataPlanePlan(
+    concurrencies=(1, 64, 512, 2048),
+    requests=(20, 64, 512, 2048),
+    rounds=(1, 1, 1, 1),
+    serialisation_pairs=3,
+    live_heap_records=10_000,
+)
 
 
 async def run(port: int, plan: DataPlanePlan) -> list[Row]:
@@ -224,16 +277,36 @@ async def run(port: int, plan: DataPlanePlan) -> list[Row]:
     url = f"http://127.0.0.1:{port}{PATH}"
     session = raw_session()
     rows = [serialisation_row(plan.serialisation_pairs)]
-    gc.collect()
-    gc.freeze()  # what this process built before measuring (imports, clients, servers' handles) is settled heap
+    heap = rollout_buffers(plan.live_heap_records)
     try:
-        for concurrency, requests in zip(plan.concurrencies, plan.requests, strict=True):
-            comparison = await compare(
-                ours_post(client), raw_post(session, url), concurrency, requests, plan.rounds
-            )
-            rows.extend(rows_of(comparison))
+        for concurrency, requests, rounds in zip(plan.concurrencies, plan.requests, plan.rounds, strict=True):
+            comparison = await compare(ours_post(client), raw_post(session, url), concurrency, requests, rounds)
+            rows.extend(rows_of(comparison, heap))
     finally:
-        gc.unfreeze()
         await session.close()
         await close_http_sessions()
     return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.data_plane --concurrency 4096 --rounds 20`: chosen data-plane rows alone, against a data
+    server of their own pinned apart from the client, as `make bench` runs them: a row rerun without the rest."""
+    parser = argparse.ArgumentParser(prog="python -m bench.data_plane", description=main.__doc__)
+    parser.add_argument("--concurrency", type=int, action="append", help="repeatable; default: every one")
+    parser.add_argument("--rounds", type=int, help="rounds per row (default: the plan's)")
+    args = parser.parse_args(argv)
+    full = DataPlanePlan()
+    chosen = [i for i, c in enumerate(full.concurrencies) if not args.concurrency or c in args.concurrency]
+    plan = DataPlanePlan(
+        concurrencies=tuple(full.concurrencies[i] for i in chosen),
+        requests=tuple(full.requests[i] for i in chosen),
+        rounds=tuple(args.rounds or full.rounds[i] for i in chosen),
+    )
+    with ServerProcess("data") as data, pinned_apart(data.pid):
+        rows = asyncio.run(run(int(data.info["port"]), plan))
+    print("\n".join(table_lines(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """What one of gym_rpc's per-process switches (tracing, worker metrics) costs a rollout worker: `ServerClient.post`
 requests per second with it on over the same with it off, both in one process against the same data server, in
-rounds of short interleaved blocks (on/off/off/on, off/on/on/off, ...: bench.data_plane's method, each block on a
-collected heap), the figure being the median of the per-round ratios.
+rounds of short interleaved blocks (on/off/off/on, off/on/on/off, ...: bench.data_plane's method, the collector on
+and left alone beside the same live heap of rollout records), the figure being the median of the per-round ratios.
 
 A switch is a per-process decision that never turns off again, so each benchmark flips gym_rpc's flag between
 blocks itself and runs in a process of its own (`rows_in_subprocess`), so that nothing of it leaks into the
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import gc
 import json
 import subprocess
 import sys
@@ -22,7 +21,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.data_plane import Block, Post, abba_rounds, make_client, ours_post
+from bench.data_plane import (
+    LIVE_HEAP_RECORDS,
+    Block,
+    LiveHeap,
+    Post,
+    abba_rounds,
+    make_client,
+    ours_post,
+    rollout_buffers,
+)
 from bench.servers import REPO_ROOT, ServerProcess
 from bench.stats import Row, median, percentile, ratio_row, table_lines
 from gym_rpc.client._http import close_http_sessions
@@ -37,10 +45,11 @@ class FlagPlan:
     concurrencies: tuple[int, ...] = (1, 64)
     requests: tuple[int, ...] = (100, 512)
     rounds: int = 80
+    live_heap_records: int = LIVE_HEAP_RECORDS
 
 
 FULL_PLAN = FlagPlan()
-QUICK_PLAN = FlagPlan(requests=(30, 128), rounds=2)
+QUICK_PLAN = FlagPlan(requests=(30, 128), rounds=2, live_heap_records=10_000)
 
 TimedBlock = Callable[[Post, int, int, bool], Awaitable[Block]]
 
@@ -78,21 +87,17 @@ class Rounds:
 
 
 async def interleaved(cost: FlagCost, post: Post, concurrency: int, requests: int, rounds: int) -> Rounds:
-    """bench.data_plane's `abba_rounds` of the switch on (A) against off (B), with what the process built before
-    measuring frozen: neither side is charged for collecting the other's garbage."""
+    """bench.data_plane's `abba_rounds` of the switch on (A) against off (B), the collector left alone: a side
+    that keeps more objects alive (spans held until export) pays for the collections they cause."""
     warm = max(requests, concurrency)
     await cost.timed_block(post, warm, concurrency, True)
     await cost.timed_block(post, warm, concurrency, False)
     result = Rounds(concurrency)
-    gc.freeze()
-    try:
-        result.ratios, result.on, result.off = await abba_rounds(
-            lambda: cost.timed_block(post, requests, concurrency, True),
-            lambda: cost.timed_block(post, requests, concurrency, False),
-            rounds,
-        )
-    finally:
-        gc.unfreeze()
+    result.ratios, result.on, result.off = await abba_rounds(
+        lambda: cost.timed_block(post, requests, concurrency, True),
+        lambda: cost.timed_block(post, requests, concurrency, False),
+        rounds,
+    )
     print(
         f"  {cost.name} c={concurrency}: per-round ratios {' '.join(f'{r:.2f}' for r in result.ratios)}",
         file=sys.stderr,
@@ -100,7 +105,7 @@ async def interleaved(cost: FlagCost, post: Post, concurrency: int, requests: in
     return result
 
 
-def row_of(cost: FlagCost, rounds: Rounds) -> Row:
+def row_of(cost: FlagCost, rounds: Rounds, heap: LiveHeap) -> Row:
     on_rps = median([b.requests_per_second for b in rounds.on])
     off_rps = median([b.requests_per_second for b in rounds.off])
     on_cpu = median([b.cpu_us_per_request for b in rounds.on])
@@ -110,7 +115,8 @@ def row_of(cost: FlagCost, rounds: Rounds) -> Row:
     return ratio_row(
         cost.name,
         f"{cost.measure}, concurrency {rounds.concurrency} "
-        f"(req/s; median of per-round ratios, {spread}; +{on_cpu - off_cpu:.0f} µs CPU/req {cost.on_label})",
+        f"(req/s; GC on beside {heap.describe()}; median of per-round ratios, {spread}; "
+        f"+{on_cpu - off_cpu:.0f} µs CPU/req {cost.on_label})",
         f"on: {on_rps:.0f} req/s, {on_cpu:.0f} µs CPU/req",
         f"off: {off_rps:.0f} req/s, {off_cpu:.0f} µs CPU/req",
         median(rounds.ratios),
@@ -123,9 +129,10 @@ async def run(cost: FlagCost, port: int, plan: FlagPlan) -> list[Row]:
     client = make_client(port, observability_enabled=True)  # rollout prefixes on, as observed deployments run
     post = ours_post(client)
     rows: list[Row] = []
+    heap = rollout_buffers(plan.live_heap_records)  # beside the client while the blocks run, as in a worker
     try:
         for concurrency, requests in zip(plan.concurrencies, plan.requests, strict=True):
-            rows.append(row_of(cost, await interleaved(cost, post, concurrency, requests, plan.rounds)))
+            rows.append(row_of(cost, await interleaved(cost, post, concurrency, requests, plan.rounds), heap))
     finally:
         await close_http_sessions()
     return rows

@@ -63,12 +63,14 @@ def make_without(port: int) -> WithoutTrick:
     )
 
 
-async def run(port: int, concurrencies: tuple[int, ...], requests: tuple[int, ...], rounds: int) -> list[Row]:
+async def run(
+    port: int, concurrencies: tuple[int, ...], requests: tuple[int, ...], rounds: tuple[int, ...]
+) -> list[Row]:
     rows: list[Row] = []
     shipped, without = make_client(port), make_without(port)
     try:
-        for concurrency, count in zip(concurrencies, requests, strict=True):
-            comparison = await compare(ours_post(shipped), ours_post(without), concurrency, count, rounds)
+        for concurrency, count, round_count in zip(concurrencies, requests, rounds, strict=True):
+            comparison = await compare(ours_post(shipped), ours_post(without), concurrency, count, round_count)
             ratios = comparison.ratios
             middle = f"{percentile(ratios, 0.25):.2f}-{percentile(ratios, 0.75):.2f}"
             rows.append(

@@ -15,11 +15,13 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -310,6 +312,42 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _threads(pid: int) -> list[int]:
+    """Every thread of a process (Linux): an affinity is set per thread."""
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return [pid]
+
+
+@contextlib.contextmanager
+def pinned_apart(server_pid: int) -> Iterator[None]:
+    """This process (and the processes it starts meanwhile) on one core and the data server on another, where the
+    machine has two and lets us (os.sched_setaffinity): as rollout workers and model servers run, neither taking
+    the other's core. Both get their cores back afterwards."""
+    if not hasattr(os, "sched_setaffinity"):
+        print("not pinned: no sched_setaffinity here", file=sys.stderr)
+        yield
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        print(f"not pinned: one usable core ({cores})", file=sys.stderr)
+        yield
+        return
+    placed = {os.getpid(): {cores[0]}, server_pid: {cores[1]}}
+    before = {(pid, tid): os.sched_getaffinity(tid) for pid in placed for tid in _threads(pid)}
+    for pid, core in placed.items():
+        for tid in _threads(pid):
+            os.sched_setaffinity(tid, core)
+    print(f"client pinned to CPU {cores[0]}, data server to CPU {cores[1]}", file=sys.stderr)
+    try:
+        yield
+    finally:
+        for (_, tid), affinity in before.items():
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, affinity)
 
 
 def wait_until(condition: Any, timeout: float, interval: float = 0.05) -> bool:

@@ -41,7 +41,11 @@ async def timed_block(post: Post, requests: int, concurrency: int, on: bool) -> 
 
     with flag_cost.switched(TRACING, on):
         block = await run_block(rollout, max(requests // CALLS_PER_ROLLOUT, 1), concurrency)
-    return Block(block.requests_per_second * CALLS_PER_ROLLOUT, block.cpu_us_per_request / CALLS_PER_ROLLOUT)
+    return Block(
+        block.requests_per_second * CALLS_PER_ROLLOUT,
+        block.cpu_us_per_request / CALLS_PER_ROLLOUT,
+        tuple(count / CALLS_PER_ROLLOUT for count in block.collections_per_10k),
+    )
 
 
 COST = flag_cost.FlagCost(
