@@ -101,8 +101,10 @@ def test_every_command_and_flag_shown_exists() -> None:
             known, flags = top_flags, list(_flag_words(words))
         elif words[0].rstrip(":") in subcommands and words[0].endswith(":"):
             continue  # a message the command prints: `gym-rpc wait: waiting for ...`
-        elif words[0] in subcommands:
-            known, flags = _flags(subcommands[words[0]]), list(_flag_words(words[1:]))
+        elif all(name in subcommands for name in words[0].split("|")):  # `gym-rpc status|wait|config`
+            named = [subcommands[name] for name in words[0].split("|")]
+            known = set.intersection(*(_flags(parser) for parser in named))
+            flags = list(_flag_words(words[1:]))
         else:
             wrong.append(f"{document}: gym-rpc {' '.join(words)} (no command {words[0]!r})")
             continue
