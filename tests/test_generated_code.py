@@ -17,7 +17,10 @@ PB2_ALLOWED_DIRS = (
     REPO_ROOT / "gym_rpc" / "wire",
     REPO_ROOT / "gym_rpc" / "client" / "_control.py",
     REPO_ROOT / "gym_rpc" / "client" / "_rpc.py",  # the call path: stubs per channel
-    REPO_ROOT / "gym_rpc" / "client" / "_nemo_gym_control.py",  # the rows' answers from NeMo Gym's head read requests
+    REPO_ROOT
+    / "gym_rpc"
+    / "client"
+    / "_nemo_gym_control.py",  # the rows' answers from NeMo Gym's head read requests
     REPO_ROOT / "gym_rpc" / "server",
 )
 

@@ -41,7 +41,7 @@ from gym_rpc.client._head_protocol import (
 from gym_rpc.client._nemo_gym_control import unimplemented
 from gym_rpc.client._nemo_gym_head import NemoGymHead
 from gym_rpc.client._security import ClientSecurity, client_security
-from gym_rpc.errors import HeadUnreachableError
+from gym_rpc.errors import HeadTimeoutError, HeadUnreachableError
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import HEALTH_SERVICE_NAME, SERVICE_NAME, from_grpc_error, status_code
 
@@ -132,6 +132,18 @@ class Rpc(Generic[Params, Request, Response, Result]):
 class StreamRpc(Rpc[Params, Request, Response, Result]):
     """A server-streaming RPC: `client.<name>(...)` iterates the converted messages until the caller stops."""
 
+    def stream_failed(self, error: grpc.RpcError, address: str, deadline: float | None) -> None:
+        """As `failed`, except that the DEADLINE_EXCEEDED of a stream that had answered (`deadline`: its deadline;
+        None when nothing came) is its own deadline passing, which says nothing against the head."""
+        if status_code(error) == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None:
+            raise HeadTimeoutError(
+                f"{self.method} from the head at {address} reached the stream's deadline of {deadline:.1f} s (the "
+                "timeout it was given), as asked; the head had answered",
+                address=address,
+                code=grpc.StatusCode.DEADLINE_EXCEEDED,
+            ) from error
+        self.failed(error, address)
+
     @overload  # type: ignore[override]
     def __get__(self, client: None, owner: type) -> StreamRpc[Params, Request, Response, Result]: ...
     @overload
@@ -221,13 +233,15 @@ class BlockingTransport(_Transport):
             yield from rpc.over_http(head, call, self.timeout_seconds)
             return
         method = _method(sync_channel(self.address, self.security.tls), rpc)
-        messages = method(
-            call.request, timeout=rpc.deadline_for(call, self.timeout_seconds), metadata=self._metadata
-        )
+        deadline = rpc.deadline_for(call, self.timeout_seconds)
+        messages = method(call.request, timeout=deadline, metadata=self._metadata)
+        answered = False
         try:
-            yield from map(rpc.convert, messages)
+            for message in messages:
+                answered = True
+                yield rpc.convert(message)
         except grpc.RpcError as error:
-            rpc.failed(error, self.address)
+            _stream_rpc(rpc).stream_failed(error, self.address, deadline if answered else None)
         finally:
             messages.cancel()
 
@@ -258,14 +272,15 @@ class AsyncTransport(_Transport):
                 yield result
             return
         method = _method(aio_channel(self.address, self.security.tls), rpc)
-        messages = method(
-            call.request, timeout=rpc.deadline_for(call, self.timeout_seconds), metadata=self._metadata
-        )
+        deadline = rpc.deadline_for(call, self.timeout_seconds)
+        messages = method(call.request, timeout=deadline, metadata=self._metadata)
+        answered = False
         try:
             async for message in messages:
+                answered = True
                 yield rpc.convert(message)
         except grpc.RpcError as error:
-            rpc.failed(error, self.address)
+            _stream_rpc(rpc).stream_failed(error, self.address, deadline if answered else None)
         finally:
             messages.cancel()
 
@@ -279,3 +294,9 @@ async def _in_threads(results: Generator[Result, None, None]) -> AsyncGenerator[
     finally:
         with contextlib.suppress(ValueError):  # still running in its thread (the caller was cancelled)
             results.close()
+
+
+def _stream_rpc(rpc: Rpc[..., Any, Any, Result]) -> StreamRpc[..., Any, Any, Result]:
+    """The stream call paths serve only StreamRpc rows (their descriptors bind `stream`)."""
+    assert isinstance(rpc, StreamRpc)
+    return rpc
