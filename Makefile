@@ -10,7 +10,8 @@ STAMP := $(VENV)/.installed
 DEMO_VENV := .venv-demo
 DEMO_STAMP := $(DEMO_VENV)/.installed
 
-.PHONY: install proto stubs release-contract lint test run demo bench bench-scale mutate clean nemo-gym-venv
+.PHONY: install proto stubs release-contract lint test run demo bench bench-scale mutate clean nemo-gym-venv \
+	lowest-versions-venv
 
 install: $(STAMP) $(BUF)
 
@@ -58,7 +59,12 @@ lint: install
 nemo-gym-venv: $(STAMP)
 	$(BIN)/python tools/nemo_gym_venv.py
 
-test: lint nemo-gym-venv
+# Every runtime dependency at the lowest version pyproject.toml declares, for tests/test_lowest_versions.py (which
+# runs tests/lowest_versions.txt there): built once (a few minutes), then reused until the floors change.
+lowest-versions-venv: $(STAMP)
+	$(BIN)/python tools/lowest_versions_venv.py
+
+test: lint nemo-gym-venv lowest-versions-venv
 	$(BIN)/python -m pytest -q
 
 run: $(STAMP)
