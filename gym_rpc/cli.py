@@ -329,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = command("demo", "run a head, demo servers and rollouts end to end on loopback")
     demo.add_argument("--rollouts", type=_positive_int, default=300, help="how many rollouts to run")
     demo.add_argument("--concurrency", type=_positive_int, default=32, help="rollouts in flight at once")
+    demo.add_argument(
+        "--serve", action="store_true", help="then keep the head and the demo servers up until Ctrl-C"
+    )
 
     completion = command("completion", "print a shell completion script (eval it in your shell's rc file)")
     completion.add_argument("shell", choices=("bash", "zsh", "tcsh"), help="the shell")
@@ -529,7 +532,7 @@ def _max_watches(args: argparse.Namespace) -> dict[str, int]:
 def cmd_demo(args: argparse.Namespace) -> int:
     from gym_rpc.demo import run_demo
 
-    return asyncio.run(run_demo(args.rollouts, args.concurrency))
+    return asyncio.run(run_demo(args.rollouts, args.concurrency, serve=args.serve))
 
 
 def cmd_completion(args: argparse.Namespace) -> int:
