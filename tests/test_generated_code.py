@@ -75,3 +75,10 @@ def test_only_the_grpc_facing_modules_import_generated_messages() -> None:
         if re.search(r"_pb2", line)
     ]
     assert not offenders, "generated messages used outside the gRPC-facing modules:\n" + "\n".join(offenders)
+
+
+def test_the_service_name_is_the_contracts() -> None:
+    from gym_rpc.v1 import control_plane_pb2 as pb
+    from gym_rpc.wire import SERVICE_NAME
+
+    assert pb.DESCRIPTOR.services_by_name["ControlPlaneService"].full_name == SERVICE_NAME

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from gym_rpc.client._nemo_gym_head import NemoGymHead, probe
+from gym_rpc.client._nemo_gym_head import NemoGymHead
+from gym_rpc.client._probe import probe
 from gym_rpc.config import HEAD_SERVER_KEY, BaseServerConfig, GlobalConfig, ServerEntry
 from gym_rpc.errors import ControlPlaneError, HeadTimeoutError, UnknownServerError
 from gym_rpc.v1 import control_plane_pb2 as pb

@@ -13,56 +13,19 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import grpc
 
-from gym_rpc._version import __version__
+from gym_rpc.client._probe import USER_AGENT, probe
 from gym_rpc.config import GlobalConfig, parse_config_text, parse_host_port, redact_secrets
 from gym_rpc.errors import ControlPlaneError, HeadTimeoutError, HeadUnreachableError
 from gym_rpc.wire import SERVER_STATUSES, ServerInstance, ServerStatus
 
 CONFIG_PATH = "/global_config_dict_yaml"
 INSTANCES_PATH = "/server_instances"
-_USER_AGENT = f"gym-rpc/{__version__}"
 _MAX_ANSWER_BYTES = 64 * 1024 * 1024  # as the gRPC client's largest accepted answer
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    """One direct status probe of a server's base URL."""
-
-    status: ServerStatus
-    http_status: int = 0  # the code it answered; 0 when none came
-    latency_seconds: float = 0.0
-    checked_at: float = 0.0  # epoch seconds
-    detail: str = ""
-
-
-def probe(url: str, timeout: float) -> ProbeResult:
-    """GET `url`: any HTTP answer is "success" (a 503 too), refused "connection_error", none in time "timeout",
-    anything else "unknown_error" (NeMo Gym's rule)."""
-    parts = urlsplit(url)
-    started, checked_at = time.perf_counter(), time.time()
-    connection = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=max(timeout, 0.001))
-    try:
-        connection.request("GET", parts.path or "/", headers={"User-Agent": _USER_AGENT})
-        response = connection.getresponse()
-        response.read()
-        result = ProbeResult("success", response.status)
-    except TimeoutError:
-        result = ProbeResult("timeout", detail=f"no answer within {timeout:g} s")
-    except ConnectionError as exc:
-        result = ProbeResult("connection_error", detail=str(exc))
-    except (OSError, http.client.HTTPException) as exc:
-        result = ProbeResult("unknown_error", detail=str(exc) or type(exc).__name__)
-    finally:
-        connection.close()
-    return dataclasses.replace(result, latency_seconds=time.perf_counter() - started, checked_at=checked_at)
 
 
 class NemoGymHead:
@@ -99,7 +62,7 @@ class NemoGymHead:
         host, port = parse_host_port(self.address, "head address")
         connection = http.client.HTTPConnection(host, port, timeout=timeout)
         try:
-            connection.request("GET", path, headers={"User-Agent": _USER_AGENT, "Accept": "application/json"})
+            connection.request("GET", path, headers={"User-Agent": USER_AGENT, "Accept": "application/json"})
             response = connection.getresponse()
             body = response.read(_MAX_ANSWER_BYTES + 1)
         except TimeoutError as exc:

@@ -30,8 +30,6 @@ from gym_rpc._environment import (
     environment,
 )
 from gym_rpc._telemetry_switches import TELEMETRY_KEY
-from gym_rpc.client._channel import head_address
-from gym_rpc.client._control import SyncControlClient
 from gym_rpc.client._head_protocol import NEMO_GYM_HTTP, head_protocol
 from gym_rpc.client._http import (
     HttpClientSettings,
@@ -42,7 +40,7 @@ from gym_rpc.client._http import (
 from gym_rpc.client._http_tracing import traced_send
 from gym_rpc.client._metrics import metered_send
 from gym_rpc.client._nemo_gym import nemo_gym_rollout_id, rollout_id_from_run_body
-from gym_rpc.client._nemo_gym_head import probe
+from gym_rpc.client._probe import probe
 from gym_rpc.client._rollout import (
     apply_rollout_prefix,
     current_rollout_id,
@@ -51,7 +49,6 @@ from gym_rpc.client._rollout import (
     trace_context_path_segment,
 )
 from gym_rpc.client._security import ClientSecurity, client_security
-from gym_rpc.client._tracing import record_config_fetch_span
 from gym_rpc.config import (
     DEFAULT_HEAD_HOST,
     DEFAULT_HEAD_PORT,
@@ -92,6 +89,8 @@ if TYPE_CHECKING:
     from typing import Unpack
 
     from aiohttp.client import _RequestOptions
+
+    from gym_rpc.client._control import SyncControlClient
 
 __all__ = [
     "NEMO_GYM_CONFIG_DICT_ENV_VAR_NAME",
@@ -372,13 +371,15 @@ class ServerClient(BaseModel):
         # Token and TLS from head_server (auth_token, tls) or the environment. With the head's token the client
         # is authenticated and gets the secrets (API keys) its server needs; without one they stay redacted.
         security = client_security(head)
-        control = SyncControlClient(_head_address(head), security=security)
+        control = _control_client(_head_address(head), security=security)
         traced_already = TRACING.enabled  # the channel is traced from the start when the environment says so
         started_ns = time.time_ns()
         config = control.get_global_config(include_secrets=_asks_for_secrets(control))
         ended_ns = time.time_ns()
         client = cls._from_global_config(head, config)  # decides tracing with the config's observability_enabled
         if TRACING.enabled and not traced_already:
+            from gym_rpc.client._tracing import record_config_fetch_span  # tracing on only
+
             record_config_fetch_span(control.address, started_ns, ended_ns)
         return client
 
@@ -482,7 +483,7 @@ class ServerClient(BaseModel):
     def _fetch_advertised_urls(self) -> dict[str, str]:
         address = _head_address(self.head_server_config)
         try:
-            control = SyncControlClient(
+            control = _control_client(
                 address, timeout_seconds=ADVERTISED_LOOKUP_TIMEOUT_SECONDS, security=self._head_security()
             )
             instances = control.list_server_instances()
@@ -558,7 +559,7 @@ class ServerClient(BaseModel):
         and the log says the head was skipped. A NeMo Gym HTTP head keeps no statuses: there every poll is one
         direct probe, as with NeMo Gym's own client. Blocking; safe with or without a loop."""
         deadline = time.monotonic() + timeout_seconds
-        control = SyncControlClient(
+        control = _control_client(
             _head_address(self.head_server_config),
             timeout_seconds=timeout_seconds,
             security=self._head_security(),
@@ -593,7 +594,7 @@ class ServerClient(BaseModel):
 
     def _config_if_changed(self) -> GlobalConfig | None:
         """The head's config when its version differs from this client's; None (nothing sent) when unchanged."""
-        control = SyncControlClient(_head_address(self.head_server_config), security=self._head_security())
+        control = _control_client(_head_address(self.head_server_config), security=self._head_security())
         return control.get_global_config_if_changed(
             self._global_config.version, include_secrets=_asks_for_secrets(control)
         )
@@ -626,7 +627,19 @@ ServerClient.global_config_dict = _LazyDictConfigField()  # type: ignore[assignm
 
 
 def _head_address(head_server_config: BaseServerConfig) -> str:
-    return head_address(connectable_host(head_server_config.host), head_server_config.port)
+    return f"{url_host(connectable_host(head_server_config.host))}:{head_server_config.port}"
+
+
+def _control_client(
+    address: str, *, security: ClientSecurity, timeout_seconds: float | None = None
+) -> SyncControlClient:
+    """A control client to the head, gRPC imported on first use: a worker whose config was injected
+    (`NEMO_GYM_CONFIG_DICT`) and never asks the head never loads it, nor pays for it at import."""
+    from gym_rpc.client._control import SyncControlClient
+
+    if timeout_seconds is None:
+        return SyncControlClient(address, security=security)
+    return SyncControlClient(address, timeout_seconds=timeout_seconds, security=security)
 
 
 def _speaks_nemo_gym_http(control: SyncControlClient) -> bool:
