@@ -168,3 +168,21 @@ def test_head_names_its_extra_then_runs_with_it(base_python: Path, wheel: Path) 
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.mark.timeout(INSTALL_TIMEOUT_SECONDS)
+def test_tracing_switched_on_without_its_extra_warns_and_the_rollout_runs(
+    base_python: Path, head: tuple[str, ThreadedHttpServer]
+) -> None:
+    """A cluster's OTEL_EXPORTER_OTLP_ENDPOINT reaches a worker with the base install: no SDK, no instrumentation.
+    Tracing and metrics stay unrecorded, each says which `pip install` records them, and the rollout runs."""
+    address, _ = head
+    env = {
+        "GYM_RPC_HEAD": address,
+        "PATH": str(base_python.parent),
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1]:9",
+    }
+    rollout = _run(base_python, "-c", "import logging; logging.basicConfig()\n" + _ROLLOUT, env=env)
+    assert rollout.returncode == 0, rollout.stderr
+    assert rollout.stdout.split() == ["200", "200"]
+    assert "pip install 'gym-rpc[" in rollout.stderr and "Traceback" not in rollout.stderr
