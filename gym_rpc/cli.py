@@ -419,8 +419,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     sys.exit(code)
 
 
-# Words of gRPC's own messages when the TLS handshake failed (the call is UNAVAILABLE, like a head that is down).
-_TLS_FAILURE_WORDS = ("ssl", "tls", "handshake", "certificate")
+# What gRPC's own message (the details of the UNAVAILABLE it ends in, as for a head that is down) says when the TLS
+# handshake failed: "Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: ...CERTIFICATE_VERIFY_FAILED".
+_TLS_FAILURE_MARKS = ("handshake failed", "ssl_error", "certificate_verify_failed")
 
 
 def _exit_code_of(error: ControlPlaneError) -> int:
@@ -429,8 +430,9 @@ def _exit_code_of(error: ControlPlaneError) -> int:
     if error.code.name in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
         return EXIT_CREDENTIALS_REFUSED
     if isinstance(error, HeadUnreachableError):
-        cause = str(error.__cause__ or "").lower()
-        if error.code.name == "UNAVAILABLE" and any(word in cause for word in _TLS_FAILURE_WORDS):
+        details = getattr(error.__cause__, "details", None)
+        said = (details() if callable(details) else "") or ""
+        if error.code.name == "UNAVAILABLE" and any(mark in said.lower() for mark in _TLS_FAILURE_MARKS):
             return EXIT_CREDENTIALS_REFUSED
         return EXIT_HEAD_UNREACHABLE
     return EXIT_DOWN
