@@ -27,7 +27,16 @@ VENV_DIR = REPO_ROOT / ".venv-lowest"
 STAMP = VENV_DIR / ".stamp"
 PYPROJECT = REPO_ROOT / "pyproject.toml"
 EXTRAS_AT_FLOOR = ("head",)  # the tests start heads in-process and as `gym-rpc head`
-TEST_TOOLS = ("pytest", "pytest-asyncio", "pytest-timeout", "hypothesis", "cryptography", "requests")
+TEST_TOOLS = (
+    "pytest",
+    "pytest-asyncio",
+    "pytest-timeout",
+    "hypothesis",
+    "cryptography",
+    "requests",
+    "opentelemetry-instrumentation-aiohttp-client",  # tests/tracing_fit_scenario.py
+    "opentelemetry-proto",  # tests/test_telemetry.py: a collector on loopback (its OTLP export tests skip here)
+)
 _FLOOR = re.compile(r"^(?P<name>[A-Za-z0-9._-]+)\s*>=\s*(?P<version>[^,;\s]+)")
 _NAME = re.compile(r"^[A-Za-z0-9._-]+")
 
