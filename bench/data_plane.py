@@ -33,7 +33,7 @@ from aiohttp.payload import JsonPayload
 from omegaconf import OmegaConf
 
 from bench.servers import ServerProcess, pinned_apart
-from bench.stats import Row, interleaved_latencies, median, percentile, ratio_row, table_lines
+from bench.stats import Row, interleaved_latencies, median, ratio_row, spread_text, table_lines
 from gym_rpc.client._http import HttpClientSettings, close_http_sessions
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.client.server_client import _json_payload as json_body_payload
@@ -210,7 +210,7 @@ def rows_of(comparison: Comparison, heap: LiveHeap) -> list[Row]:
     ours_cpu = median([b.cpu_us_per_request for b in comparison.ours])
     raw_cpu = median([b.cpu_us_per_request for b in comparison.raw])
     ratios = comparison.ratios
-    spread = f"{len(ratios)} rounds, middle half {percentile(ratios, 0.25):.2f}-{percentile(ratios, 0.75):.2f}"
+    spread = spread_text(ratios)
     return [
         ratio_row(
             "data plane",

@@ -32,7 +32,7 @@ from bench.data_plane import (
     rollout_buffers,
 )
 from bench.servers import REPO_ROOT, ServerProcess
-from bench.stats import Row, median, percentile, ratio_row, table_lines
+from bench.stats import Row, median, ratio_row, spread_text, table_lines
 from gym_rpc.client._http import close_http_sessions
 
 
@@ -111,7 +111,7 @@ def row_of(cost: FlagCost, rounds: Rounds, heap: LiveHeap) -> Row:
     on_cpu = median([b.cpu_us_per_request for b in rounds.on])
     off_cpu = median([b.cpu_us_per_request for b in rounds.off])
     ratios = rounds.ratios
-    spread = f"{len(ratios)} rounds, middle half {percentile(ratios, 0.25):.2f}-{percentile(ratios, 0.75):.2f}"
+    spread = spread_text(ratios)
     return ratio_row(
         cost.name,
         f"{cost.measure}, concurrency {rounds.concurrency} "

@@ -7,6 +7,7 @@ measured in the same run, interleaved with ours, and the ratio between them.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +25,30 @@ def percentile(values: Sequence[float], fraction: float) -> float:
     ordered = sorted(values)
     rank = max(1, math.ceil(fraction * len(ordered)))
     return ordered[rank - 1]
+
+
+def median_interval(
+    values: Sequence[float], confidence: float = 0.9, resamples: int = 2000
+) -> tuple[float, float]:
+    """Where the median of `values` would fall, run again: the central `confidence` range of the medians of
+    bootstrap resamples (seeded, so a report is reproducible). What more rounds narrow: the middle half of
+    per-round ratios is the scatter of one round, this is how well the figure itself is known."""
+    if not values:
+        return math.nan, math.nan
+    draw = random.Random(0)
+    medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(resamples))
+    cut = int(resamples * (1 - confidence) / 2)
+    return medians[cut], medians[resamples - 1 - cut]
+
+
+def spread_text(ratios: Sequence[float]) -> str:
+    """How a row's per-round ratios scatter and how well their median is known: "40 rounds, middle half
+    0.95-1.01, median within 0.97-0.99 (90%)"."""
+    low, high = median_interval(ratios)
+    return (
+        f"{len(ratios)} rounds, middle half {percentile(ratios, 0.25):.2f}-{percentile(ratios, 0.75):.2f}, "
+        f"median within {low:.2f}-{high:.2f} (90%)"
+    )
 
 
 def p99(values: Sequence[float]) -> float:
