@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypedDict
@@ -28,6 +28,7 @@ from gym_rpc._tasks import cancel_and_wait
 from gym_rpc.client import ServerClient, SyncControlClient, client_security, head_address
 from gym_rpc.config import BaseServerConfig, parse_host_port
 from gym_rpc.errors import GymRpcError
+from gym_rpc.wire import label_problem
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class _Registered(TypedDict):
     pid: int
     start_time: float
     lease_seconds: float | None
+    labels: dict[str, str]
+    server_type: str
 
 
 class ServerRegistration:
@@ -93,6 +96,11 @@ class ServerRegistration:
     while serving (None: never), so a restarted head learns the address again. `lease_seconds`: how long the head
     keeps the registration without a renewal; None: three refresh periods, at least 0.5 s (no expiry when not
     refreshing); 0: no expiry. A process that dies without deregistering is dropped by the head about that late.
+
+    A server name may have several instances (replicas): each process registers at its own address, and one
+    registering where an instance already is replaces it (a restart). `labels` (at most 16 short `key: value`
+    pairs, e.g. `{"weights_version": "42"}`) let clients pick among them; `server_type` (e.g.
+    "responses_api_models"), when given, must be the config's, or the head refuses the registration.
     """
 
     def __init__(
@@ -106,6 +114,8 @@ class ServerRegistration:
         timeout_seconds: float = REGISTRATION_TIMEOUT_SECONDS,
         refresh_seconds: float | None = DEFAULT_REFRESH_SECONDS,
         lease_seconds: float | None = None,
+        labels: Mapping[str, str] | None = None,
+        server_type: str = "",
     ) -> None:
         if lease_seconds is None:
             lease_seconds = (
@@ -118,8 +128,13 @@ class ServerRegistration:
                 f"lease_seconds ({lease_seconds:g}) must be longer than refresh_seconds ({refresh_seconds:g}), "
                 f"or the lease would run out between renewals"
             )
+        problem = label_problem(labels or {})
+        if problem is not None:
+            raise ValueError(f"{server_name}: {problem}")
         self.server_name = server_name
         self.port = port
+        self.labels = dict(labels or {})
+        self.server_type = server_type
         self.listen_host = listen_host
         self.advertise_host = advertise_host
         self.head = _head_server(head)
@@ -129,6 +144,7 @@ class ServerRegistration:
         self.pid = os.getpid()
         self.start_time = process_start_time()
         self.advertised_url: str | None = None  # set while registered
+        self.instance_id = ""  # the instance the head says this registration holds, once it has answered
         self._refresher: asyncio.Task[None] | None = None
         # Register and deregister never overlap, and a refresh still running in its thread when deregister() is
         # called cannot land after it: a cancelled task does not stop a thread.
@@ -163,11 +179,13 @@ class ServerRegistration:
             "pid": self.pid,
             "start_time": self.start_time,
             "lease_seconds": self.lease_seconds,
+            "labels": self.labels,
+            "server_type": self.server_type,
         }
 
     def _register(self, quiet: bool) -> bool:
         try:
-            self.advertised_url = self._control().register_server_instance(self.server_name, **self._where())
+            registered = self._control().register_instance(self.server_name, **self._where())
         except GymRpcError as exc:
             if not quiet:
                 logger.warning(
@@ -178,6 +196,7 @@ class ServerRegistration:
                     exc,
                 )
             return False
+        self.advertised_url, self.instance_id = registered.advertised_url, registered.instance_id
         logger.info(
             "%s: registered with the head at %s as %s", self.server_name, self.head_address, self.advertised_url
         )
@@ -189,7 +208,9 @@ class ServerRegistration:
             self._deregistered = True
             self.advertised_url = None
             try:
-                return self._control().deregister_server_instance(self.server_name, pid=self.pid)
+                return self._control().deregister_server_instance(
+                    self.server_name, pid=self.pid, instance_id=self.instance_id
+                )
             except GymRpcError as exc:
                 logger.warning(
                     "%s: could not deregister from the head at %s (%s)", self.server_name, self.head_address, exc

@@ -3,6 +3,7 @@
 * `_convert` (exported as `convert`): the one conversion layer to and from the generated `gym_rpc.v1` messages.
 * `_status`: server statuses, status reports, status snapshots and watch events.
 * `_errors`: how a failed gRPC call becomes a typed gym_rpc error; unknown names as `google.rpc.Status` details.
+* `_labels`: the bounds of instance labels, checked alike by registering servers and the head.
 * `_paths`: the rollout and trace-context URL path format (builder and parser).
 * `_names`: the service name, metadata keys, environment variable names and message-size limits.
 
@@ -10,8 +11,9 @@ The error classes live one level lower, in `gym_rpc.errors`, so that every layer
 """
 
 from gym_rpc.wire import _convert as convert
-from gym_rpc.wire._convert import InstanceRegistration, ReportedProcess, ServerInstance
+from gym_rpc.wire._convert import InstanceRegistration, RegisteredInstance, ReportedProcess, ServerInstance
 from gym_rpc.wire._errors import from_grpc_error, status_code, unknown_server_status
+from gym_rpc.wire._labels import MAX_LABEL_KEY_LENGTH, MAX_LABEL_VALUE_LENGTH, MAX_LABELS, label_problem
 from gym_rpc.wire._names import (
     AUTHORIZATION_METADATA_KEY,
     CONTROL_METHOD_PREFIX,
@@ -64,6 +66,9 @@ __all__ = [
     "HEAD_ADDRESS_ENV_VAR",
     "HEALTH_METHOD_PREFIX",
     "HEALTH_SERVICE_NAME",
+    "MAX_LABELS",
+    "MAX_LABEL_KEY_LENGTH",
+    "MAX_LABEL_VALUE_LENGTH",
     "MAX_REQUEST_BYTES",
     "MAX_RESPONSE_BYTES",
     "MAX_ROLLOUT_ID_LENGTH",
@@ -87,6 +92,7 @@ __all__ = [
     "InstanceOrigin",
     "InstanceRegistration",
     "InstanceReport",
+    "RegisteredInstance",
     "RegistrationState",
     "ReportedProcess",
     "ServerInstance",
@@ -97,6 +103,7 @@ __all__ = [
     "convert",
     "encode_rollout_id",
     "from_grpc_error",
+    "label_problem",
     "prefixed_path",
     "rollout_path_prefix",
     "split_gym_prefixes",
