@@ -8,6 +8,9 @@ unreachable or refuses the call costs a warning in the log, within a bounded tim
 * aiohttp.web: `register_aiohttp_app(app, "policy_model", port=8000)` (an `app.cleanup_ctx` entry).
 * ASGI: `app = with_registration(app, "policy_model", port=8000)` (wraps the lifespan protocol).
 * anything else: `ServerRegistration(...)` as an async context manager, or its register()/deregister().
+
+The first two drain on SIGTERM (gym_rpc.integrations._draining): the instance is marked draining so clients send
+it no new work, its calls in flight finish (within `drain_grace_seconds`), then it deregisters and stops.
 """
 
 from __future__ import annotations
@@ -28,6 +31,15 @@ from gym_rpc._tasks import cancel_and_wait
 from gym_rpc.client import ServerClient, SyncControlClient, client_security, head_address
 from gym_rpc.config import BaseServerConfig, parse_host_port
 from gym_rpc.errors import GymRpcError
+from gym_rpc.integrations._draining import (
+    DEFAULT_DRAIN_GRACE_SECONDS,
+    InFlight,
+    SigtermDrain,
+    counting_middleware,
+    hand_on_sigterm,
+    stop_aiohttp,
+    wait_until_drained,
+)
 from gym_rpc.wire import label_problem
 
 logger = logging.getLogger(__name__)
@@ -84,6 +96,8 @@ class _Registered(TypedDict):
     lease_seconds: float | None
     labels: dict[str, str]
     server_type: str
+    draining: bool
+    in_flight: int
 
 
 class ServerRegistration:
@@ -101,6 +115,10 @@ class ServerRegistration:
     registering where an instance already is replaces it (a restart). `labels` (at most 16 short `key: value`
     pairs, e.g. `{"weights_version": "42"}`) let clients pick among them; `server_type` (e.g.
     "responses_api_models"), when given, must be the config's, or the head refuses the registration.
+
+    `in_flight` counts the calls the process has in flight (the app helpers count requests themselves): renewals
+    report it (`gym-rpc status -o json` shows it) and `adrain()` waits for it to reach 0, for at most
+    `drain_grace_seconds`. `drain_on_sigterm` (the app helpers' default) drains on SIGTERM before the server stops.
     """
 
     def __init__(
@@ -116,6 +134,9 @@ class ServerRegistration:
         lease_seconds: float | None = None,
         labels: Mapping[str, str] | None = None,
         server_type: str = "",
+        in_flight: Callable[[], int] | None = None,
+        drain_on_sigterm: bool = False,
+        drain_grace_seconds: float = DEFAULT_DRAIN_GRACE_SECONDS,
     ) -> None:
         if lease_seconds is None:
             lease_seconds = (
@@ -133,8 +154,14 @@ class ServerRegistration:
             raise ValueError(f"{server_name}: {problem}")
         self.server_name = server_name
         self.port = port
+        if not drain_grace_seconds >= 0:
+            raise ValueError(f"drain_grace_seconds must be >= 0, got {drain_grace_seconds!r}")
         self.labels = dict(labels or {})
         self.server_type = server_type
+        self.in_flight: Callable[[], int] = in_flight if in_flight is not None else _none_in_flight
+        self.drain_on_sigterm = drain_on_sigterm
+        self.drain_grace_seconds = drain_grace_seconds
+        self.draining = False  # set by adrain(): renewals then say so
         self.listen_host = listen_host
         self.advertise_host = advertise_host
         self.head = _head_server(head)
@@ -181,6 +208,8 @@ class ServerRegistration:
             "lease_seconds": self.lease_seconds,
             "labels": self.labels,
             "server_type": self.server_type,
+            "draining": self.draining,
+            "in_flight": self.in_flight(),
         }
 
     def _register(self, quiet: bool) -> bool:
@@ -227,6 +256,27 @@ class ServerRegistration:
     async def aderegister(self) -> bool:
         await cancel_and_wait(self._refresher)
         self._refresher = None
+        if self.draining and self._deregistered:
+            return False  # a drain deregistered already
+        return await asyncio.to_thread(self.deregister)
+
+    async def adrain(self, hurry: asyncio.Event | None = None) -> bool:
+        """Stop getting new work, finish what is in flight, leave: register again as draining (clients learn it
+        from the head's watch), wait until no call is in flight (at least DRAIN_SETTLE_SECONDS, at most
+        `drain_grace_seconds`, less once `hurry` is set), then deregister. True when the head was told."""
+        self.draining = True
+        logger.info(
+            "%s: draining, %d calls in flight; deregistering once they finish (within %gs)",
+            self.server_name,
+            self.in_flight(),
+            self.drain_grace_seconds,
+        )
+        await asyncio.to_thread(self._refresh, False)
+        left = await wait_until_drained(self.in_flight, self.drain_grace_seconds, hurry or asyncio.Event())
+        if left:
+            logger.warning("%s: deregistering with %d calls still in flight", self.server_name, left)
+        await cancel_and_wait(self._refresher)
+        self._refresher = None
         return await asyncio.to_thread(self.deregister)
 
     async def _keep_registered(self, interval: float) -> None:
@@ -248,9 +298,13 @@ class ServerRegistration:
         await self.aderegister()
 
     async def aiohttp_cleanup_ctx(self, app: web.Application) -> AsyncIterator[None]:
-        """For `app.cleanup_ctx`: registered from startup to cleanup."""
+        """For `app.cleanup_ctx`: registered from startup to cleanup (and drained on SIGTERM, when asked)."""
         await self.aregister()
+        drain = SigtermDrain(self.adrain, stop_aiohttp)
+        if self.drain_on_sigterm:
+            drain.install()
         yield
+        drain.uninstall()
         await self.aderegister()
 
     def asgi(self, app: ASGIApp) -> ASGIApp:
@@ -258,16 +312,30 @@ class ServerRegistration:
         return RegistrationLifespan(app, self)
 
 
-def register_aiohttp_app(app: web.Application, server_name: str, port: int, **options: Any) -> ServerRegistration:
-    """Register the aiohttp app's server with the head on startup and deregister it on cleanup."""
-    registration = ServerRegistration(server_name, port, **options)
+def register_aiohttp_app(
+    app: web.Application, server_name: str, port: int, *, drain_on_sigterm: bool = True, **options: Any
+) -> ServerRegistration:
+    """Register the aiohttp app's server with the head on startup and deregister it on cleanup; on SIGTERM,
+    drain first (web.run_app's own stop follows). The app counts its requests in flight (a middleware, first)."""
+    in_flight = InFlight()
+    app.middlewares.insert(0, counting_middleware(in_flight))
+    registration = ServerRegistration(
+        server_name, port, in_flight=in_flight, drain_on_sigterm=drain_on_sigterm, **options
+    )
     app.cleanup_ctx.append(registration.aiohttp_cleanup_ctx)
     return registration
 
 
-def with_registration(app: ASGIApp, server_name: str, port: int, **options: Any) -> ASGIApp:
-    """An ASGI app that registers with the head at lifespan startup and deregisters at shutdown."""
-    return ServerRegistration(server_name, port, **options).asgi(app)
+def with_registration(
+    app: ASGIApp, server_name: str, port: int, *, drain_on_sigterm: bool = True, **options: Any
+) -> ASGIApp:
+    """An ASGI app that registers with the head at lifespan startup and deregisters at shutdown; on SIGTERM, it
+    drains first, then hands SIGTERM to the server's own handler (uvicorn's: its graceful stop)."""
+    return ServerRegistration(server_name, port, drain_on_sigterm=drain_on_sigterm, **options).asgi(app)
+
+
+def _none_in_flight() -> int:
+    return 0
 
 
 class RegistrationLifespan:
@@ -277,12 +345,26 @@ class RegistrationLifespan:
     def __init__(self, app: ASGIApp, registration: ServerRegistration) -> None:
         self.app = app
         self.registration = registration
+        self.in_flight = InFlight()
+        if registration.in_flight is _none_in_flight:
+            registration.in_flight = self.in_flight
+        self._drain = SigtermDrain(registration.adrain, hand_on_sigterm)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "lifespan":
-            await self.app(scope, receive, send)
+            with self.in_flight.call():
+                await self.app(scope, receive, send)
             return
         await self._lifespan(scope, receive, send)
+
+    async def _started(self) -> None:
+        await self.registration.aregister()
+        if self.registration.drain_on_sigterm:
+            self._drain.install()
+
+    async def _stopping(self) -> None:
+        self._drain.uninstall()
+        await self.registration.aderegister()
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         seen: set[str] = set()  # lifespan message types received from the server or sent by the app
@@ -291,13 +373,13 @@ class RegistrationLifespan:
             message = await receive()
             seen.add(message["type"])
             if message["type"] == "lifespan.shutdown":
-                await self.registration.aderegister()
+                await self._stopping()
             return message
 
         async def app_send(message: Message) -> None:
             seen.add(message["type"])
             if message["type"] == "lifespan.startup.complete":
-                await self.registration.aregister()
+                await self._started()
             await send(message)
 
         try:
@@ -314,9 +396,9 @@ class RegistrationLifespan:
         """The lifespan protocol for an app that has none: register at startup, deregister at shutdown."""
         if not startup_received:
             await receive()  # lifespan.startup
-        await self.registration.aregister()
+        await self._started()
         await send({"type": "lifespan.startup.complete"})
         while (await receive())["type"] != "lifespan.shutdown":
             pass
-        await self.registration.aderegister()
+        await self._stopping()
         await send({"type": "lifespan.shutdown.complete"})
