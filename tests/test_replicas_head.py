@@ -20,8 +20,10 @@ from gym_rpc.client._control import ControlClient
 from gym_rpc.server._head import HeadServer
 from gym_rpc.server._instances import InstanceTarget, watched
 from gym_rpc.wire import InstanceOrigin, StatusReport
+from tests.cli_helpers import running_head, threaded_http_server
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 from tests.test_head_rpc import rewrite_config
+from tests.test_metrics import METRICS_PATTERN, announced, eventually, value, write_config
 from tests.test_scale import CountingServer
 from tests.test_watch import read_until, start_stoppable_server, watching
 
@@ -230,3 +232,24 @@ async def test_a_draining_instance_gets_no_new_work_so_it_does_not_make_the_name
     report = head.prober.report("policy")
     assert report.status == "success"  # the config instance's own status, as the proto says
     assert await health_of(head, "policy") == _NOT_SERVING  # but no instance may be given new work
+
+
+def test_the_heads_metrics_count_instances_by_state_and_say_which_is_up(tmp_path) -> None:
+    """`gym_server_instances` by state and `gym_instance_up` per instance, from a real `gym-rpc head`."""
+    with threaded_http_server() as server:
+        dead = closed_port()
+        replicas = [f"{LOOPBACK}:{dead}"]
+        config = write_config(tmp_path / "gym.yaml", {"policy": server_entry(server.port, replicas=replicas)})
+        with running_head(config, "--metrics-port", "0") as head:
+            url = announced(head, METRICS_PATTERN)
+            samples = eventually(
+                url, lambda s: value(s, "gym_server_instances", gym_instance_state="down") == 1.0, "one down"
+            )
+            counts = {
+                state: value(samples, "gym_server_instances", gym_server_name="policy", gym_instance_state=state)
+                for state in ("up", "draining", "down", "pending")
+            }
+            assert counts == {"up": 1.0, "draining": 0.0, "down": 1.0, "pending": 0.0}
+            assert value(samples, "gym_instance_up", gym_instance_id=authority(server.port)) == 1.0
+            assert value(samples, "gym_instance_up", gym_instance_id=authority(dead)) == 0.0
+            assert value(samples, "gym_server_up", gym_server_name="policy") == 1.0  # the name is up
