@@ -147,7 +147,7 @@ async def test_each_instance_change_is_one_revision_and_a_resume_replays_it(head
         await runner.cleanup()
 
 
-async def test_a_reload_that_adds_a_replica_is_one_change_and_only_it_is_probed(head_factory) -> None:
+async def test_a_reload_that_adds_a_replica_is_one_change_and_only_it_is_probed(head_factory, caplog) -> None:
     """GetServerStatus with a freshness bound probes only the instances whose results are too old: the replica a
     reload added, not the two probed a moment ago (probes are single-flight and fresh per instance)."""
     counters = [CountingServer() for _ in range(3)]
@@ -165,7 +165,10 @@ async def test_a_reload_that_adds_a_replica_is_one_change_and_only_it_is_probed(
         revision = head.prober.revision
         rewrite_config(head, replicated(ports[0], ports[1], ports[2]))
         client = ControlClient(head.address)
-        assert (await client.reload_global_config())[1] is True
+        with caplog.at_level(logging.INFO, logger="gym_rpc.head"):
+            assert (await client.reload_global_config())[1] is True
+        (reloaded,) = [r.getMessage() for r in caplog.records if "config reloaded" in r.getMessage()]
+        assert reloaded.endswith(f"(instances of policy: +{authority(ports[2])})")
         added = head.prober.report("policy")
         assert statuses(added) == [  # the new one unprobed; the others keep their results
             (authority(ports[0]), "success"),

@@ -61,11 +61,20 @@ def probe_stored(
 
 
 def config_reloaded(
-    source: Path | str, old_version: str, new_version: str, added: list[str], removed: list[str]
+    source: Path | str,
+    old_version: str,
+    new_version: str,
+    added: list[str],
+    removed: list[str],
+    instances: dict[str, tuple[list[str], list[str]]] | None = None,
 ) -> None:
-    """A reload (SIGHUP, ReloadGlobalConfig) that changed the config: one INFO line."""
+    """A reload (SIGHUP, ReloadGlobalConfig) that changed the config: one INFO line, naming the servers added and
+    removed, and the instances the config names (its own and its static replicas) added and removed per server."""
     changes = [f"added {', '.join(added)}"] if added else []
     changes += [f"removed {', '.join(removed)}"] if removed else []
+    for name, (came, went) in (instances or {}).items():
+        moved = [f"+{instance_id}" for instance_id in came] + [f"-{instance_id}" for instance_id in went]
+        changes.append(f"instances of {name}: {' '.join(moved)}")
     logger.info(
         "config reloaded from %s: version %s -> %s%s",
         source,

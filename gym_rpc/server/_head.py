@@ -309,7 +309,15 @@ class HeadServer:
         self.prober.set_config_version(config.version)
         added = [name for name in config.servers if name not in old.servers]
         removed = [name for name in old.servers if name not in config.servers]
-        events.config_reloaded(self.source.name, old.version, config.version, added, removed)
+        replicas = {
+            name: (
+                [i.instance_id for i in entry.instances if i not in before],
+                [i.instance_id for i in before if i not in entry.instances],
+            )
+            for name, entry in config.servers.items()
+            if name in old.servers and (before := old.servers[name].instances) != entry.instances
+        }
+        events.config_reloaded(self.source.name, old.version, config.version, added, removed, replicas)
         return True
 
     async def set_problem(self, problem: str | None) -> None:
