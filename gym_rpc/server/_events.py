@@ -116,7 +116,7 @@ def server_registered(
     there are."""
     pid, url = registration.pid, registration.advertised_url
     where = f" ({instance_id}, {instances} instances)" if instances > 1 else ""
-    if previous is not None and (previous.pid, previous.start_time) == (pid, registration.start_time):
+    if previous is not None and previous.pid == pid:
         message = f"{name}: pid {pid} at {url}{where} {_what_changed(previous, registration)}"
     else:
         replaced = f", replacing pid {previous.pid}" if previous is not None and previous.pid != pid else ""

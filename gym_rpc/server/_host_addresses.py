@@ -1,9 +1,11 @@
-"""The IP addresses a host name stands for, to tell whether two addresses are one.
+"""The IP addresses a config host name stands for, to tell whether a registration is at a config instance.
 
-The registry asks it whether a registration is at the address of a config instance (`localhost` and `127.0.0.1`,
-a node's name and the IP its registration came from). A lookup is bounded in time and cached; its answer only ever
-decides which instance a registration holds, never what anyone dials (clients and the prober dial the config's
-names and the registered addresses as they are). A name that does not resolve in time stands for nothing.
+The registry asks whether a registration is at the address of a config instance (`localhost` and `127.0.0.1`, a
+node's name and the IP its registration came from). Only names from the head's own config are looked up, never a
+name a registration gives (that is compared by name): no caller can make the head query names of its choosing. A
+lookup is bounded in time and cached; its answer only ever decides which instance a registration holds, never what
+anyone dials (clients and the prober dial the config's names and the registered addresses as they are). A name
+that does not resolve in time stands for nothing.
 """
 
 from __future__ import annotations
@@ -15,9 +17,8 @@ import time
 
 
 class HostAddresses:
-    """The IP addresses a host stands for, looked up only to tell whether a registration is at the address of a
-    config instance (`localhost` and `127.0.0.1`, a node's name and its IP): bounded in time, cached, and never
-    what anyone dials. A name that does not resolve in time stands for nothing."""
+    """Whether a registered host is a config host: the same IP, the same name, or an IP the config name resolves
+    to (looked up bounded in time, cached for `ttl_seconds`)."""
 
     def __init__(self, ttl_seconds: float = 30.0, timeout_seconds: float = 1.0, max_cached: int = 1024) -> None:
         self._ttl = ttl_seconds
@@ -25,12 +26,11 @@ class HostAddresses:
         self._max_cached = max_cached
         self._cache: dict[str, tuple[float, frozenset[str]]] = {}
 
-    async def same_host(self, a: str, b: str) -> bool:
-        if _ip(a) is not None and _ip(b) is not None:
-            return _ip(a) == _ip(b)
-        if a.strip("[]").lower().rstrip(".") == b.strip("[]").lower().rstrip("."):
-            return True
-        return bool(await self.of(a) & await self.of(b))
+    async def same_host(self, config_host: str, registered_host: str) -> bool:
+        registered_ip = _ip(registered_host)
+        if registered_ip is None:  # a name the registration gave: never looked up, the same name or not
+            return _name(config_host) == _name(registered_host)
+        return registered_ip in await self.of(config_host)
 
     async def of(self, host: str) -> frozenset[str]:
         literal = _ip(host)
@@ -50,6 +50,10 @@ class HostAddresses:
             self._cache.clear()
         self._cache[host] = (time.monotonic(), found)
         return found
+
+
+def _name(host: str) -> str:
+    return host.strip().lower().rstrip(".")
 
 
 def _ip(host: str) -> str | None:

@@ -358,7 +358,7 @@ def _held(target: InstanceTarget, registration: InstanceRegistration) -> Instanc
 def _kind(previous: InstanceRegistration | None, registration: InstanceRegistration) -> RegistrationKind:
     if previous is None:
         return "added"
-    if (previous.pid, previous.start_time) != (registration.pid, registration.start_time):
+    if previous.pid != registration.pid:
         return "replaced"
     if (previous.advertised_url, previous.labels, previous.draining) != (
         registration.advertised_url,
