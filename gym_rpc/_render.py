@@ -56,6 +56,18 @@ def _started(start_time: float) -> float | None:
     return start_time if start_time > 0 else None
 
 
+def _probe_fields(probed: StatusReport | InstanceReport) -> dict[str, Any]:
+    """The probe result of a server or an instance as JSON/YAML rows show it."""
+    return {
+        "status": probed.status,
+        # any HTTP answer is "success" (a 503 too, as in NeMo Gym): the code itself says whether it was healthy
+        "http_status": probed.http_status or None,
+        "latency_ms": round(probed.latency_seconds * 1000, 3) if probed.checked_at else None,
+        "checked_at": probed.checked_at or None,
+        "detail": probed.detail,
+    }
+
+
 def instance_row(instance: InstanceReport, row: ServerInstance | None, now: float) -> dict[str, Any]:
     """One instance of a server as JSON/YAML output shows it (`in_flight`: the calls its process reported)."""
     started = _started(instance.start_time)
@@ -63,11 +75,7 @@ def instance_row(instance: InstanceReport, row: ServerInstance | None, now: floa
         "instance_id": instance.instance_id,
         "url": instance.url,
         "origin": instance.origin,
-        "status": instance.status,
-        "http_status": instance.http_status or None,
-        "latency_ms": round(instance.latency_seconds * 1000, 3) if instance.checked_at else None,
-        "checked_at": instance.checked_at or None,
-        "detail": instance.detail,
+        **_probe_fields(instance),
         "registration": instance.registration,
         "draining": instance.draining,
         "labels": dict(instance.labels),
@@ -83,18 +91,13 @@ def status_row(report: StatusReport, rows: Sequence[ServerInstance], now: float)
     pid, start_time and uptime are null until the server registers; `instances` lists every instance."""
     instance = rows[0] if rows else None
     registered = instance is not None and instance.pid > 0
-    started = instance.start_time if instance is not None and instance.start_time > 0 else None
+    started = _started(instance.start_time) if instance is not None else None
     by_id = {row.instance_id: row for row in rows}
     return {
         "name": report.server_name,
         "type": instance.server_type if instance else "",
         "url": report.url,
-        "status": report.status,
-        # any HTTP answer is "success" (a 503 too, as in NeMo Gym): the code itself says whether it was healthy
-        "http_status": report.http_status or None,
-        "latency_ms": round(report.latency_seconds * 1000, 3) if report.checked_at else None,
-        "checked_at": report.checked_at or None,
-        "detail": report.detail,
+        **_probe_fields(report),
         "pid": instance.pid if registered and instance is not None else None,
         "start_time": started,
         "uptime_seconds": round(now - started, 3) if started is not None else None,
