@@ -25,6 +25,7 @@ from gym_rpc.integrations._registration import ServerRegistration
 from gym_rpc.server._head import HeadServer
 from gym_rpc.wire import StatusReport
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.test_head_rpc import rewrite_config
 from tests.test_replicas_head import authority, health_of, wait_for_report
 from tests.test_watch import read_until, watching
 
@@ -313,3 +314,22 @@ async def test_a_replica_killed_9_is_marked_down_by_its_probe_then_dropped_by_it
             if process.returncode is None:
                 process.kill()
             await asyncio.wait_for(process.wait(), 10)
+
+
+async def test_a_process_whose_config_instance_a_reload_moved_stays_an_instance_at_its_own_address(
+    head_factory, http_server
+) -> None:
+    """Held by its registration from 127.0.0.1, `localhost:P` moves to another port in a reload: the process is a
+    registered instance at the address it registered (its id that address's, not the config's old one)."""
+    port = await http_server()
+    head = await head_factory(document({"policy": server_entry(port, host="localhost")}))
+    await register(head, port, 55)
+    rewrite_config(head, document({"policy": server_entry(closed_port(), host="localhost")}))
+    assert (await ControlClient(head.address).reload_global_config())[1] is True
+    _, moved = head.prober.report("policy").instances
+    assert (moved.instance_id, moved.url, moved.origin, moved.pid) == (
+        authority(port),
+        f"http://{authority(port)}",
+        "registered",
+        55,
+    )

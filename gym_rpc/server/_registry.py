@@ -314,13 +314,15 @@ class InstanceRegistry:
 
     def rekey(self, servers: Mapping[str, ServerEntry]) -> None:
         """After a reload: a registration holding a config instance or static replica the config no longer has
-        becomes a registered instance at its own advertised address (an older one already there gives way)."""
+        becomes a registered instance at its own advertised address (of two there, the one renewed last stays)."""
         for name, registrations in self._registrations.items():
             entry = servers.get(name)
             config_ids = _config_ids(entry) if entry is not None else set()
             for key in [k for k, r in registrations.items() if k not in config_ids and k != r.advertised_id]:
-                registration = registrations.pop(key)
-                registrations[registration.advertised_id] = registration
+                moved = registrations.pop(key)
+                there = registrations.get(moved.advertised_id)
+                if there is None or there.registered_at < moved.registered_at:
+                    registrations[moved.advertised_id] = moved
 
     async def update_prober(self, prober: StatusTargets, names: Iterable[str] | None = None) -> None:
         """Point the prober at the instances of the servers `names` (None: of every server, after a reload) as
