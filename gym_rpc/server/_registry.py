@@ -141,10 +141,6 @@ class InstanceRegistry:
     def __len__(self) -> int:
         return sum(len(registrations) for registrations in self._registrations.values())
 
-    def registrations(self, server_name: str) -> dict[str, InstanceRegistration]:
-        """instance id -> the registration holding it, of one server."""
-        return dict(self._registrations.get(server_name, {}))
-
     def get(self, server_name: str) -> InstanceRegistration | None:
         """The registration holding the server's config instance, if any."""
         entry = self._servers().get(server_name)
