@@ -116,8 +116,9 @@ async def test_the_name_is_up_while_any_instance_answers(head_factory) -> None:
     finally:
         await runner.cleanup()
     report = await wait_for_report(head, lambda r: r.status == "connection_error", "down")
-    assert statuses(report) == [(authority(config_port), "connection_error")] * 1 + [
-        (authority(replica), "connection_error")
+    assert statuses(report) == [
+        (authority(config_port), "connection_error"),
+        (authority(replica), "connection_error"),
     ]
     assert await health_of(head, "policy") == _NOT_SERVING
 
