@@ -598,8 +598,8 @@ def cmd_reload(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _instances(client: SyncControlClient) -> dict[str, ServerInstance]:
-    return {instance.name: instance for instance in client.list_server_instances()}
+def _instances(client: SyncControlClient) -> list[ServerInstance]:
+    return client.list_server_instances()
 
 
 def _require_known(names: Sequence[str], reports: Sequence[StatusReport], flag: str) -> None:
@@ -614,7 +614,7 @@ def _not_up(reports: Sequence[StatusReport], exempt: Sequence[str] = ()) -> list
 
 
 def _print_statuses(
-    reports: Sequence[StatusReport], instances: dict[str, ServerInstance], output: str, exempt: Sequence[str]
+    reports: Sequence[StatusReport], instances: Sequence[ServerInstance], output: str, exempt: Sequence[str]
 ) -> None:
     from gym_rpc._render import format_status_table, render_rows, status_rows, summary_line
 
@@ -733,7 +733,7 @@ def _print_wait_result(reports: Sequence[StatusReport], client: SyncControlClien
     try:
         instances = _instances(client)
     except GymRpcError:
-        instances = {}
+        instances = []
     print(render_rows(status_rows(reports, instances), output), flush=True)  # type: ignore[arg-type]
 
 

@@ -228,7 +228,7 @@ async def test_register_over_connect_advertises_the_callers_address(head_factory
         "RegisterServerInstance",
         {"serverName": "tools", "pid": 42, "listenHost": "0.0.0.0", "listenPort": 8123},
     )
-    assert (status, answer) == (200, {"advertisedUrl": "http://127.0.0.1:8123"})
+    assert (status, answer) == (200, {"advertisedUrl": "http://127.0.0.1:8123", "instanceId": "127.0.0.1:8123"})
 
 
 async def test_watch_stream_json_envelopes_then_end_of_stream(head_factory: HeadFactory, http) -> None:

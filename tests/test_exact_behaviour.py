@@ -1540,34 +1540,38 @@ def test_a_new_probers_revision_is_the_wall_clock_in_milliseconds() -> None:
     assert before <= revision <= time.time_ns() // 1_000_000
 
 
-async def test_a_moved_server_restarts_unprobed_but_keeps_its_registration() -> None:
-    """A server whose config address changes has a new config instance, unprobed at the new URL, with the
-    registration the registry holds for it; the listener is told the new report, not None."""
+async def test_a_moved_config_instance_restarts_unprobed_and_its_process_stays_an_instance() -> None:
+    """A server whose config address changes has a new config instance, unprobed at the new URL; the process that
+    registered at the old address is still an instance (a registered one, there); the listener is told each
+    change (never None: the server did not leave)."""
     told: list[tuple[StatusReport | None, str]] = []
 
     async def on_change(report: StatusReport | None, name: str) -> None:
         told.append((report, name))
 
-    first = GlobalConfig.from_document(document({"a": server_entry(1001)})).servers
-    moved = GlobalConfig.from_document(document({"a": server_entry(1002)})).servers
-    prober = StatusProber(first, on_change=on_change)
-    registry = InstanceRegistry()
-    await prober.set_servers(first)
-    registry.register(InstanceRegistration("a", 7, 0.0, LOOPBACK, 1001, "10.0.0.1", registered_at=time.time()))
-    await registry.update_prober(prober, lambda: first, ["a"])
-    await registry.update_prober(prober, lambda: moved)
+    config = {"servers": GlobalConfig.from_document(document({"a": server_entry(1001)})).servers}
+    prober = StatusProber(config["servers"], on_change=on_change)
+    registry = InstanceRegistry(lambda: config["servers"])
+    await prober.set_servers(config["servers"])
+    await registry.register(InstanceRegistration("a", 7, 0.0, LOOPBACK, 1001, LOOPBACK, registered_at=0.0))
+    await registry.update_prober(prober, ["a"])
+    config["servers"] = GlobalConfig.from_document(document({"a": server_entry(1002)})).servers
+    await registry.update_prober(prober)
     report = prober.report("a")
     assert (report.status, report.url, report.registration, report.advertised_url) == (
         None,
         f"http://{LOOPBACK}:1002",
-        "registered",
-        "http://10.0.0.1:1001",
+        None,
+        "",
     )
-    assert [(i.instance_id, i.status, i.pid) for i in report.instances] == [(f"{LOOPBACK}:1002", None, 7)]
+    assert [(i.instance_id, i.origin, i.registration, i.pid) for i in report.instances] == [
+        (f"{LOOPBACK}:1002", "config", None, 0),
+        (f"{LOOPBACK}:1001", "registered", "registered", 7),
+    ]
     assert [(report and (report.url, report.registration), name) for report, name in told] == [
         ((f"http://{LOOPBACK}:1001", None), "a"),
         ((f"http://{LOOPBACK}:1001", "registered"), "a"),
-        ((f"http://{LOOPBACK}:1002", "registered"), "a"),
+        ((f"http://{LOOPBACK}:1002", None), "a"),
     ]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gym_rpc.server import _metrics as metrics
 from gym_rpc.server._instances import instance_label
-from gym_rpc.wire import InstanceReport
+from gym_rpc.wire import InstanceRegistration, InstanceReport
 
 logger = logging.getLogger("gym_rpc.head")
 
@@ -61,11 +61,20 @@ def probe_stored(
 
 
 def config_reloaded(
-    source: Path | str, old_version: str, new_version: str, added: list[str], removed: list[str]
+    source: Path | str,
+    old_version: str,
+    new_version: str,
+    added: list[str],
+    removed: list[str],
+    instances: dict[str, tuple[list[str], list[str]]] | None = None,
 ) -> None:
-    """A reload (SIGHUP, ReloadGlobalConfig) that changed the config: one INFO line."""
+    """A reload (SIGHUP, ReloadGlobalConfig) that changed the config: one INFO line, naming the servers added and
+    removed, and the instances the config names (its own and its static replicas) added and removed per server."""
     changes = [f"added {', '.join(added)}"] if added else []
     changes += [f"removed {', '.join(removed)}"] if removed else []
+    for name, (came, went) in (instances or {}).items():
+        moved = [f"+{instance_id}" for instance_id in came] + [f"-{instance_id}" for instance_id in went]
+        changes.append(f"instances of {name}: {' '.join(moved)}")
     logger.info(
         "config reloaded from %s: version %s -> %s%s",
         source,
@@ -95,17 +104,33 @@ def config_refused(source: Path | str, version: str, error: Exception) -> None:
     )
 
 
-def server_registered(name: str, pid: int, url: str, replaced_pid: int | None) -> None:
-    """RegisterServerInstance: INFO, naming the process it replaced, if any."""
-    replaced = f", replacing pid {replaced_pid}" if replaced_pid is not None and replaced_pid != pid else ""
-    logger.info(
-        "%s: registered pid %d at %s%s",
-        name,
-        pid,
-        url,
-        replaced,
-        extra={SERVER_NAME_KEY: name, "process.pid": pid},
-    )
+def server_registered(
+    name: str,
+    instance_id: str,
+    registration: InstanceRegistration,
+    previous: InstanceRegistration | None,
+    instances: int,
+) -> None:
+    """RegisterServerInstance that changed an instance (`previous`: the registration it replaced or changed): INFO,
+    naming the process it replaced, if any, and (when the server has several instances) the instance and how many
+    there are."""
+    pid, url = registration.pid, registration.advertised_url
+    where = f" ({instance_id}, {instances} instances)" if instances > 1 else ""
+    if previous is not None and previous.pid == pid:
+        message = f"{name}: pid {pid} at {url}{where} {_what_changed(previous, registration)}"
+    else:
+        replaced = f", replacing pid {previous.pid}" if previous is not None and previous.pid != pid else ""
+        message = f"{name}: registered pid {pid} at {url}{where}{replaced}"
+    logger.info(message, extra={SERVER_NAME_KEY: name, INSTANCE_ID_KEY: instance_id, "process.pid": pid})
+
+
+def _what_changed(previous: InstanceRegistration, registration: InstanceRegistration) -> str:
+    if previous.draining != registration.draining:
+        return "is draining" if registration.draining else "is no longer draining"
+    if previous.advertised_url != registration.advertised_url:
+        return f"moved from {previous.advertised_url}"
+    labels = ", ".join(f"{key}={value}" for key, value in sorted(registration.labels.items()))
+    return f"has labels {labels}" if labels else "has no labels"
 
 
 def server_renewed(name: str, pid: int, url: str) -> None:
@@ -113,9 +138,17 @@ def server_renewed(name: str, pid: int, url: str) -> None:
     logger.debug("%s: renewed pid %d at %s", name, pid, url, extra={SERVER_NAME_KEY: name, "process.pid": pid})
 
 
-def server_deregistered(name: str, pid: int) -> None:
-    """DeregisterServerInstance that removed a registration: INFO."""
-    logger.info("%s: deregistered pid %d", name, pid, extra={SERVER_NAME_KEY: name, "process.pid": pid})
+def server_deregistered(name: str, pid: int, instance_id: str, instances: int) -> None:
+    """DeregisterServerInstance that removed a registration: INFO (naming the instance, and how many the server
+    has left, when it has several)."""
+    left = f" at {instance_id} ({instances} instances left)" if instances > 1 else ""
+    logger.info(
+        "%s: deregistered pid %d%s",
+        name,
+        pid,
+        left,
+        extra={SERVER_NAME_KEY: name, INSTANCE_ID_KEY: instance_id, "process.pid": pid},
+    )
 
 
 def server_lease_expired(name: str, pid: int, lease_seconds: float, url: str) -> None:

@@ -136,7 +136,7 @@ class HeadServer:
             on_change=self._follow_health,
             default_max_age_seconds=options.status_max_age_seconds,
         )
-        self.registry = InstanceRegistry()  # servers that registered (RegisterServerInstance)
+        self.registry = InstanceRegistry(lambda: self.config.servers)  # RegisterServerInstance's instances
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None  # plaintext health only (head_server.health_port)
         self.health_port: int | None = None
@@ -237,7 +237,7 @@ class HeadServer:
             health_server = build_health_server(self._health)
             self.health_port = ServerSecurity().add_port(health_server, self.host, security.health_port)
         await self.prober.start()  # before the first call can arrive: handlers read its reports
-        self.registry.start_expiry(self.prober, lambda: self.config.servers)
+        self.registry.start_expiry(self.prober)
         await server.start()
         self._server = server
         if health_server is not None:
@@ -305,11 +305,19 @@ class HeadServer:
         if config.version == old.version:
             return False
         self.config = config
-        await self.registry.update_prober(self.prober, lambda: self.config.servers)
+        await self.registry.update_prober(self.prober)
         self.prober.set_config_version(config.version)
         added = [name for name in config.servers if name not in old.servers]
         removed = [name for name in old.servers if name not in config.servers]
-        events.config_reloaded(self.source.name, old.version, config.version, added, removed)
+        replicas = {
+            name: (
+                [i.instance_id for i in entry.instances if i not in before],
+                [i.instance_id for i in before if i not in entry.instances],
+            )
+            for name, entry in config.servers.items()
+            if name in old.servers and (before := old.servers[name].instances) != entry.instances
+        }
+        events.config_reloaded(self.source.name, old.version, config.version, added, removed, replicas)
         return True
 
     async def set_problem(self, problem: str | None) -> None:

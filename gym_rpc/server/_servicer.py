@@ -34,7 +34,7 @@ from gym_rpc.server._security import (
 from gym_rpc.server._watch_feed import ReportMessages, WatchFeed
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
-from gym_rpc.wire import ReportedProcess, StatusReport, convert, unknown_server_status
+from gym_rpc.wire import ReportedProcess, StatusReport, convert, label_problem, unknown_server_status
 
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 MIN_HEARTBEAT_SECONDS = 0.05
@@ -196,7 +196,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         head = self._head
         instances = [convert.head_instance_to_pb(head.config, head.pid, head.start_time)]
         for name, entry in head.config.servers.items():
-            instances += convert.server_instances_to_pb(entry, head.prober.report(name), head.processes.get(name))
+            instances += convert.server_instances_to_pb(
+                entry, head.prober.report(name), head.processes.get(name), head.registry.in_flight(name)
+            )
         return pb.ListServerInstancesResponse(instances=instances)
 
     async def GetAssistantMessageHeader(
@@ -241,17 +243,24 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         refusal = self._address_policy.refusal(host)
         if refusal is not None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{name}: advertised host {refusal}")
+        problem = label_problem(request.labels)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {problem}")
         registration = convert.registration_from_pb(request, host, time.monotonic())
         head = self._head
-        replaced = head.registry.get(name)
-        if head.registry.register(registration):
-            events.server_registered(
-                name, registration.pid, registration.advertised_url, replaced.pid if replaced else None
-            )
-            await head.registry.update_prober(head.prober, lambda: head.config.servers, [name])
-        else:  # a renewal changes nothing but the lease: DEBUG, and not followed
+        conflict = head.registry.server_type_conflict(head.config.servers[name], registration)
+        if conflict is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, conflict)
+        registered = await head.registry.register(registration)
+        if registered.kind == "renewed":  # nothing changed but the lease (and the calls in flight): not followed
             events.server_renewed(name, registration.pid, registration.advertised_url)
-        response = pb.RegisterServerInstanceResponse(advertised_url=registration.advertised_url)
+        else:
+            await head.registry.update_prober(head.prober, [name])
+            instances = len(head.prober.report(name).instances)
+            events.server_registered(name, registered.instance_id, registration, registered.previous, instances)
+        response = pb.RegisterServerInstanceResponse(
+            advertised_url=registration.advertised_url, instance_id=registered.instance_id
+        )
         if request.HasField("lease_ttl"):
             response.lease_ttl.CopyFrom(request.lease_ttl)
         return response
@@ -268,12 +277,13 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
                 "registration made without a pid ends with its lease or when another replaces it)",
             )
         head = self._head
-        current = head.registry.get(name)
-        deregistered = head.registry.deregister(name, request.pid)
-        if deregistered:
-            events.server_deregistered(name, current.pid if current else request.pid)
-            await head.registry.update_prober(head.prober, lambda: head.config.servers, [name])
-        return pb.DeregisterServerInstanceResponse(deregistered=deregistered)
+        removed = head.registry.deregister(name, request.pid, request.instance_id)
+        if removed:
+            await head.registry.update_prober(head.prober, [name])
+            left = len(head.prober.report(name).instances)
+            for instance_id, registration in removed:
+                events.server_deregistered(name, registration.pid, instance_id, left)
+        return pb.DeregisterServerInstanceResponse(deregistered=bool(removed))
 
     async def _require_server(self, name: str, context: Context, field: str = "server_name") -> None:
         """INVALID_ARGUMENT for no name, NOT_FOUND (with the known names) for one the config does not have."""
