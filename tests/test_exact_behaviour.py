@@ -74,7 +74,7 @@ from gym_rpc.server._security import (
     _bearer_token,
     check_tls_files,
     head_token,
-    with_handshake_timeout,
+    server_options,
 )
 from gym_rpc.telemetry import TRACING
 from gym_rpc.v1 import control_plane_pb2 as pb
@@ -1167,10 +1167,14 @@ def test_tls_files_the_head_cannot_serve_are_named_with_the_reason(tmp_path: Pat
         assert str(refused.value) == message
 
 
-def test_another_handshake_deadline_replaces_the_default_option() -> None:
-    options = with_handshake_timeout(1.5)
-    assert [name for name, _ in options].count("grpc.server_handshake_timeout_ms") == 1
+def test_chosen_deadlines_and_bound_replace_the_default_options() -> None:
+    options = server_options(max_connections=7, handshake_timeout_seconds=1.5, connection_idle_seconds=2.0)
+    names = [name for name, _ in options]
+    for name in ("grpc.server_handshake_timeout_ms", "grpc.max_connection_idle_ms"):
+        assert names.count(name) == 1
     assert dict(options)["grpc.server_handshake_timeout_ms"] == 1500
+    assert dict(options)["grpc.max_connection_idle_ms"] == 2000
+    assert dict(options)["grpc.max_allowed_incoming_connections"] == 7
 
 
 def test_http_client_must_be_a_mapping_and_each_upstream_pool_key_is_read() -> None:

@@ -272,5 +272,5 @@ def test_a_repeating_failure_is_logged_once_per_interval(caplog) -> None:
     caplog.set_level(logging.WARNING)
     log = RateLimitedLog(logging.getLogger("tests.rate"), interval_seconds=60.0)
     for _ in range(1000):
-        log.warning("cannot accept: Too many open files")
+        log.log("cannot accept: Too many open files")
     assert [r.getMessage() for r in caplog.records] == ["cannot accept: Too many open files"]

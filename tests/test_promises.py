@@ -127,6 +127,9 @@ def test_keepalive_and_ping_rules_are_the_documented_figures() -> None:
         "grpc.http2.min_ping_interval_without_data_ms": 10_000,
         "grpc.http2.max_ping_strikes": 2,
         "grpc.server_handshake_timeout_ms": 10_000,
+        "grpc.max_connection_idle_ms": 30_000,
+        "grpc.max_connection_age_ms": 1_800_000,
+        "grpc.max_connection_age_grace_ms": 300_000,
         "grpc.so_reuseport": 0,
     }
     assert HeadOptions().max_concurrent_watches == 512

@@ -12,9 +12,11 @@ things up in. One module per job, each importing only those listed after it:
 from gym_rpc.config._addresses import base_url, connectable_host, is_wildcard_host, parse_host_port, url_host
 from gym_rpc.config._global import (
     GlobalConfig,
+    config_from_bytes,
     default_config_text,
     get_first_server_config_dict,
     load_config_file,
+    read_config_file,
 )
 from gym_rpc.config._models import (
     DEFAULT_HEAD_HOST,
@@ -70,6 +72,7 @@ __all__ = [
     "checked_port",
     "checked_probe_interval",
     "checked_seconds",
+    "config_from_bytes",
     "configured_token",
     "connectable_host",
     "default_config_text",
@@ -80,6 +83,7 @@ __all__ = [
     "load_config_file",
     "parse_config_text",
     "parse_host_port",
+    "read_config_file",
     "read_file_bytes",
     "redact_secret_text",
     "redact_secrets",
