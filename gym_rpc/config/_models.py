@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
+from gym_rpc.config._addresses import InstanceAddress
 from gym_rpc.config._redaction import REDACTED, is_secret_key, may_be_secret, redact_secrets
 from gym_rpc.config._validators import checked_network_or_host, validation_error_line
 from gym_rpc.errors import ConfigError
@@ -161,6 +162,14 @@ class ServerEntry(BaseModel):
     port: int
     url: str
     config: dict[str, Any]
+    # The static replicas the entry lists (its `replicas:` key, gym_rpc.config._replicas), in the listed order.
+    replicas: tuple[InstanceAddress, ...] = Field(default=(), repr=False)
+
+    @property
+    def instances(self) -> tuple[InstanceAddress, ...]:
+        """Every instance the config names: the entry's own address first, then its replicas (the head adds the
+        ones that register). Client and head read this one list."""
+        return (InstanceAddress(host=self.host, port=self.port, url=self.url), *self.replicas)
 
     def __repr_args__(self) -> Any:
         """repr() shows the entry's config redacted: entries land in logs and tracebacks with their API keys."""
