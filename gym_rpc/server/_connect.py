@@ -43,6 +43,7 @@ from gym_rpc.server._connection_limits import (
     connection_bound,
 )
 from gym_rpc.server._decode_budget import DecodeBudget
+from gym_rpc.server._host_check import LoopbackHostOnly, bound_to_loopback
 from gym_rpc.server._interceptors import Context
 from gym_rpc.server._security import UNAUTHENTICATED_MESSAGE, ServerSecurity, authenticate
 from gym_rpc.server._servicer import ControlPlaneServicer
@@ -246,10 +247,12 @@ class ConnectServer:
     def scheme(self) -> str:
         return "https" if self._security.tls is not None else "http"
 
-    def _config(self) -> uvicorn.Config:
+    def _config(self, host: str) -> uvicorn.Config:
         tls = self._security.tls
+        # DNS rebinding: a loopback-bound port answers only loopback names (gym_rpc.server._host_check).
+        application: Any = LoopbackHostOnly(self._application) if bound_to_loopback(host) else self._application
         return uvicorn.Config(
-            self._application,
+            application,
             lifespan="off",
             http="h11",
             ws="none",
@@ -274,7 +277,7 @@ class ConnectServer:
                 f"cannot serve Connect on {host}:{port}: {exc.strerror or exc}; choose another "
                 f"head_server.{CONNECT_PORT_KEY} (or --connect-port)"
             ) from exc
-        server = _EmbeddedUvicorn(self._config(), listener)
+        server = _EmbeddedUvicorn(self._config(host), listener)
         task = asyncio.get_running_loop().create_task(server.serve())
         listening = asyncio.ensure_future(server.listening.wait())
         await asyncio.wait({listening, task}, timeout=STARTUP_SECONDS, return_when=asyncio.FIRST_COMPLETED)
