@@ -26,10 +26,10 @@ def quoted(text: str, limit: int = MAX_QUOTED_CHARACTERS) -> str:
 
 
 def first_names(names: list[str], limit: int = MAX_LISTED_CHARACTERS) -> list[str]:
-    """The first of `names`, sorted, that fit in `limit` characters (at least one)."""
+    """The first of `names`, in their order, that fit in `limit` characters (at least one)."""
     shown: list[str] = []
     used = 0
-    for name in sorted(names):
+    for name in names:
         used += len(name) + 2
         if shown and used > limit:
             break
@@ -39,7 +39,7 @@ def first_names(names: list[str], limit: int = MAX_LISTED_CHARACTERS) -> list[st
 
 def listed(names: list[str]) -> str:
     """Names for an error message: the first that fit in MAX_LISTED_CHARACTERS, and how many more."""
-    shown = first_names(names)
+    shown = first_names(sorted(names))
     text = ", ".join(shown) or "(none)"
     return f"{text} (and {len(names) - len(shown)} more)" if len(shown) < len(names) else text
 

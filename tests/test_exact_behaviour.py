@@ -118,12 +118,13 @@ def test_a_misshapen_entry_is_named_in_one_exact_line(entry: dict[str, object]) 
 @pytest.mark.parametrize(
     ("rollout_id", "message"),
     [
-        ("", "invalid rollout id '': must be a non-empty string, not . or .."),
-        (".", "invalid rollout id '.': must be a non-empty string, not . or .."),
-        ("..", "invalid rollout id '..': must be a non-empty string, not . or .."),
-        (5, "invalid rollout id 5: must be a non-empty string, not . or .."),
-        ("x" * 257, "rollout id is 257 characters; at most 256"),
-        ("\ud800", "invalid rollout id '\\ud800': not encodable as UTF-8"),
+        ("", "invalid rollout id '': at most 256 letters, digits, dots, dashes or underscores, starting with a letter or digit"),
+        (".", "invalid rollout id '.': at most 256 letters, digits, dots, dashes or underscores, starting with a letter or digit"),
+        ("..", "invalid rollout id '..': at most 256 letters, digits, dots, dashes or underscores, starting with a letter or digit"),
+        (5, "invalid rollout id 5: at most 256 letters, digits, dots, dashes or underscores, starting with a letter or digit"),
+        ("x" * 257, f"invalid rollout id {'x' * 80!r} (and more): at most 256 letters, digits, dots, dashes or underscores, starting with a letter or digit"),
+        ("\ud800", "invalid rollout id '\\ud800': at most 256 letters, digits, dots, dashes or underscores, starting with a letter or digit"),
+        ("r/1", "invalid rollout id 'r/1': at most 256 letters, digits, dots, dashes or underscores, starting with a letter or digit"),
     ],
 )
 def test_a_refused_rollout_id_gets_one_exact_line(rollout_id: object, message: str) -> None:
@@ -613,7 +614,7 @@ async def test_the_health_port_has_the_main_ports_bounds(head_factory) -> None:
 def test_an_unhashable_rollout_id_is_named_in_the_typed_error() -> None:
     with pytest.raises(InvalidRolloutIdError) as caught:
         rollout_path_prefix(["r"])  # type: ignore[arg-type]
-    assert str(caught.value) == "invalid rollout id ['r']: must be a non-empty string, not . or .."
+    assert str(caught.value) == "invalid rollout id ['r']: at most 256 letters, digits, dots, dashes or underscores, starting with a letter or digit"
 
 
 @pytest.mark.parametrize(
