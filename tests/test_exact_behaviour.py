@@ -115,16 +115,19 @@ def test_a_misshapen_entry_is_named_in_one_exact_line(entry: dict[str, object]) 
     assert str(caught.value) == "config entry 'bad' is not of the form {server_type: {impl: {...}}}"
 
 
+RULE = "at most 256 letters, digits, dots, dashes or underscores, starting with a letter or digit"
+
+
 @pytest.mark.parametrize(
     ("rollout_id", "message"),
     [
-        ("", "invalid rollout id '': at most 256 letters, digits, dots, dashes or underscores, starting with a letter or digit"),
-        (".", "invalid rollout id '.': at most 256 letters, digits, dots, dashes or underscores, starting with a letter or digit"),
-        ("..", "invalid rollout id '..': at most 256 letters, digits, dots, dashes or underscores, starting with a letter or digit"),
-        (5, "invalid rollout id 5: at most 256 letters, digits, dots, dashes or underscores, starting with a letter or digit"),
-        ("x" * 257, f"invalid rollout id {'x' * 80!r} (and more): at most 256 letters, digits, dots, dashes or underscores, starting with a letter or digit"),
-        ("\ud800", "invalid rollout id '\\ud800': at most 256 letters, digits, dots, dashes or underscores, starting with a letter or digit"),
-        ("r/1", "invalid rollout id 'r/1': at most 256 letters, digits, dots, dashes or underscores, starting with a letter or digit"),
+        ("", f"invalid rollout id '': {RULE}"),
+        (".", f"invalid rollout id '.': {RULE}"),
+        ("..", f"invalid rollout id '..': {RULE}"),
+        (5, f"invalid rollout id 5: {RULE}"),
+        ("x" * 257, f"invalid rollout id {'x' * 80!r} (and more): {RULE}"),
+        ("\ud800", f"invalid rollout id '\\ud800': {RULE}"),
+        ("r/1", f"invalid rollout id 'r/1': {RULE}"),
     ],
 )
 def test_a_refused_rollout_id_gets_one_exact_line(rollout_id: object, message: str) -> None:
@@ -614,7 +617,7 @@ async def test_the_health_port_has_the_main_ports_bounds(head_factory) -> None:
 def test_an_unhashable_rollout_id_is_named_in_the_typed_error() -> None:
     with pytest.raises(InvalidRolloutIdError) as caught:
         rollout_path_prefix(["r"])  # type: ignore[arg-type]
-    assert str(caught.value) == "invalid rollout id ['r']: at most 256 letters, digits, dots, dashes or underscores, starting with a letter or digit"
+    assert str(caught.value) == f"invalid rollout id ['r']: {RULE}"
 
 
 @pytest.mark.parametrize(
