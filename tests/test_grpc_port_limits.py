@@ -7,28 +7,24 @@ flood new clients connect.
 
 from __future__ import annotations
 
-import contextlib
-import re
 import signal
 import socket
-import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
 
 from gym_rpc.client._control import SyncControlClient
 from gym_rpc.server._connection_limits import grpc_connection_bound
-from tests.cli_helpers import STARTUP_SECONDS, cli_command, cli_env, threaded_http_server
+from tests.cli_helpers import threaded_http_server
 from tests.conftest import closed_port, document, server_entry
-from tests.test_http_port_limits import FD_LIMIT, limit_fds, many_fds
+from tests.test_http_port_limits import FD_LIMIT, head_with_fd_limit, many_fds
 
 __all__ = ["many_fds"]
 
 ATTACK_CONNECTIONS = 1100
-GRPC_BOUND_AT_1024 = 258  # 1024 - 3 * 170 (the HTTP-side ports) - 256 (OTHER_FD_RESERVE)
+GRPC_BOUND_AT_1024 = 258  # 1024 - 3 * 170 (the HTTP-side ports, all open here) - 256 (OTHER_FD_RESERVE)
 IDLE_SECONDS = 3.0
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")  # + an empty SETTINGS frame
 
@@ -43,35 +39,6 @@ def test_the_grpc_bound_fits_the_descriptor_budget() -> None:
         assert grpc_connection_bound(100) == 100
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
-@contextlib.contextmanager
-def limited_head(config: Path, log: Path) -> Iterator[tuple[subprocess.Popen[str], str, int]]:
-    """`gym-rpc head` under `ulimit -n 1024` with a Connect port and a short idle deadline: (process, gRPC address,
-    Connect port)."""
-    args = ["head", "--config", str(config), "--port", "0", "--connect-port", "0", "--probe-interval", "0.2"]
-    args += ["--connection-idle", str(IDLE_SECONDS)]
-    banner = re.compile(r"listening on (\S+) .*Connect on http://127\.0\.0\.1:(\d+)")
-    with log.open("wb") as stderr:
-        process = subprocess.Popen(
-            cli_command(args),
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-            env=cli_env(),
-            preexec_fn=limit_fds,
-        )
-        try:
-            assert process.stdout is not None
-            deadline = time.monotonic() + STARTUP_SECONDS
-            line = process.stdout.readline()
-            while not (match := banner.search(line)):
-                assert time.monotonic() < deadline and line, f"no banner: {line!r} {log.read_text()[:2000]}"
-                line = process.stdout.readline()
-            yield process, match.group(1), int(match.group(2))
-        finally:
-            process.kill()
-            process.wait(timeout=10)
 
 
 def open_http2_flood(port: int, count: int) -> list[socket.socket]:
@@ -110,7 +77,9 @@ def test_a_flood_of_idle_http2_connections_takes_only_the_grpc_bound(tmp_path: P
         servers = {"policy": server_entry(server.port)}
         config = tmp_path / "gym.yaml"
         config.write_text(yaml.safe_dump(document(servers)), encoding="utf-8")
-        with limited_head(config, log) as (head, address, connect_port):
+        flags = ("--config", str(config), "--probe-interval", "0.2", "--connection-idle", str(IDLE_SECONDS))
+        with head_with_fd_limit(log, *flags) as (head, address, ports):
+            connect_port = ports["connect"]
             operator = SyncControlClient(address, timeout_seconds=10.0)
             # The operator's connection carries a watch, so it is never idle: it stays open through the flood.
             watch = operator.watch_server_statuses(heartbeat_seconds=0.5)

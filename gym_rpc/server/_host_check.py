@@ -22,18 +22,25 @@ Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
 
 
+def ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address an IP literal names (bracketed or not, a zone dropped, IPv4-mapped IPv6 as IPv4); None for
+    anything else."""
+    try:
+        address = ipaddress.ip_address(host.strip().strip("[]").split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
 def is_loopback_host(host: str) -> bool:
     """A loopback IP literal (bracketed or not), `localhost` or a name under `.localhost`."""
     bare = host.strip().strip("[]").lower().removesuffix(".")
     if bare == "localhost" or bare.endswith(".localhost"):
         return True
-    try:
-        address = ipaddress.ip_address(bare.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback
+    address = ip_literal(bare)
+    return address is not None and address.is_loopback
 
 
 def bound_to_loopback(bind_host: str) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -24,6 +23,7 @@ from urllib.parse import unquote
 import grpc
 
 from gym_rpc.server._connection_limits import RateLimitedLog
+from gym_rpc.server._host_check import ip_literal
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +45,9 @@ def peer_address(peer: str) -> str:
 
 def client_key(address: str) -> str:
     """Whose share a stream counts against: its address, or LOOPBACK_PEER for any loopback address."""
-    try:
-        parsed = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
+    parsed = ip_literal(address)
+    if parsed is None:
         return address
-    if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
-        parsed = parsed.ipv4_mapped
     return LOOPBACK_PEER if parsed.is_loopback else str(parsed)
 
 
