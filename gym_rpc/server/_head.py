@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gym_rpc._tasks import cancel_and_wait
 from gym_rpc._telemetry_switches import TELEMETRY_KEY
 from gym_rpc.config import (
     GlobalConfig,
@@ -298,6 +299,8 @@ class HeadServer:
         """Report NOT_SERVING, stop the source, then finish in-flight calls within the grace period."""
         head_metrics.forget(self)
         await self._health.enter_graceful_shutdown()
+        for reload in (self._next_reload, self._running_reload):  # one waiting for a file to hold still, say
+            await cancel_and_wait(reload)
         await self.source.stop()
         extra_ports: tuple[_Stoppable | None, ...] = (self._connect, self._metrics_server, self._http_head)
         for extra in extra_ports:
