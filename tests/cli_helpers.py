@@ -51,6 +51,16 @@ def run_cli(
     )
 
 
+def cli_start_seconds() -> float:
+    """How long `gym-rpc --version` takes here and now: a command's own start (a cold interpreter importing grpc),
+    which a loaded machine stretches to seconds. A test bounding a command's run by its deadline bounds what
+    comes on top of this, measured beside it, not a fixed guess at it."""
+    started = time.monotonic()
+    result = run_cli(["--version"], timeout=60)
+    assert result.returncode == 0, result.stderr
+    return time.monotonic() - started
+
+
 class CliProcess:
     """A running `gym-rpc` subprocess whose stdout lines can be awaited with a deadline."""
 
