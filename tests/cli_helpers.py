@@ -188,15 +188,19 @@ def running_cli(
 
 @contextlib.contextmanager
 def running_head(
-    config: Path | None = None, *extra_args: str, env: Mapping[str, str] | None = None
+    config: Path | None = None,
+    *extra_args: str,
+    env: Mapping[str, str] | None = None,
+    startup_seconds: float = STARTUP_SECONDS,
 ) -> Iterator[HeadProcess]:
-    """Start `gym-rpc head --port 0 [--config F]`, wait for its "listening on" line, always kill it at exit."""
+    """Start `gym-rpc head --port 0 [--config F]`, wait for its "listening on" line (at most `startup_seconds`),
+    always kill it at exit."""
     args = ["head", "--port", "0", "--probe-interval", "0.1", "--probe-timeout", "0.5", *extra_args]
     if config is not None:
         args += ["--config", str(config)]
     head = HeadProcess(args, env)
     try:
-        match = head.wait_for_line(LISTENING_PATTERN, STARTUP_SECONDS)
+        match = head.wait_for_line(LISTENING_PATTERN, startup_seconds)
         head.address, head.banner = match.group(1), match.string
         yield head
     finally:

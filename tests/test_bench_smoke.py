@@ -11,6 +11,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -40,6 +42,7 @@ def finished(tmp_path: Path, module: str, run: subprocess.Popen[bytes]) -> tuple
     return stdout, (tmp_path / f"{module}.md").read_text(encoding="utf-8")
 
 
+@pytest.mark.timeout(240)  # the runs' own hang guard is 180 s: the suite's 60 s cut them short under load
 def test_quick_benches_print_their_tables_and_write_their_reports(tmp_path: Path) -> None:
     with quick_runs(tmp_path, "bench", "bench.scale") as runs:
         stdout, report = finished(tmp_path, "bench", runs["bench"])

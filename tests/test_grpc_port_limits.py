@@ -13,6 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 import yaml
 
 from gym_rpc.client._control import SyncControlClient
@@ -71,6 +72,7 @@ def statuses(client: SyncControlClient) -> dict[str, str | None]:
     return {r.server_name: r.status for r in client.list_server_statuses(timeout=10).reports}
 
 
+@pytest.mark.timeout(240)  # 1,100 connections opened one by one, a reload, the idle deadline: slow when loaded
 def test_a_flood_of_idle_http2_connections_takes_only_the_grpc_bound(tmp_path: Path, many_fds) -> None:
     log = tmp_path / "head.log"
     with threaded_http_server() as server:

@@ -125,11 +125,13 @@ def head_cpu_seconds(head: HeadProcess) -> float:
     return (int(fields[11]) + int(fields[12])) / 100
 
 
+@pytest.mark.timeout(300)  # 1,500 entries parsed at start and twice more: a minute and more on a loaded machine
 async def test_reloads_coalesce_and_an_unchanged_file_costs_a_hash(tmp_path: Path) -> None:
     path = tmp_path / "gym.yaml"
     many = servers(1500)
     write(path, document(many))
-    with running_head(path, "--probe-interval", "30") as head:  # probes would blur the CPU figures
+    # Probes would blur the CPU figures; reading 1,500 entries at start took over 15 s on a loaded machine.
+    with running_head(path, "--probe-interval", "30", startup_seconds=90) as head:
         client = ControlClient(head.address)
         write(path, document({**many, "one_more": server_entry(closed_port())}))
         cpu = head_cpu_seconds(head)
