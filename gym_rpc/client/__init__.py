@@ -16,6 +16,7 @@ from gym_rpc._lazy import lazy_exports
 if TYPE_CHECKING:
     from gym_rpc.client._channel import (
         DEFAULT_TIMEOUT_SECONDS,
+        checked_head_address,
         close_aio_channels,
         close_sync_channels,
         default_head_address,
@@ -43,6 +44,7 @@ _EXPORTS = {
     "SyncStatusWatch": "gym_rpc.client._watch",
     "apply_rollout_prefix": "gym_rpc.client._rollout",
     "client_security": "gym_rpc.client._security",
+    "checked_head_address": "gym_rpc.client._channel",
     "close_aio_channels": "gym_rpc.client._channel",
     "close_http_sessions": "gym_rpc.client._http",
     "close_sync_channels": "gym_rpc.client._channel",
@@ -65,6 +67,7 @@ __all__ = [
     "SyncControlClient",
     "SyncStatusWatch",
     "apply_rollout_prefix",
+    "checked_head_address",
     "client_security",
     "close_aio_channels",
     "close_http_sessions",

@@ -35,13 +35,9 @@ from connectrpc.server import ConnectASGIApplication, Endpoint
 from google.rpc import status_pb2
 from protobuf.wkt import Any as ConnectAny  # connectrpc's protobuf runtime, not google.protobuf's
 
+from gym_rpc._logging import RateLimitedLog
 from gym_rpc.errors import GymRpcError
-from gym_rpc.server._connection_limits import (
-    DEFAULT_MAX_CONNECT_CONNECTIONS,
-    BoundedListener,
-    RateLimitedLog,
-    connection_bound,
-)
+from gym_rpc.server._connection_limits import DEFAULT_MAX_CONNECT_CONNECTIONS, BoundedListener, connection_bound
 from gym_rpc.server._decode_budget import DecodeBudget
 from gym_rpc.server._host_check import LoopbackHostOnly, bound_to_loopback
 from gym_rpc.server._interceptors import Context

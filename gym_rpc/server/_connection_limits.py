@@ -12,7 +12,7 @@ the gRPC port can no longer accept, and asyncio logs a traceback per failed acce
   `grpc_connection_bound` sizes the gRPC port's own bound (grpc closes connections past it at once) inside that
   reserve: with every port full, OTHER_FD_RESERVE descriptors stay free for the prober, reloads and the rest.
 * `raise_fd_soft_limit` lifts the soft limit to the hard one where the system allows.
-* `RateLimitedLog` turns a repeating failure into one line per interval with a count.
+* a repeating accept failure is logged once per interval with a count (`gym_rpc._logging.RateLimitedLog`).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import logging
 import resource
 import socket
 import ssl
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from gym_rpc._logging import RateLimitedLog
 from gym_rpc.errors import GymRpcError
 
 logger = logging.getLogger(__name__)
@@ -80,29 +80,6 @@ def grpc_connection_bound(max_connections: int = DEFAULT_MAX_GRPC_CONNECTIONS) -
         DEFAULT_MAX_CONNECT_CONNECTIONS
     )
     return max(MIN_GRPC_CONNECTIONS, min(max_connections, soft - http_side - OTHER_FD_RESERVE))
-
-
-class RateLimitedLog:
-    """Log a repeating problem at most once per `interval_seconds` (at `level`), saying how many were not
-    logged."""
-
-    def __init__(
-        self, log: logging.Logger, interval_seconds: float = 10.0, *, level: int = logging.WARNING
-    ) -> None:
-        self._log = log
-        self._interval = interval_seconds
-        self._level = level
-        self._last = -float("inf")
-        self._suppressed = 0
-
-    def log(self, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last < self._interval:
-            self._suppressed += 1
-            return
-        suffix = f" ({self._suppressed} more like it in the last {self._interval:g} s)" if self._suppressed else ""
-        self._last, self._suppressed = now, 0
-        self._log.log(self._level, "%s%s", message, suffix)
 
 
 class BoundedListener:

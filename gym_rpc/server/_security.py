@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from gym_rpc._environment import environment
+from gym_rpc._logging import RateLimitedLog
 from gym_rpc.config import (
     HEAD_SERVER_KEY,
     REDACTED,
@@ -34,7 +35,7 @@ from gym_rpc.config import (
     url_host,
 )
 from gym_rpc.errors import ConfigError, GymRpcError
-from gym_rpc.server._connection_limits import HEALTH_PORT_CONNECTIONS, RateLimitedLog
+from gym_rpc.server._connection_limits import HEALTH_PORT_CONNECTIONS
 from gym_rpc.server._interceptors import Context, Handler, HandlerInterceptor, ServerInterceptor
 from gym_rpc.wire import (
     AUTHORIZATION_METADATA_KEY,

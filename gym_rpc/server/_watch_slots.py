@@ -22,7 +22,7 @@ from urllib.parse import unquote
 
 import grpc
 
-from gym_rpc.server._connection_limits import RateLimitedLog
+from gym_rpc._logging import RateLimitedLog
 from gym_rpc.server._host_check import ip_literal
 
 logger = logging.getLogger(__name__)
