@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gym_rpc import __version__
 from gym_rpc._cli_flags import (
@@ -220,6 +220,19 @@ def _add_serving_flags(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         metavar="N",
         help="status watches served at once; more get RESOURCE_EXHAUSTED (none: 512)",
+    )
+    parser.add_argument(
+        "--connection-idle",
+        type=positive_float,
+        metavar="S",
+        help="seconds a gRPC connection may go without a call before the head closes it (none: 30)",
+    )
+    parser.add_argument(
+        "--watch-stall",
+        type=positive_float,
+        metavar="S",
+        help="seconds a status or health watch may wait for its reader to take a message before it is dropped "
+        "(none: 10)",
     )
     _add_log_flags(parser, "info")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at least at info level")
@@ -527,8 +540,14 @@ def _announce(kind: str, started: HeadServer, source: str) -> None:
     print(f"gym-rpc {kind} listening on {started.address} ({source}, {guard}){''.join(extras)}", flush=True)
 
 
-def _max_watches(args: argparse.Namespace) -> dict[str, int]:
-    return {} if args.max_watches is None else {"max_concurrent_watches": args.max_watches}
+def _max_watches(args: argparse.Namespace) -> dict[str, Any]:
+    """The watch and connection bounds given on the command line (the rest keep HeadOptions' defaults)."""
+    given = {
+        "max_concurrent_watches": args.max_watches,
+        "watch_stall_seconds": args.watch_stall,
+        "connection_idle_seconds": args.connection_idle,
+    }
+    return {option: value for option, value in given.items() if value is not None}
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -117,7 +117,7 @@ EXPECTED = {"policy": "SERVER_STATUS_SUCCESS", "tools": "SERVER_STATUS_CONNECTIO
 
 
 def test_every_rpc_of_the_contract_is_routed_to_the_servicer_method_of_its_name() -> None:
-    routes = endpoints(ControlPlaneServicer(head=None), token=None)  # type: ignore[arg-type]
+    routes = endpoints(ControlPlaneServicer(head=None))  # type: ignore[arg-type]
     assert sorted(routes) == sorted(f"{PREFIX}/{method.name}" for method in SERVICE.methods)
     watch = routes[f"{PREFIX}/WatchServerStatuses"]
     assert (watch.method.input, watch.method.output) == (

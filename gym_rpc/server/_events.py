@@ -8,6 +8,7 @@ call these functions instead of logging themselves, so every event has one wordi
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from gym_rpc.server import _metrics as metrics
@@ -19,6 +20,27 @@ logger = logging.getLogger("gym_rpc.head")
 SERVER_NAME_KEY = "gym.server.name"
 INSTANCE_ID_KEY = "gym.instance.id"
 PENDING = "pending"
+REPEAT_INTERVAL_SECONDS = 10.0  # the same reload outcome again within this is not logged again
+
+
+class _Repeats:
+    """Which lines were logged in the last interval: a caller repeating the same reload (the same refusal, the same
+    unchanged file) in a loop gets its answer each time, the log one line per interval."""
+
+    def __init__(self) -> None:
+        self._logged: dict[tuple[object, ...], float] = {}
+
+    def first(self, *key: object) -> bool:
+        now = time.monotonic()
+        if now - self._logged.get(key, -REPEAT_INTERVAL_SECONDS) < REPEAT_INTERVAL_SECONDS:
+            return False
+        if len(self._logged) > 64:
+            self._logged = {k: t for k, t in self._logged.items() if now - t < REPEAT_INTERVAL_SECONDS}
+        self._logged[key] = now
+        return True
+
+
+_repeats = _Repeats()
 
 
 def probe_stored(
@@ -86,7 +108,10 @@ def config_reloaded(
 
 
 def config_unchanged(source: Path | str, version: str) -> None:
-    """A reload that found the same config: one INFO line (the operator asked, so the answer is logged)."""
+    """A reload that found the same config: one INFO line (the operator asked, so the answer is logged), once per
+    interval."""
+    if not _repeats.first("unchanged", str(source), version):
+        return
     logger.info(
         "config reload from %s: unchanged (version %s)", source, version, extra={"gym.config.version": version}
     )
@@ -94,7 +119,10 @@ def config_unchanged(source: Path | str, version: str) -> None:
 
 def config_refused(source: Path | str, version: str, error: Exception) -> None:
     """A reload whose config was bad: one WARNING line (the head serves on, the old config stays; the caller of
-    ReloadGlobalConfig gets the reason too). No traceback: the reason is the operator's file."""
+    ReloadGlobalConfig gets the reason too), once per interval for the same reason. No traceback: the reason is the
+    operator's file."""
+    if not _repeats.first("refused", str(source), version, str(error)):
+        return
     logger.warning(
         "config reload from %s refused, old config kept (version %s): %s",
         source,

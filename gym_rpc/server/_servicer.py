@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 import grpc
 
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url, is_wildcard_host
-from gym_rpc.errors import ConfigError
+from gym_rpc.errors import ConfigError, quoted
 from gym_rpc.server import _events as events
 from gym_rpc.server._address_policy import AddressPolicy
 from gym_rpc.server._prober import StatusProber
@@ -32,6 +32,7 @@ from gym_rpc.server._security import (
     caller_is_authenticated,
 )
 from gym_rpc.server._watch_feed import ReportMessages, WatchFeed
+from gym_rpc.server._watch_slots import DEFAULT_STALL_SECONDS, WatchSlots, peer_address, write_all_or_drop
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import ReportedProcess, StatusReport, convert, label_problem, unknown_server_status
@@ -70,23 +71,24 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES,
         max_watches_per_peer: int = DEFAULT_MAX_WATCHES_PER_PEER,
         address_policy: AddressPolicy | None = None,
+        watch_stall_seconds: float = DEFAULT_STALL_SECONDS,
     ) -> None:
         self._head = head
         self._address_policy = address_policy if address_policy is not None else AddressPolicy()
         self._config_responses: dict[bool, tuple[str, pb.GetGlobalConfigResponse]] = {}
-        self._max_watches = max_concurrent_watches
-        self._watches = 0
         self._report_messages = ReportMessages()  # each probe result converted once
         self.watch_feed = WatchFeed(lambda: self._head.prober, self._report_messages)  # one message per change
         # Per client address (not per connection: a client opening more connections is still one peer), so one
         # client cannot take every slot of the head and lock the other watchers out.
-        self._max_watches_per_peer = max_watches_per_peer
-        self._watches_by_peer: dict[str, int] = {}
+        self.watch_slots = WatchSlots(
+            "status watches", max_concurrent_watches, max_watches_per_peer, instead="poll ListServerStatuses"
+        )
+        self.watch_stall_seconds = watch_stall_seconds
 
     @property
     def watches(self) -> int:
         """Status watches open now (the head's `gym.head.watchers` gauge)."""
-        return self._watches
+        return self.watch_slots.open
 
     async def GetHeadServerConfig(
         self, request: pb.GetHeadServerConfigRequest, context: Context
@@ -140,32 +142,13 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
     async def WatchServerStatuses(
         self, request: pb.WatchServerStatusesRequest, context: Context
     ) -> AsyncIterator[pb.WatchServerStatusesResponse]:
-        if self._watches >= self._max_watches:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the head already serves {self._max_watches} status watches; retry later or poll "
-                f"ListServerStatuses",
-            )
-        peer = peer_address(context.peer())
-        held = self._watches_by_peer.get(peer, 0)
-        if held >= self._max_watches_per_peer:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{peer} already holds {held} status watches, the most one client address may; close one, share "
-                f"one watch per process, or poll ListServerStatuses",
-            )
-        self._watches += 1
-        self._watches_by_peer[peer] = held + 1
-        try:
+        address = peer_address(context.peer())
+        refusal = self.watch_slots.refusal(address)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        with self.watch_slots.held(address):
             async for message in self._watch(request):
                 yield message
-        finally:
-            self._watches -= 1
-            left = self._watches_by_peer[peer] - 1
-            if left:
-                self._watches_by_peer[peer] = left
-            else:
-                del self._watches_by_peer[peer]
 
     async def _watch(
         self, request: pb.WatchServerStatusesRequest
@@ -323,7 +306,8 @@ async def _require_valid_hosts(request: pb.RegisterServerInstanceRequest, contex
 
 
 def _bad_host_message(field: str, host: str) -> str:
-    return f"{field} {host!r} is neither an IP address nor a hostname (letters, digits, hyphens and dots; no port)"
+    what = "is neither an IP address nor a hostname (letters, digits, hyphens and dots; no port)"
+    return f"{field} {quoted(host)} {what}"
 
 
 def _config_response(config: GlobalConfig, include_secrets: bool) -> pb.GetGlobalConfigResponse:
@@ -337,6 +321,18 @@ def _config_response(config: GlobalConfig, include_secrets: bool) -> pb.GetGloba
             config, document=document, config_json=json.dumps(document, ensure_ascii=False)
         )
     return convert.global_config_to_pb(config, include_secrets=True)
+
+
+def _bounded_writes(
+    stream: Callable[[Any, Context], AsyncIterator[Any]], stall_seconds: float
+) -> Callable[[Any, Context], Awaitable[None]]:
+    """A gRPC server-streaming handler that writes what `stream` yields, each write bounded by `stall_seconds`: a
+    reader that stops reading ends its own stream (gym_rpc.server._watch_slots) instead of holding it forever."""
+
+    async def handler(request: Any, context: Context) -> None:
+        await write_all_or_drop(context, stream(request, context), stall_seconds)
+
+    return handler
 
 
 def add_control_plane_service(servicer: ControlPlaneServicer, server: grpc.aio.Server) -> None:
@@ -357,10 +353,13 @@ def add_control_plane_service(servicer: ControlPlaneServicer, server: grpc.aio.S
             if method.server_streaming
             else grpc.unary_unary_rpc_method_handler
         )
+        handler = (
+            _bounded_writes(servicer.WatchServerStatuses, servicer.watch_stall_seconds)
+            if method.name == "WatchServerStatuses"
+            else getattr(servicer, method.name)
+        )
         handlers[method.name] = make(
-            getattr(servicer, method.name),
-            request_deserializer=request_class.FromString,
-            response_serializer=serializer,
+            handler, request_deserializer=request_class.FromString, response_serializer=serializer
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     # As the generated code does too: grpc resolves registered methods without the generic handler lookup, where
@@ -368,17 +367,6 @@ def add_control_plane_service(servicer: ControlPlaneServicer, server: grpc.aio.S
     register: Any = getattr(server, "add_registered_method_handlers", None)
     if register is not None:
         register(service.full_name, handlers)
-
-
-def peer_address(peer: str) -> str:
-    """The client address of a gRPC peer string without its port: `ipv4:10.0.0.7:53211` -> `10.0.0.7`,
-    `ipv6:[::1]:53211` -> `::1`; anything else (a unix socket) as it is."""
-    kind, _, rest = peer.partition(":")
-    if kind == "ipv4":
-        return rest.rpartition(":")[0] or rest
-    if kind == "ipv6":
-        return rest.rpartition(":")[0].strip("[]") or rest
-    return peer
 
 
 def _snapshot(
