@@ -34,9 +34,9 @@ from omegaconf import OmegaConf
 
 from bench.servers import ServerProcess, pinned_apart
 from bench.stats import Row, interleaved_latencies, median, ratio_row, spread_text, table_lines
-from gym_rpc.client._http import HttpClientSettings, close_http_sessions
+from gym_rpc.client._http import close_http_sessions, json_payload
+from gym_rpc.client._http_settings import HttpClientSettings
 from gym_rpc.client.server_client import ServerClient
-from gym_rpc.client.server_client import _json_payload as json_body_payload
 from gym_rpc.config import BaseServerConfig
 
 SERVER_NAME = "policy_model"
@@ -231,7 +231,7 @@ def serialisation_row(pairs: int, batch: int = 200) -> Row:
 
     def ours() -> None:
         for _ in range(batch):
-            json_body_payload(PAYLOAD)
+            json_payload(PAYLOAD)
 
     def aiohttp_default() -> None:
         for _ in range(batch):

@@ -71,15 +71,27 @@ METHOD = """\
   baseline pays only its client's work), plus the Gym servers the heads probe. The NeMo Gym client side is what
   NeMo Gym does: `OmegaConf.create(json.loads(requests.get(url).text))` for the config and one blocking
   `requests.get` per server for statuses (a 2 s timeout per server, as DESIGN's 4.14 s for two silent ones).
-- Data plane: a child process runs an aiohttp server answering `POST /v1/responses`; the bench process sends the
-  same ~1 KB JSON body as NeMo Gym code does, `ServerClient.post(name, path, json=body)`, and as the best raw
-  aiohttp a user could write by hand, `session.post(url, data=orjson.dumps(body))` with a JSON Content-Type (same
-  connection limits and deadline, no cookie jar, as gym_rpc's pool: the ratio isolates what ServerClient adds);
-  both read each answer with `orjson.loads`. Rounds of four short blocks (ABBA, then BAAB; 100, 256 and 512
-  requests at concurrency 1, 64 and 512), 80 rounds; each block starts on a collected heap (untimed) and the
-  heap built before measuring is frozen, so no side pays for collecting the other's garbage. Client CPU per
-  request is this process's CPU time over requests. The serialisation row times 200 `json=` bodies made into the
-  payload aiohttp sends: gym_rpc's (orjson) against aiohttp's own `json=` (`json.dumps`), interleaved.
+- Data plane, measured as rollout workers run: a child process runs an aiohttp server answering `POST
+  /v1/responses`, pinned to one core and the client to the other; the bench process sends the same ~1 KB JSON body
+  as NeMo Gym code does, `ServerClient.post(name, path, json=body)`, and as the best raw aiohttp a user could write
+  by hand, `session.post(url, data=orjson.dumps(body))` with a JSON Content-Type (same connection limits and
+  deadline, no cookie jar, as gym_rpc's pool: the ratio isolates what ServerClient adds); both read each answer
+  with `orjson.loads`. The garbage collector is on and left alone: nothing is frozen and nothing collected
+  between blocks, so each side pays for the collections its own objects cause, and a live heap of 300,000 small
+  rollout records (600,000 objects the collector tracks) sits beside the client, so every full collection scans
+  what it would scan in a worker. Rounds of four short blocks (ABBA, then BAAB: each side runs first once per
+  round), 100, 256, 512, 2,048 and 4,096 requests per block at concurrency 1, 64, 512, 2,048 and 4,096, and 80,
+  80, 80, 30 and 20 rounds; the figure is the median of the per-round ratios, shown with their middle half and a
+  seeded bootstrap's 90 % range of that median. Client CPU per request is this process's CPU time over requests;
+  the collector's runs per 10,000 requests (young / middle / full) are counted per side. The serialisation row
+  times 200 `json=` bodies made into the payload aiohttp sends: gym_rpc's (orjson) against aiohttp's own `json=`
+  (`json.dumps`), interleaved.
+- Objects a call keeps alive (bench/allocations.py): 256 calls of each side started at once against a server
+  that holds each answer 4 s, on pooled connections; once every call waits, the objects the collector tracks and
+  the memory blocks in use are counted against the same counts before (median of 3, interleaved). The collector is
+  off only while counting (a collection would move the counts; the figure is a count, not a time), so it is exact
+  to a fraction of an object: the figure that tells a real gain from noise on a loaded machine. No timed row
+  freezes the heap, collects before a block, or turns the collector off.
 - Isolation: the client's data pool is capped and kept full by 8x as many slow requests; control calls run back
   to back in the same event loop. The baseline is the same HTTP call made over the shared data pool, as NeMo Gym
   has only one pool (waits cut short by the window's end count as lower bounds).
@@ -131,7 +143,8 @@ NOTES = """\
   the SDK's `ReadableSpan` by hand from private SDK attributes to save about 15 µs per recorded span (0.87x with
   every call traced, 0.88x sampled in `make bench` on 63236c6); under sampling the public API is within noise of
   it, so it went. Tracing off, the hot path is the untraced one (one boolean check), so the data-plane rows do not
-  move. The flag rows use the data-plane rows' method (80 rounds of four short blocks, collected heap).
+  move. The flag rows use the data-plane rows' method (80 rounds of four short blocks, the collector on beside the
+  same live heap).
 - **Isolation.** gRPC control calls travel on their own HTTP/2 channel and `_control=True` calls on a reserved
   aiohttp pool, so a saturated data pool does not delay them; what remains in their p99 is the shared event loop
   and CPU, which the saturating traffic keeps busy.

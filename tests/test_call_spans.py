@@ -20,7 +20,8 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased,
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from gym_rpc.client import _http_tracing, rollout_context
-from gym_rpc.client._http import RetryPolicy, send
+from gym_rpc.client._http import send
+from gym_rpc.client._http_settings import RetryPolicy
 from gym_rpc.client._http_tracing import is_default_propagator, traced_send
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.errors import ServerUnreachableError

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from gym_rpc.client import _http as http
 from gym_rpc.client._http import close_http_sessions
+from gym_rpc.client._http_settings import HttpClientSettings
 from gym_rpc.client.server_client import ServerClient, rollout_context
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import GymRpcError, ServerUnreachableError
@@ -294,9 +295,9 @@ def test_sessions_are_per_loop_and_close_cleanly() -> None:
     seen: list[aiohttp.ClientSession] = []
 
     async def use_and_close() -> None:
-        sessions = client.__pydantic_private__["_http"].sessions()  # type: ignore[index]
+        sessions = client._http.sessions()
         assert sessions.data is not sessions.control
-        assert client.__pydantic_private__["_http"].sessions() is sessions  # type: ignore[index]
+        assert client._data_plane.pools.sessions() is sessions  # what the hot path reads is the client's own
         seen.append(sessions.data)
         await client.aclose()
         assert sessions.data.closed and sessions.control.closed
@@ -316,10 +317,10 @@ def test_unclosed_session_would_be_caught() -> None:
     """The check above can fail: sessions left open are reported once a later loop forgets the dead loop's."""
 
     async def leak() -> None:
-        http.loop_sessions(http.HttpClientSettings())  # made, never closed
+        http.loop_sessions(HttpClientSettings())  # made, never closed
 
     async def make_and_close() -> None:
-        await http.loop_sessions(http.HttpClientSettings()).close()
+        await http.loop_sessions(HttpClientSettings()).close()
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -348,7 +349,8 @@ async def test_http_client_block_sets_pool_limits(http_server) -> None:
         http_client={"max_connections": 7, "control_max_connections": 2, "connect_timeout_seconds": 3},
     )
     assert await call(client, "model", "/") == 200
-    sessions = client.__pydantic_private__["_http"].sessions()  # type: ignore[index]
+    sessions = client._http.sessions()
+    assert sessions.data.connector is not None and sessions.control.connector is not None
     assert sessions.data.connector.limit == 7
     assert sessions.control.connector.limit == 2
     assert sessions.data.timeout.sock_connect == 3

@@ -12,7 +12,8 @@ import aiohttp
 import pytest
 from omegaconf import OmegaConf
 
-from gym_rpc.client._http import HttpClientSettings, close_http_sessions
+from gym_rpc.client._http import close_http_sessions
+from gym_rpc.client._http_settings import HttpClientSettings
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import GymRpcError, RequestTimeoutError
@@ -53,7 +54,7 @@ def test_data_plane_calls_have_a_default_total_deadline() -> None:
 async def test_the_default_deadline_is_on_the_data_session(mute_server) -> None:
     port, _ = mute_server
     client = make_client(port)
-    sessions = client.__pydantic_private__["_http"].sessions()  # type: ignore[index]
+    sessions = client._http.sessions()
     assert sessions.data.timeout.total == 1800.0
 
 

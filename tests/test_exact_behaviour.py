@@ -35,15 +35,8 @@ from gym_rpc import config as config_module
 from gym_rpc.client import ClientSecurity, ClientTls, ControlClient, SyncControlClient
 from gym_rpc.client import _metrics as client_metrics
 from gym_rpc.client._aiohttp_instrumentation import _ATTRIBUTES_KEY, _add_attributes
-from gym_rpc.client._http import (
-    HttpClientSettings,
-    LoopSessions,
-    RetryPolicy,
-    _sessions_by_loop,
-    close_loop_sessions,
-    loop_sessions,
-    send,
-)
+from gym_rpc.client._http import LoopSessions, _sessions_by_loop, close_loop_sessions, loop_sessions, send
+from gym_rpc.client._http_settings import HttpClientSettings, RetryPolicy
 from gym_rpc.client._http_tracing import traced_send
 from gym_rpc.client._metrics import metered_send
 from gym_rpc.client._rollout import apply_rollout_prefix

@@ -23,8 +23,8 @@ import aiohttp
 import pytest
 from omegaconf import OmegaConf
 
-from gym_rpc.client._http import close_http_sessions
-from gym_rpc.client.server_client import ServerClient, _json_payload, rollout_context
+from gym_rpc.client._http import close_http_sessions, json_payload
+from gym_rpc.client.server_client import ServerClient, rollout_context
 from gym_rpc.config import BaseServerConfig
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
@@ -95,7 +95,7 @@ async def extra_objects(client: ServerClient, counter: Counter, url: str, path: 
         return await client.post("policy", "/v1/responses", json=BODY)
 
     async def direct() -> object:
-        return await counter.session.request("POST", url + path, data=_json_payload(BODY))
+        return await counter.session.request("POST", url + path, data=json_payload(BODY))
 
     return await counter.objects_held(ours) - await counter.objects_held(direct)
 

@@ -15,23 +15,62 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import closed_port
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_importing_server_client_loads_no_server_module() -> None:
     code = (
         "import gym_rpc.client.server_client, sys, json; "
-        "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('gym_rpc', 'grpc', 'google.protobuf')))))"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('gym_rpc', 'grpc', 'google.protobuf', "
+        "'aiohttp')))))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True
     )
     loaded = json.loads(result.stdout)
     assert "gym_rpc.client.server_client" in loaded
-    # gRPC, protobuf and the control client load on the first call to the head, not with the module.
-    assert [m for m in loaded if m.startswith(("grpc", "google.protobuf", "gym_rpc.client._control"))] == []
+    # gRPC, protobuf and the control client load on the first call to the head, aiohttp and the data plane on the
+    # first data-plane call (test below), not with the module.
+    lazy = ("grpc", "google.protobuf", "gym_rpc.client._control", "aiohttp", "gym_rpc.client._http.")
+    assert [m for m in loaded if m.startswith(lazy) or m == "gym_rpc.client._http"] == []
     above_the_client = {"server", "integrations", "cli", "demo", "_render"}
     assert [m for m in loaded if m.split(".")[1:2] and m.split(".")[1] in above_the_client] == []
+
+
+# A client that never asks the head makes one data-plane call (to a closed port: refused, so no server is needed).
+_FIRST_CALL = """
+import asyncio, sys
+from omegaconf import OmegaConf
+from gym_rpc.client.server_client import ServerClient
+from gym_rpc.errors import ServerUnreachableError
+document = {{"head_server": {{"host": "127.0.0.1", "port": 1}},
+            "model": {{"responses_api_models": {{"m": {{"host": "127.0.0.1", "port": {port}}}}}}},
+            "http_client": {{"retry": {{"attempts": 1}}}}}}
+client = ServerClient(head_server_config=document["head_server"], global_config_dict=OmegaConf.create(document))
+print("aiohttp" in sys.modules)
+async def first_call():
+    try:
+        await client.post("model", "/v1/responses", json={{}})
+    except ServerUnreachableError:
+        print("aiohttp" in sys.modules)
+    await client.aclose()
+asyncio.run(first_call())
+"""
+
+
+def test_the_data_plane_imports_aiohttp_on_the_first_call() -> None:
+    """aiohttp is most of what importing ServerClient would cost in memory: it comes with the first call."""
+    result = subprocess.run(
+        [sys.executable, "-c", _FIRST_CALL.format(port=closed_port())],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert result.stdout.split() == ["False", "True"], result.stderr
 
 
 @pytest.mark.parametrize(

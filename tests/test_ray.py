@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gym_rpc.client._http import HttpPools, close_http_sessions
+from gym_rpc.client._http import close_http_sessions
+from gym_rpc.client._http_pools import HttpPools
 from gym_rpc.client._rollout import rollout_context
 from gym_rpc.client.server_client import ServerClient, _PendingDictConfig
 from gym_rpc.config import BaseServerConfig, GlobalConfig

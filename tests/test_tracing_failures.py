@@ -22,7 +22,8 @@ from opentelemetry.sdk.trace.sampling import Sampler, SamplingResult
 from gym_rpc import telemetry
 from gym_rpc.client import _metrics as client_metrics
 from gym_rpc.client import rollout_context
-from gym_rpc.client._http import RetryPolicy, send
+from gym_rpc.client._http import send
+from gym_rpc.client._http_settings import RetryPolicy
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.errors import ServerUnreachableError
 from gym_rpc.integrations import TraceContextPathMiddleware

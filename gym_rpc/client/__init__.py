@@ -4,7 +4,8 @@
 * `_control`: the blocking and async control-plane clients; `_channel`: their shared, tuned gRPC channels.
 * `_security`: the bearer token and TLS a client presents; `_tracing`: OpenTelemetry on the control channels.
 * `_watch`: a status watch that reconnects and resumes by itself (`StatusWatch`, `SyncStatusWatch`).
-* `_http`: the data plane's HTTP pools, bounded resends and traced sends; `_rollout`: the current rollout id.
+* `_http`: the data plane's sessions and bounded resends (aiohttp, imported on the first data-plane call);
+  `_http_pools`, `_http_settings`: what a client holds of them before that; `_rollout`: the current rollout id.
 
 Nothing here imports `gym_rpc.server`: a worker never loads head code. Exports import on first use.
 """
@@ -23,7 +24,9 @@ if TYPE_CHECKING:
         head_address,
     )
     from gym_rpc.client._control import ControlClient, StatusSnapshot, SyncControlClient
-    from gym_rpc.client._http import HttpClientSettings, HttpPools, RetryPolicy, close_http_sessions
+    from gym_rpc.client._http import close_http_sessions
+    from gym_rpc.client._http_pools import HttpPools
+    from gym_rpc.client._http_settings import HttpClientSettings, RetryPolicy
     from gym_rpc.client._rollout import apply_rollout_prefix, current_rollout_id, rollout_context
     from gym_rpc.client._security import ClientSecurity, ClientTls, client_security
     from gym_rpc.client._watch import StatusWatch, SyncStatusWatch
@@ -34,9 +37,9 @@ _EXPORTS = {
     "ClientTls": "gym_rpc.client._security",
     "ControlClient": "gym_rpc.client._control",
     "DEFAULT_TIMEOUT_SECONDS": "gym_rpc.client._channel",
-    "HttpClientSettings": "gym_rpc.client._http",
-    "HttpPools": "gym_rpc.client._http",
-    "RetryPolicy": "gym_rpc.client._http",
+    "HttpClientSettings": "gym_rpc.client._http_settings",
+    "HttpPools": "gym_rpc.client._http_pools",
+    "RetryPolicy": "gym_rpc.client._http_settings",
     "ServerClient": "gym_rpc.client.server_client",
     "StatusSnapshot": "gym_rpc.client._control",
     "StatusWatch": "gym_rpc.client._watch",

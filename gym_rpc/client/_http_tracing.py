@@ -36,7 +36,8 @@ from opentelemetry.propagators.textmap import TextMapPropagator
 
 from gym_rpc.client._aiohttp_instrumentation import request_context as instrumentation_request_context
 from gym_rpc.client._aiohttp_instrumentation import session_instrumented
-from gym_rpc.client._http import CallObserver, RetryPolicy, send
+from gym_rpc.client._http import CallObserver, send
+from gym_rpc.client._http_settings import RetryPolicy
 from gym_rpc.client._rollout import rollout_id_in_context
 from gym_rpc.telemetry import (
     ROLLOUT_ID_ATTRIBUTE,

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
 
-from gym_rpc.client._http import RetryPolicy, send
+from gym_rpc.client._http import send
+from gym_rpc.client._http_settings import RetryPolicy
 from gym_rpc.client._http_tracing import traced_send
 from gym_rpc.errors import ServerUnreachableError
 from gym_rpc.metrics import meter, seconds_histogram

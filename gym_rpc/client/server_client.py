@@ -10,6 +10,7 @@ client does (the config from its HTTP endpoint, statuses probed directly).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import threading
@@ -17,9 +18,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Optional, Self
 
-import aiohttp
-import orjson
-from aiohttp.payload import BytesPayload
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer, field_validator
 
@@ -31,14 +29,8 @@ from gym_rpc._environment import (
 )
 from gym_rpc._telemetry_switches import TELEMETRY_KEY
 from gym_rpc.client._head_protocol import NEMO_GYM_HTTP, head_protocol
-from gym_rpc.client._http import (
-    HttpClientSettings,
-    HttpPools,
-    request_timeout_error,
-    send,
-)
-from gym_rpc.client._http_tracing import traced_send
-from gym_rpc.client._metrics import metered_send
+from gym_rpc.client._http_pools import HttpPools
+from gym_rpc.client._http_settings import HttpClientSettings
 from gym_rpc.client._nemo_gym import nemo_gym_rollout_id, rollout_id_from_run_body
 from gym_rpc.client._probe import probe
 from gym_rpc.client._rollout import (
@@ -88,6 +80,7 @@ from gym_rpc.wire import (
 if TYPE_CHECKING:
     from typing import Unpack
 
+    import aiohttp
     from aiohttp.client import _RequestOptions
 
     from gym_rpc.client._control import SyncControlClient
@@ -162,7 +155,6 @@ class _LazyDictConfigField:
         instance.__dict__[_GLOBAL_CONFIG_DICT_FIELD] = value
 
 
-_JSON_CONTENT_TYPE = "application/json"
 # The least time a direct status probe gets when the head's attempt used up the caller's timeout.
 _MIN_DIRECT_PROBE_SECONDS = 0.1
 
@@ -173,12 +165,6 @@ def _connectable_client_host(host: str) -> str:
     Ready for `f"http://{host}:{port}"`: wildcards become loopback and IPv6 literals come bracketed ("::" and
     "[::]" give "[::1]")."""
     return url_host(connectable_host(host))
-
-
-def _json_payload(body: Any) -> BytesPayload:
-    """A `json=` body serialised as NeMo Gym does (orjson: datetimes as RFC 3339, NaN as null), several times
-    faster than aiohttp's default `json.dumps`; a Content-Type the caller set still wins, as with aiohttp."""
-    return BytesPayload(orjson.dumps(body), content_type=_JSON_CONTENT_TYPE)
 
 
 def _injected_config() -> GlobalConfig | None:
@@ -240,13 +226,42 @@ def _setup_telemetry(config: GlobalConfig) -> None:
     setup_client_metrics(telemetry_block=block)
 
 
-def _private_attributes(client: ServerClient) -> dict[str, Any]:
-    """The hot path's one speed trick, fenced here: `ServerClient.request` reads its private attributes from
-    pydantic's store in one step, because each `self._x` read goes through BaseModel.__getattr__ (about 1.5 µs).
-    Kept because `make bench` shows it pays (section `hotpath`, bench/hot_path.py: the same client reading
-    `self._x` costs a few µs more per call with no I/O, a few percent of the client's CPU per real request);
-    drop it when that row says it no longer does."""
-    return client.__pydantic_private__  # type: ignore[return-value]
+_DATA_PLANE = "_data_plane"  # ServerClient's cached property: see _DataPlane
+
+
+class _DataPlane:
+    """What `ServerClient.request` reads on every call, in one plain object made on the client's first call (its
+    `_data_plane`, a cached property: after the first call one ordinary attribute read).
+
+    Two costs kept off the hot path, on public API only: each read of a pydantic private attribute (`self._x`)
+    misses the instance and goes through BaseModel.__getattr__ (about 1.5 µs, the "hot path" rows of
+    bench/hot_path.py), and aiohttp with the data plane's modules is imported here, on the first call, not with
+    server_client (a process that only asks the head never loads it). It refers to the client's own
+    `_server_base_urls`, `_global_config` and `_http`, which are never rebound once the client is made; a copy or
+    an unpickled client gets its own (ServerClient drops this object from what it copies and pickles)."""
+
+    __slots__ = (
+        "base_urls",
+        "config",
+        "json_payload",
+        "metered_send",
+        "pools",
+        "send",
+        "timeout_error",
+        "traced_send",
+    )
+
+    def __init__(self, base_urls: dict[str, str], config: GlobalConfig, pools: HttpPools) -> None:
+        from gym_rpc.client import _http, _http_tracing, _metrics
+
+        self.base_urls = base_urls
+        self.config = config
+        self.pools = pools
+        self.send = _http.send
+        self.json_payload = _http.json_payload
+        self.timeout_error = _http.request_timeout_error
+        self.traced_send = _http_tracing.traced_send
+        self.metered_send = _metrics.metered_send
 
 
 class ServerClient(BaseModel):
@@ -298,6 +313,7 @@ class ServerClient(BaseModel):
     def __getstate__(self) -> dict[Any, Any]:
         """Pickle without the live HttpPools (its sessions are this process's), keeping its settings."""
         state = super().__getstate__()
+        state["__dict__"] = {key: value for key, value in state["__dict__"].items() if key != _DATA_PLANE}
         private = dict(state["__pydantic_private__"] or {})
         pools: HttpPools = private.pop("_http")
         state["__pydantic_private__"] = private
@@ -318,15 +334,21 @@ class ServerClient(BaseModel):
     def __copy__(self) -> Self:
         """A shallow copy sharing config and caches, with its own HttpPools."""
         clone = super().__copy__()
-        private: dict[str, Any] = clone.__pydantic_private__  # type: ignore[assignment]
-        private["_http"] = HttpPools(self._http.settings)
+        vars(clone).pop(_DATA_PLANE, None)
+        clone._http = HttpPools(self._http.settings)
         return clone
 
     def __deepcopy__(self, memo: dict[int, Any] | None = None) -> Self:
         """A deep copy of config and caches; the live HttpPools is replaced, never copied."""
         memo = {} if memo is None else memo
         memo[id(self._http)] = HttpPools(self._http.settings)
-        return super().__deepcopy__(memo)
+        clone = super().__deepcopy__(memo)
+        vars(clone).pop(_DATA_PLANE, None)
+        return clone
+
+    @functools.cached_property
+    def _data_plane(self) -> _DataPlane:
+        return _DataPlane(self._server_base_urls, self._global_config, self._http)
 
     @field_serializer(_GLOBAL_CONFIG_DICT_FIELD)
     def _dump_global_config_dict(self, value: Any) -> DictConfig:
@@ -511,8 +533,8 @@ class ServerClient(BaseModel):
         The hot path: a cached URL, the rollout prefix rule and the request itself. The caller reads and releases
         the response, as with aiohttp.
         """
-        private = _private_attributes(self)
-        url = private["_server_base_urls"].get(server_name) or await self._aresolve_base_url(server_name)
+        plane = self._data_plane
+        url = plane.base_urls.get(server_name) or await self._aresolve_base_url(server_name)
         body = kwargs.get("json")
         if body is not None:
             if isinstance(body, BaseModel):
@@ -520,22 +542,22 @@ class ServerClient(BaseModel):
             if kwargs.get("data") is not None:
                 raise ValueError("data and json parameters can not be used at the same time")
             del kwargs["json"]
-            kwargs["data"] = _json_payload(body)
-        config: GlobalConfig = private["_global_config"]
+            kwargs["data"] = plane.json_payload(body)
+        config = plane.config
         if config.observability_enabled:
             url_path = _observed_path(config, server_name, url_path, body)
-        pools: HttpPools = private["_http"]
+        pools = plane.pools
         sessions = pools.sessions()
         session = sessions.control if _control else sessions.data
         full_url = url + url_path
+        retry, resend = pools.settings.retry, _resend_after_disconnect
         try:
             if TRACING.enabled or METRICS.enabled:  # what tracing and metrics cost when off
-                retry, resend = pools.settings.retry, _resend_after_disconnect
-                observed = metered_send if METRICS.enabled else traced_send
+                observed = plane.metered_send if METRICS.enabled else plane.traced_send
                 return await observed(session, method, url, full_url, retry, resend, kwargs, server_name)
-            return await send(session, method, full_url, pools.settings.retry, _resend_after_disconnect, kwargs)
+            return await plane.send(session, method, full_url, retry, resend, kwargs)
         except TimeoutError as error:  # aiohttp's says neither which server nor which deadline
-            raise request_timeout_error(server_name, method, full_url, session, kwargs) from error
+            raise plane.timeout_error(server_name, method, full_url, session, kwargs) from error
 
     async def get(
         self, server_name: str, url_path: str, **kwargs: Unpack[_RequestOptions]
