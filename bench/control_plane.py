@@ -122,7 +122,7 @@ def run(info: dict[str, object], plan: ControlPlan) -> list[Row]:
 
     ours, base = _compare("config fetch", load, fetch_baseline, plan.config_pairs)
     rows.append(
-        _row(f"config fetch → usable client/config, {n} entries", ours, base, "requests + OmegaConf", 10.0)
+        _row(f"config fetch → usable client/config, {n} entries", ours, base, "requests + OmegaConf", 30.0)
     )
     ours, base = _compare("config fetch, cold channel", load_cold, fetch_baseline, plan.cold_pairs)
     rows.append(

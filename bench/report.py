@@ -122,15 +122,30 @@ NOTES = """\
 - **Data plane.** On this two-core machine the client and the server share the CPU, so requests per second are
   bound by both; the ratio and the client CPU per request show what gym_rpc adds: a cached URL lookup, the
   rollout-prefix check, the pool choice and two more coroutine levels (`post` -> `request` -> the bounded-retry
-  `send` -> aiohttp). Its one speed trick, the private attributes read in one step, is measured by the "hot
-  path" rows (bench/hot_path.py); inlining `send`'s first attempt saved about 0.1 µs and went. Its `json=`
-  bodies cost no more than the hand-written `data=orjson.dumps(body)`: they are made straight into the payload
-  aiohttp sends (aiohttp's own `json=` goes through `json.dumps`, several times slower: the serialisation row).
-  Measured without I/O, the client adds about 1-2 µs of Python per call against 60-170 µs of client CPU for the
-  request itself; in these runs its CPU per request is 0-5% above raw's, so the expected ratio is about 0.95-1.0
-  when the client is the bottleneck. Per-round ratios scatter by tens of percent when other work shares the cores
-  (the middle half is shown): an A/A run (raw against raw) on the same loaded machine gave medians of 0.96 to
-  1.07 over 40-100 rounds, so a figure within a few percent of 0.95 is that scatter, not a difference.
+  `send` -> aiohttp). Its one speed trick is its `_data_plane`: what `request` reads on every call (base URLs,
+  typed config, pools, send functions) kept in one plain object, a `functools.cached_property` of the client, so
+  a call makes one ordinary attribute read where each pydantic private attribute read would miss the instance and
+  go through `BaseModel.__getattr__`; it replaced one read of pydantic's `__pydantic_private__` store (a
+  dependency's internals) and is measured by the "hot path" rows (bench/hot_path.py). Inlining `send`'s first
+  attempt saved about 0.1 µs and went. `json=` bodies cost no more than the hand-written
+  `data=orjson.dumps(body)`: they are made straight into the payload aiohttp sends (aiohttp's own `json=` goes
+  through `json.dumps`, several times slower: the serialisation row).
+- **The collector, as workers run it.** A call's objects that stay alive while it waits are what the collector
+  pays for: they count towards the next young collection and, with thousands in flight, are promoted and bring
+  full collections (each scanning the 600,000 objects of the live heap) sooner. `ServerClient.post` keeps 3 more
+  alive than raw aiohttp (49 against 46, exact at 256 in flight: its `post`, `request` and `send` coroutines and
+  its kwargs, less what aiohttp's context manager holds on the raw side), and about 5 % more young collections
+  run per request (the "GC runs" figures). tests/test_hot_path_allocations.py bounds what the hot path holds at
+  aiohttp's request start without I/O (5 objects today), so a change adding objects fails there. The earlier
+  method (each block on a freshly collected, frozen heap) removed exactly this cost: it gave 0.96 at c=512 where
+  issue 29's run with the collector left alone gave 0.88 (112 against 98 µs of client CPU per request); it went.
+- **How many rounds.** Per-round ratios scatter by tens of percent when other work shares the cores; the median of
+  many rounds does not. The bootstrap's 90 % range of the median (shown in each row) narrows as 1/sqrt(rounds):
+  80 rounds of short blocks hold it within about ±0.03 at c=1 to 512 on a loaded machine, and 30 and 20 rounds of
+  the longer blocks at 2,048 and 4,096 (one request per worker each, so a block lasts a second or two) do the
+  same in about two minutes each. An A/A run (raw against raw) on the same loaded machine gave medians of 0.96 to
+  1.07 over 40-100 rounds, so a figure within a few hundredths of its goal is that scatter, not a difference:
+  read the client CPU per request and the objects per call beside it.
 - **Tracing.** A traced call is one span on OpenTelemetry's public API: the SDK's `start_span` and `end` (its
   sampler, attribute checks, a lock, the `Span` and its `ReadableSpan`), its `traceparent` header, and the batching
   processor's queue and thread; the spans it holds until export also lengthen young garbage collections. With every

@@ -337,15 +337,17 @@ def pinned_apart(server_pid: int) -> Iterator[None]:
         yield
         return
     placed = {os.getpid(): {cores[0]}, server_pid: {cores[1]}}
-    before = {(pid, tid): os.sched_getaffinity(tid) for pid in placed for tid in _threads(pid)}
+    before: dict[int, set[int]] = {}
     for pid, core in placed.items():
         for tid in _threads(pid):
-            os.sched_setaffinity(tid, core)
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended since it was listed
+                before[tid] = os.sched_getaffinity(tid)
+                os.sched_setaffinity(tid, core)
     print(f"client pinned to CPU {cores[0]}, data server to CPU {cores[1]}", file=sys.stderr)
     try:
         yield
     finally:
-        for (_, tid), affinity in before.items():
+        for tid, affinity in before.items():
             with contextlib.suppress(OSError):  # a thread that ended meanwhile
                 os.sched_setaffinity(tid, affinity)
 

@@ -168,3 +168,15 @@ def test_the_scan_finds_what_the_old_span_path_read(source: str) -> None:
 )
 def test_the_scan_leaves_public_and_own_names_alone(source: str) -> None:
     assert list(private_reads(ast.parse(source))) == []
+
+
+def test_no_gym_rpc_module_reads_pydantics_private_store() -> None:
+    """`__pydantic_private__` is pydantic's own store of a model's private attributes: the client reads them as
+    attributes (`self._x`), and its hot path from its own cached `_data_plane` (bench/hot_path.py says why)."""
+    found = [
+        str(path.relative_to(PACKAGE))
+        for path, tree in _sources(PACKAGE)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr == "__pydantic_private__"
+    ]
+    assert found == []

@@ -74,6 +74,7 @@ async def test_pickle_keeps_config_and_caches_and_drops_live_sessions() -> None:
     client._advertised_urls = {"tools": "http://10.0.0.9:8200"}
     assert client.checkpoint_enabled() is True
     sessions = client._http.sessions()  # live aiohttp sessions of this loop: not picklable themselves
+    assert client._data_plane.pools is client._http  # what the hot path reads, gathered: it holds the live pools
     try:
         with pytest.raises((TypeError, AttributeError)):
             pickle.dumps(sessions)
@@ -91,6 +92,7 @@ async def test_pickle_keeps_config_and_caches_and_drops_live_sessions() -> None:
         assert isinstance(restored._http, HttpPools) and restored._http is not client._http
         assert restored._http.settings.max_connections == 7
         assert restored._http._last is None  # reconnects on first use
+        assert restored._data_plane.pools is restored._http  # its own, never the sender's
         assert not sessions.data.closed  # the original keeps its sessions
         assert restored._resolve_base_url("tools") == "http://10.0.0.9:8200"  # the cache travelled
     finally:
@@ -101,10 +103,13 @@ async def test_copies_get_their_own_pools() -> None:
     client = client_for(document({"policy": server_entry(8000)}))
     client._resolve_base_url("policy")
     client._http.sessions()
+    assert client._data_plane.pools is client._http
     try:
         shallow, deep = copy.copy(client), copy.deepcopy(client)
         for clone in (shallow, deep):
             assert clone._http is not client._http and clone._http._last is None
+            assert clone._data_plane.pools is clone._http  # what its calls read is its own
+            assert clone._data_plane.base_urls is clone._server_base_urls
             assert clone._http.settings == client._http.settings
             assert clone._resolve_base_url("policy") == "http://127.0.0.1:8000"
         assert shallow._server_base_urls is client._server_base_urls  # shallow: the same cache

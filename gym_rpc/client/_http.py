@@ -3,8 +3,8 @@ one for `_control=True` calls, so a saturated data pool never delays them; the b
 
 Sessions belong to the loop that made them (an aiohttp session cannot outlive its loop), so they are kept per
 loop and a new loop never gets a session bound to a dead one. Close them with `close_http_sessions()` (or
-`ServerClient.aclose()`) before the loop ends. The one module of the client's data plane that aiohttp is imported
-with: ServerClient imports it on its first call (gym_rpc.client._http_pools, ServerClient's `_data_plane`).
+`ServerClient.aclose()`) before the loop ends. aiohttp comes with this module (and the tracing and metrics ones
+that build on it), which ServerClient imports on its first data-plane call, not at import (its `_data_plane`).
 """
 
 from __future__ import annotations
