@@ -133,10 +133,10 @@ NOTES = """\
 - **The collector, as workers run it.** A call's objects that stay alive while it waits are what the collector
   pays for: they count towards the next young collection and, with thousands in flight, are promoted and bring
   full collections (each scanning the 600,000 objects of the live heap) sooner. `ServerClient.post` keeps 3 more
-  alive than raw aiohttp (49 against 46, exact at 256 in flight: its `post`, `request` and `send` coroutines and
-  its kwargs, less what aiohttp's context manager holds on the raw side), and about 5 % more young collections
-  run per request (the "GC runs" figures). tests/test_hot_path_allocations.py bounds what the hot path holds at
-  aiohttp's request start without I/O (5 objects today), so a change adding objects fails there. The earlier
+  alive than raw aiohttp while it waits (49 against 46, exact at 256 in flight), and about 5 % more young
+  collections run per request (the "GC runs" figures). tests/test_hot_path_allocations.py bounds what the hot
+  path holds at aiohttp's request start without I/O: 5 objects today (its `post`, `request` and `send`
+  coroutines and two kwargs dicts), so a change adding objects fails there. The earlier
   method (each block on a freshly collected, frozen heap) removed exactly this cost: it gave 0.96 at c=512 where
   issue 29's run with the collector left alone gave 0.88 (112 against 98 µs of client CPU per request); it went.
 - **How many rounds.** Per-round ratios scatter by tens of percent when other work shares the cores; the median of
