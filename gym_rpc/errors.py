@@ -69,6 +69,25 @@ class ServerUnreachableError(GymRpcError, ConnectionError):
         )
 
 
+class NoHealthyInstanceError(ServerUnreachableError):
+    """No instance of a replicated server may take the call: each is down by the head's probe, ejected after
+    failures, draining, or outside the labels the worker asked for. `instances` is each instance's id and last
+    status, as the message shows them. A ServerUnreachableError too: code catching that keeps working."""
+
+    def __init__(self, server_name: str, instances: list[tuple[str, str]], why: str = "") -> None:
+        self.server_name = server_name
+        self.instances = instances
+        listed = "; ".join(f"{instance_id} {status}" for instance_id, status in instances) or "none"
+        reason = f"{why}; " if why else ""
+        message = (
+            f"no healthy instance of server {server_name!r} can take the call ({reason}{len(instances)} "
+            f"instance(s): {listed}); check that its processes run and register with the head"
+        )
+        GymRpcError.__init__(self, message)
+        self.url = instances[0][0] if instances else ""
+        self.attempts = 0
+
+
 class RequestTimeoutError(GymRpcError, TimeoutError):
     """A data-plane call got no answer within its deadline (a TimeoutError, as aiohttp's own is)."""
 

@@ -13,13 +13,14 @@ import random
 import socket
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
 
 from gym_rpc.client._aiohttp_instrumentation import trace_configs as instrumentation_trace_configs
+from gym_rpc.client._outliers import OutlierDetection
 from gym_rpc.config import validation_error_line
 from gym_rpc.errors import ConfigError, RequestTimeoutError, ServerUnreachableError
 
@@ -72,6 +73,8 @@ class HttpClientSettings(BaseModel):
     total_timeout_seconds: PositiveFloat | None = DEFAULT_TOTAL_TIMEOUT_SECONDS
     control_total_timeout_seconds: PositiveFloat = 30.0
     retry: RetryPolicy = RetryPolicy()
+    # When an instance of a replicated server is taken out of rotation (gym_rpc.client._outliers).
+    outlier_detection: OutlierDetection = OutlierDetection()
 
     @classmethod
     def from_document(cls, document: Mapping[str, Any]) -> HttpClientSettings:
@@ -235,6 +238,11 @@ class CallObserver(Protocol):
     def failed(self, error: BaseException, attempts: int) -> None: ...
 
 
+# Asked by `send` before each resend, with the error the last attempt failed with: the URL to resend to. A call to
+# a replicated server (gym_rpc.client._routing.RoutedCall.reroute) answers with another instance, or the same one.
+Reroute = Callable[[BaseException], str]
+
+
 async def send(
     session: aiohttp.ClientSession,
     method: str,
@@ -243,9 +251,10 @@ async def send(
     resend_after_disconnect: bool,
     kwargs: _RequestOptions,
     observer: CallObserver | None = None,
+    reroute: Reroute | None = None,
 ) -> aiohttp.ClientResponse:
     """One request with honest, bounded retries; `observer` is told of every attempt after the first, and of the
-    answer or the error.
+    answer or the error. `reroute`, for a replicated server, gives the URL of each resend (another instance).
 
     A dropped connection (ServerDisconnectedError, ClientOSError) is resent only when the caller allows it. A
     refused or unreachable server (ClientConnectorError) never received the request, so it is retried as well and
@@ -259,6 +268,8 @@ async def send(
                 break
             except RESENDABLE_ERRORS as error:
                 _raise_unless_resendable(error, url, attempt, retry, resend_after_disconnect)
+                if reroute is not None:
+                    url = reroute(error)
             await asyncio.sleep(retry.backoff_seconds(attempt))
             attempt += 1
             if observer is not None:

@@ -32,7 +32,7 @@ from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 from gym_rpc.client._aiohttp_instrumentation import request_context as instrumentation_request_context
 from gym_rpc.client._aiohttp_instrumentation import session_instrumented
-from gym_rpc.client._http import CallObserver, RetryPolicy, send
+from gym_rpc.client._http import CallObserver, Reroute, RetryPolicy, send
 from gym_rpc.client._rollout import rollout_id_in_context
 from gym_rpc.client._sdk_spans import (
     DIRECT,
@@ -188,6 +188,7 @@ def traced_send(
     kwargs: _RequestOptions,
     server_name: str,
     also: CallObserver | None = None,
+    reroute: Reroute | None = None,
 ) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
     """`send(session, method, url, ...)` (`url` under `base_url`, the server's) as a CLIENT span whose context
     goes out in the `traceparent` header; a resent call carries `http.request.resend_count` (the number of
@@ -210,7 +211,7 @@ def traced_send(
     rollout_id = rollout_id_in_context()
     if getattr(session, "_trace_configs", True) and session_instrumented(session):  # aiohttp's list, else ask
         instrumented = _InstrumentedCall(kwargs, server_name, rollout_id, also)
-        return send(session, method, url, retry, resend_after_disconnect, kwargs, instrumented)
+        return send(session, method, url, retry, resend_after_disconnect, kwargs, instrumented, reroute)
     active, current, textmap = tracer(), _current_context(), _global_textmap()
     plan = span_plan(active)
     route = _last_route
@@ -235,14 +236,14 @@ def traced_send(
         except BaseException:
             span.end()
             raise
-        return send(session, method, url, retry, resend_after_disconnect, kwargs, _SdkCall(span, also))
+        return send(session, method, url, retry, resend_after_disconnect, kwargs, _SdkCall(span, also), reroute)
     if plain:  # trace_context_headers, inline
         headers: MutableMapping[str, str] = CIMultiDict(given) if given else CIMultiDict()
         headers[_TRACEPARENT_NAME] = traceparent
     else:
         headers = trace_context_headers(given, context, current, carries_baggage, traceparent)
     kwargs["headers"] = headers
-    return send(session, method, url, retry, resend_after_disconnect, kwargs, observer)
+    return send(session, method, url, retry, resend_after_disconnect, kwargs, observer, reroute)
 
 
 class _DirectCall(Begun):

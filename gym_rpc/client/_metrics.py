@@ -4,7 +4,9 @@ once per call; off, nothing here runs).
 OpenTelemetry names (Prometheus names in README "Metrics"): `http.client.request.duration` (seconds, by server,
 method and status code or error type), `http.client.active_requests` (calls in flight, by server),
 `gym.client.resends` (attempts after a dropped or refused connection) and `gym.client.unreachable` (calls given
-up on an unreachable server).
+up on an unreachable server). Per instance of a replicated server (gym_rpc.client._routing): `gym.client.instance.
+picks`, `.active_requests` and `.ejections`, and per server `gym.client.rollout.repins`, read from the routes' own
+counts when a reader collects (the calls pay an integer addition, metrics on or off).
 """
 
 from __future__ import annotations
@@ -12,14 +14,15 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
+from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Meter, Observation
 
-from gym_rpc.client._http import RetryPolicy, send
+from gym_rpc.client._http import Reroute, RetryPolicy, send
 from gym_rpc.client._http_tracing import traced_send
+from gym_rpc.client._routing import ROUTINGS
 from gym_rpc.errors import ServerUnreachableError
 from gym_rpc.metrics import meter, seconds_histogram
 from gym_rpc.telemetry import TRACING
@@ -28,7 +31,10 @@ if TYPE_CHECKING:
     import aiohttp
     from aiohttp.client import _RequestOptions
 
+    from gym_rpc.client._instances import Instance
+
 SERVER_NAME = "gym.server.name"
+INSTANCE_ID = "gym.server.instance.id"  # the instance's `host:port` (InstanceReport.instance_id)
 # Seconds: from a loopback call (a millisecond) to a long model generation (minutes).
 DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -53,6 +59,57 @@ def _observe_in_flight(options: CallbackOptions) -> Iterable[Observation]:
     return [Observation(count, _attributes(*key)) for key, count in counts]
 
 
+def _per_instance(count: Callable[[Instance], int]) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    """A callback observing `count` of every instance of every replicated server, summed over the process's
+    clients (two clients of one head route to the same instances)."""
+
+    def observe(options: CallbackOptions) -> Iterable[Observation]:
+        totals: dict[tuple[str, str], int] = {}
+        for routing in list(ROUTINGS):
+            for name, route in list(routing.routes.items()):
+                for instance in route.instances:
+                    key = (name, instance.instance_id)
+                    totals[key] = totals.get(key, 0) + count(instance)
+        return [Observation(value, {SERVER_NAME: name, INSTANCE_ID: iid}) for (name, iid), value in totals.items()]
+
+    return observe
+
+
+def _observe_repins(options: CallbackOptions) -> Iterable[Observation]:
+    totals: dict[str, int] = {}
+    for routing in list(ROUTINGS):
+        for name, route in list(routing.routes.items()):
+            totals[name] = totals.get(name, 0) + route.repins
+    return [Observation(value, {SERVER_NAME: name}) for name, value in totals.items()]
+
+
+def _instance_instruments(m: Meter) -> None:
+    m.create_observable_counter(
+        "gym.client.instance.picks",
+        [_per_instance(lambda instance: instance.picks)],
+        unit="{attempt}",
+        description="attempts sent to each instance of a replicated server",
+    )
+    m.create_observable_up_down_counter(
+        "gym.client.instance.active_requests",
+        [_per_instance(lambda instance: instance.in_flight)],
+        unit="{request}",
+        description="calls in flight at each instance of a replicated server",
+    )
+    m.create_observable_counter(
+        "gym.client.instance.ejections",
+        [_per_instance(lambda instance: instance.ejections)],
+        unit="{ejection}",
+        description="times each instance was ejected after failures in a row",
+    )
+    m.create_observable_counter(
+        "gym.client.rollout.repins",
+        [_observe_repins],
+        unit="{rollout}",
+        description="rollouts moved off an instance that was gone",
+    )
+
+
 @functools.cache
 def _instruments() -> _ClientInstruments:
     """Made on the first metered call, from the MeterProvider in place by then."""
@@ -63,6 +120,7 @@ def _instruments() -> _ClientInstruments:
         unit="{request}",
         description="ServerClient calls in flight",
     )
+    _instance_instruments(m)
     return _ClientInstruments(
         duration=seconds_histogram(
             "http.client.request.duration",
@@ -133,15 +191,16 @@ def metered_send(
     resend_after_disconnect: bool,
     kwargs: _RequestOptions,
     server_name: str,
+    reroute: Reroute | None = None,
 ) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
     """`send` (`traced_send` when tracing is on, same parameters) with the call metered: its own coroutine, which
     must be awaited at once, as the call is counted in flight from here."""
     metered = MeteredCall(server_name, method)
     if not TRACING.enabled:
-        return send(session, method, url, retry, resend_after_disconnect, kwargs, metered)
+        return send(session, method, url, retry, resend_after_disconnect, kwargs, metered, reroute)
     try:
         return traced_send(
-            session, method, base_url, url, retry, resend_after_disconnect, kwargs, server_name, metered
+            session, method, base_url, url, retry, resend_after_disconnect, kwargs, server_name, metered, reroute
         )
     except BaseException as error:  # no send to tell it: the call ends here
         metered.failed(error, 0)

@@ -8,6 +8,7 @@ typed GlobalConfig is built once per client, so no call walks the DictConfig.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import http.client
 import json
 import logging
@@ -32,9 +33,11 @@ from gym_rpc._environment import (
 from gym_rpc._telemetry_switches import TELEMETRY_KEY
 from gym_rpc.client._channel import head_address
 from gym_rpc.client._control import SyncControlClient
+from gym_rpc.client._follower import InstanceFollower, follower_for
 from gym_rpc.client._http import (
     HttpClientSettings,
     HttpPools,
+    RetryPolicy,
     request_timeout_error,
     send,
 )
@@ -48,6 +51,7 @@ from gym_rpc.client._rollout import (
     rollout_id_in_context,
     trace_context_path_segment,
 )
+from gym_rpc.client._routing import RoutedCall, Routing, ServerRoute, session_pin_key
 from gym_rpc.client._security import ClientSecurity, client_security
 from gym_rpc.client._tracing import record_config_fetch_span
 from gym_rpc.config import (
@@ -78,6 +82,7 @@ from gym_rpc.telemetry import TRACING, setup_tracing
 from gym_rpc.wire import (
     HEAD_ADDRESS_ENV_VAR,
     RESOURCES_SERVER_TYPE,
+    ServerInstance,
     ServerStatus,
     prefixed_path,
     rollout_path_prefix,
@@ -126,6 +131,10 @@ ADVERTISED_LOOKUP_TIMEOUT_SECONDS = 2.0
 # asked about again at most this often, so a server registering after the client started is still found.
 ADVERTISED_RETRY_SECONDS = 5.0
 _advertised_lock = threading.Lock()
+# How long a client's first call waits for the head's first list of instances (once per client and process), so
+# that a rollout's first call is pinned where its later ones will go. A head that is not there ends the wait.
+FIRST_INSTANCES_WAIT_SECONDS = 1.0
+_routing_lock = threading.Lock()
 
 
 class _PendingDictConfig:
@@ -272,6 +281,14 @@ class ServerClient(BaseModel):
     _asks_head: bool = PrivateAttr(default=True)
     # Token and TLS for calls to the head, read once (TLS files included) rather than per poll.
     _security: Optional[ClientSecurity] = PrivateAttr(default=None)  # noqa: UP045 (as the fields above)
+    # Routes to replicated servers (gym_rpc.client._routing), made on this process's first call: None until then,
+    # and again in a process that unpickled the client (its follower of the head is this process's own).
+    _routing: Optional[Routing] = PrivateAttr(default=None)  # noqa: UP045 (as the fields above)
+    _pending_routing: Optional[tuple[Routing, Optional[InstanceFollower]]] = PrivateAttr(default=None)  # noqa: UP045
+    # server name -> the labels its instances must carry for new work (`require_labels`); travels with pickles.
+    _label_selectors: dict[str, dict[str, str]] = PrivateAttr(default_factory=dict)
+    # Whether the client follows the head's instances: by default when it asks the head (`_asks_head`).
+    _follows_instances: Optional[bool] = PrivateAttr(default=None)  # noqa: UP045 (as the fields above)
 
     @field_validator("head_server_config", mode="before")
     @classmethod
@@ -299,6 +316,7 @@ class ServerClient(BaseModel):
         state = super().__getstate__()
         private = dict(state["__pydantic_private__"] or {})
         pools: HttpPools = private.pop("_http")
+        private["_routing"] = private["_pending_routing"] = None  # this process's routes and follower stay here
         state["__pydantic_private__"] = private
         state[_HTTP_SETTINGS_STATE_KEY] = pools.settings
         return state
@@ -325,6 +343,9 @@ class ServerClient(BaseModel):
         """A deep copy of config and caches; the live HttpPools is replaced, never copied."""
         memo = {} if memo is None else memo
         memo[id(self._http)] = HttpPools(self._http.settings)
+        for live in (self._routing, self._pending_routing):
+            if live is not None:
+                memo[id(live)] = None  # the copy makes its own routes on its first call
         return super().__deepcopy__(memo)
 
     @field_serializer(_GLOBAL_CONFIG_DICT_FIELD)
@@ -406,7 +427,19 @@ class ServerClient(BaseModel):
         ADVERTISED_RETRY_SECONDS. A client made from an injected config never asks: loopback, cached.
         Blocking when the head is asked: from an event loop use `_aresolve_base_url`.
         """
-        return self._resolve_with(server_name, self._advertised_base_urls)
+        routed = self._routed_url(server_name, wait=True)
+        return routed if routed is not None else self._resolve_with(server_name, self._advertised_base_urls)
+
+    def _routed_url(self, server_name: str, *, wait: bool) -> str | None:
+        """For a server with several instances, the current rollout's instance, else a healthy one; None for a
+        server with one (its URL is resolved as it always was)."""
+        routing = self._routing
+        if routing is None:
+            routing = self._routing_started(wait_seconds=FIRST_INSTANCES_WAIT_SECONDS if wait else 0.0)
+        route = routing.routes.get(server_name)
+        if route is None:
+            return None
+        return route.any_url(rollout_id_in_context() or nemo_gym_rollout_id() or None)
 
     async def _aresolve_base_url(self, server_name: str) -> str:
         """`_resolve_base_url` for the event loop: a call to the head runs in a thread, never in the loop (which
@@ -420,7 +453,8 @@ class ServerClient(BaseModel):
             and self._advertised_lookup_due()
         ):
             await asyncio.to_thread(self._advertised_base_urls)
-        return self._resolve_with(server_name, self._known_advertised_urls)
+        routed = self._routed_url(server_name, wait=False)
+        return routed if routed is not None else self._resolve_with(server_name, self._known_advertised_urls)
 
     def _resolve_with(self, server_name: str, advertised_urls: Callable[[], dict[str, str]]) -> str:
         url = self._server_base_urls.get(server_name)
@@ -450,7 +484,9 @@ class ServerClient(BaseModel):
         the head; any client may call it to pick up registrations at once. Blocking (one bounded call, a head that
         cannot say adds nothing): from an event loop, run it with `asyncio.to_thread`.
         """
-        found = self._fetch_advertised_urls()
+        rows = self._fetch_instances()
+        found = _advertised_urls_of(rows)
+        self._routing_started().apply_rows(rows)  # replicas too: this client routes over them from now on
         with _advertised_lock:
             self._advertised_urls = {**(self._advertised_urls or {}), **found}
             self._advertised_fetched_at = time.time()
@@ -478,12 +514,16 @@ class ServerClient(BaseModel):
         return self._advertised_urls or {}
 
     def _fetch_advertised_urls(self) -> dict[str, str]:
+        return _advertised_urls_of(self._fetch_instances())
+
+    def _fetch_instances(self) -> list[ServerInstance]:
+        """Every instance the head lists (ListServerInstances); none when the head cannot say."""
         address = _head_address(self.head_server_config)
         try:
             control = SyncControlClient(
                 address, timeout_seconds=ADVERTISED_LOOKUP_TIMEOUT_SECONDS, security=self._head_security()
             )
-            instances = control.list_server_instances()
+            return control.list_server_instances()
         except GymRpcError as exc:
             logger.warning(
                 "cannot ask the head at %s where wildcard-bound servers registered (%s); dialling them on "
@@ -491,8 +531,75 @@ class ServerClient(BaseModel):
                 address,
                 exc,
             )
-            return {}
-        return {instance.name: instance.advertised_url for instance in instances if instance.advertised_url}
+            return []
+
+    # --- replicas: routes to servers with several instances (docs/replicas.md) ---
+
+    def require_labels(self, server_name: str, labels: Mapping[str, str] | None) -> None:
+        """Send new rollouts and calls of no rollout for `server_name` only to its instances whose labels carry
+        every `key=value` of `labels` (None: any instance again), e.g. `{"weights_version": "43"}` after a weight
+        refit. Rollouts already pinned to an instance finish there. A call that no instance can take then fails
+        with NoHealthyInstanceError naming each instance's labels. For this client, in every process it is
+        pickled to."""
+        if server_name not in self._global_config.servers:
+            self._global_config.raise_unusable(server_name)
+            raise UnknownServerError(server_name, list(self._global_config.servers))
+        selector = None if labels is None else _checked_labels(labels)
+        if selector is None:
+            self._label_selectors.pop(server_name, None)
+        else:
+            self._label_selectors[server_name] = selector
+        for routing in (self._routing, self._pending_routing and self._pending_routing[0]):
+            if routing is not None:
+                routing.set_selector(server_name, selector, self._global_config)
+
+    def follow_instances(self) -> None:
+        """Follow the head's instances (its status watch, in the background) from now on. A client that asks the
+        head does by default; one made from an injected NEMO_GYM_CONFIG_DICT never asks the head by itself, and
+        knows only the config's static replicas (and those `lookup_registered_servers()` found) until this."""
+        self._follows_instances = True
+        pending = self._pending_routing
+        if pending is not None and pending[1] is None:
+            follower = follower_for(_head_address(self.head_server_config), self._head_security())
+            follower.subscribe(pending[0])
+            self._pending_routing = (pending[0], follower)
+
+    def _follows(self) -> bool:
+        return self._asks_head if self._follows_instances is None else self._follows_instances
+
+    def _routing_started(self, wait_seconds: float = 0.0) -> Routing:
+        """This process's routes for the client, made (and its follower subscribed) on first use; waits up to
+        `wait_seconds` (blocking) for the head's first list of instances."""
+        with _routing_lock:
+            pending = self._pending_routing
+            if pending is None:
+                config = self._global_config
+                skipped = frozenset(name for name in config.servers if _model_server_override(name) is not None)
+                routing = Routing(config, self._http.settings.outlier_detection, self._label_selectors, skipped)
+                follower = None
+                if self._follows():
+                    follower = follower_for(_head_address(self.head_server_config), self._head_security())
+                    follower.subscribe(routing)
+                pending = self._pending_routing = (routing, follower)
+        routing, follower = pending
+        if follower is None or follower.first_snapshot.done():
+            self._routing = routing
+        elif wait_seconds > 0:
+            concurrent.futures.wait([follower.first_snapshot], wait_seconds)
+            self._routing = routing
+        return routing
+
+    async def _ready_routing(self) -> Routing:
+        """`_routing_started` for the event loop: the wait for the head's first list of instances (at most
+        FIRST_INSTANCES_WAIT_SECONDS, once) never blocks the loop."""
+        routing = self._routing_started()
+        pending = self._pending_routing
+        follower = pending[1] if pending is not None else None
+        if follower is not None and not follower.first_snapshot.done():
+            first = asyncio.wrap_future(follower.first_snapshot)
+            await asyncio.wait([first], timeout=FIRST_INSTANCES_WAIT_SECONDS)
+        self._routing = routing
+        return routing
 
     async def request(
         self,
@@ -506,10 +613,16 @@ class ServerClient(BaseModel):
         """Call another server. _control sends the call over the reserved control pool.
 
         The hot path: a cached URL, the rollout prefix rule and the request itself. The caller reads and releases
-        the response, as with aiohttp.
+        the response, as with aiohttp. A server with several instances (docs/replicas.md) is called at the one its
+        rollout sticks to, else at the less loaded of two healthy ones.
         """
         private = _private_attributes(self)
-        url = private["_server_base_urls"].get(server_name) or await self._aresolve_base_url(server_name)
+        routing: Routing | None = private["_routing"]
+        if routing is None:
+            routing = await self._ready_routing()
+        route = routing.routes.get(server_name)
+        if route is None:
+            url = private["_server_base_urls"].get(server_name) or await self._aresolve_base_url(server_name)
         body = kwargs.get("json")
         if body is not None:
             if isinstance(body, BaseModel):
@@ -519,11 +632,16 @@ class ServerClient(BaseModel):
             del kwargs["json"]
             kwargs["data"] = _json_payload(body)
         config: GlobalConfig = private["_global_config"]
+        if route is not None:
+            key = _sticky_key(config, server_name, url_path, body, kwargs)
         if config.observability_enabled:
             url_path = _observed_path(config, server_name, url_path, body)
         pools: HttpPools = private["_http"]
         sessions = pools.sessions()
         session = sessions.control if _control else sessions.data
+        if route is not None:
+            retry, resend = pools.settings.retry, _resend_after_disconnect
+            return await _send_routed(route, key, session, method, server_name, url_path, retry, resend, kwargs)
         full_url = url + url_path
         try:
             if TRACING.enabled or METRICS.enabled:  # what tracing and metrics cost when off
@@ -651,6 +769,84 @@ def _observed_path(config: GlobalConfig, server_name: str, url_path: str, body: 
     if not rollout_id and url_path == "/verify" and entry.server_type == RESOURCES_SERVER_TYPE:
         rollout_id = rollout_id_from_run_body(body)
     return prefixed_path(url_path, entry.server_type, rollout_id)
+
+
+def _advertised_urls_of(instances: list[ServerInstance]) -> dict[str, str]:
+    return {instance.name: instance.advertised_url for instance in instances if instance.advertised_url}
+
+
+def _checked_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    if not isinstance(labels, Mapping) or not all(
+        isinstance(key, str) and isinstance(value, str) and key for key, value in labels.items()
+    ):
+        raise ValueError(
+            f"labels must map non-empty strings to strings, e.g. {{'weights_version': '43'}}; got {labels!r}"
+        )
+    return dict(labels)
+
+
+def _sticky_key(
+    config: GlobalConfig, server_name: str, url_path: str, body: Any, kwargs: Mapping[str, Any]
+) -> str | None:
+    """What a call to a replicated server sticks by: its rollout (gym_rpc's context, NeMo Gym's, or for `/verify`
+    on a resources server the one its body names, as the rollout prefix rule finds it), else the NeMo Gym session
+    its cookies carry for that server; None: a call of no rollout."""
+    rollout_id = rollout_id_in_context() or nemo_gym_rollout_id()
+    if rollout_id:
+        return rollout_id
+    if url_path == "/verify":
+        entry = config.servers.get(server_name)
+        if entry is not None and entry.server_type == RESOURCES_SERVER_TYPE:
+            try:
+                rollout_id = rollout_id_from_run_body(body)
+            except ValueError:
+                rollout_id = None  # refused by the prefix rule when observability is on; here: no rollout
+            if rollout_id:
+                return rollout_id
+    return session_pin_key(kwargs.get("cookies"), server_name)
+
+
+async def _send_routed(
+    route: ServerRoute,
+    key: str | None,
+    session: aiohttp.ClientSession,
+    method: str,
+    server_name: str,
+    url_path: str,
+    retry: RetryPolicy,
+    resend_after_disconnect: bool,
+    kwargs: _RequestOptions,
+) -> aiohttp.ClientResponse:
+    """`request` for a server with several instances: the call picks one, counts in flight there, moves on a
+    refused connection (the resend loop asks `call.reroute`), and tells the route how it ended."""
+    call = RoutedCall(route, key, url_path)
+    base = call.instance.url
+    try:
+        if TRACING.enabled or METRICS.enabled:
+            observed = metered_send if METRICS.enabled else traced_send
+            response = await observed(
+                session,
+                method,
+                base,
+                base + url_path,
+                retry,
+                resend_after_disconnect,
+                kwargs,
+                server_name,
+                reroute=call.reroute,
+            )
+        else:
+            response = await send(
+                session, method, base + url_path, retry, resend_after_disconnect, kwargs, reroute=call.reroute
+            )
+    except TimeoutError as error:
+        call.failed(error)
+        raise request_timeout_error(server_name, method, call.instance.url + url_path, session, kwargs) from error
+    except BaseException as error:
+        call.failed(error)
+        raise
+    call.answered(response)
+    return response
 
 
 _clients: dict[tuple[str, int] | None, ServerClient] = {}
