@@ -7,11 +7,11 @@ the client's own counts survive every change the watch pushes. Nothing here does
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from gym_rpc.config import ServerEntry
+from gym_rpc.client._picker import stable_key
+from gym_rpc.config import ServerEntry, url_authority
 from gym_rpc.wire import InstanceOrigin, InstanceReport, RegistrationState, ServerStatus, StatusReport
 
 # What the head's probe says when nothing answers there usefully: such an instance gets no calls. An instance not
@@ -19,12 +19,6 @@ from gym_rpc.wire import InstanceOrigin, InstanceReport, RegistrationState, Serv
 DOWN_STATUSES: frozenset[ServerStatus | None] = frozenset({"connection_error", "timeout", "unknown_error"})
 # Registrations that ended: the process stopped (deregistered) or stopped renewing its lease (expired).
 GONE_REGISTRATIONS: frozenset[RegistrationState | None] = frozenset({"deregistered", "expired"})
-
-
-def stable_key(text: str) -> int:
-    """A 64-bit number for `text` that every process computes alike (Python's own str hash is salted per
-    process): rendezvous hashing needs every worker to rank a rollout's instances in the same order."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
 
 
 @dataclass(frozen=True)
@@ -129,16 +123,12 @@ class Instance:
         return " ".join(parts)
 
 
-def url_authority(url: str) -> str:  # TEMPORARY until gym_rpc.config's lands from the head side
-    return url.partition("://")[2].partition("/")[0]
-
-
 def config_states(entry: ServerEntry) -> list[InstanceState]:
     """The instances the config names for a server: its own address first, then its static replicas."""
-    states = [InstanceState(url_authority(entry.url), entry.url, origin="config")]
-    for address in getattr(entry, "replicas", ()):  # TEMPORARY: entry.instances once it lands
-        states.append(InstanceState(url_authority(address.url), address.url, origin="static_replica"))
-    return states
+    return [
+        InstanceState(address.instance_id, address.url, origin="config" if index == 0 else "static_replica")
+        for index, address in enumerate(entry.instances)
+    ]
 
 
 def report_states(report: StatusReport) -> list[InstanceState]:

@@ -62,7 +62,7 @@ def record_failure(
     instance.ejections += 1
     instance.alive = False
     logger.warning(
-        "instance %s of %s ejected for %.0f s after %d failures in a row (last: %s); %d of %d instances stay in "
+        "instance %s of %s ejected for %.3g s after %d failures in a row (last: %s); %d of %d instances stay in "
         "rotation",
         instance.instance_id,
         server_name,

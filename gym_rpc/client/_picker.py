@@ -1,45 +1,69 @@
 """How a call picks one instance of a replicated server: rendezvous hashing for a rollout, two random choices by
 calls in flight for a call of no rollout. Pure functions over the route's candidates, no I/O.
 
-* **Rendezvous (highest random weight) hashing** (Thaler and Ravishankar, 1996): each instance gets the weight
-  hash(rollout, instance) and the rollout goes to the heaviest. Every worker ranks a rollout's instances alike,
-  and when an instance leaves, only the rollouts whose heaviest it was move, each to its next heaviest.
+* **Rendezvous (highest random weight) hashing** (Thaler and Ravishankar, 1996): each instance gets a weight
+  from hashing it with the rollout, and the rollout goes to the heaviest. Every worker ranks a rollout's
+  instances alike, and when an instance leaves only the rollouts whose heaviest it was move, each to its next
+  heaviest. Rollouts hash into `SLOTS` slots and the weights are computed per slot (the slot's heaviest is then
+  remembered until the instance set changes), so a rollout's first call costs one hash and one lookup whatever the
+  number of instances; with 16,384 slots, each of 64 instances holds its share to within about a tenth.
 * **Power of two choices** (Mitzenmacher, 2001): of two instances drawn at random, the one with fewer calls in
   flight. Nearly as even as asking every instance, and a slow or stuck instance, whose calls pile up, is left
   alone without any latency being measured.
+
+Both hashes are defined here (blake2b for names, splitmix64 for weights), never Python's salted `hash()`, so every
+process, Python version and platform agrees.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Sequence
-from itertools import repeat
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
-from gym_rpc.client._instances import stable_key
-
-if TYPE_CHECKING:
-    from gym_rpc.client._instances import Instance
-
+SLOTS = 16384
+_MASK64 = (1 << 64) - 1
 _random = random.random
 
 
-def rollout_key(rollout_id: str) -> int:
-    """The rollout's number in every weight: the same in every process (`stable_key`)."""
-    return stable_key(rollout_id)
+class Candidate(Protocol):
+    """What picking reads of an instance (gym_rpc.client._instances.Instance)."""
+
+    @property
+    def key(self) -> int: ...
+
+    @property
+    def in_flight(self) -> int: ...
 
 
-def heaviest(rollout: int, keys: Sequence[int]) -> int:
-    """The index of the heaviest instance for `rollout` among instances with these `keys`.
-
-    The weight is CPython's hash of the pair of integers: for integers it is unsalted and the same on every 64-bit
-    CPython since 3.8 (tests/test_picker.py pins values), and computed in C for the whole list at once, a few tens
-    of nanoseconds per instance (the `replicas` rows of bench/ measure it among 64)."""
-    weights = list(map(hash, zip(repeat(rollout), keys, strict=False)))
-    return weights.index(max(weights))
+C = TypeVar("C", bound=Candidate)
 
 
-def two_choices(candidates: Sequence[Instance]) -> Instance:
+def stable_key(text: str) -> int:
+    """A 64-bit number for `text`, the same in every process (blake2b)."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
+
+
+def slot_of(rollout: str) -> int:
+    """The rollout's slot: rollouts in one slot share their instance."""
+    return stable_key(rollout) % SLOTS
+
+
+def weight(slot: int, instance_key: int) -> int:
+    """The slot's weight for an instance: splitmix64's finalizer (Steele, Lea and Flood, 2014) of the two mixed."""
+    x = ((slot * 0x9E3779B97F4A7C15) & _MASK64) ^ instance_key
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def heaviest(slot: int, candidates: Sequence[C]) -> C:
+    """The candidate with the highest weight for `slot` (candidates must not be empty)."""
+    return max(candidates, key=lambda instance: weight(slot, instance.key))
+
+
+def two_choices(candidates: Sequence[C]) -> C:
     """Of two distinct candidates drawn at random, the one with fewer calls in flight (the first on a tie)."""
     count = len(candidates)
     if count == 1:

@@ -33,7 +33,6 @@ from gym_rpc.client._instances import (
     matches,
     report_states,
     selector_text,
-    url_authority,
 )
 from gym_rpc.client._nemo_gym import session_key_from_cookies
 from gym_rpc.client._outliers import (
@@ -43,7 +42,8 @@ from gym_rpc.client._outliers import (
     record_failure,
     record_success,
 )
-from gym_rpc.client._picker import heaviest, rollout_key, two_choices
+from gym_rpc.client._picker import heaviest, slot_of, two_choices
+from gym_rpc.config import url_authority
 from gym_rpc.errors import NoHealthyInstanceError, ServerUnreachableError
 
 if TYPE_CHECKING:
@@ -109,8 +109,9 @@ class ServerRoute:
         self.by_id: dict[str, Instance] = {}
         self.pins: dict[str, Instance] = {}
         self.repins = 0  # rollouts moved off an instance that was gone, for the worker metrics
-        # (candidates, their keys): the instances that take new work, one tuple so threads always read a pair.
-        self.pool: tuple[tuple[Instance, ...], tuple[int, ...]] = ((), ())
+        # (candidates, slot -> its heaviest candidate): the instances that take new work, and the rendezvous
+        # winners found among them so far; one tuple, so a thread never files a winner under another set.
+        self.pool: tuple[tuple[Instance, ...], dict[int, Instance]] = ((), {})
         self.refresh_at = 0.0  # time.monotonic() at which the pool must be made again (an ejection ends)
         self.lock = threading.Lock()  # for updates from the watch's thread against refreshes from calls
         self.update(states)
@@ -161,7 +162,8 @@ class ServerRoute:
             for instance in self.instances
             if instance.alive and not instance.draining and matches(instance.labels, selector)
         )
-        self.pool = (candidates, tuple(instance.key for instance in candidates))
+        if candidates != self.pool[0]:
+            self.pool = (candidates, {})
         self.refresh_at = soonest
 
     # --- picking ---------------------------------------------------------------------------------------------
@@ -183,15 +185,16 @@ class ServerRoute:
     def pin(self, key: str, previous: Instance | None, tried: tuple[Instance, ...]) -> Instance:
         """Pin `key` by rendezvous over the instances that take new work (those not `tried` by the call, when any
         remain); `previous`, the instance it leaves, if any, is counted and logged once."""
-        candidates, keys = self.pool
-        if tried:
-            untried = [index for index, instance in enumerate(candidates) if instance not in tried]
-            if untried:
-                candidates = tuple(candidates[index] for index in untried)
-                keys = tuple(keys[index] for index in untried)
+        candidates, winners = self.pool
         if not candidates:
             raise self.no_instance()
-        chosen = candidates[heaviest(rollout_key(key), keys)]
+        slot = slot_of(key)
+        untried = tuple(instance for instance in candidates if instance not in tried) if tried else ()
+        if untried:
+            chosen = heaviest(slot, untried)  # the next heaviest: where the rollout goes once `tried` are out
+        else:
+            found = winners.get(slot)
+            chosen = winners[slot] = found if found is not None else heaviest(slot, candidates)
         pins = self.pins
         if key not in pins and len(pins) >= MAX_PINS:
             pins.pop(next(iter(pins)), None)
