@@ -22,6 +22,8 @@ from aiohttp import web
 
 from gym_rpc.client._follower import _followers
 from gym_rpc.client._http import close_http_sessions
+from gym_rpc.client._instances import InstanceState
+from gym_rpc.client._outliers import OutlierDetection
 from gym_rpc.client._picker import SLOTS, heaviest, slot_of, stable_key, two_choices, weight
 from gym_rpc.client._rollout import rollout_context
 from gym_rpc.client._routing import ServerRoute
@@ -105,7 +107,7 @@ def client_of(doc: dict[str, Any], head_port: int | None = None) -> ServerClient
     head = BaseServerConfig(host=LOOPBACK, port=head_port or closed_port())
     client = ServerClient._from_global_config(head, GlobalConfig.from_document(doc))
     if head_port is None:
-        client._follows_instances = False
+        client.follow_instances(False)
     return client
 
 
@@ -124,15 +126,16 @@ def route_of(client: ServerClient) -> ServerRoute:
 
 
 def test_rendezvous_weights_are_the_same_in_every_process() -> None:
-    """Workers in different processes must rank a rollout's instances alike: names hash with blake2b, weights
-    with splitmix64, never with Python's salted hash. Pinned values: a change breaks every deployment that mixes
-    versions, so it must show here."""
+    """Workers in different processes must rank a rollout's instances alike: names hash with blake2b, weights with
+    CPython's hash of integers (unsalted, unlike its hash of strings). Pinned values: a change of either breaks
+    every deployment that mixes versions, so it must show here."""
     assert stable_key("127.0.0.1:8000") == 0x174F928AD4ACFD58
-    assert weight(1, 2) == 0x975835DE1C9756CE
+    assert weight(1, 2) == 595561531275769611
     assert slot_of("rollout-0") == 14866
     fleet = [SimpleNamespace(key=stable_key(f"127.0.0.1:{8000 + i}"), in_flight=0) for i in range(4)]
     chosen = [fleet.index(heaviest(slot_of(f"rollout-{n}"), fleet)) for n in range(8)]
-    assert chosen == [3, 1, 1, 0, 0, 2, 0, 1]
+    assert chosen == [2, 1, 3, 0, 0, 0, 3, 2]
+    assert all(max(fleet, key=lambda i: weight(slot, i.key)) is heaviest(slot, fleet) for slot in range(500))
 
 
 def test_slots_spread_evenly_and_only_a_removed_instances_slots_move() -> None:
@@ -145,6 +148,25 @@ def test_slots_spread_evenly_and_only_a_removed_instances_slots_move() -> None:
     for slot, instance in before.items():
         after = heaviest(slot, survivors)
         assert after is instance or instance is gone
+
+
+def test_remembered_slot_winners_stay_the_rendezvous_winners_as_the_instance_set_changes() -> None:
+    """The route keeps each slot's winner across changes and checks only what changed: after instances leave,
+    join, are ejected and return, every slot's remembered winner is still the heaviest instance taking new work."""
+    states = [InstanceState(f"10.0.0.{i}:8000", f"http://10.0.0.{i}:8000", "success") for i in range(8)]
+    route = ServerRoute(NAME, states, OutlierDetection())
+    for slot in range(0, SLOTS, 7):
+        route.slot_winner(slot, route.pool)
+    changes = [
+        states[:6],  # two leave
+        [*states[:6], InstanceState("10.0.1.1:8000", "http://10.0.1.1:8000", "success")],  # one joins
+        [*states[:6], InstanceState("10.0.1.1:8000", "http://10.0.1.1:8000", "timeout")],  # down by the head
+        states,  # all back, the joined one gone
+    ]
+    for change in changes:
+        route.update(change)
+        for slot in range(0, SLOTS, 7):
+            assert route.slot_winner(slot, route.pool) is heaviest(slot, route.pool)
 
 
 def test_two_choices_takes_the_less_loaded_of_two_distinct_instances() -> None:

@@ -72,6 +72,10 @@ class InstanceFollower:
                 self._thread.start()
         routing.apply_reports(reports)
 
+    def unsubscribe(self, routing: Routing) -> None:
+        with self._lock:
+            self._subscribers.discard(routing)
+
     def _run(self) -> None:
         loop = self._loop = asyncio.new_event_loop()
         try:
@@ -115,7 +119,7 @@ class InstanceFollower:
             self.first_snapshot.set_result(None)  # nobody waits for a head that is not there
         if not self._outage_logged:
             self._outage_logged = True
-            logger.warning(
+            logger.info(
                 "cannot follow the instances of the head at %s (%s); calls go to the instances known, and the "
                 "watch resumes when the head is back",
                 self.address,

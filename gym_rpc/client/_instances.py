@@ -44,6 +44,7 @@ class Instance:
 
     __slots__ = (
         "alive",
+        "candidate",
         "checked_at",
         "consecutive_failures",
         "draining",
@@ -86,6 +87,7 @@ class Instance:
         self.last_ejection_ended = 0.0
         self.repins_logged = False  # one log line when rollouts first move off this instance
         self.alive = True
+        self.candidate = False  # in its route's pool of instances that take new work
         self.apply(state)
 
     def apply(self, state: InstanceState) -> None:

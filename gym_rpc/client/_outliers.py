@@ -75,10 +75,6 @@ def record_failure(
     return True
 
 
-def record_success(instance: Instance) -> None:
-    instance.consecutive_failures = 0
-
-
 def end_ejection(server_name: str, instance: Instance, now: float, why: str) -> None:
     """Let an ejected instance back on probation: its count starts again, and a new run of failures ejects it for
     longer."""

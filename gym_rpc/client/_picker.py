@@ -11,8 +11,8 @@ calls in flight for a call of no rollout. Pure functions over the route's candid
   flight. Nearly as even as asking every instance, and a slow or stuck instance, whose calls pile up, is left
   alone without any latency being measured.
 
-Both hashes are defined here (blake2b for names, splitmix64 for weights), never Python's salted `hash()`, so every
-process, Python version and platform agrees.
+Names hash with blake2b, never with Python's salted `hash()` of a string, and weights with CPython's (unsalted)
+hash of integers, so every process agrees.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Sequence
+from itertools import repeat
+from operator import xor
 from typing import Protocol, TypeVar
 
 SLOTS = 16384
@@ -50,26 +52,37 @@ def slot_of(rollout: str) -> int:
     return stable_key(rollout) % SLOTS
 
 
+def _slot_key(slot: int) -> int:
+    return (slot * 0x9E3779B97F4A7C15) & _MASK64  # a Weyl sequence: slots spread over all 64 bits
+
+
 def weight(slot: int, instance_key: int) -> int:
-    """The slot's weight for an instance: splitmix64's finalizer (Steele, Lea and Flood, 2014) of the two mixed."""
-    x = ((slot * 0x9E3779B97F4A7C15) & _MASK64) ^ instance_key
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+    """The slot's weight for an instance: CPython's hash of a tuple of three integers built from both. For
+    integers it is unsalted (the same in every process), and xxHash's rounds mix them well (tests/
+    test_replicas_client.py pins values and checks the spread); `heaviest` computes it for every candidate in C."""
+    base = _slot_key(slot)
+    return hash((base ^ instance_key, instance_key, base))
 
 
 def heaviest(slot: int, candidates: Sequence[C]) -> C:
     """The candidate with the highest weight for `slot` (candidates must not be empty)."""
-    return max(candidates, key=lambda instance: weight(slot, instance.key))
+    base = _slot_key(slot)
+    keys = [candidate.key for candidate in candidates]
+    weights = list(map(hash, zip(map(xor, repeat(base), keys), keys, repeat(base), strict=False)))
+    return candidates[weights.index(max(weights))]
 
 
 def two_choices(candidates: Sequence[C]) -> C:
-    """Of two distinct candidates drawn at random, the one with fewer calls in flight (the first on a tie)."""
+    """Of two distinct candidates drawn at random, the one with fewer calls in flight (the first on a tie).
+
+    One random draw makes both: its integer part (times the count) the first index, its fraction the second, both
+    uniform (a double's 53 bits leave far more than enough for the fraction)."""
     count = len(candidates)
     if count == 1:
         return candidates[0]
-    first = int(_random() * count)
-    second = int(_random() * (count - 1))
+    scaled = _random() * count
+    first = int(scaled)
+    second = int((scaled - first) * (count - 1))
     if second >= first:
         second += 1
     a, b = candidates[first], candidates[second]

@@ -15,6 +15,7 @@ Names with one instance have no route: `ServerClient.request` takes its old path
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -40,9 +41,8 @@ from gym_rpc.client._outliers import (
     ejection_over,
     end_ejection,
     record_failure,
-    record_success,
 )
-from gym_rpc.client._picker import heaviest, slot_of, two_choices
+from gym_rpc.client._picker import heaviest, slot_of, two_choices, weight
 from gym_rpc.config import url_authority
 from gym_rpc.errors import NoHealthyInstanceError, ServerUnreachableError
 
@@ -58,6 +58,8 @@ MAX_PINS = 65536
 # Keys of NeMo Gym sessions among the pins: never a rollout id (a rollout id cannot hold a NUL).
 _SESSION_PREFIX = "\0"
 _monotonic = time.monotonic
+_NEVER = math.inf  # refresh_at while no instance is ejected: picks then never read the clock
+_MAX_JOINS = 64
 
 Selector = Mapping[str, str]
 
@@ -84,7 +86,9 @@ class ServerRoute:
 
     __slots__ = (
         "by_id",
+        "generation",
         "instances",
+        "joins",
         "lock",
         "name",
         "pins",
@@ -93,6 +97,7 @@ class ServerRoute:
         "refresh_at",
         "repins",
         "selector",
+        "winners",
     )
 
     def __init__(
@@ -109,9 +114,14 @@ class ServerRoute:
         self.by_id: dict[str, Instance] = {}
         self.pins: dict[str, Instance] = {}
         self.repins = 0  # rollouts moved off an instance that was gone, for the worker metrics
-        # (candidates, slot -> its heaviest candidate): the instances that take new work, and the rendezvous
-        # winners found among them so far; one tuple, so a thread never files a winner under another set.
-        self.pool: tuple[tuple[Instance, ...], dict[int, Instance]] = ((), {})
+        self.pool: tuple[Instance, ...] = ()  # the instances that take new work (`candidate` set on each)
+        # slot -> (its heaviest candidate, the generation it was found in): kept across changes of the pool. A
+        # winner that left is found again among the candidates; one found before instances joined is weighed
+        # against those (`joins`: (generation, instance) of each instance that joined since), so after a change
+        # only the slots it concerns cost a rendezvous.
+        self.winners: dict[int, tuple[Instance, int]] = {}
+        self.joins: list[tuple[int, Instance]] = []
+        self.generation = 0
         self.refresh_at = 0.0  # time.monotonic() at which the pool must be made again (an ejection ends)
         self.lock = threading.Lock()  # for updates from the watch's thread against refreshes from calls
         self.update(states)
@@ -145,7 +155,7 @@ class ServerRoute:
             self._refresh(_monotonic())
 
     def _refresh(self, now: float) -> None:
-        soonest = math.inf
+        soonest = _NEVER
         for instance in self.instances:
             if instance.ejected_until:
                 why = ejection_over(instance, now)
@@ -162,18 +172,30 @@ class ServerRoute:
             for instance in self.instances
             if instance.alive and not instance.draining and matches(instance.labels, selector)
         )
-        if candidates != self.pool[0]:
-            self.pool = (candidates, {})
+        if candidates != self.pool:
+            previous = set(self.pool)
+            joined = [instance for instance in candidates if instance not in previous]
+            for instance in self.pool:
+                instance.candidate = False
+            for instance in candidates:
+                instance.candidate = True
+            if joined:
+                self.generation += 1
+                if len(self.joins) + len(joined) > _MAX_JOINS:  # weighing them all costs more than starting over
+                    self.winners, self.joins = {}, []
+                else:
+                    self.joins = [*self.joins, *((self.generation, instance) for instance in joined)]
+            self.pool = candidates
         self.refresh_at = soonest
 
     # --- picking ---------------------------------------------------------------------------------------------
 
     def pick(self, key: str | None) -> Instance:
         """The instance for a call of rollout (or session) `key`, or of no rollout (None)."""
-        if _monotonic() >= self.refresh_at:
+        if self.refresh_at != _NEVER and _monotonic() >= self.refresh_at:
             self.refresh()
         if key is None:
-            candidates = self.pool[0]
+            candidates = self.pool
             if not candidates:
                 raise self.no_instance()
             return two_choices(candidates)
@@ -185,20 +207,14 @@ class ServerRoute:
     def pin(self, key: str, previous: Instance | None, tried: tuple[Instance, ...]) -> Instance:
         """Pin `key` by rendezvous over the instances that take new work (those not `tried` by the call, when any
         remain); `previous`, the instance it leaves, if any, is counted and logged once."""
-        candidates, winners = self.pool
+        candidates = self.pool
         if not candidates:
             raise self.no_instance()
         slot = slot_of(key)
         untried = tuple(instance for instance in candidates if instance not in tried) if tried else ()
-        if untried:
-            chosen = heaviest(slot, untried)  # the next heaviest: where the rollout goes once `tried` are out
-        else:
-            found = winners.get(slot)
-            chosen = winners[slot] = found if found is not None else heaviest(slot, candidates)
-        pins = self.pins
-        if key not in pins and len(pins) >= MAX_PINS:
-            pins.pop(next(iter(pins)), None)
-        pins[key] = chosen
+        # Instances `tried` (and failed) by this call: the next heaviest, where the rollout goes once they are out.
+        chosen = heaviest(slot, untried) if untried else self.slot_winner(slot, candidates)
+        self.pins_put(key, chosen)
         if previous is not None and previous is not chosen:
             self.repins += 1
             if not previous.repins_logged:
@@ -213,10 +229,27 @@ class ServerRoute:
                 )
         return chosen
 
+    def slot_winner(self, slot: int, candidates: tuple[Instance, ...]) -> Instance:
+        """The heaviest candidate for `slot`: remembered, checked against what changed since (`winners`)."""
+        generation = self.generation
+        found = self.winners.get(slot)
+        if found is None or not found[0].candidate:
+            chosen = heaviest(slot, candidates)
+        else:
+            chosen, since = found
+            if since == generation:
+                return chosen
+            best = weight(slot, chosen.key)
+            for joined_in, instance in self.joins:
+                if joined_in > since and instance.candidate and (heavier := weight(slot, instance.key)) > best:
+                    chosen, best = instance, heavier
+        self.winners[slot] = (chosen, generation)
+        return chosen
+
     def other(self, tried: tuple[Instance, ...]) -> Instance:
         """For a call of no rollout that failed: two choices among the instances it has not tried yet, else among
         all that take new work (the resend bound still ends the call)."""
-        candidates = self.pool[0]
+        candidates = self.pool
         untried = tuple(instance for instance in candidates if instance not in tried)
         if untried or candidates:
             return two_choices(untried or candidates)
@@ -227,7 +260,7 @@ class ServerRoute:
         counted)."""
         if key is not None:
             return self.pick(key).url
-        candidates = self.pool[0]
+        candidates = self.pool
         if not candidates:
             raise self.no_instance()
         return min(candidates, key=lambda instance: instance.in_flight).url
@@ -254,14 +287,17 @@ class ServerRoute:
     def learn_session(self, response: aiohttp.ClientResponse, instance: Instance) -> None:
         """Pin the NeMo Gym session the answer opened to the instance that opened it (a session cookie named
         for this server in its Set-Cookie), so the session's later calls, which carry the cookie, go there."""
-        if "Set-Cookie" not in response.headers:
-            return
         session = session_key_from_cookies(response.cookies, self.name)
         if session is not None:
-            pins = self.pins
-            if len(pins) >= MAX_PINS:
-                pins.pop(next(iter(pins)), None)
-            pins[_SESSION_PREFIX + session] = instance
+            self.pins_put(_SESSION_PREFIX + session, instance)
+
+    def pins_put(self, key: str, instance: Instance) -> None:
+        """Pin `key`; past MAX_PINS the older half is forgotten at once (popping a dict's first key one at a time
+        costs a scan over every key popped before it)."""
+        pins = self.pins
+        if len(pins) >= MAX_PINS and key not in pins:
+            pins = self.pins = dict(itertools.islice(pins.items(), MAX_PINS // 2, None))
+        pins[key] = instance
 
 
 def _shown_key(key: str) -> str:
@@ -284,7 +320,11 @@ class RoutedCall:
         self.key = key
         self.path = path
         self.tried: tuple[Instance, ...] = ()
-        self.instance = instance = route.pick(key)
+        if key is None and route.refresh_at == _NEVER and route.pool:  # route.pick(None), one call less
+            instance = two_choices(route.pool)
+        else:
+            instance = route.pick(key)
+        self.instance = instance
         instance.in_flight += 1
         instance.picks += 1
 
@@ -312,8 +352,8 @@ class RoutedCall:
         if response.status >= 500:
             self.route.failed_with(instance, f"HTTP {response.status}")
             return
-        record_success(instance)
-        if self.key is None:
+        instance.consecutive_failures = 0  # a success ends a run of failures (gym_rpc.client._outliers)
+        if self.key is None and "Set-Cookie" in response.headers:
             try:
                 self.route.learn_session(response, instance)
             except Exception:  # a malformed cookie must not fail an answered call

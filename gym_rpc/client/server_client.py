@@ -553,16 +553,23 @@ class ServerClient(BaseModel):
             if routing is not None:
                 routing.set_selector(server_name, selector, self._global_config)
 
-    def follow_instances(self) -> None:
-        """Follow the head's instances (its status watch, in the background) from now on. A client that asks the
-        head does by default; one made from an injected NEMO_GYM_CONFIG_DICT never asks the head by itself, and
-        knows only the config's static replicas (and those `lookup_registered_servers()` found) until this."""
-        self._follows_instances = True
+    def follow_instances(self, follow: bool = True) -> None:
+        """Follow the head's instances (its status watch, in the background) from now on, or (False) stop. A
+        client that asks the head follows by default; one made from an injected NEMO_GYM_CONFIG_DICT never asks
+        the head by itself, and knows only the config's static replicas (and those `lookup_registered_servers()`
+        found) until this is called."""
+        self._follows_instances = follow
         pending = self._pending_routing
-        if pending is not None and pending[1] is None:
+        if pending is None:
+            return
+        routing, follower = pending
+        if follow and follower is None:
             follower = follower_for(_head_address(self.head_server_config), self._head_security())
-            follower.subscribe(pending[0])
-            self._pending_routing = (pending[0], follower)
+            follower.subscribe(routing)
+        elif not follow and follower is not None:
+            follower.unsubscribe(routing)
+            follower = None
+        self._pending_routing = (routing, follower)
 
     def _follows(self) -> bool:
         return self._asks_head if self._follows_instances is None else self._follows_instances

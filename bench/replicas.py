@@ -1,0 +1,639 @@
+"""Replicas: `ServerClient` spreading calls over several instances of one server, each row against what a user
+does today, measured in the same run.
+
+* `replicas-pick`: picking among 64 instances with no I/O (two random choices for calls of no rollout; rollouts
+  of 8 calls, the first of which pins), against `next(itertools.cycle(urls))`, interleaved blocks.
+* `replicas-slow`: four replicas, one serving 10x slower; ServerClient (two choices by calls in flight) against
+  round robin and random picking over the same four URLs with raw aiohttp + orjson, in rotating blocks.
+* `replicas-kill`: `kill -9` of one of four replicas a quarter into 20,000 calls: of no rollout (against round
+  robin with raw aiohttp, on a fresh set of four), and of rollouts of 8 calls (against what `hash(rollout) % N`
+  would move); failed calls, rollouts moved, calls sent to the dead replica after its death was known, and how
+  long after the kill that was.
+* `replicas-join`: four replicas registered with a `gym-rpc head` subprocess, calls of no rollout running; a fifth
+  registers: how long until it answers a call.
+
+Each replica is a process of its own (`python -m bench.servers replica`): it answers `{"instance": <port>}` after
+its delay, at most `--slots` calls at once, the rest queued, as a server whose capacity is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import orjson
+import yaml
+
+from bench.data_plane import JSON_HEADERS, PAYLOAD, raw_session
+from bench.servers import LOOPBACK, REPO_ROOT, ServerProcess, wait_until
+from bench.stats import Row, median, percentile
+from gym_rpc.client import ServerClient, close_http_sessions, rollout_context
+from gym_rpc.client._instances import InstanceState
+from gym_rpc.client._outliers import OutlierDetection
+from gym_rpc.client._picker import SLOTS, stable_key
+from gym_rpc.client._routing import RoutedCall, ServerRoute
+from gym_rpc.config import BaseServerConfig, GlobalConfig
+
+NAME = "policy_model"
+PATH = "/v1/responses"
+REPLICAS_LOGGER = "gym_rpc.client.replicas"
+Post = Callable[[], Awaitable[int]]
+
+
+@dataclass(frozen=True)
+class ReplicasPlan:
+    pick_instances: int = 64
+    pick_calls: int = 20000  # per block
+    pick_blocks: int = 15  # per side, interleaved; the best block is the figure
+    rollout_calls: int = 8  # calls per rollout (the first pins it)
+    slow_delay_ms: float = 4.0  # a fast replica's service time (the slow one's is 10x)
+    slow_slots: int = 4  # calls a replica serves at once
+    slow_concurrency: int = 64
+    slow_block_seconds: float = 1.5
+    slow_rounds: int = 3
+    kill_calls: int = 20000
+    kill_concurrency: int = 64
+    kill_delay_ms: float = 1.0
+    join_replicas: int = 4
+
+
+QUICK_REPLICAS = ReplicasPlan(
+    pick_calls=2000, pick_blocks=2, slow_block_seconds=0.3, slow_rounds=1, kill_calls=800, join_replicas=2
+)
+
+
+def _absolute_row(area: str, measure: str, ours: str, baseline: str, met: bool, goal: str, ratio: float) -> Row:
+    return Row(area, measure, ours, baseline, ratio, goal, met)
+
+
+def start_replicas(
+    count: int, *args: str, slow: int | None = None, slow_delay_ms: float = 0.0
+) -> list[ServerProcess]:
+    processes = []
+    try:
+        for index in range(count):
+            extra = ["--delay-ms", str(slow_delay_ms)] if index == slow else []
+            processes.append(ServerProcess("replica", *args, *extra))
+    except BaseException:
+        for process in processes:
+            process.stop()
+        raise
+    return processes
+
+
+def replicated_client(ports: list[int], **global_keys: Any) -> ServerClient:
+    """A client of a config listing the replicas statically (it follows no head)."""
+    entry = {"host": LOOPBACK, "port": ports[0], "replicas": [f"{LOOPBACK}:{port}" for port in ports[1:]]}
+    doc = {"head_server": {"host": LOOPBACK, "port": 1}, NAME: {"responses_api_models": {"bench": entry}}}
+    client = ServerClient._from_global_config(
+        BaseServerConfig(host=LOOPBACK, port=1), GlobalConfig.from_document({**doc, **global_keys})
+    )
+    client.follow_instances(False)
+    return client
+
+
+def ours_post(client: ServerClient) -> Post:
+    async def post() -> int:
+        async with await client.post(NAME, PATH, json=PAYLOAD) as response:
+            return int(orjson.loads(await response.read())["instance"])
+
+    return post
+
+
+def raw_post(session: aiohttp.ClientSession, next_url: Callable[[], str]) -> Post:
+    async def post() -> int:
+        async with session.post(next_url(), data=orjson.dumps(PAYLOAD), headers=JSON_HEADERS) as response:
+            return int(orjson.loads(await response.read())["instance"])
+
+    return post
+
+
+# --- picking without I/O -----------------------------------------------------------------------------------------
+
+
+def _us_per_call(calls: int, work: Callable[[int], object]) -> float:
+    started = time.perf_counter()
+    for index in range(calls):
+        work(index)
+    return (time.perf_counter() - started) / calls * 1e6
+
+
+def pick_rows(plan: ReplicasPlan) -> list[Row]:
+    """The route's work per call among `pick_instances` instances (pick, count in flight, hear the answer)."""
+    count = plan.pick_instances
+    urls = [f"http://10.0.{i // 250}.{i % 250}:8000" for i in range(count)]
+    states = [InstanceState(url.removeprefix("http://"), url, "success") for url in urls]
+    route = ServerRoute(NAME, states, OutlierDetection())
+    answer: Any = SimpleNamespace(status=200, headers={})
+    cycle = itertools.cycle(urls)
+    per_rollout = plan.rollout_calls
+    rollout_ids = [f"rollout-{n}" for n in range(plan.pick_calls * plan.pick_blocks * 2 // per_rollout + 2)]
+    used = itertools.count()
+
+    def round_robin(index: int) -> object:
+        return next(cycle) + PATH
+
+    def two_choices(index: int) -> object:
+        call = RoutedCall(route, None, PATH)
+        call.answered(answer)
+        return call.instance.url + PATH
+
+    base = [0]
+
+    def rollouts(index: int) -> object:
+        if index % per_rollout == 0:
+            base[0] = next(used)
+        call = RoutedCall(route, rollout_ids[base[0]], PATH)
+        call.answered(answer)
+        return call.instance.url + PATH
+
+    # Each rendezvous slot's winner is found once, by the slot's first rollout (n weights), then remembered: time
+    # that over every slot (the cost after a start, spread over the first rollouts), then measure the steady state.
+    started = time.perf_counter()
+    for slot in range(SLOTS):
+        route.slot_winner(slot, route.pool)
+    fill_us = (time.perf_counter() - started) / SLOTS * 1e6
+    best = {"rr": math.inf, "p2c": math.inf, "sticky": math.inf}
+    for _ in range(plan.pick_blocks):
+        best["rr"] = min(best["rr"], _us_per_call(plan.pick_calls, round_robin))
+        best["p2c"] = min(best["p2c"], _us_per_call(plan.pick_calls, two_choices))
+        best["sticky"] = min(best["sticky"], _us_per_call(plan.pick_calls, rollouts))
+    method = f"best of {plan.pick_blocks} interleaved blocks of {plan.pick_calls} calls, no I/O"
+    baseline = f"round robin (next(cycle(urls))): {best['rr']:.2f} µs/call"
+    return [
+        _absolute_row(
+            "replicas",
+            f"picking among {count} instances, calls of no rollout: two random choices by calls in flight, the "
+            f"call counted in flight and its answer heard ({method})",
+            f"{best['p2c']:.2f} µs/call",
+            baseline,
+            best["p2c"] < 2.0,
+            "< 2 µs",
+            best["rr"] / best["p2c"],
+        ),
+        _absolute_row(
+            "replicas",
+            f"picking among {count} instances, rollouts of {per_rollout} calls: the first pins by rendezvous "
+            f"(a new rollout each time), the rest follow the pin ({method})",
+            f"{best['sticky']:.2f} µs/call",
+            baseline,
+            best["sticky"] < 2.0,
+            "< 2 µs",
+            best["rr"] / best["sticky"],
+        ),
+        Row(
+            "replicas",
+            f"a rendezvous slot's first rollout among {count} instances (one weight per instance; once per slot "
+            f"of {SLOTS}, after a start or for the slots of an instance that left), timed over every slot",
+            f"{fill_us:.1f} µs, {fill_us * SLOTS / 1e6:.2f} s for all",
+            "—",
+            math.nan,
+        ),
+    ]
+
+
+# --- four replicas, one 10x slower -------------------------------------------------------------------------------
+
+
+@dataclass
+class Block:
+    latencies: list[float]
+    seconds: float
+
+    @property
+    def throughput(self) -> float:
+        return len(self.latencies) / self.seconds
+
+    @property
+    def p99(self) -> float:
+        return percentile(self.latencies, 0.99)
+
+
+async def run_for(post: Post, seconds: float, concurrency: int) -> Block:
+    """`concurrency` workers posting until `seconds` are up; every call started is waited for and counted."""
+    deadline = time.monotonic() + seconds
+    latencies: list[float] = []
+
+    async def worker() -> None:
+        while time.monotonic() < deadline:
+            started = time.perf_counter()
+            await post()
+            latencies.append(time.perf_counter() - started)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return Block(latencies, time.perf_counter() - started)
+
+
+async def slow_rows(plan: ReplicasPlan) -> list[Row]:
+    slots = ["--slots", str(plan.slow_slots), "--delay-ms", str(plan.slow_delay_ms)]
+    processes = start_replicas(4, *slots, slow=3, slow_delay_ms=plan.slow_delay_ms * 10)
+    try:
+        ports = [int(process.info["port"]) for process in processes]
+        urls = [f"http://{LOOPBACK}:{port}{PATH}" for port in ports]
+        client = replicated_client(ports)
+        session = raw_session()
+        cycle = itertools.cycle(urls)
+        sides: dict[str, Post] = {
+            "ours": ours_post(client),
+            "round robin": raw_post(session, lambda: next(cycle)),
+            "random": raw_post(session, lambda: random.choice(urls)),
+        }
+        blocks: dict[str, list[Block]] = {name: [] for name in sides}
+        names = list(sides)
+        for post in sides.values():  # warm: connections to every replica
+            await run_for(post, 0.2, plan.slow_concurrency)
+        for index in range(plan.slow_rounds * len(names)):  # rotating order: ABC, BCA, CAB, ...
+            name = names[(index + index // len(names)) % len(names)]
+            blocks[name].append(await run_for(sides[name], plan.slow_block_seconds, plan.slow_concurrency))
+        await session.close()
+        await close_http_sessions()
+    finally:
+        for process in processes:
+            process.stop()
+    ours = blocks["ours"]
+    rows = []
+    setup = (
+        f"4 replicas serving {plan.slow_slots} calls at once each in {plan.slow_delay_ms:g} ms, one in "
+        f"{plan.slow_delay_ms * 10:g} ms; concurrency {plan.slow_concurrency}, {plan.slow_rounds} rotating blocks "
+        f"of {plan.slow_block_seconds:g} s per side"
+    )
+    for name in ("round robin", "random"):
+        theirs = blocks[name]
+        p99_ratio = median([t.p99 / o.p99 for o, t in zip(ours, theirs, strict=True)])
+        rate_ratio = median([o.throughput / t.throughput for o, t in zip(ours, theirs, strict=True)])
+        goal = name == "round robin"
+        rows.append(
+            Row(
+                "replicas",
+                f"p99 latency against {name} ({setup}; ratio: theirs / ours, median of blocks)",
+                f"two choices: {_ms(median([b.p99 for b in ours]))} ms",
+                f"{name} (raw aiohttp): {_ms(median([b.p99 for b in theirs]))} ms",
+                p99_ratio,
+                "p99 ≤ 0.5x" if goal else "",
+                p99_ratio >= 2.0 if goal else None,
+                2.0 if goal else None,
+            )
+        )
+        rows.append(
+            Row(
+                "replicas",
+                f"throughput against {name} ({setup})",
+                f"two choices: {median([b.throughput for b in ours]):.0f} req/s",
+                f"{name} (raw aiohttp): {median([b.throughput for b in theirs]):.0f} req/s",
+                rate_ratio,
+                "≥ 1.5x" if goal else "",
+                rate_ratio >= 1.5 if goal else None,
+                1.5 if goal else None,
+            )
+        )
+    return rows
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}"
+
+
+# --- kill -9 -----------------------------------------------------------------------------------------------------
+
+
+class EjectionWatch(logging.Handler):
+    """Hears the route's ejection line of one instance: when (time.monotonic()) and its picks then."""
+
+    def __init__(self, instance_id: str, route: Callable[[], ServerRoute | None]) -> None:
+        super().__init__(logging.WARNING)
+        self.instance_id = instance_id
+        self.route = route
+        self.at: float | None = None
+        self.picks_then = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.at is None and "ejected" in record.getMessage() and self.instance_id in record.getMessage():
+            self.at = time.monotonic()
+            route = self.route()
+            self.picks_then = route.by_id[self.instance_id].picks if route is not None else 0
+
+
+@dataclass
+class KillRun:
+    failed: int
+    calls: int
+    killed_at: float
+    paths: dict[str, list[int]]  # rollout -> the instance port of each of its calls
+
+
+async def kill_run(
+    post: Callable[[int], Awaitable[int]], processes: list[ServerProcess], plan: ReplicasPlan, per_rollout: int
+) -> KillRun:
+    """`kill_calls` calls by `kill_concurrency` workers (in rollouts of `per_rollout`, 1: none); the first replica
+    gets SIGKILL once a quarter of them answered."""
+    total = plan.kill_calls
+    next_call = itertools.count()
+    done = [0]
+    failed = [0]
+    killed_at = [math.inf]
+    paths: dict[str, list[int]] = {}
+
+    def kill_when_due() -> None:
+        if done[0] >= total // 4 and killed_at[0] == math.inf:
+            killed_at[0] = time.monotonic()
+            os.kill(processes[0].pid, signal.SIGKILL)
+
+    async def worker() -> None:
+        while (index := next(next_call)) < total:
+            rollout = index // per_rollout
+            try:
+                port = await post(rollout)
+            except Exception:
+                failed[0] += 1
+            else:
+                if per_rollout > 1:
+                    paths.setdefault(f"r{rollout}", []).append(port)
+            done[0] += 1
+            kill_when_due()
+
+    if per_rollout == 1:
+        await asyncio.gather(*(worker() for _ in range(plan.kill_concurrency)))
+    else:  # rollouts in flight at once, each making its calls one after the other
+        rollout_ids = itertools.count()
+
+        async def rollout_worker() -> None:
+            while (rollout := next(rollout_ids)) * per_rollout < total:
+                for _ in range(per_rollout):
+                    try:
+                        port = await post(rollout)
+                    except Exception:
+                        failed[0] += 1
+                    else:
+                        paths.setdefault(f"r{rollout}", []).append(port)
+                    done[0] += 1
+                    kill_when_due()
+
+        await asyncio.gather(*(rollout_worker() for _ in range(plan.kill_concurrency)))
+    return KillRun(failed[0], done[0], killed_at[0], paths)
+
+
+async def _kill_ours(plan: ReplicasPlan, per_rollout: int) -> tuple[KillRun, EjectionWatch, int, int]:
+    processes = start_replicas(4, "--delay-ms", str(plan.kill_delay_ms))
+    ports = [int(process.info["port"]) for process in processes]
+    client = replicated_client(ports)
+    watch = EjectionWatch(
+        f"{LOOPBACK}:{ports[0]}", lambda: client._routing.routes.get(NAME) if client._routing else None
+    )
+    logger = logging.getLogger(REPLICAS_LOGGER)
+    logger.addHandler(watch)
+    post = ours_post(client)
+
+    async def call(rollout: int) -> int:
+        if per_rollout == 1:
+            return await post()
+        with rollout_context(f"r{rollout}"):
+            return await post()
+
+    try:
+        run = await kill_run(call, processes, plan, per_rollout)
+    finally:
+        logger.removeHandler(watch)
+        await close_http_sessions()
+        for process in processes:
+            process.stop()
+    route = client._routing.routes[NAME] if client._routing else None
+    picks_at_end = route.by_id[f"{LOOPBACK}:{ports[0]}"].picks if route else 0
+    return run, watch, picks_at_end, ports[0]
+
+
+async def _kill_round_robin(plan: ReplicasPlan) -> KillRun:
+    processes = start_replicas(4, "--delay-ms", str(plan.kill_delay_ms))
+    urls = [f"http://{LOOPBACK}:{process.info['port']}{PATH}" for process in processes]
+    session = raw_session()
+    cycle = itertools.cycle(urls)
+    post = raw_post(session, lambda: next(cycle))
+    try:
+        return await kill_run(lambda rollout: post(), processes, plan, 1)
+    finally:
+        await session.close()
+        for process in processes:
+            process.stop()
+
+
+def _moved_by_modulo(rollouts: int, dead: int = 0, count: int = 4) -> int:
+    """Rollouts whose instance `hash(rollout) % N` changes when instance `dead` of `count` leaves."""
+    moved = 0
+    for n in range(rollouts):
+        key = stable_key(f"r{n}")
+        before = key % count
+        survivors = [i for i in range(count) if i != dead]
+        if before != survivors[key % (count - 1)]:
+            moved += 1
+    return moved
+
+
+async def kill_rows(plan: ReplicasPlan) -> list[Row]:
+    ours, watch, picks_at_end, _ = await _kill_ours(plan, 1)
+    theirs = await _kill_round_robin(plan)
+    known_ms = (watch.at - ours.killed_at) * 1000 if watch.at is not None else math.inf
+    setup = (
+        f"kill -9 of one of 4 replicas a quarter into {plan.kill_calls:,} calls of no rollout, "
+        f"concurrency {plan.kill_concurrency}"
+    )
+    rows = [
+        _absolute_row(
+            "replicas",
+            f"failed calls ({setup})",
+            f"{ours.failed} of {ours.calls}",
+            f"round robin (raw aiohttp): {theirs.failed} of {theirs.calls}",
+            ours.failed == 0,
+            "0 failed",
+            math.nan,
+        ),
+        _absolute_row(
+            "replicas",
+            f"the dead replica's death known (ejected) after the kill; calls sent to it after that ({setup})",
+            f"{known_ms:.0f} ms; {picks_at_end - watch.picks_then} calls",
+            "—",
+            known_ms <= 1000 and picks_at_end == watch.picks_then,
+            "≤ 1 s; 0 calls",
+            math.nan,
+        ),
+    ]
+    sticky, sticky_watch, sticky_picks, dead_port = await _kill_ours(plan, plan.rollout_calls)
+    on_dead = [rollout for rollout, ports in sticky.paths.items() if ports[0] == dead_port]
+    wrongly_moved = sum(1 for ports in sticky.paths.values() if ports[0] != dead_port and len(set(ports)) > 1)
+    moved_twice = sum(1 for rollout in on_dead if len(set(sticky.paths[rollout][1:])) > 1)
+    rollouts = len(sticky.paths)
+    known = (sticky_watch.at - sticky.killed_at) * 1000 if sticky_watch.at is not None else math.inf
+    sticky_setup = (
+        f"the same during rollouts of {plan.rollout_calls} calls ({rollouts} rollouts, "
+        f"{plan.kill_concurrency} at once)"
+    )
+    rows += [
+        _absolute_row(
+            "replicas",
+            f"rollouts moved by the kill, and failed calls ({sticky_setup})",
+            f"{len(on_dead)} (the dead replica's), others moved: {wrongly_moved}, moved twice: {moved_twice}; "
+            f"{sticky.failed} failed",
+            f"hash(rollout) % N: {_moved_by_modulo(rollouts)} of {rollouts}",
+            wrongly_moved == 0 and moved_twice == 0,
+            "only the dead one's",
+            math.nan,
+        ),
+        _absolute_row(
+            "replicas",
+            f"death known after the kill; calls sent to it after that ({sticky_setup})",
+            f"{known:.0f} ms; {sticky_picks - sticky_watch.picks_then} calls",
+            "—",
+            known <= 1000 and sticky_picks == sticky_watch.picks_then,
+            "≤ 1 s; 0 calls",
+            math.nan,
+        ),
+    ]
+    return rows
+
+
+# --- a fifth replica ---------------------------------------------------------------------------------------------
+
+
+class HeadProcess:
+    """`gym-rpc head` on a config file of its own, on a free port (bounded start, stopped at exit)."""
+
+    def __init__(self, doc: dict[str, Any], directory: Path) -> None:
+        config = directory / "head.yaml"
+        config.write_text(yaml.safe_dump(doc), encoding="utf-8")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gym_rpc", "head", "--config", str(config), "--probe-interval", "0.5"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=REPO_ROOT,
+        )
+        self.port = int(doc["head_server"]["port"])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+async def join_rows(plan: ReplicasPlan) -> list[Row]:
+    head_port = _free_port()
+    doc = {
+        "head_server": {"host": LOOPBACK, "port": head_port},
+        NAME: {"responses_api_models": {"bench": {"host": "0.0.0.0", "port": _free_port()}}},
+    }
+    processes: list[ServerProcess] = []
+    with tempfile.TemporaryDirectory() as directory:
+        head = HeadProcess(doc, Path(directory))
+        try:
+            client = await asyncio.to_thread(_client_when_up, head_port)
+            register = [
+                "--register",
+                f"{LOOPBACK}:{head_port}",
+                "--name",
+                NAME,
+                "--delay-ms",
+                str(plan.kill_delay_ms),
+            ]
+            processes = await asyncio.to_thread(start_replicas, plan.join_replicas, *register)
+            post = ours_post(client)
+            await post()
+
+            def all_listed() -> bool:
+                route = client._routing.routes.get(NAME) if client._routing else None
+                return route is not None and len(route.instances) >= plan.join_replicas + 1
+
+            listed = await asyncio.to_thread(wait_until, all_listed, 10)
+            seen: dict[int, float] = {}
+            stop, fifth_answered = asyncio.Event(), asyncio.Event()
+            fifth_port = [0]
+
+            async def worker() -> None:
+                while not stop.is_set():
+                    port = await post()
+                    seen.setdefault(port, time.monotonic())
+                    if port == fifth_port[0]:
+                        fifth_answered.set()
+
+            workers = [asyncio.create_task(worker()) for _ in range(16)]
+            fifth = await asyncio.to_thread(ServerProcess, "replica", *register)
+            registered_at = time.monotonic()  # its READY line comes after the head accepted its registration
+            processes.append(fifth)
+            port = fifth_port[0] = int(fifth.info["port"])
+            if port in seen:
+                fifth_answered.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fifth_answered.wait(), 10)
+            stop.set()
+            await asyncio.gather(*workers)
+            await close_http_sessions()
+        finally:
+            for process in processes:
+                process.stop()
+            head.stop()
+    delay = seen.get(port, math.inf) - registered_at
+    return [
+        _absolute_row(
+            "replicas",
+            f"a fifth replica registers with the head ({plan.join_replicas} registered, calls of no rollout at "
+            f"concurrency 16): from its registration to its first answered call (listed at start: {listed})",
+            f"{delay * 1000:.0f} ms",
+            "—",
+            delay <= 1.0,
+            "≤ 1 s",
+            math.nan,
+        )
+    ]
+
+
+def _client_when_up(head_port: int) -> ServerClient:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return ServerClient.load_from_global_config(BaseServerConfig(host=LOOPBACK, port=head_port))
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+SECTIONS: dict[str, Callable[[ReplicasPlan], list[Row]]] = {
+    "replicas-pick": pick_rows,
+    "replicas-slow": lambda plan: asyncio.run(slow_rows(plan)),
+    "replicas-kill": lambda plan: asyncio.run(kill_rows(plan)),
+    "replicas-join": lambda plan: asyncio.run(join_rows(plan)),
+}
+
+
+def rows(plan: ReplicasPlan, sections: set[str]) -> list[Row]:
+    found: list[Row] = []
+    for name, run in SECTIONS.items():
+        if name in sections:
+            print(f"bench: {name}", file=sys.stderr, flush=True)
+            found += run(plan)
+    return found
