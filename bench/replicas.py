@@ -65,7 +65,7 @@ class ReplicasPlan:
     slow_delay_ms: float = 4.0  # a fast replica's service time (the slow one's is 10x)
     slow_slots: int = 4  # calls a replica serves at once
     slow_concurrency: int = 64
-    slow_block_seconds: float = 1.5
+    slow_block_seconds: float = 2.0
     slow_rounds: int = 3
     kill_calls: int = 20000
     kill_concurrency: int = 64
@@ -213,12 +213,13 @@ def pick_rows(plan: ReplicasPlan) -> list[Row]:
 
 @dataclass
 class Block:
-    latencies: list[float]
+    latencies: list[float]  # of every call started in the block
+    answered_in_time: int  # calls answered before the block's end
     seconds: float
 
     @property
     def throughput(self) -> float:
-        return len(self.latencies) / self.seconds
+        return self.answered_in_time / self.seconds
 
     @property
     def p99(self) -> float:
@@ -226,19 +227,23 @@ class Block:
 
 
 async def run_for(post: Post, seconds: float, concurrency: int) -> Block:
-    """`concurrency` workers posting until `seconds` are up; every call started is waited for and counted."""
-    deadline = time.monotonic() + seconds
+    """`concurrency` workers posting for `seconds`: throughput counts the calls answered by then, latencies every
+    call started by then (the ones still in flight at the end are waited for)."""
+    started = time.monotonic()
+    deadline = started + seconds
     latencies: list[float] = []
+    in_time = [0]
 
     async def worker() -> None:
         while time.monotonic() < deadline:
-            started = time.perf_counter()
+            call_started = time.perf_counter()
             await post()
-            latencies.append(time.perf_counter() - started)
+            latencies.append(time.perf_counter() - call_started)
+            if time.monotonic() <= deadline:
+                in_time[0] += 1
 
-    started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return Block(latencies, time.perf_counter() - started)
+    return Block(latencies, in_time[0], seconds)
 
 
 async def slow_rows(plan: ReplicasPlan) -> list[Row]:
@@ -314,20 +319,39 @@ def _ms(seconds: float) -> str:
 
 
 class EjectionWatch(logging.Handler):
-    """Hears the route's ejection line of one instance: when (time.monotonic()) and its picks then."""
+    """Hears the route's lines about one instance: when it was first ejected (time.monotonic()), and the attempts
+    sent to it while it was out (between each ejection and its return on probation, or the end)."""
 
     def __init__(self, instance_id: str, route: Callable[[], ServerRoute | None]) -> None:
-        super().__init__(logging.WARNING)
-        self.instance_id = instance_id
+        super().__init__(logging.INFO)
+        self.instance_id = f"instance {instance_id} "
         self.route = route
         self.at: float | None = None
-        self.picks_then = 0
+        self.picks_while_out = 0
+        self.returns = 0
+        self._out_since_picks: int | None = None
+
+    def _picks(self) -> int:
+        route = self.route()
+        return route.by_id[self.instance_id.split()[1]].picks if route is not None else 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self.at is None and "ejected" in record.getMessage() and self.instance_id in record.getMessage():
-            self.at = time.monotonic()
-            route = self.route()
-            self.picks_then = route.by_id[self.instance_id].picks if route is not None else 0
+        message = record.getMessage()
+        if not message.startswith(self.instance_id):
+            return
+        if " ejected for " in message:
+            self.at = time.monotonic() if self.at is None else self.at
+            self._out_since_picks = self._picks()
+        elif "returns to rotation" in message and self._out_since_picks is not None:
+            self.picks_while_out += self._picks() - self._out_since_picks
+            self._out_since_picks = None
+            self.returns += 1
+
+    def close_out(self) -> None:
+        """At the end of the run: count an ejection still going on."""
+        if self._out_since_picks is not None:
+            self.picks_while_out += self._picks() - self._out_since_picks
+            self._out_since_picks = None
 
 
 @dataclass
@@ -389,7 +413,7 @@ async def kill_run(
     return KillRun(failed[0], done[0], killed_at[0], paths)
 
 
-async def _kill_ours(plan: ReplicasPlan, per_rollout: int) -> tuple[KillRun, EjectionWatch, int, int]:
+async def _kill_ours(plan: ReplicasPlan, per_rollout: int) -> tuple[KillRun, EjectionWatch, int]:
     processes = start_replicas(4, "--delay-ms", str(plan.kill_delay_ms))
     ports = [int(process.info["port"]) for process in processes]
     client = replicated_client(ports)
@@ -397,6 +421,8 @@ async def _kill_ours(plan: ReplicasPlan, per_rollout: int) -> tuple[KillRun, Eje
         f"{LOOPBACK}:{ports[0]}", lambda: client._routing.routes.get(NAME) if client._routing else None
     )
     logger = logging.getLogger(REPLICAS_LOGGER)
+    level = logger.level
+    logger.setLevel(logging.INFO)  # the returns too
     logger.addHandler(watch)
     post = ours_post(client)
 
@@ -408,14 +434,14 @@ async def _kill_ours(plan: ReplicasPlan, per_rollout: int) -> tuple[KillRun, Eje
 
     try:
         run = await kill_run(call, processes, plan, per_rollout)
+        watch.close_out()
     finally:
         logger.removeHandler(watch)
+        logger.setLevel(level)
         await close_http_sessions()
         for process in processes:
             process.stop()
-    route = client._routing.routes[NAME] if client._routing else None
-    picks_at_end = route.by_id[f"{LOOPBACK}:{ports[0]}"].picks if route else 0
-    return run, watch, picks_at_end, ports[0]
+    return run, watch, ports[0]
 
 
 async def _kill_round_robin(plan: ReplicasPlan) -> KillRun:
@@ -432,6 +458,18 @@ async def _kill_round_robin(plan: ReplicasPlan) -> KillRun:
             process.stop()
 
 
+def _after_known(watch: EjectionWatch) -> str:
+    text = f"{watch.picks_while_out} calls while ejected"
+    if watch.returns:  # a run longer than the ejection: on probation, it is tried (and fails over) again
+        text += f", back on probation {watch.returns}x"
+    return text
+
+
+def _moves(ports: list[int]) -> int:
+    """How many times a rollout's calls changed instance."""
+    return sum(1 for before, after in itertools.pairwise(ports) if before != after)
+
+
 def _moved_by_modulo(rollouts: int, dead: int = 0, count: int = 4) -> int:
     """Rollouts whose instance `hash(rollout) % N` changes when instance `dead` of `count` leaves."""
     moved = 0
@@ -445,7 +483,7 @@ def _moved_by_modulo(rollouts: int, dead: int = 0, count: int = 4) -> int:
 
 
 async def kill_rows(plan: ReplicasPlan) -> list[Row]:
-    ours, watch, picks_at_end, _ = await _kill_ours(plan, 1)
+    ours, watch, _ = await _kill_ours(plan, 1)
     theirs = await _kill_round_robin(plan)
     known_ms = (watch.at - ours.killed_at) * 1000 if watch.at is not None else math.inf
     setup = (
@@ -464,18 +502,19 @@ async def kill_rows(plan: ReplicasPlan) -> list[Row]:
         ),
         _absolute_row(
             "replicas",
-            f"the dead replica's death known (ejected) after the kill; calls sent to it after that ({setup})",
-            f"{known_ms:.0f} ms; {picks_at_end - watch.picks_then} calls",
+            f"the dead replica's death known (ejected) after the kill; calls sent to it while known dead "
+            f"({setup})",
+            f"{known_ms:.0f} ms; {_after_known(watch)}",
             "—",
-            known_ms <= 1000 and picks_at_end == watch.picks_then,
+            known_ms <= 1000 and watch.picks_while_out == 0,
             "≤ 1 s; 0 calls",
             math.nan,
         ),
     ]
-    sticky, sticky_watch, sticky_picks, dead_port = await _kill_ours(plan, plan.rollout_calls)
+    sticky, sticky_watch, dead_port = await _kill_ours(plan, plan.rollout_calls)
     on_dead = [rollout for rollout, ports in sticky.paths.items() if ports[0] == dead_port]
-    wrongly_moved = sum(1 for ports in sticky.paths.values() if ports[0] != dead_port and len(set(ports)) > 1)
-    moved_twice = sum(1 for rollout in on_dead if len(set(sticky.paths[rollout][1:])) > 1)
+    wrongly_moved = sum(1 for ports in sticky.paths.values() if ports[0] != dead_port and _moves(ports))
+    moved_twice = sum(1 for rollout in on_dead if _moves(sticky.paths[rollout]) > 1)
     rollouts = len(sticky.paths)
     known = (sticky_watch.at - sticky.killed_at) * 1000 if sticky_watch.at is not None else math.inf
     sticky_setup = (
@@ -495,10 +534,10 @@ async def kill_rows(plan: ReplicasPlan) -> list[Row]:
         ),
         _absolute_row(
             "replicas",
-            f"death known after the kill; calls sent to it after that ({sticky_setup})",
-            f"{known:.0f} ms; {sticky_picks - sticky_watch.picks_then} calls",
+            f"death known after the kill; calls sent to it while known dead ({sticky_setup})",
+            f"{known:.0f} ms; {_after_known(sticky_watch)}",
             "—",
-            known <= 1000 and sticky_picks == sticky_watch.picks_then,
+            known <= 1000 and sticky_watch.picks_while_out == 0,
             "≤ 1 s; 0 calls",
             math.nan,
         ),
