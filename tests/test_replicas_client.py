@@ -469,3 +469,41 @@ async def test_a_connection_reset_while_the_call_is_in_flight_moves_a_call_of_no
         dropper.cancel()
         dropping.close()
     assert answered == {healthy.port: 40}
+
+
+# --- followed from a real head -----------------------------------------------------------------------------------
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float) -> float:
+    """Seconds until `condition()` held (polled every 5 ms); fails the test after `timeout`."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout, "condition not met in time"
+        await asyncio.sleep(0.005)
+    return time.monotonic() - started
+
+
+async def test_the_heads_view_of_each_instance_reaches_the_client_within_a_second(replicas, head_factory) -> None:
+    """The head probes every instance and pushes each change on its watch; the client follows it in the background
+    (no call asks the head) and stops calling an instance the head found dead before any call of its fails."""
+    fleet = await replicas(3)
+    ports = [replica.port for replica in fleet]
+    head = await head_factory(replicated_doc(ports), probe_interval_seconds=0.1)
+    client = await asyncio.to_thread(
+        ServerClient.load_from_global_config, BaseServerConfig(host=LOOPBACK, port=head.port)
+    )
+    await call(client)
+    route = route_of(client)
+    await wait_for(lambda: all(instance.status == "success" for instance in route.instances), 5)
+    gone = fleet[0]
+    await gone.stop()
+    known_after = await wait_for(lambda: route.by_id[f"{LOOPBACK}:{gone.port}"].down, 10)
+    assert known_after < 1.0 + 0.1 * 10  # the head's probe interval, then the push (generous on a loaded machine)
+    instance = route.by_id[f"{LOOPBACK}:{gone.port}"]
+    assert not instance.alive and instance.consecutive_failures == 0  # known from the head, not from failed calls
+    picks = instance.picks
+    answered = collections.Counter([await call(client) for _ in range(30)])
+    assert gone.port not in answered and instance.picks == picks
+    await gone.start(gone.port)  # back: the head's next probe says so, and calls go there again
+    await wait_for(lambda: instance.alive, 10)
+    assert gone.port in collections.Counter([await call(client) for _ in range(60)])
