@@ -10,10 +10,14 @@ import base64
 import collections
 import json
 import logging
+import os
 import pickle
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -507,3 +511,39 @@ async def test_the_heads_view_of_each_instance_reaches_the_client_within_a_secon
     await gone.start(gone.port)  # back: the head's next probe says so, and calls go there again
     await wait_for(lambda: instance.alive, 10)
     assert gone.port in collections.Counter([await call(client) for _ in range(60)])
+
+
+# --- worker metrics ----------------------------------------------------------------------------------------------
+
+
+def test_worker_metrics_count_picks_calls_in_flight_ejections_and_repins_per_instance() -> None:
+    scenario = Path(__file__).with_name("replicas_metrics_scenario.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_OTEL_", "NEMO_LENS_"))}
+    env["PYTHONPATH"] = str(Path(__file__).parent.parent)
+    completed = subprocess.run(
+        [sys.executable, str(scenario)], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert completed.returncode == 0, completed.stderr
+    result = json.loads(next(line for line in completed.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    ports, found = result["ports"], result["metrics"]
+
+    def per_instance(name: str) -> dict[int, Any]:
+        return {
+            int(point["attributes"]["gym.server.instance.id"].rsplit(":", 1)[1]): point["value"]
+            for point in found[name]
+            if point["attributes"]["gym.server.name"] == NAME
+        }
+
+    picks = per_instance("gym.client.instance.picks")
+    assert picks[ports["refused"]] == 5  # five refused in a row eject it; each failed over
+    assert picks[ports["first"]] + picks[ports["second"]] == 60  # every call answered by a live one
+    assert per_instance("gym.client.instance.ejections") == {
+        ports["first"]: 0,
+        ports["second"]: 0,
+        ports["refused"]: 1,
+    }
+    assert set(per_instance("gym.client.instance.active_requests").values()) == {0}
+    repins = {
+        point["attributes"]["gym.server.name"]: point["value"] for point in found["gym.client.rollout.repins"]
+    }
+    assert repins == {NAME: 0}  # the refused instance was ejected before any rollout began

@@ -1,0 +1,64 @@
+"""Run by tests/test_replicas_client.py in a fresh interpreter (the MeterProvider is set once per process): a
+ServerClient of an injected config with three static replicas of one server, one of them refusing, makes calls of
+no rollout and of rollouts; prints the per-instance worker metrics an in-memory reader collected, as JSON on the
+line starting "RESULT ".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+
+from tests.raw_servers import start_ok_server
+from tests.worker_metrics_scenario import collected
+
+LOOPBACK = "127.0.0.1"
+CALLS = 30
+
+
+async def main() -> None:
+    from opentelemetry import metrics
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+    first, first_port = await start_ok_server()
+    second, second_port = await start_ok_server()
+    closed = socket.socket()
+    closed.bind((LOOPBACK, 0))  # bound, never listening: refused for the whole scenario
+    refused_port = closed.getsockname()[1]
+    replicas = [f"{LOOPBACK}:{second_port}", f"{LOOPBACK}:{refused_port}"]
+    entry = {"host": LOOPBACK, "port": first_port, "replicas": replicas}
+    document = {
+        "head_server": {"host": LOOPBACK, "port": 1},
+        "policy": {"responses_api_models": {"impl": entry}},
+        "http_client": {"retry": {"attempts": 3, "initial_backoff_seconds": 0.001}},
+    }
+    os.environ["NEMO_GYM_CONFIG_DICT"] = json.dumps(document)
+
+    from gym_rpc.client import rollout_context
+    from gym_rpc.client.server_client import ServerClient
+    from gym_rpc.metrics import enable_client_metrics
+
+    enable_client_metrics()
+    client = ServerClient.load_from_global_config()
+    for _ in range(CALLS):
+        async with await client.post("policy", "/v1/responses", json={}) as response:
+            await response.read()
+    for n in range(CALLS):
+        with rollout_context(f"rollout-{n}"):
+            async with await client.post("policy", "/v1/responses", json={}) as response:
+                await response.read()
+    await client.aclose()
+    await first.cleanup()
+    await second.cleanup()
+    closed.close()
+    ports = {"first": first_port, "second": second_port, "refused": refused_port}
+    print("RESULT " + json.dumps({"ports": ports, "metrics": collected(reader)}), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
