@@ -21,6 +21,7 @@ from aiohttp import web
 from hypothesis import settings
 
 from gym_rpc.client._channel import close_aio_channels, close_sync_channels
+from gym_rpc.client._follower import close_instance_followers
 from gym_rpc.config import GlobalConfig
 from gym_rpc.server._head import HeadOptions, HeadServer
 
@@ -184,6 +185,7 @@ def _close_sync_channels() -> Any:
     yield
     with contextlib.suppress(Exception):
         close_sync_channels()
+    close_instance_followers()  # the background followers of the heads this test's clients called
 
 
 class LoopStallDetector:

@@ -24,7 +24,6 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gym_rpc.client._follower import _followers
 from gym_rpc.client._http import close_http_sessions
 from gym_rpc.client._instances import InstanceState
 from gym_rpc.client._outliers import OutlierDetection
@@ -433,20 +432,32 @@ async def test_a_pickled_client_makes_its_own_routes_and_keeps_its_labels(replic
         await call(restored)  # its routes carry the selector (no instance reports labels here)
 
 
-async def test_an_injected_config_client_never_asks_the_head_for_instances(
-    replicas, head_factory, monkeypatch
-) -> None:
+async def test_an_injected_config_client_never_asks_the_head_for_instances(replicas, monkeypatch) -> None:
+    """SECURITY.md: a client of an injected NEMO_GYM_CONFIG_DICT routes over its config's static replicas without
+    following the head; the head's port is a listening socket nobody accepts on, so any attempt to ask it would
+    leave a connection in its backlog. follow_instances() is the opt-in, and then it does connect."""
     fleet = await replicas(2)
-    doc = replicated_doc([replica.port for replica in fleet])
-    head = await head_factory(doc)
-    doc["head_server"]["port"] = head.port
-    monkeypatch.setenv("NEMO_GYM_CONFIG_DICT", json.dumps(doc))
-    client = ServerClient.load_from_global_config()
-    await call(client)
-    assert not any(address.endswith(f":{head.port}") for _, address, _ in _followers)
-    assert len(route_of(client).instances) == 2  # the config's static replicas
-    client.follow_instances()
-    assert any(address.endswith(f":{head.port}") for _, address, _ in _followers)
+    with socket.create_server((LOOPBACK, 0)) as head_listener:
+        head_listener.setblocking(False)
+        doc = replicated_doc([replica.port for replica in fleet])
+        doc["head_server"]["port"] = int(head_listener.getsockname()[1])
+        monkeypatch.setenv("NEMO_GYM_CONFIG_DICT", json.dumps(doc))
+        client = ServerClient.load_from_global_config()
+        assert {await call(client) for _ in range(20)} == {replica.port for replica in fleet}
+        await asyncio.to_thread(client._resolve_base_url, NAME)
+        with pytest.raises(BlockingIOError):
+            head_listener.accept()  # nothing ever connected to the head
+        client.follow_instances()
+        await wait_for(lambda: _accepts(head_listener), 10)  # the follower's channel knocks
+
+
+def _accepts(listener: socket.socket) -> bool:
+    try:
+        connection, _ = listener.accept()
+    except BlockingIOError:
+        return False
+    connection.close()
+    return True
 
 
 async def test_a_connection_reset_while_the_call_is_in_flight_moves_a_call_of_no_rollout(replicas) -> None:

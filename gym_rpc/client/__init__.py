@@ -5,6 +5,8 @@
 * `_security`: the bearer token and TLS a client presents; `_tracing`: OpenTelemetry on the control channels.
 * `_watch`: a status watch that reconnects and resumes by itself (`StatusWatch`, `SyncStatusWatch`).
 * `_http`: the data plane's HTTP pools, bounded resends and traced sends; `_rollout`: the current rollout id.
+* `_routing`, `_picker`, `_outliers`, `_instances`: picking one instance of a replicated server per call;
+  `_follower`: each server's instances, followed from the head's watch in the background.
 
 Nothing here imports `gym_rpc.server`: a worker never loads head code. Exports import on first use.
 """
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
         head_address,
     )
     from gym_rpc.client._control import ControlClient, StatusSnapshot, SyncControlClient
+    from gym_rpc.client._follower import close_instance_followers
     from gym_rpc.client._http import HttpClientSettings, HttpPools, RetryPolicy, close_http_sessions
     from gym_rpc.client._rollout import apply_rollout_prefix, current_rollout_id, rollout_context
     from gym_rpc.client._security import ClientSecurity, ClientTls, client_security
@@ -45,6 +48,7 @@ _EXPORTS = {
     "client_security": "gym_rpc.client._security",
     "close_aio_channels": "gym_rpc.client._channel",
     "close_http_sessions": "gym_rpc.client._http",
+    "close_instance_followers": "gym_rpc.client._follower",
     "close_sync_channels": "gym_rpc.client._channel",
     "current_rollout_id": "gym_rpc.client._rollout",
     "default_head_address": "gym_rpc.client._channel",
@@ -68,6 +72,7 @@ __all__ = [
     "client_security",
     "close_aio_channels",
     "close_http_sessions",
+    "close_instance_followers",
     "close_sync_channels",
     "current_rollout_id",
     "default_head_address",
