@@ -215,6 +215,8 @@ async def test_a_resent_request_carries_the_same_body_and_each_resend_is_counted
 class RecordingObserver:
     """A CallObserver noting what it is told, in order."""
 
+    kind = "recording"
+
     def __init__(self) -> None:
         self.told: list[tuple[Any, ...]] = []
 

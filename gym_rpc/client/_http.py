@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
 
+from gym_rpc.client._aiohttp_instrumentation import instrumentation_active, note_instrumented_session
 from gym_rpc.client._aiohttp_instrumentation import trace_configs as instrumentation_trace_configs
 from gym_rpc.client._outliers import OutlierDetection
 from gym_rpc.config import validation_error_line
 from gym_rpc.errors import ConfigError, RequestTimeoutError, ServerUnreachableError
+from gym_rpc.telemetry import instrumentation_failed
 
 if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
@@ -117,13 +119,17 @@ def _new_session(
     connector = aiohttp.TCPConnector(
         limit=limit, limit_per_host=limit_per_host, keepalive_timeout=keepalive, socket_factory=_keepalive_socket
     )
-    return aiohttp.ClientSession(
+    instrumented = instrumentation_active()  # decided once per session: the instrumentation adds its own config
+    session = aiohttp.ClientSession(
         connector=connector,
         timeout=timeout,
         trust_env=False,
         cookie_jar=aiohttp.DummyCookieJar(),
-        trace_configs=instrumentation_trace_configs(),  # none unless aiohttp's instrumentation is on
+        trace_configs=instrumentation_trace_configs() if instrumented else None,
     )
+    if instrumented:
+        note_instrumented_session(session)
+    return session
 
 
 class LoopSessions:
@@ -229,7 +235,13 @@ RESENDABLE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 class CallObserver(Protocol):
     """What `send` tells whoever observes a call (a span, the worker metrics): each attempt after the first, then
     the answer or the error the caller gets, with the number of attempts made. Told from inside `send`, so
-    observing adds no coroutine between the caller and aiohttp (each one costs every resumption of the call)."""
+    observing adds no coroutine between the caller and aiohttp (each one costs every resumption of the call).
+
+    An observer may fail, a call may not: whatever an observer raises is logged under its `kind` ("tracing",
+    "metrics"; gym_rpc.telemetry.instrumentation_failed) and the call goes on, its answer returned (or its own
+    error raised) and its connection released."""
+
+    kind: str
 
     def resent(self, attempt: int) -> None: ...
 
@@ -273,13 +285,25 @@ async def send(
             await asyncio.sleep(retry.backoff_seconds(attempt))
             attempt += 1
             if observer is not None:
-                observer.resent(attempt)
+                try:
+                    observer.resent(attempt)
+                except Exception as observer_error:
+                    instrumentation_failed(observer.kind, observer_error)
     except BaseException as error:
         if observer is not None:
-            observer.failed(error, attempt)
-        raise
+            try:
+                observer.failed(error, attempt)
+            except Exception as observer_error:
+                instrumentation_failed(observer.kind, observer_error)
+        raise  # the call's own error
     if observer is not None:
-        observer.answered(response, attempt)
+        try:
+            observer.answered(response, attempt)
+        except Exception as observer_error:
+            instrumentation_failed(observer.kind, observer_error)
+        except BaseException:  # a cancellation, say: the caller never gets the response, so it is released here
+            response.close()
+            raise
     return response
 
 

@@ -49,22 +49,21 @@ def record_config_fetch_span(address: str, started_ns: int, ended_ns: int) -> No
     """
     from opentelemetry import trace
 
-    from gym_rpc.telemetry import tracer
+    from gym_rpc.telemetry import instrumentation_failed, tracer
     from gym_rpc.wire import SERVICE_NAME
 
     host, _, port = address.rpartition(":")
-    span = tracer().start_span(
-        f"/{SERVICE_NAME}/GetGlobalConfig",
-        kind=trace.SpanKind.CLIENT,
-        start_time=started_ns,
-        attributes={
-            "rpc.system": "grpc",
-            "rpc.service": SERVICE_NAME,
-            "rpc.method": "GetGlobalConfig",
-            "rpc.grpc.status_code": 0,
-            "server.address": host.strip("[]"),
-            "server.port": int(port) if port.isdigit() else 0,
-            "gym.recorded_after_the_call": True,
-        },
-    )
-    span.end(end_time=ended_ns)
+    attributes: dict[str, str | int | bool] = {
+        "rpc.system": "grpc",
+        "rpc.service": SERVICE_NAME,
+        "rpc.method": "GetGlobalConfig",
+        "rpc.grpc.status_code": 0,
+        "server.address": host.strip("[]"),
+        "server.port": int(port) if port.isdigit() else 0,
+        "gym.recorded_after_the_call": True,
+    }
+    name, kind = f"/{SERVICE_NAME}/GetGlobalConfig", trace.SpanKind.CLIENT
+    try:
+        tracer().start_span(name, kind=kind, start_time=started_ns, attributes=attributes).end(end_time=ended_ns)
+    except Exception as error:  # the fetch itself succeeded: its span may fail, the client may not
+        instrumentation_failed("tracing", error)

@@ -10,7 +10,7 @@ the gRPC port can no longer accept, and asyncio logs a traceback per failed acce
   close after the HTTP server's own keep-alive timeout. `BoundedSite` serves an aiohttp app through one.
 * `connection_bound` keeps a reserve of descriptors for gRPC, the prober and files whatever the limit.
 * `raise_fd_soft_limit` lifts the soft limit to the hard one where the system allows.
-* `RateLimitedLog` turns a repeating failure into one line per interval with a count.
+* a repeating accept failure is logged once per interval with a count (`gym_rpc._logging.RateLimitedLog`).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import logging
 import resource
 import socket
 import ssl
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from gym_rpc._logging import RateLimitedLog
 from gym_rpc.errors import GymRpcError
 
 logger = logging.getLogger(__name__)
@@ -59,25 +59,6 @@ def connection_bound(max_connections: int = DEFAULT_MAX_HTTP_CONNECTIONS) -> int
     if soft == resource.RLIM_INFINITY:
         return max_connections
     return max(MIN_HTTP_CONNECTIONS, min(max_connections, (soft - FD_RESERVE) // HTTP_PORTS))
-
-
-class RateLimitedLog:
-    """Log a repeating problem at most once per `interval_seconds`, saying how many were not logged."""
-
-    def __init__(self, log: logging.Logger, interval_seconds: float = 10.0) -> None:
-        self._log = log
-        self._interval = interval_seconds
-        self._last = -float("inf")
-        self._suppressed = 0
-
-    def warning(self, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last < self._interval:
-            self._suppressed += 1
-            return
-        suffix = f" ({self._suppressed} more like it in the last {self._interval:g} s)" if self._suppressed else ""
-        self._last, self._suppressed = now, 0
-        self._log.warning("%s%s", message, suffix)
 
 
 class BoundedListener:
