@@ -1,7 +1,8 @@
 """Run by tests/test_replicas_client.py in a fresh interpreter (the MeterProvider is set once per process): a
 ServerClient of an injected config with three static replicas of one server, one of them refusing, makes calls of
 no rollout and of rollouts; prints the per-instance worker metrics an in-memory reader collected, as JSON on the
-line starting "RESULT ".
+line starting "RESULT ". `python tests/replicas_metrics_scenario.py traced` traces the calls too (the SDK's
+TracerProvider, observability on), and reports the CLIENT spans.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import asyncio
 import json
 import os
 import socket
+import sys
 
 from tests.raw_servers import start_ok_server
 from tests.worker_metrics_scenario import collected
@@ -18,13 +20,24 @@ LOOPBACK = "127.0.0.1"
 CALLS = 30
 
 
-async def main() -> None:
+async def main(traced: bool) -> None:
     from opentelemetry import metrics
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     reader = InMemoryMetricReader()
     metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+    spans = None
+    if traced:
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        spans = InMemorySpanExporter()
+        tracer_provider = TracerProvider()
+        tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+        trace.set_tracer_provider(tracer_provider)
     first, first_port = await start_ok_server()
     second, second_port = await start_ok_server()
     closed = socket.socket()
@@ -36,6 +49,7 @@ async def main() -> None:
         "head_server": {"host": LOOPBACK, "port": 1},
         "policy": {"responses_api_models": {"impl": entry}},
         "http_client": {"retry": {"attempts": 3, "initial_backoff_seconds": 0.001}},
+        "observability_enabled": traced,
     }
     os.environ["NEMO_GYM_CONFIG_DICT"] = json.dumps(document)
 
@@ -57,8 +71,9 @@ async def main() -> None:
     await second.cleanup()
     closed.close()
     ports = {"first": first_port, "second": second_port, "refused": refused_port}
-    print("RESULT " + json.dumps({"ports": ports, "metrics": collected(reader)}), flush=True)
+    finished = [] if spans is None else [dict(span.attributes or {}) for span in spans.get_finished_spans()]
+    print("RESULT " + json.dumps({"ports": ports, "metrics": collected(reader), "spans": finished}), flush=True)
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    asyncio.run(main(sys.argv[1:] == ["traced"]))

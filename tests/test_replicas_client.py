@@ -527,12 +527,14 @@ async def test_the_heads_view_of_each_instance_reaches_the_client_within_a_secon
 # --- worker metrics ----------------------------------------------------------------------------------------------
 
 
-def test_worker_metrics_count_picks_calls_in_flight_ejections_and_repins_per_instance() -> None:
+@pytest.mark.parametrize("mode", ["metered", "traced"])
+def test_worker_metrics_count_picks_calls_in_flight_ejections_and_repins_per_instance(mode: str) -> None:
+    """Metered calls (and traced ones: the span's way passes the failover on) fail over and are counted alike."""
     scenario = Path(__file__).with_name("replicas_metrics_scenario.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_OTEL_", "NEMO_LENS_"))}
     env["PYTHONPATH"] = str(Path(__file__).parent.parent)
     completed = subprocess.run(
-        [sys.executable, str(scenario)], env=env, capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, str(scenario), mode], env=env, capture_output=True, text=True, timeout=60, check=False
     )
     assert completed.returncode == 0, completed.stderr
     result = json.loads(next(line for line in completed.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -558,3 +560,6 @@ def test_worker_metrics_count_picks_calls_in_flight_ejections_and_repins_per_ins
         point["attributes"]["gym.server.name"]: point["value"] for point in found["gym.client.rollout.repins"]
     }
     assert repins == {NAME: 0}  # the refused instance was ejected before any rollout began
+    if mode == "traced":
+        assert len(result["spans"]) == 60
+        assert {span.get("http.response.status_code") for span in result["spans"]} == {200}
