@@ -71,7 +71,7 @@ def rollout_id_from_run_body(body: Any) -> str | None:
 # Starlette's SessionMiddleware writes `<base64 of the session's JSON>.<timestamp>.<signature>`: the JSON holds the
 # `session_id` NeMo Gym assigns, while the timestamp and signature change with every answer.
 SESSION_COOKIE_SEPARATOR = "___"
-SESSION_ID_KEY = "session_id"
+SESSION_ID_KEY = "session_id"  # NeMo Gym's key of the id in its session (server_client exports it, as NeMo Gym's)
 
 
 def session_key_from_cookies(cookies: Any, server_name: str) -> str | None:

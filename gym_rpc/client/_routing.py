@@ -338,7 +338,8 @@ class RoutedCall:
             new = route.other(self.tried)
         elif _is_refused(error) or not old.alive:
             new = route.pin(self.key, old, self.tried)
-        else:
+        else:  # a dropped call of a rollout whose instance lives: resent there
+            old.picks += 1
             return old.url + self.path
         old.in_flight -= 1
         new.in_flight += 1

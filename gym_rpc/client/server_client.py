@@ -43,7 +43,7 @@ from gym_rpc.client._http import (
 )
 from gym_rpc.client._http_tracing import traced_send
 from gym_rpc.client._metrics import metered_send
-from gym_rpc.client._nemo_gym import nemo_gym_rollout_id, rollout_id_from_run_body
+from gym_rpc.client._nemo_gym import SESSION_ID_KEY, nemo_gym_rollout_id, rollout_id_from_run_body
 from gym_rpc.client._rollout import (
     apply_rollout_prefix,
     current_rollout_id,
@@ -120,7 +120,6 @@ logger = logging.getLogger(__name__)
 NEMO_GYM_CONFIG_DICT_ENV_VAR_NAME = NEMO_GYM_CONFIG_DICT_ENV_VAR
 NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR_NAME = NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR
 NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR_NAME = NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR
-SESSION_ID_KEY = "session_id"
 
 _GLOBAL_CONFIG_DICT_FIELD = "global_config_dict"
 # Where a pickled client keeps its data-plane settings in place of its live HttpPools.
