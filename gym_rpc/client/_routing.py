@@ -204,7 +204,7 @@ class ServerRoute:
             return pinned
         return self.pin(key, pinned, ())
 
-    def pin(self, key: str, previous: Instance | None, tried: tuple[Instance, ...]) -> Instance:
+    def pin(self, key: str, previous: Instance | None, tried: tuple[Instance, ...], why: str = "") -> Instance:
         """Pin `key` by rendezvous over the instances that take new work (those not `tried` by the call, when any
         remain); `previous`, the instance it leaves, if any, is counted and logged once."""
         candidates = self.pool
@@ -219,11 +219,14 @@ class ServerRoute:
             self.repins += 1
             if not previous.repins_logged:
                 previous.repins_logged = True
+                if not why:
+                    listed = previous.instance_id in self.by_id
+                    why = f"it is {previous.describe(_monotonic())}" if listed else "it is no longer listed"
                 logger.warning(
-                    "rollouts pinned to instance %s of %s move to other instances (it is %s); first: %s -> %s",
+                    "rollouts pinned to instance %s of %s move to other instances (%s); first: %s -> %s",
                     previous.instance_id,
                     self.name,
-                    previous.describe(_monotonic()) if previous.instance_id in self.by_id else "no longer listed",
+                    why,
                     _shown_key(key),
                     chosen.instance_id,
                 )
@@ -337,7 +340,7 @@ class RoutedCall:
         if self.key is None:
             new = route.other(self.tried)
         elif _is_refused(error) or not old.alive:
-            new = route.pin(self.key, old, self.tried)
+            new = route.pin(self.key, old, self.tried, _failure_text(error))
         else:  # a dropped call of a rollout whose instance lives: resent there
             old.picks += 1
             return old.url + self.path
