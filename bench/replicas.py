@@ -605,7 +605,8 @@ async def join_rows(plan: ReplicasPlan) -> list[Row]:
 
             def all_listed() -> bool:
                 route = client._routing.routes.get(NAME) if client._routing else None
-                return route is not None and len(route.instances) >= plan.join_replicas + 1
+                # The first replica holds the config's (wildcard) instance, the others add one each.
+                return route is not None and len(route.instances) >= plan.join_replicas
 
             listed = await asyncio.to_thread(wait_until, all_listed, 10)
             seen: dict[int, float] = {}
