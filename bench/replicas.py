@@ -41,7 +41,7 @@ import orjson
 import yaml
 
 from bench.data_plane import JSON_HEADERS, PAYLOAD, raw_session
-from bench.servers import LOOPBACK, REPO_ROOT, ServerProcess, wait_until
+from bench.servers import LOOPBACK, REPO_ROOT, ServerProcess, terminate, wait_until
 from bench.stats import Row, median, percentile
 from gym_rpc.client import ServerClient, close_http_sessions, rollout_context
 from gym_rpc.client._instances import InstanceState
@@ -563,13 +563,7 @@ class HeadProcess:
         self.port = int(doc["head_server"]["port"])
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        terminate(self.process)
 
 
 def _free_port() -> int:

@@ -74,9 +74,18 @@ def config(ports: list[int]) -> dict[str, Any]:
     return document({NAME: server_entry(ports[0], replicas=replicas)})
 
 
-async def client_of(head_port: int) -> ServerClient:
-    head = BaseServerConfig(host=LOOPBACK, port=head_port)
-    return await asyncio.to_thread(ServerClient.load_from_global_config, head)
+async def behind_a_head(
+    replica_processes: Callable[[int], Awaitable[list[ServerProcess]]], head_factory: Any, count: int, listed: int
+) -> tuple[list[ServerProcess], list[int], Any, ServerClient]:
+    """`count` replica processes, a head whose config lists the first `listed`, and a client of it (one call made,
+    so it follows the head)."""
+    processes = await replica_processes(count)
+    ports = [int(process.info["port"]) for process in processes]
+    head = await head_factory(config(ports[:listed]), probe_interval_seconds=0.2)
+    head_server = BaseServerConfig(host=LOOPBACK, port=head.port)
+    client = await asyncio.to_thread(ServerClient.load_from_global_config, head_server)
+    await call(client)
+    return processes, ports, head, client
 
 
 async def call(client: ServerClient) -> int:
@@ -134,11 +143,7 @@ async def run_calls(
 async def test_kill_9_of_one_of_four_replicas_costs_no_call_of_no_rollout(
     replica_processes, head_factory, closing
 ) -> None:
-    processes = await replica_processes(4)
-    ports = [int(process.info["port"]) for process in processes]
-    head = await head_factory(config(ports), probe_interval_seconds=0.2)
-    client = await client_of(head.port)
-    await call(client)
+    processes, ports, _, client = await behind_a_head(replica_processes, head_factory, 4, 4)
     assert client._routing is not None
     dead = client._routing.routes[NAME].by_id[f"{LOOPBACK}:{ports[0]}"]
     watch = DeathWatch(dead)
@@ -161,11 +166,7 @@ async def test_kill_9_of_one_of_four_replicas_costs_no_call_of_no_rollout(
 async def test_kill_9_during_rollouts_moves_only_the_dead_replicas_rollouts(
     replica_processes, head_factory, closing
 ) -> None:
-    processes = await replica_processes(4)
-    ports = [int(process.info["port"]) for process in processes]
-    head = await head_factory(config(ports), probe_interval_seconds=0.2)
-    client = await client_of(head.port)
-    await call(client)
+    processes, ports, _, client = await behind_a_head(replica_processes, head_factory, 4, 4)
     paths: dict[int, list[int]] = {}
     per_rollout = 5
 
@@ -192,11 +193,7 @@ async def test_kill_9_during_rollouts_moves_only_the_dead_replicas_rollouts(
 async def test_a_replica_added_while_calls_run_gets_calls_within_a_second_or_so(
     replica_processes, head_factory, closing
 ) -> None:
-    processes = await replica_processes(5)
-    ports = [int(process.info["port"]) for process in processes]
-    head = await head_factory(config(ports[:4]), probe_interval_seconds=0.2)
-    client = await client_of(head.port)
-    await call(client)
+    _, ports, head, client = await behind_a_head(replica_processes, head_factory, 5, 4)
     first_answer: dict[int, float] = {}
     stop, fifth_answered = asyncio.Event(), asyncio.Event()
 
