@@ -71,10 +71,17 @@ class ReplicasPlan:
     kill_concurrency: int = 64
     kill_delay_ms: float = 1.0
     join_replicas: int = 4
+    join_wait_seconds: float = 10.0  # for the replicas to be listed, then for the fifth's first answer
 
 
 QUICK_REPLICAS = ReplicasPlan(
-    pick_calls=2000, pick_blocks=2, slow_block_seconds=0.3, slow_rounds=1, kill_calls=800, join_replicas=2
+    pick_calls=2000,
+    pick_blocks=2,
+    slow_block_seconds=0.3,
+    slow_rounds=1,
+    kill_calls=800,
+    join_replicas=2,
+    join_wait_seconds=5.0,
 )
 
 
@@ -602,7 +609,7 @@ async def join_rows(plan: ReplicasPlan) -> list[Row]:
                 # The first replica holds the config's (wildcard) instance, the others add one each.
                 return route is not None and len(route.instances) >= plan.join_replicas
 
-            listed = await asyncio.to_thread(wait_until, all_listed, 10)
+            listed = await asyncio.to_thread(wait_until, all_listed, plan.join_wait_seconds)
             seen: dict[int, float] = {}
             stop, fifth_answered = asyncio.Event(), asyncio.Event()
             fifth_port = [0]
@@ -622,7 +629,7 @@ async def join_rows(plan: ReplicasPlan) -> list[Row]:
             if port in seen:
                 fifth_answered.set()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(fifth_answered.wait(), 10)
+                await asyncio.wait_for(fifth_answered.wait(), plan.join_wait_seconds)
             stop.set()
             await asyncio.gather(*workers)
             await close_http_sessions()
