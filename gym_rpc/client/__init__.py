@@ -5,8 +5,8 @@
 * `_security`: the bearer token and TLS a client presents; `_tracing`: OpenTelemetry on the control channels.
 * `_watch`: a status watch that reconnects and resumes by itself (`StatusWatch`, `SyncStatusWatch`).
 * `_http`: the data plane's HTTP pools, bounded resends and traced sends; `_rollout`: the current rollout id.
-* `_routing`, `_picker`, `_outliers`, `_instances`: picking one instance of a replicated server per call;
-  `_follower`: each server's instances, followed from the head's watch in the background.
+* `_routed`, `_routing`, `_picker`, `_outliers`, `_instances`: picking one instance of a replicated server per
+  call; `_follower`: each server's instances, followed from the head's watch in the background.
 
 Nothing here imports `gym_rpc.server`: a worker never loads head code. Exports import on first use.
 """

@@ -37,7 +37,6 @@ from gym_rpc.client._follower import InstanceFollower, follower_for
 from gym_rpc.client._http import (
     HttpClientSettings,
     HttpPools,
-    RetryPolicy,
     request_timeout_error,
     send,
 )
@@ -51,7 +50,8 @@ from gym_rpc.client._rollout import (
     rollout_id_in_context,
     trace_context_path_segment,
 )
-from gym_rpc.client._routing import RoutedCall, Routing, ServerRoute, session_pin_key
+from gym_rpc.client._routed import send_routed, sticky_key
+from gym_rpc.client._routing import Routing
 from gym_rpc.client._security import ClientSecurity, client_security
 from gym_rpc.client._tracing import record_config_fetch_span
 from gym_rpc.config import (
@@ -639,7 +639,7 @@ class ServerClient(BaseModel):
             kwargs["data"] = _json_payload(body)
         config: GlobalConfig = private["_global_config"]
         if route is not None:
-            key = _sticky_key(config, server_name, url_path, body, kwargs)
+            key = sticky_key(config, server_name, url_path, body, kwargs)
         if config.observability_enabled:
             url_path = _observed_path(config, server_name, url_path, body)
         pools: HttpPools = private["_http"]
@@ -647,7 +647,7 @@ class ServerClient(BaseModel):
         session = sessions.control if _control else sessions.data
         if route is not None:
             retry, resend = pools.settings.retry, _resend_after_disconnect
-            return await _send_routed(route, key, session, method, server_name, url_path, retry, resend, kwargs)
+            return await send_routed(route, key, session, method, server_name, url_path, retry, resend, kwargs)
         full_url = url + url_path
         try:
             if TRACING.enabled or METRICS.enabled:  # what tracing and metrics cost when off
@@ -789,70 +789,6 @@ def _checked_labels(labels: Mapping[str, str]) -> dict[str, str]:
             f"labels must map non-empty strings to strings, e.g. {{'weights_version': '43'}}; got {labels!r}"
         )
     return dict(labels)
-
-
-def _sticky_key(
-    config: GlobalConfig, server_name: str, url_path: str, body: Any, kwargs: Mapping[str, Any]
-) -> str | None:
-    """What a call to a replicated server sticks by: its rollout (gym_rpc's context, NeMo Gym's, or for `/verify`
-    on a resources server the one its body names, as the rollout prefix rule finds it), else the NeMo Gym session
-    its cookies carry for that server; None: a call of no rollout."""
-    rollout_id = rollout_id_in_context() or nemo_gym_rollout_id()
-    if rollout_id:
-        return rollout_id
-    if url_path == "/verify":
-        entry = config.servers.get(server_name)
-        if entry is not None and entry.server_type == RESOURCES_SERVER_TYPE:
-            try:
-                rollout_id = rollout_id_from_run_body(body)
-            except ValueError:
-                rollout_id = None  # refused by the prefix rule when observability is on; here: no rollout
-            if rollout_id:
-                return rollout_id
-    return session_pin_key(kwargs.get("cookies"), server_name)
-
-
-async def _send_routed(
-    route: ServerRoute,
-    key: str | None,
-    session: aiohttp.ClientSession,
-    method: str,
-    server_name: str,
-    url_path: str,
-    retry: RetryPolicy,
-    resend_after_disconnect: bool,
-    kwargs: _RequestOptions,
-) -> aiohttp.ClientResponse:
-    """`request` for a server with several instances: the call picks one, counts in flight there, moves on a
-    refused connection (the resend loop asks `call.reroute`), and tells the route how it ended."""
-    call = RoutedCall(route, key, url_path)
-    base = call.instance.url
-    try:
-        if TRACING.enabled or METRICS.enabled:
-            observed = metered_send if METRICS.enabled else traced_send
-            response = await observed(
-                session,
-                method,
-                base,
-                base + url_path,
-                retry,
-                resend_after_disconnect,
-                kwargs,
-                server_name,
-                reroute=call.reroute,
-            )
-        else:
-            response = await send(
-                session, method, base + url_path, retry, resend_after_disconnect, kwargs, reroute=call.reroute
-            )
-    except TimeoutError as error:
-        call.failed(error)
-        raise request_timeout_error(server_name, method, call.instance.url + url_path, session, kwargs) from error
-    except BaseException as error:
-        call.failed(error)
-        raise
-    call.answered(response)
-    return response
 
 
 _clients: dict[tuple[str, int] | None, ServerClient] = {}
