@@ -197,20 +197,14 @@ def pick_rows(plan: ReplicasPlan) -> list[Row]:
         _absolute_row(
             "replicas",
             f"picking among {count} instances, rollouts of {per_rollout} calls: the first pins by rendezvous "
-            f"(a new rollout each time), the rest follow the pin ({method})",
+            f"(a new rollout each time), the rest follow the pin ({method}; besides, each of the {SLOTS} "
+            f"rendezvous slots is weighed once, by its first rollout after a start or after the instance that "
+            f"held it left: {fill_us:.1f} µs each, timed over every slot)",
             f"{best['sticky']:.2f} µs/call",
             baseline,
             best["sticky"] < 2.0,
             "< 2 µs",
             best["rr"] / best["sticky"],
-        ),
-        Row(
-            "replicas",
-            f"a rendezvous slot's first rollout among {count} instances (one weight per instance; once per slot "
-            f"of {SLOTS}, after a start or for the slots of an instance that left), timed over every slot",
-            f"{fill_us:.1f} µs, {fill_us * SLOTS / 1e6:.2f} s for all",
-            "—",
-            math.nan,
         ),
     ]
 
