@@ -1,22 +1,20 @@
-"""What the `gym-rpc` command prints: status rows, the status table (rich), the one-line summary, and rows as
-JSON, JSON lines or YAML.
+"""What the `gym-rpc` command prints: status rows, the status table, the one-line summary, and rows as JSON,
+JSON lines or YAML.
 
-Imported by the CLI (and the demo) only: rich is a terminal library, and `import gym_rpc` or ServerClient in a
-rollout worker must not pay for it (tests/test_cli_operability.py checks).
+Imported by the CLI (and the demo) only: `import gym_rpc` or ServerClient in a rollout worker must not pay for
+it (tests/test_cli_operability.py checks).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import yaml
-from rich.console import Console
-from rich.table import Table
 
+from gym_rpc._text_table import Table
 from gym_rpc.wire import ServerInstance, StatusReport
 
 OutputFormat = Literal["table", "json", "jsonl", "yaml"]
@@ -24,7 +22,6 @@ OUTPUT_FORMATS: tuple[OutputFormat, ...] = ("table", "json", "jsonl", "yaml")
 TABLE_COLUMNS = ("NAME", "TYPE", "URL", "STATUS", "HTTP", "LATENCY", "LAST CHECKED", "PID", "UPTIME")
 UP = "success"
 PENDING = "pending"  # shown for a server the head has not probed yet
-_NOT_TERMINAL_WIDTH = 10_000  # piped output is never wrapped: scripts split it on runs of spaces
 _STATUS_STYLES = {UP: "green", PENDING: "yellow"}
 
 
@@ -76,9 +73,9 @@ def status_rows(
 
 
 def _table(reports: Sequence[StatusReport], instances: Mapping[str, ServerInstance], now: float) -> Table:
-    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", padding=(0, 1))
+    table = Table()
     for column in TABLE_COLUMNS:
-        table.add_column(column, no_wrap=True)
+        table.add_column(column)
     for report in reports:
         instance = instances.get(report.server_name)
         checked = report.checked_at
@@ -108,17 +105,7 @@ def format_status_table(
     """The status table as text: one header line, one line per server; cells never empty ("-" instead), columns
     two spaces apart, no trailing spaces. ANSI colours only when `color`."""
     moment = time.time() if now is None else now
-    buffer = io.StringIO()
-    console = Console(
-        file=buffer,
-        width=_NOT_TERMINAL_WIDTH,
-        force_terminal=color,
-        no_color=not color,
-        highlight=False,
-        soft_wrap=False,
-    )
-    console.print(_table(reports, instances, moment))
-    return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip("\n").splitlines())
+    return _table(reports, instances, moment).render(color=color)
 
 
 def summary_line(reports: Sequence[StatusReport], allowed_down: Iterable[str] = ()) -> str:

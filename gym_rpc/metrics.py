@@ -156,8 +156,15 @@ def setup_metrics(*, service_name: str, prometheus: bool, telemetry_block: Any =
     with _lock:
         if _provider_installed or _application_provider_installed():
             return True
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.resources import Resource
+        try:  # the SDK is the `tracing` extra's (and the head's): a base install records no metrics
+            from opentelemetry.sdk.metrics import MeterProvider
+            from opentelemetry.sdk.resources import Resource
+        except ImportError:
+            logger.warning(
+                "metrics are switched on but opentelemetry-sdk is not installed: they are not recorded "
+                "(pip install 'gym-rpc[otlp]')"
+            )
+            return False
 
         attributes = {} if environment().otel_service_name else {"service.name": service_name}
         readers = _readers(environ, prometheus)

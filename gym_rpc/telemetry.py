@@ -187,7 +187,10 @@ def _ensure_tracer_provider(service_name: str | None, environ: Mapping[str, str]
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
     except ImportError:
-        logger.warning("tracing is on but opentelemetry-sdk is not installed: spans are not recorded")
+        logger.warning(
+            "tracing is on but opentelemetry-sdk is not installed: spans are not recorded "
+            "(pip install 'gym-rpc[otlp]')"
+        )
         return
     provider = TracerProvider(resource=Resource.create(_resource_attributes(service_name)))
     for processor in _span_processors(environ):

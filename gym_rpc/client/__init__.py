@@ -18,6 +18,7 @@ from gym_rpc._lazy import lazy_exports
 if TYPE_CHECKING:
     from gym_rpc.client._channel import (
         DEFAULT_TIMEOUT_SECONDS,
+        checked_head_address,
         close_aio_channels,
         close_sync_channels,
         default_head_address,
@@ -46,6 +47,7 @@ _EXPORTS = {
     "SyncStatusWatch": "gym_rpc.client._watch",
     "apply_rollout_prefix": "gym_rpc.client._rollout",
     "client_security": "gym_rpc.client._security",
+    "checked_head_address": "gym_rpc.client._channel",
     "close_aio_channels": "gym_rpc.client._channel",
     "close_http_sessions": "gym_rpc.client._http",
     "close_instance_followers": "gym_rpc.client._follower",
@@ -69,6 +71,7 @@ __all__ = [
     "SyncControlClient",
     "SyncStatusWatch",
     "apply_rollout_prefix",
+    "checked_head_address",
     "client_security",
     "close_aio_channels",
     "close_http_sessions",

@@ -3,7 +3,8 @@ routes: the xDS idea (endpoints pushed, never looked up per call).
 
 One follower per head per process: a daemon thread with an event loop of its own runs a `StatusWatch` (which
 reconnects and resumes from its last revision by itself) and hands every snapshot and change to the routes of the
-clients that subscribed. Workers' event loops never run any of it, and a call never waits on the head. The
+clients that subscribed (a head that turns out to be NeMo Gym's HTTP head has no watch: nothing to follow).
+Workers' event loops never run any of it, and a call never waits on the head. The
 follower stops when its last client is gone (it looks at each event and each reconnect, and the watch asks for a
 heartbeat, so it looks at least that often), at `close_instance_followers()`, and at interpreter exit.
 """
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from gym_rpc.client._channel import close_aio_channels
 from gym_rpc.client._control import ControlClient
+from gym_rpc.client._head_protocol import NEMO_GYM_HTTP, head_protocol
 from gym_rpc.client._watch import StatusWatch
 from gym_rpc.errors import ControlPlaneError
 
@@ -79,6 +81,9 @@ class InstanceFollower:
     def _run(self) -> None:
         loop = self._loop = asyncio.new_event_loop()
         try:
+            if head_protocol(self.address, tls=self._security.tls is not None) == NEMO_GYM_HTTP:
+                logger.info("the head at %s is NeMo Gym's HTTP head: it has no instances to follow", self.address)
+                return
             self._task = loop.create_task(self._follow())
             loop.run_until_complete(self._task)
         except (asyncio.CancelledError, _NoClientsLeft):

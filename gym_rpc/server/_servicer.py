@@ -353,9 +353,11 @@ def add_control_plane_service(servicer: ControlPlaneServicer, server: grpc.aio.S
             response_serializer=serializer,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
-    # As the generated code does too: grpc resolves registered methods without the generic handler lookup.
-    register: Any = server.add_registered_method_handlers  # type: ignore[attr-defined]  # not in grpc-stubs
-    register(service.full_name, handlers)
+    # As the generated code does too: grpc resolves registered methods without the generic handler lookup, where
+    # this grpcio has them (1.63 and later; the generic handler above serves on older ones).
+    register: Any = getattr(server, "add_registered_method_handlers", None)
+    if register is not None:
+        register(service.full_name, handlers)
 
 
 def peer_address(peer: str) -> str:

@@ -9,9 +9,11 @@
 The error classes live one level lower, in `gym_rpc.errors`, so that every layer (config included) can raise them.
 """
 
-from gym_rpc.wire import _convert as convert
-from gym_rpc.wire._convert import InstanceRegistration, ReportedProcess, ServerInstance
-from gym_rpc.wire._errors import from_grpc_error, status_code, unknown_server_status
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from gym_rpc._lazy import lazy_exports
 from gym_rpc.wire._names import (
     AUTHORIZATION_METADATA_KEY,
     CONTROL_METHOD_PREFIX,
@@ -56,6 +58,33 @@ from gym_rpc.wire._status import (
     StatusSnapshot,
     WatchEvent,
 )
+
+if TYPE_CHECKING:
+    from gym_rpc.wire import _convert as convert
+    from gym_rpc.wire._convert import InstanceRegistration, ReportedProcess, ServerInstance
+    from gym_rpc.wire._errors import from_grpc_error, status_code, unknown_server_status
+
+# Imported on first use: the generated messages (protobuf) and gRPC's errors. A rollout worker whose config was
+# injected builds rollout paths and statuses from this package and need not load either.
+_CONVERT_MODULE = "gym_rpc.wire._convert"
+_EXPORTS = {
+    "InstanceRegistration": _CONVERT_MODULE,
+    "ReportedProcess": _CONVERT_MODULE,
+    "ServerInstance": _CONVERT_MODULE,
+    "from_grpc_error": "gym_rpc.wire._errors",
+    "status_code": "gym_rpc.wire._errors",
+    "unknown_server_status": "gym_rpc.wire._errors",
+}
+_lazy_export = lazy_exports(__name__, _EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "convert":  # the conversion module itself, under its public name
+        module: ModuleType = importlib.import_module(_CONVERT_MODULE)
+        globals()["convert"] = module
+        return module
+    return _lazy_export(name)
+
 
 __all__ = [
     "AUTHORIZATION_METADATA_KEY",
