@@ -280,7 +280,8 @@ class ServerRoute:
     # --- outcomes --------------------------------------------------------------------------------------------
 
     def failed(self, instance: Instance, error: BaseException) -> None:
-        if isinstance(error, _INSTANCE_FAILURES):
+        # NoHealthyInstanceError is the route's own word (a failover found nowhere to go), not the instance's.
+        if isinstance(error, _INSTANCE_FAILURES) and not isinstance(error, NoHealthyInstanceError):
             self.failed_with(instance, _failure_text(error))
 
     def failed_with(self, instance: Instance, reason: str) -> None:
@@ -323,11 +324,11 @@ class RoutedCall:
         self.key = key
         self.path = path
         self.tried: tuple[Instance, ...] = ()
-        if key is None and route.refresh_at == _NEVER and route.pool:  # route.pick(None), one call less
-            instance = two_choices(route.pool)
-        else:
-            instance = route.pick(key)
-        self.instance = instance
+        # route.pick(key), one call less for a call of no rollout; the pool read once, as the watch's thread may
+        # replace it meanwhile.
+        pool = route.pool
+        fast = key is None and route.refresh_at == _NEVER and pool
+        self.instance = instance = two_choices(pool) if fast else route.pick(key)
         instance.in_flight += 1
         instance.picks += 1
 
