@@ -74,15 +74,23 @@ def configure_logging(level: str, log_format: str, stream: IO[str] | None = None
 
 
 class RateLimitedLog:
-    """Log a repeating problem at most once per `interval_seconds`, saying how many were not logged."""
+    """Log a repeating problem at most once per `interval_seconds` (at `level`), saying how many were not
+    logged."""
 
-    def __init__(self, log: logging.Logger, interval_seconds: float = 10.0) -> None:
+    def __init__(
+        self, log: logging.Logger, interval_seconds: float = 10.0, *, level: int = logging.WARNING
+    ) -> None:
         self._log = log
         self._interval = interval_seconds
+        self._level = level
         self._last = -float("inf")
         self._suppressed = 0
 
     def warning(self, message: str, *, exc_info: BaseException | None = None) -> None:
+        """`log`, by the name of the level most problems are logged at."""
+        self.log(message, exc_info=exc_info)
+
+    def log(self, message: str, *, exc_info: BaseException | None = None) -> None:
         """`message` (with `exc_info`'s traceback, when given) unless one was logged within the interval."""
         now = time.monotonic()
         if now - self._last < self._interval:
@@ -90,4 +98,4 @@ class RateLimitedLog:
             return
         suffix = f" ({self._suppressed} more like it in the last {self._interval:g} s)" if self._suppressed else ""
         self._last, self._suppressed = now, 0
-        self._log.warning("%s%s", message, suffix, exc_info=exc_info)
+        self._log.log(self._level, "%s%s", message, suffix, exc_info=exc_info)

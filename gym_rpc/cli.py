@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gym_rpc import __version__
 from gym_rpc._cli_flags import (
@@ -220,6 +220,19 @@ def _add_serving_flags(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         metavar="N",
         help="status watches served at once; more get RESOURCE_EXHAUSTED (none: 512)",
+    )
+    parser.add_argument(
+        "--connection-idle",
+        type=positive_float,
+        metavar="S",
+        help="seconds a gRPC connection may go without a call before the head closes it (none: 30)",
+    )
+    parser.add_argument(
+        "--watch-stall",
+        type=positive_float,
+        metavar="S",
+        help="seconds a status or health watch may wait for its reader to take a message before it is dropped "
+        "(none: 10)",
     )
     _add_log_flags(parser, "info")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at least at info level")
@@ -527,8 +540,14 @@ def _announce(kind: str, started: HeadServer, source: str) -> None:
     print(f"gym-rpc {kind} listening on {started.address} ({source}, {guard}){''.join(extras)}", flush=True)
 
 
-def _max_watches(args: argparse.Namespace) -> dict[str, int]:
-    return {} if args.max_watches is None else {"max_concurrent_watches": args.max_watches}
+def _max_watches(args: argparse.Namespace) -> dict[str, Any]:
+    """The watch and connection bounds given on the command line (the rest keep HeadOptions' defaults)."""
+    given = {
+        "max_concurrent_watches": args.max_watches,
+        "watch_stall_seconds": args.watch_stall,
+        "connection_idle_seconds": args.connection_idle,
+    }
+    return {option: value for option, value in given.items() if value is not None}
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -598,8 +617,8 @@ def cmd_reload(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _instances(client: SyncControlClient) -> dict[str, ServerInstance]:
-    return {instance.name: instance for instance in client.list_server_instances()}
+def _instances(client: SyncControlClient) -> list[ServerInstance]:
+    return client.list_server_instances()
 
 
 def _require_known(names: Sequence[str], reports: Sequence[StatusReport], flag: str) -> None:
@@ -614,7 +633,7 @@ def _not_up(reports: Sequence[StatusReport], exempt: Sequence[str] = ()) -> list
 
 
 def _print_statuses(
-    reports: Sequence[StatusReport], instances: dict[str, ServerInstance], output: str, exempt: Sequence[str]
+    reports: Sequence[StatusReport], instances: Sequence[ServerInstance], output: str, exempt: Sequence[str]
 ) -> None:
     from gym_rpc._render import format_status_table, render_rows, status_rows, summary_line
 
@@ -733,7 +752,7 @@ def _print_wait_result(reports: Sequence[StatusReport], client: SyncControlClien
     try:
         instances = _instances(client)
     except GymRpcError:
-        instances = {}
+        instances = []
     print(render_rows(status_rows(reports, instances), output), flush=True)  # type: ignore[arg-type]
 
 

@@ -186,7 +186,7 @@ async def _run_rollouts(client: ServerClient, rollouts: int, concurrency: int) -
 
 async def _print_status(address: str) -> None:
     control = ControlClient(address)
-    instances = {i.name: i for i in await control.list_server_instances()}
+    instances = await control.list_server_instances()
     snapshot = await control.list_server_statuses()
     print()
     print(format_status_table(snapshot.reports, instances))

@@ -139,7 +139,7 @@ def test_output_formats_print_the_same_rows(up_and_down_head: HeadProcess) -> No
         ]
         assert set(rows[0]) == {
             "name", "type", "url", "status", "http_status", "latency_ms", "checked_at", "detail", "pid",
-            "start_time", "uptime_seconds",
+            "start_time", "uptime_seconds", "instances_up", "instances",
         }  # fmt: skip
 
 

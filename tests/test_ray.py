@@ -178,6 +178,7 @@ def start_local_ray(ray: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.fail(f"Ray chose node addresses {addresses}, not loopback only")
 
 
+@pytest.mark.timeout(240)  # Ray's start alone took most of the suite's 60 s on a loaded 2-core machine
 async def test_ray_rollouts_spread_over_replica_actors_and_survive_one_killed(
     head_factory, http_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:

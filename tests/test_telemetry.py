@@ -29,7 +29,7 @@ from gym_rpc.telemetry import decide_tracing, environment_choice
 from tests.conftest import LOOPBACK
 
 SCENARIO = Path(__file__).with_name("telemetry_scenario.py")
-ROLLOUT_ID = "rollout/7"
+ROLLOUT_ID = "rollout-7"
 CONTROL_SERVICE = "gym_rpc.v1.ControlPlaneService"
 SCENARIO_TIMEOUT_SECONDS = 30
 
@@ -218,7 +218,7 @@ def test_header_propagation_continues_the_trace_on_the_receiving_server(
     assert client["trace_id"] == worker["trace_id"]
     attributes = client["attributes"]
     assert attributes["http.request.method"] == "POST"
-    assert attributes["url.full"].endswith("/ng-rollout/rollout%2F7/v1/responses")
+    assert attributes["url.full"].endswith("/ng-rollout/rollout-7/v1/responses")
     assert attributes["server.address"] == LOOPBACK
     assert f":{attributes['server.port']}/" in attributes["url.full"]
     assert attributes["gym.rollout_id"] == ROLLOUT_ID
@@ -229,7 +229,7 @@ def test_header_propagation_continues_the_trace_on_the_receiving_server(
     assert server["trace_id"] == worker["trace_id"]
     assert server["attributes"]["gym.rollout_id"] == ROLLOUT_ID
     assert server["attributes"]["http.response.status_code"] == 200
-    assert server["attributes"]["url.path"] == "/ng-rollout/rollout%2F7/v1/responses"
+    assert server["attributes"]["url.path"] == "/ng-rollout/rollout-7/v1/responses"
     if server_name == "policy":  # aiohttp knows the route the stripped path resolved to
         assert server["name"] == "POST /v1/responses"
         assert server["attributes"]["http.route"] == "/v1/responses"
@@ -508,7 +508,7 @@ def test_otel_propagators_chooses_what_carries_the_context() -> None:
     assert result["header"]["policy"]["traceparent"] is None
     spans = result["spans"]
     worker = only(spans, name="rollout-worker")
-    server = only(spans, name="POST /v1/responses", **{"url.path": "/ng-rollout/rollout%2F7/v1/responses"})
+    server = only(spans, name="POST /v1/responses", **{"url.path": "/ng-rollout/rollout-7/v1/responses"})
     assert server["trace_id"] != worker["trace_id"] and server["parent_id"] is None
 
 

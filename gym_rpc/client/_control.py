@@ -10,6 +10,8 @@ Gym's HTTP head (an `ng_run` deployment) the rows' `http` functions answer inste
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import grpc
 from grpc_health.v1 import health_pb2
 
@@ -94,10 +96,18 @@ def _register(
     start_time: float = 0.0,
     advertise_host: str = "",
     lease_seconds: float | None = None,
+    labels: Mapping[str, str] | None = None,
+    draining: bool = False,
+    server_type: str = "",
+    in_flight: int = 0,
     timeout: float | None = None,
 ) -> Call[pb.RegisterServerInstanceRequest]:
-    """Register (or renew) a running server process; returns the base URL the head advertises for it. With
-    `lease_seconds` the registration expires unless renewed within that long (None: never)."""
+    """Register (or renew) a running server process; returns the base URL the head advertises for it (or, from
+    `register_instance`, that URL and the instance the registration holds). At an address no instance of the
+    server holds it adds an instance (a replica); at one an instance holds it replaces that instance's process.
+    With `lease_seconds` the registration expires unless renewed within that long (None: never). `labels` (at most
+    16, gym_rpc.wire.label_problem), `draining` (no new work: the process is stopping), `server_type` (checked
+    against the config's) and `in_flight` (calls in flight now, as `gym-rpc status` shows) describe it."""
     request = convert.register_request_to_pb(
         server_name,
         pid=pid,
@@ -106,16 +116,22 @@ def _register(
         listen_port=listen_port,
         advertise_host=advertise_host,
         lease_seconds=lease_seconds,
+        labels=labels,
+        draining=draining,
+        server_type=server_type,
+        in_flight=in_flight,
     )
     return Call(request, timeout)
 
 
 def _deregister(
-    server_name: str, *, pid: int, timeout: float | None = None
+    server_name: str, *, pid: int, instance_id: str = "", timeout: float | None = None
 ) -> Call[pb.DeregisterServerInstanceRequest]:
-    """Forget the server's registration made by process `pid`; True when one was removed (False: none, or
-    another process's, which only its owner may remove). pid 0 names no process: INVALID_ARGUMENT."""
-    return Call(pb.DeregisterServerInstanceRequest(server_name=server_name, pid=pid), timeout)
+    """Forget the server's registration made by process `pid` (at `instance_id`, the id its registration
+    answered; empty: every one of `pid`); True when one was removed (False: none, or another process's, which only
+    its owner may remove). pid 0 names no process: INVALID_ARGUMENT."""
+    request = pb.DeregisterServerInstanceRequest(server_name=server_name, pid=pid, instance_id=instance_id)
+    return Call(request, timeout)
 
 
 def _head_health(*, timeout: float | None = None) -> Call[health_pb2.HealthCheckRequest]:
@@ -178,6 +194,7 @@ class ControlRpcs:
     )
     reload_global_config = Rpc("ReloadGlobalConfig", _reload, convert.reload_from_pb)
     register_server_instance = Rpc("RegisterServerInstance", _register, convert.advertised_url_from_pb)
+    register_instance = Rpc("RegisterServerInstance", _register, convert.registered_from_pb)
     deregister_server_instance = Rpc("DeregisterServerInstance", _deregister, convert.deregistered_from_pb)
     head_status = Rpc(
         "Check",
