@@ -44,9 +44,9 @@ from bench.data_plane import JSON_HEADERS, PAYLOAD, raw_session
 from bench.servers import LOOPBACK, REPO_ROOT, ServerProcess, terminate, wait_until
 from bench.stats import Row, median, percentile
 from gym_rpc.client import ServerClient, close_http_sessions, rollout_context
-from gym_rpc.client._instances import InstanceState
+from gym_rpc.client._instances import Instance, InstanceState
 from gym_rpc.client._outliers import OutlierDetection
-from gym_rpc.client._picker import SLOTS, stable_key
+from gym_rpc.client._picker import SLOTS, heaviest, stable_key
 from gym_rpc.client._routing import RoutedCall, ServerRoute
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 
@@ -73,6 +73,8 @@ class ReplicasPlan:
     join_replicas: int = 4
     join_wait_seconds: float = 10.0  # for the replicas to be listed, then for the fifth's first answer
 
+
+PICK_COUNTS = (4, 16, 64)  # instances of the rollout rows
 
 QUICK_REPLICAS = ReplicasPlan(
     pick_calls=2000,
@@ -141,72 +143,106 @@ def _us_per_call(calls: int, work: Callable[[int], object]) -> float:
     return (time.perf_counter() - started) / calls * 1e6
 
 
-def pick_rows(plan: ReplicasPlan) -> list[Row]:
-    """The route's work per call among `pick_instances` instances (pick, count in flight, hear the answer)."""
-    count = plan.pick_instances
+class PlainRendezvousRoute(ServerRoute):
+    """The route without its remembered slot winners: every new rollout weighs every candidate (plain rendezvous
+    over the candidates), the baseline that shows whether remembering winners pays."""
+
+    __slots__ = ()
+
+    def slot_winner(self, slot: int, candidates: tuple[Instance, ...]) -> Instance:
+        return heaviest(slot, candidates)
+
+
+def _route(kind: type[ServerRoute], count: int) -> ServerRoute:
     urls = [f"http://10.0.{i // 250}.{i % 250}:8000" for i in range(count)]
     states = [InstanceState(url.removeprefix("http://"), url, "success") for url in urls]
-    route = ServerRoute(NAME, states, OutlierDetection())
+    return kind(NAME, states, OutlierDetection())
+
+
+def pick_rows(plan: ReplicasPlan) -> list[Row]:
+    """The route's work per call (pick, count in flight, hear the answer) with no I/O: calls of no rollout among
+    `pick_instances` instances, and rollouts among 4, 16 and 64 with and without the remembered slot winners."""
     answer: Any = SimpleNamespace(status=200, headers={})
-    cycle = itertools.cycle(urls)
     per_rollout = plan.rollout_calls
-    rollout_ids = [f"rollout-{n}" for n in range(plan.pick_calls * plan.pick_blocks * 2 // per_rollout + 2)]
-    used = itertools.count()
+    rollout_ids = (f"rollout-{n}" for n in itertools.count())
 
-    def round_robin(index: int) -> object:
-        return next(cycle) + PATH
+    def no_rollout(route: ServerRoute) -> Callable[[int], object]:
+        def work(index: int) -> object:
+            call = RoutedCall(route, None, PATH)
+            call.answered(answer)
+            return call.instance.url + PATH
 
-    def two_choices(index: int) -> object:
-        call = RoutedCall(route, None, PATH)
-        call.answered(answer)
-        return call.instance.url + PATH
+        return work
 
-    base = [0]
+    def rollouts(route: ServerRoute) -> Callable[[int], object]:
+        current = [""]
 
-    def rollouts(index: int) -> object:
-        if index % per_rollout == 0:
-            base[0] = next(used)
-        call = RoutedCall(route, rollout_ids[base[0]], PATH)
-        call.answered(answer)
-        return call.instance.url + PATH
+        def work(index: int) -> object:
+            if index % per_rollout == 0:
+                current[0] = next(rollout_ids)  # a new rollout: its first call pins it
+            call = RoutedCall(route, current[0], PATH)
+            call.answered(answer)
+            return call.instance.url + PATH
 
-    # Each rendezvous slot's winner is found once, by the slot's first rollout (n weights), then remembered: time
-    # that over every slot (the cost after a start, spread over the first rollouts), then measure the steady state.
-    started = time.perf_counter()
-    for slot in range(SLOTS):
-        route.slot_winner(slot, route.pool)
-    fill_us = (time.perf_counter() - started) / SLOTS * 1e6
-    best = {"rr": math.inf, "p2c": math.inf, "sticky": math.inf}
+        return work
+
+    urls = [f"http://10.0.0.{i}:8000" for i in range(plan.pick_instances)]
+    cycle = itertools.cycle(urls)
+    sides: dict[str, Callable[[int], object]] = {
+        "rr": lambda index: next(cycle) + PATH,
+        "p2c": no_rollout(_route(ServerRoute, plan.pick_instances)),
+    }
+    filled: dict[int, ServerRoute] = {}
+    for count in PICK_COUNTS:
+        cold = _route(ServerRoute, count)
+        filled[count] = steady = _route(ServerRoute, count)
+        for slot in range(SLOTS):  # every slot's winner remembered: the state once a run's rollouts filled them
+            steady.slot_winner(slot, steady.pool)
+        cold_work = rollouts(cold)
+
+        def cold_block(index: int, route: ServerRoute = cold, work: Callable[[int], object] = cold_work) -> object:
+            if index == 0:
+                route.winners.clear()  # each block starts as a fresh process does: no winner remembered
+            return work(index)
+
+        sides[f"steady {count}"] = rollouts(steady)
+        sides[f"cold {count}"] = cold_block
+        sides[f"plain {count}"] = rollouts(_route(PlainRendezvousRoute, count))
+    best = dict.fromkeys(sides, math.inf)
     for _ in range(plan.pick_blocks):
-        best["rr"] = min(best["rr"], _us_per_call(plan.pick_calls, round_robin))
-        best["p2c"] = min(best["p2c"], _us_per_call(plan.pick_calls, two_choices))
-        best["sticky"] = min(best["sticky"], _us_per_call(plan.pick_calls, rollouts))
+        for side, work in sides.items():
+            best[side] = min(best[side], _us_per_call(plan.pick_calls, work))
     method = f"best of {plan.pick_blocks} interleaved blocks of {plan.pick_calls} calls, no I/O"
     baseline = f"round robin (next(cycle(urls))): {best['rr']:.2f} µs/call"
-    return [
+    rows = [
         _absolute_row(
             "replicas",
-            f"picking among {count} instances, calls of no rollout: two random choices by calls in flight, the "
-            f"call counted in flight and its answer heard ({method})",
+            f"picking among {plan.pick_instances} instances, calls of no rollout: two random choices by calls in "
+            f"flight, the call counted in flight and its answer heard ({method})",
             f"{best['p2c']:.2f} µs/call",
             baseline,
             best["p2c"] < 2.0,
             "< 2 µs",
             best["rr"] / best["p2c"],
-        ),
-        _absolute_row(
-            "replicas",
-            f"picking among {count} instances, rollouts of {per_rollout} calls: the first pins by rendezvous "
-            f"(a new rollout each time), the rest follow the pin ({method}; besides, each of the {SLOTS} "
-            f"rendezvous slots is weighed once, by its first rollout after a start or after the instance that "
-            f"held it left: {fill_us:.1f} µs each, timed over every slot)",
-            f"{best['sticky']:.2f} µs/call",
-            baseline,
-            best["sticky"] < 2.0,
-            "< 2 µs",
-            best["rr"] / best["sticky"],
-        ),
+        )
     ]
+    for count in PICK_COUNTS:
+        steady, cold, plain = best[f"steady {count}"], best[f"cold {count}"], best[f"plain {count}"]
+        rows.append(
+            _absolute_row(
+                "replicas",
+                f"picking among {count} instances, rollouts of {per_rollout} calls (a new rollout each time: its "
+                f"first call pins it by rendezvous, the rest follow the pin), remembered slot winners against "
+                f"plain rendezvous over the candidates ({method}; the first {plan.pick_calls // per_rollout} "
+                f"rollouts of a fresh process, few winners remembered yet: {cold:.2f} µs/call)",
+                f"{steady:.2f} µs/call",
+                f"plain rendezvous: {plain:.2f} µs/call",
+                steady < 2.0 if count == plan.pick_instances else plain / steady > 1.0,
+                "< 2 µs" if count == plan.pick_instances else "pays (> 1x)",
+                plain / steady,
+            )
+        )
+    return rows
 
 
 # --- four replicas, one 10x slower -------------------------------------------------------------------------------

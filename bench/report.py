@@ -86,9 +86,12 @@ METHOD = """\
 - Replicas (bench/replicas.py): each replica a process of its own answering `{"instance": <port>}` after its delay,
   at most `--slots` calls at once (the rest queue, as on a server whose capacity is full). Picking: the route's
   whole work per call among 64 instances (pick, count in flight, hear the answer) with no I/O, the best of
-  interleaved blocks, against `next(cycle(urls))`. Slow replica: 4 replicas of 4 slots, one 10x slower;
-  ServerClient against round robin and random picking with raw aiohttp + orjson, rotating blocks of a fixed time
-  (throughput: calls answered within the block; latencies: every call started in it). Kill: SIGKILL to one of 4
+  interleaved blocks, against `next(cycle(urls))`; rollouts of 8 calls among 4, 16 and 64 instances with every
+  slot's winner remembered against the same route weighing every candidate for each new rollout (plain
+  rendezvous), and the route's first rollouts from a fresh start (few winners remembered) beside them. Slow
+  replica: 4 replicas of 4 slots, one 10x slower; ServerClient against round robin and random picking with raw
+  aiohttp + orjson, rotating blocks of a fixed time (throughput: calls answered within the block; latencies: every
+  call started in it). Kill: SIGKILL to one of 4
   replicas a quarter into 20,000 calls (concurrency 64), for calls of no rollout (against round robin with raw
   aiohttp, on a fresh set) and for rollouts of 8 calls (against how many rollouts `hash(rollout) % N` would move);
   static replicas, no head, so what is measured is the client's own detection. Join: a `gym-rpc head` subprocess, 4

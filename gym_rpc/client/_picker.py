@@ -4,15 +4,24 @@ calls in flight for a call of no rollout. Pure functions over the route's candid
 * **Rendezvous (highest random weight) hashing** (Thaler and Ravishankar, 1996): each instance gets a weight
   from hashing it with the rollout, and the rollout goes to the heaviest. Every worker ranks a rollout's
   instances alike, and when an instance leaves only the rollouts whose heaviest it was move, each to its next
-  heaviest. Rollouts hash into `SLOTS` slots and the weights are computed per slot (the slot's heaviest is then
-  remembered until the instance set changes), so a rollout's first call costs one hash and one lookup whatever the
-  number of instances; with 16,384 slots, each of 64 instances holds its share to within about a tenth.
+  heaviest. Rollouts hash into `SLOTS` slots and the weights are computed per slot, so that the route can remember
+  each slot's heaviest instance (gym_rpc.client._routing: `bench/replicas.py`'s `replicas-pick` rows show what
+  that saves); with 16,384 slots, each of 8 instances holds its share to within 5 %, each of 64 to within
+  about a sixth (256 slots each: one standard deviation is 6 %).
 * **Power of two choices** (Mitzenmacher, 2001): of two instances drawn at random, the one with fewer calls in
   flight. Nearly as even as asking every instance, and a slow or stuck instance, whose calls pile up, is left
   alone without any latency being measured.
 
-Names hash with blake2b, never with Python's salted `hash()` of a string, and weights with CPython's (unsalted)
-hash of integers, so every process agrees.
+Every number here is defined in plain 64-bit integer arithmetic, never by Python's `hash()`, so workers on any
+interpreter (or a harness in another language) pin a rollout to the same instance:
+
+    key(text)              = the 8 bytes of blake2b(text as UTF-8, digest_size=8), read as a big-endian integer
+    slot(rollout)          = key(rollout) mod 16384
+    weight(slot, instance) = mix64(key(instance id) XOR (slot * 0x9E3779B97F4A7C15 mod 2**64))
+    mix64(z)               = splitmix64's finalizer: z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27;
+                             z *= 0x94D049BB133111EB; z ^= z >> 31 (each product mod 2**64)
+
+The heaviest instance wins. `mix64` is a bijection, so instances of different keys never tie.
 """
 
 from __future__ import annotations
@@ -20,12 +29,11 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Sequence
-from itertools import repeat
-from operator import xor
 from typing import Protocol, TypeVar
 
 SLOTS = 16384
 _MASK64 = (1 << 64) - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio, odd: slot * it spreads slots over all 64 bits
 _random = random.random
 
 
@@ -52,37 +60,36 @@ def slot_of(rollout: str) -> int:
     return stable_key(rollout) % SLOTS
 
 
-def _slot_key(slot: int) -> int:
-    return (slot * 0x9E3779B97F4A7C15) & _MASK64  # a Weyl sequence: slots spread over all 64 bits
+def mix64(value: int) -> int:
+    """splitmix64's finalizer (Steele, Lea and Flood, 2014): each input bit flips about half of the output's."""
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
 
 
 def weight(slot: int, instance_key: int) -> int:
-    """The slot's weight for an instance: CPython's hash of a tuple of three integers built from both. For
-    integers it is unsalted (the same in every process), and xxHash's rounds mix them well (tests/
-    test_replicas_client.py pins values and checks the spread); `heaviest` computes it for every candidate in C."""
-    base = _slot_key(slot)
-    return hash((base ^ instance_key, instance_key, base))
+    """The slot's weight for an instance (the module's docstring defines it exactly)."""
+    return mix64(instance_key ^ ((slot * _GOLDEN_GAMMA) & _MASK64))
 
 
 def heaviest(slot: int, candidates: Sequence[C]) -> C:
     """The candidate with the highest weight for `slot` (candidates must not be empty)."""
-    base = _slot_key(slot)
-    keys = [candidate.key for candidate in candidates]
-    weights = list(map(hash, zip(map(xor, repeat(base), keys), keys, repeat(base), strict=False)))
-    return candidates[weights.index(max(weights))]
+    best = candidates[0]
+    best_weight = weight(slot, best.key)
+    for candidate in candidates[1:]:
+        candidate_weight = weight(slot, candidate.key)
+        if candidate_weight > best_weight:
+            best, best_weight = candidate, candidate_weight
+    return best
 
 
 def two_choices(candidates: Sequence[C]) -> C:
-    """Of two distinct candidates drawn at random, the one with fewer calls in flight (the first on a tie).
-
-    One random draw makes both: its integer part (times the count) the first index, its fraction the second, both
-    uniform (a double's 53 bits leave far more than enough for the fraction)."""
+    """Of two distinct candidates drawn at random, the one with fewer calls in flight (the first on a tie)."""
     count = len(candidates)
     if count == 1:
         return candidates[0]
-    scaled = _random() * count
-    first = int(scaled)
-    second = int((scaled - first) * (count - 1))
+    first = int(_random() * count)
+    second = int(_random() * (count - 1))  # among the others: skip over the first
     if second >= first:
         second += 1
     a, b = candidates[first], candidates[second]

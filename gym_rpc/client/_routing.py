@@ -42,7 +42,7 @@ from gym_rpc.client._outliers import (
     end_ejection,
     record_failure,
 )
-from gym_rpc.client._picker import heaviest, slot_of, two_choices, weight
+from gym_rpc.client._picker import heaviest, slot_of, two_choices
 from gym_rpc.config import url_authority
 from gym_rpc.errors import NoHealthyInstanceError, ServerUnreachableError
 
@@ -118,7 +118,8 @@ class ServerRoute:
         # slot -> (its heaviest candidate, the generation it was found in): kept across changes of the pool. A
         # winner that left is found again among the candidates; one found before instances joined is weighed
         # against those (`joins`: (generation, instance) of each instance that joined since), so after a change
-        # only the slots it concerns cost a rendezvous.
+        # only the slots it concerns cost a rendezvous. It pays once a run has filled them: 1.35x at 4 instances,
+        # 2.3x at 16, 6.4x at 64 against plain rendezvous over the candidates (bench/replicas.py, replicas-pick).
         self.winners: dict[int, tuple[Instance, int]] = {}
         self.joins: list[tuple[int, Instance]] = []
         self.generation = 0
@@ -233,21 +234,21 @@ class ServerRoute:
         return chosen
 
     def slot_winner(self, slot: int, candidates: tuple[Instance, ...]) -> Instance:
-        """The heaviest candidate for `slot`: remembered, checked against what changed since (`winners`)."""
-        generation = self.generation
-        found = self.winners.get(slot)
-        if found is None or not found[0].candidate:
-            chosen = heaviest(slot, candidates)
+        """The heaviest candidate for `slot`, remembered (`winners`): weighed against every candidate when none is
+        remembered or the remembered one takes no new work now, else only against the candidates that joined since
+        it was found (an instance leaving changes no other slot's winner)."""
+        remembered = self.winners.get(slot)
+        if remembered is None or not remembered[0].candidate:
+            winner = heaviest(slot, candidates)
         else:
-            chosen, since = found
-            if since == generation:
-                return chosen
-            best = weight(slot, chosen.key)
-            for joined_in, instance in self.joins:
-                if joined_in > since and instance.candidate and (heavier := weight(slot, instance.key)) > best:
-                    chosen, best = instance, heavier
-        self.winners[slot] = (chosen, generation)
-        return chosen
+            winner, found_in = remembered
+            if found_in == self.generation:
+                return winner
+            joined = [instance for since, instance in self.joins if since > found_in and instance.candidate]
+            if joined:
+                winner = heaviest(slot, [winner, *joined])
+        self.winners[slot] = (winner, self.generation)
+        return winner
 
     def other(self, tried: tuple[Instance, ...]) -> Instance:
         """For a call of no rollout that failed: two choices among the instances it has not tried yet, else among
@@ -324,11 +325,7 @@ class RoutedCall:
         self.key = key
         self.path = path
         self.tried: tuple[Instance, ...] = ()
-        # route.pick(key), one call less for a call of no rollout; the pool read once, as the watch's thread may
-        # replace it meanwhile.
-        pool = route.pool
-        fast = key is None and route.refresh_at == _NEVER and pool
-        self.instance = instance = two_choices(pool) if fast else route.pick(key)
+        self.instance = instance = route.pick(key)
         instance.in_flight += 1
         instance.picks += 1
 
