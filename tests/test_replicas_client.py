@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from gym_rpc.client._control import ControlClient
 from gym_rpc.client._http import close_http_sessions
 from gym_rpc.client._instances import InstanceState
 from gym_rpc.client._outliers import OutlierDetection
@@ -490,6 +491,27 @@ async def test_an_injected_config_client_never_asks_the_head_for_instances(repli
             head_listener.accept()  # nothing ever connected to the head
         client.follow_instances()
         await wait_for(lambda: _accepts(head_listener), 10)  # the follower's channel knocks
+
+
+async def test_a_wildcard_server_registered_at_two_addresses_is_routed_over_both(replicas, head_factory, monkeypatch):
+    """lookup_registered_servers() puts every instance the head lists into the client's routes: a wildcard-bound
+    server whose processes registered at two addresses is routed over both, never dialled at whichever row came
+    last, and is not cached in `_server_base_urls` (which only servers of one instance use)."""
+    fleet = await replicas(2)
+    head = await head_factory(document({NAME: server_entry(closed_port(), host="0.0.0.0")}))
+    control = ControlClient(head.address)
+    for pid, replica in enumerate(fleet, start=101):
+        await control.register_instance(NAME, listen_port=replica.port, listen_host=LOOPBACK, pid=pid)
+    monkeypatch.setenv(
+        "NEMO_GYM_CONFIG_DICT",
+        json.dumps({**head.config.document, "head_server": {"host": LOOPBACK, "port": head.port}}),
+    )
+    client = ServerClient.load_from_global_config()
+
+    found = await asyncio.to_thread(client.lookup_registered_servers)
+
+    assert found == {} and NAME not in client._server_base_urls
+    assert {await call(client) for _ in range(30)} == {replica.port for replica in fleet}
 
 
 def _accepts(listener: socket.socket) -> bool:

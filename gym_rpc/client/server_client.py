@@ -481,15 +481,14 @@ class ServerClient(BaseModel):
         return advertised
 
     def lookup_registered_servers(self) -> dict[str, str]:
-        """Ask the head now where servers registered (name -> advertised URL) and dial wildcard-bound ones there.
+        """Ask the head now where servers registered and dial wildcard-bound ones there: name -> advertised URL
+        of each server registered at one address; a server of several instances is routed over all of them.
 
         The explicit lookup for a client made from an injected `NEMO_GYM_CONFIG_DICT`, which otherwise never asks
         the head; any client may call it to pick up registrations at once. Blocking (one bounded call, a head that
         cannot say adds nothing): from an event loop, run it with `asyncio.to_thread`.
         """
-        rows = self._fetch_instances()
-        found = _advertised_urls_of(rows)
-        self._routing_started().apply_rows(rows)  # replicas too: this client routes over them from now on
+        found = self._fetch_advertised_urls()
         with _advertised_lock:
             self._advertised_urls = {**(self._advertised_urls or {}), **found}
             self._advertised_fetched_at = time.time()
@@ -517,7 +516,11 @@ class ServerClient(BaseModel):
         return self._advertised_urls or {}
 
     def _fetch_advertised_urls(self) -> dict[str, str]:
-        return _advertised_urls_of(self._fetch_instances())
+        """Every instance the head lists, into this client's routes (a server of several is routed over them
+        from now on); name -> advertised URL of the servers registered at one address."""
+        rows = self._fetch_instances()
+        self._routing_started().apply_rows(rows)
+        return _advertised_urls_of(rows)
 
     def _fetch_instances(self) -> list[ServerInstance]:
         """Every instance the head lists (ListServerInstances); none when the head cannot say."""
@@ -799,7 +802,12 @@ def _observed_path(config: GlobalConfig, server_name: str, url_path: str, body: 
 
 
 def _advertised_urls_of(instances: list[ServerInstance]) -> dict[str, str]:
-    return {instance.name: instance.advertised_url for instance in instances if instance.advertised_url}
+    """name -> advertised URL of each server that registered one instance (a server of several has a route)."""
+    urls: dict[str, list[str]] = {}
+    for instance in instances:
+        if instance.advertised_url:
+            urls.setdefault(instance.name, []).append(instance.advertised_url)
+    return {name: found[0] for name, found in urls.items() if len(found) == 1}
 
 
 def _checked_labels(labels: Mapping[str, str]) -> dict[str, str]:
