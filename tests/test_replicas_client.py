@@ -493,7 +493,9 @@ async def test_an_injected_config_client_never_asks_the_head_for_instances(repli
         await wait_for(lambda: _accepts(head_listener), 10)  # the follower's channel knocks
 
 
-async def test_a_wildcard_server_registered_at_two_addresses_is_routed_over_both(replicas, head_factory, monkeypatch):
+async def test_a_wildcard_server_registered_at_two_addresses_is_routed_over_both(
+    replicas, head_factory, monkeypatch
+) -> None:
     """lookup_registered_servers() puts every instance the head lists into the client's routes: a wildcard-bound
     server whose processes registered at two addresses is routed over both, never dialled at whichever row came
     last, and is not cached in `_server_base_urls` (which only servers of one instance use)."""
