@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -33,7 +35,7 @@ from gym_rpc.client._rollout import rollout_context
 from gym_rpc.client._routing import ServerRoute
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
-from gym_rpc.errors import NoHealthyInstanceError, ServerUnreachableError
+from gym_rpc.errors import NoHealthyInstanceError, RequestTimeoutError, ServerUnreachableError
 from gym_rpc.wire import InstanceReport, ServerStatus, StatusReport
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
@@ -289,6 +291,78 @@ async def test_5xx_answers_count_towards_ejection_and_reach_the_caller(replicas)
     assert route_of(client).by_id[f"{LOOPBACK}:{failing.port}"].ejections == 1
 
 
+async def test_every_way_a_call_ends_releases_its_count_in_flight(replicas) -> None:
+    """The count in flight per instance (what two choices weighs) comes back to 0 whatever ends a call: an answer,
+    a 5xx, a deadline, a cancelled caller, a dropped connection it may not resend, a refused one that fails over,
+    and none left to fail over to. A count left behind would steer calls away from a healthy instance forever."""
+    held, failing = await replicas(2)
+    dropping = socket.socket()
+    dropping.bind((LOOPBACK, 0))
+    dropping.listen(8)
+    dropping.setblocking(False)
+    refused = closed_port()
+    ports = [held.port, failing.port, dropping.getsockname()[1], refused]
+    client = client_of(replicated_doc(ports, http_client={"outlier_detection": {"consecutive_failures": 10**6}}))
+    await call(client)
+    route = route_of(client)
+    by_port = {int(instance.instance_id.rsplit(":", 1)[1]): instance for instance in route.instances}
+
+    def counts() -> list[int]:
+        return [instance.in_flight for instance in route.instances]
+
+    def only(port: int) -> None:
+        """As if the head reported every other instance down: every call now goes to `port`."""
+        states = [
+            InstanceState(f"{LOOPBACK}:{p}", f"http://{LOOPBACK}:{p}", None if p == port else "connection_error")
+            for p in ports
+        ]
+        route.update(states)
+
+    async def until_held(call_made: Awaitable[Any]) -> asyncio.Task[Any]:
+        held.arrived.clear()
+        task = asyncio.ensure_future(call_made)
+        await asyncio.wait_for(held.arrived.wait(), 10)
+        assert by_port[held.port].in_flight == 1
+        return task
+
+    dropper = asyncio.create_task(drop_everything(dropping))
+    try:
+        failing.status = 503
+        for _ in range(40):  # answers, 5xx answers, failovers from the refused and the dropping instances
+            async with await client.post(NAME, "/v1/responses", json={}) as response:
+                await response.read()
+        assert counts() == [0, 0, 0, 0]
+
+        only(held.port)
+        held.hold = asyncio.Event()
+        task = await until_held(client.post(NAME, "/v1/responses", json={}))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert counts() == [0, 0, 0, 0]
+
+        timed = await until_held(client.post(NAME, "/v1/responses", json={}, timeout=aiohttp.ClientTimeout(0.2)))
+        with pytest.raises(RequestTimeoutError):
+            await timed
+        assert counts() == [0, 0, 0, 0]
+        held.hold.set()
+
+        only(dropping.getsockname()[1])
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await client.post(NAME, "/v1/responses", json={}, _resend_after_disconnect=False)
+        assert counts() == [0, 0, 0, 0]
+
+        only(refused)
+        with pytest.raises(ServerUnreachableError):
+            await client.post(NAME, "/v1/responses", json={})  # refused, and no other instance to go to
+        assert counts() == [0, 0, 0, 0]
+    finally:
+        if held.hold is not None:
+            held.hold.set()  # no call left held, so the replica can stop
+        dropper.cancel()
+        dropping.close()
+
+
 # --- rollouts ----------------------------------------------------------------------------------------------------
 
 
@@ -525,6 +599,16 @@ def _accepts(listener: socket.socket) -> bool:
     return True
 
 
+async def drop_everything(listener: socket.socket) -> None:
+    """Accept each connection, read its request and reset it (a server killed mid-call), until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        connection, _ = await loop.sock_accept(listener)
+        with connection, contextlib.suppress(OSError):  # a client gone first must not end the loop
+            await loop.sock_recv(connection, 65536)
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+
+
 async def test_a_connection_reset_while_the_call_is_in_flight_moves_a_call_of_no_rollout(replicas) -> None:
     """Killed mid-call: the call in flight is resent elsewhere (it was written, and the caller allows resends)."""
     dropping = socket.socket()
@@ -534,15 +618,7 @@ async def test_a_connection_reset_while_the_call_is_in_flight_moves_a_call_of_no
     (healthy,) = await replicas(1)
     client = client_of(replicated_doc([dropping.getsockname()[1], healthy.port]))
 
-    async def drop_everything() -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            connection, _ = await loop.sock_accept(dropping)
-            await loop.sock_recv(connection, 65536)
-            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-            connection.close()  # RST
-
-    dropper = asyncio.create_task(drop_everything())
+    dropper = asyncio.create_task(drop_everything(dropping))
     try:
         answered = collections.Counter([await call(client) for _ in range(40)])
     finally:
