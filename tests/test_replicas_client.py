@@ -476,34 +476,6 @@ async def test_labels_send_new_rollouts_to_matching_instances_while_pinned_ones_
         client.require_labels(NAME, {"weights_version": 43})  # type: ignore[dict-item]
 
 
-async def test_a_draining_instance_gets_no_new_work_while_its_pinned_rollouts_finish_there(replicas) -> None:
-    fleet = await replicas(3)
-    ports = [replica.port for replica in fleet]
-    client = client_of(replicated_doc(ports))
-    await call(client)
-    assert client._routing is not None
-    pinned = {}
-    for n in range(30):
-        with rollout_context(f"before-{n}"):
-            pinned[n] = await call(client)
-    draining = ports[0]
-    instances = tuple(
-        InstanceReport(f"{LOOPBACK}:{port}", f"http://{LOOPBACK}:{port}", "success", draining=port == draining)
-        for port in ports
-    )
-    client._routing.apply_reports([StatusReport(NAME, "success", instances[0].url, instances=instances)])
-    assert draining in pinned.values()
-    for n, port in pinned.items():
-        with rollout_context(f"before-{n}"):
-            assert await call(client) == port  # its state is there: it finishes there
-    fresh: collections.Counter[int] = collections.Counter()
-    for n in range(30):
-        with rollout_context(f"after-{n}"):
-            fresh[await call(client)] += 1
-    fresh.update([await call(client) for _ in range(30)])
-    assert draining not in fresh and sum(fresh.values()) == 60
-
-
 async def test_no_healthy_instance_fails_at_once_naming_each_instances_last_status(replicas) -> None:
     fleet = await replicas(2)
     ports = [replica.port for replica in fleet]

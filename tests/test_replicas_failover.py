@@ -1,7 +1,7 @@
 """Replicas as real processes behind a real head: one killed with `kill -9` mid-run costs no call of no rollout,
 moves only its own rollouts, and gets no call once its death is known; a replica added while calls run gets
-calls within a second or so. Bounds are generous (a loaded 2-core machine); bench/replicas.py measures the same
-things tightly."""
+calls within a second or so; one given SIGTERM drains (no new work, its pinned rollouts finish there). Bounds
+are generous (a loaded 2-core machine); bench/replicas.py measures the same things tightly."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from gym_rpc.client._rollout import rollout_context
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 from tests.conftest import LOOPBACK, document, server_entry
+from tests.test_draining import AIOHTTP_SERVER, replica  # noqa: F401 (replica: a fixture)
 from tests.test_head_rpc import rewrite_config
 
 NAME = "policy"
@@ -214,3 +215,55 @@ async def test_a_replica_added_while_calls_run_gets_calls_within_a_second_or_so(
         stop.set()
         await asyncio.gather(*workers)
     assert ports[4] in first_answer and first_answer[ports[4]] - added_at < 5.0  # bench: well under a second
+
+
+async def test_sigterm_drains_a_registered_replica_new_work_leaves_it_and_its_pinned_rollouts_finish_there(
+    replica,  # noqa: F811 (tests.test_draining's fixture)
+    closing,
+) -> None:
+    """A registered server process gets SIGTERM (integrations' draining) while a call of one of its rollouts is
+    in flight: the client learns from the head's watch that it drains; then no new rollout and no call of no
+    rollout goes there, while every rollout pinned there still calls it and is answered; once its call is done
+    it deregisters and exits, and its rollouts move (a rollout pinned to a gone instance is pinned again)."""
+    head, server = await replica(AIOHTTP_SERVER, grace=20.0)
+    client = await asyncio.to_thread(
+        ServerClient.load_from_global_config, BaseServerConfig(host=LOOPBACK, port=head.port)
+    )
+
+    async def port_of(rollout: str | None, seconds: float = 0.0) -> int:
+        with rollout_context(rollout):
+            async with await client.get(NAME, f"/work?seconds={seconds}") as response:
+                await response.read()
+                assert response.status == 200
+                return int(response.url.port or 0)
+
+    await port_of(None)
+    assert client._routing is not None
+    route = client._routing.routes[NAME]
+    draining = route.by_id[f"{LOOPBACK}:{server.port}"]
+    pinned = {f"before-{n}": await port_of(f"before-{n}") for n in range(30)}
+    on_it = [rollout for rollout, port in pinned.items() if port == server.port]
+    assert on_it and len(on_it) < len(pinned)  # rendezvous spread them over both instances
+    held = asyncio.create_task(port_of(on_it[0], seconds=6.0))  # keeps it draining (the helper waits for it)
+    await wait_until(lambda: draining.in_flight == 1, 10)
+
+    server.process.send_signal(signal.SIGTERM)
+    await wait_until(lambda: draining.draining, 10)
+    assert not held.done()
+    fresh = [await port_of(f"after-{n}") for n in range(30)] + [await port_of(None) for _ in range(30)]
+    assert server.port not in fresh  # no new work
+    assert [await port_of(rollout) for rollout in on_it] == [server.port] * len(on_it)  # they finish there
+    assert not held.done()  # all of that while it drained
+
+    assert await held == server.port  # its call in flight finished
+    assert await asyncio.wait_for(server.process.wait(), 30) in (0, -signal.SIGTERM)
+    await wait_until(lambda: draining.instance_id not in route.by_id, 10)
+    moved = [await port_of(rollout) for rollout in on_it]
+    assert server.port not in moved and route.repins == len(on_it)
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
