@@ -192,12 +192,11 @@ def pick_rows(plan: ReplicasPlan) -> list[Row]:
         "rr": lambda index: next(cycle) + PATH,
         "p2c": no_rollout(_route(ServerRoute, plan.pick_instances)),
     }
-    filled: dict[int, ServerRoute] = {}
     for count in PICK_COUNTS:
         cold = _route(ServerRoute, count)
-        filled[count] = steady = _route(ServerRoute, count)
+        filled = _route(ServerRoute, count)
         for slot in range(SLOTS):  # every slot's winner remembered: the state once a run's rollouts filled them
-            steady.slot_winner(slot, steady.pool)
+            filled.slot_winner(slot, filled.pool)
         cold_work = rollouts(cold)
 
         def cold_block(index: int, route: ServerRoute = cold, work: Callable[[int], object] = cold_work) -> object:
@@ -205,7 +204,7 @@ def pick_rows(plan: ReplicasPlan) -> list[Row]:
                 route.winners.clear()  # each block starts as a fresh process does: no winner remembered
             return work(index)
 
-        sides[f"steady {count}"] = rollouts(steady)
+        sides[f"steady {count}"] = rollouts(filled)
         sides[f"cold {count}"] = cold_block
         sides[f"plain {count}"] = rollouts(_route(PlainRendezvousRoute, count))
     best = dict.fromkeys(sides, math.inf)
@@ -227,19 +226,19 @@ def pick_rows(plan: ReplicasPlan) -> list[Row]:
         )
     ]
     for count in PICK_COUNTS:
-        steady, cold, plain = best[f"steady {count}"], best[f"cold {count}"], best[f"plain {count}"]
+        remembered, fresh, plain = best[f"steady {count}"], best[f"cold {count}"], best[f"plain {count}"]
         rows.append(
             _absolute_row(
                 "replicas",
                 f"picking among {count} instances, rollouts of {per_rollout} calls (a new rollout each time: its "
                 f"first call pins it by rendezvous, the rest follow the pin), remembered slot winners against "
                 f"plain rendezvous over the candidates ({method}; the first {plan.pick_calls // per_rollout} "
-                f"rollouts of a fresh process, few winners remembered yet: {cold:.2f} µs/call)",
-                f"{steady:.2f} µs/call",
+                f"rollouts of a fresh process, few winners remembered yet: {fresh:.2f} µs/call)",
+                f"{remembered:.2f} µs/call",
                 f"plain rendezvous: {plain:.2f} µs/call",
-                steady < 2.0 if count == plan.pick_instances else plain / steady > 1.0,
+                remembered < 2.0 if count == plan.pick_instances else plain / remembered > 1.0,
                 "< 2 µs" if count == plan.pick_instances else "pays (> 1x)",
-                plain / steady,
+                plain / remembered,
             )
         )
     return rows

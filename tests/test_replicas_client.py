@@ -349,7 +349,7 @@ async def test_every_way_a_call_ends_releases_its_count_in_flight(replicas) -> N
 
         only(dropping.getsockname()[1])
         with pytest.raises(aiohttp.ClientConnectionError):
-            await client.post(NAME, "/v1/responses", json={}, _resend_after_disconnect=False)
+            await client.request(NAME, "/v1/responses", "POST", json={}, _resend_after_disconnect=False)
         assert counts() == [0, 0, 0, 0]
 
         only(refused)
