@@ -32,7 +32,7 @@ from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 from gym_rpc.client._aiohttp_instrumentation import request_context as instrumentation_request_context
 from gym_rpc.client._aiohttp_instrumentation import session_instrumented
-from gym_rpc.client._http import CallObserver, RetryPolicy, send
+from gym_rpc.client._http import CallObserver, NextUrl, RetryPolicy, send
 from gym_rpc.client._rollout import rollout_id_in_context
 from gym_rpc.client._sdk_spans import (
     DIRECT,
@@ -188,6 +188,8 @@ def traced_send(
     kwargs: _RequestOptions,
     server_name: str,
     also: CallObserver | None = None,
+    *,
+    next_url: NextUrl | None = None,
 ) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
     """`send(session, method, url, ...)` (`url` under `base_url`, the server's) as a CLIENT span whose context
     goes out in the `traceparent` header; a resent call carries `http.request.resend_count` (the number of
@@ -210,7 +212,17 @@ def traced_send(
     rollout_id = rollout_id_in_context()
     if getattr(session, "_trace_configs", True) and session_instrumented(session):  # aiohttp's list, else ask
         instrumented = _InstrumentedCall(kwargs, server_name, rollout_id, also)
-        return send(session, method, url, retry, resend_after_disconnect, kwargs, instrumented)
+        return send(
+            session,
+            method,
+            url,
+            retry,
+            resend_after_disconnect,
+            kwargs,
+            instrumented,
+            server_name=server_name,
+            next_url=next_url,
+        )
     active, current, textmap = tracer(), _current_context(), _global_textmap()
     plan = span_plan(active)
     route = _last_route
@@ -235,14 +247,34 @@ def traced_send(
         except BaseException:
             span.end()
             raise
-        return send(session, method, url, retry, resend_after_disconnect, kwargs, _SdkCall(span, also))
+        return send(
+            session,
+            method,
+            url,
+            retry,
+            resend_after_disconnect,
+            kwargs,
+            _SdkCall(span, also),
+            server_name=server_name,
+            next_url=next_url,
+        )
     if plain:  # trace_context_headers, inline
         headers: MutableMapping[str, str] = CIMultiDict(given) if given else CIMultiDict()
         headers[_TRACEPARENT_NAME] = traceparent
     else:
         headers = trace_context_headers(given, context, current, carries_baggage, traceparent)
     kwargs["headers"] = headers
-    return send(session, method, url, retry, resend_after_disconnect, kwargs, observer)
+    return send(
+        session,
+        method,
+        url,
+        retry,
+        resend_after_disconnect,
+        kwargs,
+        observer,
+        server_name=server_name,
+        next_url=next_url,
+    )
 
 
 class _DirectCall(Begun):
@@ -253,10 +285,10 @@ class _DirectCall(Begun):
 
     __slots__ = ()
 
-    def resent(self, attempt: int) -> None:
+    def resent(self, attempt: int, kind: str) -> None:
         also = self.also
         if also is not None:
-            also.resent(attempt)
+            also.resent(attempt, kind)
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
         request, also = self.request, self.also
@@ -293,9 +325,9 @@ class _SdkCall:
     def __init__(self, span: trace.Span, also: CallObserver | None) -> None:
         self.span, self.also = span, also
 
-    def resent(self, attempt: int) -> None:
+    def resent(self, attempt: int, kind: str) -> None:
         if self.also is not None:
-            self.also.resent(attempt)
+            self.also.resent(attempt, kind)
         self.span.set_attribute(HTTP_REQUEST_RESEND_COUNT, attempt - 1)
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
@@ -356,9 +388,9 @@ class _InstrumentedCall:
         kwargs["trace_request_ctx"] = instrumentation_request_context(gym_attributes)
         self.gym_attributes, self.also = gym_attributes, also
 
-    def resent(self, attempt: int) -> None:
+    def resent(self, attempt: int, kind: str) -> None:
         if self.also is not None:
-            self.also.resent(attempt)
+            self.also.resent(attempt, kind)
         self.gym_attributes[HTTP_REQUEST_RESEND_COUNT] = attempt - 1
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:

@@ -3,8 +3,9 @@ once per call; off, nothing here runs).
 
 OpenTelemetry names (Prometheus names in README "Metrics"): `http.client.request.duration` (seconds, by server,
 method and status code or error type), `http.client.active_requests` (calls in flight, by server),
-`gym.client.resends` (attempts after a dropped or refused connection) and `gym.client.unreachable` (calls given
-up on an unreachable server).
+`gym.client.resends` (attempts after a failed one, by the failure's kind), `gym.client.given_up` (calls given up
+after their resends, by the last failure's kind and what ran out) and `gym.client.unreachable` (calls given up on
+an unreachable server).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
 
-from gym_rpc.client._http import RetryPolicy, send
+from gym_rpc.client._http import NextUrl, RetryPolicy, send
 from gym_rpc.client._http_tracing import traced_send
-from gym_rpc.errors import ServerUnreachableError
+from gym_rpc.errors import ResendsExhaustedError, ServerUnreachableError
 from gym_rpc.metrics import meter, seconds_histogram
 from gym_rpc.telemetry import TRACING
 
@@ -29,6 +30,10 @@ if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
 
 SERVER_NAME = "gym.server.name"
+FAILURE_KIND = "gym.failure.kind"  # refused, dropped_before_write, dropped_after_write, timeout
+RESEND_LIMIT = (
+    "gym.resend.limit"  # what ended a call's resends: attempts, time, deadline, client budget, no resend
+)
 # Seconds: from a loopback call (a millisecond) to a long model generation (minutes).
 DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -37,6 +42,7 @@ DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 class _ClientInstruments:
     duration: Histogram
     resends: Counter
+    given_up: Counter
     unreachable: Counter
 
 
@@ -70,7 +76,14 @@ def _instruments() -> _ClientInstruments:
             DURATION_BUCKETS,
         ),
         resends=m.create_counter(
-            "gym.client.resends", unit="{attempt}", description="attempts after a dropped or refused connection"
+            "gym.client.resends",
+            unit="{attempt}",
+            description="attempts after a failed one, by its kind of failure",
+        ),
+        given_up=m.create_counter(
+            "gym.client.given_up",
+            unit="{request}",
+            description="calls given up after their resends, by the last failure's kind and what ran out",
         ),
         unreachable=m.create_counter(
             "gym.client.unreachable", unit="{request}", description="calls given up on an unreachable server"
@@ -82,6 +95,14 @@ def _instruments() -> _ClientInstruments:
 def _attributes(server_name: str, method: str) -> Mapping[str, str]:
     """Shared (never mutated) per server and method, so a call builds no dict for its in-flight count."""
     return {SERVER_NAME: server_name, "http.request.method": method.upper()}
+
+
+@functools.lru_cache(maxsize=4096)
+def _failure_attributes(server_name: str, method: str, kind: str, limit: str | None) -> Mapping[str, str]:
+    attributes = {**_attributes(server_name, method), FAILURE_KIND: kind}
+    if limit is not None:
+        attributes[RESEND_LIMIT] = limit
+    return attributes
 
 
 @functools.lru_cache(maxsize=4096)
@@ -105,15 +126,17 @@ class MeteredCall:
             _in_flight[key] = _in_flight.get(key, 0) + 1
         self.started = time.perf_counter()
 
-    def resent(self, attempt: int) -> None:
-        self.instruments.resends.add(1, self.attributes)
+    def resent(self, attempt: int, kind: str) -> None:
+        self.instruments.resends.add(1, _failure_attributes(*self.key, kind, None))
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
         self._ended(response.status)
 
     def failed(self, error: BaseException, attempts: int) -> None:
-        if isinstance(error, ServerUnreachableError):
-            self.instruments.unreachable.add(1, self.attributes)
+        if isinstance(error, ResendsExhaustedError):
+            self.instruments.given_up.add(1, _failure_attributes(*self.key, error.kind, error.limit))
+            if isinstance(error, ServerUnreachableError):
+                self.instruments.unreachable.add(1, self.attributes)
         self._ended(type(error).__qualname__)
 
     def _ended(self, outcome: int | str) -> None:
@@ -133,15 +156,36 @@ def metered_send(
     resend_after_disconnect: bool,
     kwargs: _RequestOptions,
     server_name: str,
+    *,
+    next_url: NextUrl | None = None,
 ) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
     """`send` (`traced_send` when tracing is on, same parameters) with the call metered: its own coroutine, which
     must be awaited at once, as the call is counted in flight from here."""
     metered = MeteredCall(server_name, method)
     if not TRACING.enabled:
-        return send(session, method, url, retry, resend_after_disconnect, kwargs, metered)
+        return send(
+            session,
+            method,
+            url,
+            retry,
+            resend_after_disconnect,
+            kwargs,
+            metered,
+            server_name=server_name,
+            next_url=next_url,
+        )
     try:
         return traced_send(
-            session, method, base_url, url, retry, resend_after_disconnect, kwargs, server_name, metered
+            session,
+            method,
+            base_url,
+            url,
+            retry,
+            resend_after_disconnect,
+            kwargs,
+            server_name,
+            metered,
+            next_url=next_url,
         )
     except BaseException as error:  # no send to tell it: the call ends here
         metered.failed(error, 0)

@@ -32,12 +32,7 @@ from gym_rpc._environment import (
 from gym_rpc._telemetry_switches import TELEMETRY_KEY
 from gym_rpc.client._channel import head_address
 from gym_rpc.client._control import SyncControlClient
-from gym_rpc.client._http import (
-    HttpClientSettings,
-    HttpPools,
-    request_timeout_error,
-    send,
-)
+from gym_rpc.client._http import HttpClientSettings, HttpPools, send
 from gym_rpc.client._http_tracing import traced_send
 from gym_rpc.client._metrics import metered_send
 from gym_rpc.client._nemo_gym import nemo_gym_rollout_id, rollout_id_from_run_body
@@ -525,14 +520,15 @@ class ServerClient(BaseModel):
         sessions = pools.sessions()
         session = sessions.control if _control else sessions.data
         full_url = url + url_path
-        try:
-            if TRACING.enabled or METRICS.enabled:  # what tracing and metrics cost when off
-                retry, resend = pools.settings.retry, _resend_after_disconnect
-                observed = metered_send if METRICS.enabled else traced_send
-                return await observed(session, method, url, full_url, retry, resend, kwargs, server_name)
-            return await send(session, method, full_url, pools.settings.retry, _resend_after_disconnect, kwargs)
-        except TimeoutError as error:  # aiohttp's says neither which server nor which deadline
-            raise request_timeout_error(server_name, method, full_url, session, kwargs) from error
+        retry = pools.settings.retry
+        if TRACING.enabled or METRICS.enabled:  # what tracing and metrics cost when off
+            observed = metered_send if METRICS.enabled else traced_send
+            return await observed(
+                session, method, url, full_url, retry, _resend_after_disconnect, kwargs, server_name
+            )
+        return await send(
+            session, method, full_url, retry, _resend_after_disconnect, kwargs, server_name=server_name
+        )
 
     async def get(
         self, server_name: str, url_path: str, **kwargs: Unpack[_RequestOptions]

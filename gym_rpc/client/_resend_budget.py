@@ -1,0 +1,130 @@
+"""The client-wide resend budget: the process's resends waiting out their backoff at once are at most a share of
+its attempts in flight (Envoy's retry budget), with a floor.
+
+A call that must resend takes a slot for its backoff pause and frees it as its resend goes out. When every slot is
+held, it waits for one: on the budget, not on the server. So when thousands of calls find one server dead, the
+server sees a few resends at a time (the floor's worth: nothing else is in flight), not one stream per call; when
+it answers again, each resend that goes out frees its slot and the attempts in flight grow, and with them the
+slots. A call whose own budget (its kind's time, its deadline) runs out while it waits fails at once, saying so.
+
+Threads: clients on several event loops share a process and this one budget. Attempts in flight are counted per
+thread, without a lock (a call's attempt starts and ends on its loop's thread; a lock would cost the happy path),
+and summed only when a resend asks for a slot. Slots and waiters are under a lock; a waiter on another loop is
+woken through its loop's `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+
+from gym_rpc.client._resend_policy import ClientBudget
+
+
+class AttemptCount:
+    """One thread's attempts in flight: changed only by its thread, read by any (an int read is atomic)."""
+
+    __slots__ = ("__weakref__", "value")
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+_counts: weakref.WeakSet[AttemptCount] = weakref.WeakSet()  # a thread's count goes with the thread
+_counts_lock = threading.Lock()
+
+
+class _ThreadAttempts(threading.local):
+    def __init__(self) -> None:  # runs once per thread, on its first call
+        self.count = AttemptCount()
+        with _counts_lock:
+            _counts.add(self.count)
+
+
+# `THREAD_ATTEMPTS.count`: this thread's count; `send` adds one while an attempt is out, first attempts included.
+THREAD_ATTEMPTS = _ThreadAttempts()
+
+
+def attempts_in_flight() -> int:
+    with _counts_lock:
+        return sum(count.value for count in _counts)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[None]
+    budget: ClientBudget
+    granted: bool = False  # a slot was taken for it (under the lock)
+    abandoned: bool = False  # it stopped waiting (under the lock)
+
+
+@dataclass(eq=False)
+class ResendBudget:
+    """Slots for resends pausing before they go out, shared by every loop and client of the process."""
+
+    held: int = 0
+    _waiters: deque[_Waiter] = field(default_factory=deque)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def snapshot(self) -> tuple[int, int, int]:
+        """(slots held, attempts in flight, calls waiting): for the error a call gets when it waited in vain."""
+        with self._lock:
+            return self.held, attempts_in_flight(), sum(not waiter.abandoned for waiter in self._waiters)
+
+    async def acquire(self, budget: ClientBudget, wait_seconds: float) -> bool:
+        """Take a slot, waiting at most `wait_seconds` for one (first come, first served); False if none came."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            while self._waiters and self._waiters[0].abandoned:
+                self._waiters.popleft()
+            if not self._waiters and self.held < budget.slots(attempts_in_flight()):
+                self.held += 1
+                return True
+            waiter = _Waiter(loop, loop.create_future(), budget)
+            self._waiters.append(waiter)
+        got_it = False
+        try:
+            async with asyncio.timeout(max(wait_seconds, 0.0)):
+                await waiter.future
+            got_it = True
+        except TimeoutError:
+            return False
+        finally:
+            if not got_it:  # timed out or cancelled: a slot granted meanwhile goes to the next waiter
+                with self._lock:
+                    waiter.abandoned = True
+                    granted = waiter.granted
+                if granted:
+                    self.release()
+        return True
+
+    def release(self) -> None:
+        """Free a slot, and hand as many as the budget now allows to the waiters, in order."""
+        with self._lock:
+            self.held -= 1
+            while self._waiters:
+                waiter = self._waiters[0]
+                if waiter.abandoned:
+                    self._waiters.popleft()
+                    continue
+                if self.held >= waiter.budget.slots(attempts_in_flight()):
+                    break
+                self._waiters.popleft()
+                try:
+                    waiter.loop.call_soon_threadsafe(_wake, waiter.future)
+                except RuntimeError:  # its loop is closed: nobody is waiting there any more
+                    continue
+                waiter.granted = True
+                self.held += 1
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+RESEND_BUDGET = ResendBudget()
