@@ -1,6 +1,6 @@
 """The `gym-rpc` command: run a head, ask one for its config and its servers' status, wait until servers are up.
 
-Exit codes (what an orchestrator can act on; README "The gym-rpc command"):
+Exit codes (what an orchestrator can act on; docs/cli.md):
 0 success (`status`/`wait`: every server asked about is up); 1 a server is down (`status`, `wait` on timeout) or
 the command failed; 2 bad usage (a flag, an environment variable, an unknown server name); 3 the head could not
 be reached within the deadline; 130 interrupted (Ctrl-C).

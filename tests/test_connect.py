@@ -128,8 +128,8 @@ def test_every_rpc_of_the_contract_is_routed_to_the_servicer_method_of_its_name(
     assert routes[f"{PREFIX}/GetGlobalConfig"].method.stream_type.name == "UNARY"
 
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-README_CONNECT_ADDRESS = "http://127.0.0.1:11002"  # the README's example head_server.connect_port
+README = Path(__file__).resolve().parent.parent / "docs" / "other-languages.md"  # "curl, over Connect"
+README_CONNECT_ADDRESS = "http://127.0.0.1:11002"  # the docs' example head_server.connect_port
 
 
 @needs_curl

@@ -1,4 +1,4 @@
-"""Environment variables: one settings object reads them all, and the README's table lists exactly those."""
+"""Environment variables: one settings object reads them all, and docs/cli.md's table lists exactly those."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ PACKAGE = ROOT / "gym_rpc"
 
 
 def _readme_table_variables() -> list[str]:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text.split("### Environment variables", 1)[1].split("\n\n", 3)[2]  # intro, then the table
+    text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    section = text.split("## Environment variables", 1)[1].split("\n\n", 3)[2]  # intro, then the table
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     return [name for row in rows for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", row.split(" | ")[0])]
 

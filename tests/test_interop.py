@@ -37,6 +37,7 @@ from tests.test_security import Pki, pki, tls_block
 __all__ = ["pki"]  # the module-scoped certificate fixture, shared with the security tests
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+OTHER_LANGUAGES_PAGE = REPO_ROOT / "docs" / "other-languages.md"  # the programs it shows are the ones run here
 NODE_BIN = REPO_ROOT / "node_modules" / ".bin"
 BUF = NODE_BIN / "buf"
 TSX = NODE_BIN / "tsx"
@@ -530,25 +531,25 @@ def test_one_version_is_one_contract(tmp_path: Path) -> None:
 )
 def test_readme_shows_the_programs_the_tests_run(fence: str, program: Path) -> None:
     text = program.read_text().rstrip()
-    readme = (REPO_ROOT / "README.md").read_text()
-    assert f"```{fence}\n{text}\n```" in readme, f"README's copy of {program.relative_to(REPO_ROOT)} differs"
+    readme = OTHER_LANGUAGES_PAGE.read_text()
+    assert f"```{fence}\n{text}\n```" in readme, f"docs' copy of {program.relative_to(REPO_ROOT)} differs"
 
 
 def test_readme_installs_and_requires_the_stubs_at_the_contract_version() -> None:
-    """The README's npm install line and go.mod lines name the version `make stubs` packs, as interop/go does."""
-    readme = (REPO_ROOT / "README.md").read_text().splitlines()
+    """The docs' npm install line and go.mod lines name the version `make stubs` packs, as interop/go does."""
+    readme = OTHER_LANGUAGES_PAGE.read_text().splitlines()
     version = package_stubs.contract_version()
     npm_installs = [line for line in readme if line.startswith("npm install ./gym-rpc-control-plane-")]
     assert npm_installs and all(f"-{version}.tgz " in line for line in npm_installs), npm_installs
     go_mod = (GO_CLIENT_DIR / "go.mod").read_text()
     for line in (f"require {GO_MODULE_PATH} v{version}", f"replace {GO_MODULE_PATH} => ../../stubs/go"):
-        assert line in readme, f"README lacks the go.mod line {line!r}"
+        assert line in readme, f"docs/other-languages.md lacks the go.mod line {line!r}"
         assert line.split(None, 1)[1] in go_mod, f"interop/go/go.mod lacks {line!r}"
 
 
 def readme_python_client() -> str:
-    """The README's complete Python client ("From other languages")."""
-    readme = (REPO_ROOT / "README.md").read_text()
+    """The docs' complete Python client (docs/other-languages.md, "Python")."""
+    readme = OTHER_LANGUAGES_PAGE.read_text()
     marker = "```python\n# The head's config, every server's status, then a watch's first two events"
     start = readme.index(marker) + len("```python\n")
     return readme[start : readme.index("```", start)]

@@ -2,7 +2,7 @@
 
 `make lint` checks the layer, public-seam and no-cycle contracts statically (import-linter, pyproject's
 [tool.importlinter]); these tests check what the contracts cannot express: what a real interpreter loads, and that
-the curated exports and the README's picture match the modules.
+the curated exports and the architecture picture (docs/architecture.md) match the modules.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ def test_every_curated_export_resolves(package: str) -> None:
 
 
 def _architecture_boxes() -> dict[str, list[str]]:
-    """The README's architecture picture: box title -> the module names on its lines."""
-    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
-    picture = text.split("### Architecture", 1)[1].split("```\n", 2)[1]
+    """The architecture picture (docs/architecture.md): box title -> the module names on its lines."""
+    text = (REPO_ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    picture = text.split("## Architecture", 1)[1].split("```\n", 2)[1]
     boxes: dict[str, list[str]] = {}
     title = ""
     for line in picture.splitlines():

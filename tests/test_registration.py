@@ -130,7 +130,7 @@ async def test_register_list_and_deregister(head_factory, http_server) -> None:
     assert await asyncio.to_thread(control.deregister_server_instance, "policy", pid=4242) is True
     row = (await instances(head))["policy"]
     assert (row.pid, row.advertised_url) == (0, "")
-    assert await asyncio.to_thread(control.deregister_server_instance, "policy") is False  # nothing left
+    assert await asyncio.to_thread(control.deregister_server_instance, "policy", pid=4242) is False  # none left
 
 
 async def test_register_errors(head_factory) -> None:
@@ -139,7 +139,7 @@ async def test_register_errors(head_factory) -> None:
     with pytest.raises(UnknownServerError, match=r"'nope'.*known servers: head_server, policy"):
         await control.register_server_instance("nope", listen_port=1)
     with pytest.raises(UnknownServerError):
-        await control.deregister_server_instance("nope")
+        await control.deregister_server_instance("nope", pid=1)
     for name, port, what in [
         ("", 1, "server_name"),
         ("policy", 0, "listen_port"),
@@ -198,7 +198,7 @@ async def test_the_head_probes_the_advertised_address(head_factory, http_server)
     head = await head_factory(wildcard_doc(policy=config_port))
     control = ControlClient(head.address)
     assert (await control.get_server_status("policy")).status == "connection_error"  # loopback:config_port
-    await control.register_server_instance("policy", listen_port=port, listen_host="0.0.0.0")
+    await control.register_server_instance("policy", listen_port=port, listen_host="0.0.0.0", pid=4343)
     report = await control.get_server_status("policy")
     assert (report.status, report.url) == ("success", f"http://127.0.0.1:{port}")
 
@@ -207,7 +207,7 @@ async def test_the_head_probes_the_advertised_address(head_factory, http_server)
         return [(r.url, r.status) for r in reports] == [(f"http://127.0.0.1:{port}", "success")]
 
     await wait_for(listed_at_advertised_url)
-    assert await control.deregister_server_instance("policy")
+    assert await control.deregister_server_instance("policy", pid=4343)
     assert (await control.get_server_status("policy")).url == f"http://127.0.0.1:{config_port}"
 
 

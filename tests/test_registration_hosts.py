@@ -31,7 +31,9 @@ def test_a_zone_id_is_percent_encoded_in_urls() -> None:
 
 
 async def test_register_refuses_a_dotted_number_and_encodes_a_zone(head_factory) -> None:
-    head = await head_factory(document({"policy": server_entry(8000, host="0.0.0.0")}))
+    # Link-local addresses are advertised only when listed (SECURITY.md): this head lists fe80::/10.
+    head_server = {"host": "127.0.0.1", "port": 0, "registration": {"allowed_networks": ["fe80::/10"]}}
+    head = await head_factory(document({"policy": server_entry(8000, host="0.0.0.0")}, head_server=head_server))
     control = ControlClient(head.address)
     with pytest.raises(ControlPlaneError, match=r"INVALID_ARGUMENT.*advertise_host '999\.1\.1\.1'"):
         await control.register_server_instance("policy", listen_port=8001, advertise_host="999.1.1.1")

@@ -109,9 +109,10 @@ def _register(
 
 
 def _deregister(
-    server_name: str, *, pid: int = 0, timeout: float | None = None
+    server_name: str, *, pid: int, timeout: float | None = None
 ) -> Call[pb.DeregisterServerInstanceRequest]:
-    """Forget the server's registration (of `pid`, or whatever it is with 0); True when one was removed."""
+    """Forget the server's registration made by process `pid`; True when one was removed (False: none, or
+    another process's, which only its owner may remove). pid 0 names no process: INVALID_ARGUMENT."""
     return Call(pb.DeregisterServerInstanceRequest(server_name=server_name, pid=pid), timeout)
 
 

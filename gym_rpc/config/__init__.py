@@ -3,13 +3,22 @@ things up in. One module per job, each importing only those listed after it:
 
 * `_global`: `GlobalConfig`, the read-only view of one document, and loading it from a file;
 * `_models`: the pydantic models (where a server listens, the `head_server` block, one server entry);
+* `_replicas`: the static replicas an entry lists (its `replicas:` key);
 * `_parsing`: the bounded YAML loader and OmegaConf interpolations, resolved strictly or tolerantly;
 * `_validators`: checks of typed values whose one-line messages name the flag or key;
 * `_redaction`: which keys look secret, and redacted copies of documents and text;
 * `_addresses`: wildcard bind hosts, what a client dials instead, base URLs.
 """
 
-from gym_rpc.config._addresses import base_url, connectable_host, is_wildcard_host, parse_host_port, url_host
+from gym_rpc.config._addresses import (
+    InstanceAddress,
+    base_url,
+    connectable_host,
+    is_wildcard_host,
+    parse_host_port,
+    url_authority,
+    url_host,
+)
 from gym_rpc.config._global import (
     GlobalConfig,
     default_config_text,
@@ -40,6 +49,7 @@ from gym_rpc.config._redaction import (
     redact_secret_text,
     redact_secrets,
 )
+from gym_rpc.config._replicas import REPLICAS_KEY
 from gym_rpc.config._validators import (
     MIN_PROBE_INTERVAL_SECONDS,
     checked_port,
@@ -57,11 +67,13 @@ __all__ = [
     "MAX_CONFIG_VALUES",
     "MIN_PROBE_INTERVAL_SECONDS",
     "REDACTED",
+    "REPLICAS_KEY",
     "SECRET_KEY_MARKERS",
     "BaseServerConfig",
     "GlobalConfig",
     "HeadServerSettings",
     "HeadTlsConfig",
+    "InstanceAddress",
     "ServerAddress",
     "ServerConfigLike",
     "ServerEntry",
@@ -84,6 +96,7 @@ __all__ = [
     "redact_secret_text",
     "redact_secrets",
     "server_config_block",
+    "url_authority",
     "url_host",
     "validation_error_line",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from gym_rpc.errors import ConfigError
@@ -52,3 +53,26 @@ def base_url(host: str, port: int) -> str:
     if authority.startswith("[") and "%" in authority and "%25" not in authority:
         authority = authority.replace("%", "%25", 1)  # an IPv6 zone id in a URL is written %25 (RFC 6874)
     return f"http://{authority}:{port}"
+
+
+def url_authority(url: str) -> str:
+    """`host:port` of an http:// base URL (IPv6 bracketed, as in the URL): what names an instance of a server."""
+    return url.partition("://")[2].partition("/")[0]
+
+
+@dataclass(frozen=True)
+class InstanceAddress:
+    """Where one instance of a server listens: the host and port as written, and the URL clients dial."""
+
+    host: str
+    port: int
+    url: str
+
+    @classmethod
+    def of(cls, host: str, port: int) -> InstanceAddress:
+        return cls(host=host, port=port, url=base_url(host, port))
+
+    @property
+    def instance_id(self) -> str:
+        """The authority of `url` (`127.0.0.1:8000`, `[::1]:8000`): what names the instance on head and clients."""
+        return url_authority(self.url)

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gym_rpc.config._addresses import base_url
+from gym_rpc.config._addresses import InstanceAddress, base_url
 from gym_rpc.config._models import (
     DEFAULT_HEAD_HOST,
     DEFAULT_HEAD_PORT,
@@ -31,6 +31,7 @@ from gym_rpc.config._models import (
 )
 from gym_rpc.config._parsing import MAX_CONFIG_BYTES, parse_config_text, resolved, resolved_leniently
 from gym_rpc.config._redaction import redact_secrets
+from gym_rpc.config._replicas import REPLICAS_KEY, replica_addresses
 from gym_rpc.config._validators import validation_error_line
 from gym_rpc.errors import ConfigError, UnknownServerError
 
@@ -64,14 +65,16 @@ def _server_entry(name: str, node: Any) -> ServerEntry | None:
     host, port = entry["host"], entry["port"]
     if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise ConfigError(f"server {name!r}: host must be a string and port an integer in 1..65535")
+    url = base_url(host, port)
     return ServerEntry(
         name=name,
         server_type=str(server_type),
         impl_name=str(impl_name),
         host=host,
         port=port,
-        url=base_url(host, port),
+        url=url,
         config=dict(entry),
+        replicas=replica_addresses(name, InstanceAddress(host, port, url), entry.get(REPLICAS_KEY)),
     )
 
 
@@ -255,11 +258,12 @@ _ADDRESS_KEYS = frozenset({"host", "port"})
 
 
 def _servers_with_unresolved_address(unresolved: Mapping[str, str]) -> dict[str, str]:
-    """server name -> the first unresolved host or port among `unresolved` (paths `name.type.impl.host|port`)."""
+    """server name -> the first unresolved address among `unresolved`: a host or port (`name.type.impl.host`), or
+    anything in its replicas (`name.type.impl.replicas.0.host`)."""
     unusable: dict[str, str] = {}
     for path, reason in unresolved.items():
         parts = path.split(".")
-        if len(parts) == 4 and parts[3] in _ADDRESS_KEYS:
+        if (len(parts) == 4 and parts[3] in _ADDRESS_KEYS) or (len(parts) >= 4 and parts[3] == REPLICAS_KEY):
             unusable.setdefault(parts[0], f"{path} = {reason}")
     return unusable
 

@@ -6,10 +6,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
+from gym_rpc.config._addresses import InstanceAddress
 from gym_rpc.config._redaction import REDACTED, is_secret_key, may_be_secret, redact_secrets
-from gym_rpc.config._validators import validation_error_line
+from gym_rpc.config._validators import checked_network_or_host, validation_error_line
 from gym_rpc.errors import ConfigError
 
 HEAD_SERVER_KEY = "head_server"
@@ -48,9 +49,25 @@ class HeadTlsConfig(BaseModel):
     server_name: str | None = None  # clients: the name to verify in the head's certificate (default: the host)
 
 
+class RegistrationSettings(BaseModel):
+    """`head_server.registration`: what a registering server may advertise (gym_rpc.server._address_policy)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # CIDRs ("10.0.0.0/8", "fd00::/8") and hostnames ("gpu7", "*.cluster.local"); empty: any address but the
+    # link-local and cloud metadata ones, which are accepted only when listed here.
+    allowed_networks: tuple[str, ...] = ()
+
+    @field_validator("allowed_networks")
+    @classmethod
+    def _check_entries(cls, entries: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(checked_network_or_host(entry) for entry in entries)
+
+
 class HeadServerSettings(BaseModel):
     """The `head_server` block's keys beyond host and port (BaseServerConfig), the one model of them: a bearer
-    token, TLS, and the extra ports (plaintext health only, NeMo Gym's HTTP head, the Connect protocol)."""
+    token, TLS, the extra ports (plaintext health only, NeMo Gym's HTTP head, the Connect protocol), and what
+    registrations may advertise."""
 
     model_config = ConfigDict(extra="ignore", frozen=True, hide_input_in_errors=True)
 
@@ -59,6 +76,7 @@ class HeadServerSettings(BaseModel):
     health_port: int | None = Field(default=None, ge=0, lt=65536)  # 0: a free port
     http_port: StrictInt | None = Field(default=None, ge=0, lt=65536)  # None: no HTTP head; 0: a free port
     connect_port: StrictInt | None = Field(default=None, ge=0, lt=65536)  # None: no Connect port; 0: a free port
+    registration: RegistrationSettings = RegistrationSettings()
 
 
 class ServerAddress(Protocol):
@@ -144,6 +162,14 @@ class ServerEntry(BaseModel):
     port: int
     url: str
     config: dict[str, Any]
+    # The static replicas the entry lists (its `replicas:` key, gym_rpc.config._replicas), in the listed order.
+    replicas: tuple[InstanceAddress, ...] = Field(default=(), repr=False)
+
+    @property
+    def instances(self) -> tuple[InstanceAddress, ...]:
+        """Every instance the config names: the entry's own address first, then its replicas (the head adds the
+        ones that register). Client and head read this one list."""
+        return (InstanceAddress(host=self.host, port=self.port, url=self.url), *self.replicas)
 
     def __repr_args__(self) -> Any:
         """repr() shows the entry's config redacted: entries land in logs and tracebacks with their API keys."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import re
 
 from pydantic import ValidationError
 
@@ -47,3 +49,22 @@ def checked_seconds(value: float, what: str, minimum: float = 0.0) -> float:
 def checked_probe_interval(value: float) -> float:
     """The head's probe interval: positive, finite and no shorter than MIN_PROBE_INTERVAL_SECONDS."""
     return checked_seconds(value, "the probe interval (--probe-interval)", MIN_PROBE_INTERVAL_SECONDS)
+
+
+_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
+_HOST_PATTERN = re.compile(rf"(\*\.)?{_LABEL}(?:\.{_LABEL})*")  # a hostname, lowercased; `*.` for its subdomains
+
+
+def checked_network_or_host(entry: str) -> str:
+    """An entry of `head_server.registration.allowed_networks`: a CIDR or an IP address (normalised, so
+    "10.1.2.3/8" reads 10.0.0.0/8), else a hostname, lowercased, that may start with `*.` for every name under a
+    domain."""
+    text = entry.strip()
+    try:
+        return str(ipaddress.ip_network(text, strict=False))
+    except ValueError:
+        pass
+    name = text.lower().removesuffix(".")
+    if len(name) > 253 or not _HOST_PATTERN.fullmatch(name) or name.rsplit(".", 1)[-1].isdigit():
+        raise ValueError(f"{entry!r} is neither a network (CIDR such as 10.0.0.0/8), an IP address nor a hostname")
+    return name

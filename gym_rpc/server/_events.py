@@ -100,6 +100,11 @@ def server_registered(name: str, pid: int, url: str, replaced_pid: int | None) -
     )
 
 
+def server_renewed(name: str, pid: int, url: str) -> None:
+    """RegisterServerInstance that changed nothing but the lease (a renewal, every few seconds): DEBUG only."""
+    logger.debug("%s: renewed pid %d at %s", name, pid, url, extra={SERVER_NAME_KEY: name, "process.pid": pid})
+
+
 def server_deregistered(name: str, pid: int) -> None:
     """DeregisterServerInstance that removed a registration: INFO."""
     logger.info("%s: deregistered pid %d", name, pid, extra={SERVER_NAME_KEY: name, "process.pid": pid})

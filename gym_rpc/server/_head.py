@@ -34,6 +34,7 @@ from gym_rpc.errors import ConfigError, GymRpcError
 from gym_rpc.metrics import metrics_disabled, setup_metrics
 from gym_rpc.server import _events as events
 from gym_rpc.server import _metrics as head_metrics
+from gym_rpc.server._address_policy import AddressPolicy
 from gym_rpc.server._bad_requests import DecodeGuardInterceptor
 from gym_rpc.server._connect import ConnectServer
 from gym_rpc.server._connection_limits import raise_fd_soft_limit
@@ -216,6 +217,7 @@ class HeadServer:
             self,
             max_concurrent_watches=self.options.max_concurrent_watches,
             max_watches_per_peer=self.options.max_watches_per_peer,
+            address_policy=AddressPolicy(own.registration.allowed_networks),
         )
         server = build_control_server(
             servicer,

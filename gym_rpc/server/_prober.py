@@ -133,6 +133,9 @@ class StatusProber:
         self.revision = time.time_ns() // 1_000_000
         self._urls: dict[str, str] = {}
         self._reports: dict[str, StatusReport] = {}
+        # time.monotonic() of each server's stored probe result: freshness is judged on it, never on the shown
+        # `checked_at` (wall clock), so stepping the wall clock neither freezes nor floods the probes.
+        self._probed_at: dict[str, float] = {}
         self._probes_in_status: dict[str, int] = {}  # probes in a row that gave the server's current status
         self._history: deque[tuple[int, StatusReport]] = deque(maxlen=history_size)
         self._next_change: asyncio.Future[None] | None = None  # made by the first waiter, in its running loop
@@ -162,6 +165,7 @@ class StatusProber:
         for name in removed:
             del self._urls[name]
             del self._reports[name]
+            self._probed_at.pop(name, None)
             self._probes_in_status.pop(name, None)
             await self._notify(None, name)
         if removed:  # a removal is no report: drop the history so every watcher gets a fresh snapshot
@@ -179,6 +183,7 @@ class StatusProber:
                     advertised_url=previous.advertised_url if previous is not None else "",
                 )
                 self._probes_in_status[name] = 0
+                self._probed_at.pop(name, None)
                 self._record(self._reports[name])
                 await self._notify(self._reports[name], name)
 
@@ -227,11 +232,8 @@ class StatusProber:
     def fresh_report(self, name: str, max_age_seconds: float) -> StatusReport | None:
         """The cached result when it is a probe result no older than `max_age_seconds`, else None."""
         cached = self._reports[name]
-        if (
-            max_age_seconds > 0
-            and cached.status is not None
-            and time.time() - cached.checked_at <= max_age_seconds
-        ):
+        probed_at = self._probed_at.get(name)
+        if max_age_seconds > 0 and probed_at is not None and time.monotonic() - probed_at <= max_age_seconds:
             return cached
         return None
 
@@ -297,10 +299,11 @@ class StatusProber:
         await run_every(self.interval_seconds, self.probe_all, "status probe round", logger, now=True)
 
     async def _store(self, report: StatusReport) -> StatusReport:
-        """Record a probe result (with the registration the server has now); the report as recorded."""
+        """Record a probe result, just in (with the registration the server has now); the report as recorded."""
         previous = self._reports.get(report.server_name)
         if previous is None or self._urls.get(report.server_name) != report.url:
             return report  # the server left or moved while it was being probed
+        self._probed_at[report.server_name] = time.monotonic()
         report = dataclasses.replace(
             report, registration=previous.registration, advertised_url=previous.advertised_url
         )

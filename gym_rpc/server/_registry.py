@@ -128,16 +128,17 @@ class InstanceRegistry:
         )
 
     def deregister(self, server_name: str, pid: int) -> bool:
-        """Remove the server's registration if `pid` is its pid (or 0); a newer process's registration stays."""
+        """Remove the server's registration if `pid` is the pid it registered with. A call naming another process
+        (a newer one registered since), or none (pid 0), removes nothing: only the owner deregisters."""
         current = self._registrations.get(server_name)
-        if current is None or (pid and current.pid != pid):
+        if current is None or pid == 0 or current.pid != pid:
             return False
         del self._registrations[server_name]
         self._ended[server_name] = "deregistered"
         return True
 
     def expire(self, now: float) -> list[InstanceRegistration]:
-        """Drop the registrations whose lease ran out before `now`; the ones dropped."""
+        """Drop the registrations whose lease ran out before `now` (time.monotonic()); the ones dropped."""
         expired = [r for r in self._registrations.values() if (t := r.expires_at) is not None and t < now]
         for registration in expired:
             name = registration.server_name
@@ -172,7 +173,7 @@ class InstanceRegistry:
         while True:
             await asyncio.sleep(interval)
             try:
-                if expired := self.expire(time.time()):
+                if expired := self.expire(time.monotonic()):
                     await self.update_prober(prober, servers, [r.server_name for r in expired])
             except asyncio.CancelledError:
                 raise

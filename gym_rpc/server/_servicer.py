@@ -17,6 +17,7 @@ import grpc
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url, is_wildcard_host
 from gym_rpc.errors import ConfigError
 from gym_rpc.server import _events as events
+from gym_rpc.server._address_policy import AddressPolicy
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import (
     MAX_LEASE_SECONDS,
@@ -68,8 +69,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         *,
         max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES,
         max_watches_per_peer: int = DEFAULT_MAX_WATCHES_PER_PEER,
+        address_policy: AddressPolicy | None = None,
     ) -> None:
         self._head = head
+        self._address_policy = address_policy if address_policy is not None else AddressPolicy()
         self._config_responses: dict[bool, tuple[str, pb.GetGlobalConfigResponse]] = {}
         self._max_watches = max_concurrent_watches
         self._watches = 0
@@ -238,14 +241,19 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
                     f"got {lease:g} s",
                 )
         host = advertised_host(request.listen_host, request.advertise_host, context.peer())
-        registration = convert.registration_from_pb(request, host, time.time())
+        refusal = self._address_policy.refusal(host)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{name}: advertised host {refusal}")
+        registration = convert.registration_from_pb(request, host, time.monotonic())
         head = self._head
         replaced = head.registry.get(name)
-        if head.registry.register(registration):  # a renewal changes nothing: neither logged nor followed
+        if head.registry.register(registration):
             events.server_registered(
                 name, registration.pid, registration.advertised_url, replaced.pid if replaced else None
             )
             await head.registry.update_prober(head.prober, lambda: head.config.servers, [name])
+        else:  # a renewal changes nothing but the lease: DEBUG, and not followed
+            events.server_renewed(name, registration.pid, registration.advertised_url)
         response = pb.RegisterServerInstanceResponse(advertised_url=registration.advertised_url)
         if request.HasField("lease_ttl"):
             response.lease_ttl.CopyFrom(request.lease_ttl)
@@ -256,6 +264,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
     ) -> pb.DeregisterServerInstanceResponse:
         name = request.server_name
         await self._require_server(name, context)
+        if request.pid <= 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "pid is required: the pid the registration was made with (only its owner deregisters it; a "
+                "registration made without a pid ends with its lease or when another replaces it)",
+            )
         head = self._head
         current = head.registry.get(name)
         deregistered = head.registry.deregister(name, request.pid)

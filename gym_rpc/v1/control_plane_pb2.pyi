@@ -1052,7 +1052,9 @@ class DeregisterServerInstanceRequest(_message.Message):
     server_name: _builtins.str
     """Server name as in the global config."""
     pid: _builtins.int
-    """Process id given at registration: a registration of another pid (a newer process) is left alone."""
+    """Process id given at registration (required: 0 is INVALID_ARGUMENT): only a registration made with this pid is
+    removed; one of another pid (a newer process), or one made without a pid, is left alone.
+    """
     instance_id: _builtins.str
     """The instance to deregister (RegisterServerInstanceResponse.instance_id); empty: the server's registration
     whose pid is `pid`.

@@ -222,6 +222,8 @@ class InstanceRegistration:
     listen_host: str
     port: int
     advertised_host: str
+    # The head's time.monotonic() when this registration (or its latest renewal) arrived: the lease runs from it,
+    # so stepping the wall clock neither expires a live registration nor keeps a dead one. Never shown.
     registered_at: float
     lease_ttl: float = 0.0  # seconds the registration lives without a renewal; 0: no expiry
 
@@ -231,7 +233,7 @@ class InstanceRegistration:
 
     @property
     def expires_at(self) -> float | None:
-        """Epoch seconds after which an unrenewed registration is dropped; None when it never expires."""
+        """The time.monotonic() after which an unrenewed registration is dropped; None when it never expires."""
         return self.registered_at + self.lease_ttl if self.lease_ttl > 0 else None
 
 
@@ -320,7 +322,8 @@ def register_request_to_pb(
 def registration_from_pb(
     request: pb.RegisterServerInstanceRequest, advertised_host: str, registered_at: float
 ) -> InstanceRegistration:
-    """The head's record of a registration; `advertised_host` is where the head decided clients dial it."""
+    """The head's record of a registration; `advertised_host` is where the head decided clients dial it,
+    `registered_at` the head's time.monotonic() now."""
     return InstanceRegistration(
         server_name=request.server_name,
         pid=request.pid,
