@@ -91,6 +91,7 @@ class HttpClientSettings(BaseModel):
         if not isinstance(block, Mapping):
             raise ConfigError(f"{HTTP_CLIENT_KEY} must be a mapping, not {type(block).__name__}")
         settings = dict(block)
+        from_upstream = {}
         for upstream_key, key in UPSTREAM_POOL_KEYS.items():
             if document.get(upstream_key) is None:
                 continue
@@ -100,10 +101,14 @@ class HttpClientSettings(BaseModel):
                     f"disagree: set one of them"
                 )
             settings[key] = document[upstream_key]
+            from_upstream[key] = upstream_key
         try:
             return cls.model_validate(settings)
         except ValidationError as exc:
-            raise ConfigError(validation_error_line(exc, HTTP_CLIENT_KEY)) from None
+            line = validation_error_line(exc, HTTP_CLIENT_KEY)
+            for key, upstream_key in from_upstream.items():  # a bad value is named where the document has it
+                line = line.replace(f"{HTTP_CLIENT_KEY}.{key}:", f"{upstream_key}:", 1)
+            raise ConfigError(line) from None
 
 
 def _keepalive_socket(
