@@ -31,6 +31,13 @@ from gym_rpc.errors import (
 from tests.conftest import LOOPBACK, closed_port
 
 FAST = {"initial_backoff_seconds": 0.01, "max_backoff_seconds": 0.05}
+
+
+def policy(**keys: Any) -> RetryPolicy:
+    """`http_client.retry` as a config gives it: pauses of 0.01-0.05 s unless `keys` say otherwise."""
+    return RetryPolicy.model_validate({**FAST, **keys})
+
+
 OK_RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
 
 
@@ -137,7 +144,7 @@ async def test_a_refused_call_rides_out_a_restart_and_is_resent_even_without_res
     told = Told()
     async with aiohttp.ClientSession() as session:
         url = f"http://{LOOPBACK}:{port}/v1/responses"
-        response = await send(session, "POST", url, RetryPolicy(**FAST), False, {"data": b"{}"}, told)
+        response = await send(session, "POST", url, policy(), False, {"data": b"{}"}, told)
         async with response:
             assert response.status == 200
     await later
@@ -167,7 +174,7 @@ async def test_a_drop_before_the_request_was_written_is_resent_even_without_rese
     told = Told()
     async with aiohttp.ClientSession(trace_configs=[hooks]) as session:
         url = f"http://{LOOPBACK}:{port}/x"
-        async with await send(session, "GET", url, RetryPolicy(**FAST), False, {}, told) as response:
+        async with await send(session, "GET", url, policy(), False, {}, told) as response:
             assert response.status == 200
     assert told.resends == [(2, "dropped_before_write")] and told.outcome == (200, 2)
     assert (server.connections, server.requests) == (2, 1)
@@ -183,10 +190,10 @@ async def test_a_drop_after_the_request_was_written_is_resent_only_when_allowed(
     url = f"http://{LOOPBACK}:{port}/v1/responses"
     async with aiohttp.ClientSession() as session:
         with pytest.raises(ServerDroppedError) as once:
-            await send(session, "POST", url, RetryPolicy(**FAST), False, {"data": b"{}"}, server_name="model")
+            await send(session, "POST", url, policy(), False, {"data": b"{}"}, server_name="model")
         assert server.requests == 1
         with pytest.raises(aiohttp.ServerDisconnectedError) as bounded:  # what callers caught before
-            await send(session, "POST", url, RetryPolicy(**FAST), True, {"data": b"{}"}, server_name="model")
+            await send(session, "POST", url, policy(), True, {"data": b"{}"}, server_name="model")
     assert server.requests == 1 + 3
     assert (once.value.kind, once.value.limit, once.value.attempts) == ("dropped_after_write", "no resend", 1)
     assert isinstance(bounded.value, ServerDroppedError)
@@ -227,22 +234,28 @@ async def test_timeouts_are_resent_only_as_their_budget_allows(
 ) -> None:
     """Timeouts: not resent by default; with `timeout.attempts` 2, a connect timeout (nothing sent) is resent
     whatever `_resend_after_disconnect` says, a silent read (sent) only when it allows."""
-    connect_timeout = {"timeout": aiohttp.ClientTimeout(total=10, sock_connect=0.2)}
-    resend_one = RetryPolicy(**FAST, timeout={"attempts": 2, "seconds": 5})
+
+    def connect_timeout() -> Any:  # a fresh kwargs per call: send puts each resend's timeout in it
+        return {"timeout": aiohttp.ClientTimeout(total=10, sock_connect=0.2)}
+
+    resend_one = policy(timeout={"attempts": 2, "seconds": 5})
     mute = counting(lambda _: "hold")
     mute_url = f"http://{LOOPBACK}:{await mute.start()}/v1/responses"
-    read_timeout = {"timeout": aiohttp.ClientTimeout(total=10, sock_read=0.2), "data": b"{}"}
+
+    def read_timeout() -> Any:
+        return {"timeout": aiohttp.ClientTimeout(total=10, sock_read=0.2), "data": b"{}"}
+
     async with aiohttp.ClientSession() as session:
         url = f"http://{LOOPBACK}:{full_backlog}/"
         with pytest.raises(RequestTimeoutError) as by_default:
-            await send(session, "GET", url, RetryPolicy(**FAST), True, dict(connect_timeout))
+            await send(session, "GET", url, policy(), True, connect_timeout())
         with pytest.raises(RequestTimeoutError) as connect_resent:
-            await send(session, "GET", url, resend_one, False, dict(connect_timeout))
+            await send(session, "GET", url, resend_one, False, connect_timeout())
         with pytest.raises(RequestTimeoutError) as read_not_resent:
-            await send(session, "POST", mute_url, resend_one, False, dict(read_timeout))
+            await send(session, "POST", mute_url, resend_one, False, read_timeout())
         assert mute.requests == 1
         with pytest.raises(RequestTimeoutError) as read_resent:
-            await send(session, "POST", mute_url, resend_one, True, dict(read_timeout))
+            await send(session, "POST", mute_url, resend_one, True, read_timeout())
         assert mute.requests == 1 + 2
     assert (by_default.value.attempts, by_default.value.limit) == (1, "attempts")
     assert (connect_resent.value.attempts, connect_resent.value.limit) == (2, "attempts")
@@ -264,7 +277,7 @@ async def test_an_http_answer_is_never_resent(http_server: Callable[..., Any]) -
     told = Told()
     async with aiohttp.ClientSession() as session:
         url = f"http://{LOOPBACK}:{port}/v1/responses"
-        async with await send(session, "POST", url, RetryPolicy(**FAST), True, {"data": b"{}"}, told) as response:
+        async with await send(session, "POST", url, policy(), True, {"data": b"{}"}, told) as response:
             assert response.status == 503
     assert seen == ["/v1/responses"] and told.resends == [] and told.outcome == (503, 1)
 
@@ -282,13 +295,11 @@ async def test_the_calls_deadline_bounds_its_resends(counting: Callable[[Callabl
         started = time.monotonic()
         with pytest.raises(ServerUnreachableError) as unreachable:
             timeout = aiohttp.ClientTimeout(total=0.5)
-            await send(session, "POST", refused, RetryPolicy(**FAST), True, {"timeout": timeout})
+            await send(session, "POST", refused, policy(), True, {"timeout": timeout})
         refused_for = time.monotonic() - started
         started = time.monotonic()
         with pytest.raises(RequestTimeoutError) as timed_out:
-            await send(
-                session, "POST", held, RetryPolicy(**FAST), True, {"timeout": aiohttp.ClientTimeout(total=2)}
-            )
+            await send(session, "POST", held, policy(), True, {"timeout": aiohttp.ClientTimeout(total=2)})
         held_for = time.monotonic() - started
     assert unreachable.value.limit == "deadline" and unreachable.value.attempts > 1
     assert refused_for < 0.5 + 2.0  # not the refused budget's 30 s
@@ -307,7 +318,7 @@ async def _resends_seen_by_a_dead_server(
     0.05-0.1 s: how many resends the server saw, and what each call raised."""
     server = counting(lambda _: "drop")
     url = f"http://{LOOPBACK}:{await server.start()}/v1/responses"
-    policy = RetryPolicy(
+    retry = policy(
         initial_backoff_seconds=0.1,
         max_backoff_seconds=0.1,
         dropped_after_write={"attempts": 1000, "seconds": 1.0},
@@ -315,7 +326,7 @@ async def _resends_seen_by_a_dead_server(
     )
     async with aiohttp.ClientSession() as session:
         outcomes = await asyncio.gather(
-            *(send(session, "POST", url, policy, True, {"data": b"{}"}) for _ in range(calls)),
+            *(send(session, "POST", url, retry, True, {"data": b"{}"}) for _ in range(calls)),
             return_exceptions=True,
         )
     assert all(isinstance(outcome, BaseException) for outcome in outcomes)
@@ -404,7 +415,7 @@ async def test_the_next_url_hook_tries_other_instances_at_once_and_pauses_when_a
             session,
             "POST",
             down_a,
-            RetryPolicy(**slow_pauses),
+            policy(**slow_pauses),
             True,
             {"data": b"{}"},
             told,
@@ -421,9 +432,8 @@ async def test_the_next_url_hook_tries_other_instances_at_once_and_pauses_when_a
             tried.append(url)
             return urls[(urls.index(url) + 1) % 2]
 
-        policy = RetryPolicy(**FAST, refused={"seconds": 0.5})
         with pytest.raises(ServerUnreachableError) as caught:
-            await send(session, "POST", down_a, policy, True, {"data": b"{}"}, next_url=round_robin)
+            await send(session, "POST", down_a, policy(refused={"seconds": 0.5}), True, {}, next_url=round_robin)
     assert asked == [(down_a, "refused")] and told.outcome == (200, 2)
     assert failed_over_in < 1.0  # a pause would have been at least 1 s
     assert tried[:4] == [down_a, down_b, down_a, down_b]
@@ -452,7 +462,7 @@ async def test_an_observer_that_raises_never_fails_the_call(
     flaky = counting(lambda n: "drop" if n == 1 else "answer")
     flaky_url = f"http://{LOOPBACK}:{await flaky.start()}/v1/responses"
     async with aiohttp.ClientSession() as session:
-        async with await send(session, "POST", flaky_url, RetryPolicy(**FAST), True, {}, Raising()) as response:
+        async with await send(session, "POST", flaky_url, policy(), True, {}, Raising()) as response:
             assert response.status == 200  # resent (observer raised at resent) and answered (raised again)
         refused = f"http://{LOOPBACK}:{closed_port()}/"
         with pytest.raises(ServerUnreachableError):
@@ -464,11 +474,11 @@ async def test_a_dead_server_gets_one_log_line_per_interval_not_one_per_call(
 ) -> None:
     port = closed_port()
     url = f"http://{LOOPBACK}:{port}/v1/responses"
-    policy = RetryPolicy(**FAST, refused={"seconds": 0.3})
+    retry = policy(refused={"seconds": 0.3})
     caplog.set_level(logging.WARNING, logger="gym_rpc.client._resend_log")
     async with aiohttp.ClientSession() as session:
         outcomes = await asyncio.gather(
-            *(send(session, "POST", url, policy, True, {}, server_name="gone") for _ in range(30)),
+            *(send(session, "POST", url, retry, True, {}, server_name="gone") for _ in range(30)),
             return_exceptions=True,
         )
     assert all(isinstance(outcome, ServerUnreachableError) for outcome in outcomes)
