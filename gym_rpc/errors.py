@@ -119,13 +119,17 @@ class ResendsExhaustedError(GymRpcError):
         )
 
     def __reduce__(self) -> tuple[Any, ...]:  # picklable (Ray), though __init__ takes more than the message
-        return _rebuilt, (type(self), self.args, dict(self.__dict__))
+        state = dict(self.__dict__)
+        if isinstance(self, OSError):  # errno lives in OSError's own slot, not in __dict__
+            state["errno"] = self.errno
+        return _rebuilt, (type(self), self.args, state)
 
 
 def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
     error = cls.__new__(cls, *args)
     error.args = args
-    error.__dict__.update(state)
+    for name, value in state.items():
+        setattr(error, name, value)
     return error
 
 

@@ -605,3 +605,24 @@ async def test_by_default_a_server_that_never_returns_fails_the_call_within_a_mi
     assert f"POST {url} (server 'gone'): refused or unreachable, given up after {caught.value.attempts} " in str(
         caught.value
     )
+
+
+def test_the_errors_name_everything_and_survive_pickling() -> None:
+    """A Ray task's error reaches its caller whole: every field, the message, and what it is also."""
+    import pickle
+
+    errors: list[ResendsExhaustedError] = [
+        ServerUnreachableError("http://h:1/v", 23, "refused", server_name="s", elapsed_seconds=29.4, limit="time"),
+        ServerDroppedError("http://h:1/v", 3, "Server disconnected", kind="dropped_after_write", errno=104),
+        RequestTimeoutError("s", "POST", "http://h:1/v", 2.0, 10.0, attempts=2, limit="deadline"),
+    ]
+    for error in errors:
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error) and str(copy) == str(error) and copy.args == error.args
+        fields = ("server_name", "method", "url", "kind", "attempts", "elapsed_seconds", "limit", "detail")
+        assert [getattr(copy, name) for name in fields] == [getattr(error, name) for name in fields]
+        assert getattr(copy, "errno", None) == getattr(error, "errno", None)
+    assert "given up after 23 attempt(s) in 29.4 s (its refused budget's time ran out): refused" in str(errors[0])
+    dropped = errors[1]
+    assert isinstance(dropped, ServerDroppedError) and isinstance(dropped, aiohttp.ServerDisconnectedError)
+    assert dropped.errno == 104

@@ -142,7 +142,7 @@ class _FailingCall:
         self.timeout = given if isinstance(given, aiohttp.ClientTimeout) else session.timeout
         self.deadline = None if not self.timeout.total else started + self.timeout.total
         self.failures: Counter[FailureKind] = Counter()
-        self.first_failed_at: dict[FailureKind, float] = {}
+        self.first_failed_at: float | None = None
         self.pauses = 0
         self.tried_since_pause = {url}
 
@@ -159,7 +159,11 @@ class _FailingCall:
         now = monotonic()
         self.failures[kind] += 1
         budget = self.retry.budget(kind)
-        kind_ends = self.first_failed_at.setdefault(kind, now) + budget.seconds
+        if self.first_failed_at is None:
+            self.first_failed_at = now
+        kind_ends = (
+            self.first_failed_at + budget.seconds
+        )  # one clock for every kind: the longest budget bounds all
         ends = kind_ends if self.deadline is None else min(kind_ends, self.deadline)
         if kind is FailureKind.TIMEOUT and is_deadline(error):
             raise self.given_up(error, kind, attempts, "deadline")

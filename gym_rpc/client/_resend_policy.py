@@ -14,8 +14,9 @@ from gym_rpc.client._failures import FailureKind
 
 
 class KindBudget(BaseModel):
-    """One kind's budget: at most `attempts` attempts of the call failing so, and none later than `seconds` after
-    the call's first failure of this kind; the call's own deadline bounds both."""
+    """One kind's budget: at most `attempts` attempts of the call failing so, and no resend after such a failure
+    later than `seconds` after the call first failed (of any kind: one clock, so the longest budget bounds a call
+    however its failures alternate); the call's own deadline bounds both."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
