@@ -4,6 +4,8 @@ for `_control=True` calls, so a saturated data pool never delays them.
 Sessions belong to the loop that made them (an aiohttp session cannot outlive its loop), so they are kept per
 loop and a new loop never gets a session bound to a dead one. Close them with `close_http_sessions()` (or
 `ServerClient.aclose()`) before the loop ends.
+
+`send` makes one call: its first attempt here, what follows a failure in gym_rpc.client._resend (docs/failures.md).
 """
 
 from __future__ import annotations
