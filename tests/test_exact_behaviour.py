@@ -80,7 +80,7 @@ from gym_rpc.telemetry import TRACING
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import StatusReport, WatchEvent
 from gym_rpc.wire._paths import _first_segment, encode_rollout_id, rollout_path_prefix, split_gym_prefixes
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.conftest import LOOPBACK, closed_port, document, server_entry, tcp_keepalive_options
 from tests.raw_servers import start_dropping_server
 from tests.test_security import make_pki
 
@@ -690,15 +690,7 @@ async def test_pooled_connections_use_tcp_keepalive(http_server) -> None:
         async with sessions.data.get(f"http://{LOOPBACK}:{port}/") as response:
             assert response.connection is not None and response.connection.transport is not None
             sock = response.connection.transport.get_extra_info("socket")
-            options = [
-                sock.getsockopt(level, option)
-                for level, option in (
-                    (socket.SOL_SOCKET, socket.SO_KEEPALIVE),
-                    (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
-                    (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
-                    (socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
-                )
-            ]
+            options = tcp_keepalive_options(sock)
             done.set()
     finally:
         done.set()

@@ -70,18 +70,17 @@ def nemo_gym_python() -> str:
     return last
 
 
-@pytest.fixture(scope="module")
-def harness_results(nemo_gym_python: str) -> dict[str, Any]:
-    run = subprocess.run(
-        [nemo_gym_python, str(HARNESS)],
-        capture_output=True,
-        text=True,
-        timeout=HARNESS_TIMEOUT_SECONDS,
-        cwd=REPO_ROOT,
-    )
-    assert run.returncode == 0, f"the NeMo Gym harness failed:\n{run.stderr[-6000:]}"
+def run_harness(command: list[str], timeout_seconds: float) -> dict[str, Any]:
+    """Run a harness in the NeMo Gym venv: the JSON object on its last line."""
+    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout_seconds, cwd=REPO_ROOT)
+    assert run.returncode == 0, f"the NeMo Gym harness {command[1:]} failed:\n{run.stderr[-6000:]}"
     results: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
     return results
+
+
+@pytest.fixture(scope="module")
+def harness_results(nemo_gym_python: str) -> dict[str, Any]:
+    return run_harness([nemo_gym_python, str(HARNESS)], HARNESS_TIMEOUT_SECONDS)
 
 
 @pytest.mark.timeout(BUILD_TIMEOUT_SECONDS + HARNESS_TIMEOUT_SECONDS)
@@ -106,16 +105,7 @@ def test_gym_rpc_client_is_a_drop_in(harness_results: dict[str, Any], observabil
 
 @pytest.fixture(scope="module")
 def restart_results(nemo_gym_python: str) -> dict[str, Any]:
-    run = subprocess.run(
-        [nemo_gym_python, str(RESTART_HARNESS), "run"],
-        capture_output=True,
-        text=True,
-        timeout=RESTART_TIMEOUT_SECONDS,
-        cwd=REPO_ROOT,
-    )
-    assert run.returncode == 0, f"the NeMo Gym restart harness failed:\n{run.stderr[-6000:]}"
-    results: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
-    return results
+    return run_harness([nemo_gym_python, str(RESTART_HARNESS), "run"], RESTART_TIMEOUT_SECONDS)
 
 
 @pytest.mark.timeout(BUILD_TIMEOUT_SECONDS + RESTART_TIMEOUT_SECONDS)

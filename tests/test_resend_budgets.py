@@ -28,7 +28,7 @@ from gym_rpc.errors import (
     ResendsExhaustedError,
     ServerUnreachableError,
 )
-from tests.conftest import LOOPBACK, closed_port
+from tests.conftest import LOOPBACK, closed_port, tcp_keepalive_options
 
 FAST = {"initial_backoff_seconds": 0.01, "max_backoff_seconds": 0.05}
 
@@ -573,15 +573,7 @@ async def test_sockets_and_the_pool_follow_the_keepalive_settings(http_server: C
         async with sessions.data.get(url) as response:
             assert response.connection is not None and response.connection.transport is not None
             sock = response.connection.transport.get_extra_info("socket")
-            options = [
-                sock.getsockopt(level, option)
-                for level, option in (
-                    (socket.SOL_SOCKET, socket.SO_KEEPALIVE),
-                    (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
-                    (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
-                    (socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
-                )
-            ]
+            options = tcp_keepalive_options(sock)
             looked.set()
             await response.read()
         async with sessions.data.get(url) as response:  # at once: the pooled connection again

@@ -34,7 +34,7 @@ from typing import Any
 
 import aiohttp
 import uvicorn
-from harness import LOOPBACK, Asgi, serving
+from harness import LOOPBACK, Asgi, _held_socket, serving
 from nemo_gym.config_types import ModelServerRef, ResourcesServerRef
 from omegaconf import OmegaConf
 from resources_servers.example_single_tool_call.app import (
@@ -146,14 +146,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind((LOOPBACK, 0))
         return int(sock.getsockname()[1])
-
-
-def _held_socket() -> socket.socket:
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((LOOPBACK, 0))
-    sock.listen(1024)
-    return sock
 
 
 def global_config(ports: dict[str, int], mode: str) -> dict[str, Any]:
