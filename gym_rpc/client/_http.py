@@ -71,9 +71,7 @@ class HttpClientSettings(BaseModel):
     max_connections: PositiveInt = 102400
     max_connections_per_host: NonNegativeInt = 1024  # 0: only max_connections bounds one host
     control_max_connections: PositiveInt = 16
-    keepalive_timeout_seconds: PositiveFloat = (
-        DEFAULT_POOL_KEEPALIVE_SECONDS  # how long an idle connection is kept
-    )
+    keepalive_timeout_seconds: PositiveFloat = DEFAULT_POOL_KEEPALIVE_SECONDS  # an idle connection's time
     # TCP keepalive on every connection (NeMo Gym's `global_aiohttp_tcp_keepalive_*`, its defaults, the kernel's
     # bounds): a peer that vanished is noticed on idle and long-waiting connections.
     tcp_keepalive_idle_seconds: int = Field(default=60, ge=1, le=32767)
@@ -120,11 +118,9 @@ def _keepalive_socket(
     family, type_, proto, _, _ = addr_info
     sock = socket.socket(family=family, type=type_, proto=proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))  # macOS calls it KEEPALIVE
     for option, value in (
-        (
-            getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None)),
-            idle_seconds,
-        ),  # macOS: KEEPALIVE
+        (idle, idle_seconds),
         (getattr(socket, "TCP_KEEPINTVL", None), interval_seconds),
         (getattr(socket, "TCP_KEEPCNT", None), probes),
     ):

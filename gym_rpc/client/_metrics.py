@@ -31,9 +31,8 @@ if TYPE_CHECKING:
 
 SERVER_NAME = "gym.server.name"
 FAILURE_KIND = "gym.failure.kind"  # refused, dropped_before_write, dropped_after_write, timeout
-RESEND_LIMIT = (
-    "gym.resend.limit"  # what ended a call's resends: attempts, time, deadline, client budget, no resend
-)
+# What ended a call's resends: attempts, time, deadline, client budget, no resend.
+RESEND_LIMIT = "gym.resend.limit"
 # Seconds: from a loopback call (a millisecond) to a long model generation (minutes).
 DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
