@@ -67,6 +67,7 @@ class Counting:
         self.requests = 0
         self.open = 0
         self.handlers: set[asyncio.Task[Any]] = set()
+        self.requested = asyncio.Event()  # set once a request has been read
         self.server: asyncio.Server | None = None
 
     async def start(self, sock: socket.socket | None = None) -> int:
@@ -87,6 +88,7 @@ class Counting:
                 return
             await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
             self.requests += 1
+            self.requested.set()
             if what == "hold":
                 await asyncio.sleep(30)  # cancelled by stop()
             elif what == "drop late":
@@ -625,3 +627,45 @@ def test_the_errors_name_everything_and_survive_pickling() -> None:
     dropped = errors[1]
     assert isinstance(dropped, ServerDroppedError) and isinstance(dropped, aiohttp.ServerDisconnectedError)
     assert dropped.errno == 104
+
+
+async def test_server_client_counts_its_calls_in_flight_for_the_budget_and_frees_them_on_every_exit(
+    counting: Callable[[Callable[[int], str]], Counting],
+) -> None:
+    """The budget's measure of load: ServerClient.request counts a call while it is out (per loop, no lock) and
+    never leaves it counted, whether the call is answered, fails or is cancelled."""
+    from omegaconf import OmegaConf
+
+    from gym_rpc.client._http import close_http_sessions
+    from gym_rpc.client._resend_budget import calls_in_flight
+    from gym_rpc.client.server_client import ServerClient
+    from gym_rpc.config import BaseServerConfig
+    from tests.conftest import document, server_entry
+
+    held = counting(lambda _: "hold")
+    answering = counting(lambda _: "answer")
+    servers = {
+        "held": server_entry(await held.start()),
+        "ok": server_entry(await answering.start()),
+        "gone": server_entry(closed_port()),
+    }
+    doc = document(servers, http_client={"retry": {**FAST, "attempts": 1}})
+    client = ServerClient(
+        head_server_config=BaseServerConfig(host=LOOPBACK, port=closed_port()),
+        global_config_dict=OmegaConf.create(doc),
+    )
+    try:
+        before = calls_in_flight()
+        call = asyncio.create_task(client.post("held", "/v1/responses", json={}))
+        await asyncio.wait_for(held.requested.wait(), 10)
+        assert calls_in_flight() == before + 1
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        async with await client.post("ok", "/v1/responses", json={}) as response:
+            assert response.status == 200
+        with pytest.raises(ServerUnreachableError):
+            await client.post("gone", "/v1/responses", json={})
+        assert calls_in_flight() == before
+    finally:
+        await close_http_sessions()

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat
 
 from gym_rpc.client._aiohttp_instrumentation import trace_configs as instrumentation_trace_configs
 from gym_rpc.client._resend import CallObserver, NextUrl, observer_raised, resend_after_failure
-from gym_rpc.client._resend_budget import THREAD_ATTEMPTS
+from gym_rpc.client._resend_budget import CallCount, new_call_count
 from gym_rpc.client._resend_policy import RetryPolicy
 from gym_rpc.config import validation_error_line
 from gym_rpc.errors import ConfigError
@@ -157,10 +157,11 @@ def _new_session(
 class LoopSessions:
     """The data and reserved control sessions of one event loop (for one HttpClientSettings)."""
 
-    __slots__ = ("control", "data", "is_closed", "loop")
+    __slots__ = ("calls", "control", "data", "is_closed", "loop")
 
     def __init__(self, settings: HttpClientSettings) -> None:
         self.loop = asyncio.get_running_loop()
+        self.calls: CallCount = new_call_count()  # ServerClient.request's, for the client-wide resend budget
         connect = settings.connect_timeout_seconds
         self.data = _new_session(
             settings,
@@ -271,19 +272,15 @@ async def send(
     time.
     `next_url` (replicas) picks the URL of each resend; by default it is `url`.
 
-    The happy path is the request, one clock read and this thread's count of attempts in flight (the client-wide
-    budget's measure of load); the rest runs only after a failure.
+    The happy path is the request and one clock read (the start of the call's deadline); the rest runs only after
+    a failure.
     """
     started = monotonic()
-    count = THREAD_ATTEMPTS.count
-    count.value += 1
     try:
         response = await session.request(method, url, **kwargs)
     except BaseException as error:
-        count.value -= 1
         failure = error
     else:
-        count.value -= 1
         if observer is not None:
             try:
                 observer.answered(response, 1)

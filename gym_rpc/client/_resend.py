@@ -22,7 +22,7 @@ import aiohttp
 
 from gym_rpc._aiohttp_errors import ServerDroppedError
 from gym_rpc.client._failures import FailureKind, failure_kind, is_deadline, nothing_sent
-from gym_rpc.client._resend_budget import RESEND_BUDGET, THREAD_ATTEMPTS
+from gym_rpc.client._resend_budget import RESEND_BUDGET
 from gym_rpc.client._resend_log import RESEND_LOG
 from gym_rpc.client._resend_policy import RetryPolicy
 from gym_rpc.errors import RequestTimeoutError, ResendLimit, ResendsExhaustedError, ServerUnreachableError
@@ -86,7 +86,6 @@ async def resend_after_failure(
     """Resend the call whose first attempt, started at `started` (time.monotonic), failed with `error`: its answer,
     or the error it ends with (told to `observer` either way)."""
     call = _FailingCall(session, method, url, retry, kwargs, server_name, started)
-    count = THREAD_ATTEMPTS.count
     attempts = 1
     try:
         while True:
@@ -102,14 +101,11 @@ async def resend_after_failure(
                     observer.resent(attempts, kind)
                 except Exception:
                     observer_raised(observer, "resent")
-            count.value += 1
             try:
                 response = await session.request(method, target, **kwargs)
             except BaseException as failure:
-                count.value -= 1
                 error = failure
                 continue
-            count.value -= 1
             if observer is not None:
                 try:
                     observer.answered(response, attempts)

@@ -7,10 +7,11 @@ server sees a few resends at a time (the floor's worth: nothing else is in fligh
 it answers again, each resend that goes out frees its slot and the attempts in flight grow, and with them the
 slots. A call whose own budget (its kind's time, its deadline) runs out while it waits fails at once, saying so.
 
-Threads: clients on several event loops share a process and this one budget. Attempts in flight are counted per
-thread, without a lock (a call's attempt starts and ends on its loop's thread; a lock would cost the happy path),
-and summed only when a resend asks for a slot. Slots and waiters are under a lock; a waiter on another loop is
-woken through its loop's `call_soon_threadsafe`.
+Threads: clients on several event loops share a process and this one budget. Calls in flight are counted per
+event loop without a lock (a loop's calls start and end on its thread; a lock would cost the happy path), summed
+only when a resend asks for a slot; the attempts in flight are those calls less the ones pausing (holding a slot)
+or waiting for one. Slots and waiters are under a lock; a waiter on another loop is woken through its loop's
+`call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from dataclasses import dataclass, field
 from gym_rpc.client._resend_policy import ClientBudget
 
 
-class AttemptCount:
-    """One thread's attempts in flight: changed only by its thread, read by any (an int read is atomic)."""
+class CallCount:
+    """One event loop's calls in flight (`ServerClient.request` counts them): changed only by its loop's thread,
+    read by any (an int read is atomic)."""
 
     __slots__ = ("__weakref__", "value")
 
@@ -33,22 +35,18 @@ class AttemptCount:
         self.value = 0
 
 
-_counts: weakref.WeakSet[AttemptCount] = weakref.WeakSet()  # a thread's count goes with the thread
+_counts: weakref.WeakSet[CallCount] = weakref.WeakSet()  # a loop's count goes with its sessions
 _counts_lock = threading.Lock()
 
 
-class _ThreadAttempts(threading.local):
-    def __init__(self) -> None:  # runs once per thread, on its first call
-        self.count = AttemptCount()
-        with _counts_lock:
-            _counts.add(self.count)
+def new_call_count() -> CallCount:
+    count = CallCount()
+    with _counts_lock:
+        _counts.add(count)
+    return count
 
 
-# `THREAD_ATTEMPTS.count`: this thread's count; `send` adds one while an attempt is out, first attempts included.
-THREAD_ATTEMPTS = _ThreadAttempts()
-
-
-def attempts_in_flight() -> int:
+def calls_in_flight() -> int:
     with _counts_lock:
         return sum(count.value for count in _counts)
 
@@ -73,7 +71,14 @@ class ResendBudget:
     def snapshot(self) -> tuple[int, int, int]:
         """(slots held, attempts in flight, calls waiting): for the error a call gets when it waited in vain."""
         with self._lock:
-            return self.held, attempts_in_flight(), sum(not waiter.abandoned for waiter in self._waiters)
+            return self.held, self._attempts_in_flight(), self._live_waiters()
+
+    def _live_waiters(self) -> int:
+        return sum(not waiter.abandoned for waiter in self._waiters)
+
+    def _attempts_in_flight(self) -> int:
+        """The process's calls in flight less those pausing or waiting here: the calls out at a server."""
+        return max(calls_in_flight() - self.held - self._live_waiters(), 0)
 
     async def acquire(self, budget: ClientBudget, wait_seconds: float) -> bool:
         """Take a slot, waiting at most `wait_seconds` for one (first come, first served); False if none came."""
@@ -81,7 +86,7 @@ class ResendBudget:
         with self._lock:
             while self._waiters and self._waiters[0].abandoned:
                 self._waiters.popleft()
-            if not self._waiters and self.held < budget.slots(attempts_in_flight()):
+            if not self._waiters and self.held < budget.slots(self._attempts_in_flight()):
                 self.held += 1
                 return True
             waiter = _Waiter(loop, loop.create_future(), budget)
@@ -111,7 +116,7 @@ class ResendBudget:
                 if waiter.abandoned:
                     self._waiters.popleft()
                     continue
-                if self.held >= waiter.budget.slots(attempts_in_flight()):
+                if self.held >= waiter.budget.slots(self._attempts_in_flight()):
                     break
                 self._waiters.popleft()
                 try:

@@ -521,14 +521,19 @@ class ServerClient(BaseModel):
         session = sessions.control if _control else sessions.data
         full_url = url + url_path
         retry = pools.settings.retry
-        if TRACING.enabled or METRICS.enabled:  # what tracing and metrics cost when off
-            observed = metered_send if METRICS.enabled else traced_send
-            return await observed(
-                session, method, url, full_url, retry, _resend_after_disconnect, kwargs, server_name
+        calls = sessions.calls  # the loop's calls in flight: the client-wide resend budget's measure of load
+        calls.value += 1
+        try:
+            if TRACING.enabled or METRICS.enabled:  # what tracing and metrics cost when off
+                observed = metered_send if METRICS.enabled else traced_send
+                return await observed(
+                    session, method, url, full_url, retry, _resend_after_disconnect, kwargs, server_name
+                )
+            return await send(
+                session, method, full_url, retry, _resend_after_disconnect, kwargs, server_name=server_name
             )
-        return await send(
-            session, method, full_url, retry, _resend_after_disconnect, kwargs, server_name=server_name
-        )
+        finally:
+            calls.value -= 1
 
     async def get(
         self, server_name: str, url_path: str, **kwargs: Unpack[_RequestOptions]
