@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import functools
 import inspect
 import itertools
 import logging
@@ -55,6 +56,7 @@ from gym_rpc.config import (
     get_first_server_config_dict,
     load_config_file,
     parse_config_text,
+    url_authority,
     validation_error_line,
 )
 from gym_rpc.config import _parsing as config_parsing
@@ -69,6 +71,7 @@ from gym_rpc.errors import (
 )
 from gym_rpc.server._head import HeadOptions
 from gym_rpc.server._prober import Changes, StatusProber, new_probe_session, probe, unsampled_traceparent
+from gym_rpc.server._registry import InstanceRegistry
 from gym_rpc.server._security import (
     ServerSecurity,
     _bearer_token,
@@ -78,9 +81,10 @@ from gym_rpc.server._security import (
 )
 from gym_rpc.telemetry import TRACING
 from gym_rpc.v1 import control_plane_pb2 as pb
-from gym_rpc.wire import StatusReport, WatchEvent
+from gym_rpc.wire import InstanceRegistration, StatusReport, WatchEvent
 from gym_rpc.wire._paths import _first_segment, encode_rollout_id, rollout_path_prefix, split_gym_prefixes
 from tests.conftest import LOOPBACK, closed_port, document, server_entry, tcp_keepalive_options
+from tests.prober_helpers import registered_as
 from tests.raw_servers import start_dropping_server
 from tests.test_security import make_pki
 
@@ -529,22 +533,23 @@ async def test_changes_since_is_exactly_what_a_watcher_missed() -> None:
     assert prober.changes_since(start) == Changes(start, [], compacted=False)
     assert prober.changes_since(start + 5) == Changes(start, [], compacted=False)
 
-    await prober.set_registration("a", "registered", "http://10.0.0.1:1001")
-    await prober.set_registration("a", "registered", "http://10.0.0.1:1001")  # no change: nothing recorded
+    a_is = functools.partial(registered_as, config.servers["a"])
+    await prober.set_instances("a", a_is("registered", "http://10.0.0.1:1001"))
+    await prober.set_instances("a", a_is("registered", "http://10.0.0.1:1001"))  # no change: nothing recorded
     assert prober.revision == start + 1
     a_registered = prober.report("a")
     assert (a_registered.registration, a_registered.advertised_url) == ("registered", "http://10.0.0.1:1001")
     assert prober.changes_since(start) == Changes(start + 1, [a_registered], compacted=False)
 
-    await prober.set_registration("b", "expired", "")
-    await prober.set_registration("a", "deregistered", "")
+    await prober.set_instances("b", registered_as(config.servers["b"], "expired"))
+    await prober.set_instances("a", a_is("deregistered"))
     latest = prober.reports()
     assert [(r.server_name, r.registration) for r in latest] == [("a", "deregistered"), ("b", "expired")]
     # The history holds the last three changes (start+1 .. start+3): a watcher at `start` missed nothing older.
     assert prober.changes_since(start) == Changes(start + 3, [latest[0], latest[1]], compacted=False)
     assert prober.changes_since(start + 2) == Changes(start + 3, [latest[0]], compacted=False)
     assert prober.changes_since(start - 1) == Changes(start + 3, latest, compacted=True)
-    await prober.set_registration("gone", "registered", "http://x")  # not a server of the config: ignored
+    await prober.set_instances("gone", a_is("registered", "http://x"))  # not a server of the config: ignored
     assert prober.revision == start + 3
     assert told[-3:] == [(a_registered, "a"), (latest[1], "b"), (latest[0], "a")]  # health follows each change
 
@@ -1220,16 +1225,20 @@ async def test_a_stored_probe_keeps_the_registration_and_counts_probes_in_a_row(
     url = servers["s"].url
     ok = StatusReport(server_name="s", status="success", url=url, checked_at=time.time(), http_status=200)
     with caplog.at_level(logging.WARNING):
+        instance_id = url_authority(url)
         for _ in range(3):
-            await prober._store(ok)
-        await prober.set_registration("s", None, "http://advertised:1")
+            await prober._store("s", instance_id, ok)
+        await prober.set_instances("s", registered_as(servers["s"], None, "http://advertised:1"))
         failed = StatusReport(
             server_name="s", status="connection_error", url=url, checked_at=time.time(), detail="refused"
         )
-        stored = await prober._store(failed)
+        await prober._store("s", instance_id, failed)
+        stored = prober.report("s")
         assert (stored.status, stored.advertised_url) == ("connection_error", "http://advertised:1")
-        await prober._store(failed)
-        await prober._store(dataclasses.replace(failed, status="timeout", detail="no answer within 1s"))
+        await prober._store("s", instance_id, failed)
+        await prober._store(
+            "s", instance_id, dataclasses.replace(failed, status="timeout", detail="no answer within 1s")
+        )
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert warnings == [
         "s: success -> connection_error after 3 probes (refused)",
@@ -1520,7 +1529,7 @@ async def test_a_prober_made_without_settings_has_the_heads_defaults() -> None:
     await prober.set_servers(servers)
     start = prober.revision
     for port in range(1, 1025):
-        await prober.set_registration("a", "registered", f"http://10.0.0.1:{port}")
+        await prober.set_instances("a", registered_as(servers["a"], "registered", f"http://10.0.0.1:{port}"))
     assert prober.revision == start + 1024
     assert prober.changes_since(start) == Changes(start + 1024, [prober.report("a")], compacted=False)
     assert prober.changes_since(start - 1).compacted is True
@@ -1535,8 +1544,8 @@ def test_a_new_probers_revision_is_the_wall_clock_in_milliseconds() -> None:
 
 
 async def test_a_moved_server_restarts_unprobed_but_keeps_its_registration() -> None:
-    """Kills set_servers mutants 12, 17, 22-24, 27 and 34: a server whose URL changes is unprobed again at the new
-    URL, with the registration and advertised URL it had; the listener is told the new report, not None."""
+    """A server whose config address changes has a new config instance, unprobed at the new URL, with the
+    registration the registry holds for it; the listener is told the new report, not None."""
     told: list[tuple[StatusReport | None, str]] = []
 
     async def on_change(report: StatusReport | None, name: str) -> None:
@@ -1545,17 +1554,19 @@ async def test_a_moved_server_restarts_unprobed_but_keeps_its_registration() -> 
     first = GlobalConfig.from_document(document({"a": server_entry(1001)})).servers
     moved = GlobalConfig.from_document(document({"a": server_entry(1002)})).servers
     prober = StatusProber(first, on_change=on_change)
+    registry = InstanceRegistry()
     await prober.set_servers(first)
-    await prober.set_registration("a", "registered", "http://10.0.0.1:1001")
-    await prober.set_servers(moved)
-    expected = StatusReport(
-        server_name="a",
-        status=None,
-        url=f"http://{LOOPBACK}:1002",
-        registration="registered",
-        advertised_url="http://10.0.0.1:1001",
+    registry.register(InstanceRegistration("a", 7, 0.0, LOOPBACK, 1001, "10.0.0.1", registered_at=time.time()))
+    await registry.update_prober(prober, lambda: first, ["a"])
+    await registry.update_prober(prober, lambda: moved)
+    report = prober.report("a")
+    assert (report.status, report.url, report.registration, report.advertised_url) == (
+        None,
+        f"http://{LOOPBACK}:1002",
+        "registered",
+        "http://10.0.0.1:1001",
     )
-    assert prober.report("a") == expected
+    assert [(i.instance_id, i.status, i.pid) for i in report.instances] == [(f"{LOOPBACK}:1002", None, 7)]
     assert [(report and (report.url, report.registration), name) for report, name in told] == [
         ((f"http://{LOOPBACK}:1001", None), "a"),
         ((f"http://{LOOPBACK}:1001", "registered"), "a"),

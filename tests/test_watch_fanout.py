@@ -10,8 +10,10 @@ from typing import cast
 from gym_rpc.client._control import ControlClient
 from gym_rpc.server._servicer import ControlPlaneServicer
 from gym_rpc.v1 import control_plane_pb2 as pb
+from gym_rpc.wire import RegistrationState
 from gym_rpc.wire._convert import seconds_to_duration
 from tests.conftest import document, server_entry
+from tests.prober_helpers import registered_as
 from tests.test_watch import start_stoppable_server, wait_for_status
 
 WATCHERS = 40
@@ -55,8 +57,9 @@ async def test_a_watcher_lagging_past_the_history_gets_a_compacted_snapshot(head
     try:
         snapshot = await anext(stream)
         # The watcher reads nothing while six changes land: more than the history of four keeps.
-        for state in ["registered", "deregistered"] * 3:
-            await head.prober.set_registration("live", state, "")
+        states: list[RegistrationState] = ["registered", "deregistered"] * 3
+        for state in states:
+            await head.prober.set_instances("live", registered_as(head.config.servers["live"], state))
         caught_up = await asyncio.wait_for(anext(stream), 5)
         assert (caught_up.type, caught_up.compacted) == (pb.WATCH_EVENT_TYPE_SNAPSHOT, True)
         assert caught_up.revision == snapshot.revision + 6 == head.prober.revision
@@ -65,8 +68,10 @@ async def test_a_watcher_lagging_past_the_history_gets_a_compacted_snapshot(head
         ]
 
         # Two changes the history still holds: one merged CHANGE, the latest report per server.
-        await head.prober.set_registration("live", "registered", "http://127.0.0.1:1")
-        await head.prober.set_registration("live", "expired", "")
+        await head.prober.set_instances(
+            "live", registered_as(head.config.servers["live"], "registered", "http://127.0.0.1:1")
+        )
+        await head.prober.set_instances("live", registered_as(head.config.servers["live"], "expired"))
         merged = await asyncio.wait_for(anext(stream), 5)
         assert (merged.type, merged.compacted, merged.revision) == (
             pb.WATCH_EVENT_TYPE_CHANGE,

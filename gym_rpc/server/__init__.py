@@ -2,9 +2,10 @@
 
 * `_head`: the one control-plane server (gRPC server, health, reflection, HTTP head) and `run_head`; `_sources`:
   where its config comes from (a file); `_bridge`: the same server fed by an upstream NeMo Gym head.
-* `_servicer`: the ControlPlaneService handlers; `_prober`: the status prober and watch history;
-  `_registry`: registered server instances (`_address_policy`: where they may be advertised); `_http_head`: NeMo
-  Gym's HTTP head endpoints; `_connect`: the same service over the Connect protocol (head_server.connect_port).
+* `_servicer`: the ControlPlaneService handlers; `_prober`: the status prober and watch history; `_instances`: a
+  server's instances and the one report made from them; `_registry`: registered server instances
+  (`_address_policy`: where they may be advertised); `_http_head`: NeMo Gym's HTTP head endpoints; `_connect`: the
+  same service over the Connect protocol (head_server.connect_port).
 * `_security`: the token interceptor, TLS credentials and server bounds; `_tracing`: OpenTelemetry's server
   interceptor.
 

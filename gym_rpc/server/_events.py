@@ -11,43 +11,51 @@ import logging
 from pathlib import Path
 
 from gym_rpc.server import _metrics as metrics
-from gym_rpc.wire import StatusReport
+from gym_rpc.server._instances import instance_label
+from gym_rpc.wire import InstanceReport
 
 logger = logging.getLogger("gym_rpc.head")
 
 SERVER_NAME_KEY = "gym.server.name"
+INSTANCE_ID_KEY = "gym.instance.id"
 PENDING = "pending"
 
 
-def probe_stored(previous: StatusReport, report: StatusReport, probes_at_previous: int) -> None:
-    """A probe result was stored; `probes_at_previous` probes had given the previous status in a row.
+def probe_stored(
+    name: str, previous: InstanceReport, instance: InstanceReport, probes_at_previous: int, instances: int
+) -> None:
+    """A probe result of an instance was stored; `probes_at_previous` probes had given the previous status in a
+    row; the server has `instances` instances.
 
-    A change is logged once: WARNING when a server stops answering (or answers differently badly), INFO when it
-    comes up or is probed for the first time.
+    A change is logged once: WARNING when an instance stops answering (or answers differently badly), INFO when it
+    comes up or is probed for the first time. A server of one instance is named alone, as before replicas; one of
+    several instances is named with its instance id.
     """
-    metrics.probe_recorded(report)
-    if previous.status == report.status:
+    metrics.probe_recorded(name, instance)
+    if previous.status == instance.status:
         return
-    before, after = previous.status or PENDING, report.status or PENDING
-    metrics.status_changed(report.server_name, before, after)
+    before, after = previous.status or PENDING, instance.status or PENDING
+    metrics.status_changed(name, before, after)
     level = logging.INFO if after == "success" or previous.status is None else logging.WARNING
-    detail = f" ({report.detail})" if report.detail and after != "success" else ""
+    detail = f" ({instance.detail})" if instance.detail and after != "success" else ""
+    label = instance_label(name, instance.instance_id, instances)
     if previous.status is None:
         message = "%s: %s -> %s on the first probe%s"
-        arguments: tuple[object, ...] = (report.server_name, before, after, detail)
+        arguments: tuple[object, ...] = (label, before, after, detail)
     else:
         message = "%s: %s -> %s after %d probes%s"
-        arguments = (report.server_name, before, after, probes_at_previous, detail)
+        arguments = (label, before, after, probes_at_previous, detail)
     logger.log(
         level,
         message,
         *arguments,
         extra={
-            SERVER_NAME_KEY: report.server_name,
+            SERVER_NAME_KEY: name,
+            INSTANCE_ID_KEY: instance.instance_id,
             "gym.status.from": before,
             "gym.status.to": after,
             "gym.probes": probes_at_previous,
-            "url.full": report.url,
+            "url.full": instance.url,
         },
     )
 

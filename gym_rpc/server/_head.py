@@ -40,6 +40,7 @@ from gym_rpc.server._connect import ConnectServer
 from gym_rpc.server._connection_limits import raise_fd_soft_limit
 from gym_rpc.server._health import HealthServicer
 from gym_rpc.server._http_head import HttpHead
+from gym_rpc.server._instances import serves
 from gym_rpc.server._metrics_http import MetricsServer
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import InstanceRegistry
@@ -398,13 +399,13 @@ def build_control_server(
 async def mirror_status_in_health(
     health_servicer: health_aio.HealthServicer, report: StatusReport | None, name: str
 ) -> None:
-    """Mirror a server's probe result under its name in the standard health service."""
+    """Mirror a server's probe result under its name in the standard health service: SERVING while an instance
+    that is not draining answers, UNKNOWN until one is probed, NOT_SERVING otherwise."""
     if report is None:
         serving = _SERVICE_UNKNOWN
-    elif report.status is None:
-        serving = _UNKNOWN
     else:
-        serving = _SERVING if report.status == "success" else _NOT_SERVING
+        serves_now = serves(report)
+        serving = _UNKNOWN if serves_now is None else _SERVING if serves_now else _NOT_SERVING
     await health_servicer.set(name, serving)
 
 

@@ -21,7 +21,7 @@ from opentelemetry.metrics import CallbackOptions, Histogram, Observation
 
 from gym_rpc.config import ServerEntry
 from gym_rpc.metrics import meter, seconds_histogram
-from gym_rpc.wire import StatusReport
+from gym_rpc.wire import InstanceReport, StatusReport
 
 SERVER_NAME = "gym.server.name"
 SERVER_TYPE = "gym.server.type"
@@ -126,11 +126,11 @@ def _instruments() -> _HeadInstruments:
     )
 
 
-def probe_recorded(report: StatusReport) -> None:
-    if report.status is None:
+def probe_recorded(name: str, instance: InstanceReport) -> None:
+    if instance.status is None:
         return
     _instruments().probe_duration.record(
-        report.latency_seconds, {SERVER_NAME: report.server_name, SERVER_STATUS: report.status}
+        instance.latency_seconds, {SERVER_NAME: name, SERVER_STATUS: instance.status}
     )
 
 

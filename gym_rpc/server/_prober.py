@@ -1,13 +1,17 @@
-"""The head's background prober: probes every server concurrently, caches the results, and keeps the watch
-history.
+"""The head's background prober: probes every instance of every server concurrently, caches the results, and
+keeps the watch history.
 
 Borrowed from etcd and xDS: every status change bumps one rising revision, a bounded history of changes lets a
 watch resume from the last revision it saw, and a resume older than the history gets a fresh snapshot.
 
-Probes are single-flight (as Go's singleflight and Envoy's health checker merge them): every probe of a server,
-background or on demand, goes through one in-flight task per server that concurrent callers share, and a result
-younger than the freshness window is served from the cache. So a thousand pollers of one server cost that server
-at most one probe per window, not a thousand.
+Probes are single-flight (as Go's singleflight and Envoy's health checker merge them): every probe of an instance,
+background or on demand, goes through one in-flight task per instance that concurrent callers share, and a result
+younger than the freshness window is served from the cache. So a thousand pollers of one server cost each of its
+instances at most one probe per window, not a thousand.
+
+A server's instances (gym_rpc.server._instances) are given by the registry (`set_targets`): any change to one of
+them (added, removed, its status, registration, draining flag or labels) is a change of the server's report, one
+revision. Freshness is judged on time.monotonic(), never on the shown `checked_at`.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ import secrets
 import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -28,7 +32,8 @@ from gym_rpc._tasks import cancel_and_wait, run_every
 from gym_rpc._version import __version__
 from gym_rpc.config import ServerEntry
 from gym_rpc.server import _events as events
-from gym_rpc.wire import TRACEPARENT_HEADER, RegistrationState, ServerStatus, StatusReport
+from gym_rpc.server._instances import InstanceTarget, server_report, targets_by_name, watched, with_probe
+from gym_rpc.wire import TRACEPARENT_HEADER, InstanceReport, ServerStatus, StatusReport
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +109,55 @@ class Changes:
     compacted: bool
 
 
+@dataclass
+class _Server:
+    """One server as the prober holds it: its instances' targets and reports (in the registry's order), when each
+    was last probed (time.monotonic()), and the server's report made from them."""
+
+    targets: dict[str, InstanceTarget]
+    instances: dict[str, InstanceReport]
+    report: StatusReport
+    probed_at: dict[str, float] = field(default_factory=dict)
+    in_status: dict[str, int] = field(default_factory=dict)  # probes in a row that gave the current status
+
+    @classmethod
+    def of(cls, name: str, targets: Sequence[InstanceTarget]) -> _Server:
+        server = cls(targets={}, instances={}, report=StatusReport(server_name=name, status=None, url=""))
+        server.retarget(name, targets)
+        return server
+
+    def retarget(self, name: str, targets: Sequence[InstanceTarget]) -> bool:
+        """Follow the instances the registry gives; True when the server's report changed (an instance came, left,
+        or changed what the registry says of it). An instance at the same URL keeps its probe result."""
+        if not targets:
+            raise ValueError(f"server {name!r} needs at least one instance")
+        old = self.instances
+        self.targets = {t.instance_id: t for t in targets}
+        self.instances = {t.instance_id: t.report(old.get(t.instance_id)) for t in targets}
+        for instance_id in [i for i in self.probed_at if i not in self.instances]:
+            del self.probed_at[instance_id]  # it left: probed afresh if it comes back
+            self.in_status.pop(instance_id, None)
+        return self.compose(name)
+
+    def compose(self, name: str) -> bool:
+        """Make the server's report from its instances; True when what watches follow of it changed."""
+        report = server_report(name, tuple(self.instances.values()), self.config_target.advertised_url)
+        changed = watched(report) != watched(self.report)
+        self.report = report
+        return changed
+
+    @property
+    def config_target(self) -> InstanceTarget:
+        return next(iter(self.targets.values()))
+
+    def is_fresh(self, instance_id: str, max_age_seconds: float) -> bool:
+        probed_at = self.probed_at.get(instance_id)
+        return max_age_seconds > 0 and probed_at is not None and time.monotonic() - probed_at <= max_age_seconds
+
+
 class StatusProber:
-    """Probes servers on an interval; the single writer of the status cache and its revision."""
+    """Probes every instance of every server on an interval; the single writer of the status cache and its
+    revision."""
 
     def __init__(
         self,
@@ -127,16 +179,12 @@ class StatusProber:
         self.config_version = ""  # the head's config version, sent on every watch message
         self.probes_started = 0  # probes actually sent (a shared probe counts once)
         self.probes_joined = 0  # callers that shared a probe already in flight instead of starting one
-        self._in_flight: dict[str, tuple[str, asyncio.Task[StatusReport]]] = {}  # name -> (url, probe task)
+        # (server name, instance id) -> (url, probe task)
+        self._in_flight: dict[tuple[str, str], tuple[str, asyncio.Task[InstanceReport]]] = {}
         # Start at the wall clock in milliseconds, so revisions keep rising across head restarts and a watch
         # resuming with a revision issued by an earlier head is never mistaken for one from this head's history.
         self.revision = time.time_ns() // 1_000_000
-        self._urls: dict[str, str] = {}
-        self._reports: dict[str, StatusReport] = {}
-        # time.monotonic() of each server's stored probe result: freshness is judged on it, never on the shown
-        # `checked_at` (wall clock), so stepping the wall clock neither freezes nor floods the probes.
-        self._probed_at: dict[str, float] = {}
-        self._probes_in_status: dict[str, int] = {}  # probes in a row that gave the server's current status
+        self._servers: dict[str, _Server] = {}
         self._history: deque[tuple[int, StatusReport]] = deque(maxlen=history_size)
         self._next_change: asyncio.Future[None] | None = None  # made by the first waiter, in its running loop
         self._on_change = on_change
@@ -146,7 +194,8 @@ class StatusProber:
 
     async def start(self) -> None:
         self._session = new_probe_session()
-        await self.set_servers(self._pending_servers)
+        if not self._servers:  # the registry may have given the instances already
+            await self.set_servers(self._pending_servers)
         self._task = asyncio.create_task(self._run(), name="gym_rpc status prober")
 
     async def stop(self) -> None:
@@ -160,32 +209,35 @@ class StatusProber:
             self._session = None
 
     async def set_servers(self, servers: Mapping[str, ServerEntry]) -> None:
-        """Follow a (re)loaded config: new servers start unprobed, removed ones leave, moved ones restart."""
-        removed = [n for n in self._urls if n not in servers]
+        """Follow a (re)loaded config with no registrations: every server's config instances (gym_rpc.server.
+        _registry gives the registered ones with `set_targets`)."""
+        await self.set_targets(targets_by_name(servers))
+
+    async def set_targets(self, servers: Mapping[str, Sequence[InstanceTarget]]) -> None:
+        """Follow the servers and their instances: new servers and instances start unprobed, removed ones leave,
+        and each server whose report changed is one revision."""
+        removed = [n for n in self._servers if n not in servers]
         for name in removed:
-            del self._urls[name]
-            del self._reports[name]
-            self._probed_at.pop(name, None)
-            self._probes_in_status.pop(name, None)
+            del self._servers[name]
             await self._notify(None, name)
         if removed:  # a removal is no report: drop the history so every watcher gets a fresh snapshot
             self._history.clear()
             self._bump()
-        for name, entry in servers.items():
-            if self._urls.get(name) != entry.url:
-                self._urls[name] = entry.url
-                previous = self._reports.get(name)
-                self._reports[name] = StatusReport(
-                    server_name=name,
-                    status=None,
-                    url=entry.url,
-                    registration=previous.registration if previous is not None else None,
-                    advertised_url=previous.advertised_url if previous is not None else "",
-                )
-                self._probes_in_status[name] = 0
-                self._probed_at.pop(name, None)
-                self._record(self._reports[name])
-                await self._notify(self._reports[name], name)
+        for name, targets in servers.items():
+            if name in self._servers:
+                await self.set_instances(name, targets)
+            else:
+                server = self._servers[name] = _Server.of(name, targets)
+                self._record(server.report)
+                await self._notify(server.report, name)
+
+    async def set_instances(self, name: str, targets: Sequence[InstanceTarget]) -> None:
+        """Follow one server's instances (after a registration); a change of its report is one revision. A server
+        the prober does not have (not in the config) is ignored."""
+        server = self._servers.get(name)
+        if server is not None and server.retarget(name, targets):
+            self._record(server.report)
+            await self._notify(server.report, name)
 
     def set_config_version(self, version: str) -> None:
         """Follow the head's config version; a change bumps the revision so every watcher hears of it at once."""
@@ -198,10 +250,10 @@ class StatusProber:
 
     def reports(self) -> list[StatusReport]:
         """The latest report of every server, in config order."""
-        return list(self._reports.values())
+        return [server.report for server in self._servers.values()]
 
     def report(self, name: str) -> StatusReport:
-        return self._reports[name]
+        return self._servers[name].report
 
     def changes_since(self, revision: int) -> Changes:
         """Everything a watcher at `revision` has not seen: the changed reports, or a compacted snapshot."""
@@ -230,102 +282,107 @@ class StatusProber:
         return True
 
     def fresh_report(self, name: str, max_age_seconds: float) -> StatusReport | None:
-        """The cached result when it is a probe result no older than `max_age_seconds`, else None."""
-        cached = self._reports[name]
-        probed_at = self._probed_at.get(name)
-        if max_age_seconds > 0 and probed_at is not None and time.monotonic() - probed_at <= max_age_seconds:
-            return cached
+        """The cached report when every instance's probe result is no older than `max_age_seconds`, else None."""
+        server = self._servers[name]
+        if all(server.is_fresh(instance_id, max_age_seconds) for instance_id in server.instances):
+            return server.report
         return None
 
     def waiting_on_probe(self, name: str) -> bool:
-        """Whether a probe of the server is in flight (callers asking now share it)."""
-        return name in self._in_flight
+        """Whether a probe of an instance of the server is in flight (callers asking now share it)."""
+        return any(key[0] == name for key in self._in_flight)
 
-    async def probe_now(self, name: str, timeout: float) -> StatusReport:
-        """The server's status from a probe started now or already in flight, recorded when it finishes.
+    async def probe_now(self, name: str, timeout: float, max_age_seconds: float = 0.0) -> StatusReport:
+        """The server's report with every instance whose result is older than `max_age_seconds` (0: every
+        instance) probed now, or joined to its probe in flight; each result is recorded when it comes.
 
-        The caller waits at most `timeout`: a shared probe that outlasts it answers this caller with TIMEOUT (not
-        recorded; the probe itself goes on for the callers that wait longer)."""
+        The caller waits at most `timeout`: an instance whose shared probe outlasts it is TIMEOUT in this caller's
+        report (not recorded; the probe itself goes on for the callers that wait longer)."""
         started = time.monotonic()
-        task = self._shared_probe(name, timeout)
+        server = self._servers[name]
+        stale = [i for i in server.instances if not server.is_fresh(i, max_age_seconds)]
+        tasks = [self._shared_probe(name, instance_id, timeout) for instance_id in stale]
+        done = await asyncio.gather(*(self._within(task, timeout) for task in tasks))
+        server = self._servers.get(name, server)  # a reload may have replaced it meanwhile
+        late = {instance_id for instance_id, answer in zip(stale, done, strict=True) if answer is None}
+        instances = tuple(
+            dataclasses.replace(
+                instance,
+                status="timeout",
+                detail=f"no answer within {timeout:.3g}s",
+                http_status=0,
+                latency_seconds=time.monotonic() - started,
+                checked_at=time.time(),
+            )
+            if instance_id in late
+            else instance
+            for instance_id, instance in server.instances.items()
+        )
+        return server_report(name, instances, server.config_target.advertised_url)
+
+    @staticmethod
+    async def _within(task: asyncio.Task[InstanceReport], timeout: float) -> InstanceReport | None:
         try:
             return await asyncio.wait_for(asyncio.shield(task), max(timeout, 0.001))
         except TimeoutError:
-            return StatusReport(
-                server_name=name,
-                status="timeout",
-                url=self._urls.get(name, ""),
-                latency_seconds=time.monotonic() - started,
-                checked_at=time.time(),
-                detail=f"no answer within {timeout:.3g}s",
-            )
+            return None
 
     async def probe_all(self) -> None:
-        """One background round: every server whose cached result is older than the freshness window (a server
-        an on-demand probe just answered for is not asked again)."""
+        """One background round: every instance whose cached result is older than the freshness window (an
+        instance an on-demand probe just answered for is not asked again)."""
         window = min(self.default_max_age_seconds, self.interval_seconds / 2)
         tasks = [
-            self._shared_probe(name, self.probe_timeout_seconds)
-            for name in list(self._urls)
-            if self.fresh_report(name, window) is None
+            self._shared_probe(name, instance_id, self.probe_timeout_seconds)
+            for name, server in list(self._servers.items())
+            for instance_id in list(server.instances)
+            if not server.is_fresh(instance_id, window)
         ]
         if tasks:
             await asyncio.gather(*(asyncio.shield(task) for task in tasks))
 
-    def _shared_probe(self, name: str, timeout: float) -> asyncio.Task[StatusReport]:
-        """The in-flight probe of `name` at its current URL, started with `timeout` when there is none."""
-        url = self._urls[name]
-        in_flight = self._in_flight.get(name)
+    def _shared_probe(self, name: str, instance_id: str, timeout: float) -> asyncio.Task[InstanceReport]:
+        """The in-flight probe of the instance at its current URL, started with `timeout` when there is none."""
+        url = self._servers[name].instances[instance_id].url
+        key = (name, instance_id)
+        in_flight = self._in_flight.get(key)
         if in_flight is not None and in_flight[0] == url and not in_flight[1].done():
             self.probes_joined += 1
             return in_flight[1]
         assert self._session is not None, "prober not started"
         self.probes_started += 1
-        task = asyncio.create_task(self._probe_and_store(self._session, name, url, timeout))
-        self._in_flight[name] = (url, task)
+        task = asyncio.create_task(self._probe_and_store(self._session, name, instance_id, url, timeout))
+        self._in_flight[key] = (url, task)
         return task
 
     async def _probe_and_store(
-        self, session: aiohttp.ClientSession, name: str, url: str, timeout: float
-    ) -> StatusReport:
+        self, session: aiohttp.ClientSession, name: str, instance_id: str, url: str, timeout: float
+    ) -> InstanceReport:
         try:
-            return await self._store(await probe(session, name, url, timeout))
+            return await self._store(name, instance_id, await probe(session, name, url, timeout))
         finally:
-            current = self._in_flight.get(name)
+            current = self._in_flight.get((name, instance_id))
             if current is not None and current[1] is asyncio.current_task():
-                del self._in_flight[name]
+                del self._in_flight[(name, instance_id)]
 
     async def _run(self) -> None:
         await run_every(self.interval_seconds, self.probe_all, "status probe round", logger, now=True)
 
-    async def _store(self, report: StatusReport) -> StatusReport:
-        """Record a probe result, just in (with the registration the server has now); the report as recorded."""
-        previous = self._reports.get(report.server_name)
-        if previous is None or self._urls.get(report.server_name) != report.url:
-            return report  # the server left or moved while it was being probed
-        self._probed_at[report.server_name] = time.monotonic()
-        report = dataclasses.replace(
-            report, registration=previous.registration, advertised_url=previous.advertised_url
-        )
-        self._reports[report.server_name] = report
-        name = report.server_name
-        in_a_row = self._probes_in_status.get(name, 0)
-        self._probes_in_status[name] = in_a_row + 1 if previous.status == report.status else 1
-        events.probe_stored(previous, report, in_a_row)
-        if previous.status != report.status:
-            self._record(report)
-            await self._notify(report, report.server_name)
-        return report
-
-    async def set_registration(self, name: str, state: RegistrationState | None, advertised_url: str) -> None:
-        """Follow a server's registration; a change of it is recorded (and watched) like a status change."""
-        report = self._reports.get(name)
-        if report is None or (report.registration, report.advertised_url) == (state, advertised_url):
-            return
-        report = dataclasses.replace(report, registration=state, advertised_url=advertised_url)
-        self._reports[name] = report
-        self._record(report)
-        await self._notify(report, name)
+    async def _store(self, name: str, instance_id: str, result: StatusReport) -> InstanceReport:
+        """Record a probe result of an instance, just in; the instance's report as recorded (as probed, unrecorded,
+        when the instance left or moved while it was being probed)."""
+        server = self._servers.get(name)
+        previous = server.instances.get(instance_id) if server is not None else None
+        if server is None or previous is None or previous.url != result.url:
+            return with_probe(InstanceReport(instance_id=instance_id, url=result.url), result)
+        server.probed_at[instance_id] = time.monotonic()
+        instance = server.instances[instance_id] = with_probe(previous, result)
+        in_a_row = server.in_status.get(instance_id, 0)
+        server.in_status[instance_id] = in_a_row + 1 if previous.status == instance.status else 1
+        events.probe_stored(name, previous, instance, in_a_row, len(server.instances))
+        if server.compose(name):
+            self._record(server.report)
+            await self._notify(server.report, name)
+        return instance
 
     def _record(self, report: StatusReport) -> None:
         self._bump()

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 from urllib.parse import unquote
 
-from gym_rpc.config import ServerEntry, connectable_host, is_wildcard_host
+from gym_rpc.config import ServerEntry, connectable_host, is_wildcard_host, url_authority
 from gym_rpc.server import _events as events
+from gym_rpc.server._instances import InstanceTarget, config_targets
 from gym_rpc.wire import InstanceRegistration, RegistrationState
 
 logger = logging.getLogger(__name__)
@@ -89,11 +91,11 @@ def advertised_host(listen_host: str, advertise_host: str, peer: str) -> str:
 
 
 class StatusTargets(Protocol):
-    """What the registry steers: the prober's set of servers and URLs."""
+    """What the registry steers: the prober's servers and their instances."""
 
-    async def set_servers(self, servers: Mapping[str, ServerEntry]) -> None: ...
+    async def set_targets(self, servers: Mapping[str, Sequence[InstanceTarget]]) -> None: ...
 
-    async def set_registration(self, name: str, state: RegistrationState | None, advertised_url: str) -> None: ...
+    async def set_instances(self, name: str, targets: Sequence[InstanceTarget]) -> None: ...
 
 
 class InstanceRegistry:
@@ -180,17 +182,26 @@ class InstanceRegistry:
             except Exception:  # the sweep must outlive any single bad round
                 logger.exception("lease expiry sweep failed")
 
-    def effective_servers(self, servers: Mapping[str, ServerEntry]) -> Mapping[str, ServerEntry]:
-        """The servers as clients should dial them: a wildcard-bound server that registered is at its advertised
-        URL; every other entry is the config's."""
-        if not self._registrations:
-            return servers
-        effective = dict(servers)
-        for name, registration in self._registrations.items():
-            entry = servers.get(name)
-            if entry is not None and is_wildcard_host(entry.host):
-                effective[name] = entry.model_copy(update={"url": registration.advertised_url})
-        return effective
+    def targets(self, entry: ServerEntry) -> tuple[InstanceTarget, ...]:
+        """The server's instances as clients should dial them: the config's, with the registration on the config
+        instance (a wildcard-bound server that registered is at its advertised URL; every other entry keeps the
+        config's address)."""
+        own, *replicas = config_targets(entry)
+        registration = self._registrations.get(entry.name)
+        if registration is not None:
+            url = registration.advertised_url if is_wildcard_host(entry.host) else own.url
+            own = InstanceTarget(
+                instance_id=url_authority(url),
+                url=url,
+                origin="config",
+                registration="registered",
+                advertised_url=registration.advertised_url,
+                pid=registration.pid,
+                start_time=registration.start_time,
+            )
+        elif (ended := self._ended.get(entry.name)) is not None:
+            own = dataclasses.replace(own, registration=ended)
+        return (own, *replicas)
 
     async def update_prober(
         self,
@@ -198,12 +209,13 @@ class InstanceRegistry:
         servers: Callable[[], Mapping[str, ServerEntry]],
         names: Iterable[str] | None = None,
     ) -> None:
-        """Point the prober at the effective servers of the config `servers()` returns when the lock is held,
-        so a registration racing a config reload never leaves a stale URL behind."""
+        """Point the prober at the instances of the config `servers()` returns when the lock is held (of the
+        servers `names`, or of all), so a registration racing a config reload never leaves a stale URL behind."""
         async with self._lock:
             current = servers()
-            await prober.set_servers(self.effective_servers(current))
-            for name in current if names is None else [n for n in names if n in current]:
-                registration = self._registrations.get(name)
-                url = registration.advertised_url if registration is not None else ""
-                await prober.set_registration(name, self.state(name), url)
+            if names is None:
+                await prober.set_targets({name: self.targets(entry) for name, entry in current.items()})
+                return
+            for name in names:
+                if name in current:
+                    await prober.set_instances(name, self.targets(current[name]))

@@ -125,7 +125,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         cached = prober.fresh_report(name, max_age)
         if cached is not None:
             return pb.GetServerStatusResponse(report=convert.report_to_pb(cached))
-        report = await prober.probe_now(name, self._probe_budget(context, prober.probe_timeout_seconds))
+        budget = self._probe_budget(context, prober.probe_timeout_seconds)
+        report = await prober.probe_now(name, budget, max_age)  # the instances whose results are too old
         return pb.GetServerStatusResponse(report=convert.report_to_pb(report))
 
     async def ListServerStatuses(
@@ -194,12 +195,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
     ) -> pb.ListServerInstancesResponse:
         head = self._head
         instances = [convert.head_instance_to_pb(head.config, head.pid, head.start_time)]
-        instances += [
-            convert.server_instance_to_pb(
-                entry, head.prober.report(name), head.registry.get(name), head.processes.get(name)
-            )
-            for name, entry in head.config.servers.items()
-        ]
+        for name, entry in head.config.servers.items():
+            instances += convert.server_instances_to_pb(entry, head.prober.report(name), head.processes.get(name))
         return pb.ListServerInstancesResponse(instances=instances)
 
     async def GetAssistantMessageHeader(

@@ -249,33 +249,43 @@ def head_instance_to_pb(config: GlobalConfig, pid: int, start_time: float) -> pb
     )
 
 
-def server_instance_to_pb(
-    entry: ServerEntry,
-    report: StatusReport,
-    registration: InstanceRegistration | None = None,
-    process: ReportedProcess | None = None,
-) -> pb.ServerInstance:
-    """A configured server as ListServerInstances shows it; what the config source reports of its process (a NeMo
-    Gym upstream's /server_instances) wins over what a registration said."""
-    message = pb.ServerInstance(
-        name=entry.name,
-        server_type=entry.server_type,
-        impl_name=entry.impl_name,
-        url=entry.url,
-        status=status_to_pb(report.status),
-    )
-    started = 0.0
-    if registration is not None:
-        message.pid = registration.pid
-        message.advertised_url = registration.advertised_url
-        started = registration.start_time
-    if process is not None:
-        message.pid = process.pid
-        started = process.start_time or started
-    if started > 0:
-        message.start_time.CopyFrom(epoch_to_timestamp(started))
-        message.uptime.CopyFrom(seconds_to_duration(max(0.0, time.time() - started)))
-    return message
+def server_instances_to_pb(
+    entry: ServerEntry, report: StatusReport, process: ReportedProcess | None = None
+) -> list[pb.ServerInstance]:
+    """A configured server as ListServerInstances shows it: one row per instance of its report, in its order.
+
+    The config instance's row keeps what the row of a server has always said: `url` is the config's, and
+    `advertised_url` where its registration said clients reach it; what the config source reports of its process
+    (a NeMo Gym upstream's /server_instances) wins over what a registration said. Every other instance's row has
+    its own URL (its advertised one while it is registered)."""
+    rows = []
+    for instance in report.instances:
+        is_config = instance.origin == "config"
+        message = pb.ServerInstance(
+            name=entry.name,
+            server_type=entry.server_type,
+            impl_name=entry.impl_name,
+            url=entry.url if is_config else instance.url,
+            pid=instance.pid,
+            status=status_to_pb(instance.status),
+            instance_id=instance.instance_id,
+            labels=instance.labels,
+            draining=instance.draining,
+            origin=_ORIGIN_TO_PB[instance.origin],
+        )
+        if is_config:
+            message.advertised_url = report.advertised_url
+        elif instance.registration == "registered":
+            message.advertised_url = instance.url
+        started = instance.start_time
+        if is_config and process is not None:
+            message.pid = process.pid
+            started = process.start_time or started
+        if started > 0:
+            message.start_time.CopyFrom(epoch_to_timestamp(started))
+            message.uptime.CopyFrom(seconds_to_duration(max(0.0, time.time() - started)))
+        rows.append(message)
+    return rows
 
 
 def instance_from_pb(message: pb.ServerInstance) -> ServerInstance:

@@ -1,0 +1,140 @@
+"""A server's instances as the head reports them: what the config and the registry say of each one (its
+InstanceTarget), and the server's one report made from its instances' probe results.
+
+A server has one or more instances: the config entry's own address, the static replicas it lists, and the
+processes that registered at addresses of their own. Each is probed on its own; the server's report keeps what a
+client of one instance has always read from it: `url` is the config instance's, `status` is SUCCESS when any
+instance that is not draining answers (else the config instance's own status), and the probe fields come from the
+instance that status comes from. The standard health service says SERVING for the name when an instance that is not
+draining answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gym_rpc.config import ServerEntry
+from gym_rpc.wire import InstanceOrigin, InstanceReport, RegistrationState, StatusReport
+
+UP = "success"
+
+
+@dataclass(frozen=True)
+class InstanceTarget:
+    """One instance to probe and report, as the config and the registry describe it (no probe result)."""
+
+    instance_id: str  # the authority of `url` (gym_rpc.config.InstanceAddress.instance_id)
+    url: str
+    origin: InstanceOrigin
+    registration: RegistrationState | None = None
+    advertised_url: str = ""  # where its registration said clients reach it; "" when not registered
+    draining: bool = False
+    labels: Mapping[str, str] = field(default_factory=dict)
+    pid: int = 0
+    start_time: float = 0.0  # epoch seconds; 0 when unknown
+
+    def report(self, probed: InstanceReport | None = None) -> InstanceReport:
+        """The instance's report: the probe fields of `probed` (when it was probed at this URL), the rest from this
+        target."""
+        probe = probed if probed is not None and probed.url == self.url else None
+        return InstanceReport(
+            instance_id=self.instance_id,
+            url=self.url,
+            status=probe.status if probe else None,
+            detail=probe.detail if probe else "",
+            http_status=probe.http_status if probe else 0,
+            latency_seconds=probe.latency_seconds if probe else 0.0,
+            checked_at=probe.checked_at if probe else 0.0,
+            registration=self.registration,
+            draining=self.draining,
+            labels=self.labels,
+            origin=self.origin,
+            pid=self.pid,
+            start_time=self.start_time,
+        )
+
+
+def config_targets(entry: ServerEntry) -> tuple[InstanceTarget, ...]:
+    """The instances the config names, none registered: the entry's own address, then its static replicas."""
+    own, *replicas = entry.instances
+    return (
+        InstanceTarget(own.instance_id, own.url, "config"),
+        *(InstanceTarget(r.instance_id, r.url, "static_replica") for r in replicas),
+    )
+
+
+def with_probe(instance: InstanceReport, probe: StatusReport) -> InstanceReport:
+    """`instance` with the result of a probe of its URL."""
+    return dataclasses.replace(
+        instance,
+        status=probe.status,
+        detail=probe.detail,
+        http_status=probe.http_status,
+        latency_seconds=probe.latency_seconds,
+        checked_at=probe.checked_at,
+    )
+
+
+def serving_instance(instances: Sequence[InstanceReport]) -> InstanceReport | None:
+    """The first instance that answers and is not draining: one that may be given new work."""
+    return next((i for i in instances if i.status == UP and not i.draining), None)
+
+
+def server_report(name: str, instances: tuple[InstanceReport, ...], advertised_url: str) -> StatusReport:
+    """The server's report from its instances (the config instance first). With one instance it is that instance's
+    result, as it always was; with several, SUCCESS when any instance that is not draining answers."""
+    first = instances[0]
+    source = first
+    if len(instances) > 1 and (first.status != UP or first.draining):
+        source = serving_instance(instances) or first
+    return StatusReport(
+        server_name=name,
+        status=source.status,
+        url=first.url,
+        latency_seconds=source.latency_seconds,
+        checked_at=source.checked_at,
+        detail=source.detail,
+        http_status=source.http_status,
+        registration=first.registration,
+        advertised_url=advertised_url,
+        instances=instances,
+    )
+
+
+def watched(report: StatusReport) -> tuple[object, ...]:
+    """What status watches follow of a server's report: a change of any of it is one revision. Latencies, probe
+    times and failure details move with every probe and are no change."""
+    return (
+        report.status,
+        report.registration,
+        report.advertised_url,
+        tuple(
+            (i.instance_id, i.url, i.status, i.registration, i.draining, i.labels, i.origin, i.pid, i.start_time)
+            for i in report.instances
+        ),
+    )
+
+
+def serves(report: StatusReport) -> bool | None:
+    """Whether the server may be given new work: an instance answers and is not draining. None while nothing is
+    known yet (no instance probed). A report without instances (the head's own) goes by its status."""
+    if not report.instances:
+        return None if report.status is None else report.status == UP
+    if serving_instance(report.instances) is not None:
+        return True
+    return None if report.status is None else False
+
+
+def instance_label(name: str, instance_id: str, count: int) -> str:
+    """How the head's log names an instance: the server's name alone while it has one instance (as before
+    replicas), `name instance_id` when it has several."""
+    return name if count <= 1 else f"{name} {instance_id}"
+
+
+def targets_by_name(
+    servers: Mapping[str, ServerEntry],
+) -> dict[str, tuple[InstanceTarget, ...]]:
+    """The config's instances of every server, none registered."""
+    return {name: config_targets(entry) for name, entry in servers.items()}
