@@ -65,20 +65,19 @@ class ResendBudget:
     """Slots for resends pausing before they go out, shared by every loop and client of the process."""
 
     held: int = 0
+    waiting: int = 0  # the waiters that have neither been granted a slot nor given up
     _waiters: deque[_Waiter] = field(default_factory=deque)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def snapshot(self) -> tuple[int, int, int]:
         """(slots held, attempts in flight, calls waiting): for the error a call gets when it waited in vain."""
         with self._lock:
-            return self.held, self._attempts_in_flight(), self._live_waiters()
-
-    def _live_waiters(self) -> int:
-        return sum(not waiter.abandoned for waiter in self._waiters)
+            return self.held, self._attempts_in_flight(), self.waiting
 
     def _attempts_in_flight(self) -> int:
-        """The process's calls in flight less those pausing or waiting here: the calls out at a server."""
-        return max(calls_in_flight() - self.held - self._live_waiters(), 0)
+        """The process's calls in flight less those pausing or waiting here: the calls out at a server. (Granting a
+        slot moves a call from waiting to pausing: it leaves this unchanged.)"""
+        return max(calls_in_flight() - self.held - self.waiting, 0)
 
     async def acquire(self, budget: ClientBudget, wait_seconds: float) -> bool:
         """Take a slot, waiting at most `wait_seconds` for one (first come, first served); False if none came."""
@@ -91,6 +90,7 @@ class ResendBudget:
                 return True
             waiter = _Waiter(loop, loop.create_future(), budget)
             self._waiters.append(waiter)
+            self.waiting += 1
         got_it = False
         try:
             async with asyncio.timeout(max(wait_seconds, 0.0)):
@@ -103,6 +103,8 @@ class ResendBudget:
                 with self._lock:
                     waiter.abandoned = True
                     granted = waiter.granted
+                    if not granted:
+                        self.waiting -= 1
                 if granted:
                     self.release()
         return True
@@ -111,17 +113,20 @@ class ResendBudget:
         """Free a slot, and hand as many as the budget now allows to the waiters, in order."""
         with self._lock:
             self.held -= 1
+            in_flight = self._attempts_in_flight()
             while self._waiters:
                 waiter = self._waiters[0]
                 if waiter.abandoned:
                     self._waiters.popleft()
                     continue
-                if self.held >= waiter.budget.slots(self._attempts_in_flight()):
+                if self.held >= waiter.budget.slots(in_flight):
                     break
                 self._waiters.popleft()
+                self.waiting -= 1
                 try:
                     waiter.loop.call_soon_threadsafe(_wake, waiter.future)
                 except RuntimeError:  # its loop is closed: nobody is waiting there any more
+                    waiter.abandoned = True
                     continue
                 waiter.granted = True
                 self.held += 1
