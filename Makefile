@@ -6,8 +6,12 @@ BUF := node_modules/.bin/buf
 RELEASED_CONTRACT := proto/released/gym_rpc_v1.binpb
 RELEASED_VERSION := proto/released/VERSION
 STAMP := $(VENV)/.installed
+# `make demo` on a fresh machine: a venv of its own with only what the demo needs (the base install and [head]).
+DEMO_VENV := .venv-demo
+DEMO_STAMP := $(DEMO_VENV)/.installed
 
-.PHONY: install proto stubs release-contract lint test run demo bench bench-scale mutate clean nemo-gym-venv
+.PHONY: install proto stubs release-contract lint test run demo bench bench-scale mutate clean nemo-gym-venv \
+	lowest-versions-venv
 
 install: $(STAMP) $(BUF)
 
@@ -55,14 +59,24 @@ lint: install
 nemo-gym-venv: $(STAMP)
 	$(BIN)/python tools/nemo_gym_venv.py
 
-test: lint nemo-gym-venv
+# Every runtime dependency at the lowest version pyproject.toml declares, for tests/test_lowest_versions.py (which
+# runs tests/lowest_versions.txt there): built once (a few minutes), then reused until the floors change.
+lowest-versions-venv: $(STAMP)
+	$(BIN)/python tools/lowest_versions_venv.py
+
+test: lint nemo-gym-venv lowest-versions-venv
 	$(BIN)/python -m pytest -q
 
 run: $(STAMP)
 	$(BIN)/gym-rpc head
 
-demo: $(STAMP)
-	$(BIN)/gym-rpc demo
+$(DEMO_STAMP): pyproject.toml
+	test -x $(DEMO_VENV)/bin/python || $(PYTHON) -m venv $(DEMO_VENV)
+	$(DEMO_VENV)/bin/python -m pip install --quiet -e '.[head]'
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	$(DEMO_VENV)/bin/gym-rpc demo
 
 # Benchmarks against baselines measured in the same run (~6 min); prints the ratio table, writes bench/RESULTS.md.
 # Not part of `make test` (tests/test_bench_smoke.py runs `python -m bench --quick` so the code cannot rot).
@@ -88,4 +102,4 @@ mutate: $(STAMP)
 	@tail -n 1 bench/MUTATION.md
 
 clean:
-	rm -rf $(VENV) .venv-nemo-gym mutants node_modules build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DEMO_VENV) .venv-nemo-gym .venv-lowest mutants node_modules build *.egg-info .pytest_cache .mypy_cache .ruff_cache

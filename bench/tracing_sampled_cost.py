@@ -2,6 +2,7 @@
 untraced, with the SDK's `ParentBased(TraceIdRatioBased(0.1))` sampler (`OTEL_TRACES_SAMPLER=
 parentbased_traceidratio`, `OTEL_TRACES_SAMPLER_ARG=0.1`) and the calls grouped in rollouts of 8, each in
 `rollout_context(id, span=True)`: one rollout in ten is recorded whole, the others' calls make no span at all.
+The goal at concurrency 64 is 0.85: tracing a large run, as it should be traced, cheap enough to leave on.
 
 Otherwise as `tracing_cost` (SDK provider, batching processor, dropping exporter). `python -m
 bench.tracing_sampled_cost [--quick] [--port PORT] [--json]`.
@@ -19,6 +20,7 @@ from gym_rpc.client._rollout import rollout_context
 from gym_rpc.telemetry import TRACING
 
 SAMPLED_FRACTION = 0.1
+TRACED_OVER_UNTRACED_GOAL_AT_64 = 0.85
 CALLS_PER_ROLLOUT = 8
 _rollout_numbers = itertools.count()
 
@@ -49,6 +51,7 @@ COST = flag_cost.FlagCost(
     on_label="traced",
     install=install_sampling_provider,
     timed_block=timed_block,
+    goals={64: TRACED_OVER_UNTRACED_GOAL_AT_64},
 )
 
 

@@ -1,7 +1,7 @@
 """`python -m gym_rpc` and the `gym-rpc` command (pyproject's [project.scripts]): the CLI, exiting 130 on Ctrl-C.
 
 Exit code 130 is documented for Ctrl-C whenever it comes, yet `gym_rpc.cli` takes a good part of a second to import
-(grpc, rich, pydantic; seconds on a loaded machine), and a KeyboardInterrupt escaping to the interpreter kills the
+(grpc, pydantic; seconds on a loaded machine), and a KeyboardInterrupt escaping to the interpreter kills the
 process by SIGINT instead (returncode -2). So nothing but `signal` and `sys` is imported before the `try`.
 """
 

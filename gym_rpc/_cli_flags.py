@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from gym_rpc._environment import environment
+from gym_rpc.client import checked_head_address
 from gym_rpc.config import MIN_PROBE_INTERVAL_SECONDS
+from gym_rpc.errors import ConfigError
 
 ENV_ERRORS_ATTRIBUTE = "gym_rpc_env_errors"  # set on a parser: the bad variables found while building it
 
@@ -38,11 +42,38 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+_DURATION = re.compile(
+    r"(?P<number>[-+]?(?:[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?|nan|inf))(?P<unit>ms|s|m|h)?", re.IGNORECASE
+)
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
 def _seconds(text: str) -> float:
+    """A duration: plain seconds (`30`, `0.5`) or with a unit (`500ms`, `30s`, `2m`, `1h`)."""
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a duration (30, 30s, 2m, 500ms, 1h), not {text!r}")
+    unit = (match.group("unit") or "s").lower()
+    return float(match.group("number")) * _UNIT_SECONDS[unit]
+
+
+def head_address(text: str) -> str:
+    """`--head` / GYM_RPC_HEAD: HOST:PORT (or a gRPC target such as unix:PATH), checked before anything runs."""
     try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, not {text!r}") from None
+        return checked_head_address(text.strip())
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def readable_file(text: str) -> Path:
+    """A file the command will read (a token, a certificate): it must be there and readable now."""
+    path = Path(text).expanduser()
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {exc.strerror or exc}") from None
+    return path
 
 
 def positive_float(text: str) -> float:

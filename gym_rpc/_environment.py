@@ -66,7 +66,10 @@ class Environment(BaseSettings):
     """What the environment says. Values stay text: each reader parses its own (the CLI names a bad flag default,
     the config a bad address). An empty value counts as unset (an empty export is how shells unset)."""
 
-    model_config = SettingsConfigDict(case_sensitive=True, extra="ignore", frozen=True, env_ignore_empty=True)
+    # protected_namespaces: the fields model_server_* are ours (pydantic < 2.10 warns about the `model_` prefix).
+    model_config = SettingsConfigDict(
+        case_sensitive=True, extra="ignore", frozen=True, env_ignore_empty=True, protected_namespaces=()
+    )
 
     head_address: str | None = _variable(HEAD_ADDRESS_ENV_VAR)
     token: str | None = _variable(TOKEN_ENV_VAR, secret=True)

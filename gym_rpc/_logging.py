@@ -3,6 +3,8 @@
 The library only logs (`logging.getLogger(__name__)`); the command decides where and how. JSON lines carry the
 current span's trace and span ids when a span is current, so a log line can be found from its trace and back.
 Fields given with `extra={...}` (the head's status changes carry `gym.server.name`, `from`, `to`) are kept.
+`RateLimitedLog` turns a failure that repeats (an accept that fails, a span processor that raises on every call)
+into one line per interval with a count.
 """
 
 from __future__ import annotations
@@ -69,3 +71,31 @@ def configure_logging(level: str, log_format: str, stream: IO[str] | None = None
         root.removeHandler(existing)
     root.addHandler(handler)
     root.setLevel(level.upper())
+
+
+class RateLimitedLog:
+    """Log a repeating problem at most once per `interval_seconds` (at `level`), saying how many were not
+    logged."""
+
+    def __init__(
+        self, log: logging.Logger, interval_seconds: float = 10.0, *, level: int = logging.WARNING
+    ) -> None:
+        self._log = log
+        self._interval = interval_seconds
+        self._level = level
+        self._last = -float("inf")
+        self._suppressed = 0
+
+    def warning(self, message: str, *, exc_info: BaseException | None = None) -> None:
+        """`log`, by the name of the level most problems are logged at."""
+        self.log(message, exc_info=exc_info)
+
+    def log(self, message: str, *, exc_info: BaseException | None = None) -> None:
+        """`message` (with `exc_info`'s traceback, when given) unless one was logged within the interval."""
+        now = time.monotonic()
+        if now - self._last < self._interval:
+            self._suppressed += 1
+            return
+        suffix = f" ({self._suppressed} more like it in the last {self._interval:g} s)" if self._suppressed else ""
+        self._last, self._suppressed = now, 0
+        self._log.log(self._level, "%s%s", message, suffix, exc_info=exc_info)

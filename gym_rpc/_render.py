@@ -1,30 +1,27 @@
-"""What the `gym-rpc` command prints: status rows, the status table (rich), the one-line summary, and rows as
-JSON, JSON lines or YAML.
+"""What the `gym-rpc` command prints: status rows, the status table, the one-line summary, and rows as JSON,
+JSON lines or YAML.
 
-Imported by the CLI (and the demo) only: rich is a terminal library, and `import gym_rpc` or ServerClient in a
-rollout worker must not pay for it (tests/test_cli_operability.py checks).
+Imported by the CLI (and the demo) only: `import gym_rpc` or ServerClient in a rollout worker must not pay for
+it (tests/test_cli_operability.py checks).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import yaml
-from rich.console import Console
-from rich.table import Table
 
-from gym_rpc.wire import ServerInstance, StatusReport
+from gym_rpc._text_table import Table
+from gym_rpc.wire import InstanceReport, ServerInstance, StatusReport
 
 OutputFormat = Literal["table", "json", "jsonl", "yaml"]
 OUTPUT_FORMATS: tuple[OutputFormat, ...] = ("table", "json", "jsonl", "yaml")
 TABLE_COLUMNS = ("NAME", "TYPE", "URL", "STATUS", "HTTP", "LATENCY", "LAST CHECKED", "PID", "UPTIME")
 UP = "success"
 PENDING = "pending"  # shown for a server the head has not probed yet
-_NOT_TERMINAL_WIDTH = 10_000  # piped output is never wrapped: scripts split it on runs of spaces
 _STATUS_STYLES = {UP: "green", PENDING: "yellow"}
 
 
@@ -48,39 +45,121 @@ def duration_text(seconds: float) -> str:
     return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
 
 
-def status_row(report: StatusReport, instance: ServerInstance | None, now: float) -> dict[str, Any]:
-    """One server as JSON/YAML output shows it. pid, start_time and uptime are null until the server registers."""
-    registered = instance is not None and instance.pid > 0
-    started = instance.start_time if instance is not None and instance.start_time > 0 else None
+def instances_up(report: StatusReport) -> int:
+    return sum(1 for instance in report.instances if instance.status == UP)
+
+
+def _started(start_time: float) -> float | None:
+    return start_time if start_time > 0 else None
+
+
+def _probe_fields(probed: StatusReport | InstanceReport) -> dict[str, Any]:
+    """The probe result of a server or an instance as JSON/YAML rows show it."""
     return {
-        "name": report.server_name,
-        "type": instance.server_type if instance else "",
-        "url": report.url,
-        "status": report.status,
+        "status": probed.status,
         # any HTTP answer is "success" (a 503 too, as in NeMo Gym): the code itself says whether it was healthy
-        "http_status": report.http_status or None,
-        "latency_ms": round(report.latency_seconds * 1000, 3) if report.checked_at else None,
-        "checked_at": report.checked_at or None,
-        "detail": report.detail,
-        "pid": instance.pid if registered and instance is not None else None,
+        "http_status": probed.http_status or None,
+        "latency_ms": round(probed.latency_seconds * 1000, 3) if probed.checked_at else None,
+        "checked_at": probed.checked_at or None,
+        "detail": probed.detail,
+    }
+
+
+def instance_row(instance: InstanceReport, row: ServerInstance | None, now: float) -> dict[str, Any]:
+    """One instance of a server as JSON/YAML output shows it (`in_flight`: the calls its process reported)."""
+    started = _started(instance.start_time)
+    return {
+        "instance_id": instance.instance_id,
+        "url": instance.url,
+        "origin": instance.origin,
+        **_probe_fields(instance),
+        "registration": instance.registration,
+        "draining": instance.draining,
+        "labels": dict(instance.labels),
+        "in_flight": row.in_flight if row is not None else 0,
+        "pid": instance.pid or None,
         "start_time": started,
         "uptime_seconds": round(now - started, 3) if started is not None else None,
     }
 
 
+def status_row(report: StatusReport, rows: Sequence[ServerInstance], now: float) -> dict[str, Any]:
+    """One server as JSON/YAML output shows it (`rows`: its ListServerInstances rows, the config instance's first).
+    pid, start_time and uptime are null until the server registers; `instances` lists every instance."""
+    instance = rows[0] if rows else None
+    registered = instance is not None and instance.pid > 0
+    started = _started(instance.start_time) if instance is not None else None
+    by_id = {row.instance_id: row for row in rows}
+    return {
+        "name": report.server_name,
+        "type": instance.server_type if instance else "",
+        "url": report.url,
+        **_probe_fields(report),
+        "pid": instance.pid if registered and instance is not None else None,
+        "start_time": started,
+        "uptime_seconds": round(now - started, 3) if started is not None else None,
+        "instances_up": instances_up(report),
+        "instances": [instance_row(i, by_id.get(i.instance_id), now) for i in report.instances],
+    }
+
+
+def by_name(instances: Iterable[ServerInstance]) -> dict[str, list[ServerInstance]]:
+    """ListServerInstances rows grouped by server name, in their order (a server's config instance first)."""
+    grouped: dict[str, list[ServerInstance]] = {}
+    for instance in instances:
+        grouped.setdefault(instance.name, []).append(instance)
+    return grouped
+
+
 def status_rows(
-    reports: Iterable[StatusReport], instances: Mapping[str, ServerInstance], now: float | None = None
+    reports: Iterable[StatusReport], instances: Iterable[ServerInstance], now: float | None = None
 ) -> list[dict[str, Any]]:
     moment = time.time() if now is None else now
-    return [status_row(r, instances.get(r.server_name), moment) for r in reports]
+    rows = by_name(instances)
+    return [status_row(r, rows.get(r.server_name, []), moment) for r in reports]
 
 
-def _table(reports: Sequence[StatusReport], instances: Mapping[str, ServerInstance], now: float) -> Table:
-    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", padding=(0, 1))
+def _instance_cells(instance: InstanceReport, now: float) -> list[str]:
+    """The probe columns of one instance: HTTP, LATENCY, LAST CHECKED, PID, UPTIME."""
+    checked = instance.checked_at
+    started = instance.start_time
+    return [
+        str(instance.http_status) if instance.http_status else "-",
+        f"{instance.latency_seconds * 1000:.1f} ms" if checked else "-",
+        f"{max(0.0, now - checked):.1f}s ago" if checked else "never",
+        str(instance.pid) if instance.pid > 0 else "-",
+        duration_text(now - started) if started > 0 else "-",
+    ]
+
+
+def _add_replicated(table: Table, report: StatusReport, server_type: str, now: float) -> None:
+    """A server of several instances: its row says how many are up, then one row per instance under it."""
+    up, total = instances_up(report), len(report.instances)
+    style = "green" if up == total else "yellow" if up else "red"
+    table.add_row(report.server_name, server_type, report.url, f"[{style}]{up}/{total} up[/]", *["-"] * 5)
+    for instance in report.instances:
+        text = instance.status or PENDING
+        shown = f"{text} (draining)" if instance.draining else text
+        style = "yellow" if instance.draining else _STATUS_STYLES.get(text, "red")
+        table.add_row(
+            f"  {instance.instance_id}",
+            instance.origin or "-",
+            instance.url,
+            f"[{style}]{shown}[/]",
+            *_instance_cells(instance, now),
+        )
+
+
+def _table(reports: Sequence[StatusReport], instances: Iterable[ServerInstance], now: float) -> Table:
+    table = Table()
     for column in TABLE_COLUMNS:
-        table.add_column(column, no_wrap=True)
+        table.add_column(column)
+    rows = {name: found[0] for name, found in by_name(instances).items()}  # each server's config instance row
     for report in reports:
-        instance = instances.get(report.server_name)
+        instance = rows.get(report.server_name)
+        if len(report.instances) > 1:
+            _add_replicated(table, report, instance.server_type if instance else "-", now)
+            continue
         checked = report.checked_at
         text = status_text(report)
         started = instance.start_time if instance is not None and instance.start_time > 0 else 0.0
@@ -100,25 +179,16 @@ def _table(reports: Sequence[StatusReport], instances: Mapping[str, ServerInstan
 
 def format_status_table(
     reports: Sequence[StatusReport],
-    instances: Mapping[str, ServerInstance],
+    instances: Iterable[ServerInstance],
     *,
     now: float | None = None,
     color: bool = False,
 ) -> str:
-    """The status table as text: one header line, one line per server; cells never empty ("-" instead), columns
-    two spaces apart, no trailing spaces. ANSI colours only when `color`."""
+    """The status table as text: one header line, one line per server (a server of several instances: a line of
+    how many are up, then an indented line per instance); cells never empty ("-" instead), columns two spaces
+    apart, no trailing spaces. ANSI colours only when `color`."""
     moment = time.time() if now is None else now
-    buffer = io.StringIO()
-    console = Console(
-        file=buffer,
-        width=_NOT_TERMINAL_WIDTH,
-        force_terminal=color,
-        no_color=not color,
-        highlight=False,
-        soft_wrap=False,
-    )
-    console.print(_table(reports, instances, moment))
-    return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip("\n").splitlines())
+    return _table(reports, instances, moment).render(color=color)
 
 
 def summary_line(reports: Sequence[StatusReport], allowed_down: Iterable[str] = ()) -> str:

@@ -2,19 +2,22 @@
 
 Exit codes (what an orchestrator can act on; docs/cli.md):
 0 success (`status`/`wait`: every server asked about is up); 1 a server is down (`status`, `wait` on timeout) or
-the command failed; 2 bad usage (a flag, an environment variable, an unknown server name); 3 the head could not
-be reached within the deadline; 130 interrupted (Ctrl-C).
+the command failed; 2 bad usage (a flag, an environment variable, an unknown server name, a missing extra); 3 the
+head could not be reached within the deadline; 4 the head refused our credentials (token missing or wrong, TLS
+failed); 130 interrupted (Ctrl-C); 141 the reader of our output went away (a closed pipe, as SIGPIPE would end us).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gym_rpc import __version__
 from gym_rpc._cli_flags import (
@@ -23,10 +26,12 @@ from gym_rpc._cli_flags import (
     choice_of,
     env_errors,
     env_flag,
+    head_address,
     non_negative_float,
     port_number,
     positive_float,
     probe_interval,
+    readable_file,
 )
 from gym_rpc._environment import (
     CONFIG_ENV_VAR,
@@ -42,7 +47,13 @@ from gym_rpc._environment import (
     WAIT_TIMEOUT_ENV_VAR,
 )
 from gym_rpc._logging import LOG_FORMATS, LOG_LEVELS, configure_logging
-from gym_rpc.client import DEFAULT_TIMEOUT_SECONDS, SyncControlClient, SyncStatusWatch
+from gym_rpc.client import (
+    DEFAULT_TIMEOUT_SECONDS,
+    ClientSecurity,
+    SyncControlClient,
+    SyncStatusWatch,
+    client_security,
+)
 from gym_rpc.config import (
     HEAD_SERVER_KEY,
     GlobalConfig,
@@ -51,7 +62,7 @@ from gym_rpc.config import (
     parse_config_text,
     url_host,
 )
-from gym_rpc.errors import ControlPlaneError, GymRpcError, HeadUnreachableError, UnknownServerError
+from gym_rpc.errors import ConfigError, ControlPlaneError, GymRpcError, HeadUnreachableError, UnknownServerError
 from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, ServerInstance, StatusReport, WatchEvent
 
 if TYPE_CHECKING:
@@ -61,7 +72,9 @@ EXIT_OK = 0
 EXIT_DOWN = 1  # also: the command failed
 EXIT_USAGE = 2  # argparse's own code for bad usage
 EXIT_HEAD_UNREACHABLE = 3
+EXIT_CREDENTIALS_REFUSED = 4  # the head refused the token, or the TLS handshake failed
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell shows for a command whose reader went away
 
 DEFAULT_HEAD = "127.0.0.1:11000"
 DEFAULT_WAIT_TIMEOUT_SECONDS = 300.0
@@ -113,8 +126,27 @@ def _add_head_flags(parser: argparse.ArgumentParser, *, call_timeout: bool = Tru
         "--head",
         env=HEAD_ADDRESS_ENV_VAR,
         default=DEFAULT_HEAD,
+        parse=head_address,
         metavar="HOST:PORT",
         help="head server address",
+    )
+    parser.add_argument(
+        "--token-file",
+        type=readable_file,
+        metavar="FILE",
+        help="a file holding the head's bearer token (none: $GYM_RPC_TOKEN)",
+    )
+    parser.add_argument(
+        "--cacert",
+        type=readable_file,
+        metavar="FILE",
+        help="TLS: the CA that signed the head (none: $GYM_RPC_TLS_CA)",
+    )
+    parser.add_argument(
+        "--cert", type=readable_file, metavar="FILE", help="mutual TLS: our certificate (none: $GYM_RPC_TLS_CERT)"
+    )
+    parser.add_argument(
+        "--key", type=readable_file, metavar="FILE", help="mutual TLS: our private key (none: $GYM_RPC_TLS_KEY)"
     )
     if call_timeout:
         env_flag(
@@ -189,6 +221,19 @@ def _add_serving_flags(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="status watches served at once; more get RESOURCE_EXHAUSTED (none: 512)",
     )
+    parser.add_argument(
+        "--connection-idle",
+        type=positive_float,
+        metavar="S",
+        help="seconds a gRPC connection may go without a call before the head closes it (none: 30)",
+    )
+    parser.add_argument(
+        "--watch-stall",
+        type=positive_float,
+        metavar="S",
+        help="seconds a status or health watch may wait for its reader to take a message before it is dropped "
+        "(none: 10)",
+    )
     _add_log_flags(parser, "info")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at least at info level")
 
@@ -242,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_serving_flags(bridge)
 
-    status = command("status", "show every server's status; exit 1 when one is not up")
+    status = command("status", "show every server's status (or the named ones'); exit 1 when one is not up")
+    status.add_argument("servers", nargs="*", metavar="NAME", help="only these servers (none: every server)")
     _add_head_flags(status)
     _add_output_flag(status, OUTPUT_FORMATS, "table")
     status.add_argument("--watch", action="store_true", help="redraw on every change until Ctrl-C")
@@ -274,19 +320,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_head_flags(wait, call_timeout=False)
     _add_output_flag(wait, OUTPUT_FORMATS, "table")
 
-    config = command("config", "print the global config (secrets redacted)")
+    config = command("config", "print the global config (secrets redacted), or check a config file")
     _add_head_flags(config)
     _add_output_flag(config, CONFIG_FORMATS, "yaml")
     config.add_argument("--yaml", dest="output", action="store_const", const="yaml", help="same as -o yaml")
     config.add_argument(
         "--include-secrets",
         action="store_true",
-        help="ask for the secrets too (needs the head's token, from $GYM_RPC_TOKEN; else they stay redacted)",
+        help="ask for the secrets too (needs the head's token: --token-file or $GYM_RPC_TOKEN)",
     )
+    config.add_argument(
+        "--check",
+        type=Path,
+        metavar="FILE",
+        help="validate FILE as the head would load it, without serving it or asking a head; exit 1 when invalid",
+    )
+
+    reload = command("reload", "make the head re-read its config file (the ReloadGlobalConfig RPC, as SIGHUP)")
+    _add_head_flags(reload)
 
     demo = command("demo", "run a head, demo servers and rollouts end to end on loopback")
     demo.add_argument("--rollouts", type=_positive_int, default=300, help="how many rollouts to run")
     demo.add_argument("--concurrency", type=_positive_int, default=32, help="rollouts in flight at once")
+    demo.add_argument(
+        "--serve", action="store_true", help="then keep the head and the demo servers up until Ctrl-C"
+    )
 
     completion = command("completion", "print a shell completion script (eval it in your shell's rc file)")
     completion.add_argument("shell", choices=("bash", "zsh", "tcsh"), help="the shell")
@@ -300,11 +358,50 @@ def _positive_int(text: str) -> int:
     return value
 
 
+# What each command needs beyond the base install: the extra that brings it, and the modules to look for.
+_HEAD_MODULES = (
+    "uvicorn",
+    "connectrpc",
+    "grpc_reflection",
+    "opentelemetry.sdk",
+    "opentelemetry.exporter.prometheus",
+    "opentelemetry.instrumentation.grpc",
+)
+COMMAND_EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "head": ("head", _HEAD_MODULES),
+    "bridge": ("head", _HEAD_MODULES),
+    "demo": ("head", _HEAD_MODULES),
+    "completion": ("completion", ("shtab",)),
+}
+
+
+def missing_extra(command: str) -> str | None:
+    """One line naming the `pip install` that brings what `command` needs, when something is not installed."""
+    extra, modules = COMMAND_EXTRAS.get(command, ("", ()))
+    missing = [name for name in modules if not _importable(name)]
+    if not missing:
+        return None
+    return (
+        f"gym-rpc {command}: needs the {extra!r} extra ({', '.join(missing)} not installed): "
+        f"pip install 'gym-rpc[{extra}]'"
+    )
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package is missing
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     for problem in env_errors(parser, args.command):
         parser.exit(EXIT_USAGE, f"gym-rpc {args.command}: error: {problem}\n")
+    missing = missing_extra(args.command)
+    if missing is not None:
+        parser.exit(EXIT_USAGE, missing + "\n")
     _set_up_logging(args)
     try:
         commands = {
@@ -313,22 +410,54 @@ def main(argv: Sequence[str] | None = None) -> None:
             "status": cmd_status,
             "wait": cmd_wait,
             "config": cmd_config,
+            "reload": cmd_reload,
             "demo": cmd_demo,
             "completion": cmd_completion,
         }
         code = commands[args.command](args)
+        sys.stdout.flush()  # here, where a closed pipe can still be told apart from a failure
     except KeyboardInterrupt:
         code = EXIT_INTERRUPTED
+    except BrokenPipeError:
+        code = _reader_gone()
     except UsageError as exc:
         print(f"gym-rpc {args.command}: error: {exc}", file=sys.stderr)
         code = EXIT_USAGE
-    except HeadUnreachableError as exc:
+    except ControlPlaneError as exc:
         print(f"gym-rpc {args.command}: error: {exc}", file=sys.stderr)
-        code = EXIT_HEAD_UNREACHABLE
+        code = _exit_code_of(exc)
     except GymRpcError as exc:
         print(f"gym-rpc {args.command}: error: {exc}", file=sys.stderr)
         code = EXIT_DOWN
     sys.exit(code)
+
+
+# What gRPC's own message (the details of the UNAVAILABLE it ends in, as for a head that is down) says when the TLS
+# handshake failed: "Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: ...CERTIFICATE_VERIFY_FAILED".
+_TLS_FAILURE_MARKS = ("handshake failed", "ssl_error", "certificate_verify_failed")
+
+
+def _exit_code_of(error: ControlPlaneError) -> int:
+    """Refused credentials (a wrong or missing token, a TLS handshake that failed), an unreachable head, or else
+    a failed command."""
+    if error.code.name in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+        return EXIT_CREDENTIALS_REFUSED
+    if isinstance(error, HeadUnreachableError):
+        details = getattr(error.__cause__, "details", None)
+        said = (details() if callable(details) else "") or ""
+        if error.code.name == "UNAVAILABLE" and any(mark in said.lower() for mark in _TLS_FAILURE_MARKS):
+            return EXIT_CREDENTIALS_REFUSED
+        return EXIT_HEAD_UNREACHABLE
+    return EXIT_DOWN
+
+
+def _reader_gone() -> int:
+    """Our reader closed the pipe (`gym-rpc status | head -1`): end quietly, as a command killed by SIGPIPE does,
+    and point stdout at /dev/null so the interpreter's last flush cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
 
 
 def _set_up_logging(args: argparse.Namespace) -> None:
@@ -411,14 +540,20 @@ def _announce(kind: str, started: HeadServer, source: str) -> None:
     print(f"gym-rpc {kind} listening on {started.address} ({source}, {guard}){''.join(extras)}", flush=True)
 
 
-def _max_watches(args: argparse.Namespace) -> dict[str, int]:
-    return {} if args.max_watches is None else {"max_concurrent_watches": args.max_watches}
+def _max_watches(args: argparse.Namespace) -> dict[str, Any]:
+    """The watch and connection bounds given on the command line (the rest keep HeadOptions' defaults)."""
+    given = {
+        "max_concurrent_watches": args.max_watches,
+        "watch_stall_seconds": args.watch_stall,
+        "connection_idle_seconds": args.connection_idle,
+    }
+    return {option: value for option, value in given.items() if value is not None}
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from gym_rpc.demo import run_demo
 
-    return asyncio.run(run_demo(args.rollouts, args.concurrency))
+    return asyncio.run(run_demo(args.rollouts, args.concurrency, serve=args.serve))
 
 
 def cmd_completion(args: argparse.Namespace) -> int:
@@ -431,21 +566,59 @@ def cmd_completion(args: argparse.Namespace) -> int:
 # --- clients: config, status, wait -------------------------------------------------------------------------------
 
 
+def _security(args: argparse.Namespace) -> ClientSecurity:
+    """The token and TLS the flags name, each falling back to its environment variable."""
+    files = (("ca_file", args.cacert), ("client_cert_file", args.cert), ("client_key_file", args.key))
+    tls = {key: str(path) for key, path in files if path is not None}
+    token = None
+    if args.token_file is not None:
+        token = args.token_file.read_text(encoding="utf-8").strip()
+        if not token:
+            raise UsageError(f"--token-file {args.token_file}: the file is empty")
+    try:
+        return client_security({"tls": tls} if tls else {}, token=token)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _client(args: argparse.Namespace, timeout: float | None = None) -> SyncControlClient:
     seconds: float = timeout if timeout is not None else args.timeout
-    return SyncControlClient(args.head, timeout_seconds=seconds)
+    return SyncControlClient(args.head, timeout_seconds=seconds, security=_security(args))
 
 
 def cmd_config(args: argparse.Namespace) -> int:
     from gym_rpc._render import render_document
 
-    config = _client(args).get_global_config(include_secrets=args.include_secrets)
+    if args.check is not None:
+        return _check_config(args.check)
+    client = _client(args)
+    if args.include_secrets and client.security.token is None:
+        raise UsageError(
+            "--include-secrets needs the head's token (--token-file FILE or GYM_RPC_TOKEN): without it the head "
+            "sends the secrets redacted"
+        )
+    config = client.get_global_config(include_secrets=args.include_secrets)
     print(render_document(config.document, args.output))
     return EXIT_OK
 
 
-def _instances(client: SyncControlClient) -> dict[str, ServerInstance]:
-    return {instance.name: instance for instance in client.list_server_instances()}
+def _check_config(path: Path) -> int:
+    """`config --check FILE`: the file loaded and validated exactly as `gym-rpc head --config FILE` would."""
+    config = load_config_file(path)  # a malformed file raises ConfigError: one line, exit 1
+    for name, reason in config.malformed_servers.items():
+        print(f"gym-rpc config: warning: {path}: {name} is not served: {reason}", file=sys.stderr)
+    print(f"{path}: valid, version {config.version}, {len(config.servers)} servers ({', '.join(config.servers)})")
+    return EXIT_OK
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    version, changed = _client(args).reload_global_config()
+    print(f"config version {version} ({'changed' if changed else 'unchanged'})")
+    return EXIT_OK
+
+
+def _instances(client: SyncControlClient) -> list[ServerInstance]:
+    return client.list_server_instances()
 
 
 def _require_known(names: Sequence[str], reports: Sequence[StatusReport], flag: str) -> None:
@@ -460,7 +633,7 @@ def _not_up(reports: Sequence[StatusReport], exempt: Sequence[str] = ()) -> list
 
 
 def _print_statuses(
-    reports: Sequence[StatusReport], instances: dict[str, ServerInstance], output: str, exempt: Sequence[str]
+    reports: Sequence[StatusReport], instances: Sequence[ServerInstance], output: str, exempt: Sequence[str]
 ) -> None:
     from gym_rpc._render import format_status_table, render_rows, status_rows, summary_line
 
@@ -479,6 +652,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     instances = _instances(client)
     reports = client.list_server_statuses().reports
     _require_known(args.allow_down, reports, "--allow-down")
+    _require_known(args.servers, reports, "status")
+    if args.servers:
+        reports = [r for r in reports if r.server_name in args.servers]
     _print_statuses(reports, instances, args.output, args.allow_down)
     return EXIT_DOWN if _not_up(reports, args.allow_down) else EXIT_OK
 
@@ -576,33 +752,35 @@ def _print_wait_result(reports: Sequence[StatusReport], client: SyncControlClien
     try:
         instances = _instances(client)
     except GymRpcError:
-        instances = {}
+        instances = []
     print(render_rows(status_rows(reports, instances), output), flush=True)  # type: ignore[arg-type]
 
 
 class _WaitProgress:
-    """What `wait` shows on stderr while it waits: a live line on a terminal, a line per change otherwise."""
+    """What `wait` shows on stderr while it waits: one line redrawn in place on a terminal, a line per change
+    otherwise."""
 
     def __init__(self, timeout: float, deadline: float) -> None:
-        from rich.console import Console
-
-        self._console = Console(stderr=True, highlight=False)
         self._deadline = deadline
         self._last = ""
-        self._status = self._console.status("waiting for the head") if self._console.is_terminal else None
-        if self._status is not None:
-            self._status.start()
+        self._live = sys.stderr.isatty()
+        if self._live:
+            self._draw("gym-rpc wait: waiting for the head")
+
+    def _draw(self, line: str) -> None:
+        sys.stderr.write(f"\r\x1b[2K{line}")  # back to the line's start, clear it, draw
+        sys.stderr.flush()
 
     def show(self, down: Sequence[StatusReport]) -> None:
         names = ", ".join(f"{r.server_name} ({r.status or 'pending'})" for r in down)
-        if self._status is not None:
+        if self._live:
             left = max(0.0, self._deadline - time.monotonic())
-            self._status.update(f"waiting for {names} ({left:.0f}s left)")
+            self._draw(f"gym-rpc wait: waiting for {names} ({left:.0f}s left)")
         elif names != self._last:
             print(f"gym-rpc wait: waiting for {names}", file=sys.stderr, flush=True)
         self._last = names
 
     def done(self) -> None:
-        if self._status is not None:
-            self._status.stop()
-            self._status = None
+        if self._live:
+            self._draw("")
+            self._live = False

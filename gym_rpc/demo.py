@@ -2,7 +2,8 @@
 
 A head on the embedded default config's shape, a demo model server (`POST /v1/responses`) and a demo resources
 server (`POST /verify`) on free ports; then N rollouts through ServerClient with rollout ids bound, each calling
-the model and then verifying; then the status table and the throughput. Everything it starts, it stops.
+the model and then verifying; then the status table and the throughput. Everything it starts, it stops: at once,
+or with `serve` after Ctrl-C, the head and servers kept up meanwhile for a newcomer to call.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ class ProgressBar:
             print(file=sys.stderr)
 
 
-async def run_demo(rollouts: int, concurrency: int) -> int:
+async def run_demo(rollouts: int, concurrency: int, *, serve: bool = False) -> int:
     stats = DemoStats()
     model_runner, model_port = await _serve(model_app(stats))
     resources_runner, resources_port = await _serve(resources_app(stats))
@@ -140,6 +141,8 @@ async def run_demo(rollouts: int, concurrency: int) -> int:
         latencies = await _run_rollouts(client, rollouts, concurrency)
         await _print_status(head.address)
         _print_throughput(latencies, stats, rollouts)
+        if serve:
+            await _serve_until_interrupted(head.address)
         return 0 if len(stats.rollout_ids_seen) == rollouts else 1
     finally:
         if client is not None:
@@ -148,6 +151,21 @@ async def run_demo(rollouts: int, concurrency: int) -> int:
         await head.stop()
         await model_runner.cleanup()
         await resources_runner.cleanup()
+
+
+async def _serve_until_interrupted(address: str) -> None:
+    """Keep everything up until Ctrl-C (which ends the command with 130, everything stopped)."""
+    print()
+    print(f"serving until Ctrl-C; in another shell: export GYM_RPC_HEAD={address}")
+    print("  gym-rpc status                  # the servers and their statuses")
+    print("  gym-rpc config                  # the config the head serves")
+    print(
+        "  python -c 'import asyncio; from gym_rpc.client.server_client import ServerClient; "
+        f"c = ServerClient.load_from_global_config(); "
+        f'print(asyncio.run(c.post("{MODEL_SERVER}", "/v1/responses", json={{"input": "hi"}})).status)\''
+    )
+    sys.stdout.flush()
+    await asyncio.Event().wait()
 
 
 async def _run_rollouts(client: ServerClient, rollouts: int, concurrency: int) -> list[float]:
@@ -168,7 +186,7 @@ async def _run_rollouts(client: ServerClient, rollouts: int, concurrency: int) -
 
 async def _print_status(address: str) -> None:
     control = ControlClient(address)
-    instances = {i.name: i for i in await control.list_server_instances()}
+    instances = await control.list_server_instances()
     snapshot = await control.list_server_statuses()
     print()
     print(format_status_table(snapshot.reports, instances))

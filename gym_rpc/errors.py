@@ -15,6 +15,37 @@ if TYPE_CHECKING:
     import grpc
 
 
+MAX_QUOTED_CHARACTERS = 200  # of a caller's text quoted in an error: enough to recognise, never a flood
+MAX_LISTED_CHARACTERS = 1000  # of names listed in an error (the rest counted): a NOT_FOUND stays a few KiB
+
+
+def quoted(text: str, limit: int = MAX_QUOTED_CHARACTERS) -> str:
+    """`text` as an error quotes it: repr()'d, cut to `limit` characters with its length said when longer, so a
+    caller's 4 MiB name comes back as a few hundred bytes."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def first_names(names: list[str], limit: int = MAX_LISTED_CHARACTERS) -> list[str]:
+    """The first of `names`, in their order, that fit in `limit` characters (at least one)."""
+    shown: list[str] = []
+    used = 0
+    for name in names:
+        used += len(name) + 2
+        if shown and used > limit:
+            break
+        shown.append(name[:MAX_QUOTED_CHARACTERS])
+    return shown
+
+
+def listed(names: list[str]) -> str:
+    """Names for an error message: the first that fit in MAX_LISTED_CHARACTERS, and how many more."""
+    shown = first_names(sorted(names))
+    text = ", ".join(shown) or "(none)"
+    return f"{text} (and {len(names) - len(shown)} more)" if len(shown) < len(names) else text
+
+
 class GymRpcError(Exception):
     """Base class of every error gym_rpc raises on purpose."""
 
@@ -29,8 +60,7 @@ class UnknownServerError(GymRpcError, KeyError):
     def __init__(self, server_name: str, known: list[str]) -> None:
         self.server_name = server_name
         self.known = known
-        listed = ", ".join(sorted(known)) or "(none)"
-        super().__init__(f"unknown server {server_name!r}; known servers: {listed}")
+        super().__init__(f"unknown server {quoted(server_name)}; known servers: {listed(known)}")
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])

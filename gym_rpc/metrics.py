@@ -89,8 +89,18 @@ def metrics_exported(environ: Mapping[str, str] | None = None) -> bool:
     return bool(names) or otlp_endpoint_set(env, OTLP_METRICS_ENDPOINT_ENV_VARS)
 
 
+# The global MeterProvider when this module was imported: the API's stand-in unless one was set before.
+_PROVIDER_AT_IMPORT = metrics.get_meter_provider()
+
+
 def _application_provider_installed() -> bool:
-    return not isinstance(metrics.get_meter_provider(), metrics._internal._ProxyMeterProvider)
+    """Whether a MeterProvider is installed, on public facts: the SDK's (whoever set it), or any other set since
+    this module was imported (one set earlier and not the SDK's goes unseen: `setup_metrics` then finds its own
+    refused by `set_meter_provider`, and shuts it down)."""
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    provider = metrics.get_meter_provider()
+    return isinstance(provider, MeterProvider) or provider is not _PROVIDER_AT_IMPORT
 
 
 def _readers(environ: Mapping[str, str], prometheus: bool) -> list[MetricReader]:
@@ -146,8 +156,15 @@ def setup_metrics(*, service_name: str, prometheus: bool, telemetry_block: Any =
     with _lock:
         if _provider_installed or _application_provider_installed():
             return True
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.resources import Resource
+        try:  # the SDK is the `tracing` extra's (and the head's): a base install records no metrics
+            from opentelemetry.sdk.metrics import MeterProvider
+            from opentelemetry.sdk.resources import Resource
+        except ImportError:
+            logger.warning(
+                "metrics are switched on but opentelemetry-sdk is not installed: they are not recorded "
+                "(pip install 'gym-rpc[otlp]')"
+            )
+            return False
 
         attributes = {} if environment().otel_service_name else {"service.name": service_name}
         readers = _readers(environ, prometheus)
@@ -155,6 +172,9 @@ def setup_metrics(*, service_name: str, prometheus: bool, telemetry_block: Any =
             metric_readers=readers, resource=Resource.create(attributes), **_exemplar_filter(environ)
         )
         metrics.set_meter_provider(provider)
+        if metrics.get_meter_provider() is not provider:  # one was there already: the application's stays
+            provider.shutdown()
+            return True
         _provider_installed = True
         METRICS.prometheus = prometheus
         return True

@@ -49,6 +49,7 @@ from gym_rpc._environment import (
     TRACES_EXPORTER_ENV_VAR,
     environment,
 )
+from gym_rpc._logging import RateLimitedLog
 from gym_rpc._telemetry_switches import effective_environment
 from gym_rpc._version import __version__
 
@@ -186,7 +187,10 @@ def _ensure_tracer_provider(service_name: str | None, environ: Mapping[str, str]
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
     except ImportError:
-        logger.warning("tracing is on but opentelemetry-sdk is not installed: spans are not recorded")
+        logger.warning(
+            "tracing is on but opentelemetry-sdk is not installed: spans are not recorded "
+            "(pip install 'gym-rpc[otlp]')"
+        )
         return
     provider = TracerProvider(resource=Resource.create(_resource_attributes(service_name)))
     for processor in _span_processors(environ):
@@ -252,6 +256,24 @@ def tracer() -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME, __version__)
 
 
+# --- instrumentation that fails --------------------------------------------------------------------------------
+
+# Seconds between two log lines about the same kind of failure (the lines in between are counted, not logged).
+FAILURE_LOG_INTERVAL_SECONDS = 10.0
+_failure_logs: dict[str, RateLimitedLog] = {}
+
+
+def instrumentation_failed(kind: str, error: BaseException) -> None:
+    """What gym_rpc does with an exception from OpenTelemetry's side of a call (a span processor, an exporter, a
+    sampler, an instrument): log it, at most once per FAILURE_LOG_INTERVAL_SECONDS for each `kind` ("tracing",
+    "metrics"), and go on: instrumentation may fail, a call may not."""
+    log = _failure_logs.get(kind)
+    if log is None:
+        log = _failure_logs[kind] = RateLimitedLog(logger, FAILURE_LOG_INTERVAL_SECONDS)
+    message = f"{kind} failed and was skipped ({type(error).__name__}: {error}); the call goes on"
+    log.warning(message, exc_info=error)
+
+
 # --- data plane: CLIENT spans and propagation --------------------------------------------------------------------
 
 
@@ -314,7 +336,8 @@ def server_span(
     server_address: tuple[str, int] | None = None,
 ) -> Iterator[trace.Span]:
     """A SERVER span continuing the trace of `headers` (`traceparent`, read with the global propagator); the
-    handler runs inside it, so its own spans and calls are children of the caller's span.
+    handler runs inside it, so its own spans and calls are children of the caller's span. What the tracer raises
+    (a sampler, a span processor) is logged, never the handler's: tracing may fail, a request may not.
 
     For servers that do not use `TraceContextPathMiddleware` but want the same: `with server_span(...) as span:`
     around the handler, then `set_response_status(span, status, server=True)` (or `record_failure(span, error)`
@@ -329,12 +352,18 @@ def server_span(
     if rollout_id is not None:
         attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
     name = f"{span_name(method)} {route}" if route else span_name(method)
-    with tracer().start_as_current_span(
-        name,
-        context=context,
-        kind=trace.SpanKind.SERVER,
-        attributes=attributes,
-        record_exception=False,
-        set_status_on_exception=False,
-    ) as span:
-        yield span
+    try:
+        span = tracer().start_span(name, context=context, kind=trace.SpanKind.SERVER, attributes=attributes)
+    except (
+        Exception
+    ) as error:  # a sampler or processor that raises: the handler runs in the caller's trace, unrecorded
+        instrumentation_failed("tracing", error)
+        span = trace.NonRecordingSpan(trace.get_current_span(context).get_span_context())
+    try:
+        with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+            yield span
+    finally:
+        try:
+            span.end()
+        except Exception as error:
+            instrumentation_failed("tracing", error)

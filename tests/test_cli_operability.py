@@ -139,7 +139,7 @@ def test_output_formats_print_the_same_rows(up_and_down_head: HeadProcess) -> No
         ]
         assert set(rows[0]) == {
             "name", "type", "url", "status", "http_status", "latency_ms", "checked_at", "detail", "pid",
-            "start_time", "uptime_seconds",
+            "start_time", "uptime_seconds", "instances_up", "instances",
         }  # fmt: skip
 
 
@@ -239,7 +239,7 @@ def test_environment_variables_are_flag_defaults(up_and_down_head: HeadProcess) 
 @pytest.mark.parametrize(
     ("variable", "value", "needle"),
     [
-        ("GYM_RPC_TIMEOUT", "soon", "GYM_RPC_TIMEOUT='soon': expected a number of seconds"),
+        ("GYM_RPC_TIMEOUT", "soon", "GYM_RPC_TIMEOUT='soon': expected a duration"),
         ("GYM_RPC_TIMEOUT", "-1", "GYM_RPC_TIMEOUT='-1': must be a positive number of seconds, not -1"),
         ("GYM_RPC_OUTPUT", "xml", "GYM_RPC_OUTPUT='xml': expected one of table, json, jsonl, yaml"),
         ("GYM_RPC_LOG_LEVEL", "loud", "GYM_RPC_LOG_LEVEL='loud': expected one of debug, info, warning, error"),

@@ -52,7 +52,7 @@ def test_bad_numbers_are_refused_with_one_line(args: list[str], needle: str) -> 
     "address", ["http://127.0.0.1:11000", "https://head.example:443", "127.0.0.1", "127.0.0.1:99999"]
 )
 def test_a_head_address_that_is_not_host_port_says_so(address: str) -> None:
-    line = assert_one_line(run_cli(["status", "--head", address], timeout=20), 1, "expected HOST:PORT")
+    line = assert_one_line(run_cli(["status", "--head", address], timeout=20), 2, "expected HOST:PORT")
     assert "Misformatted" not in line and "unreachable" not in line
 
 

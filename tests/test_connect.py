@@ -117,7 +117,7 @@ EXPECTED = {"policy": "SERVER_STATUS_SUCCESS", "tools": "SERVER_STATUS_CONNECTIO
 
 
 def test_every_rpc_of_the_contract_is_routed_to_the_servicer_method_of_its_name() -> None:
-    routes = endpoints(ControlPlaneServicer(head=None), token=None)  # type: ignore[arg-type]
+    routes = endpoints(ControlPlaneServicer(head=None))  # type: ignore[arg-type]
     assert sorted(routes) == sorted(f"{PREFIX}/{method.name}" for method in SERVICE.methods)
     watch = routes[f"{PREFIX}/WatchServerStatuses"]
     assert (watch.method.input, watch.method.output) == (
@@ -228,7 +228,7 @@ async def test_register_over_connect_advertises_the_callers_address(head_factory
         "RegisterServerInstance",
         {"serverName": "tools", "pid": 42, "listenHost": "0.0.0.0", "listenPort": 8123},
     )
-    assert (status, answer) == (200, {"advertisedUrl": "http://127.0.0.1:8123"})
+    assert (status, answer) == (200, {"advertisedUrl": "http://127.0.0.1:8123", "instanceId": "127.0.0.1:8123"})
 
 
 async def test_watch_stream_json_envelopes_then_end_of_stream(head_factory: HeadFactory, http) -> None:

@@ -81,7 +81,7 @@ async def test_rollout_prefixes_reach_the_server(http_server) -> None:
         await call(client, "tools", "/verify")  # every resources-server path
         await call(client, "agent", "/run")
         await call(client, "policy", "/ng-rollout/r-42/v1/responses")  # never doubled
-    with rollout_context("a/b?c#d"):
+    with rollout_context("task-9.r_2"):
         await call(client, "policy", "/v1/messages")
     await call(client, "policy", "/v1/responses")  # no rollout bound
     assert recorder.paths == [
@@ -91,7 +91,7 @@ async def test_rollout_prefixes_reach_the_server(http_server) -> None:
         "/ng-rollout/r-42/verify",
         "/run",
         "/ng-rollout/r-42/v1/responses",
-        "/ng-rollout/a%2Fb%3Fc%23d/v1/messages",
+        "/ng-rollout/task-9.r_2/v1/messages",
         "/v1/responses",
     ]
 

@@ -101,8 +101,10 @@ def test_every_command_and_flag_shown_exists() -> None:
             known, flags = top_flags, list(_flag_words(words))
         elif words[0].rstrip(":") in subcommands and words[0].endswith(":"):
             continue  # a message the command prints: `gym-rpc wait: waiting for ...`
-        elif words[0] in subcommands:
-            known, flags = _flags(subcommands[words[0]]), list(_flag_words(words[1:]))
+        elif all(name in subcommands for name in words[0].split("|")):  # `gym-rpc status|wait|config`
+            named = [subcommands[name] for name in words[0].split("|")]
+            known = set.intersection(*(_flags(parser) for parser in named))
+            flags = list(_flag_words(words[1:]))
         else:
             wrong.append(f"{document}: gym-rpc {' '.join(words)} (no command {words[0]!r})")
             continue
@@ -170,3 +172,15 @@ def test_the_readme_is_a_front_page() -> None:
     linked = {target.partition("#")[0] for target in _links(ROOT / "README.md")}
     pages = {f"docs/{page.name}" for page in (ROOT / "docs").glob("*.md")}
     assert sorted(pages - linked) == []
+
+
+def test_the_example_ports_never_collide() -> None:
+    """Every page's examples give each head port its own number (SECURITY.md's health_port once took the
+    README's http_port), so configs copied from two pages can be used together."""
+    used: dict[str, set[str]] = {}
+    for path in DOCUMENTS:
+        text = path.read_text("utf-8")
+        for key, port in re.findall(r"\b(health_port|http_port|connect_port|metrics_port): (\d{4,5})\b", text):
+            used.setdefault(port, set()).add(key)
+    assert {port: keys for port, keys in used.items() if len(keys) > 1} == {}
+    assert len(used) >= 3  # the finder finds them

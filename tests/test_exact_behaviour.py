@@ -77,7 +77,7 @@ from gym_rpc.server._security import (
     _bearer_token,
     check_tls_files,
     head_token,
-    with_handshake_timeout,
+    server_options,
 )
 from gym_rpc.telemetry import TRACING
 from gym_rpc.v1 import control_plane_pb2 as pb
@@ -115,15 +115,19 @@ def test_a_misshapen_entry_is_named_in_one_exact_line(entry: dict[str, object]) 
     assert str(caught.value) == "config entry 'bad' is not of the form {server_type: {impl: {...}}}"
 
 
+RULE = "at most 256 letters, digits, dots, dashes or underscores, starting with a letter or digit"
+
+
 @pytest.mark.parametrize(
     ("rollout_id", "message"),
     [
-        ("", "invalid rollout id '': must be a non-empty string, not . or .."),
-        (".", "invalid rollout id '.': must be a non-empty string, not . or .."),
-        ("..", "invalid rollout id '..': must be a non-empty string, not . or .."),
-        (5, "invalid rollout id 5: must be a non-empty string, not . or .."),
-        ("x" * 257, "rollout id is 257 characters; at most 256"),
-        ("\ud800", "invalid rollout id '\\ud800': not encodable as UTF-8"),
+        ("", f"invalid rollout id '': {RULE}"),
+        (".", f"invalid rollout id '.': {RULE}"),
+        ("..", f"invalid rollout id '..': {RULE}"),
+        (5, f"invalid rollout id 5: {RULE}"),
+        ("x" * 257, f"invalid rollout id {'x' * 80!r} (and more): {RULE}"),
+        ("\ud800", f"invalid rollout id '\\ud800': {RULE}"),
+        ("r/1", f"invalid rollout id 'r/1': {RULE}"),
     ],
 )
 def test_a_refused_rollout_id_gets_one_exact_line(rollout_id: object, message: str) -> None:
@@ -218,6 +222,8 @@ async def test_a_resent_request_carries_the_same_body_and_each_resend_is_counted
 
 class RecordingObserver:
     """A CallObserver noting what it is told, in order."""
+
+    kind = "recording"
 
     def __init__(self) -> None:
         self.told: list[tuple[Any, ...]] = []
@@ -623,7 +629,7 @@ async def test_the_health_port_has_the_main_ports_bounds(head_factory) -> None:
 def test_an_unhashable_rollout_id_is_named_in_the_typed_error() -> None:
     with pytest.raises(InvalidRolloutIdError) as caught:
         rollout_path_prefix(["r"])  # type: ignore[arg-type]
-    assert str(caught.value) == "invalid rollout id ['r']: must be a non-empty string, not . or .."
+    assert str(caught.value) == f"invalid rollout id ['r']: {RULE}"
 
 
 @pytest.mark.parametrize(
@@ -1177,10 +1183,14 @@ def test_tls_files_the_head_cannot_serve_are_named_with_the_reason(tmp_path: Pat
         assert str(refused.value) == message
 
 
-def test_another_handshake_deadline_replaces_the_default_option() -> None:
-    options = with_handshake_timeout(1.5)
-    assert [name for name, _ in options].count("grpc.server_handshake_timeout_ms") == 1
+def test_chosen_deadlines_and_bound_replace_the_default_options() -> None:
+    options = server_options(max_connections=7, handshake_timeout_seconds=1.5, connection_idle_seconds=2.0)
+    names = [name for name, _ in options]
+    for name in ("grpc.server_handshake_timeout_ms", "grpc.max_connection_idle_ms"):
+        assert names.count(name) == 1
     assert dict(options)["grpc.server_handshake_timeout_ms"] == 1500
+    assert dict(options)["grpc.max_connection_idle_ms"] == 2000
+    assert dict(options)["grpc.max_allowed_incoming_connections"] == 7
 
 
 def test_http_client_must_be_a_mapping_and_each_upstream_pool_key_is_read() -> None:
@@ -1543,34 +1553,38 @@ def test_a_new_probers_revision_is_the_wall_clock_in_milliseconds() -> None:
     assert before <= revision <= time.time_ns() // 1_000_000
 
 
-async def test_a_moved_server_restarts_unprobed_but_keeps_its_registration() -> None:
-    """A server whose config address changes has a new config instance, unprobed at the new URL, with the
-    registration the registry holds for it; the listener is told the new report, not None."""
+async def test_a_moved_config_instance_restarts_unprobed_and_its_process_stays_an_instance() -> None:
+    """A server whose config address changes has a new config instance, unprobed at the new URL; the process that
+    registered at the old address is still an instance (a registered one, there); the listener is told each
+    change (never None: the server did not leave)."""
     told: list[tuple[StatusReport | None, str]] = []
 
     async def on_change(report: StatusReport | None, name: str) -> None:
         told.append((report, name))
 
-    first = GlobalConfig.from_document(document({"a": server_entry(1001)})).servers
-    moved = GlobalConfig.from_document(document({"a": server_entry(1002)})).servers
-    prober = StatusProber(first, on_change=on_change)
-    registry = InstanceRegistry()
-    await prober.set_servers(first)
-    registry.register(InstanceRegistration("a", 7, 0.0, LOOPBACK, 1001, "10.0.0.1", registered_at=time.time()))
-    await registry.update_prober(prober, lambda: first, ["a"])
-    await registry.update_prober(prober, lambda: moved)
+    config = {"servers": GlobalConfig.from_document(document({"a": server_entry(1001)})).servers}
+    prober = StatusProber(config["servers"], on_change=on_change)
+    registry = InstanceRegistry(lambda: config["servers"])
+    await prober.set_servers(config["servers"])
+    await registry.register(InstanceRegistration("a", 7, 0.0, LOOPBACK, 1001, LOOPBACK, registered_at=0.0))
+    await registry.update_prober(prober, ["a"])
+    config["servers"] = GlobalConfig.from_document(document({"a": server_entry(1002)})).servers
+    await registry.update_prober(prober)
     report = prober.report("a")
     assert (report.status, report.url, report.registration, report.advertised_url) == (
         None,
         f"http://{LOOPBACK}:1002",
-        "registered",
-        "http://10.0.0.1:1001",
+        None,
+        "",
     )
-    assert [(i.instance_id, i.status, i.pid) for i in report.instances] == [(f"{LOOPBACK}:1002", None, 7)]
+    assert [(i.instance_id, i.origin, i.registration, i.pid) for i in report.instances] == [
+        (f"{LOOPBACK}:1002", "config", None, 0),
+        (f"{LOOPBACK}:1001", "registered", "registered", 7),
+    ]
     assert [(report and (report.url, report.registration), name) for report, name in told] == [
         ((f"http://{LOOPBACK}:1001", None), "a"),
         ((f"http://{LOOPBACK}:1001", "registered"), "a"),
-        ((f"http://{LOOPBACK}:1002", "registered"), "a"),
+        ((f"http://{LOOPBACK}:1002", None), "a"),
     ]
 
 

@@ -17,6 +17,10 @@ PB2_ALLOWED_DIRS = (
     REPO_ROOT / "gym_rpc" / "wire",
     REPO_ROOT / "gym_rpc" / "client" / "_control.py",
     REPO_ROOT / "gym_rpc" / "client" / "_rpc.py",  # the call path: stubs per channel
+    REPO_ROOT
+    / "gym_rpc"
+    / "client"
+    / "_nemo_gym_control.py",  # the rows' answers from NeMo Gym's head read requests
     REPO_ROOT / "gym_rpc" / "server",
 )
 
@@ -71,3 +75,10 @@ def test_only_the_grpc_facing_modules_import_generated_messages() -> None:
         if re.search(r"_pb2", line)
     ]
     assert not offenders, "generated messages used outside the gRPC-facing modules:\n" + "\n".join(offenders)
+
+
+def test_the_service_name_is_the_contracts() -> None:
+    from gym_rpc.v1 import control_plane_pb2 as pb
+    from gym_rpc.wire import SERVICE_NAME
+
+    assert pb.DESCRIPTOR.services_by_name["ControlPlaneService"].full_name == SERVICE_NAME

@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from gym_rpc._logging import RateLimitedLog
 from gym_rpc.client._control import SyncControlClient
-from gym_rpc.server._connection_limits import BoundedListener, RateLimitedLog, connection_bound
+from gym_rpc.server._connection_limits import BoundedListener, connection_bound
 from tests.cli_helpers import STARTUP_SECONDS, cli_command, cli_env
 from tests.test_security import Pki, pki
 
@@ -46,14 +47,14 @@ def limit_fds() -> None:
 
 
 @contextlib.contextmanager
-def head_with_fd_limit(log: Path) -> Iterator[tuple[subprocess.Popen[str], str, dict[str, int]]]:
+def head_with_fd_limit(log: Path, *extra_args: str) -> Iterator[tuple[subprocess.Popen[str], str, dict[str, int]]]:
     """`gym-rpc head` with every HTTP-side port open, under `ulimit -n 1024` (soft and hard), stderr into `log`:
-    (the process, its gRPC address, {side: port})."""
+    (the process, its gRPC address, {side: port}). `extra_args` come last (a flag given again wins)."""
     flags = [arg for flag, _ in HTTP_SIDE_PORTS.values() for arg in (flag, "0")]
     banner = re.compile(r"listening on (\S+) ")
     with log.open("wb") as stderr:
         process = subprocess.Popen(
-            cli_command(["head", "--port", "0", *flags, "--probe-interval", "0.5"]),
+            cli_command(["head", "--port", "0", *flags, "--probe-interval", "0.5", *extra_args]),
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
@@ -272,5 +273,5 @@ def test_a_repeating_failure_is_logged_once_per_interval(caplog) -> None:
     caplog.set_level(logging.WARNING)
     log = RateLimitedLog(logging.getLogger("tests.rate"), interval_seconds=60.0)
     for _ in range(1000):
-        log.warning("cannot accept: Too many open files")
+        log.log("cannot accept: Too many open files")
     assert [r.getMessage() for r in caplog.records] == ["cannot accept: Too many open files"]

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -217,10 +217,13 @@ def run_interop_script(
     env: Mapping[str, str] | None = None,
     *,
     connect: bool = False,
+    arguments: Callable[[str], list[str]] | None = None,
 ) -> None:
     """Start a head with a server that answers and one that refuses, run the client command with the head's
-    address appended (its Connect port's with `connect`), stop the answering server after the watch snapshot,
-    and assert every line it printed: the config, the statuses, the snapshot, then the change."""
+    address appended (its Connect port's with `connect`) and assert every line it printed: the config, the
+    statuses, the snapshot. With `arguments` (the address -> the arguments asking for one change), it runs with
+    those instead, the answering server is stopped after the snapshot, and the change must follow; without, the
+    head stays quiet and the program must end by itself after the snapshot."""
     tools_port = closed_port()
     connect_port = {"connect_port": 0} if connect else {}
     doc = {
@@ -235,13 +238,16 @@ def run_interop_script(
             head.address, {"model": "success", "tools": "connection_error"}, security.python_client()
         )
         address = connect_address(head.banner) if connect else head.address
-        client = LineReader([*command, address], cwd, tmp_path / "client.stderr", env)
+        args = [address] if arguments is None else arguments(address)
+        client = LineReader([*command, *args], cwd, tmp_path / "client.stderr", env)
         try:
             got_config = client.json_line(CLIENT_SECONDS)["config"]
             statuses = client.json_line(5.0)["statuses"]
             snapshot = client.json_line(5.0)["watch"]
-            model_server.stop()
-            change = client.json_line(5.0)["watch"]
+            change = None
+            if arguments is not None:
+                model_server.stop()
+                change = client.json_line(5.0)["watch"]
             exit_code = client.finish(5.0)
             stderr = client.stderr
         finally:
@@ -263,6 +269,8 @@ def run_interop_script(
     assert snapshot["type"] == "WATCH_EVENT_TYPE_SNAPSHOT"
     assert statuses_by_name(snapshot["reports"]) == expected
     assert int(snapshot["revision"]) >= int(statuses["revision"])
+    if change is None:
+        return  # a quiet head: the snapshot, then the program ended with 0
     assert change["type"] == "WATCH_EVENT_TYPE_CHANGE"
     # Refused once stopped; TIMEOUT when a probe was in flight while the server shut down (a loaded machine).
     assert statuses_by_name(change["reports"]) in STOPPED_MODEL
@@ -281,9 +289,21 @@ def connect_address(banner: str) -> str:
 def test_typescript_client_calls_the_python_head(
     protocol: str, ts_workspace: Path, tmp_path: Path, model_server: ThreadedHttpServer
 ) -> None:
-    """Over gRPC (the head's port) and over the Connect protocol (head_server.connect_port), watch included."""
+    """Over gRPC (the head's port) and over the Connect protocol (head_server.connect_port), a change included."""
     command: list[str | Path] = [TSX, "interop/ts/client.ts", protocol]
-    run_interop_script(command, ts_workspace, tmp_path, model_server, connect=protocol == "connect")
+
+    def one_change(address: str) -> list[str]:
+        return [address, "1"]
+
+    connect = protocol == "connect"
+    run_interop_script(command, ts_workspace, tmp_path, model_server, connect=connect, arguments=one_change)
+
+
+@needs_npm_tools
+def test_typescript_client_ends_after_the_snapshot_on_a_quiet_head(
+    ts_workspace: Path, tmp_path: Path, model_server: ThreadedHttpServer
+) -> None:
+    run_interop_script([TSX, "interop/ts/client.ts", "grpc"], ts_workspace, tmp_path, model_server)
 
 
 @needs_npm_tools
@@ -408,6 +428,19 @@ def go_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_go_client_calls_the_python_head(
     go_client: Path, tmp_path: Path, model_server: ThreadedHttpServer
 ) -> None:
+    run_interop_script([go_client], tmp_path, tmp_path, model_server, arguments=_one_go_change)
+
+
+def _one_go_change(address: str) -> list[str]:
+    return ["-changes", "1", address]
+
+
+@needs_npm_tools
+@needs_go
+@go_build_timeout
+def test_go_client_ends_after_the_snapshot_on_a_quiet_head(
+    go_client: Path, tmp_path: Path, model_server: ThreadedHttpServer
+) -> None:
     run_interop_script([go_client], tmp_path, tmp_path, model_server)
 
 
@@ -419,7 +452,8 @@ def test_go_client_calls_a_head_with_tls_and_a_token(
 ) -> None:
     security = HeadSecurity(token=TOKEN, pki=pki)
     env = {**os.environ, "GYM_RPC_TOKEN": TOKEN}
-    run_interop_script([go_client, "-ca", pki.ca], tmp_path, tmp_path, model_server, security, env)
+    command: list[str | Path] = [go_client, "-ca", pki.ca]
+    run_interop_script(command, tmp_path, tmp_path, model_server, security, env, arguments=_one_go_change)
 
 
 @needs_npm_tools
@@ -550,7 +584,7 @@ def test_readme_installs_and_requires_the_stubs_at_the_contract_version() -> Non
 def readme_python_client() -> str:
     """The docs' complete Python client (docs/other-languages.md, "Python")."""
     readme = OTHER_LANGUAGES_PAGE.read_text()
-    marker = "```python\n# The head's config, every server's status, then a watch's first two events"
+    marker = "```python\n# The head's config, every server's status, then the watch's snapshot"
     start = readme.index(marker) + len("```python\n")
     return readme[start : readme.index("```", start)]
 
@@ -570,7 +604,13 @@ def test_readme_python_client_runs_the_same_script(tmp_path: Path, model_server:
         wait_for_statuses(head.address, {"model": "success", "tools": "connection_error"}, ClientSecurity())
         version = SyncControlClient(head.address, security=ClientSecurity()).get_global_config().version
         env = {**os.environ, "GYM_RPC_HEAD": head.address}
-        client = LineReader([sys.executable, script], tmp_path, tmp_path / "client.stderr", env)
+        quiet = LineReader([sys.executable, script], tmp_path, tmp_path / "quiet.stderr", env)
+        try:  # a quiet head: the snapshot, then the program ends by itself
+            quiet_lines = [quiet.text_line(CLIENT_SECONDS) for _ in range(4)]
+            quiet_exit = quiet.finish(10.0)
+        finally:
+            quiet.close()
+        client = LineReader([sys.executable, script, "1"], tmp_path, tmp_path / "client.stderr", env)
         try:
             lines = [client.text_line(CLIENT_SECONDS) for _ in range(4)]
             model_server.stop()
@@ -578,6 +618,8 @@ def test_readme_python_client_runs_the_same_script(tmp_path: Path, model_server:
             exit_code = client.finish(5.0)
         finally:
             client.close()
+    assert quiet_exit == 0, quiet.stderr
+    assert quiet_lines == lines[:4]
     assert exit_code == 0, client.stderr
     assert lines[:4] == [
         f"config {version} model tools",

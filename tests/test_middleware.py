@@ -24,7 +24,7 @@ from tests.conftest import LOOPBACK
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 SPAN_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{SPAN_ID}-01"
-FULL_PREFIX = f"/ng-rollout/r%2F1/training-token-capture/ng-trace/{TRACEPARENT}"
+FULL_PREFIX = f"/ng-rollout/r-1/training-token-capture/ng-trace/{TRACEPARENT}"
 MALFORMED_TRACEPARENTS = [
     "garbage",
     f"01-{TRACE_ID}-{SPAN_ID}-01",  # unknown version
@@ -44,7 +44,21 @@ BAD_ROLLOUT_PATHS = [
     "/ng-rollout/%FF/v1/responses",
     f"/ng-rollout/{'x' * 257}/v1/responses",
 ]
-AWKWARD_IDS = ["r/1", "a?b=c#d", "100%", "with space", "é☃🙂"]
+# Hostile ids (issue 26, point 7): each decodes to what is not one plain segment, so no handler may see it.
+HOSTILE_ROLLOUT_PATHS = [
+    "/ng-rollout/r%2F1/v1/responses",  # "/"
+    "/ng-rollout/..%2Fetc/v1/responses",
+    "/ng-rollout/%2E%2E%2F%2E%2E/v1/responses",
+    "/ng-rollout/r%00/v1/responses",  # NUL
+    "/ng-rollout/r%0A1/v1/responses",  # a line feed
+    "/ng-rollout/r%7F/v1/responses",  # DEL
+    "/ng-rollout/%E2%80%AEtxt.exe/v1/responses",  # RIGHT-TO-LEFT OVERRIDE
+    "/ng-rollout/r%E2%81%A61/v1/responses",  # LEFT-TO-RIGHT ISOLATE
+    "/ng-rollout/r%201/v1/responses",  # a space
+    "/ng-rollout/r%5C1/v1/responses",  # a backslash
+    "/ng-rollout/.hidden/v1/responses",
+]
+PLAIN_IDS = ["r1", "rollout-7", "task_3.attempt-2", "0" * 256]
 
 
 # --- the shared parser -------------------------------------------------------------------------------------------
@@ -52,7 +66,7 @@ AWKWARD_IDS = ["r/1", "a?b=c#d", "100%", "with space", "é☃🙂"]
 
 def test_full_prefix_is_split():
     assert split_gym_prefixes(FULL_PREFIX + "/v1/responses") == GymPrefixes(
-        "/v1/responses", "r/1", True, TRACEPARENT
+        "/v1/responses", "r-1", True, TRACEPARENT
     )
 
 
@@ -74,7 +88,17 @@ def test_prefix_combinations(path: str, expected: GymPrefixes):
     assert split_gym_prefixes(path).stripped == (expected.rest != path)
 
 
-@pytest.mark.parametrize("rollout_id", AWKWARD_IDS)
+@pytest.mark.parametrize("path", HOSTILE_ROLLOUT_PATHS)
+def test_the_parser_refuses_hostile_rollout_ids(path: str):
+    with pytest.raises(MalformedGymPrefixError, match="not a rollout id"):
+        split_gym_prefixes(path)
+
+
+def test_an_escaped_plain_id_is_the_plain_id():
+    assert split_gym_prefixes("/ng-rollout/r%2D1/v1").rollout_id == "r-1"
+
+
+@pytest.mark.parametrize("rollout_id", PLAIN_IDS)
 def test_parser_inverts_the_client_prefix(rollout_id: str):
     path = rollout_path_prefix(rollout_id, token_capture=True) + "/v1/responses"
     assert split_gym_prefixes(path) == GymPrefixes("/v1/responses", rollout_id, True, None)
@@ -118,7 +142,7 @@ def aiohttp_app() -> web.Application:
     @web.middleware
     async def outer(request: web.Request, handler: Handler) -> web.StreamResponse:
         response = await handler(request)
-        response.headers["x-outer-path"] = request.path
+        response.headers["x-outer-path"] = request.rel_url.raw_path  # as received: header-safe
         return response
 
     @web.middleware
@@ -269,10 +293,10 @@ async def test_full_prefix_reaches_the_handler_with_everything_handed_over(sessi
     seen = json.loads(text)
     assert seen["path"] == "/v1/responses"
     assert seen["query"] == "x=1&y=a%2Fb"
-    assert seen["rollout_id"] == "r/1"
+    assert seen["rollout_id"] == "r-1"
     assert seen["token_capture"] is True
     assert seen["traceparents"] == [TRACEPARENT]
-    assert seen["current_rollout_id"] == "r/1"
+    assert seen["current_rollout_id"] == "r-1"
     assert json.loads(seen["body"]) == {"input": "hi"}
 
 
@@ -292,8 +316,8 @@ async def test_trace_segment_alone_sets_only_the_header(session: ClientSession, 
     assert (seen["rollout_id"], seen["token_capture"], seen["current_rollout_id"]) == (None, False, None)
 
 
-async def test_awkward_rollout_ids_round_trip(session: ClientSession, base_url: str):
-    for rollout_id in AWKWARD_IDS:
+async def test_plain_rollout_ids_round_trip(session: ClientSession, base_url: str):
+    for rollout_id in PLAIN_IDS:
         status, text = await _call(session, base_url, rollout_path_prefix(rollout_id) + "/v1/responses")
         assert status == 200, text
         seen = json.loads(text)
@@ -316,6 +340,15 @@ async def test_bad_rollout_segment_is_answered_400(session: ClientSession, base_
         status, text = await _call(session, base_url, path)
         assert status == 400, (path, text)
         assert "rollout id" in text
+
+
+async def test_hostile_rollout_ids_are_answered_400_and_never_reach_a_handler(
+    session: ClientSession, base_url: str
+):
+    for path in HOSTILE_ROLLOUT_PATHS:
+        status, text = await _call(session, base_url, path)
+        assert (status, text.startswith("rollout id segment")) == (400, True), (path, text)
+        assert "\x00" not in text and "\u202e" not in text  # the reply quotes the segment as it came, escaped
 
 
 async def test_stripped_path_without_a_route_is_404(session: ClientSession, base_url: str):
@@ -397,23 +430,23 @@ async def test_asgi_websocket_scope_passes_untouched():
 async def test_asgi_without_raw_path_parses_the_decoded_path():
     inner = _Capture()
     await TraceContextPathMiddleware(inner)(
-        _http_scope("/ng-rollout/r 1/v1/responses", None), _no_message, _discard
+        _http_scope("/ng-rollout/r-1/v1/responses", None), _no_message, _discard
     )
     (scope,) = inner.scopes
     assert scope["path"] == "/v1/responses"
     assert "raw_path" not in scope
-    assert scope["state"] == {"rollout_id": "r 1", "token_capture": False}
+    assert scope["state"] == {"rollout_id": "r-1", "token_capture": False}
     assert scope["query_string"] == b"q=1"
-    assert inner.rollout_ids == ["r 1"]
+    assert inner.rollout_ids == ["r-1"]
 
 
 async def test_asgi_root_path_is_kept_in_front_of_the_stripped_path():
     inner = _Capture()
-    scope = _http_scope("/api/ng-rollout/r%2F1/v1/x%2Fy", b"/api/ng-rollout/r%252F1/v1/x%2Fy", root_path="/api")
-    scope["path"] = "/api/ng-rollout/r%2F1/v1/x/y"  # what a server decodes from that raw path
+    scope = _http_scope("/api/ng-rollout/r%2D1/v1/x%2Fy", b"/api/ng-rollout/r%2D1/v1/x%2Fy", root_path="/api")
+    scope["path"] = "/api/ng-rollout/r-1/v1/x/y"  # what a server decodes from that raw path
     await TraceContextPathMiddleware(inner)(scope, _no_message, _discard)
     (rewritten,) = inner.scopes
     assert rewritten["path"] == "/api/v1/x/y"
     assert rewritten["raw_path"] == b"/api/v1/x%2Fy"
-    assert rewritten["state"]["rollout_id"] == "r%2F1"
-    assert scope["path"] == "/api/ng-rollout/r%2F1/v1/x/y"  # the caller's scope is not mutated
+    assert rewritten["state"]["rollout_id"] == "r-1"
+    assert scope["path"] == "/api/ng-rollout/r-1/v1/x/y"  # the caller's scope is not mutated

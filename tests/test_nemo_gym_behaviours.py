@@ -22,6 +22,7 @@ import yaml
 from aiohttp import web
 from omegaconf import OmegaConf
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, Sampler
 from pydantic import BaseModel
 
 from gym_rpc import telemetry
@@ -311,15 +312,31 @@ async def test_an_empty_bound_rollout_id_adds_no_prefix(http_server) -> None:
     assert model.paths == ["/v1/responses"]
 
 
-def test_no_trace_segment_while_gym_rpc_tracing_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(telemetry.TRACING, "enabled", False)
-    tracer = TracerProvider().get_tracer("application")
-    with tracer.start_as_current_span("the application's own span"):
-        assert trace_context_path_segment() == ""
-        assert apply_rollout_prefix("http://h:1", "r") == "http://h:1/ng-rollout/r"
-    monkeypatch.setattr(telemetry.TRACING, "enabled", True)
-    with tracer.start_as_current_span("traced"):
-        assert trace_context_path_segment().startswith("/ng-trace/00-")
+@pytest.mark.parametrize(
+    ("gym_rpc_traces", "sampler", "segment"),
+    [
+        pytest.param(False, ALWAYS_ON, True, id="the application's sampled span, gym_rpc's tracing off"),
+        pytest.param(False, ALWAYS_OFF, False, id="the application's unsampled span, gym_rpc's tracing off"),
+        pytest.param(True, ALWAYS_ON, True, id="a sampled span, gym_rpc tracing"),
+        pytest.param(True, ALWAYS_OFF, True, id="an unsampled span, gym_rpc tracing: carried on unsampled"),
+    ],
+)
+def test_the_trace_segment_is_there_while_the_current_spans_trace_exports(
+    monkeypatch: pytest.MonkeyPatch, gym_rpc_traces: bool, sampler: Sampler, segment: bool
+) -> None:
+    """NeMo Gym's rule, "while traces export": a span the application started under its own SDK TracerProvider
+    puts its trace in the URL whenever it is sampled, even with gym_rpc's own call instrumentation off; an
+    unsampled one only while gym_rpc traces (its "not sampled" carried on, as gym_rpc's calls carry it)."""
+    monkeypatch.setattr(telemetry.TRACING, "enabled", gym_rpc_traces)
+    provider = TracerProvider(sampler=sampler)
+    with provider.get_tracer("application").start_as_current_span("the application's own span") as span:
+        context = span.get_span_context()
+        expected = f"/ng-trace/00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+        assert trace_context_path_segment() == (expected if segment else "")
+        assert apply_rollout_prefix("http://h:1", "r") == "http://h:1/ng-rollout/r" + (expected if segment else "")
+        assert apply_rollout_prefix("http://h:1", "r", trace_context=False) == "http://h:1/ng-rollout/r"
+    assert trace_context_path_segment() == ""  # no span current: none, whatever else
+    provider.shutdown()
 
 
 # --- NEMO_GYM_MODEL_SERVER_BASE_URL in request() ---

@@ -178,6 +178,7 @@ def start_local_ray(ray: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.fail(f"Ray chose node addresses {addresses}, not loopback only")
 
 
+@pytest.mark.timeout(240)  # Ray's start alone took most of the suite's 60 s on a loaded 2-core machine
 async def test_ray_actors_post_rollouts_through_pickled_clients(
     head_factory, http_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -4,6 +4,7 @@ metadata addresses are refused unless listed, and `head_server.registration.allo
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +115,17 @@ def test_the_policy_reads_embedded_ipv4_forms() -> None:
 def test_unknown_registration_keys_are_config_errors() -> None:
     with pytest.raises(ConfigError, match=r"head_server\.registration\.allowed_network"):
         head_server_settings({"host": LOOPBACK, "port": 0, "registration": {"allowed_network": ["10.0.0.0/8"]}})
+
+
+async def test_an_unchanged_registration_is_logged_at_debug_a_change_at_info(tmp_path: Path) -> None:
+    with running_head(write_config(tmp_path), "--log-level", "debug") as head:
+        client = ControlClient(head.address)
+        for port in (8001, 8001, 8001, 8001, 8002):  # three renewals, then a move
+            await client.register_server_instance("policy", listen_port=port, advertise_host="10.0.0.5", pid=7)
+        await asyncio.to_thread(head.wait_for_stderr, "registered pid 7 at http://10.0.0.5:8002", 20)
+    lines = head.stderr_text.splitlines()
+    info = [line for line in lines if " INFO gym_rpc.head: policy: registered pid 7" in line]
+    debug = [
+        line for line in lines if " DEBUG gym_rpc.head: policy: renewed pid 7 at http://10.0.0.5:8001" in line
+    ]
+    assert (len(info), len(debug)) == (2, 3), lines

@@ -20,8 +20,10 @@ from gym_rpc.client._control import ControlClient
 from gym_rpc.server._head import HeadServer
 from gym_rpc.server._instances import InstanceTarget, watched
 from gym_rpc.wire import InstanceOrigin, StatusReport
+from tests.cli_helpers import running_head, threaded_http_server
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 from tests.test_head_rpc import rewrite_config
+from tests.test_metrics import METRICS_PATTERN, announced, eventually, value, write_config
 from tests.test_scale import CountingServer
 from tests.test_watch import read_until, start_stoppable_server, watching
 
@@ -114,8 +116,9 @@ async def test_the_name_is_up_while_any_instance_answers(head_factory) -> None:
     finally:
         await runner.cleanup()
     report = await wait_for_report(head, lambda r: r.status == "connection_error", "down")
-    assert statuses(report) == [(authority(config_port), "connection_error")] * 1 + [
-        (authority(replica), "connection_error")
+    assert statuses(report) == [
+        (authority(config_port), "connection_error"),
+        (authority(replica), "connection_error"),
     ]
     assert await health_of(head, "policy") == _NOT_SERVING
 
@@ -145,7 +148,7 @@ async def test_each_instance_change_is_one_revision_and_a_resume_replays_it(head
         await runner.cleanup()
 
 
-async def test_a_reload_that_adds_a_replica_is_one_change_and_only_it_is_probed(head_factory) -> None:
+async def test_a_reload_that_adds_a_replica_is_one_change_and_only_it_is_probed(head_factory, caplog) -> None:
     """GetServerStatus with a freshness bound probes only the instances whose results are too old: the replica a
     reload added, not the two probed a moment ago (probes are single-flight and fresh per instance)."""
     counters = [CountingServer() for _ in range(3)]
@@ -163,7 +166,10 @@ async def test_a_reload_that_adds_a_replica_is_one_change_and_only_it_is_probed(
         revision = head.prober.revision
         rewrite_config(head, replicated(ports[0], ports[1], ports[2]))
         client = ControlClient(head.address)
-        assert (await client.reload_global_config())[1] is True
+        with caplog.at_level(logging.INFO, logger="gym_rpc.head"):
+            assert (await client.reload_global_config())[1] is True
+        (reloaded,) = [r.getMessage() for r in caplog.records if "config reloaded" in r.getMessage()]
+        assert reloaded.endswith(f"(instances of policy: +{authority(ports[2])})")
         added = head.prober.report("policy")
         assert statuses(added) == [  # the new one unprobed; the others keep their results
             (authority(ports[0]), "success"),
@@ -230,3 +236,25 @@ async def test_a_draining_instance_gets_no_new_work_so_it_does_not_make_the_name
     report = head.prober.report("policy")
     assert report.status == "success"  # the config instance's own status, as the proto says
     assert await health_of(head, "policy") == _NOT_SERVING  # but no instance may be given new work
+
+
+def test_the_heads_metrics_count_instances_by_state(tmp_path) -> None:
+    """`gym_server_instances` by state, from a real `gym-rpc head`."""
+    with threaded_http_server() as server:
+        dead = closed_port()
+        replicas = [f"{LOOPBACK}:{dead}"]
+        config = write_config(tmp_path / "gym.yaml", {"policy": server_entry(server.port, replicas=replicas)})
+        with running_head(config, "--metrics-port", "0") as head:
+            url = announced(head, METRICS_PATTERN)
+            samples = eventually(
+                url,
+                lambda s: value(s, "gym_server_instances", gym_instance_state="pending") == 0.0,
+                "both instances probed",
+            )
+            counts = {
+                state: value(samples, "gym_server_instances", gym_server_name="policy", gym_instance_state=state)
+                for state in ("up", "draining", "down", "pending")
+            }
+            assert counts == {"up": 1.0, "draining": 0.0, "down": 1.0, "pending": 0.0}
+            assert f":{dead}" not in str(samples)  # no addresses in metrics
+            assert value(samples, "gym_server_up", gym_server_name="policy") == 1.0  # the name is up

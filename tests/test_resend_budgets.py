@@ -44,6 +44,8 @@ OK_RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\
 class Told:
     """A CallObserver noting the kind of each resend and the outcome."""
 
+    kind = "metrics"
+
     def __init__(self) -> None:
         self.resends: list[tuple[int, str]] = []
         self.outcome: tuple[Any, int] | None = None
@@ -450,6 +452,8 @@ async def test_the_next_url_hook_tries_other_instances_at_once_and_pauses_when_a
 
 
 class Raising:
+    kind = "metrics"
+
     def resent(self, attempt: int, kind: str) -> None:
         raise RuntimeError("resent")
 

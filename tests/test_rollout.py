@@ -6,7 +6,6 @@ import asyncio
 import re
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from urllib.parse import unquote
 
 import pytest
 from opentelemetry import trace as otel_trace
@@ -38,8 +37,28 @@ RESOURCES = "resources_servers"
 AGENT = "responses_api_agents"
 TRACE_SEGMENT_RE = re.compile(f"/ng-trace/{TRACEPARENT_PATTERN}")
 
-AWKWARD_IDS = ["r/1", "a?b=c", "frag#ment", "100%", "%2F", "with space", "é☃🙂", "../x", "a/../../b", "~-._"]
+# Ids that are not one plain segment (issue 26, point 7): refused by the client as by the receiving middleware.
+HOSTILE_IDS = [
+    "r/1",
+    "a?b=c",
+    "frag#ment",
+    "100%",
+    "%2F",
+    "with space",
+    "é☃🙂",
+    "../x",
+    "a/../../b",
+    "~-._",
+    "nul\x00",
+    "bell\x07",
+    "bidi\u202eexe.txt",
+    "\u2066isolate",
+    "tab\t",
+    ".hidden",
+    "-dash-first",
+]
 INVALID_IDS = [".", "..", "x" * (MAX_ROLLOUT_ID_LENGTH + 1), "\ud800"]  # "" means no rollout, as upstream
+PLAIN_IDS = ["r1", "rollout-7", "task_3.attempt-2", "0", "A" * MAX_ROLLOUT_ID_LENGTH]
 
 
 @pytest.fixture
@@ -65,18 +84,23 @@ def test_prefix_and_token_capture():
     assert rollout_path_prefix("rollout-7", token_capture=True) == "/ng-rollout/rollout-7/training-token-capture"
 
 
-@pytest.mark.parametrize("rollout_id", AWKWARD_IDS)
-def test_awkward_ids_become_exactly_one_encoded_segment(rollout_id: str):
+@pytest.mark.parametrize("rollout_id", PLAIN_IDS)
+def test_plain_ids_are_their_own_segment(rollout_id: str):
     prefix = rollout_path_prefix(rollout_id, token_capture=True)
-    empty, marker, encoded, capture = prefix.split("/")
-    assert (empty, marker, capture) == ("", "ng-rollout", "training-token-capture")
-    assert unquote(encoded) == rollout_id
-    assert not set(encoded) & set("/?# ")
-    assert encoded not in (".", "..")
+    assert prefix.split("/") == ["", "ng-rollout", rollout_id, "training-token-capture"]
+    assert encode_rollout_id(rollout_id) == rollout_id
 
 
-def test_encoding_is_percent_encoding_of_utf8():
-    assert encode_rollout_id("r/1?#% é") == "r%2F1%3F%23%25%20%C3%A9"
+@pytest.mark.parametrize("rollout_id", HOSTILE_IDS)
+def test_ids_that_are_not_one_plain_segment_are_refused(rollout_id: str):
+    with pytest.raises(InvalidRolloutIdError, match="letters, digits, dots, dashes or underscores"):
+        rollout_path_prefix(rollout_id, token_capture=True)
+
+
+def test_a_refused_id_is_quoted_in_part_only():
+    with pytest.raises(InvalidRolloutIdError) as caught:
+        encode_rollout_id("/" * 100_000)
+    assert len(str(caught.value)) < 300 and "(and more)" in str(caught.value)
 
 
 def test_longest_allowed_id_is_accepted():
@@ -117,7 +141,7 @@ def test_invalid_id_error_is_a_value_error_and_a_gym_rpc_error():
 
 @pytest.mark.parametrize("path", ["/v1/responses", "/v1/chat/completions", "/v1/messages"])
 def test_model_server_api_paths_get_the_prefix(path: str):
-    assert prefixed_path(path, MODEL, "r/1") == f"/ng-rollout/r%2F1{path}"
+    assert prefixed_path(path, MODEL, "r1") == f"/ng-rollout/r1{path}"
 
 
 def test_model_server_api_path_with_a_query_string_gets_the_prefix():
@@ -159,7 +183,7 @@ def test_prefix_is_never_doubled(server_type: str):
 
 
 def test_apply_rollout_prefix_outside_any_span():
-    assert apply_rollout_prefix("http://127.0.0.1:8000", "r/1") == "http://127.0.0.1:8000/ng-rollout/r%2F1"
+    assert apply_rollout_prefix("http://127.0.0.1:8000", "r-1") == "http://127.0.0.1:8000/ng-rollout/r-1"
     assert apply_rollout_prefix("http://127.0.0.1:8000/", "r1") == "http://127.0.0.1:8000/ng-rollout/r1"
     assert (
         apply_rollout_prefix("http://[::1]:8000/", "r1", token_capture=True)

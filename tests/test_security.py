@@ -527,7 +527,7 @@ def test_cli_with_tls_and_token_from_the_environment(tmp_path: Path, pki: Pki) -
         assert TOKEN not in shown.stdout + shown.stderr
 
         refused = run_cli(["status", "--head", address], env={**tls_env, TOKEN_ENV_VAR: "presented-wrong-token"})
-        assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
+        assert refused.returncode == 4 and "UNAUTHENTICATED" in refused.stderr, refused.stderr  # refused: 4
         assert "presented-wrong-token" not in refused.stderr and TOKEN not in refused.stderr + refused.stdout
     assert TOKEN not in head.stderr_text
 

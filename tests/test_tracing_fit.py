@@ -11,12 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
-from opentelemetry import baggage, propagate, trace
-from opentelemetry import context as otel_context
 
-from gym_rpc.client._http_tracing import trace_context_headers
 from tests.cli_helpers import LOOPBACK, running_head
 
 SCENARIO = Path(__file__).with_name("tracing_fit_scenario.py")
@@ -97,39 +93,3 @@ def test_an_unsampled_rollouts_calls_make_no_span_and_carry_its_context() -> Non
     kept = [(keep["trace_id"], s["span_id"], 1) for s in calls]
     dropped = (drop["trace_id"], drop["span_id"], 0)
     assert sent == [*kept, dropped, dropped]
-
-
-@pytest.mark.parametrize(
-    ("trace_state", "baggage_items", "flags"),
-    [
-        ((), {}, 0x01),
-        ((), {}, 0x00),
-        ((), {}, 0x03),  # sampled, random trace id (the SDK's newer flag)
-        ((("vendor", "v1"),), {}, 0x01),
-        ((), {"user": "u-1"}, 0x01),
-    ],
-)
-def test_trace_context_headers_are_what_the_global_propagator_writes(
-    trace_state: tuple[tuple[str, str], ...], baggage_items: dict[str, str], flags: int
-) -> None:
-    """The direct `traceparent` of the hot path, and the propagator's path for trace state and baggage, send
-    exactly the headers `opentelemetry.propagate.inject` would, and never touch the caller's headers."""
-    span = trace.NonRecordingSpan(
-        trace.SpanContext(
-            0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, is_remote=False,
-            trace_flags=trace.TraceFlags(flags), trace_state=trace.TraceState(list(trace_state)),
-        )
-    )  # fmt: skip
-    context = otel_context.get_current()
-    for key, value in baggage_items.items():
-        context = baggage.set_baggage(key, value, context)
-    token = otel_context.attach(context)
-    try:
-        given = {"X-Mine": "1", "TraceParent": "00-ffffffffffffffffffffffffffffffff-ffffffffffffffff-01"}
-        ours = trace_context_headers(given, span.get_span_context())
-        expected: dict[str, str] = {}
-        propagate.inject(expected, context=trace.set_span_in_context(span))
-    finally:
-        otel_context.detach(token)
-    assert {k.lower(): v for k, v in ours.items()} == {"x-mine": "1", **expected}
-    assert given["TraceParent"].startswith("00-ffff")  # the caller's mapping is untouched

@@ -1,10 +1,12 @@
 """One client cannot take every watch slot of the head (issue 14, item 5): watches are capped per client
-address as well as per head. Two peers on loopback: 127.0.0.1 and ::1, both served by a head bound to
-`localhost`. `gym-rpc status --watch` refused a slot waits for one."""
+address as well as per head, and every loopback address is one client (issue 26: a local process could bind
+127.0.0.2, 127.0.0.3, ... for a share each), here 127.0.0.1 and ::1 of a head bound to `localhost`. `gym-rpc status
+--watch` refused a slot waits for one."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -14,7 +16,7 @@ import pytest
 from gym_rpc.client._control import ControlClient, WatchEvent
 from gym_rpc.errors import ControlPlaneError, GymRpcError
 from gym_rpc.server._head import HeadServer
-from gym_rpc.server._servicer import peer_address
+from gym_rpc.server._watch_slots import WatchSlots, peer_address
 from tests.cli_helpers import STARTUP_SECONDS, running_cli
 from tests.conftest import document
 
@@ -46,14 +48,29 @@ async def test_one_client_address_cannot_take_every_watch(head_factory) -> None:
             assert (await anext(watch)).kind == "snapshot"
         with pytest.raises(ControlPlaneError, match="RESOURCE_EXHAUSTED") as caught:
             await anext(watch_stream(greedy))
-        assert "127.0.0.1 already holds 3 status watches, the most one client address may" in str(caught.value)
-        # Another client address still gets its watch, while the greedy one holds its share.
-        other = watch_stream(ControlClient(f"[::1]:{head.port}", timeout_seconds=5.0))
-        assert (await anext(other)).kind == "snapshot"
-        await other.aclose()
+        assert "127.0.0.1 (every loopback address counts as one client) already holds 3 status watches" in str(
+            caught.value
+        )
+        # ::1 is the same machine: no second share.
+        with pytest.raises(ControlPlaneError, match=r"RESOURCE_EXHAUSTED: ::1 \(every loopback address"):
+            await anext(watch_stream(ControlClient(f"[::1]:{head.port}", timeout_seconds=5.0)))
     finally:
         for watch in held:
             await watch.aclose()
+
+
+def test_another_client_address_gets_its_share_while_one_holds_its_own() -> None:
+    slots = WatchSlots("status watches", max_total=6, max_per_peer=3, instead="poll")
+    with contextlib.ExitStack() as held:
+        for address in ["127.0.0.1", "127.0.0.2", "::1"]:
+            assert slots.refusal(address) is None
+            held.enter_context(slots.held(address))
+        assert "already holds 3" in (slots.refusal("::ffff:127.0.0.9") or "")
+        for _ in range(3):
+            assert slots.refusal("10.0.0.7") is None
+            held.enter_context(slots.held("10.0.0.7"))
+        assert "already serves 6" in (slots.refusal("10.0.0.8") or "")
+    assert slots.open == 0 and slots.refusal("127.0.0.1") is None
 
 
 async def test_status_watch_waits_for_a_free_slot_instead_of_giving_up(head_factory) -> None:
@@ -83,7 +100,8 @@ async def test_status_watch_waits_for_a_free_slot_instead_of_giving_up(head_fact
     [
         ("ipv4:10.0.0.7:53211", "10.0.0.7"),
         ("ipv6:[::1]:53211", "::1"),
-        ("ipv6:[fe80::1%25eth0]:8", "fe80::1%25eth0"),
+        ("ipv6:[fe80::1%25eth0]:8", "fe80::1%eth0"),
+        ("ipv6:%5B::1%5D:53211", "::1"),
         ("unix:/tmp/head.sock", "unix:/tmp/head.sock"),
     ],
 )

@@ -2,11 +2,18 @@
 
 buf cannot drive grpcio-tools as a local plugin, so Python stubs are made here; `make proto` runs this and
 tests/test_generated_code.py runs it into a temporary folder to catch drift.
+
+The pinned generator writes code that refuses to run on any grpcio or protobuf older than itself (a version gate
+in each module) and uses grpcio 1.63's registered methods unconditionally. Nothing else in the code needs them, so
+`without_version_gates` takes the gates out and uses registered methods where the installed grpcio has them:
+the stubs then run on the lowest grpcio and protobuf pyproject.toml declares (tests/lowest_versions.txt's tests
+prove it), and the result is still exactly reproducible from proto/ with the pinned generator.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import sysconfig
 from importlib import resources
@@ -18,6 +25,33 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO_ROOT / "proto"
 PACKAGE_DIR = Path("gym_rpc") / "v1"
 INIT_TEXT = '"""Generated from proto/gym_rpc/v1 by tools/generate_python_stubs.py. Do not edit."""\n'
+
+_PROTOBUF_GATE = re.compile(
+    r"^from google\.protobuf import runtime_version as _runtime_version\n"
+    r"|^_runtime_version\.ValidateProtobufRuntimeVersion\(\n(?:    .*\n)*?\)\n",
+    re.M,
+)
+_GRPC_GATE = re.compile(r"^GRPC_GENERATED_VERSION = [\s\S]*?\n\nif _version_not_supported:\n(?:    .*\n)+", re.M)
+_REGISTERED_SWITCH = (
+    "# Registered methods (grpcio >= 1.63) where this grpcio has them; older ones call by name as before.\n"
+    '_REGISTERED_METHOD = {"_registered_method": True} if hasattr(grpc.Server, "add_registered_method_handlers") '
+    "else {}\n"
+)
+_ADD_REGISTERED = re.compile(r"^(    )(server\.add_registered_method_handlers\(.*\))$", re.M)
+
+
+def without_version_gates(name: str, text: str) -> str:
+    """The generated module without the generator's version gates (see the module's docstring)."""
+    if name.endswith("_pb2.py"):
+        text, count = _PROTOBUF_GATE.subn("", text)
+        assert count == 2, f"{name}: the protobuf version gate changed shape ({count} parts found)"
+    elif name.endswith("_pb2_grpc.py"):
+        text, count = _GRPC_GATE.subn(_REGISTERED_SWITCH, text)
+        assert count == 1, f"{name}: the grpcio version gate changed shape"
+        text = text.replace("_registered_method=True)", "**_REGISTERED_METHOD)")
+        text = _ADD_REGISTERED.sub(r"\1if _REGISTERED_METHOD:\n\1    \2", text)
+        assert "_registered_method=True" not in text
+    return text
 
 
 def generate(out_root: Path) -> list[Path]:
@@ -43,6 +77,8 @@ def generate(out_root: Path) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
+    for module in target.glob("*_pb2*.py"):
+        module.write_text(without_version_gates(module.name, module.read_text()))
     (target / "__init__.py").write_text(INIT_TEXT)
     (target / "py.typed").write_text("")
     return sorted(p for p in target.iterdir() if p.is_file())

@@ -2,10 +2,10 @@
 
 NeMo Gym declares Python >= 3.13 and a heavy dependency list, so it gets a venv of its own, beside the project's:
 `nemo-gym` from the package registry without its dependencies, then the few it really imports
-(tests/nemo_gym_compat/requirements.txt), then gym_rpc itself, editable. The venv is rebuilt only when those
-requirements or the interpreter change (a stamp holds their digest); a changed pyproject.toml only reinstalls
-gym_rpc (a second stamp), so it costs a few seconds after the first build. Without any Python >= 3.13 it prints
-`SKIP: <reason>` and exits 0: the test skips with it.
+(tests/nemo_gym_compat/requirements.txt), then gym_rpc itself with its [head] extra, editable. The venv is rebuilt
+only when those requirements or the interpreter change (a stamp holds their digest); a changed pyproject.toml only
+reinstalls gym_rpc (a second stamp), so it costs a few seconds after the first build. Without any Python >= 3.13 it
+prints `SKIP: <reason>` and exits 0: the test skips with it.
 
     python tools/nemo_gym_venv.py          # build or reuse; the last line is the venv's python (or SKIP: ...)
 """
@@ -75,7 +75,7 @@ def build(python: str) -> Path:
         STAMP.write_text(wanted)
     gym_rpc_wanted = _digest(PYPROJECT.read_bytes(), wanted.encode())
     if not (GYM_RPC_STAMP.exists() and GYM_RPC_STAMP.read_text() == gym_rpc_wanted):
-        _pip(venv_python, "-e", str(REPO_ROOT))
+        _pip(venv_python, "-e", f"{REPO_ROOT}[head]")  # the harness runs `gym-rpc head` too
         GYM_RPC_STAMP.write_text(gym_rpc_wanted)
     return venv_python
 

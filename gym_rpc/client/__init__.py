@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from gym_rpc._aiohttp_errors import ServerDroppedError
     from gym_rpc.client._channel import (
         DEFAULT_TIMEOUT_SECONDS,
+        checked_head_address,
         close_aio_channels,
         close_sync_channels,
         default_head_address,
@@ -52,6 +53,7 @@ _EXPORTS = {
     "SyncStatusWatch": "gym_rpc.client._watch",
     "apply_rollout_prefix": "gym_rpc.client._rollout",
     "client_security": "gym_rpc.client._security",
+    "checked_head_address": "gym_rpc.client._channel",
     "close_aio_channels": "gym_rpc.client._channel",
     "close_http_sessions": "gym_rpc.client._http",
     "close_sync_channels": "gym_rpc.client._channel",
@@ -78,6 +80,7 @@ __all__ = [
     "SyncControlClient",
     "SyncStatusWatch",
     "apply_rollout_prefix",
+    "checked_head_address",
     "client_security",
     "close_aio_channels",
     "close_http_sessions",

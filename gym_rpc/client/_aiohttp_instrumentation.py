@@ -2,23 +2,33 @@
 for every aiohttp request (and injects `traceparent`), so a traced ServerClient must not make a second one; it adds
 its own attributes (`gym.server.name`, `gym.rollout_id`, `http.request.resend_count`) to that span instead.
 
-How: sessions made while the instrumentation is active get one more aiohttp TraceConfig of ours, listed before the
-instrumentation's. Our hooks run when the request's headers are sent (or it fails), by which time the
+How, on public API only: whether the instrumentation is on is its instrumentor's public
+`is_instrumented_by_opentelemetry`; while it is on, every new aiohttp session gets its TraceConfig. So gym_rpc
+decides once, when it makes a session: a session made while the instrumentation was on is traced by it for its
+whole life (as the instrumentation itself goes on tracing such a session after `uninstrument()`), and gets one
+more TraceConfig of ours. Our hooks run when the request's headers are sent (or it fails), by which time the
 instrumentation's span is the current one; the attributes travel in aiohttp's `trace_request_ctx`.
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import aiohttp
 from opentelemetry import trace
 
+from gym_rpc.telemetry import instrumentation_failed
+
 INSTRUMENTATION_MODULE = "opentelemetry.instrumentation.aiohttp_client"
 _ATTRIBUTES_KEY = "gym_rpc.attributes"
 _OUTER_SPAN_KEY = "gym_rpc.outer_span"
+
+# The sessions gym_rpc made while the instrumentation was on (weakly: a closed, dropped session leaves).
+_instrumented_sessions: weakref.WeakSet[aiohttp.ClientSession] = weakref.WeakSet()
+_any_instrumented = False  # whether any was noted: the common case (no instrumentation) costs one name lookup
 
 
 def instrumentation_active() -> bool:
@@ -29,29 +39,33 @@ def instrumentation_active() -> bool:
     return bool(module.AioHttpClientInstrumentor().is_instrumented_by_opentelemetry)
 
 
+def note_instrumented_session(session: aiohttp.ClientSession) -> None:
+    """Remember `session` as one the instrumentation traces (gym_rpc made it while the instrumentation was on)."""
+    global _any_instrumented
+    _instrumented_sessions.add(session)
+    _any_instrumented = True
+
+
 def session_instrumented(session: aiohttp.ClientSession) -> bool:
-    """Whether the instrumentation added its TraceConfig to `session` (it marks it)."""
-    # aiohttp's own attribute first: its public `trace_configs` is a property, a Python call more on every call.
-    configs: Any = getattr(session, "_trace_configs", None) or getattr(session, "trace_configs", None)
-    if not configs:  # every traced call asks: the common answer without a generator
-        return False
-    return any(getattr(config, "_is_instrumented_by_opentelemetry", False) for config in configs)
+    """Whether the instrumentation traces `session`, as decided when gym_rpc made it."""
+    return _any_instrumented and session in _instrumented_sessions
 
 
 async def _add_attributes(session: aiohttp.ClientSession, context: Any, params: Any) -> None:
     request_context = getattr(context, "trace_request_ctx", None)
     if not isinstance(request_context, Mapping) or _ATTRIBUTES_KEY not in request_context:
         return  # not a ServerClient call
-    span = trace.get_current_span()
-    if span is request_context[_OUTER_SPAN_KEY] or not span.is_recording():
-        return  # the instrumentation made no span for this request (an excluded URL, suppressed)
-    span.set_attributes(request_context[_ATTRIBUTES_KEY])
+    try:
+        span = trace.get_current_span()
+        if span is request_context[_OUTER_SPAN_KEY] or not span.is_recording():
+            return  # the instrumentation made no span for this request (an excluded URL, suppressed)
+        span.set_attributes(request_context[_ATTRIBUTES_KEY])
+    except Exception as error:  # runs inside aiohttp's request: it must never fail the call
+        instrumentation_failed("tracing", error)
 
 
 def trace_configs() -> list[aiohttp.TraceConfig]:
-    """Our TraceConfig for a new session while the instrumentation is active, else none (no cost per request)."""
-    if not instrumentation_active():
-        return []
+    """Our TraceConfig, for a session made while the instrumentation is on."""
     config = aiohttp.TraceConfig()
     config.on_request_headers_sent.append(_add_attributes)
     config.on_request_exception.append(_add_attributes)

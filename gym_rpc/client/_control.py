@@ -4,14 +4,18 @@
 a response converter, a default deadline). Both clients inherit it, so an RPC cannot exist on one flavour only;
 each flavour adds only its call path (gym_rpc.client._rpc). Every call has a deadline (the client's
 `timeout_seconds` unless given), carries the bearer token when one is configured, and turns gRPC failures into
-gym_rpc errors that name the head's address and what to check (the gRPC error kept as their cause).
+gym_rpc errors that name the head's address and what to check (the gRPC error kept as their cause). Against NeMo
+Gym's HTTP head (an `ng_run` deployment) the rows' `http` functions answer instead (client._nemo_gym_control).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import grpc
 from grpc_health.v1 import health_pb2
 
+from gym_rpc.client import _nemo_gym_control as nemo_gym
 from gym_rpc.client._rpc import AsyncTransport, BlockingTransport, Call, Rpc, StreamRpc
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import HEALTH_SERVICE_NAME, ServerStatus, StatusSnapshot, WatchEvent, convert
@@ -92,10 +96,18 @@ def _register(
     start_time: float = 0.0,
     advertise_host: str = "",
     lease_seconds: float | None = None,
+    labels: Mapping[str, str] | None = None,
+    draining: bool = False,
+    server_type: str = "",
+    in_flight: int = 0,
     timeout: float | None = None,
 ) -> Call[pb.RegisterServerInstanceRequest]:
-    """Register (or renew) a running server process; returns the base URL the head advertises for it. With
-    `lease_seconds` the registration expires unless renewed within that long (None: never)."""
+    """Register (or renew) a running server process; returns the base URL the head advertises for it (or, from
+    `register_instance`, that URL and the instance the registration holds). At an address no instance of the
+    server holds it adds an instance (a replica); at one an instance holds it replaces that instance's process.
+    With `lease_seconds` the registration expires unless renewed within that long (None: never). `labels` (at most
+    16, gym_rpc.wire.label_problem), `draining` (no new work: the process is stopping), `server_type` (checked
+    against the config's) and `in_flight` (calls in flight now, as `gym-rpc status` shows) describe it."""
     request = convert.register_request_to_pb(
         server_name,
         pid=pid,
@@ -104,16 +116,22 @@ def _register(
         listen_port=listen_port,
         advertise_host=advertise_host,
         lease_seconds=lease_seconds,
+        labels=labels,
+        draining=draining,
+        server_type=server_type,
+        in_flight=in_flight,
     )
     return Call(request, timeout)
 
 
 def _deregister(
-    server_name: str, *, pid: int, timeout: float | None = None
+    server_name: str, *, pid: int, instance_id: str = "", timeout: float | None = None
 ) -> Call[pb.DeregisterServerInstanceRequest]:
-    """Forget the server's registration made by process `pid`; True when one was removed (False: none, or
-    another process's, which only its owner may remove). pid 0 names no process: INVALID_ARGUMENT."""
-    return Call(pb.DeregisterServerInstanceRequest(server_name=server_name, pid=pid), timeout)
+    """Forget the server's registration made by process `pid` (at `instance_id`, the id its registration
+    answered; empty: every one of `pid`); True when one was removed (False: none, or another process's, which only
+    its owner may remove). pid 0 names no process: INVALID_ARGUMENT."""
+    request = pb.DeregisterServerInstanceRequest(server_name=server_name, pid=pid, instance_id=instance_id)
+    return Call(request, timeout)
 
 
 def _head_health(*, timeout: float | None = None) -> Call[health_pb2.HealthCheckRequest]:
@@ -144,22 +162,48 @@ class ControlRpcs:
     tests/test_rpc_coverage.py checks it against the proto's service: every RPC has a row, on both clients.
     """
 
-    get_head_server_config = Rpc("GetHeadServerConfig", _head_server_config, convert.head_config_from_pb)
-    get_global_config = Rpc("GetGlobalConfig", _global_config, convert.global_config_from_pb)
-    get_global_config_if_changed = Rpc(
-        "GetGlobalConfig", _global_config_if_changed, convert.changed_config_from_pb
+    get_head_server_config = Rpc(
+        "GetHeadServerConfig", _head_server_config, convert.head_config_from_pb, http=nemo_gym.head_server_config
     )
-    get_server_status = Rpc("GetServerStatus", _server_status, convert.status_response_from_pb)
-    list_server_statuses = Rpc("ListServerStatuses", _server_statuses, convert.snapshot_from_pb)
-    watch_server_statuses = StreamRpc("WatchServerStatuses", _watch, convert.watch_event_from_pb, deadline=None)
-    list_server_instances = Rpc("ListServerInstances", _server_instances, convert.instances_from_pb)
+    get_global_config = Rpc(
+        "GetGlobalConfig", _global_config, convert.global_config_from_pb, http=nemo_gym.global_config
+    )
+    get_global_config_if_changed = Rpc(
+        "GetGlobalConfig",
+        _global_config_if_changed,
+        convert.changed_config_from_pb,
+        http=nemo_gym.global_config_if_changed,
+    )
+    get_server_status = Rpc(
+        "GetServerStatus", _server_status, convert.status_response_from_pb, http=nemo_gym.server_status
+    )
+    list_server_statuses = Rpc(
+        "ListServerStatuses", _server_statuses, convert.snapshot_from_pb, http=nemo_gym.server_statuses
+    )
+    watch_server_statuses = StreamRpc(
+        "WatchServerStatuses", _watch, convert.watch_event_from_pb, deadline=None, http=nemo_gym.watch
+    )
+    list_server_instances = Rpc(
+        "ListServerInstances", _server_instances, convert.instances_from_pb, http=nemo_gym.server_instances
+    )
     get_assistant_message_header = Rpc(
-        "GetAssistantMessageHeader", _assistant_message_header, convert.header_from_pb
+        "GetAssistantMessageHeader",
+        _assistant_message_header,
+        convert.header_from_pb,
+        http=nemo_gym.assistant_message_header,
     )
     reload_global_config = Rpc("ReloadGlobalConfig", _reload, convert.reload_from_pb)
     register_server_instance = Rpc("RegisterServerInstance", _register, convert.advertised_url_from_pb)
+    register_instance = Rpc("RegisterServerInstance", _register, convert.registered_from_pb)
     deregister_server_instance = Rpc("DeregisterServerInstance", _deregister, convert.deregistered_from_pb)
-    head_status = Rpc("Check", _head_health, _health_status, service=HEALTH_SERVICE_NAME, on_error=_health_error)
+    head_status = Rpc(
+        "Check",
+        _head_health,
+        _health_status,
+        service=HEALTH_SERVICE_NAME,
+        on_error=_health_error,
+        http=nemo_gym.head_health,
+    )
 
 
 class SyncControlClient(BlockingTransport, ControlRpcs):

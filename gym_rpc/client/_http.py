@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
 
+from gym_rpc.client._aiohttp_instrumentation import instrumentation_active, note_instrumented_session
 from gym_rpc.client._aiohttp_instrumentation import trace_configs as instrumentation_trace_configs
-from gym_rpc.client._resend import CallObserver, NextUrl, observer_raised, resend_after_failure
+from gym_rpc.client._resend import CallObserver, NextUrl, resend_after_failure
 from gym_rpc.client._resend_budget import CallCount, new_call_count
 from gym_rpc.client._resend_policy import RetryPolicy
 from gym_rpc.config import validation_error_line
 from gym_rpc.errors import ConfigError
+from gym_rpc.telemetry import instrumentation_failed
 
 if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
@@ -145,13 +147,17 @@ def _new_session(
         keepalive_timeout=settings.keepalive_timeout_seconds,
         socket_factory=sockets,
     )
-    return aiohttp.ClientSession(
+    instrumented = instrumentation_active()  # decided once per session: the instrumentation adds its own config
+    session = aiohttp.ClientSession(
         connector=connector,
         timeout=timeout,
         trust_env=False,
         cookie_jar=aiohttp.DummyCookieJar(),
-        trace_configs=instrumentation_trace_configs(),  # none unless aiohttp's instrumentation is on
+        trace_configs=instrumentation_trace_configs() if instrumented else None,
     )
+    if instrumented:
+        note_instrumented_session(session)
+    return session
 
 
 class LoopSessions:
@@ -284,8 +290,11 @@ async def send(
         if observer is not None:
             try:
                 observer.answered(response, 1)
-            except Exception:  # instrumentation may fail; the call may not
-                observer_raised(observer, "answered")
+            except Exception as observer_error:  # instrumentation may fail; the call may not
+                instrumentation_failed(observer.kind, observer_error)
+            except BaseException:  # a cancellation, say: the caller never gets the response, released here
+                response.close()
+                raise
         return response
     return await resend_after_failure(
         failure,

@@ -23,7 +23,7 @@ from gym_rpc.client._http import NextUrl, RetryPolicy, send
 from gym_rpc.client._http_tracing import traced_send
 from gym_rpc.errors import ResendsExhaustedError, ServerUnreachableError
 from gym_rpc.metrics import meter, seconds_histogram
-from gym_rpc.telemetry import TRACING
+from gym_rpc.telemetry import TRACING, instrumentation_failed
 
 if TYPE_CHECKING:
     import aiohttp
@@ -116,6 +116,7 @@ class MeteredCall:
     between the caller and aiohttp."""
 
     __slots__ = ("attributes", "instruments", "key", "started")
+    kind = "metrics"  # what instrumentation_failed logs its failures under
 
     def __init__(self, server_name: str, method: str) -> None:
         self.instruments = _instruments()
@@ -159,8 +160,14 @@ def metered_send(
     next_url: NextUrl | None = None,
 ) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
     """`send` (`traced_send` when tracing is on, same parameters) with the call metered: its own coroutine, which
-    must be awaited at once, as the call is counted in flight from here."""
-    metered = MeteredCall(server_name, method)
+    must be awaited at once, as the call is counted in flight from here. Metrics that fail to start (an
+    instrument that cannot be made) leave the call unmetered, and logged."""
+    metered: MeteredCall | None
+    try:
+        metered = MeteredCall(server_name, method)
+    except Exception as error:
+        instrumentation_failed(MeteredCall.kind, error)
+        metered = None
     if not TRACING.enabled:
         return send(
             session,
@@ -173,19 +180,15 @@ def metered_send(
             server_name=server_name,
             next_url=next_url,
         )
-    try:
-        return traced_send(
-            session,
-            method,
-            base_url,
-            url,
-            retry,
-            resend_after_disconnect,
-            kwargs,
-            server_name,
-            metered,
-            next_url=next_url,
-        )
-    except BaseException as error:  # no send to tell it: the call ends here
-        metered.failed(error, 0)
-        raise
+    return traced_send(
+        session,
+        method,
+        base_url,
+        url,
+        retry,
+        resend_after_disconnect,
+        kwargs,
+        server_name,
+        metered,
+        next_url=next_url,
+    )

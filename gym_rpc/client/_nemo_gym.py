@@ -10,18 +10,17 @@ pays one dictionary lookup, and only on calls made with observability on and no 
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Mapping
 from typing import Any
+
+from gym_rpc.wire import ROLLOUT_ID_RULE, is_plain_rollout_id
 
 NEMO_GYM_ROLLOUT_MODULE = "nemo_gym.rollout_correlation"
 ROLLOUT_ID_KEY = "_ng_rollout_id"
 TASK_INDEX_KEY = "_ng_task_index"
 ROLLOUT_INDEX_KEY = "_ng_rollout_index"
 ATTEMPT_INDEX_KEY = "_ng_attempt_index"
-# The ids NeMo Gym accepts in a body: one path segment, also usable as a file name (no leading dot).
-_EXPLICIT_ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def nemo_gym_rollout_id() -> str | None:
@@ -44,12 +43,10 @@ def rollout_id_from_run_body(body: Any) -> str | None:
         return None
     explicit = body.get(ROLLOUT_ID_KEY)
     if explicit is not None:
-        if not (isinstance(explicit, str) and _EXPLICIT_ROLLOUT_ID.fullmatch(explicit)):
-            raise ValueError(
-                f"{ROLLOUT_ID_KEY} must be text of letters, digits, dots, dashes or underscores that starts "
-                f"with a letter or digit, not {explicit!r}"
-            )
-        rollout_id = explicit
+        if not is_plain_rollout_id(explicit):  # the rule every rollout id follows (gym_rpc.wire)
+            shown = explicit[:80] if isinstance(explicit, str) else explicit
+            raise ValueError(f"{ROLLOUT_ID_KEY} must be at most 256 {ROLLOUT_ID_RULE}, not {shown!r}")
+        rollout_id = str(explicit)
     else:
         task, rollout = body.get(TASK_INDEX_KEY), body.get(ROLLOUT_INDEX_KEY)
         if task is None or rollout is None:

@@ -12,7 +12,6 @@ Nothing here runs while calls succeed at their first attempt.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import Counter
 from collections.abc import Callable
 from time import monotonic
@@ -26,11 +25,11 @@ from gym_rpc.client._resend_budget import RESEND_BUDGET
 from gym_rpc.client._resend_log import RESEND_LOG
 from gym_rpc.client._resend_policy import RetryPolicy
 from gym_rpc.errors import RequestTimeoutError, ResendLimit, ResendsExhaustedError, ServerUnreachableError
+from gym_rpc.telemetry import instrumentation_failed
 
 if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
 
-logger = logging.getLogger(__name__)
 
 # The replicas hook: (the URL whose attempt just failed, the failure's kind) -> the URL of the next attempt. A URL
 # not tried since the last pause is tried at once; one already tried, after the backoff pause. Called only on
@@ -42,32 +41,19 @@ class CallObserver(Protocol):
     """What `send` tells whoever observes a call (a span, the worker metrics): each attempt after the first and the
     kind of failure that made it, then the answer or the error the caller gets, with the number of attempts made.
     Told from inside `send`, so observing adds no coroutine between the caller and aiohttp (each one costs every
-    resumption of the call). An observer that raises is logged once and ignored: it never fails the call."""
+    resumption of the call).
+
+    An observer may fail, a call may not: whatever an observer raises is logged under its `kind` ("tracing",
+    "metrics"; gym_rpc.telemetry.instrumentation_failed) and the call goes on, its answer returned (or its own
+    error raised) and its connection released."""
+
+    kind: str
 
     def resent(self, attempt: int, kind: str) -> None: ...
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None: ...
 
     def failed(self, error: BaseException, attempts: int) -> None: ...
-
-
-_broken_observers: set[tuple[type, str]] = set()
-
-
-def observer_raised(observer: CallObserver, what: str) -> None:
-    """Log (once per observer type and method) an observer's exception, which the call ignores."""
-    key = (type(observer), what)
-    if key not in _broken_observers:
-        _broken_observers.add(key)
-        logger.exception("%s.%s raised; the call goes on without it", type(observer).__qualname__, what)
-
-
-def _tell_failed(observer: CallObserver | None, error: BaseException, attempts: int) -> None:
-    if observer is not None:
-        try:
-            observer.failed(error, attempts)
-        except Exception:
-            observer_raised(observer, "failed")
 
 
 async def resend_after_failure(
@@ -99,8 +85,8 @@ async def resend_after_failure(
             if observer is not None:
                 try:
                     observer.resent(attempts, kind)
-                except Exception:
-                    observer_raised(observer, "resent")
+                except Exception as observer_error:
+                    instrumentation_failed(observer.kind, observer_error)
             try:
                 response = await session.request(method, target, **kwargs)
             except BaseException as failure:
@@ -109,13 +95,20 @@ async def resend_after_failure(
             if observer is not None:
                 try:
                     observer.answered(response, attempts)
-                except Exception:
-                    observer_raised(observer, "answered")
+                except Exception as observer_error:
+                    instrumentation_failed(observer.kind, observer_error)
+                except BaseException:  # the caller never gets the response: released here
+                    response.close()
+                    raise
             return response
     except BaseException as final:
         if isinstance(final, ResendsExhaustedError):
             RESEND_LOG.gave_up(final)
-        _tell_failed(observer, final, attempts)
+        if observer is not None:
+            try:
+                observer.failed(final, attempts)
+            except Exception as observer_error:
+                instrumentation_failed(observer.kind, observer_error)
         raise
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from gym_rpc.telemetry import ROLLOUT_ID_ATTRIBUTE, TRACING, tracer
+from gym_rpc.telemetry import ROLLOUT_ID_ATTRIBUTE, TRACING, instrumentation_failed, tracer
 from gym_rpc.wire import encode_rollout_id, rollout_path_prefix, trace_path_segment
 
 _rollout_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("gym_rpc_rollout_id", default=None)
@@ -48,9 +48,12 @@ def rollout_context(rollout_id: str | None, *, span: bool = False) -> Iterator[s
             return
         # tracer().start_as_current_span(...) as the API's use_span runs it (the span current inside; an Exception
         # leaving the block recorded and made its error status; ended once the context is restored), without its
-        # two context managers of its own: a worker opens one per rollout, and a rollout can be a few calls.
-        attributes = {ROLLOUT_ID_ATTRIBUTE: rollout_id} if rollout_id else {}
-        rollout_span = tracer().start_span(ROLLOUT_SPAN_NAME, attributes=attributes)
+        # two context managers of its own: a worker opens one per rollout, and a rollout can be a few calls. What
+        # the tracer raises (a sampler, a span processor) is logged, never the block's: it runs untraced.
+        rollout_span = _started_rollout_span(rollout_id)
+        if rollout_span is None:
+            yield rollout_id
+            return
         attached = otel_context.attach(trace.set_span_in_context(rollout_span))
         try:
             yield rollout_id
@@ -61,19 +64,33 @@ def rollout_context(rollout_id: str | None, *, span: bool = False) -> Iterator[s
             raise
         finally:
             otel_context.detach(attached)
-            rollout_span.end()
+            try:
+                rollout_span.end()
+            except Exception as error:
+                instrumentation_failed("tracing", error)
     finally:
         _rollout_id.reset(token)
+
+
+def _started_rollout_span(rollout_id: str | None) -> trace.Span | None:
+    """The rollout's `gym.rollout` span, started; None (and the failure logged) when the tracer raises."""
+    attributes = {ROLLOUT_ID_ATTRIBUTE: rollout_id} if rollout_id else {}
+    try:
+        return tracer().start_span(ROLLOUT_SPAN_NAME, attributes=attributes)
+    except Exception as error:
+        instrumentation_failed("tracing", error)
+        return None
 
 
 def trace_context_path_segment() -> str:
     """Return `/ng-trace/<traceparent>` for the current span, or "" while traces are off or no span is current.
 
-    "Off" is gym_rpc's tracing decision (gym_rpc.telemetry): an application's own span does not turn it on."""
-    if not TRACING.enabled:
-        return ""
+    "While traces export" means while the current span's trace is exported: the segment is there whenever the
+    current span is valid and sampled, whoever started it (gym_rpc's `gym.rollout`, or a span the application
+    started under its own TracerProvider, gym_rpc's own tracing on or off). A valid span that is not sampled gives
+    it only while gym_rpc traces (gym_rpc.telemetry), carrying its "not sampled" on, as gym_rpc's calls do."""
     context = trace.get_current_span().get_span_context()
-    if not context.is_valid:
+    if not context.is_valid or not (context.trace_flags.sampled or TRACING.enabled):
         return ""
     return trace_path_segment(context.trace_id, context.span_id, context.trace_flags)
 

@@ -5,11 +5,17 @@ the wrapper's signature, a converter from the response to what the caller gets, 
 descriptor: read from a `BlockingTransport` it is a plain call, from an `AsyncTransport` a coroutine; a
 `StreamRpc` is an iterator or an async iterator. The clients declare each RPC once, in one shared class, so an RPC
 cannot exist on one flavour only, and the two signatures cannot drift.
+
+A row may also say how NeMo Gym's HTTP head answers it (`http`): against a head that speaks HTTP, not gRPC (an
+`ng_run` deployment; gym_rpc.client._head_protocol finds out once per address), both call paths use that instead.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
+import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Coroutine, Generator
 from dataclasses import dataclass
@@ -25,7 +31,17 @@ from gym_rpc.client._channel import (
     default_head_address,
     sync_channel,
 )
+from gym_rpc.client._head_protocol import (
+    DETECT_TIMEOUT_SECONDS,
+    NEMO_GYM_HTTP,
+    forget_head_protocol,
+    head_protocol,
+    known_head_protocol,
+)
+from gym_rpc.client._nemo_gym_control import unimplemented
+from gym_rpc.client._nemo_gym_head import NemoGymHead
 from gym_rpc.client._security import ClientSecurity, client_security
+from gym_rpc.errors import HeadTimeoutError, HeadUnreachableError
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import HEALTH_SERVICE_NAME, SERVICE_NAME, from_grpc_error, status_code
 
@@ -51,7 +67,8 @@ class Rpc(Generic[Params, Request, Response, Result]):
     """A unary RPC, declared once; `client.<name>(...)` builds the request, calls, converts the response.
 
     `on_error`, when given, turns a failed call into a result instead of an error (the head's own health answers
-    "connection_error" rather than raising).
+    "connection_error" rather than raising). `http`, when given, answers the call from NeMo Gym's HTTP head (the
+    head's endpoints, the request, the deadline); a row without it is refused there with UNIMPLEMENTED.
     """
 
     def __init__(
@@ -63,6 +80,7 @@ class Rpc(Generic[Params, Request, Response, Result]):
         service: str = SERVICE_NAME,
         deadline: Deadline = CLIENT_DEADLINE,
         on_error: Callable[[grpc.StatusCode], Result] | None = None,
+        http: Callable[[NemoGymHead, Any, float | None], Any] | None = None,
     ) -> None:
         self.method = method
         self.build = build
@@ -70,6 +88,7 @@ class Rpc(Generic[Params, Request, Response, Result]):
         self.service = service
         self.deadline = deadline
         self.on_error = on_error
+        self.http = http
         self.__doc__ = build.__doc__
 
     def deadline_for(self, call: Call[Request], client_timeout: float) -> float | None:
@@ -79,9 +98,22 @@ class Rpc(Generic[Params, Request, Response, Result]):
 
     def failed(self, error: grpc.RpcError, address: str) -> Result:
         """The result `on_error` makes of a failure, else the typed gym_rpc error (the gRPC one its cause)."""
+        code = status_code(error)
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            forget_head_protocol(address)  # the head went away: whatever listens there next is looked at afresh
         if self.on_error is None:
             raise from_grpc_error(error, address) from error
-        return self.on_error(status_code(error))
+        return self.on_error(code)
+
+    def over_http(self, head: NemoGymHead, call: Call[Request], client_timeout: float) -> Any:
+        """The call answered from NeMo Gym's HTTP head: the row's result (for a stream, an iterator of them)."""
+        if self.http is None:
+            raise unimplemented(self.method, head.address)
+        try:
+            return self.http(head, call.request, self.deadline_for(call, client_timeout))
+        except HeadUnreachableError:
+            forget_head_protocol(head.address)
+            raise
 
     def _bind(self, call_path: Callable[..., Any]) -> Callable[..., Any]:
         """The client's call path for this row; help() and inspect.signature() show the builder's parameters."""
@@ -99,6 +131,18 @@ class Rpc(Generic[Params, Request, Response, Result]):
 
 class StreamRpc(Rpc[Params, Request, Response, Result]):
     """A server-streaming RPC: `client.<name>(...)` iterates the converted messages until the caller stops."""
+
+    def stream_failed(self, error: grpc.RpcError, address: str, deadline: float | None) -> None:
+        """As `failed`, except that the DEADLINE_EXCEEDED of a stream that had answered (`deadline`: its deadline;
+        None when nothing came) is its own deadline passing, which says nothing against the head."""
+        if status_code(error) == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None:
+            raise HeadTimeoutError(
+                f"{self.method} from the head at {address} reached the stream's deadline of {deadline:.1f} s (the "
+                "timeout it was given), as asked; the head had answered",
+                address=address,
+                code=grpc.StatusCode.DEADLINE_EXCEEDED,
+            ) from error
+        self.failed(error, address)
 
     @overload  # type: ignore[override]
     def __get__(self, client: None, owner: type) -> StreamRpc[Params, Request, Response, Result]: ...
@@ -142,12 +186,38 @@ class _Transport:
         self.security = security if security is not None else client_security()
         self._metadata = self.security.metadata()
 
+    def _nemo_gym_head(
+        self, rpc: Rpc[..., Any, Any, Any], call: Call[Any]
+    ) -> tuple[NemoGymHead | None, Call[Any]]:
+        """NeMo Gym's HTTP head when that is what listens at the address, else None (a gRPC head); and the call,
+        its deadline less the time the first look at the address took (one connection, within the deadline)."""
+        tls = self.security.tls is not None
+        protocol = known_head_protocol(self.address, tls=tls)
+        if protocol is None:
+            deadline = rpc.deadline_for(call, self.timeout_seconds)
+            started = time.monotonic()
+            protocol = head_protocol(self.address, tls=tls, timeout=deadline or DETECT_TIMEOUT_SECONDS)
+            if deadline is not None:
+                call = Call(call.request, max(deadline - (time.monotonic() - started), 0.001))
+        return (NemoGymHead(self.address) if protocol == NEMO_GYM_HTTP else None), call
+
+    async def _anemo_gym_head(
+        self, rpc: Rpc[..., Any, Any, Any], call: Call[Any]
+    ) -> tuple[NemoGymHead | None, Call[Any]]:
+        """`_nemo_gym_head` for the event loop: the first look at an address runs in a thread."""
+        if known_head_protocol(self.address, tls=self.security.tls is not None) is None:
+            return await asyncio.to_thread(self._nemo_gym_head, rpc, call)
+        return self._nemo_gym_head(rpc, call)
+
 
 class BlockingTransport(_Transport):
     """The one blocking call path, over the process's shared channel to the head."""
 
     def unary(self, rpc: Rpc[..., Any, Any, Result], *args: Any, **kwargs: Any) -> Result:
-        call = rpc.build(*args, **kwargs)
+        head, call = self._nemo_gym_head(rpc, rpc.build(*args, **kwargs))
+        if head is not None:
+            result: Result = rpc.over_http(head, call, self.timeout_seconds)
+            return result
         method = _method(sync_channel(self.address, self.security.tls), rpc)
         try:
             response = method(
@@ -158,15 +228,20 @@ class BlockingTransport(_Transport):
         return rpc.convert(response)
 
     def stream(self, rpc: Rpc[..., Any, Any, Result], *args: Any, **kwargs: Any) -> Generator[Result, None, None]:
-        call = rpc.build(*args, **kwargs)
+        head, call = self._nemo_gym_head(rpc, rpc.build(*args, **kwargs))
+        if head is not None:
+            yield from rpc.over_http(head, call, self.timeout_seconds)
+            return
         method = _method(sync_channel(self.address, self.security.tls), rpc)
-        messages = method(
-            call.request, timeout=rpc.deadline_for(call, self.timeout_seconds), metadata=self._metadata
-        )
+        deadline = rpc.deadline_for(call, self.timeout_seconds)
+        messages = method(call.request, timeout=deadline, metadata=self._metadata)
+        answered = False
         try:
-            yield from map(rpc.convert, messages)
+            for message in messages:
+                answered = True
+                yield rpc.convert(message)
         except grpc.RpcError as error:
-            rpc.failed(error, self.address)
+            _stream_rpc(rpc).stream_failed(error, self.address, deadline if answered else None)
         finally:
             messages.cancel()
 
@@ -175,7 +250,10 @@ class AsyncTransport(_Transport):
     """The one asyncio call path, over the running loop's shared channel to the head."""
 
     async def unary(self, rpc: Rpc[..., Any, Any, Result], *args: Any, **kwargs: Any) -> Result:
-        call = rpc.build(*args, **kwargs)
+        head, call = await self._anemo_gym_head(rpc, rpc.build(*args, **kwargs))
+        if head is not None:
+            result: Result = await asyncio.to_thread(rpc.over_http, head, call, self.timeout_seconds)
+            return result
         method = _method(aio_channel(self.address, self.security.tls), rpc)
         try:
             response = await method(
@@ -188,15 +266,37 @@ class AsyncTransport(_Transport):
     async def stream(
         self, rpc: Rpc[..., Any, Any, Result], *args: Any, **kwargs: Any
     ) -> AsyncGenerator[Result, None]:
-        call = rpc.build(*args, **kwargs)
+        head, call = await self._anemo_gym_head(rpc, rpc.build(*args, **kwargs))
+        if head is not None:
+            async for result in _in_threads(rpc.over_http(head, call, self.timeout_seconds)):
+                yield result
+            return
         method = _method(aio_channel(self.address, self.security.tls), rpc)
-        messages = method(
-            call.request, timeout=rpc.deadline_for(call, self.timeout_seconds), metadata=self._metadata
-        )
+        deadline = rpc.deadline_for(call, self.timeout_seconds)
+        messages = method(call.request, timeout=deadline, metadata=self._metadata)
+        answered = False
         try:
             async for message in messages:
+                answered = True
                 yield rpc.convert(message)
         except grpc.RpcError as error:
-            rpc.failed(error, self.address)
+            _stream_rpc(rpc).stream_failed(error, self.address, deadline if answered else None)
         finally:
             messages.cancel()
+
+
+async def _in_threads(results: Generator[Result, None, None]) -> AsyncGenerator[Result, None]:
+    """A blocking generator (NeMo Gym's polled watch) iterated from the event loop, each step in a thread."""
+    done = object()
+    try:
+        while (result := await asyncio.to_thread(next, results, done)) is not done:
+            yield result  # type: ignore[misc]
+    finally:
+        with contextlib.suppress(ValueError):  # still running in its thread (the caller was cancelled)
+            results.close()
+
+
+def _stream_rpc(rpc: Rpc[..., Any, Any, Result]) -> StreamRpc[..., Any, Any, Result]:
+    """The stream call paths serve only StreamRpc rows (their descriptors bind `stream`)."""
+    assert isinstance(rpc, StreamRpc)
+    return rpc

@@ -7,8 +7,7 @@ or GYM_RPC_TLS_CA (plus GYM_RPC_TLS_CERT / GYM_RPC_TLS_KEY for a client certific
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import grpc
+from typing import TYPE_CHECKING
 
 from gym_rpc._environment import Environment, environment
 from gym_rpc.config import (
@@ -20,6 +19,10 @@ from gym_rpc.config import (
     read_file_bytes,
 )
 from gym_rpc.errors import ConfigError
+
+if TYPE_CHECKING:
+    import grpc
+
 from gym_rpc.wire import (
     AUTHORIZATION_METADATA_KEY,
     MAX_REQUEST_BYTES,
@@ -45,6 +48,8 @@ class ClientTls:
     server_name: str | None = None
 
     def credentials(self) -> grpc.ChannelCredentials:
+        import grpc  # on first use: a worker that never dials the head with TLS never loads it
+
         return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
 
     def channel_options(self) -> tuple[tuple[str, str], ...]:

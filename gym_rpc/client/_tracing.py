@@ -3,12 +3,30 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
 from gym_rpc.telemetry import tracing_enabled
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _instrumented() -> bool:
+    """Whether OpenTelemetry's gRPC instrumentation is installed (the `tracing` extra); said once when not."""
+    try:
+        import opentelemetry.instrumentation.grpc  # noqa: F401
+    except ImportError:
+        logger.warning(
+            "tracing is on but opentelemetry-instrumentation-grpc is not installed: control calls are not traced "
+            "(pip install 'gym-rpc[tracing]')"
+        )
+        return False
+    return True
 
 
 def _is_stream(client_info: Any) -> bool:
@@ -18,7 +36,7 @@ def _is_stream(client_info: Any) -> bool:
 def traced_sync_channel(channel: grpc.Channel) -> grpc.Channel:
     """`channel` with OpenTelemetry's client interceptor on unary calls (streams stay plain: a watch is long-lived
     and its call object must keep `cancel()`); the channel itself when tracing is off."""
-    if not tracing_enabled():
+    if not tracing_enabled() or not _instrumented():
         return channel
     # Imported only while tracing is on: the instrumentation package is slow to import.
     from opentelemetry.instrumentation.grpc import client_interceptor
@@ -31,7 +49,7 @@ def traced_sync_channel(channel: grpc.Channel) -> grpc.Channel:
 
 def aio_client_interceptors() -> list[grpc.aio.ClientInterceptor]:
     """OpenTelemetry's unary-unary grpc.aio client interceptor when tracing is on, else none."""
-    if not tracing_enabled():
+    if not tracing_enabled() or not _instrumented():
         return []
     # Imported only while tracing is on: the instrumentation package is slow to import.
     from opentelemetry.instrumentation.grpc import aio_client_interceptors as otel_interceptors
@@ -49,22 +67,21 @@ def record_config_fetch_span(address: str, started_ns: int, ended_ns: int) -> No
     """
     from opentelemetry import trace
 
-    from gym_rpc.telemetry import tracer
+    from gym_rpc.telemetry import instrumentation_failed, tracer
     from gym_rpc.wire import SERVICE_NAME
 
     host, _, port = address.rpartition(":")
-    span = tracer().start_span(
-        f"/{SERVICE_NAME}/GetGlobalConfig",
-        kind=trace.SpanKind.CLIENT,
-        start_time=started_ns,
-        attributes={
-            "rpc.system": "grpc",
-            "rpc.service": SERVICE_NAME,
-            "rpc.method": "GetGlobalConfig",
-            "rpc.grpc.status_code": 0,
-            "server.address": host.strip("[]"),
-            "server.port": int(port) if port.isdigit() else 0,
-            "gym.recorded_after_the_call": True,
-        },
-    )
-    span.end(end_time=ended_ns)
+    attributes: dict[str, str | int | bool] = {
+        "rpc.system": "grpc",
+        "rpc.service": SERVICE_NAME,
+        "rpc.method": "GetGlobalConfig",
+        "rpc.grpc.status_code": 0,
+        "server.address": host.strip("[]"),
+        "server.port": int(port) if port.isdigit() else 0,
+        "gym.recorded_after_the_call": True,
+    }
+    name, kind = f"/{SERVICE_NAME}/GetGlobalConfig", trace.SpanKind.CLIENT
+    try:
+        tracer().start_span(name, kind=kind, start_time=started_ns, attributes=attributes).end(end_time=ended_ns)
+    except Exception as error:  # the fetch itself succeeded: its span may fail, the client may not
+        instrumentation_failed("tracing", error)

@@ -2,20 +2,20 @@
 
 The control plane (config, status) goes to the head over gRPC with blocking calls that work with or without an
 event loop in the calling thread; the data plane goes to Gym servers over aiohttp (gym_rpc.client._http). The
-typed GlobalConfig is built once per client, so no call walks the DictConfig.
+typed GlobalConfig is built once per client, so no call walks the DictConfig. In an `ng_run` deployment the head
+is NeMo Gym's HTTP head: the client finds that out once per head address and then asks it as NeMo Gym's own
+client does (the config from its HTTP endpoint, statuses probed directly).
 """
 
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Optional, Self
-from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -30,12 +30,12 @@ from gym_rpc._environment import (
     environment,
 )
 from gym_rpc._telemetry_switches import TELEMETRY_KEY
-from gym_rpc.client._channel import head_address
-from gym_rpc.client._control import SyncControlClient
+from gym_rpc.client._head_protocol import NEMO_GYM_HTTP, head_protocol
 from gym_rpc.client._http import HttpClientSettings, HttpPools, send
 from gym_rpc.client._http_tracing import traced_send
 from gym_rpc.client._metrics import metered_send
 from gym_rpc.client._nemo_gym import nemo_gym_rollout_id, rollout_id_from_run_body
+from gym_rpc.client._probe import probe
 from gym_rpc.client._rollout import (
     apply_rollout_prefix,
     current_rollout_id,
@@ -44,7 +44,6 @@ from gym_rpc.client._rollout import (
     trace_context_path_segment,
 )
 from gym_rpc.client._security import ClientSecurity, client_security
-from gym_rpc.client._tracing import record_config_fetch_span
 from gym_rpc.config import (
     DEFAULT_HEAD_HOST,
     DEFAULT_HEAD_PORT,
@@ -85,6 +84,8 @@ if TYPE_CHECKING:
     from typing import Unpack
 
     from aiohttp.client import _RequestOptions
+
+    from gym_rpc.client._control import SyncControlClient
 
 __all__ = [
     "NEMO_GYM_CONFIG_DICT_ENV_VAR_NAME",
@@ -365,13 +366,15 @@ class ServerClient(BaseModel):
         # Token and TLS from head_server (auth_token, tls) or the environment. With the head's token the client
         # is authenticated and gets the secrets (API keys) its server needs; without one they stay redacted.
         security = client_security(head)
-        control = SyncControlClient(_head_address(head), security=security)
+        control = _control_client(_head_address(head), security=security)
         traced_already = TRACING.enabled  # the channel is traced from the start when the environment says so
         started_ns = time.time_ns()
-        config = control.get_global_config(include_secrets=security.token is not None)
+        config = control.get_global_config(include_secrets=_asks_for_secrets(control))
         ended_ns = time.time_ns()
         client = cls._from_global_config(head, config)  # decides tracing with the config's observability_enabled
         if TRACING.enabled and not traced_already:
+            from gym_rpc.client._tracing import record_config_fetch_span  # tracing on only
+
             record_config_fetch_span(control.address, started_ns, ended_ns)
         return client
 
@@ -475,7 +478,7 @@ class ServerClient(BaseModel):
     def _fetch_advertised_urls(self) -> dict[str, str]:
         address = _head_address(self.head_server_config)
         try:
-            control = SyncControlClient(
+            control = _control_client(
                 address, timeout_seconds=ADVERTISED_LOOKUP_TIMEOUT_SECONDS, security=self._head_security()
             )
             instances = control.list_server_instances()
@@ -554,60 +557,47 @@ class ServerClient(BaseModel):
     def poll_for_status(self, server_name: str, timeout_seconds: float = 5) -> ServerStatus:
         """The server's status as the head probes it within `timeout_seconds`; the head's own name asks the head's
         health service. While the head is unreachable, the server is probed directly (as NeMo Gym always does),
-        and the log says the head was skipped. Blocking; safe with or without a loop."""
+        and the log says the head was skipped. A NeMo Gym HTTP head keeps no statuses: there every poll is one
+        direct probe, as with NeMo Gym's own client. Blocking; safe with or without a loop."""
         deadline = time.monotonic() + timeout_seconds
-        control = SyncControlClient(
+        control = _control_client(
             _head_address(self.head_server_config),
             timeout_seconds=timeout_seconds,
             security=self._head_security(),
         )
         if server_name == HEAD_SERVER_KEY:
             return control.head_status()
+        if _speaks_nemo_gym_http(control):
+            return self._probe_directly(server_name, deadline)
         try:
             report = control.get_server_status(server_name)
         except HeadTimeoutError:  # the head is there but answered too late: as NeMo Gym's client says then
             return "timeout"
         except HeadUnreachableError as exc:
-            return self._probe_directly(server_name, deadline, exc)
+            logger.warning(
+                "status of %s: the head at %s is unreachable (%s); skipped it and probed the server directly",
+                server_name,
+                exc.address,
+                exc.code,
+            )
+            return self._probe_directly(server_name, deadline)
         except ControlPlaneError as exc:
             logger.warning("status of %s: %s", server_name, exc)
             return "unknown_error"
         return report.status or "unknown_error"
 
-    def _probe_directly(self, server_name: str, deadline: float, head_error: HeadUnreachableError) -> ServerStatus:
+    def _probe_directly(self, server_name: str, deadline: float) -> ServerStatus:
         """GET the server's base URL: any HTTP answer is "success", refused "connection_error", none in time
         "timeout", anything else "unknown_error" (NeMo Gym's rule)."""
         entry = self._global_config.server(server_name)  # unknown: UnknownServerError, a KeyError
         url = self._server_base_urls.get(server_name) or entry.url
-        timeout = max(deadline - time.monotonic(), _MIN_DIRECT_PROBE_SECONDS)
-        logger.warning(
-            "status of %s: the head at %s is unreachable (%s); skipped it and probed %s directly",
-            server_name,
-            head_error.address,
-            head_error.code,
-            url,
-        )
-        parts = urlsplit(url)
-        connection = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
-        try:
-            connection.request("GET", parts.path or "/")
-            connection.getresponse().read()
-        except TimeoutError:
-            return "timeout"
-        except ConnectionError:
-            return "connection_error"
-        except (OSError, http.client.HTTPException):
-            return "unknown_error"
-        finally:
-            connection.close()
-        return "success"
+        return probe(url, max(deadline - time.monotonic(), _MIN_DIRECT_PROBE_SECONDS)).status
 
     def _config_if_changed(self) -> GlobalConfig | None:
         """The head's config when its version differs from this client's; None (nothing sent) when unchanged."""
-        security = self._head_security()
-        control = SyncControlClient(_head_address(self.head_server_config), security=security)
+        control = _control_client(_head_address(self.head_server_config), security=self._head_security())
         return control.get_global_config_if_changed(
-            self._global_config.version, include_secrets=security.token is not None
+            self._global_config.version, include_secrets=_asks_for_secrets(control)
         )
 
     def _head_security(self) -> ClientSecurity:
@@ -638,7 +628,31 @@ ServerClient.global_config_dict = _LazyDictConfigField()  # type: ignore[assignm
 
 
 def _head_address(head_server_config: BaseServerConfig) -> str:
-    return head_address(connectable_host(head_server_config.host), head_server_config.port)
+    return f"{url_host(connectable_host(head_server_config.host))}:{head_server_config.port}"
+
+
+def _control_client(
+    address: str, *, security: ClientSecurity, timeout_seconds: float | None = None
+) -> SyncControlClient:
+    """A control client to the head, gRPC imported on first use: a worker whose config was injected
+    (`NEMO_GYM_CONFIG_DICT`) and never asks the head never loads it, nor pays for it at import."""
+    from gym_rpc.client._control import SyncControlClient
+
+    if timeout_seconds is None:
+        return SyncControlClient(address, security=security)
+    return SyncControlClient(address, timeout_seconds=timeout_seconds, security=security)
+
+
+def _speaks_nemo_gym_http(control: SyncControlClient) -> bool:
+    """Whether the head is NeMo Gym's HTTP head (found out once per process and address)."""
+    tls = control.security.tls is not None
+    return head_protocol(control.address, tls=tls, timeout=control.timeout_seconds) == NEMO_GYM_HTTP
+
+
+def _asks_for_secrets(control: SyncControlClient) -> bool:
+    """A worker needs its servers' API keys: a gym_rpc head gives them to a caller with its token; NeMo Gym's HTTP
+    head gives everyone the whole config, as NeMo Gym's own client gets it."""
+    return control.security.token is not None or _speaks_nemo_gym_http(control)
 
 
 def _observed_path(config: GlobalConfig, server_name: str, url_path: str, body: Any) -> str:

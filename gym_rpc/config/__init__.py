@@ -21,9 +21,11 @@ from gym_rpc.config._addresses import (
 )
 from gym_rpc.config._global import (
     GlobalConfig,
+    config_from_bytes,
     default_config_text,
     get_first_server_config_dict,
     load_config_file,
+    read_config_file,
 )
 from gym_rpc.config._models import (
     DEFAULT_HEAD_HOST,
@@ -82,6 +84,7 @@ __all__ = [
     "checked_port",
     "checked_probe_interval",
     "checked_seconds",
+    "config_from_bytes",
     "configured_token",
     "connectable_host",
     "default_config_text",
@@ -92,6 +95,7 @@ __all__ = [
     "load_config_file",
     "parse_config_text",
     "parse_host_port",
+    "read_config_file",
     "read_file_bytes",
     "redact_secret_text",
     "redact_secrets",

@@ -29,7 +29,7 @@ from gym_rpc.config._models import (
     ServerEntry,
     head_server_settings,
 )
-from gym_rpc.config._parsing import MAX_CONFIG_BYTES, parse_config_text, resolved, resolved_leniently
+from gym_rpc.config._parsing import MAX_CONFIG_BYTES, parse_config_document, resolved, resolved_leniently
 from gym_rpc.config._redaction import redact_secrets
 from gym_rpc.config._replicas import REPLICAS_KEY, replica_addresses
 from gym_rpc.config._validators import validation_error_line
@@ -270,14 +270,25 @@ def _servers_with_unresolved_address(unresolved: Mapping[str, str]) -> dict[str,
 
 def load_config_file(path: str | Path) -> GlobalConfig:
     """Read and validate a YAML config file; every problem is one ConfigError line naming the file."""
+    return config_from_bytes(read_config_file(path), path)
+
+
+def read_config_file(path: str | Path) -> bytes:
+    """The bytes of a config file, at most MAX_CONFIG_BYTES (a huge, or endless /dev/zero, file is refused)."""
     path = Path(path)
     try:
         with path.open("rb") as file:
-            data = file.read(MAX_CONFIG_BYTES + 1)  # never more: a huge (or endless, /dev/zero) file is refused
+            data = file.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
     if len(data) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{path}: refusing a config larger than {MAX_CONFIG_BYTES // (1024 * 1024)} MiB")
+    return data
+
+
+def config_from_bytes(data: bytes, path: str | Path) -> GlobalConfig:
+    """The config in the bytes of the file at `path` (which every error names). An empty file, or one of only
+    whitespace, comments or a null (`~`), is no config: serving it would silently drop every server."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -287,7 +298,13 @@ def load_config_file(path: str | Path) -> GlobalConfig:
             f"save the file as UTF-8"
         ) from None
     try:
-        return GlobalConfig.from_document(parse_config_text(text, str(path)))
+        document = parse_config_document(text, str(path))
+        if document is None:
+            raise ConfigError(
+                f"{path}: the file holds no config (it is empty, or only whitespace, comments or a null); a "
+                f"config is a mapping such as `head_server: {{host: 127.0.0.1, port: 11000}}`"
+            )
+        return GlobalConfig.from_document(document)
     except ConfigError as exc:
         message = str(exc)
         raise ConfigError(message if message.startswith(str(path)) else f"{path}: {message}") from exc

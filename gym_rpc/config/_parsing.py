@@ -81,7 +81,14 @@ class _BoundedYamlLoader(yaml.SafeLoader):
 
 
 def parse_config_text(text: str, source: str = "<config>") -> dict[str, Any]:
-    """Parse YAML (or JSON, a subset) into a document; errors name the source and the line.
+    """Parse YAML (or JSON, a subset) into a document (a text without one is an empty document)."""
+    document = parse_config_document(text, source)
+    return {} if document is None else document
+
+
+def parse_config_document(text: str, source: str = "<config>") -> dict[str, Any] | None:
+    """Parse YAML (or JSON, a subset) into a document; None when the text holds none (empty, only whitespace,
+    comments or a null); errors name the source and the line.
 
     Bounded: a document larger, deeper or (aliases expanded) bigger than the MAX_CONFIG_* limits is refused with
     a ConfigError in time linear in its text, never expanded.
@@ -105,7 +112,7 @@ def parse_config_text(text: str, source: str = "<config>") -> dict[str, Any]:
         if loader is not None:
             loader.dispose()
     if document is None:
-        return {}
+        return None
     if not isinstance(document, dict):
         raise ConfigError(f"{source}: a global config must be a mapping, not {type(document).__name__}")
     return {str(k): v for k, v in document.items()}

@@ -2,7 +2,8 @@
 that only wants the middleware does not load the control-plane client that registration needs.
 
 * `_middleware`: `TraceContextPathMiddleware`, which strips the rollout and trace-context path prefixes.
-* `_registration`: registering a server process with the head (`ServerRegistration` and app helpers).
+* `_registration`: registering a server process with the head (`ServerRegistration` and app helpers);
+  `_draining`: draining it on SIGTERM before it stops.
 """
 
 from typing import TYPE_CHECKING

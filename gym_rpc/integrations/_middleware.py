@@ -9,8 +9,11 @@ a short reason instead of being routed somewhere surprising.
 Two forms share one pure parser, `gym_rpc.wire.split_gym_prefixes` (next to the builder), so the rules live in
 one place:
 
-* aiohttp.web: `web.Application(middlewares=[TraceContextPathMiddleware.aiohttp(), ...])`.
-* plain ASGI: `TraceContextPathMiddleware(asgi_app)`.
+* aiohttp.web: `web.Application(middlewares=[TraceContextPathMiddleware.aiohttp(), ...])`, first in the list.
+* plain ASGI: `TraceContextPathMiddleware(asgi_app)`, the outermost wrapper.
+
+A rollout id is one plain segment (gym_rpc.wire's rule, the client's): one with `/`, `..`, a control, NUL or bidi
+character is answered with 400, never handed to a handler.
 
 With tracing on (`gym_rpc.telemetry`), both run the handler inside a SERVER span continuing the caller's trace.
 """
@@ -18,6 +21,8 @@ With tracing on (`gym_rpc.telemetry`), both run the handler inside a SERVER span
 from __future__ import annotations
 
 import functools
+import logging
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 from urllib.parse import quote, unquote
@@ -31,6 +36,8 @@ from gym_rpc.client import rollout_context
 from gym_rpc.errors import MalformedGymPrefixError
 from gym_rpc.telemetry import propagation, record_failure, server_span, set_response_status, tracing_enabled
 from gym_rpc.wire import GYM_PREFIX_HEAD, TRACEPARENT_HEADER, GymPrefixes, split_gym_prefixes
+
+logger = logging.getLogger(__name__)
 
 ROLLOUT_ID_KEY = "rollout_id"
 TOKEN_CAPTURE_KEY = "token_capture"
@@ -52,6 +59,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 @web.middleware
 async def _aiohttp_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """aiohttp form; see `TraceContextPathMiddleware`."""
+    if request.app not in _apps_checked:
+        _check_outermost(request.app)
     raw_path = request.rel_url.raw_path
     if not raw_path.startswith(GYM_PREFIX_HEAD):
         if tracing_enabled():
@@ -74,6 +83,23 @@ async def _aiohttp_middleware(request: web.Request, handler: Handler) -> web.Str
         if tracing_enabled():
             return await _traced_aiohttp(request, rerouted, _inner_chain(rerouted), prefixes.rollout_id)
         return await _inner_chain(rerouted)(rerouted)
+
+
+_apps_checked: weakref.WeakSet[web.Application] = weakref.WeakSet()
+
+
+def _check_outermost(app: web.Application) -> None:
+    """Warn, once per app, when a middleware runs before this one: it sees the path with the prefix, not the path
+    the handler sees, so a guard there (auth by path, say) judges `/ng-rollout/x/admin` but serves `/admin`."""
+    _apps_checked.add(app)
+    position = list(app.middlewares).index(_aiohttp_middleware) if _aiohttp_middleware in app.middlewares else 0
+    if position > 0:
+        logger.warning(
+            "TraceContextPathMiddleware is middleware %d of this aiohttp app: put it first "
+            "(web.Application(middlewares=[TraceContextPathMiddleware.aiohttp(), ...])), so every middleware sees "
+            "the path the handler sees",
+            position + 1,
+        )
 
 
 async def _traced_aiohttp(
@@ -177,13 +203,15 @@ class TraceContextPathMiddleware:
     `websocket` pass through untouched). The handler gets `scope["state"]["rollout_id"]` and
     `scope["state"]["token_capture"]` (present only when the path carried a prefix), `current_rollout_id()`
     bound while the app runs, and `/ng-trace/<tp>` as the `traceparent` header. The path is parsed from
-    `raw_path` so an id containing an encoded "/" stays one segment; without `raw_path` the decoded `path` is
-    used, where an id with "/" in it cannot be told apart. Query strings are untouched.
+    `raw_path` (without it, from the decoded `path`); an id that is not one plain segment is answered with 400.
+    Query strings are untouched. Wrap the app with it outermost: a wrapper outside it sees the prefixed path.
 
-    aiohttp.web: `web.Application(middlewares=[TraceContextPathMiddleware.aiohttp(), ...])` on the root app, best
-    first in the list. aiohttp resolves the route before middlewares run, so for a prefixed path this middleware
-    clones the request at the stripped path (with the new `traceparent` header), resolves the clone against
-    `request.app.router` exactly as a fresh request would be (sub-apps included), then runs the resolved handler
+    aiohttp.web: `web.Application(middlewares=[TraceContextPathMiddleware.aiohttp(), ...])` on the root app,
+    first in the list: a middleware before it (a path guard) would judge the path with the prefix while the
+    handler serves the stripped one, so it logs a warning once, at the first request, when it is not first.
+    aiohttp resolves the route before middlewares run, so for a prefixed path this middleware clones the request
+    at the stripped path (with the new `traceparent` header), resolves the clone against `request.app.router`
+    exactly as a fresh request would be (sub-apps included), then runs the resolved handler
     through the middlewares aiohttp would have run inside this one. Middlewares listed before it see the original
     request; the handler and those after it see the clone, with `request["rollout_id"]` and
     `request["token_capture"]` set (absent on requests that carried no prefix: use `request.get`).

@@ -8,6 +8,9 @@ unreachable or refuses the call costs a warning in the log, within a bounded tim
 * aiohttp.web: `register_aiohttp_app(app, "policy_model", port=8000)` (an `app.cleanup_ctx` entry).
 * ASGI: `app = with_registration(app, "policy_model", port=8000)` (wraps the lifespan protocol).
 * anything else: `ServerRegistration(...)` as an async context manager, or its register()/deregister().
+
+The first two drain on SIGTERM (gym_rpc.integrations._draining): the instance is marked draining so clients send
+it no new work, its calls in flight finish (within `drain_grace_seconds`), then it deregisters and stops.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypedDict
@@ -28,6 +31,16 @@ from gym_rpc._tasks import cancel_and_wait
 from gym_rpc.client import ServerClient, SyncControlClient, client_security, head_address
 from gym_rpc.config import BaseServerConfig, parse_host_port
 from gym_rpc.errors import GymRpcError
+from gym_rpc.integrations._draining import (
+    DEFAULT_DRAIN_GRACE_SECONDS,
+    InFlight,
+    SigtermDrain,
+    counting_middleware,
+    hand_on_sigterm,
+    stop_aiohttp,
+    wait_until_drained,
+)
+from gym_rpc.wire import label_problem
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +94,10 @@ class _Registered(TypedDict):
     pid: int
     start_time: float
     lease_seconds: float | None
+    labels: dict[str, str]
+    server_type: str
+    draining: bool
+    in_flight: int
 
 
 class ServerRegistration:
@@ -93,6 +110,15 @@ class ServerRegistration:
     while serving (None: never), so a restarted head learns the address again. `lease_seconds`: how long the head
     keeps the registration without a renewal; None: three refresh periods, at least 0.5 s (no expiry when not
     refreshing); 0: no expiry. A process that dies without deregistering is dropped by the head about that late.
+
+    A server name may have several instances (replicas): each process registers at its own address, and one
+    registering where an instance already is replaces it (a restart). `labels` (at most 16 short `key: value`
+    pairs, e.g. `{"weights_version": "42"}`) let clients pick among them; `server_type` (e.g.
+    "responses_api_models"), when given, must be the config's, or the head refuses the registration.
+
+    `in_flight` counts the calls the process has in flight (the app helpers count requests themselves): renewals
+    report it (`gym-rpc status -o json` shows it) and `adrain()` waits for it to reach 0, for at most
+    `drain_grace_seconds`. `drain_on_sigterm` (the app helpers' default) drains on SIGTERM before the server stops.
     """
 
     def __init__(
@@ -106,6 +132,11 @@ class ServerRegistration:
         timeout_seconds: float = REGISTRATION_TIMEOUT_SECONDS,
         refresh_seconds: float | None = DEFAULT_REFRESH_SECONDS,
         lease_seconds: float | None = None,
+        labels: Mapping[str, str] | None = None,
+        server_type: str = "",
+        in_flight: Callable[[], int] | None = None,
+        drain_on_sigterm: bool = False,
+        drain_grace_seconds: float = DEFAULT_DRAIN_GRACE_SECONDS,
     ) -> None:
         if lease_seconds is None:
             lease_seconds = (
@@ -118,8 +149,19 @@ class ServerRegistration:
                 f"lease_seconds ({lease_seconds:g}) must be longer than refresh_seconds ({refresh_seconds:g}), "
                 f"or the lease would run out between renewals"
             )
+        problem = label_problem(labels or {})
+        if problem is not None:
+            raise ValueError(f"{server_name}: {problem}")
         self.server_name = server_name
         self.port = port
+        if not drain_grace_seconds >= 0:
+            raise ValueError(f"drain_grace_seconds must be >= 0, got {drain_grace_seconds!r}")
+        self.labels = dict(labels or {})
+        self.server_type = server_type
+        self.in_flight: Callable[[], int] = in_flight if in_flight is not None else _none_in_flight
+        self.drain_on_sigterm = drain_on_sigterm
+        self.drain_grace_seconds = drain_grace_seconds
+        self.draining = False  # set by adrain(): renewals then say so
         self.listen_host = listen_host
         self.advertise_host = advertise_host
         self.head = _head_server(head)
@@ -129,6 +171,7 @@ class ServerRegistration:
         self.pid = os.getpid()
         self.start_time = process_start_time()
         self.advertised_url: str | None = None  # set while registered
+        self.instance_id = ""  # the instance the head says this registration holds, once it has answered
         self._refresher: asyncio.Task[None] | None = None
         # Register and deregister never overlap, and a refresh still running in its thread when deregister() is
         # called cannot land after it: a cancelled task does not stop a thread.
@@ -163,11 +206,15 @@ class ServerRegistration:
             "pid": self.pid,
             "start_time": self.start_time,
             "lease_seconds": self.lease_seconds,
+            "labels": self.labels,
+            "server_type": self.server_type,
+            "draining": self.draining,
+            "in_flight": self.in_flight(),
         }
 
     def _register(self, quiet: bool) -> bool:
         try:
-            self.advertised_url = self._control().register_server_instance(self.server_name, **self._where())
+            registered = self._control().register_instance(self.server_name, **self._where())
         except GymRpcError as exc:
             if not quiet:
                 logger.warning(
@@ -178,6 +225,7 @@ class ServerRegistration:
                     exc,
                 )
             return False
+        self.advertised_url, self.instance_id = registered.advertised_url, registered.instance_id
         logger.info(
             "%s: registered with the head at %s as %s", self.server_name, self.head_address, self.advertised_url
         )
@@ -189,7 +237,9 @@ class ServerRegistration:
             self._deregistered = True
             self.advertised_url = None
             try:
-                return self._control().deregister_server_instance(self.server_name, pid=self.pid)
+                return self._control().deregister_server_instance(
+                    self.server_name, pid=self.pid, instance_id=self.instance_id
+                )
             except GymRpcError as exc:
                 logger.warning(
                     "%s: could not deregister from the head at %s (%s)", self.server_name, self.head_address, exc
@@ -204,6 +254,27 @@ class ServerRegistration:
         return registered
 
     async def aderegister(self) -> bool:
+        await cancel_and_wait(self._refresher)
+        self._refresher = None
+        if self.draining and self._deregistered:
+            return False  # a drain deregistered already
+        return await asyncio.to_thread(self.deregister)
+
+    async def adrain(self, hurry: asyncio.Event | None = None) -> bool:
+        """Stop getting new work, finish what is in flight, leave: register again as draining (clients learn it
+        from the head's watch), wait until no call is in flight (at least DRAIN_SETTLE_SECONDS, at most
+        `drain_grace_seconds`, less once `hurry` is set), then deregister. True when the head was told."""
+        self.draining = True
+        logger.info(
+            "%s: draining, %d calls in flight; deregistering once they finish (within %gs)",
+            self.server_name,
+            self.in_flight(),
+            self.drain_grace_seconds,
+        )
+        await asyncio.to_thread(self._refresh, False)
+        left = await wait_until_drained(self.in_flight, self.drain_grace_seconds, hurry or asyncio.Event())
+        if left:
+            logger.warning("%s: deregistering with %d calls still in flight", self.server_name, left)
         await cancel_and_wait(self._refresher)
         self._refresher = None
         return await asyncio.to_thread(self.deregister)
@@ -227,9 +298,13 @@ class ServerRegistration:
         await self.aderegister()
 
     async def aiohttp_cleanup_ctx(self, app: web.Application) -> AsyncIterator[None]:
-        """For `app.cleanup_ctx`: registered from startup to cleanup."""
+        """For `app.cleanup_ctx`: registered from startup to cleanup (and drained on SIGTERM, when asked)."""
         await self.aregister()
+        drain = SigtermDrain(self.adrain, stop_aiohttp)
+        if self.drain_on_sigterm:
+            drain.install()
         yield
+        drain.uninstall()
         await self.aderegister()
 
     def asgi(self, app: ASGIApp) -> ASGIApp:
@@ -237,16 +312,30 @@ class ServerRegistration:
         return RegistrationLifespan(app, self)
 
 
-def register_aiohttp_app(app: web.Application, server_name: str, port: int, **options: Any) -> ServerRegistration:
-    """Register the aiohttp app's server with the head on startup and deregister it on cleanup."""
-    registration = ServerRegistration(server_name, port, **options)
+def register_aiohttp_app(
+    app: web.Application, server_name: str, port: int, *, drain_on_sigterm: bool = True, **options: Any
+) -> ServerRegistration:
+    """Register the aiohttp app's server with the head on startup and deregister it on cleanup; on SIGTERM,
+    drain first (web.run_app's own stop follows). The app counts its requests in flight (a middleware, first)."""
+    in_flight = InFlight()
+    app.middlewares.insert(0, counting_middleware(in_flight))
+    registration = ServerRegistration(
+        server_name, port, in_flight=in_flight, drain_on_sigterm=drain_on_sigterm, **options
+    )
     app.cleanup_ctx.append(registration.aiohttp_cleanup_ctx)
     return registration
 
 
-def with_registration(app: ASGIApp, server_name: str, port: int, **options: Any) -> ASGIApp:
-    """An ASGI app that registers with the head at lifespan startup and deregisters at shutdown."""
-    return ServerRegistration(server_name, port, **options).asgi(app)
+def with_registration(
+    app: ASGIApp, server_name: str, port: int, *, drain_on_sigterm: bool = True, **options: Any
+) -> ASGIApp:
+    """An ASGI app that registers with the head at lifespan startup and deregisters at shutdown; on SIGTERM, it
+    drains first, then hands SIGTERM to the server's own handler (uvicorn's: its graceful stop)."""
+    return ServerRegistration(server_name, port, drain_on_sigterm=drain_on_sigterm, **options).asgi(app)
+
+
+def _none_in_flight() -> int:
+    return 0
 
 
 class RegistrationLifespan:
@@ -256,12 +345,26 @@ class RegistrationLifespan:
     def __init__(self, app: ASGIApp, registration: ServerRegistration) -> None:
         self.app = app
         self.registration = registration
+        self.in_flight = InFlight()
+        if registration.in_flight is _none_in_flight:
+            registration.in_flight = self.in_flight
+        self._drain = SigtermDrain(registration.adrain, hand_on_sigterm)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "lifespan":
-            await self.app(scope, receive, send)
+            with self.in_flight.call():
+                await self.app(scope, receive, send)
             return
         await self._lifespan(scope, receive, send)
+
+    async def _started(self) -> None:
+        await self.registration.aregister()
+        if self.registration.drain_on_sigterm:
+            self._drain.install()
+
+    async def _stopping(self) -> None:
+        self._drain.uninstall()
+        await self.registration.aderegister()
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         seen: set[str] = set()  # lifespan message types received from the server or sent by the app
@@ -270,13 +373,13 @@ class RegistrationLifespan:
             message = await receive()
             seen.add(message["type"])
             if message["type"] == "lifespan.shutdown":
-                await self.registration.aderegister()
+                await self._stopping()
             return message
 
         async def app_send(message: Message) -> None:
             seen.add(message["type"])
             if message["type"] == "lifespan.startup.complete":
-                await self.registration.aregister()
+                await self._started()
             await send(message)
 
         try:
@@ -293,9 +396,9 @@ class RegistrationLifespan:
         """The lifespan protocol for an app that has none: register at startup, deregister at shutdown."""
         if not startup_received:
             await receive()  # lifespan.startup
-        await self.registration.aregister()
+        await self._started()
         await send({"type": "lifespan.startup.complete"})
         while (await receive())["type"] != "lifespan.shutdown":
             pass
-        await self.registration.aderegister()
+        await self._stopping()
         await send({"type": "lifespan.shutdown.complete"})

@@ -27,6 +27,7 @@ import grpc
 import uvicorn
 from connectrpc.code import Code
 from connectrpc.compat import google_protobuf_codecs
+from connectrpc.compression.gzip import GzipCompression
 from connectrpc.errors import ConnectError, ErrorDetail
 from connectrpc.method import IdempotencyLevel, MethodInfo, StreamType
 from connectrpc.request import RequestContext
@@ -34,13 +35,16 @@ from connectrpc.server import ConnectASGIApplication, Endpoint
 from google.rpc import status_pb2
 from protobuf.wkt import Any as ConnectAny  # connectrpc's protobuf runtime, not google.protobuf's
 
+from gym_rpc._logging import RateLimitedLog
 from gym_rpc.errors import GymRpcError
-from gym_rpc.server._connection_limits import BoundedListener, connection_bound
+from gym_rpc.server._connection_limits import DEFAULT_MAX_CONNECT_CONNECTIONS, BoundedListener, connection_bound
+from gym_rpc.server._decode_budget import DecodeBudget
+from gym_rpc.server._host_check import LoopbackHostOnly, bound_to_loopback
 from gym_rpc.server._interceptors import Context
 from gym_rpc.server._security import UNAUTHENTICATED_MESSAGE, ServerSecurity, authenticate
 from gym_rpc.server._servicer import ControlPlaneServicer
+from gym_rpc.server._watch_slots import client_key
 from gym_rpc.v1 import control_plane_pb2 as pb
-from gym_rpc.wire import MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +52,12 @@ CONNECT_PORT_KEY = "connect_port"
 STATUS_DETAILS_KEY = "grpc-status-details-bin"  # gRPC's trailer for google.rpc.Status details (grpcio-status)
 SERVICE = pb.DESCRIPTOR.services_by_name["ControlPlaneService"]
 STARTUP_SECONDS = 10.0
+# The largest request body the Connect port reads, decompressed: the contract's requests are a few hundred bytes
+# (labels of a registration a few KiB), and JSON is parsed on the event loop at ~0.25 ms per KiB.
+MAX_CONNECT_REQUEST_BYTES = 64 * 1024
 # Open connections (each open watch holds one), fewer when the descriptor limit is low (connection_bound); more
 # wait in the kernel's backlog. Watches are bounded by the servicer.
-MAX_CONNECTIONS = 1024
+MAX_CONNECTIONS = DEFAULT_MAX_CONNECT_CONNECTIONS
 # grpc's CANCELLED is Connect's "canceled"; every other code has the same name in both.
 _CONNECT_CODES = {status: Code[status.name] for status in grpc.StatusCode if status.name in Code.__members__}
 _CONNECT_CODES[grpc.StatusCode.CANCELLED] = Code.CANCELED
@@ -92,27 +99,45 @@ def _context(ctx: RequestContext[Any, Any]) -> Context:
     return cast(Context, _ConnectCallContext(ctx))
 
 
-def _require_token(ctx: RequestContext[Any, Any], token: bytes | None) -> None:
-    if token is not None and not authenticate(ctx.request_headers.allitems(), token):
-        logger.info("refused Connect call %s: missing or invalid bearer token", ctx.method.name)
-        raise ConnectError(Code.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+class _BeforeTheBody:
+    """A connectrpc metadata interceptor (connectrpc runs those before it reads a request's body): with a token
+    configured, a call without it is refused UNAUTHENTICATED from its headers alone, and a client past its decode
+    budget RESOURCE_EXHAUSTED; an accepted call's decoding is charged to its client. Nothing is read, decompressed
+    or parsed for a refused call."""
+
+    def __init__(self, token: bytes | None, budget: DecodeBudget) -> None:
+        self._token = token
+        self._budget = budget
+        self._refusals = RateLimitedLog(logger, level=logging.INFO)
+
+    async def on_start(self, ctx: RequestContext[Any, Any]) -> None:
+        # authenticate() marks this task authenticated: the handler, later in the same task, sees it.
+        if self._token is not None and not authenticate(ctx.request_headers.allitems(), self._token):
+            self._refusals.log(f"refused Connect call {ctx.method.name}: missing or invalid bearer token")
+            raise ConnectError(Code.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+        client = client_key((ctx.client_address or "").rpartition(":")[0])
+        refusal = self._budget.refusal(client)
+        if refusal is not None:
+            raise ConnectError(Code.RESOURCE_EXHAUSTED, refusal)
+        self._budget.charge_to(client)
+
+    async def on_end(self, token: None, ctx: RequestContext[Any, Any], error: Exception | None, /) -> None:
+        return None
 
 
 def _unary(
-    handler: Callable[[Any, Context], Awaitable[Any]], token: bytes | None
+    handler: Callable[[Any, Context], Awaitable[Any]],
 ) -> Callable[[Any, RequestContext[Any, Any]], Awaitable[Any]]:
     async def call(request: Any, ctx: RequestContext[Any, Any]) -> Any:
-        _require_token(ctx, token)
         return await handler(request, _context(ctx))
 
     return call
 
 
 def _server_stream(
-    handler: Callable[[Any, Context], AsyncIterator[Any]], token: bytes | None
+    handler: Callable[[Any, Context], AsyncIterator[Any]],
 ) -> Callable[[Any, RequestContext[Any, Any]], AsyncIterator[Any]]:
     async def call(request: Any, ctx: RequestContext[Any, Any]) -> AsyncIterator[Any]:
-        _require_token(ctx, token)
         # Closed with this generator (the caller went away): the servicer's own clean-up runs at once.
         async with contextlib.aclosing(handler(request, _context(ctx))) as messages:  # type: ignore[type-var]
             async for message in messages:
@@ -121,9 +146,8 @@ def _server_stream(
     return call
 
 
-def endpoints(servicer: ControlPlaneServicer, token: str | None) -> dict[str, Any]:
+def endpoints(servicer: ControlPlaneServicer) -> dict[str, Any]:
     """`/<service>/<Method>` -> the servicer's method of that name, for every RPC the contract declares."""
-    expected = token.encode() if token else None
     routes: dict[str, Any] = {}  # Endpoint.unary or Endpoint.server_stream
     for method in SERVICE.methods:
         if method.client_streaming:  # none in v1; a client-streaming RPC needs its own adapter here
@@ -138,9 +162,9 @@ def endpoints(servicer: ControlPlaneServicer, token: str | None) -> dict[str, An
         )
         handler = getattr(servicer, method.name)
         routes[f"/{SERVICE.full_name}/{method.name}"] = (
-            Endpoint.server_stream(info, _server_stream(handler, expected))
+            Endpoint.server_stream(info, _server_stream(handler))
             if method.server_streaming
-            else Endpoint.unary(info, _unary(handler, expected))
+            else Endpoint.unary(info, _unary(handler))
         )
     return routes
 
@@ -149,12 +173,15 @@ class ControlPlaneConnectApplication(ConnectASGIApplication[ControlPlaneServicer
     """The ASGI application: ControlPlaneService over Connect (JSON and binary) and gRPC-Web."""
 
     def __init__(self, servicer: ControlPlaneServicer, token: str | None) -> None:
-        routes = endpoints(servicer, token)  # now, not at the first call: an RPC it cannot serve fails the start
+        routes = endpoints(servicer)  # now, not at the first call: an RPC it cannot serve fails the start
+        budget = DecodeBudget()
         super().__init__(
             service=servicer,
             endpoints=lambda service: routes,
-            read_max_bytes=MAX_REQUEST_BYTES,
-            codecs=google_protobuf_codecs(),
+            interceptors=[_BeforeTheBody(token.encode() if token else None, budget)],
+            read_max_bytes=MAX_CONNECT_REQUEST_BYTES,
+            compressions=[budget.compression(GzipCompression())],
+            codecs=[budget.codec(codec) for codec in google_protobuf_codecs()],
         )
 
     @property
@@ -216,10 +243,12 @@ class ConnectServer:
     def scheme(self) -> str:
         return "https" if self._security.tls is not None else "http"
 
-    def _config(self) -> uvicorn.Config:
+    def _config(self, host: str) -> uvicorn.Config:
         tls = self._security.tls
+        # DNS rebinding: a loopback-bound port answers only loopback names (gym_rpc.server._host_check).
+        application: Any = LoopbackHostOnly(self._application) if bound_to_loopback(host) else self._application
         return uvicorn.Config(
-            self._application,
+            application,
             lifespan="off",
             http="h11",
             ws="none",
@@ -244,7 +273,7 @@ class ConnectServer:
                 f"cannot serve Connect on {host}:{port}: {exc.strerror or exc}; choose another "
                 f"head_server.{CONNECT_PORT_KEY} (or --connect-port)"
             ) from exc
-        server = _EmbeddedUvicorn(self._config(), listener)
+        server = _EmbeddedUvicorn(self._config(host), listener)
         task = asyncio.get_running_loop().create_task(server.serve())
         listening = asyncio.ensure_future(server.listening.wait())
         await asyncio.wait({listening, task}, timeout=STARTUP_SECONDS, return_when=asyncio.FIRST_COMPLETED)

@@ -8,9 +8,11 @@ the gRPC port can no longer accept, and asyncio logs a traceback per failed acce
   wait in the kernel's backlog, costing the head no descriptor); a connection that sends no complete request
   (nor completes its TLS handshake) within `header_timeout_seconds` is dropped, and idle keep-alive connections
   close after the HTTP server's own keep-alive timeout. `BoundedSite` serves an aiohttp app through one.
-* `connection_bound` keeps a reserve of descriptors for gRPC, the prober and files whatever the limit.
+* `connection_bound` keeps a reserve of descriptors for gRPC, the prober and files whatever the limit, and
+  `grpc_connection_bound` sizes the gRPC port's own bound (grpc closes connections past it at once) inside that
+  reserve: with every port full, OTHER_FD_RESERVE descriptors stay free for the prober, reloads and the rest.
 * `raise_fd_soft_limit` lifts the soft limit to the hard one where the system allows.
-* `RateLimitedLog` turns a repeating failure into one line per interval with a count.
+* a repeating accept failure is logged once per interval with a count (`gym_rpc._logging.RateLimitedLog`).
 """
 
 from __future__ import annotations
@@ -22,20 +24,27 @@ import logging
 import resource
 import socket
 import ssl
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from gym_rpc._logging import RateLimitedLog
 from gym_rpc.errors import GymRpcError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_HTTP_CONNECTIONS = 256
+DEFAULT_MAX_CONNECT_CONNECTIONS = 1024  # the Connect port: each open watch holds one
+DEFAULT_MAX_GRPC_CONNECTIONS = 4096  # the gRPC port (HeadOptions.max_connections)
+MIN_GRPC_CONNECTIONS = 16
+HEALTH_PORT_CONNECTIONS = 64  # the plaintext health port (head_server.health_port): probes, not clients
+# Never given to any port's connections: the prober's probes (at most 100 at once), the health port's
+# connections, config reloads, log files, the event loop's own descriptors.
+OTHER_FD_RESERVE = 256
 DEFAULT_HEADER_TIMEOUT_SECONDS = 10.0  # a client has this long to send its first request's headers
 DEFAULT_KEEPALIVE_TIMEOUT_SECONDS = 15.0  # an idle keep-alive connection is closed after this
-FD_RESERVE = 512  # descriptors never given to HTTP connections: gRPC, health, the prober's probes, files
+FD_RESERVE = 512  # descriptors never given to HTTP connections: the gRPC port's share and OTHER_FD_RESERVE
 MIN_HTTP_CONNECTIONS = 8
 HTTP_PORTS = 3  # bounded ports one head may serve: NeMo Gym's HTTP head, the metrics port, the Connect port
 ACCEPT_RETRY_SECONDS = 0.5  # pause after a failed accept (EMFILE, ENOBUFS) instead of spinning
@@ -61,23 +70,16 @@ def connection_bound(max_connections: int = DEFAULT_MAX_HTTP_CONNECTIONS) -> int
     return max(MIN_HTTP_CONNECTIONS, min(max_connections, (soft - FD_RESERVE) // HTTP_PORTS))
 
 
-class RateLimitedLog:
-    """Log a repeating problem at most once per `interval_seconds`, saying how many were not logged."""
-
-    def __init__(self, log: logging.Logger, interval_seconds: float = 10.0) -> None:
-        self._log = log
-        self._interval = interval_seconds
-        self._last = -float("inf")
-        self._suppressed = 0
-
-    def warning(self, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last < self._interval:
-            self._suppressed += 1
-            return
-        suffix = f" ({self._suppressed} more like it in the last {self._interval:g} s)" if self._suppressed else ""
-        self._last, self._suppressed = now, 0
-        self._log.warning("%s%s", message, suffix)
+def grpc_connection_bound(max_connections: int = DEFAULT_MAX_GRPC_CONNECTIONS) -> int:
+    """`max_connections` for the gRPC port, lowered so that with it and every HTTP-side port full, OTHER_FD_RESERVE
+    descriptors of the soft limit stay free (1024 descriptors: 258 gRPC connections)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return max_connections
+    http_side = 2 * connection_bound(DEFAULT_MAX_HTTP_CONNECTIONS) + connection_bound(
+        DEFAULT_MAX_CONNECT_CONNECTIONS
+    )
+    return max(MIN_GRPC_CONNECTIONS, min(max_connections, soft - http_side - OTHER_FD_RESERVE))
 
 
 class BoundedListener:
@@ -174,7 +176,7 @@ class BoundedListener:
                 connection, _ = await loop.sock_accept(listener)
             except OSError as exc:  # out of descriptors or buffers: pause, and say so once in a while
                 self._slots.release()
-                self._accept_failures.warning(f"HTTP head cannot accept a connection: {exc.strerror or exc}")
+                self._accept_failures.log(f"HTTP head cannot accept a connection: {exc.strerror or exc}")
                 await asyncio.sleep(ACCEPT_RETRY_SECONDS)
                 continue
             except BaseException:

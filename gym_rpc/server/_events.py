@@ -8,17 +8,39 @@ call these functions instead of logging themselves, so every event has one wordi
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from gym_rpc.server import _metrics as metrics
 from gym_rpc.server._instances import instance_label
-from gym_rpc.wire import InstanceReport
+from gym_rpc.wire import InstanceRegistration, InstanceReport
 
 logger = logging.getLogger("gym_rpc.head")
 
 SERVER_NAME_KEY = "gym.server.name"
 INSTANCE_ID_KEY = "gym.instance.id"
 PENDING = "pending"
+REPEAT_INTERVAL_SECONDS = 10.0  # the same reload outcome again within this is not logged again
+
+
+class _Repeats:
+    """Which lines were logged in the last interval: a caller repeating the same reload (the same refusal, the same
+    unchanged file) in a loop gets its answer each time, the log one line per interval."""
+
+    def __init__(self) -> None:
+        self._logged: dict[tuple[object, ...], float] = {}
+
+    def first(self, *key: object) -> bool:
+        now = time.monotonic()
+        if now - self._logged.get(key, -REPEAT_INTERVAL_SECONDS) < REPEAT_INTERVAL_SECONDS:
+            return False
+        if len(self._logged) > 64:
+            self._logged = {k: t for k, t in self._logged.items() if now - t < REPEAT_INTERVAL_SECONDS}
+        self._logged[key] = now
+        return True
+
+
+_repeats = _Repeats()
 
 
 def probe_stored(
@@ -61,11 +83,20 @@ def probe_stored(
 
 
 def config_reloaded(
-    source: Path | str, old_version: str, new_version: str, added: list[str], removed: list[str]
+    source: Path | str,
+    old_version: str,
+    new_version: str,
+    added: list[str],
+    removed: list[str],
+    instances: dict[str, tuple[list[str], list[str]]] | None = None,
 ) -> None:
-    """A reload (SIGHUP, ReloadGlobalConfig) that changed the config: one INFO line."""
+    """A reload (SIGHUP, ReloadGlobalConfig) that changed the config: one INFO line, naming the servers added and
+    removed, and the instances the config names (its own and its static replicas) added and removed per server."""
     changes = [f"added {', '.join(added)}"] if added else []
     changes += [f"removed {', '.join(removed)}"] if removed else []
+    for name, (came, went) in (instances or {}).items():
+        moved = [f"+{instance_id}" for instance_id in came] + [f"-{instance_id}" for instance_id in went]
+        changes.append(f"instances of {name}: {' '.join(moved)}")
     logger.info(
         "config reloaded from %s: version %s -> %s%s",
         source,
@@ -77,7 +108,10 @@ def config_reloaded(
 
 
 def config_unchanged(source: Path | str, version: str) -> None:
-    """A reload that found the same config: one INFO line (the operator asked, so the answer is logged)."""
+    """A reload that found the same config: one INFO line (the operator asked, so the answer is logged), once per
+    interval."""
+    if not _repeats.first("unchanged", str(source), version):
+        return
     logger.info(
         "config reload from %s: unchanged (version %s)", source, version, extra={"gym.config.version": version}
     )
@@ -85,7 +119,10 @@ def config_unchanged(source: Path | str, version: str) -> None:
 
 def config_refused(source: Path | str, version: str, error: Exception) -> None:
     """A reload whose config was bad: one WARNING line (the head serves on, the old config stays; the caller of
-    ReloadGlobalConfig gets the reason too). No traceback: the reason is the operator's file."""
+    ReloadGlobalConfig gets the reason too), once per interval for the same reason. No traceback: the reason is the
+    operator's file."""
+    if not _repeats.first("refused", str(source), version, str(error)):
+        return
     logger.warning(
         "config reload from %s refused, old config kept (version %s): %s",
         source,
@@ -95,17 +132,33 @@ def config_refused(source: Path | str, version: str, error: Exception) -> None:
     )
 
 
-def server_registered(name: str, pid: int, url: str, replaced_pid: int | None) -> None:
-    """RegisterServerInstance: INFO, naming the process it replaced, if any."""
-    replaced = f", replacing pid {replaced_pid}" if replaced_pid is not None and replaced_pid != pid else ""
-    logger.info(
-        "%s: registered pid %d at %s%s",
-        name,
-        pid,
-        url,
-        replaced,
-        extra={SERVER_NAME_KEY: name, "process.pid": pid},
-    )
+def server_registered(
+    name: str,
+    instance_id: str,
+    registration: InstanceRegistration,
+    previous: InstanceRegistration | None,
+    instances: int,
+) -> None:
+    """RegisterServerInstance that changed an instance (`previous`: the registration it replaced or changed): INFO,
+    naming the process it replaced, if any, and (when the server has several instances) the instance and how many
+    there are."""
+    pid, url = registration.pid, registration.advertised_url
+    where = f" ({instance_id}, {instances} instances)" if instances > 1 else ""
+    if previous is not None and previous.pid == pid:
+        message = f"{name}: pid {pid} at {url}{where} {_what_changed(previous, registration)}"
+    else:
+        replaced = f", replacing pid {previous.pid}" if previous is not None and previous.pid != pid else ""
+        message = f"{name}: registered pid {pid} at {url}{where}{replaced}"
+    logger.info(message, extra={SERVER_NAME_KEY: name, INSTANCE_ID_KEY: instance_id, "process.pid": pid})
+
+
+def _what_changed(previous: InstanceRegistration, registration: InstanceRegistration) -> str:
+    if previous.draining != registration.draining:
+        return "is draining" if registration.draining else "is no longer draining"
+    if previous.advertised_url != registration.advertised_url:
+        return f"moved from {previous.advertised_url}"
+    labels = ", ".join(f"{key}={value}" for key, value in sorted(registration.labels.items()))
+    return f"has labels {labels}" if labels else "has no labels"
 
 
 def server_renewed(name: str, pid: int, url: str) -> None:
@@ -113,9 +166,17 @@ def server_renewed(name: str, pid: int, url: str) -> None:
     logger.debug("%s: renewed pid %d at %s", name, pid, url, extra={SERVER_NAME_KEY: name, "process.pid": pid})
 
 
-def server_deregistered(name: str, pid: int) -> None:
-    """DeregisterServerInstance that removed a registration: INFO."""
-    logger.info("%s: deregistered pid %d", name, pid, extra={SERVER_NAME_KEY: name, "process.pid": pid})
+def server_deregistered(name: str, pid: int, instance_id: str, instances: int) -> None:
+    """DeregisterServerInstance that removed a registration: INFO (naming the instance, and how many the server
+    has left, when it has several)."""
+    left = f" at {instance_id} ({instances} instances left)" if instances > 1 else ""
+    logger.info(
+        "%s: deregistered pid %d%s",
+        name,
+        pid,
+        left,
+        extra={SERVER_NAME_KEY: name, INSTANCE_ID_KEY: instance_id, "process.pid": pid},
+    )
 
 
 def server_lease_expired(name: str, pid: int, lease_seconds: float, url: str) -> None:

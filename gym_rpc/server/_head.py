@@ -18,9 +18,9 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
+from gym_rpc._tasks import cancel_and_wait
 from gym_rpc._telemetry_switches import TELEMETRY_KEY
 from gym_rpc.config import (
     GlobalConfig,
@@ -37,7 +37,11 @@ from gym_rpc.server import _metrics as head_metrics
 from gym_rpc.server._address_policy import AddressPolicy
 from gym_rpc.server._bad_requests import DecodeGuardInterceptor
 from gym_rpc.server._connect import ConnectServer
-from gym_rpc.server._connection_limits import raise_fd_soft_limit
+from gym_rpc.server._connection_limits import (
+    DEFAULT_MAX_GRPC_CONNECTIONS,
+    grpc_connection_bound,
+    raise_fd_soft_limit,
+)
 from gym_rpc.server._health import HealthServicer
 from gym_rpc.server._http_head import HttpHead
 from gym_rpc.server._instances import serves
@@ -45,16 +49,18 @@ from gym_rpc.server._metrics_http import MetricsServer
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import InstanceRegistry
 from gym_rpc.server._security import (
+    CONNECTION_IDLE_SECONDS,
     DEFAULT_MAX_CONCURRENT_WATCHES,
     DEFAULT_MAX_WATCHES_PER_PEER,
     HANDSHAKE_TIMEOUT_SECONDS,
     ServerSecurity,
     build_health_server,
-    with_handshake_timeout,
+    server_options,
 )
 from gym_rpc.server._servicer import ControlPlaneServicer, add_control_plane_service
 from gym_rpc.server._sources import ConfigSource, FileSource
 from gym_rpc.server._tracing import server_interceptors
+from gym_rpc.server._watch_slots import DEFAULT_STALL_SECONDS
 from gym_rpc.telemetry import setup_tracing
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import ReportedProcess, StatusReport
@@ -86,12 +92,19 @@ class HeadOptions:
     metrics_port: int | None = None  # GET /metrics alone on this port; None: only on the HTTP head (if any)
     status_max_age_seconds: float | None = None  # GetServerStatus freshness when unstated; None: half the interval
     handshake_timeout_seconds: float = HANDSHAKE_TIMEOUT_SECONDS  # a gRPC connection not set up by then is closed
+    # A status or health watch whose reader takes no message for this long is dropped (its slot freed).
+    watch_stall_seconds: float = DEFAULT_STALL_SECONDS
+    # gRPC connections at once (fewer when the descriptor limit is low: grpc_connection_bound); more are closed.
+    max_connections: int = DEFAULT_MAX_GRPC_CONNECTIONS
+    connection_idle_seconds: float = CONNECTION_IDLE_SECONDS  # a gRPC connection without a call this long closes
 
     def __post_init__(self) -> None:
         """Refuse what would spin (a 0 interval), never end (nan, inf) or bind another port (70000 wraps)."""
         checked_probe_interval(self.probe_interval_seconds)
         checked_seconds(self.probe_timeout_seconds, "the probe timeout (--probe-timeout)")
         checked_seconds(self.handshake_timeout_seconds, "HeadOptions.handshake_timeout_seconds")
+        checked_seconds(self.watch_stall_seconds, "HeadOptions.watch_stall_seconds")
+        checked_seconds(self.connection_idle_seconds, "HeadOptions.connection_idle_seconds")
         checked_port(self.port, "the head port (--port)")
         checked_port(self.http_port, "the HTTP head port (--http-port)")
         checked_port(self.metrics_port, "the metrics port (--metrics-port)")
@@ -99,6 +112,8 @@ class HeadOptions:
             raise ConfigError(
                 "watch_history_size, max_concurrent_watches and max_watches_per_peer must be at least 1"
             )
+        if self.max_connections < 1:
+            raise ConfigError("max_connections must be at least 1")
 
 
 class HeadServer:
@@ -127,7 +142,13 @@ class HeadServer:
         self.pid = os.getpid()
         self.start_time = time.time()
         self.port = 0
-        self._health = HealthServicer()
+        # Health watches are open to everyone (no token): capped per client and in total as status watches are,
+        # in a pool of their own.
+        self._health = HealthServicer(
+            max_watches=options.max_concurrent_watches,
+            max_watches_per_peer=options.max_watches_per_peer,
+            stall_seconds=options.watch_stall_seconds,
+        )
         self.prober = StatusProber(
             config.servers,
             interval_seconds=options.probe_interval_seconds,
@@ -136,7 +157,7 @@ class HeadServer:
             on_change=self._follow_health,
             default_max_age_seconds=options.status_max_age_seconds,
         )
-        self.registry = InstanceRegistry()  # servers that registered (RegisterServerInstance)
+        self.registry = InstanceRegistry(lambda: self.config.servers)  # RegisterServerInstance's instances
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None  # plaintext health only (head_server.health_port)
         self.health_port: int | None = None
@@ -146,6 +167,8 @@ class HeadServer:
         self._connect: ConnectServer | None = None
         self._metrics_server: MetricsServer | None = None
         self._servicer: ControlPlaneServicer | None = None
+        self._running_reload: asyncio.Task[bool] | None = None
+        self._next_reload: asyncio.Task[bool] | None = None  # shared by every caller arriving while one runs
 
     @property
     def config_path(self) -> Path | None:
@@ -219,6 +242,7 @@ class HeadServer:
             max_concurrent_watches=self.options.max_concurrent_watches,
             max_watches_per_peer=self.options.max_watches_per_peer,
             address_policy=AddressPolicy(own.registration.allowed_networks),
+            watch_stall_seconds=self.options.watch_stall_seconds,
         )
         server = build_control_server(
             servicer,
@@ -226,7 +250,11 @@ class HeadServer:
             reflection_enabled=self.options.reflection,
             interceptors=self.source.interceptors(),
             security=security,
-            handshake_timeout_seconds=self.options.handshake_timeout_seconds,
+            options=server_options(
+                max_connections=grpc_connection_bound(self.options.max_connections),
+                handshake_timeout_seconds=self.options.handshake_timeout_seconds,
+                connection_idle_seconds=self.options.connection_idle_seconds,
+            ),
         )
         port = self.options.port if self.options.port is not None else self._own_config.head_server.port
         refuse_busy_port(self.host, port, "--port or head_server.port")
@@ -237,7 +265,7 @@ class HeadServer:
             health_server = build_health_server(self._health)
             self.health_port = ServerSecurity().add_port(health_server, self.host, security.health_port)
         await self.prober.start()  # before the first call can arrive: handlers read its reports
-        self.registry.start_expiry(self.prober, lambda: self.config.servers)
+        self.registry.start_expiry(self.prober)
         await server.start()
         self._server = server
         if health_server is not None:
@@ -271,6 +299,8 @@ class HeadServer:
         """Report NOT_SERVING, stop the source, then finish in-flight calls within the grace period."""
         head_metrics.forget(self)
         await self._health.enter_graceful_shutdown()
+        for reload in (self._next_reload, self._running_reload):  # one waiting for a file to hold still, say
+            await cancel_and_wait(reload)
         await self.source.stop()
         extra_ports: tuple[_Stoppable | None, ...] = (self._connect, self._metrics_server, self._http_head)
         for extra in extra_ports:
@@ -288,7 +318,27 @@ class HeadServer:
 
     async def reload(self) -> bool:
         """Load the config from the source now (SIGHUP, ReloadGlobalConfig); True when it changed. A bad config
-        keeps the old one."""
+        keeps the old one.
+
+        Reloads coalesce: at most one runs at a time, and every caller arriving meanwhile shares the one that runs
+        next (so each caller's reload starts after it asked, and a thousand callers cost two reloads)."""
+        if self._next_reload is None:
+            self._next_reload = asyncio.create_task(
+                self._reload_after(self._running_reload), name="gym_rpc reload"
+            )
+            self._next_reload.add_done_callback(_retrieve_outcome)
+        return await asyncio.shield(self._next_reload)
+
+    async def _reload_after(self, previous: asyncio.Task[bool] | None) -> bool:
+        if previous is not None:
+            await asyncio.wait((previous,))  # its outcome is its own callers'
+        self._running_reload, self._next_reload = asyncio.current_task(), None
+        try:
+            return await self._reload_now()
+        finally:
+            self._running_reload = None
+
+    async def _reload_now(self) -> bool:
         version = self.config.version
         try:
             changed = await self.source.reload(self)
@@ -305,11 +355,19 @@ class HeadServer:
         if config.version == old.version:
             return False
         self.config = config
-        await self.registry.update_prober(self.prober, lambda: self.config.servers)
+        await self.registry.update_prober(self.prober)
         self.prober.set_config_version(config.version)
         added = [name for name in config.servers if name not in old.servers]
         removed = [name for name in old.servers if name not in config.servers]
-        events.config_reloaded(self.source.name, old.version, config.version, added, removed)
+        replicas = {
+            name: (
+                [i.instance_id for i in entry.instances if i not in before],
+                [i.instance_id for i in before if i not in entry.instances],
+            )
+            for name, entry in config.servers.items()
+            if name in old.servers and (before := old.servers[name].instances) != entry.instances
+        }
+        events.config_reloaded(self.source.name, old.version, config.version, added, removed, replicas)
         return True
 
     async def set_problem(self, problem: str | None) -> None:
@@ -329,6 +387,12 @@ class HeadServer:
 
     async def _follow_health(self, report: StatusReport | None, name: str) -> None:
         await mirror_status_in_health(self._health, report, name)
+
+
+def _retrieve_outcome(task: asyncio.Task[bool]) -> None:
+    """A shared reload whose callers all went away still had its outcome logged: nothing left to report."""
+    if not task.cancelled():
+        task.exception()
 
 
 def refuse_busy_port(host: str, port: int, setting: str) -> None:
@@ -359,19 +423,19 @@ def refuse_busy_port(host: str, port: int, setting: str) -> None:
 
 def build_control_server(
     servicer: ControlPlaneServicer,
-    health_servicer: health_aio.HealthServicer,
+    health_servicer: HealthServicer,
     *,
     reflection_enabled: bool,
     interceptors: Sequence[grpc.aio.ServerInterceptor[Any, Any]] = (),
     security: ServerSecurity | None = None,
-    handshake_timeout_seconds: float = HANDSHAKE_TIMEOUT_SECONDS,
+    options: Sequence[tuple[str, int]] | None = None,
 ) -> grpc.aio.Server:
     """A grpc.aio server with the control plane, standard health and (optionally) reflection; not bound yet.
 
     Shared by the head and the bridge, so both serve the same services the same way: the resource bounds of
-    SERVER_OPTIONS (with the handshake deadline given), and token authentication (from `security`, by default
-    GYM_RPC_TOKEN) before any other interceptor but tracing's. Bind it with `security.add_port` to serve TLS when
-    configured.
+    `options` (by default `server_options` with the default bounds), and token authentication (from `security`, by
+    default GYM_RPC_TOKEN) before any other interceptor but tracing's. Bind it with `security.add_port` to serve
+    TLS when configured.
     """
     security = security if security is not None else ServerSecurity.from_environment()
     # Tracing outermost (no interceptor when off: gym_rpc.telemetry), then metrics, so refused calls are traced and
@@ -385,9 +449,9 @@ def build_control_server(
         *interceptors,
         DecodeGuardInterceptor(),
     ]
-    server = grpc.aio.server(
-        interceptors=traced_and_guarded, options=with_handshake_timeout(handshake_timeout_seconds)
-    )
+    if options is None:
+        options = server_options(max_connections=grpc_connection_bound())
+    server = grpc.aio.server(interceptors=traced_and_guarded, options=options)
     add_control_plane_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if reflection_enabled:
@@ -396,9 +460,7 @@ def build_control_server(
     return server
 
 
-async def mirror_status_in_health(
-    health_servicer: health_aio.HealthServicer, report: StatusReport | None, name: str
-) -> None:
+async def mirror_status_in_health(health_servicer: HealthServicer, report: StatusReport | None, name: str) -> None:
     """Mirror a server's probe result under its name in the standard health service: SERVING while an instance
     that is not draining answers, UNKNOWN until one is probed, NOT_SERVING otherwise."""
     if report is None:

@@ -26,6 +26,10 @@ from gym_rpc.wire import InstanceReport, StatusReport
 SERVER_NAME = "gym.server.name"
 SERVER_TYPE = "gym.server.type"
 SERVER_STATUS = "gym.server.status"
+INSTANCE_STATE = "gym.instance.state"
+# What `gym.server.instances` counts: answering and not draining, draining (whatever it answers), not answering,
+# not probed yet.
+INSTANCE_STATES = ("up", "draining", "down", "pending")
 # Seconds: probes on loopback take a millisecond, a silent server the whole probe timeout.
 PROBE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -75,6 +79,24 @@ def _up(options: CallbackOptions) -> Iterable[Observation]:
             yield Observation(1 if report.status == "success" else 0, attributes)
 
 
+def instance_state(instance: InstanceReport) -> str:
+    if instance.draining:
+        return "draining"
+    if instance.status is None:
+        return "pending"
+    return "up" if instance.status == "success" else "down"
+
+
+def _instances(options: CallbackOptions) -> Iterable[Observation]:
+    """Every server's instances, counted by state (every state, 0s too, so a series never just vanishes). Not one
+    series per instance: metrics carry no addresses (SECURITY.md), and instance ids are addresses."""
+    for head in list(_heads):
+        for report in head.observed_prober.reports():
+            states = [instance_state(instance) for instance in report.instances]
+            for state in INSTANCE_STATES:
+                yield Observation(states.count(state), {SERVER_NAME: report.server_name, INSTANCE_STATE: state})
+
+
 def _revision(options: CallbackOptions) -> Iterable[Observation]:
     for head in list(_heads):
         yield Observation(head.observed_prober.revision)
@@ -103,6 +125,12 @@ def _instruments() -> _HeadInstruments:
     m = meter()
     m.create_observable_gauge(
         "gym.server.up", [_up], unit="1", description="1 when the server's last probe succeeded"
+    )
+    m.create_observable_gauge(
+        "gym.server.instances",
+        [_instances],
+        unit="{instance}",
+        description="a server's instances by state: up, draining, down, pending",
     )
     m.create_observable_gauge(
         "gym.head.revision", [_revision], description="the status revision watches resume from"

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from gym_rpc.metrics import METRICS, PROMETHEUS_CONTENT_TYPE, prometheus_text
 from gym_rpc.server._connection_limits import BoundedSite
+from gym_rpc.server._host_check import bound_to_loopback, loopback_host_only
 
 METRICS_PATH = "/metrics"
 
@@ -41,7 +42,10 @@ class AppServer:
         raise NotImplementedError
 
     async def start(self, host: str, port: int) -> None:
-        site = BoundedSite(self.app())
+        app = self.app()
+        if bound_to_loopback(host):  # DNS rebinding: only loopback names (gym_rpc.server._host_check)
+            app.middlewares.insert(0, loopback_host_only)
+        site = BoundedSite(app)
         self.port = await site.start(host, port, what=self.what, setting=self.setting)
         self._site = site
 

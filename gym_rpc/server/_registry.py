@@ -1,12 +1,20 @@
-"""Registered server instances on the head: which process of a config server runs, and where clients reach it.
+"""Registered server instances on the head: which processes of a config server run, and where clients reach each.
+
+A server has one or more instances. A registration at an address no instance of the server holds adds one (a
+replica, in the order it first registered); a registration at an address an instance holds is that instance's
+process: the same pid renews it, another pid replaces it (a restart). The config instance and the static replicas
+are held by registrations at their address: the same IP and port, or a config host name that resolves to the IP
+registered (looked up, bounded and cached, only to tell; what clients dial is never a looked-up address).
 
 A server bound to a wildcard address (0.0.0.0, ::) is listed in the config by that address, which no other host
-can dial. When it registers, the head records the address it saw the registration come from, and from then on
-advertises that address for it (ListServerInstances) and probes it there.
+can dial. Its config instance is held by the earliest registration that holds no static replica: the head records
+the address it saw that registration come from, and from then on advertises and probes the instance there. When
+that process goes, the next registered instance takes its place, or the instance goes back to the config's address.
 
 A registration may carry a lease (like an etcd lease or a Consul TTL check): unless renewed in time it expires,
 so a process killed without deregistering does not stay advertised. The registry finds expiries, reports them
-through gym_rpc.server._events (with every other head event), and tells the prober (hence status watches).
+through gym_rpc.server._events (with every other head event), and tells the prober (hence status watches). Only
+the process that made a registration removes it (its pid, at its instance).
 """
 
 from __future__ import annotations
@@ -19,11 +27,13 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Literal, Protocol
 from urllib.parse import unquote
 
 from gym_rpc.config import ServerEntry, connectable_host, is_wildcard_host, url_authority
 from gym_rpc.server import _events as events
+from gym_rpc.server._host_addresses import HostAddresses
 from gym_rpc.server._instances import InstanceTarget, config_targets
 from gym_rpc.wire import InstanceRegistration, RegistrationState
 
@@ -98,65 +108,134 @@ class StatusTargets(Protocol):
     async def set_instances(self, name: str, targets: Sequence[InstanceTarget]) -> None: ...
 
 
-class InstanceRegistry:
-    """The head's registrations, one per server name (a newer registration replaces an older one)."""
+# The ended-registration key of a wildcard-bound server's config instance, whose own id moves with its holder.
+_WILDCARD_SLOT = ""
 
-    def __init__(self) -> None:
-        self._registrations: dict[str, InstanceRegistration] = {}
-        self._ended: dict[str, RegistrationState] = {}  # why a server's last registration ended
+RegistrationKind = Literal["added", "replaced", "changed", "renewed"]
+
+
+@dataclass(frozen=True)
+class Registered:
+    """What a registration did: the instance it holds (its id, to deregister it by) and how it changed it."""
+
+    instance_id: str
+    kind: RegistrationKind  # a new instance or a newly held one, another process, new labels or draining, a lease
+    previous: InstanceRegistration | None  # the registration it renewed or replaced
+
+
+class InstanceRegistry:
+    """The head's registrations: per server name, one per instance, keyed by the id of the instance each holds
+    (a config instance's or static replica's id, else the advertised one), in the order they first registered.
+
+    `servers` returns the config's servers now (the head's current config)."""
+
+    def __init__(self, servers: Callable[[], Mapping[str, ServerEntry]] = dict) -> None:
+        self._servers = servers
+        self._registrations: dict[str, dict[str, InstanceRegistration]] = {}
+        # Why the registration of a config instance or static replica ended (name -> instance id -> state).
+        self._ended: dict[str, dict[str, RegistrationState]] = {}
         self._lock = asyncio.Lock()  # one prober update at a time, each from the latest state
         self._sweeper: asyncio.Task[None] | None = None
+        self._addresses = HostAddresses()
 
     def __len__(self) -> int:
-        return len(self._registrations)
+        return sum(len(registrations) for registrations in self._registrations.values())
 
     def get(self, server_name: str) -> InstanceRegistration | None:
-        return self._registrations.get(server_name)
+        """The registration holding the server's config instance, if any."""
+        entry = self._servers().get(server_name)
+        key = self._config_holder(entry) if entry is not None else None
+        return self._registrations[server_name][key] if key is not None else None
 
     def state(self, server_name: str) -> RegistrationState | None:
-        """Registered, or why the last registration ended; None when the server never registered."""
-        return "registered" if server_name in self._registrations else self._ended.get(server_name)
+        """The config instance's registration: registered, or why its last one ended; None if it never had one."""
+        if self.get(server_name) is not None:
+            return "registered"
+        entry = self._servers().get(server_name)
+        slot = _WILDCARD_SLOT if entry is None or is_wildcard_host(entry.host) else entry.instances[0].instance_id
+        return self._ended.get(server_name, {}).get(slot)
 
-    def register(self, registration: InstanceRegistration) -> bool:
-        """Record a registration; False when it only renews the current one (same process, same address), which
-        changes nothing but the lease's deadline."""
+    def server_type_conflict(self, entry: ServerEntry, registration: InstanceRegistration) -> str | None:
+        """Why `registration` cannot be an instance of `entry`'s server: it says another server type than the
+        config's, or than another live instance registered with; None when it says none or the same."""
+        said = registration.server_type
+        if not said:
+            return None
+        name, at = entry.name, registration.advertised_id
+        if said != entry.server_type:
+            return (
+                f"{name}: the instance registering at {at} serves as {said}, but {name} is {entry.server_type} "
+                f"(its config instance {entry.instances[0].instance_id}); one server's instances are of one type"
+            )
+        for instance_id, other in self._registrations.get(name, {}).items():
+            if other.server_type and other.server_type != said and other.advertised_id != at:
+                return (
+                    f"{name}: the instance registering at {at} serves as {said}, but its instance {instance_id} "
+                    f"(pid {other.pid}) registered as {other.server_type}; one server's instances are of one type"
+                )
+        return None
+
+    async def register(self, registration: InstanceRegistration) -> Registered:
+        """Record a registration at the instance it holds (renewing, replacing or adding one)."""
         name = registration.server_name
-        previous = self._registrations.get(name)
-        self._registrations[name] = registration
-        self._ended.pop(name, None)
-        return previous is None or (previous.pid, previous.advertised_url) != (
-            registration.pid,
-            registration.advertised_url,
+        registrations = self._registrations.setdefault(name, {})
+        instance_id = next(
+            (key for key, held in registrations.items() if held.advertised_id == registration.advertised_id), None
         )
+        if instance_id is None:
+            entry = self._servers().get(name)
+            held_config = await self._config_instance_at(entry, registration) if entry is not None else None
+            instance_id = held_config or registration.advertised_id
+        previous = registrations.get(instance_id)
+        registrations[instance_id] = registration  # a key already there keeps its place: a restart stays in line
+        self._ended.get(name, {}).pop(instance_id, None)
+        return Registered(instance_id, _kind(previous, registration), previous)
 
-    def deregister(self, server_name: str, pid: int) -> bool:
-        """Remove the server's registration if `pid` is the pid it registered with. A call naming another process
-        (a newer one registered since), or none (pid 0), removes nothing: only the owner deregisters."""
-        current = self._registrations.get(server_name)
-        if current is None or pid == 0 or current.pid != pid:
-            return False
-        del self._registrations[server_name]
-        self._ended[server_name] = "deregistered"
-        return True
+    def deregister(
+        self, server_name: str, pid: int, instance_id: str = ""
+    ) -> list[tuple[str, InstanceRegistration]]:
+        """Remove the server's registrations made by `pid` (the one at `instance_id`, or every one of `pid` when
+        empty); the ones removed. A call naming another process (a newer one registered since), or none (pid 0),
+        removes nothing: only the owner deregisters."""
+        registrations = self._registrations.get(server_name, {})
+        keys = [instance_id] if instance_id else list(registrations)
+        owned = [key for key in keys if pid != 0 and key in registrations and registrations[key].pid == pid]
+        return [(key, self._remove(server_name, key, "deregistered")) for key in owned]
 
-    def expire(self, now: float) -> list[InstanceRegistration]:
+    def expire(self, now: float) -> list[tuple[str, InstanceRegistration]]:
         """Drop the registrations whose lease ran out before `now` (time.monotonic()); the ones dropped."""
-        expired = [r for r in self._registrations.values() if (t := r.expires_at) is not None and t < now]
-        for registration in expired:
-            name = registration.server_name
-            del self._registrations[name]
-            self._ended[name] = "expired"
+        expired = [
+            (name, key)
+            for name, registrations in self._registrations.items()
+            for key, registration in registrations.items()
+            if (t := registration.expires_at) is not None and t < now
+        ]
+        dropped = []
+        for name, key in expired:
+            registration = self._remove(name, key, "expired")
             events.server_lease_expired(
                 name, registration.pid, registration.lease_ttl, registration.advertised_url
             )
-        return expired
+            dropped.append((key, registration))
+        return dropped
 
-    def start_expiry(self, prober: StatusTargets, servers: Callable[[], Mapping[str, ServerEntry]]) -> None:
+    def in_flight(self, server_name: str) -> dict[str, int]:
+        """instance id -> calls in flight its process reported at its latest registration or renewal."""
+        return {key: held.in_flight for key, held in self._registrations.get(server_name, {}).items()}
+
+    def _remove(self, name: str, key: str, reason: RegistrationState) -> InstanceRegistration:
+        entry = self._servers().get(name)
+        held_config = entry is not None and key == self._config_holder(entry)
+        registration = self._registrations[name].pop(key)
+        if entry is not None and (held_config or key in _config_ids(entry)):
+            slot = _WILDCARD_SLOT if is_wildcard_host(entry.host) and key not in _config_ids(entry) else key
+            self._ended.setdefault(name, {})[slot] = reason
+        return registration
+
+    def start_expiry(self, prober: StatusTargets) -> None:
         """Drop expired leases in the background until stop_expiry()."""
         if self._sweeper is None:
-            self._sweeper = asyncio.create_task(
-                self._expire_leases_forever(prober, servers), name="gym_rpc lease expiry"
-            )
+            self._sweeper = asyncio.create_task(self._expire_leases_forever(prober), name="gym_rpc lease expiry")
 
     async def stop_expiry(self) -> None:
         if self._sweeper is not None:
@@ -165,57 +244,124 @@ class InstanceRegistry:
                 await self._sweeper
             self._sweeper = None
 
-    async def _expire_leases_forever(
-        self,
-        prober: StatusTargets,
-        servers: Callable[[], Mapping[str, ServerEntry]],
-        interval: float = LEASE_SWEEP_SECONDS,
-    ) -> None:
-        """Every `interval`, drop expired registrations and point the prober back at the config's addresses."""
+    async def _expire_leases_forever(self, prober: StatusTargets, interval: float = LEASE_SWEEP_SECONDS) -> None:
+        """Every `interval`, drop expired registrations and tell the prober which instances went."""
         while True:
             await asyncio.sleep(interval)
             try:
                 if expired := self.expire(time.monotonic()):
-                    await self.update_prober(prober, servers, [r.server_name for r in expired])
+                    await self.update_prober(prober, {registration.server_name for _, registration in expired})
             except asyncio.CancelledError:
                 raise
             except Exception:  # the sweep must outlive any single bad round
                 logger.exception("lease expiry sweep failed")
 
     def targets(self, entry: ServerEntry) -> tuple[InstanceTarget, ...]:
-        """The server's instances as clients should dial them: the config's, with the registration on the config
-        instance (a wildcard-bound server that registered is at its advertised URL; every other entry keeps the
-        config's address)."""
+        """The server's instances as clients should dial them: the config instance (a wildcard-bound one at its
+        holder's advertised address), the static replicas, then the registered instances, each with what its
+        registration says (or why its last one ended)."""
+        registrations = self._registrations.get(entry.name, {})
+        ended = self._ended.get(entry.name, {})
         own, *replicas = config_targets(entry)
-        registration = self._registrations.get(entry.name)
-        if registration is not None:
-            url = registration.advertised_url if is_wildcard_host(entry.host) else own.url
-            own = InstanceTarget(
-                instance_id=url_authority(url),
-                url=url,
-                origin="config",
-                registration="registered",
-                advertised_url=registration.advertised_url,
-                pid=registration.pid,
-                start_time=registration.start_time,
+        holder = self._config_holder(entry)
+        if holder is not None:
+            held = registrations[holder]
+            url = held.advertised_url if is_wildcard_host(entry.host) else own.url
+            own = _held(dataclasses.replace(own, instance_id=url_authority(url), url=url), held)
+        else:
+            slot = _WILDCARD_SLOT if is_wildcard_host(entry.host) else own.instance_id
+            own = dataclasses.replace(own, registration=ended.get(slot))
+        targets = [own]
+        for replica in replicas:
+            held_replica = registrations.get(replica.instance_id)
+            targets.append(
+                _held(replica, held_replica)
+                if held_replica is not None
+                else dataclasses.replace(replica, registration=ended.get(replica.instance_id))
             )
-        elif (ended := self._ended.get(entry.name)) is not None:
-            own = dataclasses.replace(own, registration=ended)
-        return (own, *replicas)
+        config_ids = _config_ids(entry)
+        for key, registration in registrations.items():
+            if key != holder and key not in config_ids:
+                url = registration.advertised_url
+                targets.append(_held(InstanceTarget(key, url, "registered"), registration))
+        return tuple(targets)
 
-    async def update_prober(
-        self,
-        prober: StatusTargets,
-        servers: Callable[[], Mapping[str, ServerEntry]],
-        names: Iterable[str] | None = None,
-    ) -> None:
-        """Point the prober at the instances of the config `servers()` returns when the lock is held (of the
-        servers `names`, or of all), so a registration racing a config reload never leaves a stale URL behind."""
+    def _config_holder(self, entry: ServerEntry) -> str | None:
+        """The key of the registration holding the config instance: the one at its address, or (wildcard-bound)
+        the earliest one that holds no static replica."""
+        registrations = self._registrations.get(entry.name, {})
+        if not is_wildcard_host(entry.host):
+            own = entry.instances[0].instance_id
+            return own if own in registrations else None
+        replicas = {address.instance_id for address in entry.replicas}
+        return next((key for key in registrations if key not in replicas), None)
+
+    async def _config_instance_at(self, entry: ServerEntry, registration: InstanceRegistration) -> str | None:
+        """The id of the config instance or static replica at the registration's address, if one is: same port,
+        and the same IP (a config host name counts when it resolves to the registered IP). A wildcard-bound
+        config instance is no address to match (its holder is the earliest registration)."""
+        candidates = entry.replicas if is_wildcard_host(entry.host) else entry.instances
+        for address in candidates:
+            if address.port == registration.port and await self._addresses.same_host(
+                connectable_host(address.host), registration.advertised_host
+            ):
+                return address.instance_id
+        return None
+
+    def rekey(self, servers: Mapping[str, ServerEntry]) -> None:
+        """After a reload: a registration holding a config instance or static replica the config no longer has
+        becomes a registered instance at its own advertised address (of two there, the one renewed last stays)."""
+        for name, registrations in self._registrations.items():
+            entry = servers.get(name)
+            config_ids = _config_ids(entry) if entry is not None else set()
+            for key in [k for k, r in registrations.items() if k not in config_ids and k != r.advertised_id]:
+                moved = registrations.pop(key)
+                there = registrations.get(moved.advertised_id)
+                if there is None or there.registered_at < moved.registered_at:
+                    registrations[moved.advertised_id] = moved
+
+    async def update_prober(self, prober: StatusTargets, names: Iterable[str] | None = None) -> None:
+        """Point the prober at the instances of the servers `names` (None: of every server, after a reload) as
+        the config has them when the lock is held, so a registration racing a reload never leaves a stale URL."""
         async with self._lock:
-            current = servers()
+            current = self._servers()
             if names is None:
+                self.rekey(current)
                 await prober.set_targets({name: self.targets(entry) for name, entry in current.items()})
                 return
             for name in names:
                 if name in current:
                     await prober.set_instances(name, self.targets(current[name]))
+
+
+def _config_ids(entry: ServerEntry) -> set[str]:
+    """The ids of the instances the config names at a fixed address (a wildcard-bound entry's own moves)."""
+    addresses = entry.replicas if is_wildcard_host(entry.host) else entry.instances
+    return {address.instance_id for address in addresses}
+
+
+def _held(target: InstanceTarget, registration: InstanceRegistration) -> InstanceTarget:
+    """`target` held by `registration`: registered, with its process, labels and draining flag."""
+    return dataclasses.replace(
+        target,
+        registration="registered",
+        advertised_url=registration.advertised_url,
+        draining=registration.draining,
+        labels=registration.labels,
+        pid=registration.pid,
+        start_time=registration.start_time,
+    )
+
+
+def _kind(previous: InstanceRegistration | None, registration: InstanceRegistration) -> RegistrationKind:
+    if previous is None:
+        return "added"
+    if previous.pid != registration.pid:
+        return "replaced"
+    if (previous.advertised_url, previous.labels, previous.draining) != (
+        registration.advertised_url,
+        registration.labels,
+        registration.draining,
+    ):
+        return "changed"
+    return "renewed"

@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from gym_rpc._environment import environment
+from gym_rpc._logging import RateLimitedLog
 from gym_rpc.config import (
     HEAD_SERVER_KEY,
     REDACTED,
@@ -34,6 +35,7 @@ from gym_rpc.config import (
     url_host,
 )
 from gym_rpc.errors import ConfigError, GymRpcError
+from gym_rpc.server._connection_limits import HEALTH_PORT_CONNECTIONS
 from gym_rpc.server._interceptors import Context, Handler, HandlerInterceptor, ServerInterceptor
 from gym_rpc.wire import (
     AUTHORIZATION_METADATA_KEY,
@@ -51,11 +53,15 @@ DEFAULT_MAX_CONCURRENT_WATCHES = 512  # per head, across all clients
 DEFAULT_MAX_WATCHES_PER_PEER = 128  # per client IP address: one client cannot take them all
 
 HANDSHAKE_TIMEOUT_SECONDS = 10.0  # the default of HeadOptions.handshake_timeout_seconds
+CONNECTION_IDLE_SECONDS = 30.0  # the default of HeadOptions.connection_idle_seconds
+MAX_CONNECTION_AGE_SECONDS = 1800.0  # then GOAWAY: the client reconnects (a watch resumes) ...
+MAX_CONNECTION_AGE_GRACE_SECONDS = 300.0  # ... and calls still open after this long are cancelled
 
 # The head's side of the bargain: small requests, bounded streams per connection, pings no more often than every
 # 10 s while no data flows (a client that pings harder is sent GOAWAY), dead peers noticed by the head's own
-# keepalive, and a connection that never completes its handshake dropped after 10 s (the control port can lower it:
-# `with_handshake_timeout`).
+# keepalive, a connection that never completes its handshake dropped after 10 s, one without a call for 30 s closed
+# (pings do not count), and every connection closed within 35 minutes (GOAWAY at 30, calls cancelled 5 later).
+# `server_options` adds the bound on connections and the deadlines a head chose.
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
     ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
@@ -66,16 +72,29 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 2),
     ("grpc.server_handshake_timeout_ms", round(HANDSHAKE_TIMEOUT_SECONDS * 1000)),
+    ("grpc.max_connection_idle_ms", round(CONNECTION_IDLE_SECONDS * 1000)),
+    ("grpc.max_connection_age_ms", round(MAX_CONNECTION_AGE_SECONDS * 1000)),
+    ("grpc.max_connection_age_grace_ms", round(MAX_CONNECTION_AGE_GRACE_SECONDS * 1000)),
     # Refuse to share the port with another process (grpc allows SO_REUSEPORT by default); SO_REUSEADDR stays
     # on, so a restarted head binds its port again at once.
     ("grpc.so_reuseport", 0),
 )
 
 
-def with_handshake_timeout(seconds: float) -> tuple[tuple[str, int], ...]:
-    """SERVER_OPTIONS with another handshake deadline."""
-    option = "grpc.server_handshake_timeout_ms"
-    return (*((name, value) for name, value in SERVER_OPTIONS if name != option), (option, round(seconds * 1000)))
+def server_options(
+    *,
+    max_connections: int,
+    handshake_timeout_seconds: float = HANDSHAKE_TIMEOUT_SECONDS,
+    connection_idle_seconds: float = CONNECTION_IDLE_SECONDS,
+) -> tuple[tuple[str, int], ...]:
+    """SERVER_OPTIONS with these deadlines, accepting at most `max_connections` connections at once (grpc closes
+    any past it at once: waiting ones would cost a descriptor each)."""
+    chosen = {
+        "grpc.server_handshake_timeout_ms": round(handshake_timeout_seconds * 1000),
+        "grpc.max_connection_idle_ms": round(connection_idle_seconds * 1000),
+        "grpc.max_allowed_incoming_connections": max_connections,
+    }
+    return (*((name, value) for name, value in SERVER_OPTIONS if name not in chosen), *chosen.items())
 
 
 _authenticated: contextvars.ContextVar[bool] = contextvars.ContextVar("gym_rpc_authenticated", default=False)
@@ -216,17 +235,19 @@ class TokenAuthInterceptor(HandlerInterceptor):
     """Every RPC but the health service needs `authorization: Bearer <token>`; others get UNAUTHENTICATED.
 
     The comparison takes the same time whatever the presented token shares with the real one, and neither the
-    presented token nor the real one ever appears in an answer or a log line.
+    presented token nor the real one ever appears in an answer or a log line (a refusal is one INFO line per 10 s
+    at most, naming the method).
     """
 
     def __init__(self, token: str) -> None:
         self._expected = token.encode()
+        self._refusals = RateLimitedLog(logger, level=logging.INFO)  # a caller retrying hard floods no log
 
     def handle(self, handler: Handler, details: grpc.HandlerCallDetails) -> Handler:
         if details.method.startswith(HEALTH_METHOD_PREFIX):
             return handler
         if not authenticate(details.invocation_metadata, self._expected):
-            logger.info("refused %s: missing or invalid bearer token", details.method)
+            self._refusals.log(f"refused {details.method}: missing or invalid bearer token")
             return aborting_handler(handler, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
         return handler
 
@@ -276,6 +297,6 @@ def aborting_handler(handler: Handler, code: grpc.StatusCode, message: str) -> H
 
 def build_health_server(health_servicer: health_pb2_grpc.HealthServicer) -> grpc.aio.Server:
     """A plaintext server with only the health service, for probes that cannot speak TLS (Kubernetes gRPC)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=server_options(max_connections=HEALTH_PORT_CONNECTIONS))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server

@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 import grpc
 
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url, is_wildcard_host
-from gym_rpc.errors import ConfigError
+from gym_rpc.errors import ConfigError, quoted
 from gym_rpc.server import _events as events
 from gym_rpc.server._address_policy import AddressPolicy
 from gym_rpc.server._prober import StatusProber
@@ -32,9 +32,10 @@ from gym_rpc.server._security import (
     caller_is_authenticated,
 )
 from gym_rpc.server._watch_feed import ReportMessages, WatchFeed
+from gym_rpc.server._watch_slots import DEFAULT_STALL_SECONDS, WatchSlots, peer_address, write_all_or_drop
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
-from gym_rpc.wire import ReportedProcess, StatusReport, convert, unknown_server_status
+from gym_rpc.wire import ReportedProcess, StatusReport, convert, label_problem, unknown_server_status
 
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 MIN_HEARTBEAT_SECONDS = 0.05
@@ -70,23 +71,24 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES,
         max_watches_per_peer: int = DEFAULT_MAX_WATCHES_PER_PEER,
         address_policy: AddressPolicy | None = None,
+        watch_stall_seconds: float = DEFAULT_STALL_SECONDS,
     ) -> None:
         self._head = head
         self._address_policy = address_policy if address_policy is not None else AddressPolicy()
         self._config_responses: dict[bool, tuple[str, pb.GetGlobalConfigResponse]] = {}
-        self._max_watches = max_concurrent_watches
-        self._watches = 0
         self._report_messages = ReportMessages()  # each probe result converted once
         self.watch_feed = WatchFeed(lambda: self._head.prober, self._report_messages)  # one message per change
         # Per client address (not per connection: a client opening more connections is still one peer), so one
         # client cannot take every slot of the head and lock the other watchers out.
-        self._max_watches_per_peer = max_watches_per_peer
-        self._watches_by_peer: dict[str, int] = {}
+        self.watch_slots = WatchSlots(
+            "status watches", max_concurrent_watches, max_watches_per_peer, instead="poll ListServerStatuses"
+        )
+        self.watch_stall_seconds = watch_stall_seconds
 
     @property
     def watches(self) -> int:
         """Status watches open now (the head's `gym.head.watchers` gauge)."""
-        return self._watches
+        return self.watch_slots.open
 
     async def GetHeadServerConfig(
         self, request: pb.GetHeadServerConfigRequest, context: Context
@@ -140,32 +142,13 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
     async def WatchServerStatuses(
         self, request: pb.WatchServerStatusesRequest, context: Context
     ) -> AsyncIterator[pb.WatchServerStatusesResponse]:
-        if self._watches >= self._max_watches:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the head already serves {self._max_watches} status watches; retry later or poll "
-                f"ListServerStatuses",
-            )
-        peer = peer_address(context.peer())
-        held = self._watches_by_peer.get(peer, 0)
-        if held >= self._max_watches_per_peer:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{peer} already holds {held} status watches, the most one client address may; close one, share "
-                f"one watch per process, or poll ListServerStatuses",
-            )
-        self._watches += 1
-        self._watches_by_peer[peer] = held + 1
-        try:
+        address = peer_address(context.peer())
+        refusal = self.watch_slots.refusal(address)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        with self.watch_slots.held(address):
             async for message in self._watch(request):
                 yield message
-        finally:
-            self._watches -= 1
-            left = self._watches_by_peer[peer] - 1
-            if left:
-                self._watches_by_peer[peer] = left
-            else:
-                del self._watches_by_peer[peer]
 
     async def _watch(
         self, request: pb.WatchServerStatusesRequest
@@ -196,7 +179,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         head = self._head
         instances = [convert.head_instance_to_pb(head.config, head.pid, head.start_time)]
         for name, entry in head.config.servers.items():
-            instances += convert.server_instances_to_pb(entry, head.prober.report(name), head.processes.get(name))
+            instances += convert.server_instances_to_pb(
+                entry, head.prober.report(name), head.processes.get(name), head.registry.in_flight(name)
+            )
         return pb.ListServerInstancesResponse(instances=instances)
 
     async def GetAssistantMessageHeader(
@@ -241,17 +226,24 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         refusal = self._address_policy.refusal(host)
         if refusal is not None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{name}: advertised host {refusal}")
+        problem = label_problem(request.labels)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {problem}")
         registration = convert.registration_from_pb(request, host, time.monotonic())
         head = self._head
-        replaced = head.registry.get(name)
-        if head.registry.register(registration):
-            events.server_registered(
-                name, registration.pid, registration.advertised_url, replaced.pid if replaced else None
-            )
-            await head.registry.update_prober(head.prober, lambda: head.config.servers, [name])
-        else:  # a renewal changes nothing but the lease: DEBUG, and not followed
+        conflict = head.registry.server_type_conflict(head.config.servers[name], registration)
+        if conflict is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, conflict)
+        registered = await head.registry.register(registration)
+        if registered.kind == "renewed":  # nothing changed but the lease (and the calls in flight): not followed
             events.server_renewed(name, registration.pid, registration.advertised_url)
-        response = pb.RegisterServerInstanceResponse(advertised_url=registration.advertised_url)
+        else:
+            await head.registry.update_prober(head.prober, [name])
+            instances = len(head.prober.report(name).instances)
+            events.server_registered(name, registered.instance_id, registration, registered.previous, instances)
+        response = pb.RegisterServerInstanceResponse(
+            advertised_url=registration.advertised_url, instance_id=registered.instance_id
+        )
         if request.HasField("lease_ttl"):
             response.lease_ttl.CopyFrom(request.lease_ttl)
         return response
@@ -268,12 +260,13 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
                 "registration made without a pid ends with its lease or when another replaces it)",
             )
         head = self._head
-        current = head.registry.get(name)
-        deregistered = head.registry.deregister(name, request.pid)
-        if deregistered:
-            events.server_deregistered(name, current.pid if current else request.pid)
-            await head.registry.update_prober(head.prober, lambda: head.config.servers, [name])
-        return pb.DeregisterServerInstanceResponse(deregistered=deregistered)
+        removed = head.registry.deregister(name, request.pid, request.instance_id)
+        if removed:
+            await head.registry.update_prober(head.prober, [name])
+            left = len(head.prober.report(name).instances)
+            for instance_id, registration in removed:
+                events.server_deregistered(name, registration.pid, instance_id, left)
+        return pb.DeregisterServerInstanceResponse(deregistered=bool(removed))
 
     async def _require_server(self, name: str, context: Context, field: str = "server_name") -> None:
         """INVALID_ARGUMENT for no name, NOT_FOUND (with the known names) for one the config does not have."""
@@ -313,7 +306,8 @@ async def _require_valid_hosts(request: pb.RegisterServerInstanceRequest, contex
 
 
 def _bad_host_message(field: str, host: str) -> str:
-    return f"{field} {host!r} is neither an IP address nor a hostname (letters, digits, hyphens and dots; no port)"
+    what = "is neither an IP address nor a hostname (letters, digits, hyphens and dots; no port)"
+    return f"{field} {quoted(host)} {what}"
 
 
 def _config_response(config: GlobalConfig, include_secrets: bool) -> pb.GetGlobalConfigResponse:
@@ -327,6 +321,18 @@ def _config_response(config: GlobalConfig, include_secrets: bool) -> pb.GetGloba
             config, document=document, config_json=json.dumps(document, ensure_ascii=False)
         )
     return convert.global_config_to_pb(config, include_secrets=True)
+
+
+def _bounded_writes(
+    stream: Callable[[Any, Context], AsyncIterator[Any]], stall_seconds: float
+) -> Callable[[Any, Context], Awaitable[None]]:
+    """A gRPC server-streaming handler that writes what `stream` yields, each write bounded by `stall_seconds`: a
+    reader that stops reading ends its own stream (gym_rpc.server._watch_slots) instead of holding it forever."""
+
+    async def handler(request: Any, context: Context) -> None:
+        await write_all_or_drop(context, stream(request, context), stall_seconds)
+
+    return handler
 
 
 def add_control_plane_service(servicer: ControlPlaneServicer, server: grpc.aio.Server) -> None:
@@ -347,26 +353,20 @@ def add_control_plane_service(servicer: ControlPlaneServicer, server: grpc.aio.S
             if method.server_streaming
             else grpc.unary_unary_rpc_method_handler
         )
+        handler = (
+            _bounded_writes(servicer.WatchServerStatuses, servicer.watch_stall_seconds)
+            if method.name == "WatchServerStatuses"
+            else getattr(servicer, method.name)
+        )
         handlers[method.name] = make(
-            getattr(servicer, method.name),
-            request_deserializer=request_class.FromString,
-            response_serializer=serializer,
+            handler, request_deserializer=request_class.FromString, response_serializer=serializer
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
-    # As the generated code does too: grpc resolves registered methods without the generic handler lookup.
-    register: Any = server.add_registered_method_handlers  # type: ignore[attr-defined]  # not in grpc-stubs
-    register(service.full_name, handlers)
-
-
-def peer_address(peer: str) -> str:
-    """The client address of a gRPC peer string without its port: `ipv4:10.0.0.7:53211` -> `10.0.0.7`,
-    `ipv6:[::1]:53211` -> `::1`; anything else (a unix socket) as it is."""
-    kind, _, rest = peer.partition(":")
-    if kind == "ipv4":
-        return rest.rpartition(":")[0] or rest
-    if kind == "ipv6":
-        return rest.rpartition(":")[0].strip("[]") or rest
-    return peer
+    # As the generated code does too: grpc resolves registered methods without the generic handler lookup, where
+    # this grpcio has them (1.63 and later; the generic handler above serves on older ones).
+    register: Any = getattr(server, "add_registered_method_handlers", None)
+    if register is not None:
+        register(service.full_name, handlers)
 
 
 def _snapshot(

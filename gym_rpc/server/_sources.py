@@ -1,6 +1,10 @@
 """Where the control-plane server's config comes from: the one thing the head and the bridge do differently.
 
-`FileSource` reads a YAML file (at start, and again on SIGHUP or ReloadGlobalConfig): that is `gym-rpc head`.
+`FileSource` reads a YAML file (at start, and again on SIGHUP or ReloadGlobalConfig): that is `gym-rpc head`. A
+reload of an unchanged file costs a read and a hash: the same bytes as last time (served, or refused) give the same
+answer without a parse. A changed file is taken only once its size and mtime have held still for STABLE_SECONDS,
+longer than editors and `cp` pause mid-write, and only if they still hold after the read: a file cut off mid-write
+is not served. Writing the new file elsewhere and renaming it into place (`mv`, which is atomic) is the safe way.
 `gym_rpc.server._bridge.UpstreamSource` fetches from an unmodified NeMo Gym HTTP head on an interval: that is
 `gym-rpc bridge`. All else (serving, security, prober, health, watches, HTTP head) is `HeadServer`'s, shared.
 """
@@ -8,19 +12,26 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
 
-from gym_rpc.config import GlobalConfig, load_config_file
+from gym_rpc.config import GlobalConfig, config_from_bytes, read_config_file
 from gym_rpc.errors import ConfigError
 from gym_rpc.server._security import ServerSecurity
 from gym_rpc.wire import ReportedProcess
 
 logger = logging.getLogger(__name__)
+
+STABLE_SECONDS = 1.0  # a changed file's size and mtime must hold still this long before a reload takes it
+STABILITY_POLL_SECONDS = 0.1
+MAX_STABILITY_WAIT_SECONDS = 15.0  # a file still changing after this is refused (the old config stays)
 
 
 class ConfigTarget(Protocol):
@@ -73,6 +84,8 @@ class FileSource:
         self.name: Path | str = path if path is not None else "the embedded config"  # what logs call this source
         self.processes: Mapping[str, ReportedProcess] = {}
         self._lock = asyncio.Lock()
+        # The digest of the bytes last loaded, and the refusal they got (None: they were served or unchanged).
+        self._last: tuple[str, ConfigError | None] | None = None
 
     def interceptors(self) -> Sequence[grpc.aio.ServerInterceptor[Any, Any]]:
         return ()
@@ -104,14 +117,30 @@ class FileSource:
 
     async def reload(self, head: ConfigTarget) -> bool:
         """Re-read the file; True when its content changed. A bad file keeps the old config."""
-        if self.path is None:
+        path = self.path
+        if path is None:
             return False
         async with self._lock:
-            loaded = await asyncio.to_thread(load_config_file, self.path)
-            if head.served(loaded).version == head.config.version:
+            data = await asyncio.to_thread(read_config_file, path)
+            digest = hashlib.sha256(data).hexdigest()
+            if self._last is not None and self._last[0] == digest:  # the same bytes: the same answer, no parse
+                if self._last[1] is not None:
+                    raise ConfigError(str(self._last[1]))
                 return False
-            self._validate(loaded)
-            self._refuse_served_turned_malformed(loaded, head.config)
+            data = await _stable_bytes(path)
+            digest = hashlib.sha256(data).hexdigest()
+            try:
+                loaded = await asyncio.to_thread(config_from_bytes, data, path)
+                unchanged = head.served(loaded).version == head.config.version
+                if not unchanged:
+                    self._validate(loaded)
+                    self._refuse_served_turned_malformed(loaded, head.config)
+            except ConfigError as exc:
+                self._last = (digest, exc)
+                raise
+            self._last = (digest, None)
+            if unchanged:
+                return False
             self._warn_malformed(loaded, known=head.config.malformed_servers)
             return await head.apply_config(loaded)
 
@@ -123,4 +152,35 @@ class FileSource:
             raise ConfigError(
                 f"{self.path}: server {name!r} is served but its new entry is malformed ({problem}); "
                 f"fix the entry, or delete the key to stop serving it"
+            )
+
+
+def _file_state(path: Path) -> tuple[int, int, int, int]:
+    """What changes when a file is written or replaced: size, mtime, inode, device."""
+    try:
+        status = os.stat(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    return status.st_size, status.st_mtime_ns, status.st_ino, status.st_dev
+
+
+async def _stable_bytes(path: Path) -> bytes:
+    """The file's bytes once its size and mtime have held still for STABLE_SECONDS (on the monotonic clock) and
+    still hold after the read; a ConfigError when it keeps changing for MAX_STABILITY_WAIT_SECONDS."""
+    deadline = time.monotonic() + MAX_STABILITY_WAIT_SECONDS
+    state, since = _file_state(path), time.monotonic()
+    while True:
+        await asyncio.sleep(STABILITY_POLL_SECONDS)
+        now = _file_state(path)
+        if now != state:
+            state, since = now, time.monotonic()
+        elif time.monotonic() - since >= STABLE_SECONDS:
+            data = await asyncio.to_thread(read_config_file, path)
+            if _file_state(path) == state:
+                return data
+            state, since = _file_state(path), time.monotonic()  # written during the read: wait again
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"{path}: still being written (its size or mtime changed within the last {STABLE_SECONDS:g} s for "
+                f"{MAX_STABILITY_WAIT_SECONDS:g} s); write the new config to another file and rename it into place"
             )

@@ -744,6 +744,7 @@ class ServerInstance(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
     ORIGIN_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Server name ("head_server" for the head itself)."""
     server_type: _builtins.str
@@ -766,6 +767,10 @@ class ServerInstance(_message.Message):
     """Whether it is draining (InstanceReport.draining)."""
     origin: Global___InstanceOrigin.ValueType
     """Where it comes from."""
+    in_flight: _builtins.int
+    """Calls the instance's process said it had in flight at its latest registration or renewal (the registration
+    helpers report it; 0 when not said). Not in InstanceReport: it moves with every renewal, which is no change.
+    """
     @_builtins.property
     def start_time(self) -> _timestamp_pb2.Timestamp:
         """Process start time when known."""
@@ -794,10 +799,11 @@ class ServerInstance(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         draining: _builtins.bool = ...,
         origin: Global___InstanceOrigin.ValueType = ...,
+        in_flight: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["start_time", b"start_time", "uptime", b"uptime"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertised_url", b"advertised_url", "draining", b"draining", "impl_name", b"impl_name", "instance_id", b"instance_id", "labels", b"labels", "name", b"name", "origin", b"origin", "pid", b"pid", "server_type", b"server_type", "start_time", b"start_time", "status", b"status", "uptime", b"uptime", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertised_url", b"advertised_url", "draining", b"draining", "impl_name", b"impl_name", "in_flight", b"in_flight", "instance_id", b"instance_id", "labels", b"labels", "name", b"name", "origin", b"origin", "pid", b"pid", "server_type", b"server_type", "start_time", b"start_time", "status", b"status", "uptime", b"uptime", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -951,6 +957,8 @@ class RegisterServerInstanceRequest(_message.Message):
     LEASE_TTL_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    SERVER_TYPE_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
     server_name: _builtins.str
     """Server name as in the global config."""
     pid: _builtins.int
@@ -969,6 +977,12 @@ class RegisterServerInstanceRequest(_message.Message):
     """True when the process is stopping and drains: clients send it no new work. The registration helpers send it
     on SIGTERM, wait for the calls in flight, then deregister.
     """
+    server_type: _builtins.str
+    """The server type the process serves as (e.g. responses_api_models); empty: not said. Refused
+    (FAILED_PRECONDITION, naming both) when it is not the config entry's type or another live instance's.
+    """
+    in_flight: _builtins.int
+    """Calls in flight in the process now (ServerInstance.in_flight); 0 when not said."""
     @_builtins.property
     def start_time(self) -> _timestamp_pb2.Timestamp:
         """When the server process started; unset when not known."""
@@ -999,10 +1013,12 @@ class RegisterServerInstanceRequest(_message.Message):
         lease_ttl: _duration_pb2.Duration | None = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         draining: _builtins.bool = ...,
+        server_type: _builtins.str = ...,
+        in_flight: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease_ttl", b"lease_ttl", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_host", b"advertise_host", "draining", b"draining", "labels", b"labels", "lease_ttl", b"lease_ttl", "listen_host", b"listen_host", "listen_port", b"listen_port", "pid", b"pid", "server_name", b"server_name", "start_time", b"start_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_host", b"advertise_host", "draining", b"draining", "in_flight", b"in_flight", "labels", b"labels", "lease_ttl", b"lease_ttl", "listen_host", b"listen_host", "listen_port", b"listen_port", "pid", b"pid", "server_name", b"server_name", "server_type", b"server_type", "start_time", b"start_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -5,24 +5,8 @@ import warnings
 
 from gym_rpc.v1 import control_plane_pb2 as gym__rpc_dot_v1_dot_control__plane__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
-GRPC_VERSION = grpc.__version__
-_version_not_supported = False
-
-try:
-    from grpc._utilities import first_version_is_lower
-    _version_not_supported = first_version_is_lower(GRPC_VERSION, GRPC_GENERATED_VERSION)
-except ImportError:
-    _version_not_supported = True
-
-if _version_not_supported:
-    raise RuntimeError(
-        f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in gym_rpc/v1/control_plane_pb2_grpc.py depends on'
-        + f' grpcio>={GRPC_GENERATED_VERSION}.'
-        + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
-        + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
-    )
+# Registered methods (grpcio >= 1.63) where this grpcio has them; older ones call by name as before.
+_REGISTERED_METHOD = {"_registered_method": True} if hasattr(grpc.Server, "add_registered_method_handlers") else {}
 
 
 class ControlPlaneServiceStub:
@@ -39,52 +23,52 @@ class ControlPlaneServiceStub:
                 '/gym_rpc.v1.ControlPlaneService/GetHeadServerConfig',
                 request_serializer=gym__rpc_dot_v1_dot_control__plane__pb2.GetHeadServerConfigRequest.SerializeToString,
                 response_deserializer=gym__rpc_dot_v1_dot_control__plane__pb2.GetHeadServerConfigResponse.FromString,
-                _registered_method=True)
+                **_REGISTERED_METHOD)
         self.GetGlobalConfig = channel.unary_unary(
                 '/gym_rpc.v1.ControlPlaneService/GetGlobalConfig',
                 request_serializer=gym__rpc_dot_v1_dot_control__plane__pb2.GetGlobalConfigRequest.SerializeToString,
                 response_deserializer=gym__rpc_dot_v1_dot_control__plane__pb2.GetGlobalConfigResponse.FromString,
-                _registered_method=True)
+                **_REGISTERED_METHOD)
         self.GetServerStatus = channel.unary_unary(
                 '/gym_rpc.v1.ControlPlaneService/GetServerStatus',
                 request_serializer=gym__rpc_dot_v1_dot_control__plane__pb2.GetServerStatusRequest.SerializeToString,
                 response_deserializer=gym__rpc_dot_v1_dot_control__plane__pb2.GetServerStatusResponse.FromString,
-                _registered_method=True)
+                **_REGISTERED_METHOD)
         self.ListServerStatuses = channel.unary_unary(
                 '/gym_rpc.v1.ControlPlaneService/ListServerStatuses',
                 request_serializer=gym__rpc_dot_v1_dot_control__plane__pb2.ListServerStatusesRequest.SerializeToString,
                 response_deserializer=gym__rpc_dot_v1_dot_control__plane__pb2.ListServerStatusesResponse.FromString,
-                _registered_method=True)
+                **_REGISTERED_METHOD)
         self.WatchServerStatuses = channel.unary_stream(
                 '/gym_rpc.v1.ControlPlaneService/WatchServerStatuses',
                 request_serializer=gym__rpc_dot_v1_dot_control__plane__pb2.WatchServerStatusesRequest.SerializeToString,
                 response_deserializer=gym__rpc_dot_v1_dot_control__plane__pb2.WatchServerStatusesResponse.FromString,
-                _registered_method=True)
+                **_REGISTERED_METHOD)
         self.ListServerInstances = channel.unary_unary(
                 '/gym_rpc.v1.ControlPlaneService/ListServerInstances',
                 request_serializer=gym__rpc_dot_v1_dot_control__plane__pb2.ListServerInstancesRequest.SerializeToString,
                 response_deserializer=gym__rpc_dot_v1_dot_control__plane__pb2.ListServerInstancesResponse.FromString,
-                _registered_method=True)
+                **_REGISTERED_METHOD)
         self.GetAssistantMessageHeader = channel.unary_unary(
                 '/gym_rpc.v1.ControlPlaneService/GetAssistantMessageHeader',
                 request_serializer=gym__rpc_dot_v1_dot_control__plane__pb2.GetAssistantMessageHeaderRequest.SerializeToString,
                 response_deserializer=gym__rpc_dot_v1_dot_control__plane__pb2.GetAssistantMessageHeaderResponse.FromString,
-                _registered_method=True)
+                **_REGISTERED_METHOD)
         self.ReloadGlobalConfig = channel.unary_unary(
                 '/gym_rpc.v1.ControlPlaneService/ReloadGlobalConfig',
                 request_serializer=gym__rpc_dot_v1_dot_control__plane__pb2.ReloadGlobalConfigRequest.SerializeToString,
                 response_deserializer=gym__rpc_dot_v1_dot_control__plane__pb2.ReloadGlobalConfigResponse.FromString,
-                _registered_method=True)
+                **_REGISTERED_METHOD)
         self.RegisterServerInstance = channel.unary_unary(
                 '/gym_rpc.v1.ControlPlaneService/RegisterServerInstance',
                 request_serializer=gym__rpc_dot_v1_dot_control__plane__pb2.RegisterServerInstanceRequest.SerializeToString,
                 response_deserializer=gym__rpc_dot_v1_dot_control__plane__pb2.RegisterServerInstanceResponse.FromString,
-                _registered_method=True)
+                **_REGISTERED_METHOD)
         self.DeregisterServerInstance = channel.unary_unary(
                 '/gym_rpc.v1.ControlPlaneService/DeregisterServerInstance',
                 request_serializer=gym__rpc_dot_v1_dot_control__plane__pb2.DeregisterServerInstanceRequest.SerializeToString,
                 response_deserializer=gym__rpc_dot_v1_dot_control__plane__pb2.DeregisterServerInstanceResponse.FromString,
-                _registered_method=True)
+                **_REGISTERED_METHOD)
 
 
 class ControlPlaneServiceServicer:
@@ -225,7 +209,8 @@ def add_ControlPlaneServiceServicer_to_server(servicer, server):
     generic_handler = grpc.method_handlers_generic_handler(
             'gym_rpc.v1.ControlPlaneService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('gym_rpc.v1.ControlPlaneService', rpc_method_handlers)
+    if _REGISTERED_METHOD:
+        server.add_registered_method_handlers('gym_rpc.v1.ControlPlaneService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -258,7 +243,7 @@ class ControlPlaneService:
             wait_for_ready,
             timeout,
             metadata,
-            _registered_method=True)
+            **_REGISTERED_METHOD)
 
     @staticmethod
     def GetGlobalConfig(request,
@@ -285,7 +270,7 @@ class ControlPlaneService:
             wait_for_ready,
             timeout,
             metadata,
-            _registered_method=True)
+            **_REGISTERED_METHOD)
 
     @staticmethod
     def GetServerStatus(request,
@@ -312,7 +297,7 @@ class ControlPlaneService:
             wait_for_ready,
             timeout,
             metadata,
-            _registered_method=True)
+            **_REGISTERED_METHOD)
 
     @staticmethod
     def ListServerStatuses(request,
@@ -339,7 +324,7 @@ class ControlPlaneService:
             wait_for_ready,
             timeout,
             metadata,
-            _registered_method=True)
+            **_REGISTERED_METHOD)
 
     @staticmethod
     def WatchServerStatuses(request,
@@ -366,7 +351,7 @@ class ControlPlaneService:
             wait_for_ready,
             timeout,
             metadata,
-            _registered_method=True)
+            **_REGISTERED_METHOD)
 
     @staticmethod
     def ListServerInstances(request,
@@ -393,7 +378,7 @@ class ControlPlaneService:
             wait_for_ready,
             timeout,
             metadata,
-            _registered_method=True)
+            **_REGISTERED_METHOD)
 
     @staticmethod
     def GetAssistantMessageHeader(request,
@@ -420,7 +405,7 @@ class ControlPlaneService:
             wait_for_ready,
             timeout,
             metadata,
-            _registered_method=True)
+            **_REGISTERED_METHOD)
 
     @staticmethod
     def ReloadGlobalConfig(request,
@@ -447,7 +432,7 @@ class ControlPlaneService:
             wait_for_ready,
             timeout,
             metadata,
-            _registered_method=True)
+            **_REGISTERED_METHOD)
 
     @staticmethod
     def RegisterServerInstance(request,
@@ -474,7 +459,7 @@ class ControlPlaneService:
             wait_for_ready,
             timeout,
             metadata,
-            _registered_method=True)
+            **_REGISTERED_METHOD)
 
     @staticmethod
     def DeregisterServerInstance(request,
@@ -501,4 +486,4 @@ class ControlPlaneService:
             wait_for_ready,
             timeout,
             metadata,
-            _registered_method=True)
+            **_REGISTERED_METHOD)

@@ -5,13 +5,17 @@
 * `_errors`: how a failed gRPC call becomes a typed gym_rpc error; unknown names as `google.rpc.Status` details.
 * `_paths`: the rollout and trace-context URL path format (builder and parser).
 * `_names`: the service name, metadata keys, environment variable names and message-size limits.
+* `_labels`: the bounds of instance labels, checked alike by registering servers and the head.
 
 The error classes live one level lower, in `gym_rpc.errors`, so that every layer (config included) can raise them.
 """
 
-from gym_rpc.wire import _convert as convert
-from gym_rpc.wire._convert import InstanceRegistration, ReportedProcess, ServerInstance
-from gym_rpc.wire._errors import from_grpc_error, status_code, unknown_server_status
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from gym_rpc._lazy import lazy_exports
+from gym_rpc.wire._labels import MAX_LABEL_KEY_LENGTH, MAX_LABEL_VALUE_LENGTH, MAX_LABELS, label_problem
 from gym_rpc.wire._names import (
     AUTHORIZATION_METADATA_KEY,
     CONTROL_METHOD_PREFIX,
@@ -33,6 +37,7 @@ from gym_rpc.wire._paths import (
     MODEL_SERVER_PATHS,
     MODEL_SERVER_TYPE,
     RESOURCES_SERVER_TYPE,
+    ROLLOUT_ID_RULE,
     ROLLOUT_SEGMENT,
     TOKEN_CAPTURE_SEGMENT,
     TRACE_SEGMENT,
@@ -41,6 +46,7 @@ from gym_rpc.wire._paths import (
     TRACEPARENT_RE,
     GymPrefixes,
     encode_rollout_id,
+    is_plain_rollout_id,
     prefixed_path,
     rollout_path_prefix,
     split_gym_prefixes,
@@ -57,6 +63,34 @@ from gym_rpc.wire._status import (
     WatchEvent,
 )
 
+if TYPE_CHECKING:
+    from gym_rpc.wire import _convert as convert
+    from gym_rpc.wire._convert import InstanceRegistration, RegisteredInstance, ReportedProcess, ServerInstance
+    from gym_rpc.wire._errors import from_grpc_error, status_code, unknown_server_status
+
+# Imported on first use: the generated messages (protobuf) and gRPC's errors. A rollout worker whose config was
+# injected builds rollout paths and statuses from this package and need not load either.
+_CONVERT_MODULE = "gym_rpc.wire._convert"
+_EXPORTS = {
+    "InstanceRegistration": _CONVERT_MODULE,
+    "RegisteredInstance": _CONVERT_MODULE,
+    "ReportedProcess": _CONVERT_MODULE,
+    "ServerInstance": _CONVERT_MODULE,
+    "from_grpc_error": "gym_rpc.wire._errors",
+    "status_code": "gym_rpc.wire._errors",
+    "unknown_server_status": "gym_rpc.wire._errors",
+}
+_lazy_export = lazy_exports(__name__, _EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "convert":  # the conversion module itself, under its public name
+        module: ModuleType = importlib.import_module(_CONVERT_MODULE)
+        globals()["convert"] = module
+        return module
+    return _lazy_export(name)
+
+
 __all__ = [
     "AUTHORIZATION_METADATA_KEY",
     "CONTROL_METHOD_PREFIX",
@@ -64,6 +98,9 @@ __all__ = [
     "HEAD_ADDRESS_ENV_VAR",
     "HEALTH_METHOD_PREFIX",
     "HEALTH_SERVICE_NAME",
+    "MAX_LABELS",
+    "MAX_LABEL_KEY_LENGTH",
+    "MAX_LABEL_VALUE_LENGTH",
     "MAX_REQUEST_BYTES",
     "MAX_RESPONSE_BYTES",
     "MAX_ROLLOUT_ID_LENGTH",
@@ -71,6 +108,7 @@ __all__ = [
     "MODEL_SERVER_PATHS",
     "MODEL_SERVER_TYPE",
     "RESOURCES_SERVER_TYPE",
+    "ROLLOUT_ID_RULE",
     "ROLLOUT_SEGMENT",
     "SERVER_STATUSES",
     "SERVICE_NAME",
@@ -87,6 +125,7 @@ __all__ = [
     "InstanceOrigin",
     "InstanceRegistration",
     "InstanceReport",
+    "RegisteredInstance",
     "RegistrationState",
     "ReportedProcess",
     "ServerInstance",
@@ -97,6 +136,8 @@ __all__ = [
     "convert",
     "encode_rollout_id",
     "from_grpc_error",
+    "is_plain_rollout_id",
+    "label_problem",
     "prefixed_path",
     "rollout_path_prefix",
     "split_gym_prefixes",

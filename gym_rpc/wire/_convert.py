@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from gym_rpc.config import HEAD_SERVER_KEY, BaseServerConfig, GlobalConfig, ServerEntry, base_url, redact_secrets
+from gym_rpc.config import (
+    HEAD_SERVER_KEY,
+    BaseServerConfig,
+    GlobalConfig,
+    ServerEntry,
+    base_url,
+    redact_secrets,
+    url_authority,
+)
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire._status import (
     InstanceOrigin,
@@ -202,6 +210,16 @@ class ServerInstance:
     labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
     draining: bool = False
     origin: InstanceOrigin | None = None
+    in_flight: int = 0  # calls in flight its process reported at its latest registration or renewal
+
+
+@dataclass(frozen=True)
+class RegisteredInstance:
+    """What RegisterServerInstance answers: where clients are sent, and the instance the registration holds (the
+    id to deregister it by)."""
+
+    advertised_url: str
+    instance_id: str
 
 
 @dataclass(frozen=True)
@@ -226,10 +244,19 @@ class InstanceRegistration:
     # so stepping the wall clock neither expires a live registration nor keeps a dead one. Never shown.
     registered_at: float
     lease_ttl: float = 0.0  # seconds the registration lives without a renewal; 0: no expiry
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    draining: bool = False  # the process is stopping: no new work for it
+    server_type: str = ""  # the type it says it serves as; "" when not said
+    in_flight: int = 0  # calls in flight in the process when it (re)registered
 
     @property
     def advertised_url(self) -> str:
         return base_url(self.advertised_host, self.port)
+
+    @property
+    def advertised_id(self) -> str:
+        """The authority of `advertised_url`: the instance id of an instance at the address it advertised."""
+        return url_authority(self.advertised_url)
 
     @property
     def expires_at(self) -> float | None:
@@ -250,14 +277,18 @@ def head_instance_to_pb(config: GlobalConfig, pid: int, start_time: float) -> pb
 
 
 def server_instances_to_pb(
-    entry: ServerEntry, report: StatusReport, process: ReportedProcess | None = None
+    entry: ServerEntry,
+    report: StatusReport,
+    process: ReportedProcess | None = None,
+    in_flight: Mapping[str, int] | None = None,
 ) -> list[pb.ServerInstance]:
     """A configured server as ListServerInstances shows it: one row per instance of its report, in its order.
 
     The config instance's row keeps what the row of a server has always said: `url` is the config's, and
     `advertised_url` where its registration said clients reach it; what the config source reports of its process
     (a NeMo Gym upstream's /server_instances) wins over what a registration said. Every other instance's row has
-    its own URL (its advertised one while it is registered)."""
+    its own URL (its advertised one while it is registered). `in_flight`: instance id -> the calls in flight its
+    process last reported."""
     rows = []
     for instance in report.instances:
         is_config = instance.origin == "config"
@@ -272,6 +303,7 @@ def server_instances_to_pb(
             labels=instance.labels,
             draining=instance.draining,
             origin=_ORIGIN_TO_PB[instance.origin],
+            in_flight=(in_flight or {}).get(instance.instance_id, 0),
         )
         if is_config:
             message.advertised_url = report.advertised_url
@@ -302,6 +334,7 @@ def instance_from_pb(message: pb.ServerInstance) -> ServerInstance:
         labels=dict(message.labels),
         draining=message.draining,
         origin=_ORIGIN_FROM_PB.get(message.origin),
+        in_flight=message.in_flight,
     )
 
 
@@ -314,6 +347,10 @@ def register_request_to_pb(
     listen_port: int,
     advertise_host: str,
     lease_seconds: float | None = None,
+    labels: Mapping[str, str] | None = None,
+    draining: bool = False,
+    server_type: str = "",
+    in_flight: int = 0,
 ) -> pb.RegisterServerInstanceRequest:
     request = pb.RegisterServerInstanceRequest(
         server_name=server_name,
@@ -321,6 +358,10 @@ def register_request_to_pb(
         listen_host=listen_host,
         listen_port=listen_port,
         advertise_host=advertise_host,
+        labels=labels or {},
+        draining=draining,
+        server_type=server_type,
+        in_flight=max(0, in_flight),
     )
     if start_time > 0:
         request.start_time.CopyFrom(epoch_to_timestamp(start_time))
@@ -343,6 +384,10 @@ def registration_from_pb(
         advertised_host=advertised_host,
         registered_at=registered_at,
         lease_ttl=request.lease_ttl.ToNanoseconds() / 1e9 if request.HasField("lease_ttl") else 0.0,
+        labels=dict(request.labels),
+        draining=request.draining,
+        server_type=request.server_type,
+        in_flight=request.in_flight,
     )
 
 
@@ -398,6 +443,10 @@ def reload_from_pb(response: pb.ReloadGlobalConfigResponse) -> tuple[str, bool]:
 
 def advertised_url_from_pb(response: pb.RegisterServerInstanceResponse) -> str:
     return response.advertised_url
+
+
+def registered_from_pb(response: pb.RegisterServerInstanceResponse) -> RegisteredInstance:
+    return RegisteredInstance(advertised_url=response.advertised_url, instance_id=response.instance_id)
 
 
 def deregistered_from_pb(response: pb.DeregisterServerInstanceResponse) -> bool:

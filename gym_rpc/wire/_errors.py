@@ -11,11 +11,13 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from gym_rpc.errors import (
+    MAX_QUOTED_CHARACTERS,
     ControlPlaneError,
     GymRpcError,
     HeadTimeoutError,
     HeadUnreachableError,
     UnknownServerError,
+    first_names,
 )
 from gym_rpc.wire._names import HEAD_ADDRESS_ENV_VAR, TLS_CA_ENV_VAR
 
@@ -28,15 +30,22 @@ KNOWN_SERVERS_KEY = (
 
 
 def unknown_server_status(server_name: str, known: list[str]) -> grpc.Status:
-    """The NOT_FOUND the head answers for a name it does not know, with the known names as ErrorInfo metadata."""
+    """The NOT_FOUND the head answers for a name it does not know, with the known names as ErrorInfo metadata.
+
+    The caller's name is echoed cut to MAX_QUOTED_CHARACTERS, and only the known names that fit in
+    MAX_LISTED_CHARACTERS are sent: the answer stays a few KiB (inside every client's 16 KiB metadata limit)
+    whatever the caller sent or the config holds."""
     info = error_details_pb2.ErrorInfo(
         reason=UNKNOWN_SERVER_REASON,
         domain=ERROR_DOMAIN,
-        metadata={SERVER_NAME_KEY: server_name, KNOWN_SERVERS_KEY: ",".join(known)},
+        metadata={
+            SERVER_NAME_KEY: server_name[:MAX_QUOTED_CHARACTERS],
+            KNOWN_SERVERS_KEY: ",".join(first_names(known)),
+        },
     )
     detail = any_pb2.Any()
     detail.Pack(info)
-    message = str(UnknownServerError(server_name, known))
+    message = str(UnknownServerError(server_name, known))  # bounded the same way
     status = status_pb2.Status(code=grpc.StatusCode.NOT_FOUND.value[0], message=message, details=[detail])
     return rpc_status.to_status(status)
 

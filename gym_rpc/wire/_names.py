@@ -8,9 +8,10 @@ from gym_rpc._environment import TLS_CA_ENV_VAR as TLS_CA_ENV_VAR
 from gym_rpc._environment import TLS_CERT_ENV_VAR as TLS_CERT_ENV_VAR
 from gym_rpc._environment import TLS_KEY_ENV_VAR as TLS_KEY_ENV_VAR
 from gym_rpc._environment import TOKEN_ENV_VAR as TOKEN_ENV_VAR
-from gym_rpc.v1 import control_plane_pb2 as pb
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ControlPlaneService"].full_name
+# The contract's service (proto/gym_rpc/v1): spelt out, so naming it loads no generated code (a test checks it is
+# the descriptor's name).
+SERVICE_NAME = "gym_rpc.v1.ControlPlaneService"
 CONTROL_METHOD_PREFIX = f"/{SERVICE_NAME}/"
 HEALTH_SERVICE_NAME = "grpc.health.v1.Health"
 HEALTH_METHOD_PREFIX = f"/{HEALTH_SERVICE_NAME}/"

@@ -1,8 +1,11 @@
 """The rollout and trace-context URL path format, `/ng-rollout/<id>[/training-token-capture][/ng-trace/<tp>]`:
 the builder clients use and the parser receiving servers use, in one place so the two cannot disagree.
 
-Ids are percent-encoded as one path segment: an id can never add a segment, a query or a fragment. A malformed
-prefix is refused with a typed error instead of being routed somewhere surprising.
+A rollout id is one plain path segment, by NeMo Gym's rule for `_ng_rollout_id` (ids also name files there):
+letters, digits, dots, dashes and underscores, starting with a letter or digit. So an id never adds a segment, a
+query or a fragment, never climbs (`..`), and carries no control, NUL or bidi character to a handler or a file
+name. The client refuses another id when it builds a prefix, the receiving middleware answers 400 for one: one
+rule, both sides.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import functools
 import re
 from typing import NamedTuple
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
 from gym_rpc.errors import InvalidRolloutIdError, MalformedGymPrefixError
 
@@ -32,18 +35,30 @@ GYM_PREFIX_HEAD = "/ng-"
 _ZERO_TRACE_ID = "0" * 32
 _ZERO_SPAN_ID = "0" * 16
 _PERCENT_ENCODED_SEGMENT = re.compile(r"(?:[^%/]|%[0-9A-Fa-f]{2})+")
+ROLLOUT_ID_RULE = "letters, digits, dots, dashes or underscores, starting with a letter or digit"
+_PLAIN_ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_SHOWN_CHARACTERS = 80  # of a refused id in an error: enough to recognise it, never the whole of a huge one
+
+
+def is_plain_rollout_id(rollout_id: object) -> bool:
+    """Whether `rollout_id` is a rollout id by the one rule (see the module docstring), at most
+    MAX_ROLLOUT_ID_LENGTH characters."""
+    return (
+        isinstance(rollout_id, str)
+        and len(rollout_id) <= MAX_ROLLOUT_ID_LENGTH
+        and _PLAIN_ROLLOUT_ID.fullmatch(rollout_id) is not None
+    )
 
 
 def encode_rollout_id(rollout_id: str) -> str:
-    """The id as one percent-encoded path segment; empty, dot-segment and over-long ids are rejected."""
-    if not isinstance(rollout_id, str) or rollout_id in ("", ".", ".."):
-        raise InvalidRolloutIdError(f"invalid rollout id {rollout_id!r}: must be a non-empty string, not . or ..")
-    if len(rollout_id) > MAX_ROLLOUT_ID_LENGTH:
-        raise InvalidRolloutIdError(f"rollout id is {len(rollout_id)} characters; at most {MAX_ROLLOUT_ID_LENGTH}")
-    try:
-        return quote(rollout_id, safe="")
-    except UnicodeEncodeError:  # a lone surrogate: not text that UTF-8 (or a URL) can carry
-        raise InvalidRolloutIdError(f"invalid rollout id {rollout_id!r}: not encodable as UTF-8") from None
+    """The id as its path segment (a plain id needs no encoding); any other id is an InvalidRolloutIdError."""
+    if not is_plain_rollout_id(rollout_id):
+        shown = rollout_id[:_SHOWN_CHARACTERS] if isinstance(rollout_id, str) else rollout_id
+        more = " (and more)" if isinstance(rollout_id, str) and len(rollout_id) > _SHOWN_CHARACTERS else ""
+        raise InvalidRolloutIdError(
+            f"invalid rollout id {shown!r}{more}: at most {MAX_ROLLOUT_ID_LENGTH} {ROLLOUT_ID_RULE}"
+        )
+    return rollout_id
 
 
 def rollout_path_prefix(rollout_id: str | None, token_capture: bool = False) -> str:
@@ -133,17 +148,21 @@ def _first_segment(path: str) -> tuple[str, str]:
 
 
 def _decode_rollout_id(encoded_id: str) -> str:
+    """The id of a received `/ng-rollout/<segment>`: decoded (a client may escape what needs no escaping), then
+    held to the rule the client applies; a hostile id (`%2F`, `..`, `%00`, a bidi control) is refused."""
+    shown = encoded_id[:_SHOWN_CHARACTERS]
     if not encoded_id:
         raise MalformedGymPrefixError(f"empty rollout id after /{ROLLOUT_SEGMENT}/")
     if not _PERCENT_ENCODED_SEGMENT.fullmatch(encoded_id):
-        raise MalformedGymPrefixError(f"malformed percent-encoding in rollout id segment {encoded_id!r}")
+        raise MalformedGymPrefixError(f"malformed percent-encoding in rollout id segment {shown!r}")
     try:
         rollout_id = unquote(encoded_id, errors="strict")
-        encode_rollout_id(rollout_id)  # the same rules the client applies when it builds the prefix
     except UnicodeDecodeError:
-        raise MalformedGymPrefixError(f"rollout id segment {encoded_id!r} is not UTF-8") from None
-    except InvalidRolloutIdError as error:
-        raise MalformedGymPrefixError(str(error)) from None
+        raise MalformedGymPrefixError(f"rollout id segment {shown!r} is not UTF-8") from None
+    if not is_plain_rollout_id(rollout_id):
+        raise MalformedGymPrefixError(
+            f"rollout id segment {shown!r} is not a rollout id: at most {MAX_ROLLOUT_ID_LENGTH} {ROLLOUT_ID_RULE}"
+        )
     return rollout_id
 
 

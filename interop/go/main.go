@@ -2,6 +2,7 @@
 // gym_rpc/stubs/go); it prints one JSON line per answer, in the protobuf JSON mapping.
 //
 // Run: cd interop/go && go run . 127.0.0.1:11000
+// It ends after the watch's snapshot; -changes N waits for N changes too (stop or start a server to cause one).
 // A head with a token and TLS: GYM_RPC_TOKEN=... go run . -ca ca.pem 127.0.0.1:11000
 package main
 
@@ -28,18 +29,19 @@ import (
 
 func main() {
 	caFile := flag.String("ca", "", "PEM file of the CA that signed the head's certificate (TLS); plaintext without it")
+	changes := flag.Int("changes", 0, "changes to wait for after the watch's snapshot (stop or start a server to cause one)")
 	flag.Parse()
 	if flag.NArg() != 1 {
-		fmt.Fprintln(os.Stderr, "usage: client [-ca CA_FILE] HOST:PORT   (the token, if any, from GYM_RPC_TOKEN)")
+		fmt.Fprintln(os.Stderr, "usage: client [-ca CA_FILE] [-changes N] HOST:PORT   (the token, if any, from GYM_RPC_TOKEN)")
 		os.Exit(2)
 	}
-	if err := run(flag.Arg(0), *caFile, os.Getenv("GYM_RPC_TOKEN")); err != nil {
+	if err := run(flag.Arg(0), *caFile, os.Getenv("GYM_RPC_TOKEN"), *changes); err != nil {
 		fmt.Fprintln(os.Stderr, "client:", err)
 		os.Exit(1)
 	}
 }
 
-func run(address, caFile, token string) error {
+func run(address, caFile, token string, changes int) error {
 	// Every call shares one deadline: the program always ends by itself.
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -71,14 +73,14 @@ func run(address, caFile, token string) error {
 	if err := printJSON("statuses", statuses); err != nil {
 		return err
 	}
-	// A snapshot first, then each change (no heartbeat within a minute). Cancelling the context ends the stream.
+	// The snapshot first, then each change (no heartbeat within a minute). Cancelling the context ends the stream.
 	watch, err := head.WatchServerStatuses(ctx, &gymrpcv1.WatchServerStatusesRequest{
 		HeartbeatInterval: durationpb.New(time.Minute),
 	})
 	if err != nil {
 		return err
 	}
-	for received := 0; received < 2; received++ {
+	for received := 0; received <= changes; received++ {
 		event, err := watch.Recv()
 		if err != nil {
 			return err

@@ -1,0 +1,143 @@
+"""The client finds out once per process and head address whether the head speaks gRPC or NeMo Gym's HTTP.
+
+Real servers on loopback: a `gym-rpc head` subprocess (gRPC), and an aiohttp app serving NeMo Gym's HTTP head
+endpoints (tests/test_ng_run.py runs NeMo Gym's own head). The look is one HTTP/1.1 `GET /`, which a gRPC head
+closes without a word and an HTTP head answers; it counts against the call's deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from aiohttp import web
+from grpc_health.v1 import health, health_pb2_grpc
+
+from gym_rpc.client import SyncControlClient
+from gym_rpc.client.server_client import ServerClient
+from gym_rpc.errors import HeadTimeoutError
+from tests.cli_helpers import running_head
+from tests.conftest import LOOPBACK, closed_port, server_entry
+
+
+def _nemo_gym_like_head(config: dict, seen: list[str]) -> web.Application:
+    """NeMo Gym's HTTP head endpoints, answered as its FastAPI head answers them; every path asked is recorded."""
+
+    async def root(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        return web.json_response({"status": "ok"})
+
+    async def config_yaml(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        return web.json_response(yaml.safe_dump(config))  # the YAML text as a JSON string literal
+
+    async def instances(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        return web.json_response([])
+
+    app = web.Application()
+    app.router.add_get("/", root)
+    app.router.add_get("/global_config_dict_yaml", config_yaml)
+    app.router.add_get("/server_instances", instances)
+    return app
+
+
+async def test_an_http_head_is_looked_at_once_per_process_and_address(http_server) -> None:
+    seen: list[str] = []
+    config = {"head_server": {"host": LOOPBACK, "port": 1}, "tools": server_entry(closed_port())}
+    port = await http_server(_nemo_gym_like_head(config, seen))
+    address = f"{LOOPBACK}:{port}"
+    for _ in range(3):  # three clients, two calls each: one look in all
+        client = SyncControlClient(address)
+        await asyncio.to_thread(client.get_global_config)
+        await asyncio.to_thread(client.list_server_instances)
+    assert seen.count("/") == 1
+    assert seen.count("/global_config_dict_yaml") == 3 and seen.count("/server_instances") == 3
+
+
+def test_a_grpc_head_is_looked_at_once_and_logs_nothing(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"head_server": {"host": LOOPBACK, "port": 0}}))
+    with running_head(config, "--log-level", "debug") as head:
+        script = (
+            "from gym_rpc.client import SyncControlClient\n"
+            "from gym_rpc.client import _head_protocol as protocol\n"
+            "looks = []\n"
+            "detect = protocol.detect\n"
+            "protocol.detect = lambda *args: looks.append(args) or detect(*args)\n"
+            f"client = SyncControlClient({head.address!r})\n"
+            "client.get_global_config(); client.list_server_statuses(); client.get_global_config()\n"
+            "print(len(looks), protocol.known_head_protocol(client.address, tls=False))\n"
+        )
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.split() == ["1", "grpc"]
+        time.sleep(0.3)  # anything the head would log about the look has been written by now
+        log = head.stderr_text
+    assert [line for line in log.splitlines() if re.search(r" (WARNING|ERROR) |Traceback", line)] == []
+
+
+def test_a_silent_head_fails_within_the_calls_deadline(silent_server_port: int) -> None:
+    """The look (at most 1 s) counts against the call's deadline: a head that accepts and never answers fails the
+    call at its deadline, not a second later."""
+    client = SyncControlClient(f"{LOOPBACK}:{silent_server_port}", timeout_seconds=1.5)
+    started = time.monotonic()
+    with pytest.raises(HeadTimeoutError):
+        client.get_global_config()
+    assert time.monotonic() - started < 1.5 + 0.9
+
+
+@pytest.fixture
+def silent_server_port() -> Iterator[int]:
+    """A listening socket that never accepts: connections complete in the kernel's backlog, nothing answers."""
+    with socket.create_server((LOOPBACK, 0)) as mute:
+        yield mute.getsockname()[1]
+
+
+async def test_a_head_that_went_away_is_looked_at_again() -> None:
+    """A gRPC head known at an address stops; the refused call forgets what the address spoke, so NeMo Gym's HTTP
+    head started there next is found (and then known: a poll is one direct probe, no second look)."""
+    port = closed_port()
+    address = f"{LOOPBACK}:{port}"
+    grpc_head = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), grpc_head)  # type: ignore[attr-defined]
+    grpc_head.add_insecure_port(address)
+    await grpc_head.start()
+    client = SyncControlClient(address, timeout_seconds=2)
+    assert await asyncio.to_thread(client.head_status) == "success"
+    await grpc_head.stop(None)
+    assert await asyncio.to_thread(client.head_status) == "connection_error"
+    seen: list[str] = []
+    config = {"head_server": {"host": LOOPBACK, "port": port}, "tools": server_entry(closed_port())}
+    runner = web.AppRunner(_nemo_gym_like_head(config, seen), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, LOOPBACK, port, reuse_address=True).start()
+    try:
+        found = await asyncio.to_thread(client.get_global_config)
+        assert sorted(found.servers) == ["tools"] and seen[0] == "/"
+        head = {"host": LOOPBACK, "port": port}
+        server_client = await asyncio.to_thread(ServerClient.load_from_global_config, head)
+        status = await asyncio.to_thread(server_client.poll_for_status, "tools", 2)
+        assert status == "connection_error"
+        assert seen.count("/") == 1  # the poll was one direct probe of the server
+    finally:
+        await runner.cleanup()
+
+
+def test_every_rpc_has_an_answer_from_nemo_gyms_head_or_says_why_not() -> None:
+    """Rows without an HTTP answer are exactly those NeMo Gym's head cannot give (they change the head)."""
+    from gym_rpc.client._control import ControlRpcs
+    from gym_rpc.client._rpc import Rpc
+
+    rows = {name: row for name, row in vars(ControlRpcs).items() if isinstance(row, Rpc)}
+    without = sorted(name for name, row in rows.items() if row.http is None)
+    assert without == ["deregister_server_instance", "register_server_instance", "reload_global_config"]
