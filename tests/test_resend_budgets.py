@@ -399,20 +399,20 @@ def test_loops_in_other_threads_share_the_budget_and_are_woken_when_a_slot_frees
 # --- the replicas hook -------------------------------------------------------------------------------------------
 
 
-async def test_the_next_url_hook_tries_other_instances_at_once_and_pauses_when_all_were_tried(
+async def test_the_reroute_hook_tries_other_instances_at_once_and_pauses_when_all_were_tried(
     counting: Callable[[Callable[[int], str]], Counting],
 ) -> None:
-    """A refused instance is followed at once by the one `next_url` names (no pause: backoff here is 1-2 s); when
+    """A refused instance is followed at once by the one `reroute` names (no pause: backoff here is 1-2 s); when
     every instance refuses, a pause comes only after each was tried, and the refused budget's time bounds it
     all."""
     down_a, down_b = (f"http://{LOOPBACK}:{closed_port()}/v1/responses" for _ in range(2))
     up = counting(lambda _: "answer")
     up_url = f"http://{LOOPBACK}:{await up.start()}/v1/responses"
     slow_pauses = {"initial_backoff_seconds": 2.0, "max_backoff_seconds": 2.0}
-    asked: list[tuple[str, str]] = []
+    asked: list[BaseException] = []
 
-    def to_the_live_one(url: str, kind: str) -> str:
-        asked.append((url, kind))
+    def to_the_live_one(error: BaseException) -> str:
+        asked.append(error)
         return up_url
 
     told = Told()
@@ -426,7 +426,7 @@ async def test_the_next_url_hook_tries_other_instances_at_once_and_pauses_when_a
             True,
             {"data": b"{}"},
             told,
-            next_url=to_the_live_one,
+            to_the_live_one,
         )
         async with response:
             assert response.status == 200
@@ -435,13 +435,14 @@ async def test_the_next_url_hook_tries_other_instances_at_once_and_pauses_when_a
         urls = [down_a, down_b]
         tried: list[str] = []
 
-        def round_robin(url: str, kind: str) -> str:
-            tried.append(url)
-            return urls[(urls.index(url) + 1) % 2]
+        def round_robin(error: BaseException) -> str:
+            tried.append(urls[len(tried) % 2])  # the URL whose attempt just failed
+            return urls[len(tried) % 2]
 
         with pytest.raises(ServerUnreachableError) as caught:
-            await send(session, "POST", down_a, policy(refused={"seconds": 0.5}), True, {}, next_url=round_robin)
-    assert asked == [(down_a, "refused")] and told.outcome == (200, 2)
+            await send(session, "POST", down_a, policy(refused={"seconds": 0.5}), True, {}, None, round_robin)
+    [refused] = asked
+    assert isinstance(refused, aiohttp.ClientConnectorError) and told.outcome == (200, 2)
     assert failed_over_in < 1.0  # a pause would have been at least 1 s
     assert tried[:4] == [down_a, down_b, down_a, down_b]
     # asked after every failure (the last one too: its pause depends on the URL it names)

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat
 
 from gym_rpc.client._aiohttp_instrumentation import instrumentation_active, note_instrumented_session
 from gym_rpc.client._aiohttp_instrumentation import trace_configs as instrumentation_trace_configs
-from gym_rpc.client._resend import CallObserver, NextUrl, resend_after_failure
+from gym_rpc.client._resend import CallObserver, Reroute, resend_after_failure
 from gym_rpc.client._resend_budget import CallCount, new_call_count
 from gym_rpc.client._resend_policy import RetryPolicy
 from gym_rpc.config import validation_error_line
@@ -41,7 +41,7 @@ __all__ = [
     "HttpClientSettings",
     "HttpPools",
     "LoopSessions",
-    "NextUrl",
+    "Reroute",
     "RetryPolicy",
     "close_http_sessions",
     "close_loop_sessions",
@@ -264,9 +264,9 @@ async def send(
     resend_after_disconnect: bool,
     kwargs: _RequestOptions,
     observer: CallObserver | None = None,
+    reroute: Reroute | None = None,
     *,
     server_name: str = "",
-    next_url: NextUrl | None = None,
 ) -> aiohttp.ClientResponse:
     """One request, resent within `retry`'s budgets when it fails (gym_rpc.client._resend); `observer` is told of
     every attempt after the first, and of the answer or the error.
@@ -276,7 +276,7 @@ async def send(
     once. Given up, a call raises ServerUnreachableError, ServerDroppedError (an aiohttp ServerDisconnectedError
     and ClientOSError too) or RequestTimeoutError, naming `server_name`, the URL, the kind, the attempts and the
     time.
-    `next_url` (replicas) picks the URL of each resend; by default it is `url`.
+    `reroute` (replicas) gives the URL of each resend, from the error that made it; by default it is `url`.
 
     The happy path is the request and one clock read (the start of the call's deadline); the rest runs only after
     a failure.
@@ -306,6 +306,6 @@ async def send(
         kwargs,
         observer,
         server_name,
-        next_url,
+        reroute,
         started,
     )

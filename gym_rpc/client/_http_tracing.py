@@ -36,7 +36,7 @@ from opentelemetry.propagators.textmap import TextMapPropagator
 
 from gym_rpc.client._aiohttp_instrumentation import request_context as instrumentation_request_context
 from gym_rpc.client._aiohttp_instrumentation import session_instrumented
-from gym_rpc.client._http import CallObserver, NextUrl, RetryPolicy, send
+from gym_rpc.client._http import CallObserver, Reroute, RetryPolicy, send
 from gym_rpc.client._rollout import rollout_id_in_context
 from gym_rpc.telemetry import (
     ROLLOUT_ID_ATTRIBUTE,
@@ -128,8 +128,7 @@ def traced_send(
     kwargs: _RequestOptions,
     server_name: str,
     also: CallObserver | None = None,
-    *,
-    next_url: NextUrl | None = None,
+    reroute: Reroute | None = None,
 ) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
     """`send(session, method, url, ...)` (`url` under `base_url`, the server's) as a CLIENT span whose context
     goes out in the `traceparent` header; a resent call carries `http.request.resend_count` (the number of
@@ -155,8 +154,8 @@ def traced_send(
         resend_after_disconnect,
         kwargs,
         observer,
+        reroute,
         server_name=server_name,
-        next_url=next_url,
     )
 
 

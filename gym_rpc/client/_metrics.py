@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
 
-from gym_rpc.client._http import NextUrl, RetryPolicy, send
+from gym_rpc.client._http import Reroute, RetryPolicy, send
 from gym_rpc.client._http_tracing import traced_send
 from gym_rpc.errors import ResendsExhaustedError, ServerUnreachableError
 from gym_rpc.metrics import meter, seconds_histogram
@@ -156,8 +156,7 @@ def metered_send(
     resend_after_disconnect: bool,
     kwargs: _RequestOptions,
     server_name: str,
-    *,
-    next_url: NextUrl | None = None,
+    reroute: Reroute | None = None,
 ) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
     """`send` (`traced_send` when tracing is on, same parameters) with the call metered: its own coroutine, which
     must be awaited at once, as the call is counted in flight from here. Metrics that fail to start (an
@@ -177,8 +176,8 @@ def metered_send(
             resend_after_disconnect,
             kwargs,
             metered,
+            reroute,
             server_name=server_name,
-            next_url=next_url,
         )
     return traced_send(
         session,
@@ -190,5 +189,5 @@ def metered_send(
         kwargs,
         server_name,
         metered,
-        next_url=next_url,
+        reroute,
     )

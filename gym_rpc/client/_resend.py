@@ -31,10 +31,11 @@ if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
 
 
-# The replicas hook: (the URL whose attempt just failed, the failure's kind) -> the URL of the next attempt. A URL
-# not tried since the last pause is tried at once; one already tried, after the backoff pause. Called only on
-# failures, never on the happy path; the budgets count every attempt, whatever its URL.
-NextUrl = Callable[[str, str], str]
+# The replicas hook, asked once a failed attempt may be resent, with that attempt's error: the URL of the next
+# attempt (another instance, or the same one). A URL not tried since the last pause is tried at once; one already
+# tried, after the backoff pause. Called only on failures, never on the happy path; the budgets count every
+# attempt, whatever its URL.
+Reroute = Callable[[BaseException], str]
 
 
 class CallObserver(Protocol):
@@ -66,7 +67,7 @@ async def resend_after_failure(
     kwargs: _RequestOptions,
     observer: CallObserver | None,
     server_name: str,
-    next_url: NextUrl | None,
+    reroute: Reroute | None,
     started: float,
 ) -> aiohttp.ClientResponse:
     """Resend the call whose first attempt, started at `started` (time.monotonic), failed with `error`: its answer,
@@ -79,7 +80,7 @@ async def resend_after_failure(
             if kind is None:
                 raise error
             failed_url = call.url
-            target = await call.next_attempt(error, kind, attempts, resend_after_disconnect, next_url)
+            target = await call.next_attempt(error, kind, attempts, resend_after_disconnect, reroute)
             RESEND_LOG.resent(server_name, failed_url, kind)
             attempts += 1
             if observer is not None:
@@ -141,7 +142,7 @@ class _FailingCall:
         kind: FailureKind,
         attempts: int,
         resend_after_disconnect: bool,
-        next_url: NextUrl | None,
+        reroute: Reroute | None,
     ) -> str:
         """The URL of the next attempt, once its pause is over; or raise what the call ends with, when its budgets
         allow no other attempt."""
@@ -160,7 +161,7 @@ class _FailingCall:
             raise self.given_up(error, kind, attempts, "no resend")
         if self.failures[kind] >= budget.attempts:
             raise self.given_up(error, kind, attempts, "attempts")
-        target = self.url if next_url is None else next_url(self.url, kind)
+        target = self.url if reroute is None else reroute(error)
         pause = 0.0 if target not in self.tried_since_pause else self.retry.backoff_seconds(self.pauses + 1)
         if now + pause > ends:
             raise self.given_up(error, kind, attempts, "time" if ends == kind_ends else "deadline")
