@@ -683,7 +683,7 @@ async def test_the_data_and_control_sessions_are_built_from_the_settings() -> No
 
 
 async def test_pooled_connections_use_tcp_keepalive(http_server) -> None:
-    """_keepalive_socket: a connection of the data pool has keepalive on, idle 60 s, every 10 s, 5 probes."""
+    """_keepalive_socket: a connection of the data pool has keepalive on, idle 60 s, every 10 s, 3 probes."""
     done = asyncio.Event()
 
     async def streaming(request: web.Request) -> web.StreamResponse:

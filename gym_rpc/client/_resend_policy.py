@@ -1,5 +1,5 @@
 """`http_client.retry`: how long and how often a data-plane call is resent, per kind of failure, and the share of
-the client's calls that may be resending at once. README "When servers fail" gives the defaults and their reasons.
+the client's calls that may be resending at once. docs/failures.md gives the defaults and their reasons.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class KindBudget(BaseModel):
     seconds: NonNegativeFloat = Field(allow_inf_nan=False)
 
 
-# Each kind's budget when the config gives none, and why (README "When servers fail").
+# Each kind's budget when the config gives none, and why (docs/failures.md).
 KIND_DEFAULTS: Mapping[FailureKind, KindBudget] = {
     # Nothing was sent: always safe to resend. 30 s outlasts a process or container restart.
     FailureKind.REFUSED: KindBudget(attempts=100, seconds=30.0),

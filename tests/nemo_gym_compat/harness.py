@@ -197,6 +197,21 @@ async def serving(apps: dict[str, tuple[Asgi, socket.socket]]) -> AsyncIterator[
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def simple_agent(port: int, client: Any, resources: str = RESOURCES) -> SimpleAgent:
+    """NeMo Gym's SimpleAgent on `port`, calling `resources` and the model through `client`."""
+    return SimpleAgent.model_construct(
+        config=SimpleAgentConfig(
+            host=LOOPBACK,
+            port=port,
+            entrypoint="app.py",
+            name=AGENT,
+            resources_server=ResourcesServerRef(type="resources_servers", name=resources),
+            model_server=ModelServerRef(type="responses_api_models", name=MODEL),
+        ),
+        server_client=client,
+    )
+
+
 def make_client(kind: str, doc: dict[str, Any], head_port: int) -> Any:
     """The client the servers get: NeMo Gym's own, or gym_rpc's given NeMo Gym's own head config model."""
     head = NemoGymServerConfig(host=LOOPBACK, port=head_port)
@@ -221,17 +236,7 @@ async def run_mode(kind: str, observability: bool) -> dict[str, Any]:
             ),
             server_client=client,
         )
-        agent = SimpleAgent.model_construct(
-            config=SimpleAgentConfig(
-                host=LOOPBACK,
-                port=ports[AGENT],
-                entrypoint="app.py",
-                name=AGENT,
-                resources_server=ResourcesServerRef(type="resources_servers", name=RESOURCES),
-                model_server=ModelServerRef(type="responses_api_models", name=MODEL),
-            ),
-            server_client=client,
-        )
+        agent = simple_agent(ports[AGENT], client)
         apps: dict[str, tuple[Asgi, socket.socket]] = {}
         for name, server in ((RESOURCES, resources), (AGENT, agent)):
             app = server.setup_webserver()

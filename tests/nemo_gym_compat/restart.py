@@ -34,14 +34,12 @@ from typing import Any
 
 import aiohttp
 import uvicorn
-from harness import LOOPBACK, Asgi, _held_socket, serving
-from nemo_gym.config_types import ModelServerRef, ResourcesServerRef
+from harness import LOOPBACK, Asgi, _held_socket, serving, simple_agent
 from omegaconf import OmegaConf
 from resources_servers.example_single_tool_call.app import (
     SimpleWeatherResourcesServer,
     SimpleWeatherResourcesServerConfig,
 )
-from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -234,17 +232,7 @@ async def run_mode(mode: str, rollouts: int, servers: Servers) -> dict[str, Any]
         client = ServerClient(
             head_server_config=BaseServerConfig(host=LOOPBACK, port=1), global_config_dict=OmegaConf.create(doc)
         )
-        agent = SimpleAgent.model_construct(
-            config=SimpleAgentConfig(
-                host=LOOPBACK,
-                port=ports[AGENT],
-                entrypoint="app.py",
-                name=AGENT,
-                resources_server=ResourcesServerRef(type="resources_servers", name=RESOURCES),
-                model_server=ModelServerRef(type="responses_api_models", name=MODEL),
-            ),
-            server_client=client,
-        )
+        agent = simple_agent(ports[AGENT], client, resources=RESOURCES)
         agent_app = agent.setup_webserver()
         agent.setup_exception_middleware(agent_app)
         apps: dict[str, tuple[Asgi, socket.socket]] = {
