@@ -95,6 +95,8 @@ class Counting:
                 await asyncio.sleep(30)  # cancelled by stop()
             elif what == "drop late":
                 await asyncio.sleep(1.5)
+            elif what == "drop soon":
+                await asyncio.sleep(0.3)
             elif what == "answer":
                 writer.write(OK_RESPONSE)
                 await writer.drain()
@@ -360,6 +362,45 @@ async def test_a_dead_server_sees_the_budgeted_resends_not_one_stream_per_call(
     assert len(starved) >= calls // 2
     assert "the client's resend budget had no free slot in the time left" in str(starved[0])
     assert (RESEND_BUDGET.held, RESEND_BUDGET.waiting) == (0, 0)  # every slot taken was given back
+
+
+async def test_resends_out_at_the_server_never_widen_the_budget(
+    counting: Callable[[Callable[[int], str]], Counting],
+) -> None:
+    """The slots are a share of the first attempts in flight: resends out at a server that drops each 0.3 s after
+    reading it are no load that earns more. 40 ServerClient calls, 1 slot (floor) of 0.05-0.1 s pauses for 1.5 s:
+    about 20 resends after the first burst (half of the 40 first attempts' failures), where resends counted as
+    load would let all 40 calls resend every 0.4 s (about 150)."""
+    from omegaconf import OmegaConf
+
+    from gym_rpc.client._http import close_http_sessions
+    from gym_rpc.client.server_client import ServerClient
+    from gym_rpc.config import BaseServerConfig
+    from tests.conftest import document, server_entry
+
+    server = counting(lambda _: "drop soon")
+    retry = {
+        "initial_backoff_seconds": 0.1,
+        "max_backoff_seconds": 0.1,
+        "dropped_after_write": {"attempts": 1000, "seconds": 1.5},
+        "client_budget": {"share": 0.5, "floor": 1},
+    }
+    client = ServerClient(
+        head_server_config=BaseServerConfig(host=LOOPBACK, port=closed_port()),
+        global_config_dict=OmegaConf.create(
+            document({"slow": server_entry(await server.start())}, http_client={"retry": retry})
+        ),
+    )
+    calls = 40
+    try:
+        outcomes = await asyncio.gather(
+            *(client.post("slow", "/v1/responses", json={}) for _ in range(calls)), return_exceptions=True
+        )
+    finally:
+        await close_http_sessions()
+    assert all(isinstance(outcome, ServerDroppedError) for outcome in outcomes)
+    assert server.requests - calls <= 20 + 2 * 1.5 / 0.05  # the burst, then 1 slot at 0.05-0.1 s pauses
+    assert (RESEND_BUDGET.held, RESEND_BUDGET.waiting, RESEND_BUDGET.resending) == (0, 0, 0)
 
 
 def test_loops_in_other_threads_share_the_budget_and_are_woken_when_a_slot_frees() -> None:

@@ -88,11 +88,14 @@ async def resend_after_failure(
                     observer.resent(attempts, kind)
                 except Exception as observer_error:
                     instrumentation_failed(observer.kind, observer_error)
+            RESEND_BUDGET.resend_started()  # out at the server: it widens no one's budget
             try:
                 response = await session.request(method, target, **kwargs)
             except BaseException as failure:
                 error = failure
                 continue
+            finally:
+                RESEND_BUDGET.resend_ended()
             if observer is not None:
                 try:
                     observer.answered(response, attempts)
@@ -168,7 +171,7 @@ class _FailingCall:
         if not await RESEND_BUDGET.acquire(self.retry.client_budget, ends - pause - now):
             held, in_flight, waiting = RESEND_BUDGET.snapshot()
             detail = (
-                f"{held} resend slot(s) held, {in_flight} attempt(s) in flight, {waiting} call(s) waiting; "
+                f"{held} resend slot(s) held, {in_flight} first attempt(s) in flight, {waiting} call(s) waiting; "
                 f"http_client.retry.client_budget allows {self.retry.client_budget.slots(in_flight)}"
             )
             raise self.given_up(error, kind, attempts, "client budget", detail)

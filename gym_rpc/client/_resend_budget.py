@@ -1,17 +1,19 @@
 """The client-wide resend budget: the process's resends waiting out their backoff at once are at most a share of
-its attempts in flight (Envoy's retry budget), with a floor.
+its first attempts in flight (Envoy's retry budget), with a floor.
 
 A call that must resend takes a slot for its backoff pause and frees it as its resend goes out. When every slot is
-held, it waits for one: on the budget, not on the server. So when thousands of calls find one server dead, the
-server sees a few resends at a time (the floor's worth: nothing else is in flight), not one stream per call; when
-it answers again, each resend that goes out frees its slot and the attempts in flight grow, and with them the
-slots. A call whose own budget (its kind's time, its deadline) runs out while it waits fails at once, saying so.
+held, it waits for one: on the budget, not on the server. The slots are a share of the first attempts in flight:
+resends, pausing, waiting or out at the server, never widen the budget. So when thousands of calls find one server
+dead, the server sees a few resends at a time (the floor's worth: no first attempt is in flight), not one stream
+per call, however long each resend takes to fail on a loaded machine; when it answers again, calls end, new ones
+start, and the slots grow with their first attempts. A call whose own budget (its kind's time, its deadline) runs
+out while it waits fails at once, saying so.
 
 Threads: clients on several event loops share a process and this one budget. Calls in flight are counted per
 event loop without a lock (a loop's calls start and end on its thread; a lock would cost the happy path), summed
-only when a resend asks for a slot; the attempts in flight are those calls less the ones pausing (holding a slot)
-or waiting for one. Slots and waiters are under a lock; a waiter on another loop is woken through its loop's
-`call_soon_threadsafe`.
+only when a resend asks for a slot; the first attempts in flight are those calls less the ones pausing (holding a
+slot), waiting for one, or resending. Slots and waiters are under a lock; a waiter on another loop is woken
+through its loop's `call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -66,18 +68,20 @@ class ResendBudget:
 
     held: int = 0
     waiting: int = 0  # the waiters that have neither been granted a slot nor given up
+    resending: int = 0  # resends out at their server (each freed its slot as it went out)
     _waiters: deque[_Waiter] = field(default_factory=deque)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def snapshot(self) -> tuple[int, int, int]:
-        """(slots held, attempts in flight, calls waiting): for the error a call gets when it waited in vain."""
+        """(slots held, first attempts in flight, calls waiting): for the error of a call that waited in vain."""
         with self._lock:
             return self.held, self._attempts_in_flight(), self.waiting
 
     def _attempts_in_flight(self) -> int:
-        """The process's calls in flight less those pausing or waiting here: the calls out at a server. (Granting a
-        slot moves a call from waiting to pausing: it leaves this unchanged.)"""
-        return max(calls_in_flight() - self.held - self.waiting, 0)
+        """The process's calls in flight less those pausing, waiting or resending: the first attempts out at a
+        server. (Granting a slot moves a call from waiting to pausing, and a resend going out from pausing to
+        resending: neither changes this.)"""
+        return max(calls_in_flight() - self.held - self.waiting - self.resending, 0)
 
     async def acquire(self, budget: ClientBudget, wait_seconds: float) -> bool:
         """Take a slot, waiting at most `wait_seconds` for one (first come, first served); False if none came."""
@@ -130,6 +134,15 @@ class ResendBudget:
                     continue
                 waiter.granted = True
                 self.held += 1
+
+    def resend_started(self) -> None:
+        """A resend goes out (its slot freed): until `resend_ended`, it is no first attempt."""
+        with self._lock:
+            self.resending += 1
+
+    def resend_ended(self) -> None:
+        with self._lock:
+            self.resending -= 1
 
 
 def _wake(future: asyncio.Future[None]) -> None:

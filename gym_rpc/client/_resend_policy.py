@@ -41,7 +41,7 @@ LEGACY_ATTEMPT_KINDS = (FailureKind.REFUSED, FailureKind.DROPPED_BEFORE_WRITE, F
 
 class ClientBudget(BaseModel):
     """The budget of the whole client (Envoy's retry budget): resends waiting out their backoff at once, in the
-    whole process, at most `share` of the attempts in flight, and never fewer than `floor`."""
+    whole process, at most `share` of the first attempts in flight, and never fewer than `floor`."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
