@@ -140,4 +140,9 @@ def test_every_rpc_has_an_answer_from_nemo_gyms_head_or_says_why_not() -> None:
 
     rows = {name: row for name, row in vars(ControlRpcs).items() if isinstance(row, Rpc)}
     without = sorted(name for name, row in rows.items() if row.http is None)
-    assert without == ["deregister_server_instance", "register_server_instance", "reload_global_config"]
+    assert without == [
+        "deregister_server_instance",
+        "register_instance",
+        "register_server_instance",
+        "reload_global_config",
+    ]
