@@ -34,7 +34,7 @@ from typing import Any
 
 import aiohttp
 import uvicorn
-from harness import LOOPBACK, Asgi, _held_socket, serving, simple_agent
+from harness import LOOPBACK, Asgi, _held_socket, serving, simple_agent, stub_turn
 from omegaconf import OmegaConf
 from resources_servers.example_single_tool_call.app import (
     SimpleWeatherResourcesServer,
@@ -55,26 +55,7 @@ START_TIMEOUT_SECONDS = 120.0  # importing NeMo Gym on a loaded 2-core machine t
 
 async def _responses(request: Request) -> JSONResponse:
     """A Responses API model: the first turn asks for `get_weather`, the turn after the tool's output answers."""
-    body = await request.json()
-    if any(item.get("type") == "function_call_output" for item in body["input"]):
-        output: dict[str, Any] = {
-            "type": "message",
-            "id": "msg_1",
-            "role": "assistant",
-            "status": "completed",
-            "content": [{"type": "output_text", "text": "cold", "annotations": []}],
-        }
-    else:
-        output = {
-            "type": "function_call",
-            "id": "fc_1",
-            "call_id": "call_1",
-            "name": "get_weather",
-            "arguments": json.dumps({"city": "Paris"}),
-            "status": "completed",
-        }
-    response = {"id": "resp_1", "object": "response", "created_at": 0, "model": "stub", "output": [output]}
-    return JSONResponse({**response, "parallel_tool_calls": False, "tool_choice": "auto", "tools": []})
+    return stub_turn(await request.json(), "get_weather", lambda: json.dumps({"city": "Paris"}), "cold")
 
 
 def weather_model_app() -> Starlette:
