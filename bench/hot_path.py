@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from bench.data_plane import PATH, PAYLOAD, SERVER_NAME, Block, compare, make_client, ours_post
 from bench.stats import Row, median, percentile, ratio_row
 from gym_rpc.client._http import HttpPools, close_http_sessions, send
+from gym_rpc.client._resend_budget import new_call_count
 from gym_rpc.client.server_client import ServerClient, _json_payload
 
 if TYPE_CHECKING:
@@ -53,7 +54,20 @@ class WithoutTrick(ServerClient):
         pools = self._http
         sessions = pools.sessions()
         session = sessions.control if _control else sessions.data
-        return await send(session, method, url + url_path, pools.settings.retry, _resend_after_disconnect, kwargs)
+        calls = sessions.calls
+        calls.value += 1
+        try:
+            return await send(
+                session,
+                method,
+                url + url_path,
+                pools.settings.retry,
+                _resend_after_disconnect,
+                kwargs,
+                server_name=server_name,
+            )
+        finally:
+            calls.value -= 1
 
 
 def make_without(port: int) -> WithoutTrick:
@@ -104,7 +118,8 @@ def _no_io(client: ServerClient) -> ServerClient:
     private: dict[str, Any] = client.__pydantic_private__  # type: ignore[assignment]
     pools: HttpPools = private["_http"]
     session = _NoIoSession()
-    private["_http"] = SimpleNamespace(settings=pools.settings, sessions=lambda: SimpleNamespace(data=session))
+    sessions = SimpleNamespace(data=session, calls=new_call_count())
+    private["_http"] = SimpleNamespace(settings=pools.settings, sessions=lambda: sessions)
     return client
 
 

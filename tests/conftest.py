@@ -90,6 +90,19 @@ def _release_closed_ports() -> Iterator[None]:
     _release_ports_held_since(mark)
 
 
+def tcp_keepalive_options(sock: socket.socket) -> list[int]:
+    """A socket's SO_KEEPALIVE, TCP_KEEPIDLE, TCP_KEEPINTVL and TCP_KEEPCNT (Linux)."""
+    return [
+        sock.getsockopt(level, option)
+        for level, option in (
+            (socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+        )
+    ]
+
+
 def server_entry(port: int, server_type: str = "responses_api_models", host: str = LOOPBACK, **extra: Any) -> dict:
     """`{server_type: {impl: {host, port, ...}}}` for a config document."""
     return {server_type: {f"{server_type}_impl": {"host": host, "port": port, **extra}}}

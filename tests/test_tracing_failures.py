@@ -189,6 +189,7 @@ def raising_instruments() -> client_metrics._ClientInstruments:
     return client_metrics._ClientInstruments(
         duration=meter.create_histogram("http.client.request.duration", unit="s"),
         resends=meter.create_counter("gym.client.resends"),
+        given_up=meter.create_counter("gym.client.given_up"),
         unreachable=meter.create_counter("gym.client.unreachable"),
     )
 
@@ -244,7 +245,7 @@ class CancelledAtTheAnswer:
     def __init__(self) -> None:
         self.responses: list[aiohttp.ClientResponse] = []
 
-    def resent(self, attempt: int) -> None:
+    def resent(self, attempt: int, kind: str) -> None:
         pass
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:

@@ -4,7 +4,9 @@
 * `_control`: the blocking and async control-plane clients; `_channel`: their shared, tuned gRPC channels.
 * `_security`: the bearer token and TLS a client presents; `_tracing`: OpenTelemetry on the control channels.
 * `_watch`: a status watch that reconnects and resumes by itself (`StatusWatch`, `SyncStatusWatch`).
-* `_http`: the data plane's HTTP pools, bounded resends and traced sends; `_rollout`: the current rollout id.
+* `_http`: the data plane's HTTP pools and `send`; `_resend`, `_resend_policy`, `_resend_budget`, `_failures`,
+  `_resend_log`: what a failed call does (budgets by kind and in time, the client-wide budget, one log line per
+  server per interval); `_rollout`: the current rollout id.
 * `_routed`, `_routing`, `_picker`, `_outliers`, `_instances`: picking one instance of a replicated server per
   call; `_follower`: each server's instances, followed from the head's watch in the background.
 
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 from gym_rpc._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from gym_rpc._aiohttp_errors import ServerDroppedError
     from gym_rpc.client._channel import (
         DEFAULT_TIMEOUT_SECONDS,
         checked_head_address,
@@ -25,22 +28,28 @@ if TYPE_CHECKING:
         head_address,
     )
     from gym_rpc.client._control import ControlClient, StatusSnapshot, SyncControlClient
+    from gym_rpc.client._failures import FailureKind
     from gym_rpc.client._follower import close_instance_followers
     from gym_rpc.client._http import HttpClientSettings, HttpPools, RetryPolicy, close_http_sessions
+    from gym_rpc.client._resend_policy import ClientBudget, KindBudget
     from gym_rpc.client._rollout import apply_rollout_prefix, current_rollout_id, rollout_context
     from gym_rpc.client._security import ClientSecurity, ClientTls, client_security
     from gym_rpc.client._watch import StatusWatch, SyncStatusWatch
     from gym_rpc.client.server_client import ServerClient
 
 _EXPORTS = {
+    "ClientBudget": "gym_rpc.client._resend_policy",
     "ClientSecurity": "gym_rpc.client._security",
     "ClientTls": "gym_rpc.client._security",
     "ControlClient": "gym_rpc.client._control",
     "DEFAULT_TIMEOUT_SECONDS": "gym_rpc.client._channel",
+    "FailureKind": "gym_rpc.client._failures",
     "HttpClientSettings": "gym_rpc.client._http",
     "HttpPools": "gym_rpc.client._http",
+    "KindBudget": "gym_rpc.client._resend_policy",
     "RetryPolicy": "gym_rpc.client._http",
     "ServerClient": "gym_rpc.client.server_client",
+    "ServerDroppedError": "gym_rpc._aiohttp_errors",
     "StatusSnapshot": "gym_rpc.client._control",
     "StatusWatch": "gym_rpc.client._watch",
     "SyncControlClient": "gym_rpc.client._control",
@@ -59,13 +68,17 @@ _EXPORTS = {
 }
 __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
+    "ClientBudget",
     "ClientSecurity",
     "ClientTls",
     "ControlClient",
+    "FailureKind",
     "HttpClientSettings",
     "HttpPools",
+    "KindBudget",
     "RetryPolicy",
     "ServerClient",
+    "ServerDroppedError",
     "StatusSnapshot",
     "StatusWatch",
     "SyncControlClient",

@@ -4,17 +4,20 @@ for `_control=True` calls, so a saturated data pool never delays them.
 Sessions belong to the loop that made them (an aiohttp session cannot outlive its loop), so they are kept per
 loop and a new loop never gets a session bound to a dead one. Close them with `close_http_sessions()` (or
 `ServerClient.aclose()`) before the loop ends.
+
+`send` makes one call: its first attempt here, what follows a failure in gym_rpc.client._resend (docs/failures.md).
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
+import functools
 import socket
 import threading
 import weakref
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Mapping
+from time import monotonic
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
@@ -22,41 +25,44 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat
 from gym_rpc.client._aiohttp_instrumentation import instrumentation_active, note_instrumented_session
 from gym_rpc.client._aiohttp_instrumentation import trace_configs as instrumentation_trace_configs
 from gym_rpc.client._outliers import OutlierDetection
+from gym_rpc.client._resend import CallObserver, Reroute, resend_after_failure
+from gym_rpc.client._resend_budget import CallCount, new_call_count
+from gym_rpc.client._resend_policy import RetryPolicy
 from gym_rpc.config import validation_error_line
-from gym_rpc.errors import ConfigError, RequestTimeoutError, ServerUnreachableError
+from gym_rpc.errors import ConfigError
 from gym_rpc.telemetry import instrumentation_failed
 
 if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
 
+__all__ = [
+    "DEFAULT_TOTAL_TIMEOUT_SECONDS",
+    "HTTP_CLIENT_KEY",
+    "CallObserver",
+    "HttpClientSettings",
+    "HttpPools",
+    "LoopSessions",
+    "Reroute",
+    "RetryPolicy",
+    "close_http_sessions",
+    "close_loop_sessions",
+    "loop_sessions",
+    "send",
+]
+
 HTTP_CLIENT_KEY = "http_client"
-# NeMo Gym's top-level keys for its shared aiohttp pool -> the `http_client:` setting each one is.
+# NeMo Gym's top-level keys for its shared aiohttp pool and its sockets -> the `http_client:` setting each one is.
 UPSTREAM_POOL_KEYS = {
     "global_aiohttp_connector_limit": "max_connections",
     "global_aiohttp_connector_limit_per_host": "max_connections_per_host",
+    "global_aiohttp_tcp_keepalive_idle_seconds": "tcp_keepalive_idle_seconds",
+    "global_aiohttp_tcp_keepalive_interval_seconds": "tcp_keepalive_interval_seconds",
+    "global_aiohttp_tcp_keepalive_probes": "tcp_keepalive_probes",
 }
 DEFAULT_TOTAL_TIMEOUT_SECONDS = 1800.0  # per data-plane call, headers included; see HttpClientSettings
-_TCP_KEEPALIVE_IDLE_SECONDS = 60
-_TCP_KEEPALIVE_INTERVAL_SECONDS = 10
-_TCP_KEEPALIVE_PROBES = 5
-
-
-class RetryPolicy(BaseModel):
-    """Bounded exponential backoff with jitter for resending after a dropped connection."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
-
-    attempts: PositiveInt = 3
-    initial_backoff_seconds: PositiveFloat = 0.05
-    max_backoff_seconds: PositiveFloat = 1.0
-    multiplier: float = Field(default=2.0, ge=1.0)  # below 1 the backoff shrinks (or flips sign) per attempt
-
-    def backoff_seconds(self, failed_attempts: int) -> float:
-        """The pause after the n-th failure: exponential, capped, with half of it random (no thundering herd)."""
-        ceiling = min(
-            self.max_backoff_seconds, self.initial_backoff_seconds * self.multiplier ** (failed_attempts - 1)
-        )
-        return ceiling / 2 + random.uniform(0, ceiling / 2)
+# How long an idle pooled connection is kept: NeMo Gym's 15 s, below the 30 s after which its uvicorn servers close
+# an idle connection (NeMo Gym #1555): a connection the server may be closing is never reused.
+DEFAULT_POOL_KEEPALIVE_SECONDS = 15.0
 
 
 class HttpClientSettings(BaseModel):
@@ -68,7 +74,12 @@ class HttpClientSettings(BaseModel):
     max_connections: PositiveInt = 102400
     max_connections_per_host: NonNegativeInt = 1024  # 0: only max_connections bounds one host
     control_max_connections: PositiveInt = 16
-    keepalive_timeout_seconds: PositiveFloat = 30.0  # how long an idle pooled connection is kept
+    keepalive_timeout_seconds: PositiveFloat = DEFAULT_POOL_KEEPALIVE_SECONDS  # an idle connection's time
+    # TCP keepalive on every connection (NeMo Gym's `global_aiohttp_tcp_keepalive_*`, its defaults, the kernel's
+    # bounds): a peer that vanished is noticed on idle and long-waiting connections.
+    tcp_keepalive_idle_seconds: int = Field(default=60, ge=1, le=32767)
+    tcp_keepalive_interval_seconds: int = Field(default=10, ge=1, le=32767)
+    tcp_keepalive_probes: int = Field(default=3, ge=1, le=127)
     connect_timeout_seconds: PositiveFloat = 10.0
     # Long enough for the slowest model generation, short enough that a server that accepted and went silent
     # fails the call instead of hanging the rollout; null turns the deadline off.
@@ -85,6 +96,7 @@ class HttpClientSettings(BaseModel):
         if not isinstance(block, Mapping):
             raise ConfigError(f"{HTTP_CLIENT_KEY} must be a mapping, not {type(block).__name__}")
         settings = dict(block)
+        from_upstream = {}
         for upstream_key, key in UPSTREAM_POOL_KEYS.items():
             if document.get(upstream_key) is None:
                 continue
@@ -94,30 +106,49 @@ class HttpClientSettings(BaseModel):
                     f"disagree: set one of them"
                 )
             settings[key] = document[upstream_key]
+            from_upstream[key] = upstream_key
         try:
             return cls.model_validate(settings)
         except ValidationError as exc:
-            raise ConfigError(validation_error_line(exc, HTTP_CLIENT_KEY)) from None
+            line = validation_error_line(exc, HTTP_CLIENT_KEY)
+            for key, upstream_key in from_upstream.items():  # a bad value is named where the document has it
+                line = line.replace(f"{HTTP_CLIENT_KEY}.{key}:", f"{upstream_key}:", 1)
+            raise ConfigError(line) from None
 
 
-def _keepalive_socket(addr_info: aiohttp.AddrInfoType) -> socket.socket:
+def _keepalive_socket(
+    addr_info: aiohttp.AddrInfoType, idle_seconds: int, interval_seconds: int, probes: int
+) -> socket.socket:
     """A client socket with TCP keepalive, so a peer that vanished is noticed on idle pooled connections."""
     family, type_, proto, _, _ = addr_info
     sock = socket.socket(family=family, type=type_, proto=proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system defaults apply
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _TCP_KEEPALIVE_IDLE_SECONDS)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _TCP_KEEPALIVE_INTERVAL_SECONDS)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, _TCP_KEEPALIVE_PROBES)
+    idle = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))  # macOS calls it KEEPALIVE
+    for option, value in (
+        (idle, idle_seconds),
+        (getattr(socket, "TCP_KEEPINTVL", None), interval_seconds),
+        (getattr(socket, "TCP_KEEPCNT", None), probes),
+    ):
+        if option is not None:  # elsewhere the system's defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
     return sock
 
 
 def _new_session(
-    limit: int, limit_per_host: int, keepalive: float, timeout: aiohttp.ClientTimeout
+    settings: HttpClientSettings, limit: int, limit_per_host: int, timeout: aiohttp.ClientTimeout
 ) -> aiohttp.ClientSession:
     """No proxies (trust_env=False: a proxy variable must never divert calls to Gym servers), no cookie jar."""
+    sockets = functools.partial(
+        _keepalive_socket,
+        idle_seconds=settings.tcp_keepalive_idle_seconds,
+        interval_seconds=settings.tcp_keepalive_interval_seconds,
+        probes=settings.tcp_keepalive_probes,
+    )
     connector = aiohttp.TCPConnector(
-        limit=limit, limit_per_host=limit_per_host, keepalive_timeout=keepalive, socket_factory=_keepalive_socket
+        limit=limit,
+        limit_per_host=limit_per_host,
+        keepalive_timeout=settings.keepalive_timeout_seconds,
+        socket_factory=sockets,
     )
     instrumented = instrumentation_active()  # decided once per session: the instrumentation adds its own config
     session = aiohttp.ClientSession(
@@ -135,21 +166,22 @@ def _new_session(
 class LoopSessions:
     """The data and reserved control sessions of one event loop (for one HttpClientSettings)."""
 
-    __slots__ = ("control", "data", "is_closed", "loop")
+    __slots__ = ("calls", "control", "data", "is_closed", "loop")
 
     def __init__(self, settings: HttpClientSettings) -> None:
         self.loop = asyncio.get_running_loop()
+        self.calls: CallCount = new_call_count()  # ServerClient.request's, for the client-wide resend budget
         connect = settings.connect_timeout_seconds
         self.data = _new_session(
+            settings,
             settings.max_connections,
             settings.max_connections_per_host,
-            settings.keepalive_timeout_seconds,
             aiohttp.ClientTimeout(total=settings.total_timeout_seconds, sock_connect=connect),
         )
         self.control = _new_session(
+            settings,
             settings.control_max_connections,
             0,
-            settings.keepalive_timeout_seconds,
             aiohttp.ClientTimeout(total=settings.control_total_timeout_seconds, sock_connect=connect),
         )
         self.is_closed = False
@@ -227,34 +259,6 @@ class HttpPools:
         await close_loop_sessions(self.settings)
 
 
-# What may be worth another attempt: a dropped connection (ServerDisconnectedError, ClientOSError) and a refused
-# or unreachable server (ClientConnectorError, a ClientOSError too). `send` decides; nothing else is retried.
-RESENDABLE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
-
-
-class CallObserver(Protocol):
-    """What `send` tells whoever observes a call (a span, the worker metrics): each attempt after the first, then
-    the answer or the error the caller gets, with the number of attempts made. Told from inside `send`, so
-    observing adds no coroutine between the caller and aiohttp (each one costs every resumption of the call).
-
-    An observer may fail, a call may not: whatever an observer raises is logged under its `kind` ("tracing",
-    "metrics"; gym_rpc.telemetry.instrumentation_failed) and the call goes on, its answer returned (or its own
-    error raised) and its connection released."""
-
-    kind: str
-
-    def resent(self, attempt: int) -> None: ...
-
-    def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None: ...
-
-    def failed(self, error: BaseException, attempts: int) -> None: ...
-
-
-# Asked by `send` before each resend, with the error the last attempt failed with: the URL to resend to. A call to
-# a replicated server (gym_rpc.client._routing.RoutedCall.reroute) answers with another instance, or the same one.
-Reroute = Callable[[BaseException], str]
-
-
 async def send(
     session: aiohttp.ClientSession,
     method: str,
@@ -264,68 +268,47 @@ async def send(
     kwargs: _RequestOptions,
     observer: CallObserver | None = None,
     reroute: Reroute | None = None,
+    *,
+    server_name: str = "",
 ) -> aiohttp.ClientResponse:
-    """One request with honest, bounded retries; `observer` is told of every attempt after the first, and of the
-    answer or the error. `reroute`, for a replicated server, gives the URL of each resend (another instance).
+    """One request, resent within `retry`'s budgets when it fails (gym_rpc.client._resend); `observer` is told of
+    every attempt after the first, and of the answer or the error.
 
-    A dropped connection (ServerDisconnectedError, ClientOSError) is resent only when the caller allows it. A
-    refused or unreachable server (ClientConnectorError) never received the request, so it is retried as well and
-    then reported as ServerUnreachableError naming the URL. Nothing else is retried.
+    A failure is refused, dropped before the request was written, dropped after (resent only when the caller
+    allows: `resend_after_disconnect`), or a timeout; anything else, an HTTP answer above all, is the caller's at
+    once. Given up, a call raises ServerUnreachableError, ServerDroppedError (an aiohttp ServerDisconnectedError
+    and ClientOSError too) or RequestTimeoutError, naming `server_name`, the URL, the kind, the attempts and the
+    time.
+    `reroute` (replicas) gives the URL of each resend, from the error that made it; by default it is `url`.
+
+    The happy path is the request and one clock read (the start of the call's deadline); the rest runs only after
+    a failure.
     """
-    attempt = 1
+    started = monotonic()
     try:
-        while True:
-            try:
-                response = await session.request(method, url, **kwargs)
-                break
-            except RESENDABLE_ERRORS as error:
-                _raise_unless_resendable(error, url, attempt, retry, resend_after_disconnect)
-                if reroute is not None:
-                    url = reroute(error)
-            await asyncio.sleep(retry.backoff_seconds(attempt))
-            attempt += 1
-            if observer is not None:
-                try:
-                    observer.resent(attempt)
-                except Exception as observer_error:
-                    instrumentation_failed(observer.kind, observer_error)
+        response = await session.request(method, url, **kwargs)
     except BaseException as error:
+        failure = error
+    else:
         if observer is not None:
             try:
-                observer.failed(error, attempt)
-            except Exception as observer_error:
+                observer.answered(response, 1)
+            except Exception as observer_error:  # instrumentation may fail; the call may not
                 instrumentation_failed(observer.kind, observer_error)
-        raise  # the call's own error
-    if observer is not None:
-        try:
-            observer.answered(response, attempt)
-        except Exception as observer_error:
-            instrumentation_failed(observer.kind, observer_error)
-        except BaseException:  # a cancellation, say: the caller never gets the response, so it is released here
-            response.close()
-            raise
-    return response
-
-
-def _raise_unless_resendable(
-    error: aiohttp.ClientError, url: str, attempt: int, retry: RetryPolicy, resend_after_disconnect: bool
-) -> None:
-    """Raise what the caller sees when attempt number `attempt` failed with `error` and no other may follow."""
-    if isinstance(error, aiohttp.ClientSSLError):  # a ClientConnectorError too, but retrying cannot fix TLS
-        raise error
-    if isinstance(error, aiohttp.ClientConnectorError):
-        if attempt >= retry.attempts:
-            raise ServerUnreachableError(url, attempt, str(error.os_error or error)) from error
-        return
-    if not resend_after_disconnect or attempt >= retry.attempts:
-        raise error
-
-
-def request_timeout_error(
-    server_name: str, method: str, url: str, session: aiohttp.ClientSession, kwargs: Mapping[str, Any]
-) -> RequestTimeoutError:
-    """The error for a data-plane call that ran out of time: which server, which URL, which deadline."""
-    timeout = kwargs.get("timeout")
-    if not isinstance(timeout, aiohttp.ClientTimeout):
-        timeout = session.timeout
-    return RequestTimeoutError(server_name, method, url, timeout.total, timeout.sock_connect)
+            except BaseException:  # a cancellation, say: the caller never gets the response, released here
+                response.close()
+                raise
+        return response
+    return await resend_after_failure(
+        failure,
+        session,
+        method,
+        url,
+        retry,
+        resend_after_disconnect,
+        kwargs,
+        observer,
+        server_name,
+        reroute,
+        started,
+    )

@@ -3,10 +3,11 @@ once per call; off, nothing here runs).
 
 OpenTelemetry names (Prometheus names in README "Metrics"): `http.client.request.duration` (seconds, by server,
 method and status code or error type), `http.client.active_requests` (calls in flight, by server),
-`gym.client.resends` (attempts after a dropped or refused connection) and `gym.client.unreachable` (calls given
-up on an unreachable server). Per instance of a replicated server (gym_rpc.client._routing): `gym.client.instance.
-picks`, `.active_requests` and `.ejections`, and per server `gym.client.rollout.repins`, read from the routes' own
-counts when a reader collects (the calls pay an integer addition, metrics on or off).
+`gym.client.resends` (attempts after a failed one, by the failure's kind), `gym.client.given_up` (calls given up
+after their resends, by the last failure's kind and what ran out) and `gym.client.unreachable` (calls given up on
+an unreachable server). Per instance of a replicated server (gym_rpc.client._routing):
+`gym.client.instance.picks`, `.active_requests` and `.ejections`, and per server `gym.client.rollout.repins`, read
+from the routes' own counts when a reader collects (the calls pay an integer addition, metrics on or off).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Meter, Ob
 from gym_rpc.client._http import Reroute, RetryPolicy, send
 from gym_rpc.client._http_tracing import traced_send
 from gym_rpc.client._routing import ROUTINGS
-from gym_rpc.errors import ServerUnreachableError
+from gym_rpc.errors import ResendsExhaustedError, ServerUnreachableError
 from gym_rpc.metrics import meter, seconds_histogram
 from gym_rpc.telemetry import TRACING, instrumentation_failed
 
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
 
 SERVER_NAME = "gym.server.name"
 INSTANCE_ID = "gym.server.instance.id"  # the instance's `host:port` (InstanceReport.instance_id)
+FAILURE_KIND = "gym.failure.kind"  # refused, dropped_before_write, dropped_after_write, timeout
+# What ended a call's resends: attempts, time, deadline, client budget, no resend.
+RESEND_LIMIT = "gym.resend.limit"
 # Seconds: from a loopback call (a millisecond) to a long model generation (minutes).
 DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -43,6 +47,7 @@ DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 class _ClientInstruments:
     duration: Histogram
     resends: Counter
+    given_up: Counter
     unreachable: Counter
 
 
@@ -128,7 +133,14 @@ def _instruments() -> _ClientInstruments:
             DURATION_BUCKETS,
         ),
         resends=m.create_counter(
-            "gym.client.resends", unit="{attempt}", description="attempts after a dropped or refused connection"
+            "gym.client.resends",
+            unit="{attempt}",
+            description="attempts after a failed one, by its kind of failure",
+        ),
+        given_up=m.create_counter(
+            "gym.client.given_up",
+            unit="{request}",
+            description="calls given up after their resends, by the last failure's kind and what ran out",
         ),
         unreachable=m.create_counter(
             "gym.client.unreachable", unit="{request}", description="calls given up on an unreachable server"
@@ -140,6 +152,14 @@ def _instruments() -> _ClientInstruments:
 def _attributes(server_name: str, method: str) -> Mapping[str, str]:
     """Shared (never mutated) per server and method, so a call builds no dict for its in-flight count."""
     return {SERVER_NAME: server_name, "http.request.method": method.upper()}
+
+
+@functools.lru_cache(maxsize=4096)
+def _failure_attributes(server_name: str, method: str, kind: str, limit: str | None) -> Mapping[str, str]:
+    attributes = {**_attributes(server_name, method), FAILURE_KIND: kind}
+    if limit is not None:
+        attributes[RESEND_LIMIT] = limit
+    return attributes
 
 
 @functools.lru_cache(maxsize=4096)
@@ -164,15 +184,17 @@ class MeteredCall:
             _in_flight[key] = _in_flight.get(key, 0) + 1
         self.started = time.perf_counter()
 
-    def resent(self, attempt: int) -> None:
-        self.instruments.resends.add(1, self.attributes)
+    def resent(self, attempt: int, kind: str) -> None:
+        self.instruments.resends.add(1, _failure_attributes(*self.key, kind, None))
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
         self._ended(response.status)
 
     def failed(self, error: BaseException, attempts: int) -> None:
-        if isinstance(error, ServerUnreachableError):
-            self.instruments.unreachable.add(1, self.attributes)
+        if isinstance(error, ResendsExhaustedError):
+            self.instruments.given_up.add(1, _failure_attributes(*self.key, error.kind, error.limit))
+            if isinstance(error, ServerUnreachableError):
+                self.instruments.unreachable.add(1, self.attributes)
         self._ended(type(error).__qualname__)
 
     def _ended(self, outcome: int | str) -> None:
@@ -204,7 +226,26 @@ def metered_send(
         instrumentation_failed(MeteredCall.kind, error)
         metered = None
     if not TRACING.enabled:
-        return send(session, method, url, retry, resend_after_disconnect, kwargs, metered, reroute)
+        return send(
+            session,
+            method,
+            url,
+            retry,
+            resend_after_disconnect,
+            kwargs,
+            metered,
+            reroute,
+            server_name=server_name,
+        )
     return traced_send(
-        session, method, base_url, url, retry, resend_after_disconnect, kwargs, server_name, metered, reroute
+        session,
+        method,
+        base_url,
+        url,
+        retry,
+        resend_after_disconnect,
+        kwargs,
+        server_name,
+        metered,
+        reroute,
     )

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from gym_rpc.client._http import RetryPolicy, request_timeout_error, send
+from gym_rpc.client._http import RetryPolicy, send
 from gym_rpc.client._http_tracing import traced_send
 from gym_rpc.client._metrics import metered_send
 from gym_rpc.client._nemo_gym import nemo_gym_rollout_id, rollout_id_from_run_body
@@ -76,11 +76,15 @@ async def send_routed(
             )
         else:
             response = await send(
-                session, method, base + url_path, retry, resend_after_disconnect, kwargs, reroute=call.reroute
+                session,
+                method,
+                base + url_path,
+                retry,
+                resend_after_disconnect,
+                kwargs,
+                reroute=call.reroute,
+                server_name=server_name,
             )
-    except TimeoutError as error:
-        call.failed(error)
-        raise request_timeout_error(server_name, method, call.instance.url + url_path, session, kwargs) from error
     except BaseException as error:
         call.failed(error)
         raise

@@ -32,12 +32,7 @@ from gym_rpc._environment import (
 )
 from gym_rpc._telemetry_switches import TELEMETRY_KEY
 from gym_rpc.client._head_protocol import NEMO_GYM_HTTP, head_protocol
-from gym_rpc.client._http import (
-    HttpClientSettings,
-    HttpPools,
-    request_timeout_error,
-    send,
-)
+from gym_rpc.client._http import HttpClientSettings, HttpPools, send
 from gym_rpc.client._http_tracing import traced_send
 from gym_rpc.client._metrics import metered_send
 from gym_rpc.client._nemo_gym import SESSION_ID_KEY, nemo_gym_rollout_id, rollout_id_from_run_body
@@ -658,18 +653,24 @@ class ServerClient(BaseModel):
         pools: HttpPools = private["_http"]
         sessions = pools.sessions()
         session = sessions.control if _control else sessions.data
-        if route is not None:
-            retry, resend = pools.settings.retry, _resend_after_disconnect
-            return await send_routed(route, key, session, method, server_name, url_path, retry, resend, kwargs)
-        full_url = url + url_path
+        retry = pools.settings.retry
+        calls = sessions.calls  # the loop's calls in flight: the client-wide resend budget's measure of load
+        calls.value += 1
         try:
+            if route is not None:
+                resend = _resend_after_disconnect
+                return await send_routed(route, key, session, method, server_name, url_path, retry, resend, kwargs)
+            full_url = url + url_path
             if TRACING.enabled or METRICS.enabled:  # what tracing and metrics cost when off
-                retry, resend = pools.settings.retry, _resend_after_disconnect
                 observed = metered_send if METRICS.enabled else traced_send
-                return await observed(session, method, url, full_url, retry, resend, kwargs, server_name)
-            return await send(session, method, full_url, pools.settings.retry, _resend_after_disconnect, kwargs)
-        except TimeoutError as error:  # aiohttp's says neither which server nor which deadline
-            raise request_timeout_error(server_name, method, full_url, session, kwargs) from error
+                return await observed(
+                    session, method, url, full_url, retry, _resend_after_disconnect, kwargs, server_name
+                )
+            return await send(
+                session, method, full_url, retry, _resend_after_disconnect, kwargs, server_name=server_name
+            )
+        finally:
+            calls.value -= 1
 
     async def get(
         self, server_name: str, url_path: str, **kwargs: Unpack[_RequestOptions]
