@@ -12,12 +12,22 @@ import json
 import os
 import socket
 import sys
+from typing import Any
 
 from tests.raw_servers import start_ok_server
 from tests.worker_metrics_scenario import collected
 
 LOOPBACK = "127.0.0.1"
 CALLS = 30
+MAX_UNPINNED_CALLS = 300
+
+
+def _ejected(reader: Any, port: int) -> bool:
+    """Whether the worker metrics count an ejection of the instance at `port`."""
+    return any(
+        point["value"] > 0 and point["attributes"]["gym.server.instance.id"].endswith(f":{port}")
+        for point in collected(reader).get("gym.client.instance.ejections", ())
+    )
 
 
 async def main(traced: bool) -> None:
@@ -59,9 +69,14 @@ async def main(traced: bool) -> None:
 
     enable_client_metrics()
     client = ServerClient.load_from_global_config()
-    for _ in range(CALLS):
+    # Calls of no rollout until the refused instance is ejected (two random choices reach it about one call in
+    # three, so 30 calls alone left it unejected now and then): no rollout may then be pinned to it.
+    unpinned = 0
+    while unpinned < CALLS or not _ejected(reader, refused_port):
+        assert unpinned < MAX_UNPINNED_CALLS, "the refused instance was never ejected"
         async with await client.post("policy", "/v1/responses", json={}) as response:
             await response.read()
+        unpinned += 1
     for n in range(CALLS):
         with rollout_context(f"rollout-{n}"):
             async with await client.post("policy", "/v1/responses", json={}) as response:
@@ -71,8 +86,12 @@ async def main(traced: bool) -> None:
     await second.cleanup()
     closed.close()
     ports = {"first": first_port, "second": second_port, "refused": refused_port}
+    calls = {"unpinned": unpinned, "rollouts": CALLS}
     finished = [] if spans is None else [dict(span.attributes or {}) for span in spans.get_finished_spans()]
-    print("RESULT " + json.dumps({"ports": ports, "metrics": collected(reader), "spans": finished}), flush=True)
+    print(
+        "RESULT " + json.dumps({"ports": ports, "calls": calls, "metrics": collected(reader), "spans": finished}),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
