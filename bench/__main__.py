@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import allocations, control_plane, data_plane, flag_cost, hot_path, isolation, memory, report
+from bench import allocations, control_plane, data_plane, flag_cost, hot_path, isolation, memory, replicas, report
 from bench.servers import ServerProcess, pinned_apart
 from bench.stats import Row, table_lines
 
 RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
-SECTIONS = ("data", "hotpath", "tracing", "metrics", "control", "isolation", "memory")
+SECTIONS = ("data", "hotpath", "tracing", "metrics", "control", "isolation", "memory", *replicas.SECTIONS)
 # Loopback only: no proxy may divert a request, and no parent's config may stand in for the heads measured here.
 _ENV_TO_DROP = ("http_proxy", "https_proxy", "all_proxy", "NEMO_GYM_CONFIG_DICT", "GYM_RPC_HEAD")
 
@@ -31,6 +31,7 @@ class Plan:
     control: control_plane.ControlPlan
     isolation: isolation.IsolationPlan
     memory: memory.MemoryPlan
+    replicas: replicas.ReplicasPlan
     head_probe_interval: float
     head_probe_timeout: float
     quick: bool = False
@@ -42,6 +43,7 @@ FULL = Plan(
     control_plane.ControlPlan(),
     isolation.IsolationPlan(),
     memory.MemoryPlan(),
+    replicas.ReplicasPlan(),
     head_probe_interval=2.0,
     head_probe_timeout=1.0,
 )
@@ -51,6 +53,7 @@ QUICK = Plan(
     control_plane.QUICK_CONTROL,
     isolation.QUICK_ISOLATION,
     memory.QUICK_MEMORY,
+    replicas.QUICK_REPLICAS,
     head_probe_interval=0.5,
     head_probe_timeout=0.2,
     quick=True,
@@ -116,6 +119,7 @@ def run(plan: Plan, sections: set[str]) -> list[Row]:
             _progress("memory")
             rows += memory.import_rows(plan.memory)
             rows += memory.in_flight_rows(data_port, plan.memory)
+    rows += replicas.rows(plan.replicas, sections)
     return rows
 
 

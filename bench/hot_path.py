@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from bench.data_plane import PATH, PAYLOAD, SERVER_NAME, Block, compare, make_client, ours_post
 from bench.stats import Row, median, percentile, ratio_row
 from gym_rpc.client._http import close_http_sessions, json_payload, send
+from gym_rpc.client._resend_budget import new_call_count
 from gym_rpc.client.server_client import ServerClient
 
 if TYPE_CHECKING:
@@ -55,7 +56,20 @@ class WithoutTrick(ServerClient):
         pools = self._http
         sessions = pools.sessions()
         session = sessions.control if _control else sessions.data
-        return await send(session, method, url + url_path, pools.settings.retry, _resend_after_disconnect, kwargs)
+        calls = sessions.calls
+        calls.value += 1
+        try:
+            return await send(
+                session,
+                method,
+                url + url_path,
+                pools.settings.retry,
+                _resend_after_disconnect,
+                kwargs,
+                server_name=server_name,
+            )
+        finally:
+            calls.value -= 1
 
 
 def make_without(port: int) -> WithoutTrick:
@@ -107,7 +121,8 @@ class _NoIoSession:
 def _no_io(client: ServerClient) -> ServerClient:
     """The client with sessions whose `request` returns at once: what remains is the client's own work."""
     session = _NoIoSession()
-    pools = SimpleNamespace(settings=client._http.settings, sessions=lambda: SimpleNamespace(data=session))
+    sessions = SimpleNamespace(data=session, calls=new_call_count())
+    pools = SimpleNamespace(settings=client._http.settings, sessions=lambda: sessions)
     client._http = pools  # type: ignore[assignment]  # before the first call, which gathers it in _data_plane
     return client
 

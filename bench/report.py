@@ -95,6 +95,19 @@ METHOD = """\
 - Isolation: the client's data pool is capped and kept full by 8x as many slow requests; control calls run back
   to back in the same event loop. The baseline is the same HTTP call made over the shared data pool, as NeMo Gym
   has only one pool (waits cut short by the window's end count as lower bounds).
+- Replicas (bench/replicas.py): each replica a process of its own answering `{"instance": <port>}` after its delay,
+  at most `--slots` calls at once (the rest queue, as on a server whose capacity is full). Picking: the route's
+  whole work per call among 64 instances (pick, count in flight, hear the answer) with no I/O, the best of
+  interleaved blocks, against `next(cycle(urls))`; rollouts of 8 calls among 4, 16 and 64 instances with every
+  slot's winner remembered against the same route weighing every candidate for each new rollout (plain
+  rendezvous), and the route's first rollouts from a fresh start (few winners remembered) beside them. Slow
+  replica: 4 replicas of 4 slots, one 10x slower; ServerClient against round robin and random picking with raw
+  aiohttp + orjson, rotating blocks of a fixed time (throughput: calls answered within the block; latencies: every
+  call started in it). Kill: SIGKILL to one of 4
+  replicas a quarter into 20,000 calls (concurrency 64), for calls of no rollout (against round robin with raw
+  aiohttp, on a fresh set) and for rollouts of 8 calls (against how many rollouts `hash(rollout) % N` would move);
+  static replicas, no head, so what is measured is the client's own detection. Join: a `gym-rpc head` subprocess, 4
+  replicas registered, calls of no rollout at concurrency 16; a fifth registers: the time to its first answer.
 - Memory: each figure from a fresh interpreter (peak RSS is VmHWM). The import figure is set against DESIGN's
   101 MB for NeMo Gym's client module, which is not installed here: that one figure is not from this run.
 """
@@ -163,6 +176,16 @@ NOTES = """\
 - **Isolation.** gRPC control calls travel on their own HTTP/2 channel and `_control=True` calls on a reserved
   aiohttp pool, so a saturated data pool does not delay them; what remains in their p99 is the shared event loop
   and CPU, which the saturating traffic keeps busy.
+- **Replicas.** A call to a server of one instance takes the old path: the data-plane rows are the check that it
+  costs nothing more. Two random choices by calls in flight avoid a slow replica only as far as its calls pile up:
+  with a replica whose capacity is full (the bench's model) its queue is what sends calls elsewhere; a replica
+  that is merely slower per call with capacity to spare keeps getting its share of in-flight calls, about 1/10
+  of the others' rate each. Picking costs a few tenths of a µs on a quiet machine; a rollout's first call adds one
+  blake2b and a lookup, and each of the 16,384 rendezvous slots is weighed once (one weight per instance, the
+  "slot's first rollout" row) after a start or for the slots of an instance that left. A killed replica is known
+  dead within tens of milliseconds under load (five failures in a row, each failed over), or within the head's
+  probe interval when no call reaches it; a run longer than its 30 s ejection lets it back on probation (five
+  more attempts, each failed over) unless the head reports it down meanwhile.
 - **Memory.** The import figure is dominated by aiohttp, pydantic, OmegaConf and grpc/protobuf. With 10,000
   requests in flight, memory is the connections and the requests themselves: ServerClient adds nothing that
   grows per request, so its peak tracks raw aiohttp's.

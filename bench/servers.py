@@ -7,6 +7,9 @@ serves until SIGTERM or its stdin closes (so none outlives the bench).
 * control: N answering Gym servers and K that accept connections and never answer; two gym_rpc heads (A: the N
   answering servers; B: N-K answering plus the K silent ones); and a NeMo Gym-style HTTP head serving A's config
   as `GET /global_config_dict_yaml` (a JSON string holding YAML, as NeMo Gym's FastAPI head answers).
+* replica: one instance of a replicated model server (bench/replicas.py): `POST /v1/responses` answers
+  `{"instance": <its port>}` after `--delay-ms`, serving at most `--slots` calls at once (the rest queue, as on a
+  server whose capacity is full); `--register HOST:PORT` registers it with that head as an instance of `--name`.
 """
 
 from __future__ import annotations
@@ -233,11 +236,60 @@ _HELD: list[asyncio.StreamWriter] = []
 _HEADS: list[Any] = []
 
 
+# --- replica servers ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ReplicaOptions:
+    port: int
+    delay_ms: float
+    slots: int
+    register: str
+    name: str
+
+
+async def serve_replica(options: ReplicaOptions) -> dict[str, Any]:
+    slots = asyncio.Semaphore(options.slots)
+    delay = options.delay_ms / 1000
+    body: list[bytes] = []
+
+    async def responses(request: web.Request) -> web.Response:
+        await request.read()
+        async with slots:
+            if delay:
+                await asyncio.sleep(delay)
+        return web.Response(body=body[0], content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/ng-rollout/{rollout_id}/v1/responses", responses)
+    app.router.add_get("/", _ok)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, LOOPBACK, options.port, backlog=4096, reuse_address=True).start()
+    port = int(runner.addresses[0][1])
+    body.append(json.dumps({"instance": port}).encode())
+    if options.register:
+        from gym_rpc.config import BaseServerConfig, parse_host_port
+        from gym_rpc.integrations import ServerRegistration
+
+        host, head_port = parse_host_port(options.register, "--register")
+        registration = ServerRegistration(
+            options.name, port, head=BaseServerConfig(host=host, port=head_port), refresh_seconds=None
+        )
+        if not await registration.aregister():
+            raise RuntimeError(f"the head at {options.register} refused the registration of {options.name}")
+    return {"port": port}
+
+
 # --- process plumbing --------------------------------------------------------------------------------------------
 
 
-async def _serve(kind: str, options: ControlOptions) -> None:
-    info = await (serve_data() if kind == "data" else serve_control(options))
+async def _serve(kind: str, options: ControlOptions, replica: ReplicaOptions) -> None:
+    if kind == "replica":
+        info = await serve_replica(replica)
+    else:
+        info = await (serve_data() if kind == "data" else serve_control(options))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -252,14 +304,20 @@ async def _serve(kind: str, options: ControlOptions) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.servers")
-    parser.add_argument("kind", choices=["data", "control"])
+    parser.add_argument("kind", choices=["data", "control", "replica"])
     parser.add_argument("--servers", type=int, default=200)
     parser.add_argument("--silent", type=int, default=2)
     parser.add_argument("--probe-interval", type=float, default=2.0)
     parser.add_argument("--probe-timeout", type=float, default=1.0)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--delay-ms", type=float, default=0.0)
+    parser.add_argument("--slots", type=int, default=100000)
+    parser.add_argument("--register", default="", metavar="HOST:PORT")
+    parser.add_argument("--name", default="policy_model")
     args = parser.parse_args(argv)
     options = ControlOptions(args.servers, args.silent, args.probe_interval, args.probe_timeout)
-    asyncio.run(_serve(args.kind, options))
+    replica = ReplicaOptions(args.port, args.delay_ms, args.slots, args.register, args.name)
+    asyncio.run(_serve(args.kind, options, replica))
 
 
 class ServerProcess:
@@ -295,13 +353,7 @@ class ServerProcess:
         return self.process.pid
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        terminate(self.process)
         for stream in (self.process.stdin, self.process.stdout):
             if stream is not None:
                 with contextlib.suppress(OSError):
@@ -350,6 +402,17 @@ def pinned_apart(server_pid: int) -> Iterator[None]:
         for tid, affinity in before.items():
             with contextlib.suppress(OSError):  # a thread that ended meanwhile
                 os.sched_setaffinity(tid, affinity)
+
+
+def terminate(process: subprocess.Popen[Any]) -> None:
+    """SIGTERM, then SIGKILL if it has not ended within 10 s (bounded either way)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
 
 
 def wait_until(condition: Any, timeout: float, interval: float = 0.05) -> bool:

@@ -1,13 +1,15 @@
 """Typed errors raised by gym_rpc. Every message names what was wrong and, where it helps, what to check.
 
-Every error class lives here. How a failed gRPC call becomes one of them (and how the head sends the known server
+Every error class lives here (ServerDroppedError, an aiohttp type too, in gym_rpc._aiohttp_errors, exported here on
+first use). How a failed gRPC call becomes one of them (and how the head sends the known server
 names as standard `google.rpc.Status` details) is the wire layer's job: `gym_rpc.wire._errors`. This module imports
 nothing heavy, so `import gym_rpc` stays cheap.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import importlib
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import grpc
@@ -87,34 +89,179 @@ class HeadTimeoutError(HeadUnreachableError, TimeoutError):
     A HeadUnreachableError too, as before this type existed, so code catching that keeps working."""
 
 
-class ServerUnreachableError(GymRpcError, ConnectionError):
-    """A Gym server refused or could not be reached at `url`, after the bounded retries."""
+# What ended a data-plane call's resends (ResendsExhaustedError.limit).
+ResendLimit = Literal["attempts", "time", "deadline", "client budget", "no resend"]
+_KIND_WORDS = {
+    "refused": "refused or unreachable",
+    "dropped_before_write": "dropped before the request was written",
+    "dropped_after_write": "dropped after the request was written",
+    "timeout": "timed out",
+}
 
-    def __init__(self, url: str, attempts: int, reason: str) -> None:
-        self.url = url
-        self.attempts = attempts
+
+class ResendsExhaustedError(GymRpcError):
+    """A data-plane call given up on: its last attempt failed with `kind` (gym_rpc.client's FailureKind values:
+    refused, dropped_before_write, dropped_after_write, timeout) and `limit` ended its resends: its kind's
+    `attempts` or `time`, the call's `deadline`, the client's full resend budget (`client budget`), or the caller's
+    `_resend_after_disconnect=False` (`no resend`). The aiohttp error of the last attempt is its `__cause__`."""
+
+    server_name: str
+    method: str
+    url: str
+    kind: str
+    attempts: int
+    elapsed_seconds: float
+    limit: ResendLimit
+    detail: str
+
+    def _record(
+        self,
+        *,
+        server_name: str,
+        method: str,
+        url: str,
+        kind: str,
+        attempts: int,
+        elapsed_seconds: float,
+        limit: ResendLimit,
+        detail: str,
+    ) -> None:
+        self.server_name, self.method, self.url, self.kind = server_name, method, url, kind
+        self.attempts, self.elapsed_seconds, self.limit, self.detail = attempts, elapsed_seconds, limit, detail
+
+    def _where(self) -> str:
+        where = f"{self.method} {self.url}" if self.method else self.url
+        return f"{where} (server {self.server_name!r})" if self.server_name else where
+
+    def _story(self) -> str:
+        """Which call failed how, how often and for how long, and what stopped its resends."""
+        stopped = {
+            "attempts": f"its {self.kind} budget's attempts ran out",
+            "time": f"its {self.kind} budget's time ran out",
+            "deadline": "its deadline ran out",
+            "client budget": "the client's resend budget had no free slot in the time left",
+            "no resend": "not resent: the server may have acted on it and _resend_after_disconnect=False",
+        }[self.limit]
+        detail = f"; {self.detail}" if self.detail else ""
+        return (
+            f"{self._where()}: {_KIND_WORDS.get(self.kind, self.kind)}, given up after {self.attempts} "
+            f"attempt(s) in {self.elapsed_seconds:.1f} s ({stopped}{detail})"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable (Ray), though __init__ takes more than the message
+        state = dict(self.__dict__)
+        if isinstance(self, OSError):  # errno lives in OSError's own slot, not in __dict__
+            state["errno"] = self.errno
+        return _rebuilt, (type(self), self.args, state)
+
+
+def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    for name, value in state.items():
+        setattr(error, name, value)
+    return error
+
+
+class ServerUnreachableError(ResendsExhaustedError, ConnectionError):
+    """A Gym server refused or could not be reached at `url`, after the bounded resends (kind `refused`)."""
+
+    def __init__(
+        self,
+        url: str,
+        attempts: int,
+        reason: str,
+        *,
+        server_name: str = "",
+        method: str = "",
+        elapsed_seconds: float = 0.0,
+        limit: ResendLimit = "attempts",
+        detail: str = "",
+    ) -> None:
+        self._record(
+            server_name=server_name,
+            method=method,
+            url=url,
+            kind="refused",
+            attempts=attempts,
+            elapsed_seconds=elapsed_seconds,
+            limit=limit,
+            detail=detail,
+        )
         super().__init__(
-            f"server at {url} is unreachable after {attempts} attempt(s) ({reason}); check that it runs and "
-            f"that its host and port in the global config are right"
+            f"{self._story()}: {reason}; check that it runs and that its host and port in the global config are "
+            f"right"
         )
 
 
-class RequestTimeoutError(GymRpcError, TimeoutError):
-    """A data-plane call got no answer within its deadline (a TimeoutError, as aiohttp's own is)."""
+class NoHealthyInstanceError(ServerUnreachableError):
+    """No instance of a replicated server may take the call: each is down by the head's probe, ejected after
+    failures, draining, or outside the labels the worker asked for. `instances` is each instance's id and last
+    status, as the message shows them. A ServerUnreachableError too: code catching that keeps working."""
+
+    def __init__(self, server_name: str, instances: list[tuple[str, str]], why: str = "") -> None:
+        self.instances = instances
+        listed = "; ".join(f"{instance_id} {status}" for instance_id, status in instances) or "none"
+        reason = f"{why}; " if why else ""
+        message = (
+            f"no healthy instance of server {server_name!r} can take the call ({reason}{len(instances)} "
+            f"instance(s): {listed}); check that its processes run and register with the head"
+        )
+        self._record(
+            server_name=server_name,
+            method="",
+            url=instances[0][0] if instances else "",
+            kind="refused",
+            attempts=0,
+            elapsed_seconds=0.0,
+            limit="attempts",
+            detail=why,
+        )
+        GymRpcError.__init__(self, message)
+
+
+class RequestTimeoutError(ResendsExhaustedError, TimeoutError):
+    """A data-plane call got no answer within its deadline, or timed out on every attempt its budget allowed (a
+    TimeoutError, as aiohttp's own is; kind `timeout`)."""
 
     def __init__(
-        self, server_name: str, method: str, url: str, total_seconds: float | None, connect_seconds: float | None
+        self,
+        server_name: str,
+        method: str,
+        url: str,
+        total_seconds: float | None,
+        connect_seconds: float | None,
+        *,
+        attempts: int = 1,
+        elapsed_seconds: float | None = None,
+        limit: ResendLimit = "deadline",
+        detail: str = "",
     ) -> None:
-        self.server_name = server_name
-        self.url = url
+        self._record(
+            server_name=server_name,
+            method=method,
+            url=url,
+            kind="timeout",
+            attempts=attempts,
+            elapsed_seconds=(total_seconds or 0.0) if elapsed_seconds is None else elapsed_seconds,
+            limit=limit,
+            detail=detail,
+        )
         limits = [
             f"total {total_seconds:g} s" if total_seconds else "",
             f"connect {connect_seconds:g} s" if connect_seconds else "",
         ]
+        deadlines = ", ".join(x for x in limits if x) or "none set"
+        if limit == "deadline":
+            what = (
+                f"{self._where()} got no answer within its deadline ({deadlines}); {attempts} attempt(s) in "
+                f"{self.elapsed_seconds:.1f} s"
+            )
+        else:
+            what = f"{self._story()}; its deadlines: {deadlines}"
         super().__init__(
-            f"{method} {url} (server {server_name!r}) got no answer within its deadline "
-            f"({', '.join(x for x in limits if x) or 'none set'}); raise http_client.total_timeout_seconds "
-            f"or pass timeout=aiohttp.ClientTimeout(total=...) for slower calls"
+            f"{what}; raise http_client.total_timeout_seconds or pass timeout=aiohttp.ClientTimeout(total=...) "
+            f"for slower calls"
         )
 
 
@@ -128,3 +275,13 @@ class MalformedGymPrefixError(GymRpcError, ValueError):
 
 class UpstreamError(GymRpcError):
     """The upstream NeMo Gym head could not be reached or gave an answer the bridge cannot use."""
+
+
+def __getattr__(name: str) -> Any:
+    """ServerDroppedError, an aiohttp type too, lives in gym_rpc._aiohttp_errors and is imported on first use:
+    `import gym_rpc` loads no aiohttp. (Typed code can import it from gym_rpc.client.)"""
+    if name != "ServerDroppedError":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = importlib.import_module("gym_rpc._aiohttp_errors").ServerDroppedError
+    globals()[name] = value  # later lookups skip __getattr__
+    return value

@@ -21,6 +21,7 @@ from aiohttp import web
 from hypothesis import settings
 
 from gym_rpc.client._channel import close_aio_channels, close_sync_channels
+from gym_rpc.client._follower import close_instance_followers
 from gym_rpc.config import GlobalConfig
 from gym_rpc.server._head import HeadOptions, HeadServer
 
@@ -87,6 +88,19 @@ def _release_closed_ports() -> Iterator[None]:
     mark = len(_held_ports)
     yield
     _release_ports_held_since(mark)
+
+
+def tcp_keepalive_options(sock: socket.socket) -> list[int]:
+    """A socket's SO_KEEPALIVE, TCP_KEEPIDLE, TCP_KEEPINTVL and TCP_KEEPCNT (Linux)."""
+    return [
+        sock.getsockopt(level, option)
+        for level, option in (
+            (socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+        )
+    ]
 
 
 def server_entry(port: int, server_type: str = "responses_api_models", host: str = LOOPBACK, **extra: Any) -> dict:
@@ -184,6 +198,7 @@ def _close_sync_channels() -> Any:
     yield
     with contextlib.suppress(Exception):
         close_sync_channels()
+    close_instance_followers()  # the background followers of the heads this test's clients called
 
 
 class LoopStallDetector:

@@ -33,6 +33,7 @@ SELECTED_FILES = frozenset(
         "test_nemo_gym_behaviours.py",
         "test_registration_hosts.py",
         "test_exact_behaviour.py",
+        "test_resend_budgets.py",
     }
 )
 

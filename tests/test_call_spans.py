@@ -21,8 +21,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from gym_rpc.client import _http_tracing, rollout_context
 from gym_rpc.client._http import send
-from gym_rpc.client._http_settings import RetryPolicy
 from gym_rpc.client._http_tracing import is_default_propagator, traced_send
+from gym_rpc.client._resend_policy import RetryPolicy
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.errors import ServerUnreachableError
 from tests.conftest import LOOPBACK, closed_port

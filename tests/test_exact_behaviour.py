@@ -36,9 +36,10 @@ from gym_rpc.client import ClientSecurity, ClientTls, ControlClient, SyncControl
 from gym_rpc.client import _metrics as client_metrics
 from gym_rpc.client._aiohttp_instrumentation import _ATTRIBUTES_KEY, _add_attributes
 from gym_rpc.client._http import LoopSessions, _sessions_by_loop, close_loop_sessions, loop_sessions, send
-from gym_rpc.client._http_settings import HttpClientSettings, RetryPolicy
+from gym_rpc.client._http_settings import HttpClientSettings
 from gym_rpc.client._http_tracing import traced_send
 from gym_rpc.client._metrics import metered_send
+from gym_rpc.client._resend_policy import RetryPolicy
 from gym_rpc.client._rollout import apply_rollout_prefix
 from gym_rpc.client._watch import StatusWatch, SyncStatusWatch
 from gym_rpc.config import (
@@ -76,7 +77,7 @@ from gym_rpc.telemetry import TRACING
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import InstanceRegistration, StatusReport, WatchEvent
 from gym_rpc.wire._paths import _first_segment, encode_rollout_id, rollout_path_prefix, split_gym_prefixes
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.conftest import LOOPBACK, closed_port, document, server_entry, tcp_keepalive_options
 from tests.prober_helpers import registered_as
 from tests.raw_servers import start_dropping_server
 from tests.test_security import make_pki
@@ -206,7 +207,11 @@ async def test_a_resent_request_carries_the_same_body_and_each_resend_is_counted
         server.close()
         await server.wait_closed()
     assert bodies == [b'{"a": 1}'] * 3
-    assert observer.told == [("resent", 2), ("resent", 3), ("answered", response, 3)]
+    assert observer.told == [
+        ("resent", 2, "dropped_after_write"),
+        ("resent", 3, "dropped_after_write"),
+        ("answered", response, 3),
+    ]
 
 
 class RecordingObserver:
@@ -217,8 +222,8 @@ class RecordingObserver:
     def __init__(self) -> None:
         self.told: list[tuple[Any, ...]] = []
 
-    def resent(self, attempt: int) -> None:
-        self.told.append(("resent", attempt))
+    def resent(self, attempt: int, kind: str) -> None:
+        self.told.append(("resent", attempt, kind))
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
         self.told.append(("answered", response, attempts))
@@ -228,9 +233,9 @@ class RecordingObserver:
 
 
 async def test_send_tells_its_observer_each_resend_then_the_answer_or_error_with_the_attempts_made() -> None:
-    """send(): after one dropped connection and then an answer, the observer hears resent(2), then answered with
-    the very response the caller gets and 2 attempts; for a refused port, every resend, then failed with the very
-    ServerUnreachableError raised and all of the policy's attempts."""
+    """send(): after one dropped connection and then an answer, the observer hears resent(2) and the kind, then
+    answered with the very response the caller gets and 2 attempts; for a refused port, every resend, then failed
+    with the very ServerUnreachableError raised and all of the policy's attempts."""
     policy = RetryPolicy(attempts=3, initial_backoff_seconds=0.01, max_backoff_seconds=0.02)
     server, port, connections = await start_dropping_server(drops=1)
     answered = RecordingObserver()
@@ -239,7 +244,7 @@ async def test_send_tells_its_observer_each_resend_then_the_answer_or_error_with
             url = f"http://{LOOPBACK}:{port}/v1/responses"
             async with await send(session, "POST", url, policy, True, {"data": b"{}"}, answered) as response:
                 assert response.status == 200
-            assert answered.told == [("resent", 2), ("answered", response, 2)]
+            assert answered.told == [("resent", 2, "dropped_after_write"), ("answered", response, 2)]
             assert connections == [2]
 
             failed = RecordingObserver()
@@ -249,22 +254,28 @@ async def test_send_tells_its_observer_each_resend_then_the_answer_or_error_with
     finally:
         server.close()
         await server.wait_closed()
-    assert failed.told == [("resent", 2), ("resent", 3), ("failed", caught.value, 3)]
-    assert str(caught.value).startswith(f"server at {refused} is unreachable after 3 attempt(s) ")
+    assert failed.told == [("resent", 2, "refused"), ("resent", 3, "refused"), ("failed", caught.value, 3)]
+    assert str(caught.value).startswith(f"POST {refused}: refused or unreachable, given up after 3 attempt(s) in ")
 
 
 async def test_a_refused_server_is_named_with_the_operating_systems_reason() -> None:
-    """_raise_unless_resendable: ServerUnreachableError carries the OS error's text, not the wrapper's."""
+    """ServerUnreachableError carries the OS error's text, not the wrapper's, after what ran out, and the server's
+    name where send was given it."""
     port = closed_port()
     url = f"http://{LOOPBACK}:{port}/x"
     async with aiohttp.ClientSession() as session:
         with pytest.raises(ServerUnreachableError) as caught:
-            await send(session, "GET", url, RetryPolicy(attempts=1), True, {})
-    assert str(caught.value) == (
-        f"server at {url} is unreachable after 1 attempt(s) "
-        f"([Errno 111] Connect call failed ('{LOOPBACK}', {port})); "
-        "check that it runs and that its host and port in the global config are right"
+            await send(session, "GET", url, RetryPolicy(attempts=1), True, {}, server_name="model")
+    assert re.fullmatch(
+        re.escape(f"GET {url} (server 'model'): refused or unreachable, given up after 1 attempt(s) in ")
+        + r"\d+\.\d s "
+        + re.escape(
+            f"(its refused budget's attempts ran out): [Errno 111] Connect call failed ('{LOOPBACK}', {port}); "
+            "check that it runs and that its host and port in the global config are right"
+        ),
+        str(caught.value),
     )
+    assert (caught.value.kind, caught.value.limit, caught.value.server_name) == ("refused", "attempts", "model")
 
 
 async def test_closing_a_loops_sessions_forgets_them_and_is_harmless_twice() -> None:
@@ -666,7 +677,7 @@ async def test_the_data_and_control_sessions_are_built_from_the_settings() -> No
 
 
 async def test_pooled_connections_use_tcp_keepalive(http_server) -> None:
-    """_keepalive_socket: a connection of the data pool has keepalive on, idle 60 s, every 10 s, 5 probes."""
+    """_keepalive_socket: a connection of the data pool has keepalive on, idle 60 s, every 10 s, 3 probes."""
     done = asyncio.Event()
 
     async def streaming(request: web.Request) -> web.StreamResponse:
@@ -684,20 +695,12 @@ async def test_pooled_connections_use_tcp_keepalive(http_server) -> None:
         async with sessions.data.get(f"http://{LOOPBACK}:{port}/") as response:
             assert response.connection is not None and response.connection.transport is not None
             sock = response.connection.transport.get_extra_info("socket")
-            options = [
-                sock.getsockopt(level, option)
-                for level, option in (
-                    (socket.SOL_SOCKET, socket.SO_KEEPALIVE),
-                    (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
-                    (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
-                    (socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
-                )
-            ]
+            options = tcp_keepalive_options(sock)
             done.set()
     finally:
         done.set()
         await sessions.close()
-    assert options == [1, 60, 10, 5]
+    assert options == [1, 60, 10, 3]  # NeMo Gym's global_aiohttp_tcp_keepalive_* defaults
 
 
 async def test_one_loop_gets_the_same_sessions_until_they_are_closed() -> None:
@@ -761,7 +764,10 @@ async def test_a_call_on_an_instrumented_session_tells_the_other_observer_everyt
         await traced.close()
         server.close()
         await server.wait_closed()
-    assert (observer.told, connections) == ([("resent", 2), ("answered", response, 2)], [2])
+    assert (observer.told, connections) == (
+        [("resent", 2, "dropped_after_write"), ("answered", response, 2)],
+        [2],
+    )
     assert kwargs["trace_request_ctx"][_ATTRIBUTES_KEY] == {
         "gym.server.name": "srv",
         "http.request.resend_count": 1,

@@ -73,6 +73,58 @@ def test_the_data_plane_imports_aiohttp_on_the_first_call() -> None:
     assert result.stdout.split() == ["False", "True"], result.stderr
 
 
+ROUTED_WORKER = """
+import asyncio, json, os, sys
+from aiohttp import web
+
+async def main():
+    async def answer(request):
+        return web.json_response({})
+
+    ports, runners = [], []
+    for _ in range(2):
+        app = web.Application()
+        app.router.add_post("/run", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        ports.append(runner.addresses[0][1])
+    entry = {"host": "127.0.0.1", "port": ports[0], "replicas": [f"127.0.0.1:{ports[1]}"]}
+    doc = {"head_server": {"host": "127.0.0.1", "port": 1}, "env": {"resources_servers": {"e": entry}}}
+    os.environ["NEMO_GYM_CONFIG_DICT"] = json.dumps(doc)
+    from gym_rpc.client.server_client import ServerClient
+
+    client = ServerClient.load_from_global_config()
+    for _ in range(4):
+        async with await client.post("env", "/run", json={}) as response:
+            assert response.status == 200
+    assert client._routing is not None and "env" in client._routing.routes
+    for runner in runners:
+        await runner.cleanup()
+
+asyncio.run(main())
+print(json.dumps(sorted(m for m in sys.modules if m.startswith(("gym_rpc", "grpc", "google.protobuf")))))
+"""
+
+
+def test_a_worker_calling_a_replicated_server_loads_no_server_module_and_no_grpc() -> None:
+    """Routing over static replicas (an injected config: no head followed) stays on the data plane's imports."""
+    result = subprocess.run(
+        [sys.executable, "-c", ROUTED_WORKER],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    loaded = json.loads(result.stdout.splitlines()[-1])
+    assert "gym_rpc.client._routing" in loaded
+    assert [m for m in loaded if m.startswith(("grpc", "google.protobuf", "gym_rpc.client._control"))] == []
+    above_the_client = {"server", "integrations", "cli", "demo", "_render"}
+    assert [m for m in loaded if m.split(".")[1:2] and m.split(".")[1] in above_the_client] == []
+
+
 @pytest.mark.parametrize(
     "package", ["gym_rpc", "gym_rpc.wire", "gym_rpc.client", "gym_rpc.server", "gym_rpc.integrations"]
 )

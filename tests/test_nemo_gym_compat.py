@@ -19,6 +19,8 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HARNESS = REPO_ROOT / "tests" / "nemo_gym_compat" / "harness.py"
+RESTART_HARNESS = REPO_ROOT / "tests" / "nemo_gym_compat" / "restart.py"
+RESTART_TIMEOUT_SECONDS = 600  # three modes, each starting NeMo Gym's servers afresh, on a loaded 2-core machine
 VENV_BUILDER = REPO_ROOT / "tools" / "nemo_gym_venv.py"
 BUILD_TIMEOUT_SECONDS = 900  # a first build on a fresh machine downloads a few hundred MB
 HARNESS_TIMEOUT_SECONDS = 240
@@ -68,18 +70,17 @@ def nemo_gym_python() -> str:
     return last
 
 
-@pytest.fixture(scope="module")
-def harness_results(nemo_gym_python: str) -> dict[str, Any]:
-    run = subprocess.run(
-        [nemo_gym_python, str(HARNESS)],
-        capture_output=True,
-        text=True,
-        timeout=HARNESS_TIMEOUT_SECONDS,
-        cwd=REPO_ROOT,
-    )
-    assert run.returncode == 0, f"the NeMo Gym harness failed:\n{run.stderr[-6000:]}"
+def run_harness(command: list[str], timeout_seconds: float) -> dict[str, Any]:
+    """Run a harness in the NeMo Gym venv: the JSON object on its last line."""
+    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout_seconds, cwd=REPO_ROOT)
+    assert run.returncode == 0, f"the NeMo Gym harness {command[1:]} failed:\n{run.stderr[-6000:]}"
     results: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
     return results
+
+
+@pytest.fixture(scope="module")
+def harness_results(nemo_gym_python: str) -> dict[str, Any]:
+    return run_harness([nemo_gym_python, str(HARNESS)], HARNESS_TIMEOUT_SECONDS)
 
 
 @pytest.mark.timeout(BUILD_TIMEOUT_SECONDS + HARNESS_TIMEOUT_SECONDS)
@@ -100,3 +101,39 @@ def test_gym_rpc_client_is_a_drop_in(harness_results: dict[str, Any], observabil
     for server in ("policy_model", "counter", "agent"):
         assert ours["seen"][server] == theirs["seen"][server], server
     assert ours["seen"] == expected_seen(observability)
+
+
+@pytest.fixture(scope="module")
+def restart_results(nemo_gym_python: str) -> dict[str, Any]:
+    return run_harness([nemo_gym_python, str(RESTART_HARNESS), "run"], RESTART_TIMEOUT_SECONDS)
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT_SECONDS + RESTART_TIMEOUT_SECONDS)
+def test_a_resources_server_killed_and_back_a_second_later_costs_no_rollout(
+    restart_results: dict[str, Any],
+) -> None:
+    """NeMo Gym's SimpleAgent and weather server, gym_rpc's client with its default settings, 64 rollouts at a
+    time: `kill -9` of the resources server halfway and the server back on its port 1 s later cost no rollout.
+    Budgets of 0.2 s, shorter than the restart (as gym_rpc's 3 attempts from 0.05 s were), lose rollouts to it."""
+    restart, short = restart_results["restart"], restart_results["restart-short"]
+    assert restart["killed"] and 0.9 < restart["back_after_seconds"] < 30
+    assert (restart["answered"], restart["failed"], restart["hung"]) == (restart["rollouts"], [], 0)
+    assert short["killed"] and short["failed"] and short["hung"] == 0  # the restart is felt: the test can fail
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT_SECONDS + RESTART_TIMEOUT_SECONDS)
+def test_a_resources_server_that_never_returns_fails_every_rollout_within_its_budget(
+    restart_results: dict[str, Any],
+) -> None:
+    """Killed for good, with a 2 s budget for every kind from the config: each rollout that needs the server fails
+    (its /run answers 500) within its budget, none hangs, and the rollouts done before the kill kept their
+    rewards."""
+    gone = restart_results["gone"]
+    assert gone["killed"] and gone["hung"] == 0
+    assert gone["rollouts"] // 4 <= gone["answered"] < gone["rollouts"]
+    assert len(gone["failed"]) == gone["rollouts"] - gone["answered"]
+    assert gone["failed_started_after_kill"] == gone["started_after_kill"] > 0  # nothing after the kill answered
+    for failed in gone["failed"]:
+        assert failed.get("status") == 500, failed
+        # The call that failed had 2 s; the rollout's other calls and a loaded machine take the rest.
+        assert failed["seconds"] < 2 * gone["budget_seconds"] + 20, failed

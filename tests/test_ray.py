@@ -29,7 +29,7 @@ from gym_rpc.client._http_pools import HttpPools
 from gym_rpc.client._rollout import rollout_context
 from gym_rpc.client.server_client import ServerClient, _PendingDictConfig
 from gym_rpc.config import BaseServerConfig, GlobalConfig
-from gym_rpc.demo import MODEL_SERVER, RESOURCES_SERVER, DemoStats, model_app, resources_app
+from gym_rpc.demo import MODEL_SERVER, RESOURCES_SERVER, DemoStats, model_app
 from gym_rpc.integrations._registration import ServerRegistration
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
@@ -185,18 +185,21 @@ def start_local_ray(ray: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.timeout(240)  # Ray's start alone took most of the suite's 60 s on a loaded 2-core machine
-async def test_ray_actors_post_rollouts_through_pickled_clients(
+async def test_ray_rollouts_spread_over_replica_actors_and_survive_one_killed(
     head_factory, http_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """examples/ray_rollouts.py on a local Ray: three replicas of a stateful resources server as actors that
+    register themselves, two rollout workers with pickled clients (each follows the head in its own process), and
+    one replica killed mid-run. Every rollout ends with its reward; only rollouts that began on the killed replica
+    moved; the model server, bound to a wildcard address, is reached at the address it registered."""
     for name, value in RAY_ENVIRONMENT.items():  # before the import: Ray reads some of them at import time
         monkeypatch.setenv(name, value)
     ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'gym-rpc[ray]' (in the dev extra)")
     example = load_example()
     started = time.monotonic()
     stats = DemoStats()
-    model_port, resources_port = await http_server(model_app(stats)), await http_server(resources_app(stats))
-    # The model server binds a wildcard address on a port only its registration tells: every actor must ask the
-    # head (over its own, lazily opened channel) to reach it. The resources server is listed plainly.
+    model_port = await http_server(model_app(stats))
+    resources_port = example.free_port()  # the config's own address: the first replica serves there
     doc = document(
         {
             MODEL_SERVER: server_entry(closed_port(), host="0.0.0.0"),
@@ -204,7 +207,7 @@ async def test_ray_actors_post_rollouts_through_pickled_clients(
         },
         observability_enabled=True,
     )
-    head = await head_factory(doc)
+    head = await head_factory(doc, probe_interval_seconds=0.25)
     head_server = BaseServerConfig(host=LOOPBACK, port=head.port)
     registration = ServerRegistration(MODEL_SERVER, model_port, head=head_server, refresh_seconds=None)
     assert await registration.aregister()
@@ -212,14 +215,24 @@ async def test_ray_actors_post_rollouts_through_pickled_clients(
     client._http.sessions()  # live state in the driver, which must not travel
 
     await asyncio.to_thread(start_local_ray, ray, monkeypatch)
-    try:  # three actors, each given the client (Ray pickles it), four rollouts each
-        results = await asyncio.wait_for(asyncio.to_thread(example.run_rollouts, client, 3, 4), RAY_TIME_BUDGET)
+    try:
+        start = asyncio.to_thread(example.start_replicas, f"{LOOPBACK}:{head.port}", 3, resources_port)
+        replicas, addresses = await asyncio.wait_for(start, RAY_TIME_BUDGET)
+        results = await asyncio.wait_for(
+            asyncio.to_thread(example.run_rollouts, client, 2, 12, replicas=replicas, kill_after_seeded=2),
+            RAY_TIME_BUDGET,
+        )
     finally:
         await asyncio.to_thread(ray.shutdown)
         await close_http_sessions()
-    assert [r["rewards"] for r in results] == [[1.0] * 4] * 3
-    assert len({r["pid"] for r in results} | {os.getpid()}) == 4  # three actor processes besides this one
-    every_id = {f"worker{w}-task{t}" for w in range(3) for t in range(4)}
-    assert stats.rollout_ids_seen == every_id  # from the /ng-rollout/<id> prefix of every model call
-    assert (stats.model_calls, stats.verify_calls) == (12, 12)
+    seen = example.summary(results, addresses[1])
+    assert seen["rewards"] == [1.0] * 24
+    rollouts = [rollout for result in results for rollout in result["results"]]
+    assert {rollout["replicas"][0] for rollout in rollouts} == set(addresses)  # spread over all three
+    assert seen["moved"] == seen["moved_off_the_killed_one"]  # only the killed replica's rollouts moved
+    assert addresses[1] not in seen["finished_on"] or all(
+        rollout["attempts"] == 1 for rollout in rollouts if rollout["replicas"][-1] == addresses[1]
+    )
+    assert len({r["pid"] for r in results} | {os.getpid()}) == 3  # two worker processes besides this one
+    assert stats.rollout_ids_seen == {f"worker{w}-task{t}" for w in range(2) for t in range(12)}
     assert time.monotonic() - started < RAY_TIME_BUDGET

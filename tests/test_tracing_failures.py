@@ -23,7 +23,7 @@ from gym_rpc import telemetry
 from gym_rpc.client import _metrics as client_metrics
 from gym_rpc.client import rollout_context
 from gym_rpc.client._http import send
-from gym_rpc.client._http_settings import RetryPolicy
+from gym_rpc.client._resend_policy import RetryPolicy
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.errors import ServerUnreachableError
 from gym_rpc.integrations import TraceContextPathMiddleware
@@ -190,6 +190,7 @@ def raising_instruments() -> client_metrics._ClientInstruments:
     return client_metrics._ClientInstruments(
         duration=meter.create_histogram("http.client.request.duration", unit="s"),
         resends=meter.create_counter("gym.client.resends"),
+        given_up=meter.create_counter("gym.client.given_up"),
         unreachable=meter.create_counter("gym.client.unreachable"),
     )
 
@@ -245,7 +246,7 @@ class CancelledAtTheAnswer:
     def __init__(self) -> None:
         self.responses: list[aiohttp.ClientResponse] = []
 
-    def resent(self, attempt: int) -> None:
+    def resent(self, attempt: int, kind: str) -> None:
         pass
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from gym_rpc.client._control import ControlClient, SyncControlClient, WatchEvent
-from gym_rpc.client._http_settings import RetryPolicy
+from gym_rpc.client._resend_policy import RetryPolicy
 from gym_rpc.client._security import ClientSecurity
 from gym_rpc.client._watch import RETRYABLE_CODES, StatusWatch, SyncStatusWatch
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError

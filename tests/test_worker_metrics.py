@@ -48,9 +48,12 @@ def test_requests_resends_and_unreachable_servers_are_counted() -> None:
         key(**{"gym.server.name": "flaky", "http.response.status_code": 200}): 1,
         key(**{"gym.server.name": "gone", "error.type": "ServerUnreachableError"}): 1,
     }
-    assert points(result, "gym.client.resends") == {
-        key(**{"gym.server.name": "flaky"}): 1,  # the one dropped connection, resent once
-        key(**{"gym.server.name": "gone"}): 2,  # 3 attempts in all (http_client.retry.attempts)
+    assert points(result, "gym.client.resends") == {  # by the kind of the failure each resend follows
+        key(**{"gym.server.name": "flaky", "gym.failure.kind": "dropped_after_write"}): 1,  # resent once
+        key(**{"gym.server.name": "gone", "gym.failure.kind": "refused"}): 2,  # 3 attempts (retry.attempts)
+    }
+    assert points(result, "gym.client.given_up") == {
+        key(**{"gym.server.name": "gone", "gym.failure.kind": "refused", "gym.resend.limit": "attempts"}): 1,
     }
     assert points(result, "gym.client.unreachable") == {key(**{"gym.server.name": "gone"}): 1}
     assert set(points(result, "http.client.active_requests").values()) == {0}  # every call finished
@@ -60,7 +63,12 @@ def test_traced_calls_are_metered_as_untraced_ones_and_each_is_one_span() -> Non
     """With tracing on as well, every call is counted as without it and is one CLIENT span with its outcome: the
     span and the metrics both hear the call from inside `send`."""
     traced, untraced = run_scenario("app-traced"), run_scenario("app")
-    for name in ("http.client.request.duration", "gym.client.resends", "gym.client.unreachable"):
+    for name in (
+        "http.client.request.duration",
+        "gym.client.resends",
+        "gym.client.given_up",
+        "gym.client.unreachable",
+    ):
         assert points(traced, name) == points(untraced, name), name
     assert set(points(traced, "http.client.active_requests").values()) == {0}
     outcomes = sorted(

@@ -1,20 +1,23 @@
 """Data-plane HTTP sessions: one shared aiohttp session per event loop for rollout traffic, and a small reserved
-one for `_control=True` calls, so a saturated data pool never delays them; the bounded resends; `json=` bodies.
+one for `_control=True` calls, so a saturated data pool never delays them; `send`; `json=` bodies.
 
 Sessions belong to the loop that made them (an aiohttp session cannot outlive its loop), so they are kept per
 loop and a new loop never gets a session bound to a dead one. Close them with `close_http_sessions()` (or
 `ServerClient.aclose()`) before the loop ends. aiohttp comes with this module (and the tracing and metrics ones
 that build on it), which ServerClient imports on its first data-plane call, not at import (its `_data_plane`).
+
+`send` makes one call: its first attempt here, what follows a failure in gym_rpc.client._resend (docs/failures.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import threading
 import weakref
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from time import monotonic
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -22,16 +25,26 @@ from aiohttp.payload import BytesPayload
 
 from gym_rpc.client._aiohttp_instrumentation import instrumentation_active, note_instrumented_session
 from gym_rpc.client._aiohttp_instrumentation import trace_configs as instrumentation_trace_configs
-from gym_rpc.client._http_settings import HttpClientSettings, RetryPolicy
-from gym_rpc.errors import RequestTimeoutError, ServerUnreachableError
+from gym_rpc.client._http_settings import HttpClientSettings
+from gym_rpc.client._resend import CallObserver, Reroute, resend_after_failure
+from gym_rpc.client._resend_budget import CallCount, new_call_count
+from gym_rpc.client._resend_policy import RetryPolicy
 from gym_rpc.telemetry import instrumentation_failed
 
 if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
 
-_TCP_KEEPALIVE_IDLE_SECONDS = 60
-_TCP_KEEPALIVE_INTERVAL_SECONDS = 10
-_TCP_KEEPALIVE_PROBES = 5
+__all__ = [
+    "CallObserver",
+    "LoopSessions",
+    "Reroute",
+    "close_http_sessions",
+    "close_loop_sessions",
+    "json_payload",
+    "loop_sessions",
+    "send",
+]
+
 _JSON_CONTENT_TYPE = "application/json"
 
 
@@ -41,24 +54,39 @@ def json_payload(body: Any) -> BytesPayload:
     return BytesPayload(orjson.dumps(body), content_type=_JSON_CONTENT_TYPE)
 
 
-def _keepalive_socket(addr_info: aiohttp.AddrInfoType) -> socket.socket:
+def _keepalive_socket(
+    addr_info: aiohttp.AddrInfoType, idle_seconds: int, interval_seconds: int, probes: int
+) -> socket.socket:
     """A client socket with TCP keepalive, so a peer that vanished is noticed on idle pooled connections."""
     family, type_, proto, _, _ = addr_info
     sock = socket.socket(family=family, type=type_, proto=proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system defaults apply
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _TCP_KEEPALIVE_IDLE_SECONDS)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _TCP_KEEPALIVE_INTERVAL_SECONDS)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, _TCP_KEEPALIVE_PROBES)
+    idle = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))  # macOS calls it KEEPALIVE
+    for option, value in (
+        (idle, idle_seconds),
+        (getattr(socket, "TCP_KEEPINTVL", None), interval_seconds),
+        (getattr(socket, "TCP_KEEPCNT", None), probes),
+    ):
+        if option is not None:  # elsewhere the system's defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
     return sock
 
 
 def _new_session(
-    limit: int, limit_per_host: int, keepalive: float, timeout: aiohttp.ClientTimeout
+    settings: HttpClientSettings, limit: int, limit_per_host: int, timeout: aiohttp.ClientTimeout
 ) -> aiohttp.ClientSession:
     """No proxies (trust_env=False: a proxy variable must never divert calls to Gym servers), no cookie jar."""
+    sockets = functools.partial(
+        _keepalive_socket,
+        idle_seconds=settings.tcp_keepalive_idle_seconds,
+        interval_seconds=settings.tcp_keepalive_interval_seconds,
+        probes=settings.tcp_keepalive_probes,
+    )
     connector = aiohttp.TCPConnector(
-        limit=limit, limit_per_host=limit_per_host, keepalive_timeout=keepalive, socket_factory=_keepalive_socket
+        limit=limit,
+        limit_per_host=limit_per_host,
+        keepalive_timeout=settings.keepalive_timeout_seconds,
+        socket_factory=sockets,
     )
     instrumented = instrumentation_active()  # decided once per session: the instrumentation adds its own config
     session = aiohttp.ClientSession(
@@ -76,21 +104,22 @@ def _new_session(
 class LoopSessions:
     """The data and reserved control sessions of one event loop (for one HttpClientSettings)."""
 
-    __slots__ = ("control", "data", "is_closed", "loop")
+    __slots__ = ("calls", "control", "data", "is_closed", "loop")
 
     def __init__(self, settings: HttpClientSettings) -> None:
         self.loop = asyncio.get_running_loop()
+        self.calls: CallCount = new_call_count()  # ServerClient.request's, for the client-wide resend budget
         connect = settings.connect_timeout_seconds
         self.data = _new_session(
+            settings,
             settings.max_connections,
             settings.max_connections_per_host,
-            settings.keepalive_timeout_seconds,
             aiohttp.ClientTimeout(total=settings.total_timeout_seconds, sock_connect=connect),
         )
         self.control = _new_session(
+            settings,
             settings.control_max_connections,
             0,
-            settings.keepalive_timeout_seconds,
             aiohttp.ClientTimeout(total=settings.control_total_timeout_seconds, sock_connect=connect),
         )
         self.is_closed = False
@@ -146,29 +175,6 @@ async def close_http_sessions() -> None:
         await sessions.close()
 
 
-# What may be worth another attempt: a dropped connection (ServerDisconnectedError, ClientOSError) and a refused
-# or unreachable server (ClientConnectorError, a ClientOSError too). `send` decides; nothing else is retried.
-RESENDABLE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
-
-
-class CallObserver(Protocol):
-    """What `send` tells whoever observes a call (a span, the worker metrics): each attempt after the first, then
-    the answer or the error the caller gets, with the number of attempts made. Told from inside `send`, so
-    observing adds no coroutine between the caller and aiohttp (each one costs every resumption of the call).
-
-    An observer may fail, a call may not: whatever an observer raises is logged under its `kind` ("tracing",
-    "metrics"; gym_rpc.telemetry.instrumentation_failed) and the call goes on, its answer returned (or its own
-    error raised) and its connection released."""
-
-    kind: str
-
-    def resent(self, attempt: int) -> None: ...
-
-    def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None: ...
-
-    def failed(self, error: BaseException, attempts: int) -> None: ...
-
-
 async def send(
     session: aiohttp.ClientSession,
     method: str,
@@ -177,66 +183,48 @@ async def send(
     resend_after_disconnect: bool,
     kwargs: _RequestOptions,
     observer: CallObserver | None = None,
+    reroute: Reroute | None = None,
+    *,
+    server_name: str = "",
 ) -> aiohttp.ClientResponse:
-    """One request with honest, bounded retries; `observer` is told of every attempt after the first, and of the
-    answer or the error.
+    """One request, resent within `retry`'s budgets when it fails (gym_rpc.client._resend); `observer` is told of
+    every attempt after the first, and of the answer or the error.
 
-    A dropped connection (ServerDisconnectedError, ClientOSError) is resent only when the caller allows it. A
-    refused or unreachable server (ClientConnectorError) never received the request, so it is retried as well and
-    then reported as ServerUnreachableError naming the URL. Nothing else is retried.
+    A failure is refused, dropped before the request was written, dropped after (resent only when the caller
+    allows: `resend_after_disconnect`), or a timeout; anything else, an HTTP answer above all, is the caller's at
+    once. Given up, a call raises ServerUnreachableError, ServerDroppedError (an aiohttp ServerDisconnectedError
+    and ClientOSError too) or RequestTimeoutError, naming `server_name`, the URL, the kind, the attempts and the
+    time.
+    `reroute` (replicas) gives the URL of each resend, from the error that made it; by default it is `url`.
+
+    The happy path is the request and one clock read (the start of the call's deadline); the rest runs only after
+    a failure.
     """
-    attempt = 1
+    started = monotonic()
     try:
-        while True:
-            try:
-                response = await session.request(method, url, **kwargs)
-                break
-            except RESENDABLE_ERRORS as error:
-                _raise_unless_resendable(error, url, attempt, retry, resend_after_disconnect)
-            await asyncio.sleep(retry.backoff_seconds(attempt))
-            attempt += 1
-            if observer is not None:
-                try:
-                    observer.resent(attempt)
-                except Exception as observer_error:
-                    instrumentation_failed(observer.kind, observer_error)
+        response = await session.request(method, url, **kwargs)
     except BaseException as error:
+        failure = error
+    else:
         if observer is not None:
             try:
-                observer.failed(error, attempt)
-            except Exception as observer_error:
+                observer.answered(response, 1)
+            except Exception as observer_error:  # instrumentation may fail; the call may not
                 instrumentation_failed(observer.kind, observer_error)
-        raise  # the call's own error
-    if observer is not None:
-        try:
-            observer.answered(response, attempt)
-        except Exception as observer_error:
-            instrumentation_failed(observer.kind, observer_error)
-        except BaseException:  # a cancellation, say: the caller never gets the response, so it is released here
-            response.close()
-            raise
-    return response
-
-
-def _raise_unless_resendable(
-    error: aiohttp.ClientError, url: str, attempt: int, retry: RetryPolicy, resend_after_disconnect: bool
-) -> None:
-    """Raise what the caller sees when attempt number `attempt` failed with `error` and no other may follow."""
-    if isinstance(error, aiohttp.ClientSSLError):  # a ClientConnectorError too, but retrying cannot fix TLS
-        raise error
-    if isinstance(error, aiohttp.ClientConnectorError):
-        if attempt >= retry.attempts:
-            raise ServerUnreachableError(url, attempt, str(error.os_error or error)) from error
-        return
-    if not resend_after_disconnect or attempt >= retry.attempts:
-        raise error
-
-
-def request_timeout_error(
-    server_name: str, method: str, url: str, session: aiohttp.ClientSession, kwargs: Mapping[str, Any]
-) -> RequestTimeoutError:
-    """The error for a data-plane call that ran out of time: which server, which URL, which deadline."""
-    timeout = kwargs.get("timeout")
-    if not isinstance(timeout, aiohttp.ClientTimeout):
-        timeout = session.timeout
-    return RequestTimeoutError(server_name, method, url, timeout.total, timeout.sock_connect)
+            except BaseException:  # a cancellation, say: the caller never gets the response, released here
+                response.close()
+                raise
+        return response
+    return await resend_after_failure(
+        failure,
+        session,
+        method,
+        url,
+        retry,
+        resend_after_disconnect,
+        kwargs,
+        observer,
+        server_name,
+        reroute,
+        started,
+    )

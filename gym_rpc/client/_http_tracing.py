@@ -36,8 +36,8 @@ from opentelemetry.propagators.textmap import TextMapPropagator
 
 from gym_rpc.client._aiohttp_instrumentation import request_context as instrumentation_request_context
 from gym_rpc.client._aiohttp_instrumentation import session_instrumented
-from gym_rpc.client._http import CallObserver, send
-from gym_rpc.client._http_settings import RetryPolicy
+from gym_rpc.client._http import CallObserver, Reroute, send
+from gym_rpc.client._resend_policy import RetryPolicy
 from gym_rpc.client._rollout import rollout_id_in_context
 from gym_rpc.telemetry import (
     ROLLOUT_ID_ATTRIBUTE,
@@ -129,6 +129,7 @@ def traced_send(
     kwargs: _RequestOptions,
     server_name: str,
     also: CallObserver | None = None,
+    reroute: Reroute | None = None,
 ) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
     """`send(session, method, url, ...)` (`url` under `base_url`, the server's) as a CLIENT span whose context
     goes out in the `traceparent` header; a resent call carries `http.request.resend_count` (the number of
@@ -140,12 +141,23 @@ def traced_send(
     that fails leaves the call untraced, and logged.
     """
     rollout_id = rollout_id_in_context()
+    observer: CallObserver | None
     if session_instrumented(session):
-        instrumented = _InstrumentedCall(kwargs, server_name, rollout_id)
-        return send(session, method, url, retry, resend_after_disconnect, kwargs, _with(also, instrumented))
-    span = _start_span(method, base_url, server_name, url, rollout_id, kwargs)
-    observer = also if span is None else _with(also, _CallSpan(span))
-    return send(session, method, url, retry, resend_after_disconnect, kwargs, observer)
+        observer = _with(also, _InstrumentedCall(kwargs, server_name, rollout_id))
+    else:
+        span = _start_span(method, base_url, server_name, url, rollout_id, kwargs)
+        observer = also if span is None else _with(also, _CallSpan(span))
+    return send(
+        session,
+        method,
+        url,
+        retry,
+        resend_after_disconnect,
+        kwargs,
+        observer,
+        reroute,
+        server_name=server_name,
+    )
 
 
 def _start_span(
@@ -195,12 +207,12 @@ class ObserverPair:
     def __init__(self, first: CallObserver, second: CallObserver) -> None:
         self.first, self.second, self.kind = first, second, second.kind
 
-    def resent(self, attempt: int) -> None:
+    def resent(self, attempt: int, kind: str) -> None:
         try:
-            self.first.resent(attempt)
+            self.first.resent(attempt, kind)
         except Exception as error:
             instrumentation_failed(self.first.kind, error)
-        self.second.resent(attempt)
+        self.second.resent(attempt, kind)
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
         try:
@@ -226,7 +238,7 @@ class _CallSpan:
     def __init__(self, span: trace.Span) -> None:
         self.span = span
 
-    def resent(self, attempt: int) -> None:
+    def resent(self, attempt: int, kind: str) -> None:
         self.span.set_attribute(HTTP_REQUEST_RESEND_COUNT, attempt - 1)
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
@@ -256,7 +268,7 @@ class _InstrumentedCall:
         kwargs["trace_request_ctx"] = instrumentation_request_context(gym_attributes)
         self.gym_attributes = gym_attributes
 
-    def resent(self, attempt: int) -> None:
+    def resent(self, attempt: int, kind: str) -> None:
         self.gym_attributes[HTTP_REQUEST_RESEND_COUNT] = attempt - 1
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:

@@ -3,8 +3,11 @@ once per call; off, nothing here runs).
 
 OpenTelemetry names (Prometheus names in README "Metrics"): `http.client.request.duration` (seconds, by server,
 method and status code or error type), `http.client.active_requests` (calls in flight, by server),
-`gym.client.resends` (attempts after a dropped or refused connection) and `gym.client.unreachable` (calls given
-up on an unreachable server).
+`gym.client.resends` (attempts after a failed one, by the failure's kind), `gym.client.given_up` (calls given up
+after their resends, by the last failure's kind and what ran out) and `gym.client.unreachable` (calls given up on
+an unreachable server). Per instance of a replicated server (gym_rpc.client._routing):
+`gym.client.instance.picks`, `.active_requests` and `.ejections`, and per server `gym.client.rollout.repins`, read
+from the routes' own counts when a reader collects (the calls pay an integer addition, metrics on or off).
 """
 
 from __future__ import annotations
@@ -12,16 +15,17 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
+from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Meter, Observation
 
-from gym_rpc.client._http import send
-from gym_rpc.client._http_settings import RetryPolicy
+from gym_rpc.client._http import Reroute, send
 from gym_rpc.client._http_tracing import traced_send
-from gym_rpc.errors import ServerUnreachableError
+from gym_rpc.client._resend_policy import RetryPolicy
+from gym_rpc.client._routing import ROUTINGS
+from gym_rpc.errors import ResendsExhaustedError, ServerUnreachableError
 from gym_rpc.metrics import meter, seconds_histogram
 from gym_rpc.telemetry import TRACING, instrumentation_failed
 
@@ -29,7 +33,13 @@ if TYPE_CHECKING:
     import aiohttp
     from aiohttp.client import _RequestOptions
 
+    from gym_rpc.client._instances import Instance
+
 SERVER_NAME = "gym.server.name"
+INSTANCE_ID = "gym.server.instance.id"  # the instance's `host:port` (InstanceReport.instance_id)
+FAILURE_KIND = "gym.failure.kind"  # refused, dropped_before_write, dropped_after_write, timeout
+# What ended a call's resends: attempts, time, deadline, client budget, no resend.
+RESEND_LIMIT = "gym.resend.limit"
 # Seconds: from a loopback call (a millisecond) to a long model generation (minutes).
 DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -38,6 +48,7 @@ DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 class _ClientInstruments:
     duration: Histogram
     resends: Counter
+    given_up: Counter
     unreachable: Counter
 
 
@@ -54,6 +65,57 @@ def _observe_in_flight(options: CallbackOptions) -> Iterable[Observation]:
     return [Observation(count, _attributes(*key)) for key, count in counts]
 
 
+def _per_instance(count: Callable[[Instance], int]) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    """A callback observing `count` of every instance of every replicated server, summed over the process's
+    clients (two clients of one head route to the same instances)."""
+
+    def observe(options: CallbackOptions) -> Iterable[Observation]:
+        totals: dict[tuple[str, str], int] = {}
+        for routing in list(ROUTINGS):
+            for name, route in list(routing.routes.items()):
+                for instance in route.instances:
+                    key = (name, instance.instance_id)
+                    totals[key] = totals.get(key, 0) + count(instance)
+        return [Observation(value, {SERVER_NAME: name, INSTANCE_ID: iid}) for (name, iid), value in totals.items()]
+
+    return observe
+
+
+def _observe_repins(options: CallbackOptions) -> Iterable[Observation]:
+    totals: dict[str, int] = {}
+    for routing in list(ROUTINGS):
+        for name, route in list(routing.routes.items()):
+            totals[name] = totals.get(name, 0) + route.repins
+    return [Observation(value, {SERVER_NAME: name}) for name, value in totals.items()]
+
+
+def _instance_instruments(m: Meter) -> None:
+    m.create_observable_counter(
+        "gym.client.instance.picks",
+        [_per_instance(lambda instance: instance.picks)],
+        unit="{attempt}",
+        description="attempts sent to each instance of a replicated server",
+    )
+    m.create_observable_up_down_counter(
+        "gym.client.instance.active_requests",
+        [_per_instance(lambda instance: instance.in_flight)],
+        unit="{request}",
+        description="calls in flight at each instance of a replicated server",
+    )
+    m.create_observable_counter(
+        "gym.client.instance.ejections",
+        [_per_instance(lambda instance: instance.ejections)],
+        unit="{ejection}",
+        description="times each instance was ejected after failures in a row",
+    )
+    m.create_observable_counter(
+        "gym.client.rollout.repins",
+        [_observe_repins],
+        unit="{rollout}",
+        description="rollouts moved off an instance that was gone",
+    )
+
+
 @functools.cache
 def _instruments() -> _ClientInstruments:
     """Made on the first metered call, from the MeterProvider in place by then."""
@@ -64,6 +126,7 @@ def _instruments() -> _ClientInstruments:
         unit="{request}",
         description="ServerClient calls in flight",
     )
+    _instance_instruments(m)
     return _ClientInstruments(
         duration=seconds_histogram(
             "http.client.request.duration",
@@ -71,7 +134,14 @@ def _instruments() -> _ClientInstruments:
             DURATION_BUCKETS,
         ),
         resends=m.create_counter(
-            "gym.client.resends", unit="{attempt}", description="attempts after a dropped or refused connection"
+            "gym.client.resends",
+            unit="{attempt}",
+            description="attempts after a failed one, by its kind of failure",
+        ),
+        given_up=m.create_counter(
+            "gym.client.given_up",
+            unit="{request}",
+            description="calls given up after their resends, by the last failure's kind and what ran out",
         ),
         unreachable=m.create_counter(
             "gym.client.unreachable", unit="{request}", description="calls given up on an unreachable server"
@@ -83,6 +153,14 @@ def _instruments() -> _ClientInstruments:
 def _attributes(server_name: str, method: str) -> Mapping[str, str]:
     """Shared (never mutated) per server and method, so a call builds no dict for its in-flight count."""
     return {SERVER_NAME: server_name, "http.request.method": method.upper()}
+
+
+@functools.lru_cache(maxsize=4096)
+def _failure_attributes(server_name: str, method: str, kind: str, limit: str | None) -> Mapping[str, str]:
+    attributes = {**_attributes(server_name, method), FAILURE_KIND: kind}
+    if limit is not None:
+        attributes[RESEND_LIMIT] = limit
+    return attributes
 
 
 @functools.lru_cache(maxsize=4096)
@@ -107,15 +185,17 @@ class MeteredCall:
             _in_flight[key] = _in_flight.get(key, 0) + 1
         self.started = time.perf_counter()
 
-    def resent(self, attempt: int) -> None:
-        self.instruments.resends.add(1, self.attributes)
+    def resent(self, attempt: int, kind: str) -> None:
+        self.instruments.resends.add(1, _failure_attributes(*self.key, kind, None))
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
         self._ended(response.status)
 
     def failed(self, error: BaseException, attempts: int) -> None:
-        if isinstance(error, ServerUnreachableError):
-            self.instruments.unreachable.add(1, self.attributes)
+        if isinstance(error, ResendsExhaustedError):
+            self.instruments.given_up.add(1, _failure_attributes(*self.key, error.kind, error.limit))
+            if isinstance(error, ServerUnreachableError):
+                self.instruments.unreachable.add(1, self.attributes)
         self._ended(type(error).__qualname__)
 
     def _ended(self, outcome: int | str) -> None:
@@ -135,6 +215,7 @@ def metered_send(
     resend_after_disconnect: bool,
     kwargs: _RequestOptions,
     server_name: str,
+    reroute: Reroute | None = None,
 ) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
     """`send` (`traced_send` when tracing is on, same parameters) with the call metered: its own coroutine, which
     must be awaited at once, as the call is counted in flight from here. Metrics that fail to start (an
@@ -146,7 +227,26 @@ def metered_send(
         instrumentation_failed(MeteredCall.kind, error)
         metered = None
     if not TRACING.enabled:
-        return send(session, method, url, retry, resend_after_disconnect, kwargs, metered)
+        return send(
+            session,
+            method,
+            url,
+            retry,
+            resend_after_disconnect,
+            kwargs,
+            metered,
+            reroute,
+            server_name=server_name,
+        )
     return traced_send(
-        session, method, base_url, url, retry, resend_after_disconnect, kwargs, server_name, metered
+        session,
+        method,
+        base_url,
+        url,
+        retry,
+        resend_after_disconnect,
+        kwargs,
+        server_name,
+        metered,
+        reroute,
     )

@@ -6,10 +6,16 @@ NeMo Gym's agents bind the rollout a request belongs to in their own context var
 injected into NeMo Gym's servers, both must still put `/ng-rollout/<id>` on the same calls. NeMo Gym's module is
 read only when the process has already imported it (NeMo Gym code binding an id has), so a process without NeMo Gym
 pays one dictionary lookup, and only on calls made with observability on and no gym_rpc rollout bound.
+
+A call to a replicated server with no rollout bound sticks to the NeMo Gym session its cookies carry
+(`session_key_from_cookies`), so a session's calls stay with the instance that holds its state.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -56,3 +62,42 @@ def rollout_id_from_run_body(body: Any) -> str | None:
     if attempt is not None and int(attempt) > 0:
         rollout_id = f"{rollout_id}-a{int(attempt)}"
     return rollout_id
+
+
+# NeMo Gym servers name their session cookie `<ServerClass>___<server name>` (`get_session_middleware_key`), and
+# Starlette's SessionMiddleware writes `<base64 of the session's JSON>.<timestamp>.<signature>`: the JSON holds the
+# `session_id` NeMo Gym assigns, while the timestamp and signature change with every answer.
+SESSION_COOKIE_SEPARATOR = "___"
+SESSION_ID_KEY = "session_id"  # NeMo Gym's key of the id in its session (server_client exports it, as NeMo Gym's)
+
+
+def session_key_from_cookies(cookies: Any, server_name: str) -> str | None:
+    """The NeMo Gym session of `server_name` that a call's `cookies=` (a mapping of names to values or Morsels, or
+    pairs) carries: its `session_id`, else the cookie's signed payload; None when it carries none."""
+    if not cookies:
+        return None
+    items = cookies.items() if isinstance(cookies, Mapping) else cookies
+    suffix = SESSION_COOKIE_SEPARATOR + server_name
+    for item in items:
+        try:
+            name, value = item
+        except (TypeError, ValueError):
+            continue
+        if isinstance(name, str) and name.endswith(suffix):
+            text = getattr(value, "value", value)
+            if isinstance(text, str) and text:
+                return _session_id(text)
+    return None
+
+
+def _session_id(cookie_value: str) -> str:
+    payload = cookie_value.split(".", 1)[0]
+    try:
+        session = json.loads(base64.b64decode(payload + "=" * (-len(payload) % 4), validate=True))
+    except (ValueError, binascii.Error):
+        return payload
+    if isinstance(session, Mapping):
+        session_id = session.get(SESSION_ID_KEY)
+        if isinstance(session_id, str) and session_id:
+            return session_id
+    return payload

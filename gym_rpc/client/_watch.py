@@ -18,7 +18,7 @@ from typing import Generic, TypeVar
 import grpc
 
 from gym_rpc.client._control import ControlClient, SyncControlClient, WatchEvent
-from gym_rpc.client._http_settings import RetryPolicy
+from gym_rpc.client._resend_policy import RetryPolicy
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError
 from gym_rpc.wire import StatusReport
 

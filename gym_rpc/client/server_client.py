@@ -10,6 +10,7 @@ client does (the config from its HTTP endpoint, statuses probed directly).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import json
 import logging
@@ -31,7 +32,7 @@ from gym_rpc._telemetry_switches import TELEMETRY_KEY
 from gym_rpc.client._head_protocol import NEMO_GYM_HTTP, head_protocol
 from gym_rpc.client._http_pools import HttpPools
 from gym_rpc.client._http_settings import HttpClientSettings
-from gym_rpc.client._nemo_gym import nemo_gym_rollout_id, rollout_id_from_run_body
+from gym_rpc.client._nemo_gym import SESSION_ID_KEY, nemo_gym_rollout_id, rollout_id_from_run_body
 from gym_rpc.client._probe import probe
 from gym_rpc.client._rollout import (
     apply_rollout_prefix,
@@ -84,6 +85,9 @@ if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
 
     from gym_rpc.client._control import SyncControlClient
+    from gym_rpc.client._follower import InstanceFollower
+    from gym_rpc.client._routing import Routing
+    from gym_rpc.wire import ServerInstance
 
 __all__ = [
     "NEMO_GYM_CONFIG_DICT_ENV_VAR_NAME",
@@ -109,7 +113,6 @@ logger = logging.getLogger(__name__)
 NEMO_GYM_CONFIG_DICT_ENV_VAR_NAME = NEMO_GYM_CONFIG_DICT_ENV_VAR
 NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR_NAME = NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR
 NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR_NAME = NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR
-SESSION_ID_KEY = "session_id"
 
 _GLOBAL_CONFIG_DICT_FIELD = "global_config_dict"
 # Where a pickled client keeps its data-plane settings in place of its live HttpPools.
@@ -120,6 +123,10 @@ ADVERTISED_LOOKUP_TIMEOUT_SECONDS = 2.0
 # asked about again at most this often, so a server registering after the client started is still found.
 ADVERTISED_RETRY_SECONDS = 5.0
 _advertised_lock = threading.Lock()
+# How long a client's first call waits for the head's first list of instances (once per client and process), so
+# that a rollout's first call is pinned where its later ones will go. A head that is not there ends the wait.
+FIRST_INSTANCES_WAIT_SECONDS = 1.0
+_routing_lock = threading.Lock()
 
 
 class _PendingDictConfig:
@@ -235,10 +242,11 @@ class _DataPlane:
 
     Two costs kept off the hot path, on public API only: each read of a pydantic private attribute (`self._x`)
     misses the instance and goes through BaseModel.__getattr__ (about 1.5 µs, the "hot path" rows of
-    bench/hot_path.py), and aiohttp with the data plane's modules is imported here, on the first call, not with
-    server_client (a process that only asks the head never loads it). It refers to the client's own
-    `_server_base_urls`, `_global_config` and `_http`, which are never rebound once the client is made; a copy or
-    an unpickled client gets its own (ServerClient drops this object from what it copies and pickles)."""
+    bench/hot_path.py), and aiohttp with the data plane's modules (replicas routing included) is imported here, on
+    the first call, not with server_client (a process that only asks the head never loads it). It refers to the
+    client's own `_server_base_urls`, `_global_config`, `_http` and (once the first call made it) `_routing`,
+    which are never rebound once set; a copy or an unpickled client gets its own (ServerClient drops this object
+    from what it copies and pickles)."""
 
     __slots__ = (
         "base_urls",
@@ -246,22 +254,28 @@ class _DataPlane:
         "json_payload",
         "metered_send",
         "pools",
+        "routing",
         "send",
-        "timeout_error",
+        "send_routed",
+        "sticky_key",
         "traced_send",
     )
 
-    def __init__(self, base_urls: dict[str, str], config: GlobalConfig, pools: HttpPools) -> None:
-        from gym_rpc.client import _http, _http_tracing, _metrics
+    def __init__(
+        self, base_urls: dict[str, str], config: GlobalConfig, pools: HttpPools, routing: Routing | None
+    ) -> None:
+        from gym_rpc.client import _http, _http_tracing, _metrics, _routed
 
         self.base_urls = base_urls
         self.config = config
         self.pools = pools
+        self.routing = routing  # None until `request` has waited for the head's first list of instances
         self.send = _http.send
         self.json_payload = _http.json_payload
-        self.timeout_error = _http.request_timeout_error
         self.traced_send = _http_tracing.traced_send
         self.metered_send = _metrics.metered_send
+        self.send_routed = _routed.send_routed
+        self.sticky_key = _routed.sticky_key
 
 
 class ServerClient(BaseModel):
@@ -288,6 +302,15 @@ class ServerClient(BaseModel):
     _asks_head: bool = PrivateAttr(default=True)
     # Token and TLS for calls to the head, read once (TLS files included) rather than per poll.
     _security: Optional[ClientSecurity] = PrivateAttr(default=None)  # noqa: UP045 (as the fields above)
+    # Routes to replicated servers (gym_rpc.client._routing), made on this process's first call: None until then,
+    # and again in a process that unpickled the client (its follower of the head is this process's own).
+    _routing: Optional[Routing] = PrivateAttr(default=None)  # noqa: UP045 (as the fields above)
+    # The routes, and their follower of the head (gym_rpc.client._follower.InstanceFollower) or None, once made.
+    _pending_routing: Optional[tuple[Routing, Any]] = PrivateAttr(default=None)  # noqa: UP045
+    # server name -> the labels its instances must carry for new work (`require_labels`); travels with pickles.
+    _label_selectors: dict[str, dict[str, str]] = PrivateAttr(default_factory=dict)
+    # Whether the client follows the head's instances: by default when it asks the head (`_asks_head`).
+    _follows_instances: Optional[bool] = PrivateAttr(default=None)  # noqa: UP045 (as the fields above)
 
     @field_validator("head_server_config", mode="before")
     @classmethod
@@ -316,6 +339,7 @@ class ServerClient(BaseModel):
         state["__dict__"] = {key: value for key, value in state["__dict__"].items() if key != _DATA_PLANE}
         private = dict(state["__pydantic_private__"] or {})
         pools: HttpPools = private.pop("_http")
+        private["_routing"] = private["_pending_routing"] = None  # this process's routes and follower stay here
         state["__pydantic_private__"] = private
         state[_HTTP_SETTINGS_STATE_KEY] = pools.settings
         return state
@@ -342,13 +366,16 @@ class ServerClient(BaseModel):
         """A deep copy of config and caches; the live HttpPools is replaced, never copied."""
         memo = {} if memo is None else memo
         memo[id(self._http)] = HttpPools(self._http.settings)
+        for live in (self._routing, self._pending_routing):
+            if live is not None:
+                memo[id(live)] = None  # the copy makes its own routes on its first call
         clone = super().__deepcopy__(memo)
         vars(clone).pop(_DATA_PLANE, None)
         return clone
 
     @functools.cached_property
     def _data_plane(self) -> _DataPlane:
-        return _DataPlane(self._server_base_urls, self._global_config, self._http)
+        return _DataPlane(self._server_base_urls, self._global_config, self._http, self._routing)
 
     @field_serializer(_GLOBAL_CONFIG_DICT_FIELD)
     def _dump_global_config_dict(self, value: Any) -> DictConfig:
@@ -431,7 +458,19 @@ class ServerClient(BaseModel):
         ADVERTISED_RETRY_SECONDS. A client made from an injected config never asks: loopback, cached.
         Blocking when the head is asked: from an event loop use `_aresolve_base_url`.
         """
-        return self._resolve_with(server_name, self._advertised_base_urls)
+        routed = self._routed_url(server_name, wait=True)
+        return routed if routed is not None else self._resolve_with(server_name, self._advertised_base_urls)
+
+    def _routed_url(self, server_name: str, *, wait: bool) -> str | None:
+        """For a server with several instances, the current rollout's instance, else a healthy one; None for a
+        server with one (its URL is resolved as it always was)."""
+        routing = self._routing
+        if routing is None:
+            routing = self._routing_started(wait_seconds=FIRST_INSTANCES_WAIT_SECONDS if wait else 0.0)
+        route = routing.routes.get(server_name)
+        if route is None:
+            return None
+        return route.any_url(rollout_id_in_context() or nemo_gym_rollout_id() or None)
 
     async def _aresolve_base_url(self, server_name: str) -> str:
         """`_resolve_base_url` for the event loop: a call to the head runs in a thread, never in the loop (which
@@ -445,7 +484,8 @@ class ServerClient(BaseModel):
             and self._advertised_lookup_due()
         ):
             await asyncio.to_thread(self._advertised_base_urls)
-        return self._resolve_with(server_name, self._known_advertised_urls)
+        routed = self._routed_url(server_name, wait=False)
+        return routed if routed is not None else self._resolve_with(server_name, self._known_advertised_urls)
 
     def _resolve_with(self, server_name: str, advertised_urls: Callable[[], dict[str, str]]) -> str:
         url = self._server_base_urls.get(server_name)
@@ -469,7 +509,8 @@ class ServerClient(BaseModel):
         return advertised
 
     def lookup_registered_servers(self) -> dict[str, str]:
-        """Ask the head now where servers registered (name -> advertised URL) and dial wildcard-bound ones there.
+        """Ask the head now where servers registered and dial wildcard-bound ones there: name -> advertised URL
+        of each server registered at one address; a server of several instances is routed over all of them.
 
         The explicit lookup for a client made from an injected `NEMO_GYM_CONFIG_DICT`, which otherwise never asks
         the head; any client may call it to pick up registrations at once. Blocking (one bounded call, a head that
@@ -503,12 +544,20 @@ class ServerClient(BaseModel):
         return self._advertised_urls or {}
 
     def _fetch_advertised_urls(self) -> dict[str, str]:
+        """Every instance the head lists, into this client's routes (a server of several is routed over them
+        from now on); name -> advertised URL of the servers registered at one address."""
+        rows = self._fetch_instances()
+        self._routing_started().apply_rows(rows)
+        return _advertised_urls_of(rows)
+
+    def _fetch_instances(self) -> list[ServerInstance]:
+        """Every instance the head lists (ListServerInstances); none when the head cannot say."""
         address = _head_address(self.head_server_config)
         try:
             control = _control_client(
                 address, timeout_seconds=ADVERTISED_LOOKUP_TIMEOUT_SECONDS, security=self._head_security()
             )
-            instances = control.list_server_instances()
+            return control.list_server_instances()
         except GymRpcError as exc:
             logger.warning(
                 "cannot ask the head at %s where wildcard-bound servers registered (%s); dialling them on "
@@ -516,8 +565,90 @@ class ServerClient(BaseModel):
                 address,
                 exc,
             )
-            return {}
-        return {instance.name: instance.advertised_url for instance in instances if instance.advertised_url}
+            return []
+
+    # --- replicas: routes to servers with several instances (docs/replicas.md) ---
+
+    def require_labels(self, server_name: str, labels: Mapping[str, str] | None) -> None:
+        """Send new rollouts and calls of no rollout for `server_name` only to its instances whose labels carry
+        every `key=value` of `labels` (None: any instance again), e.g. `{"weights_version": "43"}` after a weight
+        refit. Rollouts already pinned to an instance finish there. A call that no instance can take then fails
+        with NoHealthyInstanceError naming each instance's labels. For this client, in every process it is
+        pickled to."""
+        if server_name not in self._global_config.servers:
+            self._global_config.raise_unusable(server_name)
+            raise UnknownServerError(server_name, list(self._global_config.servers))
+        selector = None if labels is None else _checked_labels(labels)
+        if selector is None:
+            self._label_selectors.pop(server_name, None)
+        else:
+            self._label_selectors[server_name] = selector
+        for routing in (self._routing, self._pending_routing and self._pending_routing[0]):
+            if routing is not None:
+                routing.set_selector(server_name, selector, self._global_config)
+
+    def follow_instances(self, follow: bool = True) -> None:
+        """Follow the head's instances (its status watch, in the background) from now on, or (False) stop. A
+        client that asks the head follows by default; one made from an injected NEMO_GYM_CONFIG_DICT never asks
+        the head by itself, and knows only the config's static replicas (and those `lookup_registered_servers()`
+        found) until this is called."""
+        self._follows_instances = follow
+        pending = self._pending_routing
+        if pending is None:
+            return
+        routing, follower = pending
+        if follow and follower is None:
+            follower = self._follower_of_the_head()
+            follower.subscribe(routing)
+        elif not follow and follower is not None:
+            follower.unsubscribe(routing)
+            follower = None
+        self._pending_routing = (routing, follower)
+
+    def _follower_of_the_head(self) -> InstanceFollower:
+        """This process's follower of the head's instances; gRPC loads here, with the first call that needs it."""
+        from gym_rpc.client._follower import follower_for
+
+        return follower_for(_head_address(self.head_server_config), self._head_security())
+
+    def _follows(self) -> bool:
+        return self._asks_head if self._follows_instances is None else self._follows_instances
+
+    def _routing_started(self, wait_seconds: float = 0.0) -> Routing:
+        """This process's routes for the client, made (and its follower subscribed) on first use; waits up to
+        `wait_seconds` (blocking) for the head's first list of instances."""
+        with _routing_lock:
+            pending = self._pending_routing
+            if pending is None:
+                config = self._global_config
+                skipped = frozenset(name for name in config.servers if _model_server_override(name) is not None)
+                from gym_rpc.client._routing import Routing  # with aiohttp: the data plane's, on first use
+
+                routing = Routing(config, self._http.settings.outlier_detection, self._label_selectors, skipped)
+                follower = None
+                if self._follows():
+                    follower = self._follower_of_the_head()
+                    follower.subscribe(routing)
+                pending = self._pending_routing = (routing, follower)
+        routing, follower = pending
+        if follower is None or follower.first_snapshot.done():
+            self._routing = routing
+        elif wait_seconds > 0:
+            concurrent.futures.wait([follower.first_snapshot], wait_seconds)
+            self._routing = routing
+        return routing
+
+    async def _ready_routing(self) -> Routing:
+        """`_routing_started` for the event loop: the wait for the head's first list of instances (at most
+        FIRST_INSTANCES_WAIT_SECONDS, once) never blocks the loop."""
+        routing = self._routing_started()
+        pending = self._pending_routing
+        follower = pending[1] if pending is not None else None
+        if follower is not None and not follower.first_snapshot.done():
+            first = asyncio.wrap_future(follower.first_snapshot)
+            await asyncio.wait([first], timeout=FIRST_INSTANCES_WAIT_SECONDS)
+        self._routing = routing
+        return routing
 
     async def request(
         self,
@@ -531,10 +662,16 @@ class ServerClient(BaseModel):
         """Call another server. _control sends the call over the reserved control pool.
 
         The hot path: a cached URL, the rollout prefix rule and the request itself. The caller reads and releases
-        the response, as with aiohttp.
+        the response, as with aiohttp. A server with several instances (docs/replicas.md) is called at the one its
+        rollout sticks to, else at the less loaded of two healthy ones.
         """
         plane = self._data_plane
-        url = plane.base_urls.get(server_name) or await self._aresolve_base_url(server_name)
+        routing = plane.routing
+        if routing is None:
+            routing = plane.routing = await self._ready_routing()
+        route = routing.routes.get(server_name)
+        if route is None:
+            url = plane.base_urls.get(server_name) or await self._aresolve_base_url(server_name)
         body = kwargs.get("json")
         if body is not None:
             if isinstance(body, BaseModel):
@@ -544,20 +681,28 @@ class ServerClient(BaseModel):
             del kwargs["json"]
             kwargs["data"] = plane.json_payload(body)
         config = plane.config
+        if route is not None:
+            key = plane.sticky_key(config, server_name, url_path, body, kwargs)
         if config.observability_enabled:
             url_path = _observed_path(config, server_name, url_path, body)
         pools = plane.pools
         sessions = pools.sessions()
         session = sessions.control if _control else sessions.data
-        full_url = url + url_path
         retry, resend = pools.settings.retry, _resend_after_disconnect
+        calls = sessions.calls  # the loop's calls in flight: the client-wide resend budget's measure of load
+        calls.value += 1
         try:
+            if route is not None:
+                return await plane.send_routed(
+                    route, key, session, method, server_name, url_path, retry, resend, kwargs
+                )
+            full_url = url + url_path
             if TRACING.enabled or METRICS.enabled:  # what tracing and metrics cost when off
                 observed = plane.metered_send if METRICS.enabled else plane.traced_send
                 return await observed(session, method, url, full_url, retry, resend, kwargs, server_name)
-            return await plane.send(session, method, full_url, retry, resend, kwargs)
-        except TimeoutError as error:  # aiohttp's says neither which server nor which deadline
-            raise plane.timeout_error(server_name, method, full_url, session, kwargs) from error
+            return await plane.send(session, method, full_url, retry, resend, kwargs, server_name=server_name)
+        finally:
+            calls.value -= 1
 
     async def get(
         self, server_name: str, url_path: str, **kwargs: Unpack[_RequestOptions]
@@ -687,6 +832,25 @@ def _observed_path(config: GlobalConfig, server_name: str, url_path: str, body: 
     if not rollout_id and url_path == "/verify" and entry.server_type == RESOURCES_SERVER_TYPE:
         rollout_id = rollout_id_from_run_body(body)
     return prefixed_path(url_path, entry.server_type, rollout_id)
+
+
+def _advertised_urls_of(instances: list[ServerInstance]) -> dict[str, str]:
+    """name -> advertised URL of each server that registered one instance (a server of several has a route)."""
+    urls: dict[str, list[str]] = {}
+    for instance in instances:
+        if instance.advertised_url:
+            urls.setdefault(instance.name, []).append(instance.advertised_url)
+    return {name: found[0] for name, found in urls.items() if len(found) == 1}
+
+
+def _checked_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    if not isinstance(labels, Mapping) or not all(
+        isinstance(key, str) and isinstance(value, str) and key for key, value in labels.items()
+    ):
+        raise ValueError(
+            f"labels must map non-empty strings to strings, e.g. {{'weights_version': '43'}}; got {labels!r}"
+        )
+    return dict(labels)
 
 
 _clients: dict[tuple[str, int] | None, ServerClient] = {}

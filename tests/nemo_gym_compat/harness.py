@@ -86,39 +86,29 @@ def _requested_increment(body: dict[str, Any]) -> int:
     raise ValueError("no user message in the input")
 
 
-async def _responses(request: Request) -> JSONResponse:
-    body = await request.json()
-    answered = any(item.get("type") == "function_call_output" for item in body["input"])
-    if answered:
-        output: dict[str, Any] = {
-            "type": "message",
-            "id": "msg_1",
-            "role": "assistant",
-            "status": "completed",
-            "content": [{"type": "output_text", "text": "done", "annotations": []}],
-        }
+def stub_turn(body: dict[str, Any], tool: str, arguments: Callable[[], str], text: str) -> JSONResponse:
+    """A Responses API model's turn: a call of `tool` with `arguments()`, then, once the input holds the tool's
+    output, the message `text`."""
+    output: dict[str, Any]
+    if any(item.get("type") == "function_call_output" for item in body["input"]):
+        content = [{"type": "output_text", "text": text, "annotations": []}]
+        output = {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed", "content": content}
     else:
-        arguments = json.dumps({"count": _requested_increment(body)})
         output = {
             "type": "function_call",
             "id": "fc_1",
             "call_id": "call_1",
-            "name": "increment_counter",
-            "arguments": arguments,
+            "name": tool,
+            "arguments": arguments(),
             "status": "completed",
         }
-    return JSONResponse(
-        {
-            "id": "resp_1",
-            "object": "response",
-            "created_at": 0,
-            "model": "stub",
-            "output": [output],
-            "parallel_tool_calls": False,
-            "tool_choice": "auto",
-            "tools": [],
-        }
-    )
+    response = {"id": "resp_1", "object": "response", "created_at": 0, "model": "stub", "output": [output]}
+    return JSONResponse({**response, "parallel_tool_calls": False, "tool_choice": "auto", "tools": []})
+
+
+async def _responses(request: Request) -> JSONResponse:
+    body = await request.json()
+    return stub_turn(body, "increment_counter", lambda: json.dumps({"count": _requested_increment(body)}), "done")
 
 
 def stub_model_app() -> Starlette:
@@ -197,6 +187,21 @@ async def serving(apps: dict[str, tuple[Asgi, socket.socket]]) -> AsyncIterator[
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def simple_agent(port: int, client: Any, resources: str = RESOURCES) -> SimpleAgent:
+    """NeMo Gym's SimpleAgent on `port`, calling `resources` and the model through `client`."""
+    return SimpleAgent.model_construct(
+        config=SimpleAgentConfig(
+            host=LOOPBACK,
+            port=port,
+            entrypoint="app.py",
+            name=AGENT,
+            resources_server=ResourcesServerRef(type="resources_servers", name=resources),
+            model_server=ModelServerRef(type="responses_api_models", name=MODEL),
+        ),
+        server_client=client,
+    )
+
+
 def make_client(kind: str, doc: dict[str, Any], head_port: int) -> Any:
     """The client the servers get: NeMo Gym's own, or gym_rpc's given NeMo Gym's own head config model."""
     head = NemoGymServerConfig(host=LOOPBACK, port=head_port)
@@ -221,17 +226,7 @@ async def run_mode(kind: str, observability: bool) -> dict[str, Any]:
             ),
             server_client=client,
         )
-        agent = SimpleAgent.model_construct(
-            config=SimpleAgentConfig(
-                host=LOOPBACK,
-                port=ports[AGENT],
-                entrypoint="app.py",
-                name=AGENT,
-                resources_server=ResourcesServerRef(type="resources_servers", name=RESOURCES),
-                model_server=ModelServerRef(type="responses_api_models", name=MODEL),
-            ),
-            server_client=client,
-        )
+        agent = simple_agent(ports[AGENT], client)
         apps: dict[str, tuple[Asgi, socket.socket]] = {}
         for name, server in ((RESOURCES, resources), (AGENT, agent)):
             app = server.setup_webserver()

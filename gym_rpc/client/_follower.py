@@ -1,0 +1,166 @@
+"""Each server's instances, followed from the head's status watch in the background and pushed to every client's
+routes: the xDS idea (endpoints pushed, never looked up per call).
+
+One follower per head per process: a daemon thread with an event loop of its own runs a `StatusWatch` (which
+reconnects and resumes from its last revision by itself) and hands every snapshot and change to the routes of the
+clients that subscribed (a head that turns out to be NeMo Gym's HTTP head has no watch: nothing to follow).
+Workers' event loops never run any of it, and a call never waits on the head. The
+follower stops when its last client is gone (it looks at each event and each reconnect, and the watch asks for a
+heartbeat, so it looks at least that often), at `close_instance_followers()`, and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import logging
+import os
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+from gym_rpc.client._channel import close_aio_channels
+from gym_rpc.client._control import ControlClient
+from gym_rpc.client._head_protocol import NEMO_GYM_HTTP, head_protocol
+from gym_rpc.client._watch import StatusWatch
+from gym_rpc.errors import ControlPlaneError
+
+if TYPE_CHECKING:
+    from gym_rpc.client._routing import Routing
+    from gym_rpc.client._security import ClientSecurity
+    from gym_rpc.wire import StatusReport
+
+logger = logging.getLogger("gym_rpc.client.replicas")
+
+# The head sends a heartbeat this often on a quiet watch, so the follower notices within that long that its last
+# client is gone.
+HEARTBEAT_SECONDS = 5.0
+_STOP_JOIN_SECONDS = 2.0
+
+
+class _NoClientsLeft(Exception):
+    """Raised inside the watch's retry callback to end a follower nobody listens to."""
+
+
+class InstanceFollower:
+    """Follows one head's watch for the routes of every client of that head in this process."""
+
+    def __init__(self, address: str, security: ClientSecurity) -> None:
+        self.address = address
+        self._security = security
+        self._subscribers: weakref.WeakSet[Routing] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._reports: dict[str, StatusReport] = {}
+        self.first_snapshot: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.revision = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._outage_logged = False
+        self._thread = threading.Thread(target=self._run, name=f"gym-rpc instances of {address}", daemon=True)
+
+    @property
+    def running(self) -> bool:
+        """Started and not stopped (a follower is started by its first subscriber)."""
+        return self._thread.is_alive() or self._thread.ident is None
+
+    def subscribe(self, routing: Routing) -> None:
+        """Push every report the follower has to `routing` now, and every later change as it comes."""
+        with self._lock:
+            self._subscribers.add(routing)
+            reports = list(self._reports.values())
+            if self._thread.ident is None:
+                self._thread.start()
+        routing.apply_reports(reports)
+
+    def unsubscribe(self, routing: Routing) -> None:
+        with self._lock:
+            self._subscribers.discard(routing)
+
+    def _run(self) -> None:
+        loop = self._loop = asyncio.new_event_loop()
+        try:
+            if head_protocol(self.address, tls=self._security.tls is not None) == NEMO_GYM_HTTP:
+                logger.info("the head at %s is NeMo Gym's HTTP head: it has no instances to follow", self.address)
+                return
+            self._task = loop.create_task(self._follow())
+            loop.run_until_complete(self._task)
+        except (asyncio.CancelledError, _NoClientsLeft):
+            pass
+        except ControlPlaneError as error:  # not worth retrying (a wrong token, a head that is no gym_rpc head)
+            logger.warning("stopped following the instances of the head at %s: %s", self.address, error)
+        finally:
+            with contextlib.suppress(Exception):
+                loop.run_until_complete(close_aio_channels())
+            loop.close()
+            if not self.first_snapshot.done():
+                self.first_snapshot.set_result(None)
+
+    async def _follow(self) -> None:
+        client = ControlClient(self.address, security=self._security)
+        watch = StatusWatch(client, heartbeat_seconds=HEARTBEAT_SECONDS, on_retry=self._retrying)
+        async for event in watch:
+            with self._lock:
+                subscribers = list(self._subscribers)
+                if event.kind == "snapshot":
+                    self._reports = {}
+                self._reports.update((report.server_name, report) for report in event.reports)
+                self.revision = event.revision
+            if not subscribers:
+                return
+            if self._outage_logged:
+                self._outage_logged = False
+                logger.info("following the instances of the head at %s again", self.address)
+            for routing in subscribers:
+                routing.apply_reports(event.reports)
+            if event.kind == "snapshot" and not self.first_snapshot.done():
+                self.first_snapshot.set_result(None)
+
+    def _retrying(self, error: ControlPlaneError, pause: float) -> None:
+        if not self._subscribers:
+            raise _NoClientsLeft
+        if not self.first_snapshot.done():
+            self.first_snapshot.set_result(None)  # nobody waits for a head that is not there
+        if not self._outage_logged:
+            self._outage_logged = True
+            logger.info(
+                "cannot follow the instances of the head at %s (%s); calls go to the instances known, and the "
+                "watch resumes when the head is back",
+                self.address,
+                error.code.name,
+            )
+
+    def stop(self) -> None:
+        loop, task = self._loop, self._task
+        if loop is not None and task is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(task.cancel)
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
+            self._thread.join(_STOP_JOIN_SECONDS)
+
+
+_followers: dict[tuple[int, str, ClientSecurity], InstanceFollower] = {}
+_followers_lock = threading.Lock()
+
+
+def follower_for(address: str, security: ClientSecurity) -> InstanceFollower:
+    """This process's follower of the head at `address` (started on first use, again if it stopped)."""
+    key = (os.getpid(), address, security)  # a forked child never shares its parent's thread
+    with _followers_lock:
+        follower = _followers.get(key)
+        if follower is None or not follower.running:
+            follower = _followers[key] = InstanceFollower(address, security)
+        return follower
+
+
+def close_instance_followers() -> None:
+    """Stop every follower of this process (tests; interpreter exit); clients start new ones at their next call."""
+    with _followers_lock:
+        followers = list(_followers.values())
+        _followers.clear()
+    for follower in followers:
+        follower.stop()
+
+
+atexit.register(close_instance_followers)

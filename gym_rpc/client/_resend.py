@@ -1,0 +1,232 @@
+"""The failure path of a data-plane call: `send` (gym_rpc.client._http) hands its first failed attempt here.
+
+Each failure is classified (gym_rpc.client._failures) and resent while its kind's budget (`RetryPolicy`) allows,
+after a jittered exponential pause, with one of the client's resend slots (gym_rpc.client._resend_budget) held
+during the pause. The call's own deadline (aiohttp's `total`, which aiohttp applies per attempt) bounds the whole:
+every resend gets only the time left. When nothing more may be tried, the call fails with a ResendsExhaustedError
+naming the server, the URL, the kind, the attempts, the time spent and what ran out.
+
+Nothing here runs while calls succeed at their first attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+from time import monotonic
+from typing import TYPE_CHECKING, Any, Protocol
+
+import aiohttp
+
+from gym_rpc._aiohttp_errors import ServerDroppedError
+from gym_rpc.client._failures import failure_kind, is_deadline, nothing_sent
+from gym_rpc.client._resend_budget import RESEND_BUDGET
+from gym_rpc.client._resend_log import RESEND_LOG
+from gym_rpc.client._resend_policy import FailureKind, RetryPolicy
+from gym_rpc.errors import RequestTimeoutError, ResendLimit, ResendsExhaustedError, ServerUnreachableError
+from gym_rpc.telemetry import instrumentation_failed
+
+if TYPE_CHECKING:
+    from aiohttp.client import _RequestOptions
+
+
+# The replicas hook, asked once a failed attempt may be resent, with that attempt's error: the URL of the next
+# attempt (another instance, or the same one). A URL not tried since the last pause is tried at once; one already
+# tried, after the backoff pause. Called only on failures, never on the happy path; the budgets count every
+# attempt, whatever its URL.
+Reroute = Callable[[BaseException], str]
+
+
+class CallObserver(Protocol):
+    """What `send` tells whoever observes a call (a span, the worker metrics): each attempt after the first and the
+    kind of failure that made it, then the answer or the error the caller gets, with the number of attempts made.
+    Told from inside `send`, so observing adds no coroutine between the caller and aiohttp (each one costs every
+    resumption of the call).
+
+    An observer may fail, a call may not: whatever an observer raises is logged under its `kind` ("tracing",
+    "metrics"; gym_rpc.telemetry.instrumentation_failed) and the call goes on, its answer returned (or its own
+    error raised) and its connection released."""
+
+    kind: str
+
+    def resent(self, attempt: int, kind: str) -> None: ...
+
+    def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None: ...
+
+    def failed(self, error: BaseException, attempts: int) -> None: ...
+
+
+async def resend_after_failure(
+    error: BaseException,
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    retry: RetryPolicy,
+    resend_after_disconnect: bool,
+    kwargs: _RequestOptions,
+    observer: CallObserver | None,
+    server_name: str,
+    reroute: Reroute | None,
+    started: float,
+) -> aiohttp.ClientResponse:
+    """Resend the call whose first attempt, started at `started` (time.monotonic), failed with `error`: its answer,
+    or the error it ends with (told to `observer` either way)."""
+    call = _FailingCall(session, method, url, retry, kwargs, server_name, started)
+    attempts = 1
+    try:
+        while True:
+            kind = failure_kind(error)
+            if kind is None:
+                raise error
+            failed_url = call.url
+            target = await call.next_attempt(error, kind, attempts, resend_after_disconnect, reroute)
+            RESEND_LOG.resent(server_name, failed_url, kind)
+            attempts += 1
+            if observer is not None:
+                try:
+                    observer.resent(attempts, kind)
+                except Exception as observer_error:
+                    instrumentation_failed(observer.kind, observer_error)
+            RESEND_BUDGET.resend_started()  # out at the server: it widens no one's budget
+            try:
+                response = await session.request(method, target, **kwargs)
+            except BaseException as failure:
+                error = failure
+                continue
+            finally:
+                RESEND_BUDGET.resend_ended()
+            if observer is not None:
+                try:
+                    observer.answered(response, attempts)
+                except Exception as observer_error:
+                    instrumentation_failed(observer.kind, observer_error)
+                except BaseException:  # the caller never gets the response: released here
+                    response.close()
+                    raise
+            return response
+    except BaseException as final:
+        if isinstance(final, ResendsExhaustedError):
+            RESEND_LOG.gave_up(final)
+        if observer is not None:
+            try:
+                observer.failed(final, attempts)
+            except Exception as observer_error:
+                instrumentation_failed(observer.kind, observer_error)
+        raise
+
+
+class _FailingCall:
+    """A call's failures so far, per kind, and what its next attempt may be."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        method: str,
+        url: str,
+        retry: RetryPolicy,
+        kwargs: _RequestOptions,
+        server_name: str,
+        started: float,
+    ) -> None:
+        self.method, self.url, self.retry, self.kwargs, self.server_name = method, url, retry, kwargs, server_name
+        self.started = started
+        given = kwargs.get("timeout")
+        self.timeout = given if isinstance(given, aiohttp.ClientTimeout) else session.timeout
+        self.deadline = None if not self.timeout.total else started + self.timeout.total
+        self.failures: Counter[FailureKind] = Counter()
+        self.first_failed_at: float | None = None
+        self.pauses = 0
+        self.tried_since_pause = {url}
+
+    async def next_attempt(
+        self,
+        error: BaseException,
+        kind: FailureKind,
+        attempts: int,
+        resend_after_disconnect: bool,
+        reroute: Reroute | None,
+    ) -> str:
+        """The URL of the next attempt, once its pause is over; or raise what the call ends with, when its budgets
+        allow no other attempt."""
+        now = monotonic()
+        self.failures[kind] += 1
+        budget = self.retry.budget(kind)
+        if self.first_failed_at is None:
+            self.first_failed_at = now
+        # One clock for every kind: the longest budget bounds all.
+        kind_ends = self.first_failed_at + budget.seconds
+        ends = kind_ends if self.deadline is None else min(kind_ends, self.deadline)
+        if kind is FailureKind.TIMEOUT and is_deadline(error):
+            raise self.given_up(error, kind, attempts, "deadline")
+        if not resend_after_disconnect and not nothing_sent(kind, error):
+            raise self.given_up(error, kind, attempts, "no resend")
+        if self.failures[kind] >= budget.attempts:
+            raise self.given_up(error, kind, attempts, "attempts")
+        target = self.url if reroute is None else reroute(error)
+        pause = 0.0 if target not in self.tried_since_pause else self.retry.backoff_seconds(self.pauses + 1)
+        if now + pause > ends:
+            raise self.given_up(error, kind, attempts, "time" if ends == kind_ends else "deadline")
+        if not await RESEND_BUDGET.acquire(self.retry.client_budget, ends - pause - now):
+            held, in_flight, waiting = RESEND_BUDGET.snapshot()
+            detail = (
+                f"{held} resend slot(s) held, {in_flight} first attempt(s) in flight, {waiting} call(s) waiting; "
+                f"http_client.retry.client_budget allows {self.retry.client_budget.slots(in_flight)}"
+            )
+            raise self.given_up(error, kind, attempts, "client budget", detail)
+        try:
+            if pause:
+                await asyncio.sleep(pause)
+        finally:
+            RESEND_BUDGET.release()
+        if pause:
+            self.pauses += 1
+            self.tried_since_pause = {target}
+        else:
+            self.tried_since_pause.add(target)
+        if self.deadline is not None:
+            left = self.deadline - monotonic()
+            if left <= 0:
+                raise self.given_up(error, kind, attempts, "deadline")
+            self.kwargs["timeout"] = _with_total(self.timeout, left)
+        self.url = target
+        return target
+
+    def given_up(
+        self, error: BaseException, kind: FailureKind, attempts: int, limit: ResendLimit, detail: str = ""
+    ) -> ResendsExhaustedError:
+        """The error the call ends with (its cause: `error`, the last attempt's)."""
+        common: dict[str, Any] = {
+            "server_name": self.server_name,
+            "method": self.method,
+            "elapsed_seconds": monotonic() - self.started,
+            "limit": limit,
+            "detail": detail,
+        }
+        given_up: ResendsExhaustedError
+        if kind is FailureKind.REFUSED:
+            reason = getattr(error, "os_error", None) or error
+            given_up = ServerUnreachableError(self.url, attempts, str(reason), **common)
+        elif kind is FailureKind.TIMEOUT:
+            timeout = self.timeout
+            given_up = RequestTimeoutError(
+                self.server_name, self.method, self.url, timeout.total, timeout.sock_connect, attempts=attempts,
+                **{key: value for key, value in common.items() if key not in ("server_name", "method")},
+            )  # fmt: skip
+        else:
+            reason = str(error) or type(error).__name__
+            errno = error.errno if isinstance(error, OSError) else None
+            given_up = ServerDroppedError(self.url, attempts, reason, kind=kind, errno=errno, **common)
+        given_up.__cause__ = error
+        return given_up
+
+
+def _with_total(timeout: aiohttp.ClientTimeout, total: float) -> aiohttp.ClientTimeout:
+    """`timeout` with `total` seconds: a resend gets the time left of the call's deadline, no more."""
+    return aiohttp.ClientTimeout(
+        total=total,
+        connect=timeout.connect,
+        sock_read=timeout.sock_read,
+        sock_connect=timeout.sock_connect,
+        ceil_threshold=timeout.ceil_threshold,
+    )

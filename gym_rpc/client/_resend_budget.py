@@ -1,0 +1,153 @@
+"""The client-wide resend budget: the process's resends waiting out their backoff at once are at most a share of
+its first attempts in flight (Envoy's retry budget), with a floor.
+
+A call that must resend takes a slot for its backoff pause and frees it as its resend goes out. When every slot is
+held, it waits for one: on the budget, not on the server. The slots are a share of the first attempts in flight:
+resends, pausing, waiting or out at the server, never widen the budget. So when thousands of calls find one server
+dead, the server sees a few resends at a time (the floor's worth: no first attempt is in flight), not one stream
+per call, however long each resend takes to fail on a loaded machine; when it answers again, calls end, new ones
+start, and the slots grow with their first attempts. A call whose own budget (its kind's time, its deadline) runs
+out while it waits fails at once, saying so.
+
+Threads: clients on several event loops share a process and this one budget. Calls in flight are counted per
+event loop without a lock (a loop's calls start and end on its thread; a lock would cost the happy path), summed
+only when a resend asks for a slot; the first attempts in flight are those calls less the ones pausing (holding a
+slot), waiting for one, or resending. Slots and waiters are under a lock; a waiter on another loop is woken
+through its loop's `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+
+from gym_rpc.client._resend_policy import ClientBudget
+
+
+class CallCount:
+    """One event loop's calls in flight (`ServerClient.request` counts them): changed only by its loop's thread,
+    read by any (an int read is atomic)."""
+
+    __slots__ = ("__weakref__", "value")
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+_counts: weakref.WeakSet[CallCount] = weakref.WeakSet()  # a loop's count goes with its sessions
+_counts_lock = threading.Lock()
+
+
+def new_call_count() -> CallCount:
+    count = CallCount()
+    with _counts_lock:
+        _counts.add(count)
+    return count
+
+
+def calls_in_flight() -> int:
+    with _counts_lock:
+        return sum(count.value for count in _counts)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[None]
+    budget: ClientBudget
+    granted: bool = False  # a slot was taken for it (under the lock)
+    abandoned: bool = False  # it stopped waiting (under the lock)
+
+
+@dataclass(eq=False)
+class ResendBudget:
+    """Slots for resends pausing before they go out, shared by every loop and client of the process."""
+
+    held: int = 0
+    waiting: int = 0  # the waiters that have neither been granted a slot nor given up
+    resending: int = 0  # resends out at their server (each freed its slot as it went out)
+    _waiters: deque[_Waiter] = field(default_factory=deque)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def snapshot(self) -> tuple[int, int, int]:
+        """(slots held, first attempts in flight, calls waiting): for the error of a call that waited in vain."""
+        with self._lock:
+            return self.held, self._attempts_in_flight(), self.waiting
+
+    def _attempts_in_flight(self) -> int:
+        """The process's calls in flight less those pausing, waiting or resending: the first attempts out at a
+        server. (Granting a slot moves a call from waiting to pausing, and a resend going out from pausing to
+        resending: neither changes this.)"""
+        return max(calls_in_flight() - self.held - self.waiting - self.resending, 0)
+
+    async def acquire(self, budget: ClientBudget, wait_seconds: float) -> bool:
+        """Take a slot, waiting at most `wait_seconds` for one (first come, first served); False if none came."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            while self._waiters and self._waiters[0].abandoned:
+                self._waiters.popleft()
+            if not self._waiters and self.held < budget.slots(self._attempts_in_flight()):
+                self.held += 1
+                return True
+            waiter = _Waiter(loop, loop.create_future(), budget)
+            self._waiters.append(waiter)
+            self.waiting += 1
+        got_it = False
+        try:
+            async with asyncio.timeout(max(wait_seconds, 0.0)):
+                await waiter.future
+            got_it = True
+        except TimeoutError:
+            return False
+        finally:
+            if not got_it:  # timed out or cancelled: a slot granted meanwhile goes to the next waiter
+                with self._lock:
+                    waiter.abandoned = True
+                    granted = waiter.granted
+                    if not granted:
+                        self.waiting -= 1
+                if granted:
+                    self.release()
+        return True
+
+    def release(self) -> None:
+        """Free a slot, and hand as many as the budget now allows to the waiters, in order."""
+        with self._lock:
+            self.held -= 1
+            in_flight = self._attempts_in_flight()
+            while self._waiters:
+                waiter = self._waiters[0]
+                if waiter.abandoned:
+                    self._waiters.popleft()
+                    continue
+                if self.held >= waiter.budget.slots(in_flight):
+                    break
+                self._waiters.popleft()
+                self.waiting -= 1
+                try:
+                    waiter.loop.call_soon_threadsafe(_wake, waiter.future)
+                except RuntimeError:  # its loop is closed: nobody is waiting there any more
+                    waiter.abandoned = True
+                    continue
+                waiter.granted = True
+                self.held += 1
+
+    def resend_started(self) -> None:
+        """A resend goes out (its slot freed): until `resend_ended`, it is no first attempt."""
+        with self._lock:
+            self.resending += 1
+
+    def resend_ended(self) -> None:
+        with self._lock:
+            self.resending -= 1
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+RESEND_BUDGET = ResendBudget()

@@ -1,0 +1,93 @@
+"""A call to a server with several instances, as `ServerClient.request` makes it: what it sticks by (its rollout,
+else a NeMo Gym session) and its send, which picks the instance, fails over through the resend loop's `reroute`
+and tells the route how the call ended (gym_rpc.client._routing)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from gym_rpc.client._http import send
+from gym_rpc.client._http_tracing import traced_send
+from gym_rpc.client._metrics import metered_send
+from gym_rpc.client._nemo_gym import nemo_gym_rollout_id, rollout_id_from_run_body
+from gym_rpc.client._resend_policy import RetryPolicy
+from gym_rpc.client._rollout import rollout_id_in_context
+from gym_rpc.client._routing import RoutedCall, ServerRoute, session_pin_key
+from gym_rpc.config import GlobalConfig
+from gym_rpc.metrics import METRICS
+from gym_rpc.telemetry import TRACING
+from gym_rpc.wire import RESOURCES_SERVER_TYPE
+
+if TYPE_CHECKING:
+    from aiohttp.client import _RequestOptions
+
+
+def sticky_key(
+    config: GlobalConfig, server_name: str, url_path: str, body: Any, kwargs: Mapping[str, Any]
+) -> str | None:
+    """What a call to a replicated server sticks by: its rollout (gym_rpc's context, NeMo Gym's, or for `/verify`
+    on a resources server the one its body names, as the rollout prefix rule finds it), else the NeMo Gym session
+    its cookies carry for that server; None: a call of no rollout."""
+    rollout_id = rollout_id_in_context() or nemo_gym_rollout_id()
+    if rollout_id:
+        return rollout_id
+    if url_path == "/verify":
+        entry = config.servers.get(server_name)
+        if entry is not None and entry.server_type == RESOURCES_SERVER_TYPE:
+            try:
+                rollout_id = rollout_id_from_run_body(body)
+            except ValueError:
+                rollout_id = None  # refused by the prefix rule when observability is on; here: no rollout
+            if rollout_id:
+                return rollout_id
+    return session_pin_key(kwargs.get("cookies"), server_name)
+
+
+async def send_routed(
+    route: ServerRoute,
+    key: str | None,
+    session: aiohttp.ClientSession,
+    method: str,
+    server_name: str,
+    url_path: str,
+    retry: RetryPolicy,
+    resend_after_disconnect: bool,
+    kwargs: _RequestOptions,
+) -> aiohttp.ClientResponse:
+    """`request` for a server with several instances: the call picks one, counts in flight there, moves on a
+    refused connection (the resend loop asks `call.reroute`), and tells the route how it ended."""
+    call = RoutedCall(route, key, url_path)
+    base = call.instance.url
+    try:
+        if TRACING.enabled or METRICS.enabled:
+            observed = metered_send if METRICS.enabled else traced_send
+            response = await observed(
+                session,
+                method,
+                base,
+                base + url_path,
+                retry,
+                resend_after_disconnect,
+                kwargs,
+                server_name,
+                reroute=call.reroute,
+            )
+        else:
+            response = await send(
+                session,
+                method,
+                base + url_path,
+                retry,
+                resend_after_disconnect,
+                kwargs,
+                reroute=call.reroute,
+                server_name=server_name,
+            )
+    except BaseException as error:
+        call.failed(error)
+        raise
+    call.answered(response)
+    return response

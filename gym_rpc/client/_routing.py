@@ -1,0 +1,465 @@
+"""A client's routes to replicated servers: for each server name with more than one instance, which instance each
+call goes to, and where it goes next when that one fails.
+
+* A call of a rollout sticks to the rollout's instance: the first call pins it by rendezvous hashing over the
+  instances that take new work, and later calls go where the pin says while that instance is alive (not down by
+  the head's probe, not ejected, still listed), even if it drains or stops matching the worker's labels since: a
+  rollout in flight finishes where it started. When its instance is gone the rollout is pinned again (counted, and
+  logged once per instance it left).
+* A call of no rollout goes to the less loaded of two random instances that take new work.
+* A failed attempt counts against its instance (gym_rpc.client._outliers); a refused connection, or any resent
+  call of no rollout, moves to another instance not tried yet by that call.
+
+Names with one instance have no route: `ServerClient.request` takes its old path for them, at its old cost.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from gym_rpc.client._instances import (
+    Instance,
+    InstanceState,
+    config_states,
+    distinct,
+    matches,
+    report_states,
+    selector_text,
+)
+from gym_rpc.client._nemo_gym import session_key_from_cookies
+from gym_rpc.client._outliers import (
+    OutlierDetection,
+    ejection_over,
+    end_ejection,
+    record_failure,
+)
+from gym_rpc.client._picker import heaviest, slot_of, two_choices
+from gym_rpc.config import url_authority
+from gym_rpc.errors import NoHealthyInstanceError, ServerUnreachableError
+
+if TYPE_CHECKING:
+    from gym_rpc.config import GlobalConfig
+    from gym_rpc.wire import ServerInstance, StatusReport
+
+logger = logging.getLogger("gym_rpc.client.replicas")
+
+# Rollouts pinned per server, oldest forgotten first: a forgotten rollout is pinned again by the same rendezvous,
+# so the bound only matters for rollouts whose instance set changed while they ran.
+MAX_PINS = 65536
+# Keys of NeMo Gym sessions among the pins: never a rollout id (a rollout id cannot hold a NUL).
+_SESSION_PREFIX = "\0"
+_monotonic = time.monotonic
+_NEVER = math.inf  # refresh_at while no instance is ejected: picks then never read the clock
+_MAX_JOINS = 64
+
+Selector = Mapping[str, str]
+
+
+def _is_refused(error: BaseException) -> bool:
+    """A connection refused: nothing listens at the instance's address (it is gone, not slow)."""
+    return isinstance(error, aiohttp.ClientConnectorError) and isinstance(error.os_error, ConnectionRefusedError)
+
+
+def _failure_text(error: BaseException) -> str:
+    if _is_refused(error):
+        return "connection refused"
+    if isinstance(error, aiohttp.ClientConnectorError):
+        return f"cannot connect: {error.os_error.strerror or type(error.os_error).__name__}"
+    return type(error).__name__
+
+
+# Errors that say the instance failed (counted towards its ejection); a timeout or a cancelled call says nothing.
+_INSTANCE_FAILURES = (aiohttp.ClientConnectionError, ServerUnreachableError)
+
+
+class ServerRoute:
+    """The instances of one server name and how calls are spread over them."""
+
+    __slots__ = (
+        "by_id",
+        "generation",
+        "instances",
+        "joins",
+        "lock",
+        "name",
+        "pins",
+        "policy",
+        "pool",
+        "refresh_at",
+        "repins",
+        "selector",
+        "winners",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        states: list[InstanceState],
+        policy: OutlierDetection,
+        selector: Selector | None = None,
+    ) -> None:
+        self.name = name
+        self.policy = policy
+        self.selector = selector
+        self.instances: tuple[Instance, ...] = ()
+        self.by_id: dict[str, Instance] = {}
+        self.pins: dict[str, Instance] = {}
+        self.repins = 0  # rollouts moved off an instance that was gone, for the worker metrics
+        self.pool: tuple[Instance, ...] = ()  # the instances that take new work (`candidate` set on each)
+        # slot -> (its heaviest candidate, the generation it was found in): kept across changes of the pool. A
+        # winner that left is found again among the candidates; one found before instances joined is weighed
+        # against those (`joins`: (generation, instance) of each instance that joined since), so after a change
+        # only the slots it concerns cost a rendezvous. It pays once a run has filled them: 1.35x at 4 instances,
+        # 2.3x at 16, 6.4x at 64 against plain rendezvous over the candidates (bench/replicas.py, replicas-pick).
+        self.winners: dict[int, tuple[Instance, int]] = {}
+        self.joins: list[tuple[int, Instance]] = []
+        self.generation = 0
+        self.refresh_at = 0.0  # time.monotonic() at which the pool must be made again (an ejection ends)
+        self.lock = threading.Lock()  # for updates from the watch's thread against refreshes from calls
+        self.update(states)
+
+    def update(self, states: list[InstanceState]) -> None:
+        """The instance set as the head (or the config) lists it now; each instance keeps the client's counts."""
+        with self.lock:
+            kept = []
+            for state in distinct(states):
+                instance = self.by_id.get(state.instance_id)
+                if instance is None:
+                    instance = Instance(state)
+                else:
+                    instance.apply(state)
+                kept.append(instance)
+            listed = {instance.instance_id for instance in kept}
+            for gone in self.instances:
+                if gone.instance_id not in listed:
+                    gone.alive = False  # rollouts pinned to it move at their next call
+            self.instances = tuple(kept)
+            self.by_id = {instance.instance_id: instance for instance in kept}
+            self._refresh(_monotonic())
+
+    def set_selector(self, selector: Selector | None) -> None:
+        with self.lock:
+            self.selector = selector
+            self._refresh(_monotonic())
+
+    def refresh(self) -> None:
+        with self.lock:
+            self._refresh(_monotonic())
+
+    def _refresh(self, now: float) -> None:
+        soonest = _NEVER
+        for instance in self.instances:
+            if instance.ejected_until:
+                why = ejection_over(instance, now)
+                if why is not None:
+                    end_ejection(self.name, instance, now, why)
+                else:
+                    soonest = min(soonest, instance.ejected_until)
+            instance.alive = not (instance.down or instance.ejected_until)
+            if instance.alive:
+                instance.repins_logged = False
+        selector = self.selector
+        candidates = tuple(
+            instance
+            for instance in self.instances
+            if instance.alive and not instance.draining and matches(instance.labels, selector)
+        )
+        if candidates != self.pool:
+            previous = set(self.pool)
+            joined = [instance for instance in candidates if instance not in previous]
+            for instance in self.pool:
+                instance.candidate = False
+            for instance in candidates:
+                instance.candidate = True
+            if joined:
+                self.generation += 1
+                if len(self.joins) + len(joined) > _MAX_JOINS:  # weighing them all costs more than starting over
+                    self.winners, self.joins = {}, []
+                else:
+                    self.joins = [*self.joins, *((self.generation, instance) for instance in joined)]
+            self.pool = candidates
+        self.refresh_at = soonest
+
+    # --- picking ---------------------------------------------------------------------------------------------
+
+    def pick(self, key: str | None) -> Instance:
+        """The instance for a call of rollout (or session) `key`, or of no rollout (None)."""
+        if self.refresh_at != _NEVER and _monotonic() >= self.refresh_at:
+            self.refresh()
+        if key is None:
+            candidates = self.pool
+            if not candidates:
+                raise self.no_instance()
+            return two_choices(candidates)
+        pinned = self.pins.get(key)
+        if pinned is not None and pinned.alive:
+            return pinned
+        return self.pin(key, pinned, ())
+
+    def pin(self, key: str, previous: Instance | None, tried: tuple[Instance, ...], why: str = "") -> Instance:
+        """Pin `key` by rendezvous over the instances that take new work (those not `tried` by the call, when any
+        remain); `previous`, the instance it leaves, if any, is counted and logged once."""
+        candidates = self.pool
+        if not candidates:
+            raise self.no_instance()
+        slot = slot_of(key)
+        untried = tuple(instance for instance in candidates if instance not in tried) if tried else ()
+        # Instances `tried` (and failed) by this call: the next heaviest, where the rollout goes once they are out.
+        chosen = heaviest(slot, untried) if untried else self.slot_winner(slot, candidates)
+        self.pins_put(key, chosen)
+        if previous is not None and previous is not chosen:
+            self.repins += 1
+            if not previous.repins_logged:
+                previous.repins_logged = True
+                if not why:
+                    listed = previous.instance_id in self.by_id
+                    why = f"it is {previous.describe(_monotonic())}" if listed else "it is no longer listed"
+                logger.warning(
+                    "rollouts pinned to instance %s of %s move to other instances (%s); first: %s -> %s",
+                    previous.instance_id,
+                    self.name,
+                    why,
+                    _shown_key(key),
+                    chosen.instance_id,
+                )
+        return chosen
+
+    def slot_winner(self, slot: int, candidates: tuple[Instance, ...]) -> Instance:
+        """The heaviest candidate for `slot`, remembered (`winners`): weighed against every candidate when none is
+        remembered or the remembered one takes no new work now, else only against the candidates that joined since
+        it was found (an instance leaving changes no other slot's winner)."""
+        remembered = self.winners.get(slot)
+        if remembered is None or not remembered[0].candidate:
+            winner = heaviest(slot, candidates)
+        else:
+            winner, found_in = remembered
+            if found_in == self.generation:
+                return winner
+            joined = [instance for since, instance in self.joins if since > found_in and instance.candidate]
+            if joined:
+                winner = heaviest(slot, [winner, *joined])
+        self.winners[slot] = (winner, self.generation)
+        return winner
+
+    def other(self, tried: tuple[Instance, ...]) -> Instance:
+        """For a call of no rollout that failed: two choices among the instances it has not tried yet, else among
+        all that take new work (the resend bound still ends the call)."""
+        candidates = self.pool
+        untried = tuple(instance for instance in candidates if instance not in tried)
+        if untried or candidates:
+            return two_choices(untried or candidates)
+        raise self.no_instance()
+
+    def any_url(self, key: str | None) -> str:
+        """One URL for `_resolve_base_url`: the rollout's instance, else one that takes new work (no call is
+        counted)."""
+        if key is not None:
+            return self.pick(key).url
+        candidates = self.pool
+        if not candidates:
+            raise self.no_instance()
+        return min(candidates, key=lambda instance: instance.in_flight).url
+
+    def no_instance(self) -> NoHealthyInstanceError:
+        now = _monotonic()
+        why = ""
+        open_ones = [instance for instance in self.instances if instance.alive and not instance.draining]
+        if self.selector is not None and open_ones:
+            why = f"none matches the labels {selector_text(self.selector)}"
+        listed = [(instance.instance_id, instance.describe(now)) for instance in self.instances]
+        return NoHealthyInstanceError(self.name, listed, why)
+
+    # --- outcomes --------------------------------------------------------------------------------------------
+
+    def failed(self, instance: Instance, error: BaseException) -> None:
+        # NoHealthyInstanceError is the route's own word (a failover found nowhere to go), not the instance's.
+        if isinstance(error, _INSTANCE_FAILURES) and not isinstance(error, NoHealthyInstanceError):
+            self.failed_with(instance, _failure_text(error))
+
+    def failed_with(self, instance: Instance, reason: str) -> None:
+        if record_failure(self.policy, self.name, instance, self.instances, reason, _monotonic()):
+            self.refresh()
+
+    def learn_session(self, response: aiohttp.ClientResponse, instance: Instance) -> None:
+        """Pin the NeMo Gym session the answer opened to the instance that opened it (a session cookie named
+        for this server in its Set-Cookie), so the session's later calls, which carry the cookie, go there."""
+        session = session_key_from_cookies(response.cookies, self.name)
+        if session is not None:
+            self.pins_put(_SESSION_PREFIX + session, instance)
+
+    def pins_put(self, key: str, instance: Instance) -> None:
+        """Pin `key`; past MAX_PINS the older half is forgotten at once (popping a dict's first key one at a time
+        costs a scan over every key popped before it)."""
+        pins = self.pins
+        if len(pins) >= MAX_PINS and key not in pins:
+            pins = self.pins = dict(itertools.islice(pins.items(), MAX_PINS // 2, None))
+        pins[key] = instance
+
+
+def _shown_key(key: str) -> str:
+    return f"session {key[1:]}" if key.startswith(_SESSION_PREFIX) else f"rollout {key}"
+
+
+def session_pin_key(cookies: Any, server_name: str) -> str | None:
+    """The pin key of the NeMo Gym session a call's cookies carry for this server, if any."""
+    session = session_key_from_cookies(cookies, server_name)
+    return None if session is None else _SESSION_PREFIX + session
+
+
+class RoutedCall:
+    """One call to a replicated server: the instance it is at, counted in flight there until it ends."""
+
+    __slots__ = ("instance", "key", "path", "route", "tried")
+
+    def __init__(self, route: ServerRoute, key: str | None, path: str) -> None:
+        self.route = route
+        self.key = key
+        self.path = path
+        self.tried: tuple[Instance, ...] = ()
+        self.instance = instance = route.pick(key)
+        instance.in_flight += 1
+        instance.picks += 1
+
+    def reroute(self, error: BaseException) -> str:
+        """The URL of the next attempt after `error` (the resend loop asks): another instance after a refused
+        connection, or for a call of no rollout; the same one for a rollout whose instance is still alive."""
+        route, old = self.route, self.instance
+        route.failed(old, error)
+        self.tried += (old,)
+        if self.key is None:
+            new = route.other(self.tried)
+        elif _is_refused(error) or not old.alive:
+            new = route.pin(self.key, old, self.tried, _failure_text(error))
+        else:  # a dropped call of a rollout whose instance lives: resent there
+            old.picks += 1
+            return old.url + self.path
+        old.in_flight -= 1
+        new.in_flight += 1
+        new.picks += 1
+        self.instance = new
+        return new.url + self.path
+
+    def answered(self, response: aiohttp.ClientResponse) -> None:
+        instance = self.instance
+        instance.in_flight -= 1
+        if response.status >= 500:
+            self.route.failed_with(instance, f"HTTP {response.status}")
+            return
+        instance.consecutive_failures = 0  # a success ends a run of failures (gym_rpc.client._outliers)
+        if self.key is None and "Set-Cookie" in response.headers:
+            try:
+                self.route.learn_session(response, instance)
+            except Exception:  # a malformed cookie must not fail an answered call
+                logger.debug("cannot read the session cookie of an answer", exc_info=True)
+
+    def failed(self, error: BaseException) -> None:
+        self.instance.in_flight -= 1
+        self.route.failed(self.instance, error)
+
+
+# Every live Routing of the process, for the worker metrics' per-instance counts.
+ROUTINGS: weakref.WeakSet[Routing] = weakref.WeakSet()
+
+
+class Routing:
+    """A client's routes, by server name: made from the config (its static replicas), then kept current from the
+    head's reports. `routes` holds only names with more than one instance (or a label selector)."""
+
+    __slots__ = ("__weakref__", "policy", "routes", "selectors", "skipped")
+
+    def __init__(
+        self,
+        config: GlobalConfig,
+        policy: OutlierDetection,
+        selectors: Mapping[str, Selector],
+        skipped: frozenset[str] = frozenset(),
+    ) -> None:
+        self.policy = policy
+        self.selectors = dict(selectors)
+        self.skipped = skipped  # names a launcher's override URL stands for: never routed
+        self.routes: dict[str, ServerRoute] = {}
+        for name, entry in config.servers.items():
+            states = config_states(entry)
+            if name not in skipped and (len(states) > 1 or name in self.selectors):
+                self.routes[name] = ServerRoute(name, states, policy, self.selectors.get(name))
+        ROUTINGS.add(self)
+
+    def apply_reports(self, reports: Iterable[StatusReport]) -> None:
+        """The head's latest reports (a snapshot or changes): each server's instances as the head lists them."""
+        for report in reports:
+            if report.instances:
+                self._set(report.server_name, report_states(report))
+            else:  # a head older than replicas: the report is the one instance it knows (the config's)
+                route = self.routes.get(report.server_name)
+                if route is not None and route.instances:
+                    first = route.instances[0]
+                    route.update(
+                        [
+                            InstanceState(first.instance_id, first.url, report.status, report.checked_at),
+                            *(_state_of(instance) for instance in route.instances[1:]),
+                        ]
+                    )
+
+    def apply_rows(self, rows: Iterable[ServerInstance]) -> None:
+        """ListServerInstances rows (one per instance of every server), as `lookup_registered_servers` has them."""
+        by_name: dict[str, list[InstanceState]] = {}
+        for row in rows:
+            if not row.instance_id:
+                continue  # the head's own row, or a head older than replicas (one instance per server)
+            url = row.advertised_url or row.url
+            by_name.setdefault(row.name, []).append(
+                InstanceState(
+                    row.instance_id or url_authority(url),
+                    url,
+                    row.status,
+                    draining=row.draining,
+                    labels=row.labels,
+                    origin=row.origin,
+                )
+            )
+        for name, states in by_name.items():
+            self._set(name, states)
+
+    def _set(self, name: str, states: list[InstanceState]) -> None:
+        if name in self.skipped:
+            return
+        route = self.routes.get(name)
+        if route is not None:
+            route.update(states)
+        elif len(states) > 1 or name in self.selectors:
+            self.routes[name] = ServerRoute(name, states, self.policy, self.selectors.get(name))
+
+    def set_selector(self, name: str, selector: Selector | None, config: GlobalConfig) -> None:
+        if selector is None:
+            self.selectors.pop(name, None)
+        else:
+            self.selectors[name] = selector
+        route = self.routes.get(name)
+        if route is not None:
+            route.set_selector(selector)
+        elif selector is not None and name not in self.skipped:
+            entry = config.servers.get(name)
+            states = config_states(entry) if entry is not None else []
+            self.routes[name] = ServerRoute(name, states, self.policy, selector)
+
+
+def _state_of(instance: Instance) -> InstanceState:
+    return InstanceState(
+        instance.instance_id,
+        instance.url,
+        instance.status,
+        instance.checked_at,
+        instance.draining,
+        None,
+        instance.registration,
+        instance.origin,
+    )

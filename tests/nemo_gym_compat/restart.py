@@ -1,0 +1,296 @@
+"""Rollouts through NeMo Gym's real SimpleAgent and weather resources server (example_single_tool_call) with
+gym_rpc's ServerClient injected, while the resources server is killed with `kill -9`: run in the NeMo Gym venv by
+tests/test_nemo_gym_compat.py, never by pytest directly.
+
+The resources server runs in a process of its own (`restart.py serve-resources PORT`), so the kill is real: its
+connections are reset, its port refuses. The agent and a stub Responses API model (it asks for `get_weather`, then
+answers) run in this process on uvicorn, as in harness.py. Rollouts are posted to the agent's `/run` at a fixed
+concurrency, each bounded by its own timeout (a hung rollout is reported, never waited for). Modes:
+
+* restart: after half of the rollouts, the server is killed and a new process is back on the same port 1 s later
+  (started beforehand, so its imports are done and it binds when told), with gym_rpc's default settings;
+* restart-short: the same with every kind's time budget at 0.2 s, shorter than the restart (as gym_rpc's policy was
+  before budgets in time: 3 attempts from 0.05 s): the contrast that shows the restart is felt;
+* gone: after a quarter of them, the server is killed for good; the config's `http_client.retry` gives every kind
+  a budget of BUDGET_SECONDS, so the rollouts that need the server fail within it.
+
+It prints one JSON object: per mode, the number of rollouts, how many answered 200 with a reward, the failures
+(status or error) with their durations, how long the slowest rollout took and when the server was killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import uvicorn
+from harness import LOOPBACK, Asgi, _held_socket, serving, simple_agent, stub_turn
+from omegaconf import OmegaConf
+from resources_servers.example_single_tool_call.app import (
+    SimpleWeatherResourcesServer,
+    SimpleWeatherResourcesServerConfig,
+)
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+MODEL, RESOURCES, AGENT = "policy_model", "weather", "agent"
+CONCURRENCY = 64
+ROLLOUT_TIMEOUT_SECONDS = 120.0  # far beyond any budget: a rollout still running then has hung
+BUDGET_SECONDS = 2.0  # every kind's time budget in the gone mode (the default refused budget is 30 s)
+SHORT_BUDGET_SECONDS = 0.2  # restart-short: shorter than the restart
+START_TIMEOUT_SECONDS = 120.0  # importing NeMo Gym on a loaded 2-core machine takes tens of seconds
+
+
+async def _responses(request: Request) -> JSONResponse:
+    """A Responses API model: the first turn asks for `get_weather`, the turn after the tool's output answers."""
+    return stub_turn(await request.json(), "get_weather", lambda: json.dumps({"city": "Paris"}), "cold")
+
+
+def weather_model_app() -> Starlette:
+    return Starlette(routes=[Route("/{prefix:path}v1/responses", _responses, methods=["POST"])])
+
+
+# --- the resources server's own process --------------------------------------------------------------------------
+
+
+def serve_resources(port: int, wait_for_go: bool) -> None:
+    """Build the weather server, say "ready", wait for "go" on stdin when asked to, then bind and serve until
+    killed."""
+    server = SimpleWeatherResourcesServer.model_construct(
+        config=SimpleWeatherResourcesServerConfig(host=LOOPBACK, port=port, entrypoint="app.py", name=RESOURCES),
+        server_client=None,  # it calls no other server
+    )
+    app = server.setup_webserver()
+    server.setup_exception_middleware(app)
+    print("ready", flush=True)
+    if wait_for_go and sys.stdin.readline().strip() != "go":
+        return
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the killed server's connections linger
+    sock.bind((LOOPBACK, port))
+    sock.listen(1024)
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=30)
+    print("listening", flush=True)
+    asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+
+
+class ResourcesProcess:
+    def __init__(self, port: int, wait_for_go: bool) -> None:
+        command = [sys.executable, str(Path(__file__).resolve()), "serve-resources", str(port)]
+        if wait_for_go:
+            command.append("--wait-for-go")
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    async def line(self) -> str:
+        assert self.process.stdout is not None
+        return (await asyncio.to_thread(self.process.stdout.readline)).strip()
+
+    async def expect(self, wanted: str) -> None:
+        got = await asyncio.wait_for(self.line(), START_TIMEOUT_SECONDS)
+        if got != wanted:
+            raise RuntimeError(f"the resources server said {got!r}, not {wanted!r}")
+
+    def go(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
+
+
+# --- the rollouts ------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def global_config(ports: dict[str, int], mode: str) -> dict[str, Any]:
+    def entry(server_type: str, impl: str, name: str, **extra: Any) -> dict[str, Any]:
+        return {server_type: {impl: {"host": LOOPBACK, "port": ports[name], "entrypoint": "app.py", **extra}}}
+
+    doc: dict[str, Any] = {
+        "head_server": {"host": LOOPBACK, "port": 0},  # never asked: the config is given to the client
+        MODEL: entry("responses_api_models", "stub_model", MODEL),
+        RESOURCES: entry("resources_servers", "example_single_tool_call", RESOURCES),
+        AGENT: entry(
+            "responses_api_agents",
+            "simple_agent",
+            AGENT,
+            resources_server={"type": "resources_servers", "name": RESOURCES},
+            model_server={"type": "responses_api_models", "name": MODEL},
+        ),
+    }
+    if mode in ("gone", "restart-short"):
+        every_kind = {"seconds": BUDGET_SECONDS if mode == "gone" else SHORT_BUDGET_SECONDS}
+        doc["http_client"] = {
+            "retry": {
+                kind: every_kind for kind in ("refused", "dropped_before_write", "dropped_after_write", "timeout")
+            }
+        }
+    return doc
+
+
+async def _rollout(session: aiohttp.ClientSession, url: str, index: int) -> dict[str, Any]:
+    body = {
+        "responses_create_params": {"input": "What is the weather in Paris?"},
+        "_ng_task_index": index,
+        "_ng_rollout_index": 0,
+    }
+    started = time.monotonic()
+    outcome: dict[str, Any] = {"index": index, "started": started}
+    try:
+        async with asyncio.timeout(ROLLOUT_TIMEOUT_SECONDS):
+            async with session.post(url, json=body) as response:
+                text = await response.text()
+        outcome["status"] = response.status
+        if response.status == 200:
+            outcome["reward"] = json.loads(text).get("reward")
+        else:
+            outcome["error"] = text[-300:]
+    except TimeoutError:
+        outcome["hung"] = True
+    except Exception as exc:  # the agent itself failing to answer is a failed rollout too
+        outcome["error"] = f"{type(exc).__name__}: {exc}"
+    outcome["seconds"] = time.monotonic() - started
+    return outcome
+
+
+class Servers:
+    """The resources processes of one mode, started before any mode runs (importing NeMo Gym takes a while): the
+    one serving at once, and, for a restart, the one that binds the same port when told."""
+
+    def __init__(self, mode: str) -> None:
+        self.port = _free_port()
+        self.first = ResourcesProcess(self.port, wait_for_go=False)
+        self.second = ResourcesProcess(self.port, wait_for_go=True) if mode.startswith("restart") else None
+
+    async def ready(self) -> None:
+        await self.first.expect("ready")
+        await self.first.expect("listening")
+        if self.second is not None:
+            await self.second.expect("ready")
+
+    def stop(self) -> None:
+        for process in (self.first, self.second):
+            if process is not None:
+                process.stop()
+
+
+async def run_mode(mode: str, rollouts: int, servers: Servers) -> dict[str, Any]:
+    from gym_rpc.client.server_client import ServerClient
+    from gym_rpc.config import BaseServerConfig
+
+    sockets = {name: _held_socket() for name in (MODEL, AGENT)}
+    ports = {name: int(sock.getsockname()[1]) for name, sock in sockets.items()}
+    ports[RESOURCES] = servers.port
+    doc = global_config(ports, mode)
+    first, second = servers.first, servers.second
+    try:
+        await servers.ready()
+        client = ServerClient(
+            head_server_config=BaseServerConfig(host=LOOPBACK, port=1), global_config_dict=OmegaConf.create(doc)
+        )
+        agent = simple_agent(ports[AGENT], client, resources=RESOURCES)
+        agent_app = agent.setup_webserver()
+        agent.setup_exception_middleware(agent_app)
+        apps: dict[str, tuple[Asgi, socket.socket]] = {
+            MODEL: (weather_model_app(), sockets[MODEL]),
+            AGENT: (agent_app, sockets[AGENT]),
+        }
+        kill_after = rollouts // 4 if mode == "gone" else rollouts // 2
+        done = 0
+        killed_at: float | None = None
+        back_at: float | None = None
+        limit = asyncio.Semaphore(CONCURRENCY)
+        url = f"http://{LOOPBACK}:{ports[AGENT]}/run"
+
+        async def one(session: aiohttp.ClientSession, index: int) -> dict[str, Any]:
+            nonlocal done, killed_at, back_at
+            async with limit:
+                outcome = await _rollout(session, url, index)
+            done += 1
+            if done == kill_after:
+                first.kill()
+                killed_at = time.monotonic()
+                if second is not None:
+                    await asyncio.sleep(1.0)
+                    second.go()
+                    await second.expect("listening")
+                    back_at = time.monotonic()
+            return outcome
+
+        connector = aiohttp.TCPConnector(limit=CONCURRENCY)
+        async with serving(apps), aiohttp.ClientSession(connector=connector) as session:
+            started = time.monotonic()
+            outcomes = await asyncio.gather(*(one(session, index) for index in range(rollouts)))
+            took = time.monotonic() - started
+        await client.aclose()
+    finally:
+        servers.stop()
+    answered = [o for o in outcomes if o.get("status") == 200 and o.get("reward") == 1.0]
+    failed = [o for o in outcomes if o not in answered]
+    return {
+        "rollouts": rollouts,
+        "answered": len(answered),
+        "failed": [{k: v for k, v in o.items() if k != "started"} for o in failed],
+        "hung": sum(1 for o in outcomes if o.get("hung")),
+        "slowest_seconds": max(o["seconds"] for o in outcomes),
+        "seconds": took,
+        "killed": killed_at is not None,
+        "back_after_seconds": None if back_at is None or killed_at is None else back_at - killed_at,
+        "started_after_kill": sum(1 for o in outcomes if killed_at and o["started"] >= killed_at),
+        "failed_started_after_kill": sum(1 for o in failed if killed_at and o["started"] >= killed_at),
+        "budget_seconds": BUDGET_SECONDS,
+    }
+
+
+async def main(modes: list[str]) -> None:
+    planned = [(mode, int(rollouts)) for mode, rollouts in (given.split(":") for given in modes)]
+    servers = {mode: Servers(mode) for mode, _ in planned}
+    results = {}
+    try:
+        for mode, rollouts in planned:
+            results[mode] = await run_mode(mode, rollouts, servers[mode])
+    finally:
+        for each in servers.values():
+            each.stop()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    os.environ.pop("NEMO_GYM_CONFIG_DICT", None)  # the config is handed to the client
+    parser = argparse.ArgumentParser(description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    serve = sub.add_parser("serve-resources")
+    serve.add_argument("port", type=int)
+    serve.add_argument("--wait-for-go", action="store_true")
+    run = sub.add_parser("run")
+    run.add_argument("--modes", default="restart:256,restart-short:128,gone:128", help="MODE:ROLLOUTS,...")
+    args = parser.parse_args()
+    if args.command == "serve-resources":
+        serve_resources(args.port, args.wait_for_go)
+    else:
+        asyncio.run(main(args.modes.split(",")))

@@ -1,0 +1,679 @@
+"""ServerClient over several instances of one server, against real aiohttp replicas on loopback: calls of no
+rollout by two random choices on calls in flight, rollouts pinned by rendezvous hashing, NeMo Gym sessions kept
+with the instance that opened them, failover on a refused connection, passive ejection (and its cap), label
+selectors, the typed error when no instance can take a call, and what a one-instance client keeps seeing."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import contextlib
+import json
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gym_rpc.client._control import ControlClient
+from gym_rpc.client._http import close_http_sessions
+from gym_rpc.client._instances import InstanceState
+from gym_rpc.client._outliers import OutlierDetection
+from gym_rpc.client._picker import SLOTS, heaviest, mix64, slot_of, stable_key, two_choices, weight
+from gym_rpc.client._rollout import rollout_context
+from gym_rpc.client._routing import ServerRoute
+from gym_rpc.client.server_client import ServerClient
+from gym_rpc.config import BaseServerConfig, GlobalConfig
+from gym_rpc.errors import NoHealthyInstanceError, RequestTimeoutError, ServerUnreachableError
+from gym_rpc.wire import InstanceReport, ServerStatus, StatusReport
+from tests.conftest import LOOPBACK, closed_port, document, server_entry
+
+NAME = "policy"
+REPLICAS_LOGGER = "gym_rpc.client.replicas"
+
+
+class Replica:
+    """One instance: answers `{"instance": <its port>}`, counts its calls; can hold calls, answer 5xx, stop, and
+    start again on the same port."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.paths: list[str] = []
+        self.status = 200
+        self.hold: asyncio.Event | None = None  # while set to an unset event, calls wait for it
+        self.set_cookie: str | None = None  # a NeMo Gym session cookie to set on each answer
+        self.arrived = asyncio.Event()  # set by every call that reaches it
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.calls += 1
+        self.arrived.set()
+        self.paths.append(request.raw_path)
+        await request.read()
+        if self.hold is not None:
+            await self.hold.wait()
+        response = web.json_response({"instance": self.port}, status=self.status)
+        if self.set_cookie is not None:
+            response.set_cookie(f"SimpleServer___{NAME}", self.set_cookie)
+        return response
+
+    async def start(self, port: int = 0) -> int:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, LOOPBACK, port, reuse_address=True)
+        await site.start()
+        self._runner = runner
+        self.port = int(runner.addresses[0][1])
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+@pytest.fixture
+async def replicas() -> AsyncIterator[Callable[[int], Awaitable[list[Replica]]]]:
+    started: list[Replica] = []
+
+    async def start(count: int) -> list[Replica]:
+        made = [Replica() for _ in range(count)]
+        for replica in made:
+            await replica.start()
+        started.extend(made)
+        return made
+
+    yield start
+    await close_http_sessions()
+    for replica in started:
+        await replica.stop()
+
+
+def replicated_doc(ports: list[int], server_type: str = "responses_api_models", **global_keys: Any) -> dict:
+    entry = server_entry(ports[0], server_type, replicas=[f"{LOOPBACK}:{port}" for port in ports[1:]])
+    return document({NAME: entry}, **global_keys)
+
+
+def client_of(doc: dict[str, Any], head_port: int | None = None) -> ServerClient:
+    """A client of `doc` that does not follow a head (its instances are the config's), unless `head_port`."""
+    head = BaseServerConfig(host=LOOPBACK, port=head_port or closed_port())
+    client = ServerClient._from_global_config(head, GlobalConfig.from_document(doc))
+    if head_port is None:
+        client.follow_instances(False)
+    return client
+
+
+async def call(client: ServerClient, path: str = "/v1/responses", **kwargs: Any) -> int:
+    """One POST; the port of the instance that answered."""
+    async with await client.post(NAME, path, json={"input": "hi"}, **kwargs) as response:
+        return int((await response.json())["instance"])
+
+
+def route_of(client: ServerClient) -> ServerRoute:
+    assert client._routing is not None
+    return client._routing.routes[NAME]
+
+
+# --- the picking rules, without I/O ------------------------------------------------------------------------------
+
+
+def test_rendezvous_weights_are_the_same_in_every_process() -> None:
+    """Workers on any interpreter (or a harness in another language) must rank a rollout's instances alike: keys
+    are blake2b, weights splitmix64's finalizer in plain 64-bit arithmetic (gym_rpc.client._picker's docstring),
+    never Python's `hash()`. Pinned values: a change of any breaks every deployment that mixes versions, so it
+    must show here. The first three are splitmix64's published outputs for seed 0."""
+    golden = 0x9E3779B97F4A7C15
+    assert [mix64(n * golden % 2**64) for n in (1, 2, 3)] == [
+        0xE220A8397B1DCDAF,
+        0x6E789E6AA1B965F4,
+        0x06C45D188009454F,
+    ]
+    assert stable_key("127.0.0.1:8000") == 0x174F928AD4ACFD58
+    assert slot_of("rollout-0") == 14866
+    assert weight(1, 2) == 10905525725756348110
+    assert weight(14866, 0x174F928AD4ACFD58) == 7014319819360387923
+    fleet = [SimpleNamespace(key=stable_key(f"127.0.0.1:{8000 + i}"), in_flight=0) for i in range(4)]
+    chosen = [fleet.index(heaviest(slot_of(f"rollout-{n}"), fleet)) for n in range(8)]
+    assert chosen == [3, 1, 1, 0, 0, 2, 0, 1]
+    assert all(max(fleet, key=lambda i: weight(slot, i.key)) is heaviest(slot, fleet) for slot in range(500))
+
+
+def test_slots_spread_evenly_and_only_a_removed_instances_slots_move() -> None:
+    many = [SimpleNamespace(key=stable_key(f"10.0.1.{i}:8000"), in_flight=0) for i in range(64)]
+    shares = collections.Counter(id(heaviest(slot, many)) for slot in range(SLOTS))
+    # 256 slots per instance: one standard deviation is about 6 %, the worst of 64 about 2.5 of them.
+    assert len(shares) == 64
+    assert min(shares.values()) / (SLOTS / 64) > 0.8 and max(shares.values()) / (SLOTS / 64) < 1.2
+    fleet = [SimpleNamespace(key=stable_key(f"10.0.0.{i}:8000"), in_flight=0) for i in range(8)]
+    before = {slot: heaviest(slot, fleet) for slot in range(SLOTS)}
+    shares = collections.Counter(id(instance) for instance in before.values())
+    assert min(shares.values()) / (SLOTS / 8) > 0.9 and max(shares.values()) / (SLOTS / 8) < 1.1
+    gone = fleet[2]
+    survivors = [instance for instance in fleet if instance is not gone]
+    for slot, instance in before.items():
+        after = heaviest(slot, survivors)
+        assert after is instance or instance is gone
+
+
+def test_remembered_slot_winners_stay_the_rendezvous_winners_as_the_instance_set_changes() -> None:
+    """The route keeps each slot's winner across changes and checks only what changed: after instances leave,
+    join, are ejected and return, every slot's remembered winner is still the heaviest instance taking new work."""
+    states = [InstanceState(f"10.0.0.{i}:8000", f"http://10.0.0.{i}:8000", "success") for i in range(8)]
+    route = ServerRoute(NAME, states, OutlierDetection())
+    for slot in range(0, SLOTS, 7):
+        route.slot_winner(slot, route.pool)
+    changes = [
+        states[:6],  # two leave
+        [*states[:6], InstanceState("10.0.1.1:8000", "http://10.0.1.1:8000", "success")],  # one joins
+        [*states[:6], InstanceState("10.0.1.1:8000", "http://10.0.1.1:8000", "timeout")],  # down by the head
+        states,  # all back, the joined one gone
+    ]
+    for change in changes:
+        route.update(change)
+        for slot in range(0, SLOTS, 7):
+            assert route.slot_winner(slot, route.pool) is heaviest(slot, route.pool)
+
+
+def test_two_choices_takes_the_less_loaded_of_two_distinct_instances() -> None:
+    busy, idle = SimpleNamespace(key=1, in_flight=3), SimpleNamespace(key=2, in_flight=0)
+    assert all(two_choices([busy, idle]) is idle for _ in range(50))
+    assert two_choices([busy]) is busy
+
+
+# --- one instance: nothing changes -------------------------------------------------------------------------------
+
+
+async def test_a_server_with_one_instance_has_no_route_and_its_url_is_cached_as_before(replicas) -> None:
+    (replica,) = await replicas(1)
+    client = client_of(document({NAME: server_entry(replica.port)}))
+    assert await call(client) == replica.port
+    assert client._routing is not None and client._routing.routes == {}
+    assert client._server_base_urls == {NAME: f"http://{LOOPBACK}:{replica.port}"}
+
+
+# --- calls of no rollout -----------------------------------------------------------------------------------------
+
+
+async def test_calls_of_no_rollout_leave_an_instance_whose_calls_pile_up(replicas) -> None:
+    """Two random choices by calls in flight: once the stuck instance holds one call, no pair ever prefers it."""
+    stuck, *others = await replicas(3)
+    stuck.hold = asyncio.Event()
+    client = client_of(replicated_doc([stuck.port, *(replica.port for replica in others)]))
+    held: list[asyncio.Task[int]] = []
+    answered: collections.Counter[int] = collections.Counter()
+    for _ in range(60):
+        stuck.arrived.clear()
+        task = asyncio.create_task(call(client))
+        arrival = asyncio.create_task(stuck.arrived.wait())
+        await asyncio.wait({task, arrival}, return_when=asyncio.FIRST_COMPLETED)  # answered, or held there
+        arrival.cancel()
+        if task.done():
+            answered[task.result()] += 1
+        else:
+            held.append(task)
+    assert stuck.calls == len(held) == 1  # round robin would have sent it 20
+    assert sum(answered.values()) == 59 and set(answered) == {replica.port for replica in others}
+    stuck.hold.set()
+    assert [await task for task in held] == [stuck.port]
+    assert [instance.in_flight for instance in route_of(client).instances] == [0, 0, 0]
+
+
+async def test_a_refused_instance_costs_no_call_and_is_ejected_then_returns(replicas, caplog) -> None:
+    caplog.set_level(logging.INFO, REPLICAS_LOGGER)
+    gone, *others = await replicas(4)
+    port = gone.port
+    doc = replicated_doc(
+        [replica.port for replica in (gone, *others)],
+        http_client={"outlier_detection": {"base_ejection_seconds": 1.5}},
+    )
+    client = client_of(doc)
+    await call(client)
+    instance = route_of(client).by_id[f"{LOOPBACK}:{port}"]
+    picked_before = instance.picks
+    await gone.stop()  # refused from now on
+    answered = collections.Counter([await call(client) for _ in range(40)])
+    assert port not in answered and sum(answered.values()) == 40  # every call failed over: none failed
+    assert instance.ejections == 1 and not instance.alive
+    picks = instance.picks
+    assert picks - picked_before == 5  # five failures in a row eject it
+    ejected = [r.getMessage() for r in caplog.records if "ejected" in r.getMessage()]
+    assert len(ejected) == 1 and f"instance {LOOPBACK}:{port} of {NAME} ejected for 1.5 s" in ejected[0]
+    assert "connection refused" in ejected[0] and "3 of 4 instances stay in rotation" in ejected[0]
+    for _ in range(20):
+        await call(client)
+    assert instance.picks == picks  # known dead: no call goes there
+    await gone.start(port)  # back on its port
+    await asyncio.sleep(1.6)
+    answered = collections.Counter([await call(client) for _ in range(100)])
+    assert answered[port] > 0 and instance.alive
+    returned = [r.getMessage() for r in caplog.records if "returns to rotation" in r.getMessage()]
+    assert len(returned) == 1 and f"{LOOPBACK}:{port} of {NAME}" in returned[0]
+
+
+async def test_never_more_than_half_of_the_instances_are_ejected(replicas) -> None:
+    *dead, alive = await replicas(4)
+    client = client_of(replicated_doc([replica.port for replica in (*dead, alive)]))
+    for replica in dead:
+        await replica.stop()
+    outcomes: collections.Counter[int | str] = collections.Counter()
+    for _ in range(100):
+        try:
+            outcomes[await call(client)] += 1
+        except ServerUnreachableError:
+            outcomes["unreachable"] += 1  # three dead ones in a row, before two of them were ejected
+    assert sum(1 for instance in route_of(client).instances if instance.ejections) == 2
+    assert outcomes[alive.port] >= 95
+
+
+async def test_5xx_answers_count_towards_ejection_and_reach_the_caller(replicas) -> None:
+    failing, healthy = await replicas(2)
+    failing.status = 503
+    client = client_of(replicated_doc([failing.port, healthy.port]))
+    statuses: collections.Counter[int] = collections.Counter()
+    for _ in range(60):
+        async with await client.post(NAME, "/v1/responses", json={}) as response:
+            statuses[response.status] += 1  # an HTTP answer is never resent
+    assert statuses[503] == 5 and statuses[200] == 55
+    assert route_of(client).by_id[f"{LOOPBACK}:{failing.port}"].ejections == 1
+
+
+async def test_every_way_a_call_ends_releases_its_count_in_flight(replicas) -> None:
+    """The count in flight per instance (what two choices weighs) comes back to 0 whatever ends a call: an answer,
+    a 5xx, a deadline, a cancelled caller, a dropped connection it may not resend, a refused one that fails over,
+    and none left to fail over to. A count left behind would steer calls away from a healthy instance forever."""
+    held, failing = await replicas(2)
+    dropping = socket.socket()
+    dropping.bind((LOOPBACK, 0))
+    dropping.listen(8)
+    dropping.setblocking(False)
+    refused = closed_port()
+    ports = [held.port, failing.port, dropping.getsockname()[1], refused]
+    client = client_of(replicated_doc(ports, http_client={"outlier_detection": {"consecutive_failures": 10**6}}))
+    await call(client)
+    route = route_of(client)
+    by_port = {int(instance.instance_id.rsplit(":", 1)[1]): instance for instance in route.instances}
+
+    def counts() -> list[int]:
+        return [instance.in_flight for instance in route.instances]
+
+    def only(port: int) -> None:
+        """As if the head reported every other instance down: every call now goes to `port`."""
+        states = [
+            InstanceState(f"{LOOPBACK}:{p}", f"http://{LOOPBACK}:{p}", None if p == port else "connection_error")
+            for p in ports
+        ]
+        route.update(states)
+
+    async def until_held(call_made: Awaitable[Any]) -> asyncio.Task[Any]:
+        held.arrived.clear()
+        task = asyncio.ensure_future(call_made)
+        await asyncio.wait_for(held.arrived.wait(), 10)
+        assert by_port[held.port].in_flight == 1
+        return task
+
+    dropper = asyncio.create_task(drop_everything(dropping))
+    try:
+        failing.status = 503
+        for _ in range(40):  # answers, 5xx answers, failovers from the refused and the dropping instances
+            async with await client.post(NAME, "/v1/responses", json={}) as response:
+                await response.read()
+        assert counts() == [0, 0, 0, 0]
+
+        only(held.port)
+        held.hold = asyncio.Event()
+        task = await until_held(client.post(NAME, "/v1/responses", json={}))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert counts() == [0, 0, 0, 0]
+
+        timed = await until_held(client.post(NAME, "/v1/responses", json={}, timeout=aiohttp.ClientTimeout(0.2)))
+        with pytest.raises(RequestTimeoutError):
+            await timed
+        assert counts() == [0, 0, 0, 0]
+        held.hold.set()
+
+        only(dropping.getsockname()[1])
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await client.request(NAME, "/v1/responses", "POST", json={}, _resend_after_disconnect=False)
+        assert counts() == [0, 0, 0, 0]
+
+        only(refused)
+        with pytest.raises(ServerUnreachableError):
+            await client.post(NAME, "/v1/responses", json={})  # refused, and no other instance to go to
+        assert counts() == [0, 0, 0, 0]
+    finally:
+        if held.hold is not None:
+            held.hold.set()  # no call left held, so the replica can stop
+        dropper.cancel()
+        dropping.close()
+
+
+# --- rollouts ----------------------------------------------------------------------------------------------------
+
+
+async def test_rollouts_stick_and_only_the_gone_instances_rollouts_move(replicas, caplog) -> None:
+    caplog.set_level(logging.INFO, REPLICAS_LOGGER)
+    fleet = await replicas(4)
+    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    where: dict[str, int] = {}
+    for n in range(40):
+        with rollout_context(f"rollout-{n}"):
+            seen = {await call(client) for _ in range(3)}
+        assert len(seen) == 1
+        where[f"rollout-{n}"] = seen.pop()
+    assert len(set(where.values())) == 4  # spread over all four
+    gone = fleet[1]
+    await gone.stop()
+    for rollout, port in where.items():
+        with rollout_context(rollout):
+            now = {await call(client) for _ in range(2)}
+        assert len(now) == 1
+        assert (now.pop() == port) == (port != gone.port), rollout  # only the gone instance's rollouts moved
+    moved = sum(1 for port in where.values() if port == gone.port)
+    assert route_of(client).repins == moved
+    lines = [r.getMessage() for r in caplog.records if "move to other instances" in r.getMessage()]
+    assert len(lines) == 1 and f"{LOOPBACK}:{gone.port} of {NAME}" in lines[0]  # logged once, not per rollout
+
+
+async def test_a_rollout_on_a_resources_server_sticks_by_its_verify_body(replicas) -> None:
+    fleet = await replicas(3)
+    client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
+    body = {"_ng_task_index": 7, "_ng_rollout_index": 2}
+    seen = set()
+    for _ in range(6):
+        async with await client.post(NAME, "/verify", json=body) as response:
+            seen.add((await response.json())["instance"])
+    assert len(seen) == 1
+    assert route_of(client).pins.keys() == {"7-2"}
+
+
+def session_cookie(session_id: str) -> str:
+    """A cookie value as Starlette's SessionMiddleware writes it: base64 JSON, timestamp, signature."""
+    payload = base64.b64encode(json.dumps({"session_id": session_id}).encode()).decode()
+    return f"{payload}.{int(time.time())}.c2lnbmF0dXJl"
+
+
+async def test_a_nemo_gym_session_stays_with_the_instance_that_opened_it(replicas) -> None:
+    """No rollout bound: the first call (seed_session) opens the session where two random choices send it; the
+    answer's session cookie pins the session there, and every later call carrying it follows."""
+    fleet = await replicas(4)
+    client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
+    for n in range(12):
+        for replica in fleet:
+            replica.set_cookie = session_cookie(f"session-{n}")
+        async with await client.post(NAME, "/seed_session", json={}) as response:
+            opened_at = (await response.json())["instance"]
+            cookies = response.cookies
+        for replica in fleet:
+            replica.set_cookie = None
+        for _ in range(3):
+            assert await call(client, "/execute", cookies=cookies) == opened_at
+        resigned = {f"SimpleServer___{NAME}": session_cookie(f"session-{n}")}  # a new timestamp, one session
+        assert await call(client, "/verify", cookies=resigned) == opened_at
+
+
+# --- label selectors ---------------------------------------------------------------------------------------------
+
+
+def labelled(ports: list[int], versions: list[str]) -> StatusReport:
+    """The head's report of the server with these instances and `weights_version` labels."""
+    instances = tuple(
+        InstanceReport(f"{LOOPBACK}:{port}", f"http://{LOOPBACK}:{port}", "success", labels={"weights_version": v})
+        for port, v in zip(ports, versions, strict=True)
+    )
+    return StatusReport(NAME, "success", instances[0].url, instances=instances)
+
+
+async def test_labels_send_new_rollouts_to_matching_instances_while_pinned_ones_finish_where_they_are(
+    replicas,
+) -> None:
+    fleet = await replicas(4)
+    ports = [replica.port for replica in fleet]
+    client = client_of(replicated_doc(ports))
+    await call(client)
+    assert client._routing is not None
+    client._routing.apply_reports([labelled(ports, ["42", "42", "42", "42"])])
+    before = {}
+    for n in range(20):
+        with rollout_context(f"old-{n}"):
+            before[n] = await call(client)
+    client._routing.apply_reports([labelled(ports, ["42", "42", "43", "43"])])  # two refitted
+    client.require_labels(NAME, {"weights_version": "43"})
+    for n, port in before.items():
+        with rollout_context(f"old-{n}"):
+            assert await call(client) == port  # in flight: finishes where it is
+    new: collections.Counter[int] = collections.Counter()
+    for n in range(20):
+        with rollout_context(f"new-{n}"):
+            new[await call(client)] += 1
+    new.update([await call(client) for _ in range(20)])  # calls of no rollout too
+    assert set(new) == {ports[2], ports[3]}
+    client.require_labels(NAME, {"weights_version": "44"})
+    with pytest.raises(NoHealthyInstanceError) as raised:
+        await call(client)
+    message = str(raised.value)
+    assert f"server {NAME!r}" in message and "none matches the labels weights_version=44" in message
+    assert all(f"{LOOPBACK}:{port} success weights_version=" in message for port in ports)
+    assert isinstance(raised.value, ServerUnreachableError)
+    client.require_labels(NAME, None)
+    assert await call(client) in ports
+    with pytest.raises(ValueError, match="labels must map"):
+        client.require_labels(NAME, {"weights_version": 43})  # type: ignore[dict-item]
+
+
+async def test_no_healthy_instance_fails_at_once_naming_each_instances_last_status(replicas) -> None:
+    fleet = await replicas(2)
+    ports = [replica.port for replica in fleet]
+    client = client_of(replicated_doc(ports))
+    await call(client)
+    assert client._routing is not None
+    statuses: list[ServerStatus] = ["connection_error", "timeout"]
+    down = tuple(
+        InstanceReport(f"{LOOPBACK}:{port}", f"http://{LOOPBACK}:{port}", status)
+        for port, status in zip(ports, statuses, strict=True)
+    )
+    client._routing.apply_reports([StatusReport(NAME, "connection_error", down[0].url, instances=down)])
+    started = time.monotonic()
+    with pytest.raises(NoHealthyInstanceError) as raised:
+        await call(client)
+    assert time.monotonic() - started < 1.0  # no wait for a deadline nothing can meet
+    assert f"{LOOPBACK}:{ports[0]} connection_error; {LOOPBACK}:{ports[1]} timeout" in str(raised.value)
+    assert [fleet[0].calls, fleet[1].calls] == [1, 0] or [fleet[0].calls, fleet[1].calls] == [0, 1]
+
+
+# --- the seed API's meaning --------------------------------------------------------------------------------------
+
+
+async def test_resolve_base_url_is_the_rollouts_instance_else_a_healthy_one(replicas) -> None:
+    fleet = await replicas(3)
+    ports = [replica.port for replica in fleet]
+    client = client_of(replicated_doc(ports))
+    with rollout_context("r-1"):
+        port = await call(client)
+        assert await asyncio.to_thread(client._resolve_base_url, NAME) == f"http://{LOOPBACK}:{port}"
+    assert await asyncio.to_thread(client._resolve_base_url, NAME) in {f"http://{LOOPBACK}:{p}" for p in ports}
+    assert client._server_base_urls == {}  # the cache of one-instance servers only
+
+
+async def test_a_pickled_client_makes_its_own_routes_and_keeps_its_labels(replicas) -> None:
+    fleet = await replicas(2)
+    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    client.require_labels(NAME, {"weights_version": "1"})
+    restored: ServerClient = pickle.loads(pickle.dumps(client))
+    assert restored._routing is None and restored._label_selectors == {NAME: {"weights_version": "1"}}
+    with pytest.raises(NoHealthyInstanceError, match="weights_version=1"):
+        await call(restored)  # its routes carry the selector (no instance reports labels here)
+
+
+async def test_an_injected_config_client_never_asks_the_head_for_instances(replicas, monkeypatch) -> None:
+    """SECURITY.md: a client of an injected NEMO_GYM_CONFIG_DICT routes over its config's static replicas without
+    following the head; the head's port is a listening socket nobody accepts on, so any attempt to ask it would
+    leave a connection in its backlog. follow_instances() is the opt-in, and then it does connect."""
+    fleet = await replicas(2)
+    with socket.create_server((LOOPBACK, 0)) as head_listener:
+        head_listener.setblocking(False)
+        doc = replicated_doc([replica.port for replica in fleet])
+        doc["head_server"]["port"] = int(head_listener.getsockname()[1])
+        monkeypatch.setenv("NEMO_GYM_CONFIG_DICT", json.dumps(doc))
+        client = ServerClient.load_from_global_config()
+        assert {await call(client) for _ in range(20)} == {replica.port for replica in fleet}
+        await asyncio.to_thread(client._resolve_base_url, NAME)
+        with pytest.raises(BlockingIOError):
+            head_listener.accept()  # nothing ever connected to the head
+        client.follow_instances()
+        await wait_for(lambda: _accepts(head_listener), 10)  # the follower's channel knocks
+
+
+async def test_a_wildcard_server_registered_at_two_addresses_is_routed_over_both(
+    replicas, head_factory, monkeypatch
+) -> None:
+    """lookup_registered_servers() puts every instance the head lists into the client's routes: a wildcard-bound
+    server whose processes registered at two addresses is routed over both, never dialled at whichever row came
+    last, and is not cached in `_server_base_urls` (which only servers of one instance use)."""
+    fleet = await replicas(2)
+    head = await head_factory(document({NAME: server_entry(closed_port(), host="0.0.0.0")}))
+    control = ControlClient(head.address)
+    for pid, replica in enumerate(fleet, start=101):
+        await control.register_instance(NAME, listen_port=replica.port, listen_host=LOOPBACK, pid=pid)
+    monkeypatch.setenv(
+        "NEMO_GYM_CONFIG_DICT",
+        json.dumps({**head.config.document, "head_server": {"host": LOOPBACK, "port": head.port}}),
+    )
+    client = ServerClient.load_from_global_config()
+
+    found = await asyncio.to_thread(client.lookup_registered_servers)
+
+    assert found == {} and NAME not in client._server_base_urls
+    assert {await call(client) for _ in range(30)} == {replica.port for replica in fleet}
+
+
+def _accepts(listener: socket.socket) -> bool:
+    try:
+        connection, _ = listener.accept()
+    except BlockingIOError:
+        return False
+    connection.close()
+    return True
+
+
+async def drop_everything(listener: socket.socket) -> None:
+    """Accept each connection, read its request and reset it (a server killed mid-call), until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        connection, _ = await loop.sock_accept(listener)
+        with connection, contextlib.suppress(OSError):  # a client gone first must not end the loop
+            await loop.sock_recv(connection, 65536)
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+
+
+async def test_a_connection_reset_while_the_call_is_in_flight_moves_a_call_of_no_rollout(replicas) -> None:
+    """Killed mid-call: the call in flight is resent elsewhere (it was written, and the caller allows resends)."""
+    dropping = socket.socket()
+    dropping.bind((LOOPBACK, 0))
+    dropping.listen(8)
+    dropping.setblocking(False)
+    (healthy,) = await replicas(1)
+    client = client_of(replicated_doc([dropping.getsockname()[1], healthy.port]))
+
+    dropper = asyncio.create_task(drop_everything(dropping))
+    try:
+        answered = collections.Counter([await call(client) for _ in range(40)])
+    finally:
+        dropper.cancel()
+        dropping.close()
+    assert answered == {healthy.port: 40}
+
+
+# --- followed from a real head -----------------------------------------------------------------------------------
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float) -> float:
+    """Seconds until `condition()` held (polled every 5 ms); fails the test after `timeout`."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout, "condition not met in time"
+        await asyncio.sleep(0.005)
+    return time.monotonic() - started
+
+
+async def test_the_heads_view_of_each_instance_reaches_the_client_within_a_second(replicas, head_factory) -> None:
+    """The head probes every instance and pushes each change on its watch; the client follows it in the background
+    (no call asks the head) and stops calling an instance the head found dead before any call of its fails."""
+    fleet = await replicas(3)
+    ports = [replica.port for replica in fleet]
+    head = await head_factory(replicated_doc(ports), probe_interval_seconds=0.1)
+    client = await asyncio.to_thread(
+        ServerClient.load_from_global_config, BaseServerConfig(host=LOOPBACK, port=head.port)
+    )
+    await call(client)
+    route = route_of(client)
+    await wait_for(lambda: all(instance.status == "success" for instance in route.instances), 5)
+    gone = fleet[0]
+    await gone.stop()
+    known_after = await wait_for(lambda: route.by_id[f"{LOOPBACK}:{gone.port}"].down, 10)
+    assert known_after < 1.0 + 0.1 * 10  # the head's probe interval, then the push (generous on a loaded machine)
+    instance = route.by_id[f"{LOOPBACK}:{gone.port}"]
+    assert not instance.alive and instance.consecutive_failures == 0  # known from the head, not from failed calls
+    picks = instance.picks
+    answered = collections.Counter([await call(client) for _ in range(30)])
+    assert gone.port not in answered and instance.picks == picks
+    await gone.start(gone.port)  # back: the head's next probe says so, and calls go there again
+    await wait_for(lambda: instance.alive, 10)
+    assert gone.port in collections.Counter([await call(client) for _ in range(60)])
+
+
+# --- worker metrics ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["metered", "traced"])
+def test_worker_metrics_count_picks_calls_in_flight_ejections_and_repins_per_instance(mode: str) -> None:
+    """Metered calls (and traced ones: the span's way passes the failover on) fail over and are counted alike."""
+    scenario = Path(__file__).with_name("replicas_metrics_scenario.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_OTEL_", "NEMO_LENS_"))}
+    env["PYTHONPATH"] = str(Path(__file__).parent.parent)
+    completed = subprocess.run(
+        [sys.executable, str(scenario), mode], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert completed.returncode == 0, completed.stderr
+    result = json.loads(next(line for line in completed.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    ports, found = result["ports"], result["metrics"]
+
+    def per_instance(name: str) -> dict[int, Any]:
+        return {
+            int(point["attributes"]["gym.server.instance.id"].rsplit(":", 1)[1]): point["value"]
+            for point in found[name]
+            if point["attributes"]["gym.server.name"] == NAME
+        }
+
+    picks = per_instance("gym.client.instance.picks")
+    assert picks[ports["refused"]] == 5  # five refused in a row eject it; each failed over
+    calls = result["calls"]["unpinned"] + result["calls"]["rollouts"]
+    assert picks[ports["first"]] + picks[ports["second"]] == calls  # every call answered by a live one
+    assert per_instance("gym.client.instance.ejections") == {
+        ports["first"]: 0,
+        ports["second"]: 0,
+        ports["refused"]: 1,
+    }
+    assert set(per_instance("gym.client.instance.active_requests").values()) == {0}
+    repins = {
+        point["attributes"]["gym.server.name"]: point["value"] for point in found["gym.client.rollout.repins"]
+    }
+    assert repins == {NAME: 0}  # the refused instance was ejected before any rollout began
+    if mode == "traced":
+        assert len(result["spans"]) == calls
+        assert {span.get("http.response.status_code") for span in result["spans"]} == {200}
