@@ -1,114 +1,41 @@
-"""What `ServerClient.post` keeps alive on its way to aiohttp, counted: a bound that fails when a change adds
-objects to the data-plane hot path.
-
-Counted without I/O on a real aiohttp ClientSession: a TraceConfig's `on_request_start` (aiohttp's public tracing
-signal, sent inside `ClientSession._request` before any connection is made) counts the objects the garbage
-collector tracks and raises, so the call goes no further. The same count for the same request made on the session
-directly, with the body `json=` is turned into (gym_rpc's orjson payload), is subtracted: what remains is what
-gym_rpc's code between the caller and aiohttp holds at that moment (its coroutines, its kwargs, its per-call
-objects), whatever aiohttp itself allocates. The collector is off while counting, so the count is exact and the
-same on every run; timing plays no part. An object made and freed before the hand-over is not counted: what the
-bound keeps is what a call holds while aiohttp works, which is what the collector pays for at thousands in flight
-(bench/allocations.py measures that against raw aiohttp, with the server).
+"""A bound on what `ServerClient.post` keeps alive on its way to aiohttp, counted exactly in a fresh interpreter
+(tests/hot_path_allocations_scenario.py says how): it fails when a change adds objects to the data-plane hot path.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import AsyncIterator, Awaitable, Callable
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
-import aiohttp
-import pytest
-from omegaconf import OmegaConf
-
-from gym_rpc.client._http import close_http_sessions, json_payload
-from gym_rpc.client.server_client import ServerClient, rollout_context
-from gym_rpc.config import BaseServerConfig
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
-
-BODY: dict[str, Any] = {"model": "policy", "input": [{"role": "user", "content": "What is 6 * 7?"}]}
 # What ServerClient.post holds at aiohttp's request start beyond the same request made on the session directly.
 # Lower it when a change removes objects; a change that needs more must show in bench/ that they pay.
 MAX_EXTRA_OBJECTS = 5
 MAX_EXTRA_OBJECTS_OBSERVED = 5  # observability on: the rollout prefix rule adds its URL path
 
 
-class HandedOver(Exception):
-    """Raised at aiohttp's request start, once counted: the call stops there, before any I/O."""
-
-
-class Counter:
-    """A real aiohttp session whose requests are counted at their start and stopped there."""
-
-    def __init__(self) -> None:
-        trace = aiohttp.TraceConfig()
-        trace.on_request_start.append(self._on_request_start)
-        self.session = aiohttp.ClientSession(trace_configs=[trace], cookie_jar=aiohttp.DummyCookieJar())
-        self.at_start: list[int] = []
-
-    async def _on_request_start(self, session: aiohttp.ClientSession, context: Any, params: Any) -> None:
-        self.at_start.append(len(gc.get_objects()))
-        raise HandedOver
-
-    async def objects_held(self, call: Callable[[], Awaitable[object]]) -> int:
-        """Objects the collector tracks that are alive at aiohttp's request start and were not before `call`."""
-        for _ in range(3):  # first calls fill caches (URLs, context variables, aiohttp's own)
-            with pytest.raises(HandedOver):
-                await call()
-        gc.collect()
-        gc.disable()
-        try:
-            before = len(gc.get_objects())
-            with pytest.raises(HandedOver):
-                await call()
-        finally:
-            gc.enable()
-        return self.at_start[-1] - before
-
-
-@contextlib.asynccontextmanager
-async def counted_client(**global_keys: Any) -> AsyncIterator[tuple[ServerClient, Counter, str]]:
-    """A client whose data pool is a Counter's session (for its running loop), and the URL its server has."""
-    port = closed_port()  # never connected to: every call stops at its request start
-    doc = document({"policy": server_entry(port)}, **global_keys)
-    client = ServerClient(
-        head_server_config=BaseServerConfig(host=LOOPBACK, port=closed_port()),
-        global_config_dict=OmegaConf.create(doc),
+def counted() -> dict[str, Any]:
+    scenario = Path(__file__).with_name("hot_path_allocations_scenario.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_OTEL_", "NEMO_LENS_"))}
+    env["PYTHONPATH"] = str(Path(__file__).parent.parent)
+    completed = subprocess.run(
+        [sys.executable, str(scenario)], env=env, capture_output=True, text=True, timeout=120, check=False
     )
-    counter = Counter()
-    sessions = client._http.sessions()
-    own, sessions.data = sessions.data, counter.session
-    try:
-        yield client, counter, f"http://{LOOPBACK}:{port}"
-    finally:
-        sessions.data = own
-        await counter.session.close()
-        await close_http_sessions()
+    assert completed.returncode == 0, completed.stderr
+    line = next(line for line in completed.stdout.splitlines() if line.startswith("RESULT "))
+    result: dict[str, Any] = json.loads(line[len("RESULT ") :])
+    return result
 
 
-async def extra_objects(client: ServerClient, counter: Counter, url: str, path: str) -> int:
-    """What `client.post(json=BODY)` holds at aiohttp's request start beyond the same request sent directly."""
-
-    async def ours() -> object:
-        return await client.post("policy", "/v1/responses", json=BODY)
-
-    async def direct() -> object:
-        return await counter.session.request("POST", url + path, data=json_payload(BODY))
-
-    return await counter.objects_held(ours) - await counter.objects_held(direct)
-
-
-async def test_post_holds_at_most_a_few_objects_beyond_aiohttps_own() -> None:
-    async with counted_client() as (client, counter, url):
-        extra = await extra_objects(client, counter, url, "/v1/responses")
-        assert extra == await extra_objects(client, counter, url, "/v1/responses")  # exact: the same every time
-    assert 0 < extra <= MAX_EXTRA_OBJECTS, f"ServerClient.post holds {extra} objects beyond aiohttp's own"
-
-
-async def test_post_with_the_rollout_prefix_holds_at_most_a_few_more() -> None:
-    async with counted_client(observability_enabled=True) as (client, counter, url):
-        with rollout_context("rollout-7"):
-            extra = await extra_objects(client, counter, url, "/ng-rollout/rollout-7/v1/responses")
-    assert 0 < extra <= MAX_EXTRA_OBJECTS_OBSERVED, f"ServerClient.post holds {extra} objects beyond aiohttp's own"
+def test_post_holds_at_most_a_few_objects_beyond_aiohttps_own() -> None:
+    result = counted()
+    first, second = result["plain"]
+    assert first == second  # exact: the same every time
+    assert 0 < first <= MAX_EXTRA_OBJECTS, f"ServerClient.post holds {first} objects beyond aiohttp's own"
+    observed = result["observed"]
+    assert 0 < observed <= MAX_EXTRA_OBJECTS_OBSERVED, (
+        f"with the rollout prefix, ServerClient.post holds {observed} objects beyond aiohttp's own"
+    )
