@@ -1,29 +1,31 @@
 """Does the speed trick of `ServerClient.request` pay? Its `_data_plane`: what the hot path reads on every call
-(the base URLs, the typed config, the pools, the send functions) in one plain object, a `functools.cached_property`
-of the client, so a call makes one ordinary attribute read. The shipped client against the same client reading
-`self._x` for each private attribute (each read misses the instance and goes through pydantic's
-BaseModel.__getattr__), all else alike.
+(the base URLs, the typed config, the routes, the pools, the send functions) in one plain object, a
+`functools.cached_property` of the client, so a call makes one ordinary attribute read. The shipped client
+against the same client reading `self._x` for each private attribute (each read misses the instance and goes
+through pydantic's BaseModel.__getattr__), all else alike.
 
 Two figures. Against the real data server (interleaved rounds, bench/data_plane.py's `compare`): the median of
 the per-round ratios shipped / without requests per second, with each side's CPU per request; on two shared cores
 a few µs per request drown in the scatter. With no I/O (a session whose `request` returns at once): the client's
 own µs per call, the best of interleaved blocks, where the trick's saving shows by itself. Above 1 the trick pays;
-near 1 in both, it should go. The first attempt of `send` used to be made inline too: that saved about 0.1 µs of
-no-I/O time per call (under 0.2 % of the client's CPU per request), did not pay, and went.
+near 1 in both, it should go. (Its first attempt made inline, with no coroutine of `send`'s, and `post`'s kwargs
+never copied again, save little of this no-I/O time; they are there for what a call keeps alive while it waits,
+which bench/allocations.py counts.)
 """
 
 from __future__ import annotations
 
 import time
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from pydantic import BaseModel
 
 from bench.data_plane import PATH, PAYLOAD, SERVER_NAME, Block, compare, make_client, ours_post
 from bench.stats import Row, median, percentile, ratio_row
-from gym_rpc.client._http import close_http_sessions, json_payload, send
+from gym_rpc.client._http import close_http_sessions, json_payload
+from gym_rpc.client._resend import resend_after_failure
 from gym_rpc.client._resend_budget import new_call_count
 from gym_rpc.client.server_client import ServerClient
 
@@ -35,38 +37,51 @@ NO_IO_BLOCKS = 30  # per side, interleaved; the best block is the figure
 
 
 class WithoutTrick(ServerClient):
-    """`ServerClient.request` reading `self._x`, all else as shipped (observability off, so no prefix rule)."""
+    """`ServerClient._call` reading `self._x`, all else as shipped (observability off, so no prefix rule; one
+    instance per server, so no route)."""
 
-    async def request(
+    async def _call(
         self,
         server_name: str,
         url_path: str,
         method: str,
-        _control: bool = False,
-        _resend_after_disconnect: bool = True,
-        **kwargs: Unpack[_RequestOptions],
+        kwargs: _RequestOptions,
+        control: bool = False,
+        resend: bool = True,
     ) -> aiohttp.ClientResponse:
+        routing = self._routing or await self._ready_routing()
+        if routing.routes.get(server_name) is not None:
+            raise AssertionError("the hot-path rows call a server of one instance")
         url = self._server_base_urls.get(server_name) or await self._aresolve_base_url(server_name)
         body: Any = kwargs.get("json")
         if body is not None:
-            if isinstance(body, BaseModel):
+            if type(body) is not dict and isinstance(body, BaseModel):
                 body = body.model_dump(mode="json", exclude_unset=True)
             del kwargs["json"]
             kwargs["data"] = json_payload(body)
         pools = self._http
         sessions = pools.sessions()
-        session = sessions.control if _control else sessions.data
+        session = sessions.control if control else sessions.data
         calls = sessions.calls
         calls.value += 1
         try:
-            return await send(
+            full_url, started = url + url_path, time.monotonic()
+            try:
+                return await session.request(method, full_url, **kwargs)
+            except BaseException as error:
+                failure = error
+            return await resend_after_failure(
+                failure,
                 session,
                 method,
-                url + url_path,
+                full_url,
                 pools.settings.retry,
-                _resend_after_disconnect,
+                resend,
                 kwargs,
-                server_name=server_name,
+                None,
+                server_name,
+                None,
+                started,
             )
         finally:
             calls.value -= 1

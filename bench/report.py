@@ -134,24 +134,26 @@ NOTES = """\
   the caller's path).
 - **Data plane.** On this two-core machine the client and the server share the CPU, so requests per second are
   bound by both; the ratio and the client CPU per request show what gym_rpc adds: a cached URL lookup, the
-  rollout-prefix check, the pool choice and two more coroutine levels (`post` -> `request` -> the bounded-retry
-  `send` -> aiohttp). Its one speed trick is its `_data_plane`: what `request` reads on every call (base URLs,
-  typed config, pools, send functions) kept in one plain object, a `functools.cached_property` of the client, so
-  a call makes one ordinary attribute read where each pydantic private attribute read would miss the instance and
-  go through `BaseModel.__getattr__`; it replaced one read of pydantic's `__pydantic_private__` store (a
-  dependency's internals) and is measured by the "hot path" rows (bench/hot_path.py). Inlining `send`'s first
-  attempt saved about 0.1 µs and went. `json=` bodies cost no more than the hand-written
-  `data=orjson.dumps(body)`: they are made straight into the payload aiohttp sends (aiohttp's own `json=` goes
-  through `json.dumps`, several times slower: the serialisation row).
-- **The collector, as workers run it.** A call's objects that stay alive while it waits are what the collector
-  pays for: they count towards the next young collection and, with thousands in flight, are promoted and bring
-  full collections (each scanning the 600,000 objects of the live heap) sooner. `ServerClient.post` keeps 3 more
-  alive than raw aiohttp while it waits (49 against 46, exact at 256 in flight), and about 5 % more young
-  collections run per request (the "GC runs" figures). tests/test_hot_path_allocations.py bounds what the hot
-  path holds at aiohttp's request start without I/O: 5 objects today (its `post`, `request` and `send`
-  coroutines and two kwargs dicts), so a change adding objects fails there. The earlier
-  method (each block on a freshly collected, frozen heap) removed exactly this cost: it gave 0.96 at c=512 where
-  issue 29's run with the collector left alone gave 0.88 (112 against 98 µs of client CPU per request); it went.
+  rollout-prefix check, the pool choice and one more coroutine level (`post` -> its hot path `_call` -> aiohttp;
+  the bounded-retry resend path only after a failure). Its one speed trick is its `_data_plane`: what `request`
+  reads on every call (base URLs, typed config, pools, send functions) kept in one plain object, a
+  `functools.cached_property` of the client, so a call makes one ordinary attribute read where each pydantic
+  private attribute read would miss the instance and go through `BaseModel.__getattr__`; it replaced one read of
+  pydantic's `__pydantic_private__` store (a dependency's internals) and is measured by the "hot path" rows
+  (bench/hot_path.py). `json=` bodies cost no more than the hand-written `data=orjson.dumps(body)`: they are made
+  straight into the payload aiohttp sends (aiohttp's own `json=` goes through `json.dumps`, several times slower:
+  the serialisation row).
+- **The collector, as workers run it.** A call's objects that stay alive while it waits are what the collector pays
+  for: they count towards the next young collection and, with thousands in flight, are promoted and bring full
+  collections (each scanning the 600,000 objects of the live heap) sooner. So `post` hands its own kwargs dict to
+  the hot path (never copied again), and the first attempt is made there with no coroutine of `send`'s (next to
+  nothing of the client's own time, but two objects fewer held by each call in flight). `ServerClient.post` now
+  keeps one more object alive than raw aiohttp while it waits (47 against 46, exact at 256 in flight; 49 before).
+  tests/test_hot_path_allocations.py bounds what the hot path holds at aiohttp's request start without I/O: 3
+  objects (the `post` and `_call` coroutines and `post`'s kwargs dict), so a change adding objects fails there. The
+  earlier method (each block on a freshly collected, frozen heap) removed exactly this cost: it gave 0.96 at c=512
+  where issue 29's run with the collector left alone gave 0.88 (112 against 98 µs of client CPU per request); it
+  went.
 - **How many rounds.** Per-round ratios scatter by tens of percent when other work shares the cores; the median of
   many rounds does not. The bootstrap's 90 % range of the median (shown in each row) narrows as 1/sqrt(rounds):
   80 rounds of short blocks hold it within about ±0.03 at c=1 to 512 on a loaded machine, and 30 and 20 rounds of

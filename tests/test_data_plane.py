@@ -124,6 +124,41 @@ async def test_pydantic_body_sent_without_unset_fields(http_server) -> None:
     assert recorder.bodies == [{"input": ["hi"], "temperature": None}, {"plain": "dict"}]
 
 
+class HeaderAddingClient(ServerClient):
+    """A subclass that overrides `request`, as NeMo Gym users do to add headers: `post` and `get` go through it."""
+
+    async def request(  # type: ignore[override]  # the seed's signature, with its kwargs as a plain dict
+        self, server_name: str, url_path: str, method: str, **kwargs: Any
+    ) -> aiohttp.ClientResponse:
+        kwargs["headers"] = {"X-Added": method}
+        return await super().request(server_name, url_path, method, **kwargs)
+
+
+class HeaderRecorder(Recorder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.added: list[str | None] = []
+
+    async def record(self, request: web.Request) -> web.Response:
+        self.added.append(request.headers.get("X-Added"))
+        return await super().record(request)
+
+
+async def test_post_and_get_go_through_a_subclass_request(http_server) -> None:
+    recorder = HeaderRecorder()
+    port = await http_server(recorder.app)
+    plain = make_client({"policy": server_entry(port)})
+    subclassed = HeaderAddingClient(
+        head_server_config=plain.head_server_config, global_config_dict=plain.global_config_dict
+    )
+    await call(subclassed, "policy", "/v1/responses", json={"a": 1})
+    async with await subclassed.get("policy", "/health") as response:
+        await response.read()
+    await call(plain, "policy", "/v1/responses", json={"a": 1})
+    assert recorder.added == ["POST", "GET", None]
+    assert recorder.bodies[0] == {"a": 1}
+
+
 # --- hosts -------------------------------------------------------------------------------------------------------
 
 
