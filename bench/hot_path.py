@@ -49,7 +49,9 @@ class WithoutTrick(ServerClient):
         control: bool = False,
         resend: bool = True,
     ) -> aiohttp.ClientResponse:
-        routing = self._routing or await self._ready_routing()
+        routing = self._routing
+        if routing is None:
+            routing = await self._ready_routing()
         if routing.routes.get(server_name) is not None:
             raise AssertionError("the hot-path rows call a server of one instance")
         url = self._server_base_urls.get(server_name) or await self._aresolve_base_url(server_name)
