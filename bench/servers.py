@@ -4,9 +4,13 @@ serves until SIGTERM or its stdin closes (so none outlives the bench).
 
 * data: an aiohttp server answering `POST /v1/responses` with a small Responses-API-shaped body, `GET /` with
   `{"status": "ok"}`, and `/slow?seconds=S` after a pause (to saturate pools and hold requests in flight).
-* control: N answering Gym servers and K that accept connections and never answer; two gym_rpc heads (A: the N
-  answering servers; B: N-K answering plus the K silent ones); and a NeMo Gym-style HTTP head serving A's config
-  as `GET /global_config_dict_yaml` (a JSON string holding YAML, as NeMo Gym's FastAPI head answers).
+* control: two gym_rpc heads (A: N answering Gym servers; B: N-K of them plus K that accept connections and never
+  answer), and a NeMo Gym-style HTTP head serving A's config as `GET /global_config_dict_yaml` (a JSON string
+  holding YAML, as NeMo Gym's FastAPI head answers). The Gym servers run in a `fleet` child process and each
+  head in a child of its own, as deployed: no head's event loop also serves the servers it probes, or another
+  head.
+* fleet: the N answering servers (`GET /` answers `{"status": "ok"}`) and the K silent ones.
+* head: one gym_rpc head over the servers at `--ports` (the control process starts A and B as heads).
 * replica: one instance of a replicated model server (bench/replicas.py): `POST /v1/responses` answers
   `{"instance": <its port>}` after `--delay-ms`, serving at most `--slots` calls at once (the rest queue, as on a
   server whose capacity is full); `--register HOST:PORT` registers it with that head as an instance of `--name`.
@@ -200,40 +204,63 @@ async def _silent_ports(count: int, held: list[asyncio.StreamWriter]) -> list[in
     return ports
 
 
-async def serve_control(options: ControlOptions) -> dict[str, Any]:
-    from gym_rpc.config import GlobalConfig
-    from gym_rpc.server._head import HeadOptions, HeadServer
-
+async def serve_fleet(options: ControlOptions) -> dict[str, Any]:
     answering_app = web.Application()
     answering_app.router.add_get("/", _ok)
     _, ports = await _start_runner(answering_app, options.servers)
-    silent_ports = await _silent_ports(options.silent, _HELD)
-    doc_a = config_doc(ports)
-    mixed_ports = ports[: options.servers - options.silent] + silent_ports
-    doc_b = config_doc(mixed_ports)
+    return {"ports": ports, "silent_ports": await _silent_ports(options.silent, _HELD)}
+
+
+async def serve_head(options: ControlOptions, ports: list[int]) -> dict[str, Any]:
+    """One gym_rpc head over `config_doc(ports)`, probing those servers."""
+    from gym_rpc.config import GlobalConfig
+    from gym_rpc.server._head import HeadOptions, HeadServer
+
     head_options = HeadOptions(
         port=0,
         probe_interval_seconds=options.probe_interval,
         probe_timeout_seconds=options.probe_timeout,
         reflection=False,
     )
-    heads = [HeadServer(GlobalConfig.from_document(doc), head_options) for doc in (doc_a, doc_b)]
-    for head in heads:
-        await head.start()
-        _HEADS.append(head)
-    _, (http_head_port,) = await _start_runner(nemo_style_head_app(heads[0].config.document), 1)
+    head = HeadServer(GlobalConfig.from_document(config_doc(ports)), head_options)
+    await head.start()
+    _HEADS.append(head)
+    return {"port": head.port, "names": list(head.config.servers)}
+
+
+async def serve_control(options: ControlOptions) -> dict[str, Any]:
+    """The fleet and each head in a process of its own (as deployed: a head's event loop serves no Gym server and
+    no other head), and the NeMo Gym-style HTTP head here."""
+    from gym_rpc.config import GlobalConfig
+
+    fleet = await _child("fleet", f"--servers={options.servers}", f"--silent={options.silent}")
+    ports, silent_ports = fleet.info["ports"], fleet.info["silent_ports"]
+    mixed_ports = ports[: options.servers - options.silent] + silent_ports
+    probing = (f"--probe-interval={options.probe_interval}", f"--probe-timeout={options.probe_timeout}")
+    head_a = await _child("head", "--ports=" + ",".join(map(str, ports)), *probing)
+    head_b = await _child("head", "--ports=" + ",".join(map(str, mixed_ports)), *probing)
+    served = GlobalConfig.from_document(config_doc(ports)).document
+    _, (http_head_port,) = await _start_runner(nemo_style_head_app(served), 1)
     return {
-        "head_a": heads[0].port,
-        "head_b": heads[1].port,
+        "head_a": head_a.info["port"],
+        "head_b": head_b.info["port"],
         "http_head": http_head_port,
-        "names_a": list(heads[0].config.servers),
+        "names_a": head_a.info["names"],
         "urls_a": [f"http://{LOOPBACK}:{port}" for port in ports],
         "urls_b": [f"http://{LOOPBACK}:{port}" for port in mixed_ports],
     }
 
 
+async def _child(*args: str) -> ServerProcess:
+    """A `python -m bench.servers` child of this one, stopped when this one stops (or dies: its stdin closes)."""
+    child = await asyncio.to_thread(ServerProcess, *args)
+    _CHILDREN.append(child)
+    return child
+
+
 _HELD: list[asyncio.StreamWriter] = []
 _HEADS: list[Any] = []
+_CHILDREN: list[ServerProcess] = []
 
 
 # --- replica servers ---------------------------------------------------------------------------------------------
@@ -285,9 +312,13 @@ async def serve_replica(options: ReplicaOptions) -> dict[str, Any]:
 # --- process plumbing --------------------------------------------------------------------------------------------
 
 
-async def _serve(kind: str, options: ControlOptions, replica: ReplicaOptions) -> None:
+async def _serve(kind: str, options: ControlOptions, replica: ReplicaOptions, ports: list[int]) -> None:
     if kind == "replica":
         info = await serve_replica(replica)
+    elif kind == "fleet":
+        info = await serve_fleet(options)
+    elif kind == "head":
+        info = await serve_head(options, ports)
     else:
         info = await (serve_data() if kind == "data" else serve_control(options))
     stop = asyncio.Event()
@@ -300,11 +331,13 @@ async def _serve(kind: str, options: ControlOptions, replica: ReplicaOptions) ->
     for head in _HEADS:
         with contextlib.suppress(Exception):
             await head.stop()
+    for child in _CHILDREN:
+        child.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.servers")
-    parser.add_argument("kind", choices=["data", "control", "replica"])
+    parser.add_argument("kind", choices=["data", "control", "fleet", "head", "replica"])
     parser.add_argument("--servers", type=int, default=200)
     parser.add_argument("--silent", type=int, default=2)
     parser.add_argument("--probe-interval", type=float, default=2.0)
@@ -314,10 +347,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slots", type=int, default=100000)
     parser.add_argument("--register", default="", metavar="HOST:PORT")
     parser.add_argument("--name", default="policy_model")
+    parser.add_argument("--ports", default="", help="head: the comma-separated ports of the servers it probes")
     args = parser.parse_args(argv)
     options = ControlOptions(args.servers, args.silent, args.probe_interval, args.probe_timeout)
     replica = ReplicaOptions(args.port, args.delay_ms, args.slots, args.register, args.name)
-    asyncio.run(_serve(args.kind, options, replica))
+    ports = [int(port) for port in args.ports.split(",") if port]
+    asyncio.run(_serve(args.kind, options, replica, ports))
 
 
 class ServerProcess:
