@@ -225,22 +225,19 @@ async def serve_head(options: ControlOptions, ports: list[int]) -> dict[str, Any
     head = HeadServer(GlobalConfig.from_document(config_doc(ports)), head_options)
     await head.start()
     _HEADS.append(head)
-    return {"port": head.port, "names": list(head.config.servers)}
+    return {"port": head.port, "names": list(head.config.servers), "document": head.config.document}
 
 
 async def serve_control(options: ControlOptions) -> dict[str, Any]:
     """The fleet and each head in a process of its own (as deployed: a head's event loop serves no Gym server and
-    no other head), and the NeMo Gym-style HTTP head here."""
-    from gym_rpc.config import GlobalConfig
-
+    no other head), and the NeMo Gym-style HTTP head (serving head A's document) here."""
     fleet = await _child("fleet", f"--servers={options.servers}", f"--silent={options.silent}")
     ports, silent_ports = fleet.info["ports"], fleet.info["silent_ports"]
     mixed_ports = ports[: options.servers - options.silent] + silent_ports
     probing = (f"--probe-interval={options.probe_interval}", f"--probe-timeout={options.probe_timeout}")
     head_a = await _child("head", "--ports=" + ",".join(map(str, ports)), *probing)
     head_b = await _child("head", "--ports=" + ",".join(map(str, mixed_ports)), *probing)
-    served = GlobalConfig.from_document(config_doc(ports)).document
-    _, (http_head_port,) = await _start_runner(nemo_style_head_app(served), 1)
+    _, (http_head_port,) = await _start_runner(nemo_style_head_app(head_a.info["document"]), 1)
     return {
         "head_a": head_a.info["port"],
         "head_b": head_b.info["port"],
