@@ -9,8 +9,6 @@ client does (the config from its HTTP endpoint, statuses probed directly).
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import functools
 import json
 import logging
@@ -38,11 +36,9 @@ from gym_rpc._environment import (
     environment,
 )
 from gym_rpc._telemetry_switches import TELEMETRY_KEY
-from gym_rpc.client._head_protocol import NEMO_GYM_HTTP, head_protocol
 from gym_rpc.client._http_pools import HttpPools
 from gym_rpc.client._http_settings import HttpClientSettings
 from gym_rpc.client._nemo_gym import SESSION_ID_KEY, nemo_gym_rollout_id, rollout_id_from_run_body
-from gym_rpc.client._probe import probe
 from gym_rpc.client._rollout import (
     apply_rollout_prefix,
     current_rollout_id,
@@ -517,6 +513,8 @@ class ServerClient(BaseModel):
             and self._asks_head
             and self._advertised_lookup_due()
         ):
+            import asyncio  # a worker that only asks the head never loads asyncio
+
             await asyncio.to_thread(self._advertised_base_urls)
         routed = self._routed_url(server_name, wait=False)
         return routed if routed is not None else self._resolve_with(server_name, self._known_advertised_urls)
@@ -668,6 +666,8 @@ class ServerClient(BaseModel):
         if follower is None or follower.first_snapshot.done():
             self._routing = routing
         elif wait_seconds > 0:
+            import concurrent.futures
+
             concurrent.futures.wait([follower.first_snapshot], wait_seconds)
             self._routing = routing
         return routing
@@ -679,6 +679,8 @@ class ServerClient(BaseModel):
         pending = self._pending_routing
         follower = pending[1] if pending is not None else None
         if follower is not None and not follower.first_snapshot.done():
+            import asyncio
+
             first = asyncio.wrap_future(follower.first_snapshot)
             await asyncio.wait([first], timeout=FIRST_INSTANCES_WAIT_SECONDS)
         self._routing = routing
@@ -791,6 +793,8 @@ class ServerClient(BaseModel):
         "timeout", anything else "unknown_error" (NeMo Gym's rule)."""
         entry = self._global_config.server(server_name)  # unknown: UnknownServerError, a KeyError
         url = self._server_base_urls.get(server_name) or entry.url
+        from gym_rpc.client._probe import probe  # http.client (and ssl) load with the first direct probe
+
         return probe(url, max(deadline - time.monotonic(), _MIN_DIRECT_PROBE_SECONDS)).status
 
     def _config_if_changed(self) -> GlobalConfig | None:
@@ -845,6 +849,8 @@ def _control_client(
 
 def _speaks_nemo_gym_http(control: SyncControlClient) -> bool:
     """Whether the head is NeMo Gym's HTTP head (found out once per process and address)."""
+    from gym_rpc.client._head_protocol import NEMO_GYM_HTTP, head_protocol  # loaded with the control client
+
     tls = control.security.tls is not None
     return head_protocol(control.address, tls=tls, timeout=control.timeout_seconds) == NEMO_GYM_HTTP
 
