@@ -36,8 +36,6 @@ from gym_rpc._environment import (
     environment,
 )
 from gym_rpc._telemetry_switches import TELEMETRY_KEY
-from gym_rpc.client._http_pools import HttpPools
-from gym_rpc.client._http_settings import HttpClientSettings
 from gym_rpc.client._nemo_gym import SESSION_ID_KEY, nemo_gym_rollout_id, rollout_id_from_run_body
 from gym_rpc.client._rollout import (
     apply_rollout_prefix,
@@ -92,6 +90,8 @@ if TYPE_CHECKING:
 
     from gym_rpc.client._control import SyncControlClient
     from gym_rpc.client._follower import InstanceFollower
+    from gym_rpc.client._http_pools import HttpPools
+    from gym_rpc.client._http_settings import HttpClientSettings
     from gym_rpc.client._routing import Routing
     from gym_rpc.wire import ServerInstance
 
@@ -188,6 +188,14 @@ class _LazyDictConfigField:
 
     def __set__(self, instance: Any, value: Any) -> None:
         instance.__dict__[_GLOBAL_CONFIG_DICT_FIELD] = value
+
+
+def _new_pools(settings: HttpClientSettings) -> HttpPools:
+    """A client's own HttpPools. The data plane's settings (pydantic models) load with the first client made, not
+    with this module."""
+    from gym_rpc.client._http_pools import HttpPools
+
+    return HttpPools(settings)
 
 
 # The least time a direct status probe gets when the head's attempt used up the caller's timeout.
@@ -360,7 +368,9 @@ class ServerClient(BaseModel):
                 raise ConfigError("global_config_dict must be a mapping")
             config = GlobalConfig.from_document({str(k): v for k, v in document.items()}, lenient=True)
         self._global_config = config
-        self._http = HttpPools(HttpClientSettings.from_document(config.document))
+        from gym_rpc.client._http_settings import HttpClientSettings
+
+        self._http = _new_pools(HttpClientSettings.from_document(config.document))
         _setup_telemetry(config)
 
     def __getstate__(self) -> dict[Any, Any]:
@@ -378,7 +388,7 @@ class ServerClient(BaseModel):
         """Unpickle with fresh HttpPools: sessions and the control channel are opened on first use here."""
         state = dict(state)
         settings: HttpClientSettings = state.pop(_HTTP_SETTINGS_STATE_KEY)
-        state["__pydantic_private__"] = {**(state["__pydantic_private__"] or {}), "_http": HttpPools(settings)}
+        state["__pydantic_private__"] = {**(state["__pydantic_private__"] or {}), "_http": _new_pools(settings)}
         super().__setstate__(state)
         _setup_telemetry(self._global_config)  # a new process decides too
         named = environment().model_server_name
@@ -389,13 +399,13 @@ class ServerClient(BaseModel):
         """A shallow copy sharing config and caches, with its own HttpPools."""
         clone = super().__copy__()
         vars(clone).pop(_DATA_PLANE, None)
-        clone._http = HttpPools(self._http.settings)
+        clone._http = _new_pools(self._http.settings)
         return clone
 
     def __deepcopy__(self, memo: dict[int, Any] | None = None) -> Self:
         """A deep copy of config and caches; the live HttpPools is replaced, never copied."""
         memo = {} if memo is None else memo
-        memo[id(self._http)] = HttpPools(self._http.settings)
+        memo[id(self._http)] = _new_pools(self._http.settings)
         for live in (self._routing, self._pending_routing):
             if live is not None:
                 memo[id(live)] = None  # the copy makes its own routes on its first call
