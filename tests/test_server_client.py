@@ -128,14 +128,15 @@ def test_get_server_url_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_global_config_dict_is_a_dictconfig_given_and_read_back() -> None:
     """OmegaConf loads only with a DictConfig (tests/test_layers.py), yet the field is checked as it always was:
     a DictConfig is kept as given and a plain mapping is refused, naming the field."""
-    doc = {"head_server": {"host": LOOPBACK, "port": closed_port()}, "policy": server_entry(8000)}
+    head = head_config(closed_port())
+    doc = {"head_server": {"host": LOOPBACK, "port": head.port}, "policy": server_entry(8000)}
     given = OmegaConf.create(doc)
-    client = ServerClient(head_server_config=doc["head_server"], global_config_dict=given)
+    client = ServerClient(head_server_config=head, global_config_dict=given)
     assert client.global_config_dict is given
     assert client._resolve_base_url("policy") == "http://127.0.0.1:8000"
     assert isinstance(client.model_dump()["global_config_dict"], DictConfig)
     with pytest.raises(ValidationError, match="global_config_dict must be an OmegaConf DictConfig, not dict"):
-        ServerClient(head_server_config=doc["head_server"], global_config_dict=doc)
+        ServerClient(head_server_config=head, global_config_dict=doc)  # type: ignore[arg-type]  # as mypy says
 
 
 # --- config from a real head -------------------------------------------------------------------------------------
