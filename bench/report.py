@@ -190,9 +190,9 @@ NOTES = """\
   dead within tens of milliseconds under load (five failures in a row, each failed over), or within the head's
   probe interval when no call reaches it; a run longer than its 30 s ejection lets it back on probation (five
   more attempts, each failed over) unless the head reports it down meanwhile.
-- **Memory.** The import figure is dominated by aiohttp, pydantic, OmegaConf and grpc/protobuf. With 10,000
-  requests in flight, memory is the connections and the requests themselves: ServerClient adds nothing that
-  grows per request, so its peak tracks raw aiohttp's.
+- **Memory.** The import figure is mostly pydantic: aiohttp, grpc/protobuf, OmegaConf and PyYAML load with the
+  first call that needs them (tests/test_layers.py). With 10,000 requests in flight, memory is the connections and
+  the requests themselves: ServerClient adds nothing that grows per request, so its peak tracks raw aiohttp's.
 """
 
 

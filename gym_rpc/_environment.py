@@ -1,4 +1,4 @@
-"""Every environment variable gym_rpc reads, read by one settings object (pydantic-settings).
+"""Every environment variable gym_rpc reads, read by one settings object.
 
 Nothing else in gym_rpc reads `os.environ`: the library (head address, token, TLS, NeMo Gym's injected
 config), the CLI's flag defaults and OpenTelemetry's standard variables all come from `environment()`. The
@@ -7,11 +7,9 @@ config), the CLI's flag defaults and OpenTelemetry's standard variables all come
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import os
-
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from typing import Any
 
 # The library's own.
 HEAD_ADDRESS_ENV_VAR = "GYM_RPC_HEAD"
@@ -58,18 +56,20 @@ OTLP_METRICS_ENDPOINT_ENV_VARS = (OTLP_METRICS_ENDPOINT_ENV_VAR, OTLP_ENDPOINT_E
 OTLP_METRICS_PROTOCOL_ENV_VARS = (OTLP_METRICS_PROTOCOL_ENV_VAR, OTLP_PROTOCOL_ENV_VAR)
 
 
-def _variable(name: str, *, secret: bool = False) -> str | None:
-    return Field(default=None, validation_alias=name, repr=not secret)
+_NAME = "variable"  # each field's metadata key: the variable it reads
 
 
-class Environment(BaseSettings):
+def _variable(name: str, *, secret: bool = False) -> Any:
+    return dataclasses.field(default=None, repr=not secret, metadata={_NAME: name})
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
     """What the environment says. Values stay text: each reader parses its own (the CLI names a bad flag default,
-    the config a bad address). An empty value counts as unset (an empty export is how shells unset)."""
+    the config a bad address). An empty value counts as unset (an empty export is how shells unset).
 
-    # protected_namespaces: the fields model_server_* are ours (pydantic < 2.10 warns about the `model_` prefix).
-    model_config = SettingsConfigDict(
-        case_sensitive=True, extra="ignore", frozen=True, env_ignore_empty=True, protected_namespaces=()
-    )
+    A plain dataclass over `os.environ`, not a pydantic-settings model: text needs no validation, and importing
+    pydantic-settings cost a worker's `import gym_rpc.client.server_client` about 55 ms."""
 
     head_address: str | None = _variable(HEAD_ADDRESS_ENV_VAR)
     token: str | None = _variable(TOKEN_ENV_VAR, secret=True)
@@ -120,13 +120,13 @@ class Environment(BaseSettings):
     def by_name(self) -> dict[str, str]:
         """The variables that are set, by their names: for readers written against a mapping (the OpenTelemetry
         rules, the CLI's flag defaults), which tests feed a mapping of their own."""
-        names = {field: info.validation_alias for field, info in type(self).model_fields.items()}
-        return {str(names[field]): value for field, value in self if value is not None}
+        values = ((field.metadata[_NAME], getattr(self, field.name)) for field in dataclasses.fields(self))
+        return {name: value for name, value in values if value is not None}
 
 
 def variable_names() -> list[str]:
     """Every variable gym_rpc reads, in declaration order."""
-    return [str(info.validation_alias) for info in Environment.model_fields.values()]
+    return [field.metadata[_NAME] for field in dataclasses.fields(Environment)]
 
 
 _NAMES = tuple(variable_names())
@@ -134,12 +134,5 @@ _NAMES = tuple(variable_names())
 
 def environment() -> Environment:
     """The environment as it is now: read when needed, never at import (tests and launchers set variables after
-    gym_rpc is imported). Parsing costs about 2 ms, so the object is reused while the values stay the same (a
-    lookup of each name costs microseconds; the CLI builds its parser and ServerClient looks for an injected
-    config on every `setup_server_client`)."""
-    return _parsed(tuple(map(os.environ.get, _NAMES)))
-
-
-@functools.lru_cache(maxsize=8)
-def _parsed(values: tuple[str | None, ...]) -> Environment:  # values: the cache key
-    return Environment()
+    gym_rpc is imported). Reading every name takes well under a millisecond: callers read it afresh each time."""
+    return Environment(*(os.environ.get(name) or None for name in _NAMES))  # the fields in declaration order

@@ -64,3 +64,14 @@ def test_the_token_is_not_in_the_settings_repr(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv(TOKEN_ENV_VAR, secret)
     assert environment().token == secret
     assert secret not in repr(environment())
+
+
+def test_every_variable_is_read_into_its_own_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in variable_names():
+        monkeypatch.setenv(name, f"value of {name}")
+    env = environment()
+    assert env.by_name() == {name: f"value of {name}" for name in variable_names()}
+    assert env.head_address == f"value of {HEAD_ADDRESS_ENV_VAR}"
+    assert env.nemo_gym_config_dict == "value of NEMO_GYM_CONFIG_DICT"
+    assert "value of NEMO_GYM_CONFIG_DICT" not in repr(env) and f"value of {TOKEN_ENV_VAR}" not in repr(env)
+    assert f"value of {HEAD_ADDRESS_ENV_VAR}" in repr(env)

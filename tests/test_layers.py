@@ -20,21 +20,37 @@ from tests.conftest import closed_port
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+# What `import gym_rpc.client.server_client` leaves for later (README's import time): gRPC, protobuf and the
+# control client load on the first call to the head; aiohttp, asyncio and the data plane's settings with the first
+# client or data-plane call (test below); OmegaConf with a DictConfig; PyYAML with the first YAML text; http.client
+# with the first direct probe. pydantic-settings is no longer used at all.
+LAZY_IMPORTS = (
+    "grpc",
+    "google.protobuf",
+    "aiohttp",
+    "asyncio",
+    "omegaconf",
+    "yaml",
+    "pydantic_settings",
+    "http.client",
+    "gym_rpc.client._control",
+    "gym_rpc.client._http",
+    "gym_rpc.client._http_settings",
+)
+
+
+def _lazy(loaded: list[str]) -> list[str]:
+    return [m for m in loaded if any(m == lazy or m.startswith(lazy + ".") for lazy in LAZY_IMPORTS)]
+
+
 def test_importing_server_client_loads_no_server_module() -> None:
-    code = (
-        "import gym_rpc.client.server_client, sys, json; "
-        "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('gym_rpc', 'grpc', 'google.protobuf', "
-        "'aiohttp')))))"
-    )
+    code = "import gym_rpc.client.server_client, sys, json; print(json.dumps(sorted(sys.modules)))"
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True
     )
     loaded = json.loads(result.stdout)
     assert "gym_rpc.client.server_client" in loaded
-    # gRPC, protobuf and the control client load on the first call to the head, aiohttp and the data plane on the
-    # first data-plane call (test below), not with the module.
-    lazy = ("grpc", "google.protobuf", "gym_rpc.client._control", "aiohttp", "gym_rpc.client._http.")
-    assert [m for m in loaded if m.startswith(lazy) or m == "gym_rpc.client._http"] == []
+    assert _lazy(loaded) == []
     above_the_client = {"server", "integrations", "cli", "demo", "_render"}
     assert [m for m in loaded if m.split(".")[1:2] and m.split(".")[1] in above_the_client] == []
 
@@ -71,6 +87,33 @@ def test_the_data_plane_imports_aiohttp_on_the_first_call() -> None:
         check=True,
     )
     assert result.stdout.split() == ["False", "True"], result.stderr
+
+
+# A worker launched with its config injected (JSON, as launchers inject it): no OmegaConf or YAML until it reads
+# global_config_dict, which is then the DictConfig NeMo Gym's code expects, pickles included.
+_INJECTED_WORKER = """
+import json, os, pickle, sys
+os.environ["NEMO_GYM_CONFIG_DICT"] = json.dumps(
+    {
+        "head_server": {"host": "127.0.0.1", "port": 1},
+        "policy": {"responses_api_models": {"m": {"host": "127.0.0.1", "port": 8000}}},
+    }
+)
+from gym_rpc.client.server_client import ServerClient
+client = ServerClient.load_from_global_config()
+print(client._resolve_base_url("policy"), sorted(m for m in ("omegaconf", "yaml") if m in sys.modules))
+config = client.global_config_dict
+restored = pickle.loads(pickle.dumps(client)).global_config_dict
+print(type(config).__name__, config.policy.responses_api_models.m.port, type(restored).__name__)
+"""
+
+
+def test_an_injected_worker_loads_omegaconf_only_when_it_reads_global_config_dict() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _INJECTED_WORKER], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["http://127.0.0.1:8000 []", "DictConfig 8000 DictConfig"]
 
 
 ROUTED_WORKER = """

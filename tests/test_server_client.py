@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
+from pydantic import ValidationError
 
 from gym_rpc.client import server_client
 from gym_rpc.client._control import ControlClient
@@ -122,6 +123,20 @@ def test_get_server_url_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NEMO_GYM_MODEL_SERVER_NAME", "other")
     assert get_server_url("policy") == "http://127.0.0.1:8000"
     assert server_client.setup_server_client() is server_client.setup_server_client()
+
+
+def test_global_config_dict_is_a_dictconfig_given_and_read_back() -> None:
+    """OmegaConf loads only with a DictConfig (tests/test_layers.py), yet the field is checked as it always was:
+    a DictConfig is kept as given and a plain mapping is refused, naming the field."""
+    head = head_config(closed_port())
+    doc = {"head_server": {"host": LOOPBACK, "port": head.port}, "policy": server_entry(8000)}
+    given = OmegaConf.create(doc)
+    client = ServerClient(head_server_config=head, global_config_dict=given)
+    assert client.global_config_dict is given
+    assert client._resolve_base_url("policy") == "http://127.0.0.1:8000"
+    assert isinstance(client.model_dump()["global_config_dict"], DictConfig)
+    with pytest.raises(ValidationError, match="global_config_dict must be an OmegaConf DictConfig, not dict"):
+        ServerClient(head_server_config=head, global_config_dict=doc)  # type: ignore[arg-type]  # as mypy says
 
 
 # --- config from a real head -------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
-"""A client's way to its data-plane sessions, made without importing aiohttp: the running loop's sessions are
-looked up (and aiohttp imported with gym_rpc.client._http) on the first call of each loop, then remembered."""
+"""A client's way to its data-plane sessions, made without importing aiohttp or asyncio: the running loop's
+sessions are looked up (and both imported with gym_rpc.client._http) on the first call of each loop, then
+remembered."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING
 
 from gym_rpc.client._http_settings import HttpClientSettings
@@ -22,9 +22,8 @@ class HttpPools:
         self._last: LoopSessions | None = None  # one attribute, so threads with their own loops cannot mix it up
 
     def sessions(self) -> LoopSessions:
-        loop = asyncio.get_running_loop()
         sessions = self._last
-        if sessions is None or sessions.loop is not loop or sessions.is_closed:
+        if sessions is None or not sessions.serves_running_loop():
             from gym_rpc.client._http import loop_sessions  # the cold path: aiohttp on first use
 
             sessions = self._last = loop_sessions(self.settings)

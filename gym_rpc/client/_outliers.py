@@ -13,10 +13,12 @@ probe is the other input: an instance the head probes successfully after its eje
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
-from gym_rpc.client._instances import Instance
+if TYPE_CHECKING:  # the policy is read with the config: the instances themselves come with the first routed call
+    from gym_rpc.client._instances import Instance
 
 logger = logging.getLogger("gym_rpc.client.replicas")
 

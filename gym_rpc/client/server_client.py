@@ -9,18 +9,25 @@ client does (the config from its HTTP endpoint, statuses probed directly).
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import functools
 import json
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Optional, Self
 
-from omegaconf import DictConfig, OmegaConf
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    PrivateAttr,
+    field_serializer,
+    field_validator,
+)
+from pydantic_core import core_schema
 
 from gym_rpc._environment import (
     NEMO_GYM_CONFIG_DICT_ENV_VAR,
@@ -29,11 +36,7 @@ from gym_rpc._environment import (
     environment,
 )
 from gym_rpc._telemetry_switches import TELEMETRY_KEY
-from gym_rpc.client._head_protocol import NEMO_GYM_HTTP, head_protocol
-from gym_rpc.client._http_pools import HttpPools
-from gym_rpc.client._http_settings import HttpClientSettings
 from gym_rpc.client._nemo_gym import SESSION_ID_KEY, nemo_gym_rollout_id, rollout_id_from_run_body
-from gym_rpc.client._probe import probe
 from gym_rpc.client._rollout import (
     apply_rollout_prefix,
     current_rollout_id,
@@ -83,9 +86,12 @@ if TYPE_CHECKING:
 
     import aiohttp
     from aiohttp.client import _RequestOptions
+    from omegaconf import DictConfig
 
     from gym_rpc.client._control import SyncControlClient
     from gym_rpc.client._follower import InstanceFollower
+    from gym_rpc.client._http_pools import HttpPools
+    from gym_rpc.client._http_settings import HttpClientSettings
     from gym_rpc.client._routing import Routing
     from gym_rpc.wire import ServerInstance
 
@@ -129,6 +135,26 @@ FIRST_INSTANCES_WAIT_SECONDS = 1.0
 _routing_lock = threading.Lock()
 
 
+if not TYPE_CHECKING:
+
+    class DictConfig:
+        """`global_config_dict`'s type for pydantic: an OmegaConf DictConfig, checked without importing OmegaConf
+        (about 85 ms) until a process holds one. Type checkers see omegaconf.DictConfig itself."""
+
+        @classmethod
+        def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> Any:
+            return core_schema.no_info_plain_validator_function(_dict_config)
+
+
+def _dict_config(value: Any) -> DictConfig:
+    if "omegaconf" in sys.modules:  # a DictConfig exists only once OmegaConf is imported
+        from omegaconf import DictConfig
+
+        if isinstance(value, DictConfig):
+            return value
+    raise ValueError(f"global_config_dict must be an OmegaConf DictConfig, not {type(value).__name__}")
+
+
 class _PendingDictConfig:
     """Stands in the instance's `__dict__` for a `global_config_dict` not built yet.
 
@@ -155,11 +181,21 @@ class _LazyDictConfigField:
             return self
         value = instance.__dict__.get(_GLOBAL_CONFIG_DICT_FIELD)
         if isinstance(value, _PendingDictConfig):
+            from omegaconf import OmegaConf
+
             value = instance.__dict__[_GLOBAL_CONFIG_DICT_FIELD] = OmegaConf.create(value.config.document)
         return value
 
     def __set__(self, instance: Any, value: Any) -> None:
         instance.__dict__[_GLOBAL_CONFIG_DICT_FIELD] = value
+
+
+def _new_pools(settings: HttpClientSettings) -> HttpPools:
+    """A client's own HttpPools. The data plane's settings (pydantic models) load with the first client made, not
+    with this module."""
+    from gym_rpc.client._http_pools import HttpPools
+
+    return HttpPools(settings)
 
 
 # The least time a direct status probe gets when the head's attempt used up the caller's timeout.
@@ -324,13 +360,17 @@ class ServerClient(BaseModel):
         if isinstance(pending, _PendingDictConfig):
             config = pending.config
         else:
+            from omegaconf import OmegaConf  # loaded already: the caller passed a DictConfig
+
             # Unresolved: interpolations are resolved leniently below, so an unused `${oc.env:UNSET}` cannot fail.
             document = OmegaConf.to_container(self.global_config_dict, resolve=False)
             if not isinstance(document, dict):
                 raise ConfigError("global_config_dict must be a mapping")
             config = GlobalConfig.from_document({str(k): v for k, v in document.items()}, lenient=True)
         self._global_config = config
-        self._http = HttpPools(HttpClientSettings.from_document(config.document))
+        from gym_rpc.client._http_settings import HttpClientSettings
+
+        self._http = _new_pools(HttpClientSettings.from_document(config.document))
         _setup_telemetry(config)
 
     def __getstate__(self) -> dict[Any, Any]:
@@ -348,7 +388,7 @@ class ServerClient(BaseModel):
         """Unpickle with fresh HttpPools: sessions and the control channel are opened on first use here."""
         state = dict(state)
         settings: HttpClientSettings = state.pop(_HTTP_SETTINGS_STATE_KEY)
-        state["__pydantic_private__"] = {**(state["__pydantic_private__"] or {}), "_http": HttpPools(settings)}
+        state["__pydantic_private__"] = {**(state["__pydantic_private__"] or {}), "_http": _new_pools(settings)}
         super().__setstate__(state)
         _setup_telemetry(self._global_config)  # a new process decides too
         named = environment().model_server_name
@@ -359,13 +399,13 @@ class ServerClient(BaseModel):
         """A shallow copy sharing config and caches, with its own HttpPools."""
         clone = super().__copy__()
         vars(clone).pop(_DATA_PLANE, None)
-        clone._http = HttpPools(self._http.settings)
+        clone._http = _new_pools(self._http.settings)
         return clone
 
     def __deepcopy__(self, memo: dict[int, Any] | None = None) -> Self:
         """A deep copy of config and caches; the live HttpPools is replaced, never copied."""
         memo = {} if memo is None else memo
-        memo[id(self._http)] = HttpPools(self._http.settings)
+        memo[id(self._http)] = _new_pools(self._http.settings)
         for live in (self._routing, self._pending_routing):
             if live is not None:
                 memo[id(live)] = None  # the copy makes its own routes on its first call
@@ -483,6 +523,8 @@ class ServerClient(BaseModel):
             and self._asks_head
             and self._advertised_lookup_due()
         ):
+            import asyncio  # a worker that only asks the head never loads asyncio
+
             await asyncio.to_thread(self._advertised_base_urls)
         routed = self._routed_url(server_name, wait=False)
         return routed if routed is not None else self._resolve_with(server_name, self._known_advertised_urls)
@@ -634,6 +676,8 @@ class ServerClient(BaseModel):
         if follower is None or follower.first_snapshot.done():
             self._routing = routing
         elif wait_seconds > 0:
+            import concurrent.futures
+
             concurrent.futures.wait([follower.first_snapshot], wait_seconds)
             self._routing = routing
         return routing
@@ -645,6 +689,8 @@ class ServerClient(BaseModel):
         pending = self._pending_routing
         follower = pending[1] if pending is not None else None
         if follower is not None and not follower.first_snapshot.done():
+            import asyncio
+
             first = asyncio.wrap_future(follower.first_snapshot)
             await asyncio.wait([first], timeout=FIRST_INSTANCES_WAIT_SECONDS)
         self._routing = routing
@@ -785,6 +831,8 @@ class ServerClient(BaseModel):
         "timeout", anything else "unknown_error" (NeMo Gym's rule)."""
         entry = self._global_config.server(server_name)  # unknown: UnknownServerError, a KeyError
         url = self._server_base_urls.get(server_name) or entry.url
+        from gym_rpc.client._probe import probe  # http.client (and ssl) load with the first direct probe
+
         return probe(url, max(deadline - time.monotonic(), _MIN_DIRECT_PROBE_SECONDS)).status
 
     def _config_if_changed(self) -> GlobalConfig | None:
@@ -839,6 +887,8 @@ def _control_client(
 
 def _speaks_nemo_gym_http(control: SyncControlClient) -> bool:
     """Whether the head is NeMo Gym's HTTP head (found out once per process and address)."""
+    from gym_rpc.client._head_protocol import NEMO_GYM_HTTP, head_protocol  # loaded with the control client
+
     tls = control.security.tls is not None
     return head_protocol(control.address, tls=tls, timeout=control.timeout_seconds) == NEMO_GYM_HTTP
 

@@ -4,7 +4,8 @@ things up in. One module per job, each importing only those listed after it:
 * `_global`: `GlobalConfig`, the read-only view of one document, and loading it from a file;
 * `_models`: the pydantic models (where a server listens, the `head_server` block, one server entry);
 * `_replicas`: the static replicas an entry lists (its `replicas:` key);
-* `_parsing`: the bounded YAML loader and OmegaConf interpolations, resolved strictly or tolerantly;
+* `_parsing`: the bounds on config text and OmegaConf interpolations, resolved strictly or tolerantly;
+* `_yaml`: the bounded YAML loader (PyYAML imported with the first text parsed);
 * `_validators`: checks of typed values whose one-line messages name the flag or key;
 * `_redaction`: which keys look secret, and redacted copies of documents and text;
 * `_addresses`: wildcard bind hosts, what a client dials instead, base URLs.

@@ -1,8 +1,8 @@
-"""Reading config text: a bounded YAML loader, and OmegaConf interpolations resolved strictly or tolerantly.
+"""Reading config text: bounded YAML, and OmegaConf interpolations resolved strictly or tolerantly.
 
 Bounded because a config file can be hostile (YAML aliases expand 550 bytes to a billion values); tolerant
 because a client handed a config must not fail on an interpolation nothing it reads, as NeMo Gym's DictConfig
-does not.
+does not. The bounds are here; gym_rpc.config._yaml applies them while PyYAML composes.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from typing import Any
-
-import yaml
 
 from gym_rpc.errors import ConfigError
 
@@ -21,63 +19,6 @@ from gym_rpc.errors import ConfigError
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 MAX_CONFIG_DEPTH = 100
 MAX_CONFIG_VALUES = 1_000_000  # counted with every alias expanded, as JSON or a DictConfig would expand them
-
-
-class _BoundedYamlLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with the bounds above checked while composing, and duplicate keys refused (YAML
-    silently keeps the last one, so a second `policy_model:` would replace the first without a word)."""
-
-    def __init__(self, text: str, source: str) -> None:
-        super().__init__(text)
-        self._source = source
-        self._open_sizes: list[int] = [0]  # values composed so far under each node being composed
-        self._sizes: dict[int, int] = {}  # id(anchored node) -> its expanded size
-
-    def _refuse(self, problem: str, mark: Any) -> ConfigError:
-        where = f"{self._source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else self._source
-        return ConfigError(f"{where}: {problem}")
-
-    def _count(self, size: int, mark: Any) -> None:
-        self._open_sizes[-1] += size
-        if sum(self._open_sizes) > MAX_CONFIG_VALUES:
-            raise self._refuse(
-                f"refusing a config of more than {MAX_CONFIG_VALUES:,} values (with its YAML aliases expanded)",
-                mark,
-            )
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()  # type: ignore[no-untyped-call]
-            anchored = self.anchors.get(event.anchor)
-            if anchored is not None:
-                size = self._sizes.get(id(anchored))
-                if size is None:  # the alias points into the node that is still being composed
-                    raise self._refuse(f"the alias *{event.anchor} refers to itself", event.start_mark)
-                self._count(size, event.start_mark)
-            return super().compose_node(parent, index)  # an unknown anchor: PyYAML's own error
-        mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
-        if len(self._open_sizes) > MAX_CONFIG_DEPTH:
-            raise self._refuse(f"refusing a config nested more than {MAX_CONFIG_DEPTH} levels deep", mark)
-        self._open_sizes.append(0)
-        try:
-            node = super().compose_node(parent, index)
-        finally:
-            size = 1 + self._open_sizes.pop()
-        self._sizes[id(node)] = size
-        self._count(size, mark)
-        return node
-
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        if isinstance(node, yaml.MappingNode):
-            seen: set[Any] = set()
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
-                    continue
-                key = (key_node.tag, key_node.value)
-                if key in seen:
-                    raise self._refuse(f"duplicate key {key_node.value!r}", key_node.start_mark)
-                seen.add(key)
-        return super().construct_mapping(node, deep=deep)
 
 
 def parse_config_text(text: str, source: str = "<config>") -> dict[str, Any]:
@@ -95,22 +36,9 @@ def parse_config_document(text: str, source: str = "<config>") -> dict[str, Any]
     """
     if len(text) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{source}: refusing a config larger than {MAX_CONFIG_BYTES // (1024 * 1024)} MiB")
-    loader = None
-    try:
-        loader = _BoundedYamlLoader(text, source)  # its reader already refuses control characters
-        document = loader.get_single_data()
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
-        if isinstance(exc, yaml.reader.ReaderError):  # a control character: no mark, a position in the text
-            where = f"{source}:{text.count(chr(10), 0, exc.position) + 1}"
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]  # one line, without PyYAML's "in ..."
-        raise ConfigError(f"{where}: invalid YAML: {problem}") from exc
-    except RecursionError:  # a small recursion limit set by the embedding program; MAX_CONFIG_DEPTH is the rule
-        raise ConfigError(f"{source}: config nested too deeply to parse") from None
-    finally:
-        if loader is not None:
-            loader.dispose()
+    from gym_rpc.config._yaml import load_bounded_yaml  # PyYAML loads with the first text parsed
+
+    document = load_bounded_yaml(text, source, max_values=MAX_CONFIG_VALUES, max_depth=MAX_CONFIG_DEPTH)
     if document is None:
         return None
     if not isinstance(document, dict):
