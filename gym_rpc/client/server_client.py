@@ -177,8 +177,8 @@ class _LazyDictConfigField:
     in the instance's `__dict__` (where pydantic keeps field values), so later reads cost a dict lookup."""
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
-        if instance is None:
-            return self
+        if instance is None:  # as for pydantic's own fields; a default here would be a default to subclasses
+            raise AttributeError(_GLOBAL_CONFIG_DICT_FIELD)
         value = instance.__dict__.get(_GLOBAL_CONFIG_DICT_FIELD)
         if isinstance(value, _PendingDictConfig):
             from omegaconf import OmegaConf
