@@ -258,7 +258,7 @@ class DataPlanePlan:
     requests: tuple[int, ...] = (100, 256, 512, 2048, 4096)
     # Rounds per concurrency: what keeps each row's middle half within about ±0.03 of its median in a few tens of
     # seconds (bench/RESULTS.md's notes say how that was found).
-    rounds: tuple[int, ...] = (80, 80, 80, 30, 20)
+    rounds: tuple[int, ...] = (80, 80, 80, 60, 40)
     serialisation_pairs: int = 50
     live_heap_records: int = LIVE_HEAP_RECORDS
 

@@ -83,7 +83,7 @@ METHOD = """\
   rollout records (600,000 objects the collector tracks) sits beside the client, so every full collection scans
   what it would scan in a worker. Rounds of four short blocks (ABBA, then BAAB: each side runs first once per
   round), 100, 256, 512, 2,048 and 4,096 requests per block at concurrency 1, 64, 512, 2,048 and 4,096, and 80,
-  80, 80, 30 and 20 rounds; the figure is the median of the per-round ratios, shown with their middle half and a
+  80, 80, 60 and 40 rounds; the figure is the median of the per-round ratios, shown with their middle half and a
   seeded bootstrap's 90 % range of that median. Client CPU per request is this process's CPU time over requests;
   the collector's runs per 10,000 requests (young / middle / full) are counted per side. The serialisation row
   times 200 `json=` bodies made into the payload aiohttp sends: gym_rpc's (orjson) against aiohttp's own `json=`
@@ -157,11 +157,12 @@ NOTES = """\
   where issue 29's run with the collector left alone gave 0.88 (112 against 98 µs of client CPU per request); it
   went.
 - **How many rounds.** Per-round ratios scatter by tens of percent when other work shares the cores; the median of
-  many rounds does not. The bootstrap's 90 % range of the median (shown in each row) narrows as 1/sqrt(rounds):
-  80 rounds of short blocks hold it within about ±0.03 at c=1 to 512 on a loaded machine, and 30 and 20 rounds of
-  the longer blocks at 2,048 and 4,096 (one request per worker each, so a block lasts a second or two) do the
-  same in about two minutes each. An A/A run (raw against raw) on the same loaded machine gave medians of 0.96 to
-  1.07 over 40-100 rounds, so a figure within a few hundredths of its goal is that scatter, not a difference:
+  many rounds does not. The bootstrap's 90 % range of the median (shown in each row) narrows as 1/sqrt(rounds): 80
+  rounds of short blocks hold it within about ±0.03 at c=1 to 512 on a loaded machine. The longer blocks at 2,048
+  and 4,096 (one request per worker each, so a block lasts a second or two) take 60 and 40 rounds, about four and
+  five minutes: with 30 and 20, a run gave a 90 % range of 0.88-1.01 at 2,048 (median 0.95), where 60 rounds right
+  after gave 0.95-1.05 (median 1.01). An A/A run (raw against raw) on the same loaded machine gave medians of 0.96
+  to 1.07 over 40-100 rounds, so a figure within a few hundredths of its goal is that scatter, not a difference:
   read the client CPU per request and the objects per call beside it.
 - **Tracing.** A traced call is one span on OpenTelemetry's public API: the SDK's `start_span` and `end` (its
   sampler, attribute checks, a lock, the `Span` and its `ReadableSpan`), its `traceparent` header, and the batching
