@@ -4,9 +4,11 @@ Found out once per process and address, by one plaintext connection that sends a
 first bytes of the answer: a gRPC server (HTTP/2) writes its SETTINGS frame first, an HTTP/1.1 server answers
 `HTTP/1.x ...`. NeMo Gym's head answers `GET /` with `{"status": "ok"}` and logs only its usual access line; a
 preface of HTTP/2 would cost it a warning, which is why gRPC is never tried first. The gRPC head closes the
-connection without a word. A head that cannot be reached, or answers neither way in time, is not remembered: the
-call goes on over gRPC (and fails there as it always did), and the next call asks again. With TLS there is nothing
-to find out: NeMo Gym's head serves no TLS.
+connection without a word. The look may take the call's whole deadline: a head slow to answer (a loaded machine)
+is still told apart, where a shorter bound would try a slow NeMo Gym head over gRPC and make it log warnings. A
+head that cannot be reached, or answers neither way in time, is not remembered: the call goes on over gRPC with
+what is left of its deadline (and fails there as it always did), and the next call asks again. With TLS there is
+nothing to find out: NeMo Gym's head serves no TLS.
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ HeadProtocol = Literal["grpc", "nemo_gym_http"]
 GRPC: HeadProtocol = "grpc"
 NEMO_GYM_HTTP: HeadProtocol = "nemo_gym_http"
 
-# At most this long for the one look at a head (connect and first bytes); a head silent for longer is tried over
-# gRPC with what is left of the caller's deadline.
-DETECT_TIMEOUT_SECONDS = 1.0
+# The look's bound for a caller with no deadline of its own (the instance follower): the control plane's default.
+DETECT_TIMEOUT_SECONDS = 5.0
 _HTTP2_FRAME_HEADER_BYTES = 9
 _HTTP2_SETTINGS_FRAME = 0x04
 _GRPC_TARGET_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")
 
 _known: dict[str, HeadProtocol] = {}
-_lock = threading.Lock()
+_looks: dict[str, threading.Lock] = {}  # one per address: a slow look at one head holds up no other
+_looks_lock = threading.Lock()
 
 
 def head_protocol(address: str, *, tls: bool, timeout: float = DETECT_TIMEOUT_SECONDS) -> HeadProtocol:
@@ -39,10 +41,12 @@ def head_protocol(address: str, *, tls: bool, timeout: float = DETECT_TIMEOUT_SE
     known = known_head_protocol(address, tls=tls)
     if known is not None:
         return known
-    with _lock:  # one look per address, however many threads ask at once
+    with _looks_lock:
+        look = _looks.setdefault(address, threading.Lock())
+    with look:  # one look per address, however many threads ask at once
         known = _known.get(address)
         if known is None:
-            found = detect(address, min(timeout, DETECT_TIMEOUT_SECONDS))
+            found = detect(address, timeout)
             if found is None:
                 return GRPC
             known = _known[address] = found
