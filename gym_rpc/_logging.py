@@ -15,8 +15,6 @@ import sys
 import time
 from typing import IO, Any
 
-from opentelemetry import trace
-
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -50,6 +48,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        from opentelemetry import trace  # loaded by the first JSON line, not by the import
+
         context = trace.get_current_span().get_span_context()
         if context.is_valid:
             entry["trace_id"] = format(context.trace_id, "032x")

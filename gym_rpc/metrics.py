@@ -22,8 +22,6 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry import metrics
-
 from gym_rpc._environment import (
     EXEMPLAR_FILTER_ENV_VAR,
     METRICS_EXPORTER_ENV_VAR,
@@ -37,6 +35,7 @@ from gym_rpc._version import __version__
 from gym_rpc.telemetry import exporter_names, otlp_endpoint_set, otlp_protocol
 
 if TYPE_CHECKING:
+    from opentelemetry import metrics
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader
 
 logger = logging.getLogger(__name__)
@@ -89,18 +88,26 @@ def metrics_exported(environ: Mapping[str, str] | None = None) -> bool:
     return bool(names) or otlp_endpoint_set(env, OTLP_METRICS_ENDPOINT_ENV_VARS)
 
 
-# The global MeterProvider when this module was imported: the API's stand-in unless one was set before.
-_PROVIDER_AT_IMPORT = metrics.get_meter_provider()
+# The global MeterProvider at gym_rpc's first look (OpenTelemetry is not imported with this module): the API's
+# stand-in unless one was set before.
+_provider_at_first_look: object | None = None
 
 
 def _application_provider_installed() -> bool:
     """Whether a MeterProvider is installed, on public facts: the SDK's (whoever set it), or any other set since
-    this module was imported (one set earlier and not the SDK's goes unseen: `setup_metrics` then finds its own
+    gym_rpc first looked (one set earlier and not the SDK's goes unseen: `setup_metrics` then finds its own
     refused by `set_meter_provider`, and shuts it down)."""
-    from opentelemetry.sdk.metrics import MeterProvider
+    global _provider_at_first_look
+    from opentelemetry import metrics
 
     provider = metrics.get_meter_provider()
-    return isinstance(provider, MeterProvider) or provider is not _PROVIDER_AT_IMPORT
+    if _provider_at_first_look is None:
+        _provider_at_first_look = provider
+    try:
+        from opentelemetry.sdk.metrics import MeterProvider
+    except ImportError:  # a base install: no SDK, so any provider installed is another one
+        return provider is not _provider_at_first_look
+    return isinstance(provider, MeterProvider) or provider is not _provider_at_first_look
 
 
 def _readers(environ: Mapping[str, str], prometheus: bool) -> list[MetricReader]:
@@ -171,6 +178,8 @@ def setup_metrics(*, service_name: str, prometheus: bool, telemetry_block: Any =
         provider = MeterProvider(
             metric_readers=readers, resource=Resource.create(attributes), **_exemplar_filter(environ)
         )
+        from opentelemetry import metrics
+
         metrics.set_meter_provider(provider)
         if metrics.get_meter_provider() is not provider:  # one was there already: the application's stays
             provider.shutdown()
@@ -224,6 +233,8 @@ def prometheus_text() -> bytes:
 
 
 def meter() -> metrics.Meter:
+    from opentelemetry import metrics
+
     return metrics.get_meter(METER_NAME, __version__)
 
 

@@ -19,6 +19,7 @@ On means: the control channels carry OpenTelemetry's gRPC client interceptors an
 (rpc.* semantic conventions), every `ServerClient` call is a CLIENT span (http.* conventions, `gym.rollout_id`)
 whose context travels in the `traceparent` header, and `TraceContextPathMiddleware` continues the caller's trace
 in a SERVER span. Off means none of that exists: no interceptor, no SDK import, one boolean check per call.
+OpenTelemetry's API itself loads with the first call that needs it, not with this module.
 
 Spans go to the TracerProvider the application installed, if any (never replaced). Otherwise `setup_tracing`
 installs the SDK's, with an OTLP exporter when `OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT` is set (the `gym-rpc[otlp]`
@@ -40,8 +41,6 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry import trace
-
 from gym_rpc._environment import (
     OTLP_TRACES_ENDPOINT_ENV_VARS,
     OTLP_TRACES_PROTOCOL_ENV_VARS,
@@ -54,6 +53,7 @@ from gym_rpc._telemetry_switches import effective_environment
 from gym_rpc._version import __version__
 
 if TYPE_CHECKING:
+    from opentelemetry import trace
     from opentelemetry.sdk.trace import SpanProcessor
 
 logger = logging.getLogger(__name__)
@@ -145,6 +145,8 @@ def _decision(environment_says: bool | None, observability_enabled: bool, applic
 
 def _application_provider_installed() -> bool:
     """Whether the application (or OTEL_PYTHON_TRACER_PROVIDER) installed a TracerProvider of its own."""
+    from opentelemetry import trace
+
     return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
 
 
@@ -192,6 +194,8 @@ def _ensure_tracer_provider(service_name: str | None, environ: Mapping[str, str]
             "(pip install 'gym-rpc[otlp]')"
         )
         return
+    from opentelemetry import trace
+
     provider = TracerProvider(resource=Resource.create(_resource_attributes(service_name)))
     for processor in _span_processors(environ):
         provider.add_span_processor(processor)
@@ -253,6 +257,8 @@ def _otlp_processor(environ: Mapping[str, str]) -> SpanProcessor | None:
 @functools.cache
 def tracer() -> trace.Tracer:
     """gym_rpc's tracer (a proxy until a provider is installed, then the provider's)."""
+    from opentelemetry import trace
+
     return trace.get_tracer(TRACER_NAME, __version__)
 
 
@@ -303,6 +309,8 @@ def propagation() -> Any:
 
 def record_failure(span: trace.Span, error: BaseException) -> None:
     """An exception instead of an answer: error.type, the exception event and the span's error status."""
+    from opentelemetry import trace
+
     span.set_attribute(ERROR_TYPE, type(error).__qualname__)
     span.record_exception(error)
     span.set_status(trace.Status(trace.StatusCode.ERROR, str(error) or type(error).__name__))
@@ -318,6 +326,8 @@ def set_response_status(span: trace.Span, status: int, *, server: bool) -> None:
     span.set_attribute(HTTP_RESPONSE_STATUS_CODE, status)
     if is_error_status(status, server=server):
         span.set_attribute(ERROR_TYPE, str(status))
+        from opentelemetry import trace
+
         span.set_status(trace.Status(trace.StatusCode.ERROR))
 
 
@@ -343,6 +353,8 @@ def server_span(
     around the handler, then `set_response_status(span, status, server=True)` (or `record_failure(span, error)`
     for an exception that is no HTTP answer).
     """
+    from opentelemetry import trace
+
     context = propagation().extract(headers)
     attributes: dict[str, Any] = {**method_attributes(method), URL_PATH: path, URL_SCHEME: scheme}
     if route:

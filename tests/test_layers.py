@@ -23,9 +23,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # What `import gym_rpc.client.server_client` leaves for later (README's import time): gRPC, protobuf and the
 # control client load on the first call to the head; aiohttp, asyncio and the data plane's settings with the first
 # client or data-plane call (test below); OmegaConf with a DictConfig; PyYAML with the first YAML text; http.client
-# with the first direct probe. pydantic-settings is no longer used at all.
+# with the first direct probe; OpenTelemetry's API with the first data-plane call (its tracing hook), a JSON log
+# line or metrics switched on. pydantic-settings is no longer used at all.
 LAZY_IMPORTS = (
     "grpc",
+    "opentelemetry",
     "google.protobuf",
     "aiohttp",
     "asyncio",

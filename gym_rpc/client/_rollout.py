@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 from collections.abc import Iterator
-
-from opentelemetry import context as otel_context
-from opentelemetry import trace
+from typing import TYPE_CHECKING
 
 from gym_rpc.telemetry import ROLLOUT_ID_ATTRIBUTE, TRACING, instrumentation_failed, tracer
 from gym_rpc.wire import encode_rollout_id, rollout_path_prefix, trace_path_segment
+
+if TYPE_CHECKING:
+    from opentelemetry import trace
 
 _rollout_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("gym_rpc_rollout_id", default=None)
 
@@ -54,6 +56,9 @@ def rollout_context(rollout_id: str | None, *, span: bool = False) -> Iterator[s
         if rollout_span is None:
             yield rollout_id
             return
+        from opentelemetry import context as otel_context
+        from opentelemetry import trace
+
         attached = otel_context.attach(trace.set_span_in_context(rollout_span))
         try:
             yield rollout_id
@@ -89,7 +94,10 @@ def trace_context_path_segment() -> str:
     current span is valid and sampled, whoever started it (gym_rpc's `gym.rollout`, or a span the application
     started under its own TracerProvider, gym_rpc's own tracing on or off). A valid span that is not sampled gives
     it only while gym_rpc traces (gym_rpc.telemetry), carrying its "not sampled" on, as gym_rpc's calls do."""
-    context = trace.get_current_span().get_span_context()
+    trace_api = sys.modules.get("opentelemetry.trace")
+    if trace_api is None:  # OpenTelemetry's API is not even loaded: no span was made, none is current
+        return ""
+    context = trace_api.get_current_span().get_span_context()
     if not context.is_valid or not (context.trace_flags.sampled or TRACING.enabled):
         return ""
     return trace_path_segment(context.trace_id, context.span_id, context.trace_flags)
