@@ -126,3 +126,26 @@ def test_prometheus_names_are_the_documented_ones_and_the_dashboards() -> None:
     }
     assert queried, "the dashboard shows no worker metric"
     assert queried <= exposed, queried - exposed
+
+
+def test_an_exporter_without_the_sdk_warns_and_the_worker_runs() -> None:
+    """A base install has no opentelemetry-sdk: an exporter in the environment gets one warning naming the extra,
+    and the worker's metrics stay off (the check for an application's provider needs no SDK)."""
+    code = (
+        "import sys; sys.modules['opentelemetry.sdk'] = None\n"  # what a base install sees: no SDK to import
+        "from gym_rpc.metrics import METRICS, setup_client_metrics\n"
+        "print(setup_client_metrics(), METRICS.enabled)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_OTEL_", "NEMO_LENS_"))}
+    completed = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "OTEL_METRICS_EXPORTER": "console"},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.split() == ["False", "False"]
+    assert "pip install 'gym-rpc[otlp]'" in completed.stderr
