@@ -172,17 +172,29 @@ async def test_kill_9_during_rollouts_moves_only_the_dead_replicas_rollouts(
     per_rollout = 5
 
     async def one_rollout(number: int) -> None:
+        in_flight.add(number)
         with rollout_context(f"rollout-{number}"):
             for _ in range(per_rollout):
                 paths.setdefault(number, []).append(await call(client))
+        in_flight.discard(number)
+
+    in_flight: set[int] = set()
+    killed: list[int] = []
 
     def kill_once(done: int) -> None:
-        if done == 60:
-            os.kill(processes[1].pid, signal.SIGKILL)
+        """From 60 rollouts on, kill the replica of a rollout in flight that has answered calls (and has more to
+        make): which replicas the rollouts in flight stick to depends on the ports, so a fixed victim sometimes
+        had none of them, and nothing was there to move."""
+        started = [number for number in in_flight if paths.get(number)]
+        if done >= 60 and not killed and started:
+            port = paths[started[0]][-1]
+            os.kill(processes[ports.index(port)].pid, signal.SIGKILL)
+            killed.append(port)
 
     failures = await run_calls(CALLS // per_rollout, 16, one_rollout, kill_once)
     assert failures == []
-    dead = ports[1]
+    assert killed, "no rollout in flight had answered a call"
+    dead = killed[0]
     moved = {number for number, seen in paths.items() if len(set(seen)) > 1}
     assert moved and all(paths[number][0] == dead for number in moved)  # only the dead replica's rollouts moved
     for number in moved:  # ... each once, and never back
