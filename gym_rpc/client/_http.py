@@ -124,10 +124,6 @@ class LoopSessions:
         )
         self.is_closed = False
 
-    def serves_running_loop(self) -> bool:
-        """Whether these sessions are open and the running loop's (RuntimeError outside a loop)."""
-        return self.loop is asyncio.get_running_loop() and not self.is_closed
-
     async def close(self) -> None:
         self.is_closed = True
         await self.data.close()

@@ -1,9 +1,10 @@
-"""A client's way to its data-plane sessions, made without importing aiohttp or asyncio: the running loop's
-sessions are looked up (and both imported with gym_rpc.client._http) on the first call of each loop, then
-remembered."""
+"""A client's way to its data-plane sessions, made without importing aiohttp (this module loads with the first
+client, asyncio with it): the running loop's sessions are looked up (and aiohttp imported with
+gym_rpc.client._http) on the first call of each loop, then remembered."""
 
 from __future__ import annotations
 
+from asyncio import get_running_loop
 from typing import TYPE_CHECKING
 
 from gym_rpc.client._http_settings import HttpClientSettings
@@ -22,8 +23,9 @@ class HttpPools:
         self._last: LoopSessions | None = None  # one attribute, so threads with their own loops cannot mix it up
 
     def sessions(self) -> LoopSessions:
+        """The running loop's sessions (RuntimeError outside a loop), open: the ones of the last call, or new."""
         sessions = self._last
-        if sessions is None or not sessions.serves_running_loop():
+        if sessions is None or sessions.loop is not get_running_loop() or sessions.is_closed:
             from gym_rpc.client._http import loop_sessions  # the cold path: aiohttp on first use
 
             sessions = self._last = loop_sessions(self.settings)

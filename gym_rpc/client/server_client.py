@@ -734,13 +734,12 @@ class ServerClient(BaseModel):
         route = routing.routes.get(server_name)
         if route is None:
             url = plane.base_urls.get(server_name) or await self._aresolve_base_url(server_name)
-        body = kwargs.get("json")
+        body = kwargs.pop("json", None)
         if body is not None:
             if type(body) is not dict and isinstance(body, BaseModel):  # BaseModel's isinstance is an ABC check
                 body = body.model_dump(mode="json", exclude_unset=True)
             if kwargs.get("data") is not None:
                 raise ValueError("data and json parameters can not be used at the same time")
-            del kwargs["json"]
             kwargs["data"] = plane.json_payload(body)
         config = plane.config
         if route is not None:
