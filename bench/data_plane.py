@@ -3,17 +3,17 @@ raw aiohttp a user could write by hand, `session.post(url, data=orjson.dumps(bod
 process, at several concurrencies. Both sides parse the answer with `orjson.loads`, as NeMo Gym's
 `get_response_json` does.
 
-Measured as rollout workers run: the garbage collector on and left alone (nothing frozen, nothing collected between
-blocks: each side pays for the collections its own objects cause, wherever they land), and a live heap beside the
-client (`rollout_buffers`: what a worker holds of its rollouts), so every full collection scans what it would scan
-in a worker. Client and server are pinned to separate cores where the machine has two (bench/__main__.py).
+Measured as rollout workers run: each side in a process of its own (bench/side_worker.py), with its own live heap
+(`rollout_buffers`: what a worker holds of its rollouts), so every full collection scans what it would scan in a
+worker, and its own garbage collector, on and left alone (nothing frozen, nothing collected between blocks): each
+side pays for exactly the collections its own objects cause. Clients and server are pinned to separate cores where
+the machine has two (bench/__main__.py).
 
-Rounds alternate which side goes first (ABBA, BAAB, ...); each round yields one ratio (ours / raw requests per
-second), and the figure is the median of those ratios, so a noisy second on two shared cores moves single rounds,
-not the result. Blocks are short (a few tenths of a second) and rounds many: a burst of load from elsewhere then
-spans both sides of a round, and a collection landing in one block lands in the other side's block as often. Client
-CPU per request (process time over requests) is reported beside the ratio: it is what the client adds, and what the
-ratio hides once the server is the bottleneck.
+Rounds alternate which side goes first (ABBA, BAAB, ...), one block at a time; each round yields one ratio (ours /
+raw requests per second), and the figure is the median of those ratios, so a noisy second on two shared cores
+moves single rounds, not the result. Blocks are short (a few tenths of a second) and rounds many: a burst of load
+from elsewhere then spans both sides of a round. Client CPU per request (the side's process time over requests) is
+reported beside the ratio: it is what the client adds, and what the ratio hides once the server is the bottleneck.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from aiohttp.payload import JsonPayload
 from omegaconf import OmegaConf
 
 from bench.servers import ServerProcess, pinned_apart
+from bench.side_worker import SideWorker
 from bench.stats import Row, interleaved_latencies, median, ratio_row, spread_text, table_lines
-from gym_rpc.client._http import close_http_sessions, json_payload
+from gym_rpc.client._http import json_payload
 from gym_rpc.client._http_settings import HttpClientSettings
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
@@ -190,13 +191,23 @@ async def abba_rounds(
 
 
 async def compare(ours: Post, raw: Post, concurrency: int, requests: int, rounds: int) -> Comparison:
-    """`abba_rounds` of gym_rpc's post against the raw one, after a warm block of each."""
-    await run_block(ours, max(requests, concurrency), concurrency)  # warm: connections, caches
-    await run_block(raw, max(requests, concurrency), concurrency)
-    result = Comparison(concurrency)
-    result.ratios, result.ours, result.raw = await abba_rounds(
-        lambda: run_block(ours, requests, concurrency), lambda: run_block(raw, requests, concurrency), rounds
+    """`compare_blocks` of two posts in this process (bench.hot_path: two clients of the same library)."""
+    return await compare_blocks(
+        lambda: run_block(ours, requests, concurrency),
+        lambda: run_block(raw, requests, concurrency),
+        concurrency,
+        rounds,
     )
+
+
+async def compare_blocks(
+    ours: Callable[[], Awaitable[Block]], raw: Callable[[], Awaitable[Block]], concurrency: int, rounds: int
+) -> Comparison:
+    """`abba_rounds` of gym_rpc's blocks against the raw ones, after a warm block of each (connections, caches)."""
+    await ours()
+    await raw()
+    result = Comparison(concurrency)
+    result.ratios, result.ours, result.raw = await abba_rounds(ours, raw, rounds)
     print(
         f"  data plane c={concurrency}: per-round ratios {' '.join(f'{r:.2f}' for r in result.ratios)}",
         file=sys.stderr,
@@ -204,7 +215,7 @@ async def compare(ours: Post, raw: Post, concurrency: int, requests: int, rounds
     return result
 
 
-def rows_of(comparison: Comparison, heap: LiveHeap) -> list[Row]:
+def rows_of(comparison: Comparison, heap: str) -> list[Row]:
     ours_rps = median([b.requests_per_second for b in comparison.ours])
     raw_rps = median([b.requests_per_second for b in comparison.raw])
     ours_cpu = median([b.cpu_us_per_request for b in comparison.ours])
@@ -215,7 +226,8 @@ def rows_of(comparison: Comparison, heap: LiveHeap) -> list[Row]:
         ratio_row(
             "data plane",
             f"POST /v1/responses with json= (baseline: data=orjson.dumps(body)), concurrency "
-            f"{comparison.concurrency}, GC on beside {heap.describe()} (median of per-round ratios, {spread})",
+            f"{comparison.concurrency}, GC on beside {heap} in each side's process "
+            f"(median of per-round ratios, {spread})",
             f"{ours_rps:.0f} req/s, {ours_cpu:.0f} µs CPU/req, {collections_text(comparison.ours)}",
             f"raw aiohttp + orjson: {raw_rps:.0f} req/s, {raw_cpu:.0f} µs CPU/req, "
             f"{collections_text(comparison.raw)}",
@@ -273,18 +285,22 @@ QUICK_DATA_PLANE = DataPlanePlan(
 
 
 async def run(port: int, plan: DataPlanePlan) -> list[Row]:
-    client = make_client(port)
-    url = f"http://127.0.0.1:{port}{PATH}"
-    session = raw_session()
+    """The rows, each side in a process of its own (bench.side_worker: its own heap and collector, as a worker)."""
     rows = [serialisation_row(plan.serialisation_pairs)]
-    heap = rollout_buffers(plan.live_heap_records)
-    try:
+    with (
+        SideWorker("ours", port, plan.live_heap_records) as ours,
+        SideWorker("raw", port, plan.live_heap_records) as raw,
+    ):
         for concurrency, requests, rounds in zip(plan.concurrencies, plan.requests, plan.rounds, strict=True):
-            comparison = await compare(ours_post(client), raw_post(session, url), concurrency, requests, rounds)
-            rows.extend(rows_of(comparison, heap))
-    finally:
-        await session.close()
-        await close_http_sessions()
+
+            async def ours_block(concurrency: int = concurrency, requests: int = requests) -> Block:
+                return Block(*ours.block(concurrency, requests))
+
+            async def raw_block(concurrency: int = concurrency, requests: int = requests) -> Block:
+                return Block(*raw.block(concurrency, requests))
+
+            comparison = await compare_blocks(ours_block, raw_block, concurrency, rounds)
+            rows.extend(rows_of(comparison, ours.heap))
     return rows
 
 

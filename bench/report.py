@@ -78,13 +78,16 @@ METHOD = """\
   as NeMo Gym code does, `ServerClient.post(name, path, json=body)`, and as the best raw aiohttp a user could write
   by hand, `session.post(url, data=orjson.dumps(body))` with a JSON Content-Type (same connection limits and
   deadline, no cookie jar, as gym_rpc's pool: the ratio isolates what ServerClient adds); both read each answer
-  with `orjson.loads`. The garbage collector is on and left alone: nothing is frozen and nothing collected
-  between blocks, so each side pays for the collections its own objects cause, and a live heap of 300,000 small
-  rollout records (600,000 objects the collector tracks) sits beside the client, so every full collection scans
-  what it would scan in a worker. Rounds of four short blocks (ABBA, then BAAB: each side runs first once per
-  round), 100, 256, 512, 2,048 and 4,096 requests per block at concurrency 1, 64, 512, 2,048 and 4,096, and 80,
-  80, 80, 60 and 40 rounds; the figure is the median of the per-round ratios, shown with their middle half and a
-  seeded bootstrap's 90 % range of that median. Client CPU per request is this process's CPU time over requests;
+  with `orjson.loads`. Each side runs in a process of its own (bench/side_worker.py), as a rollout worker: its
+  own live heap of 300,000 small rollout records (600,000 objects the collector tracks), so every full collection
+  scans what it would scan in a worker, and its own garbage collector, on and left alone: nothing is frozen and
+  nothing collected between blocks, so each side pays for exactly the collections its own objects cause. (With
+  both sides in one process, a full collection, about as long as a block at 512 calls in flight, was paid by
+  whichever block crossed its threshold, and round ratios swung between about 0.5 and 2.) The parent runs one
+  side's block at a time: rounds of four short blocks (ABBA, then BAAB: each side runs first once per round),
+  100, 256, 512, 2,048 and 4,096 requests per block at concurrency 1, 64, 512, 2,048 and 4,096, and 80, 80, 80,
+  60 and 40 rounds; the figure is the median of the per-round ratios, shown with their middle half and a seeded
+  bootstrap's 90 % range of that median. Client CPU per request is the side's process CPU time over requests;
   the collector's runs per 10,000 requests (young / middle / full) are counted per side. The serialisation row
   times 200 `json=` bodies made into the payload aiohttp sends: gym_rpc's (orjson) against aiohttp's own `json=`
   (`json.dumps`), interleaved.

@@ -1,0 +1,116 @@
+"""One side of the data-plane comparison in a process of its own, as a rollout worker runs: its own live heap and
+its own garbage collector.
+
+In one process the two sides share the collector: a full collection (of the live heap, about as long as a block at
+512 calls in flight) is paid by whichever block crosses its threshold, whoever's objects piled up towards it, so a
+round's ratio swung between about 0.5 and 2 and the median of such ratios told little. In a process of its own each
+side pays for exactly the collections its own objects cause. The parent still interleaves the two processes' blocks
+(ABBA), one at a time, so a burst of load from elsewhere hits both sides of a round.
+
+    python -m bench.side_worker ours|raw PORT HEAP_RECORDS
+
+prints `ready {"heap": ...}`, then answers each line `CONCURRENCY REQUESTS` on stdin with one JSON line: requests
+per second, client CPU µs per request, the collector's runs per 10k requests by generation. It ends with its input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SIDES = ("ours", "raw")
+READY = "ready "
+_START_SECONDS = 120.0  # import, a live heap of a few hundred thousand dicts, a client
+_BLOCK_SECONDS = 300.0  # far beyond any block: a stuck side fails the bench instead of hanging it
+
+
+class SideWorker:
+    """The parent's handle on one side's process: `block` runs one timed block there and returns its figures."""
+
+    def __init__(self, side: str, port: int, heap_records: int) -> None:
+        if side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, not {side!r}")
+        self.side = side
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "bench.side_worker", side, str(port), str(heap_records)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+        )
+        ready = self._line(_START_SECONDS)
+        if not ready.startswith(READY):
+            self.close()
+            raise RuntimeError(f"the {side} side did not start: {ready!r}")
+        self.heap: str = json.loads(ready[len(READY) :])["heap"]
+
+    def block(self, concurrency: int, requests: int) -> tuple[float, float, tuple[float, ...]]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"{concurrency} {requests}\n")
+        self.process.stdin.flush()
+        rps, cpu_us, collections = json.loads(self._line(_BLOCK_SECONDS))
+        return rps, cpu_us, tuple(collections)
+
+    def _line(self, timeout: float) -> str:
+        stdout = self.process.stdout
+        assert stdout is not None
+        readable, _, _ = select.select([stdout], [], [], timeout)
+        line = stdout.readline() if readable else ""
+        if not line:
+            raise RuntimeError(
+                f"the {self.side} side sent nothing within {timeout:.0f} s (exit {self.process.poll()})"
+            )
+        return line
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+    def __enter__(self) -> SideWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _serve(side: str, port: int, heap_records: int) -> None:
+    from bench.data_plane import PATH, make_client, ours_post, raw_post, raw_session, rollout_buffers, run_block
+    from gym_rpc.client._http import close_http_sessions
+
+    heap = rollout_buffers(heap_records)  # alive until the end: every full collection scans it
+    session = raw_session() if side == "raw" else None
+    post = raw_post(session, f"http://127.0.0.1:{port}{PATH}") if session else ours_post(make_client(port))
+    print(READY + json.dumps({"heap": heap.describe()}), flush=True)
+    loop = asyncio.get_running_loop()
+    try:
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            concurrency, requests = (int(word) for word in line.split())
+            block = await run_block(post, requests, concurrency)
+            figures = (block.requests_per_second, block.cpu_us_per_request, block.collections_per_10k)
+            print(json.dumps(figures), flush=True)
+    finally:
+        if session is not None:
+            await session.close()
+        await close_http_sessions()
+
+
+def main(argv: list[str]) -> int:
+    side, port, heap_records = argv
+    asyncio.run(_serve(side, int(port), int(heap_records)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
