@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 import aiohttp
 from pydantic import BaseModel
@@ -42,12 +42,13 @@ class WithoutTrick(ServerClient):
 
     async def _call(
         self,
+        method: str,
         server_name: str,
         url_path: str,
-        method: str,
-        kwargs: _RequestOptions,
-        control: bool = False,
-        resend: bool = True,
+        *,
+        _control: bool = False,
+        _resend_after_disconnect: bool = True,
+        **kwargs: Unpack[_RequestOptions],
     ) -> aiohttp.ClientResponse:
         routing = self._routing
         if routing is None:
@@ -55,15 +56,14 @@ class WithoutTrick(ServerClient):
         if routing.routes.get(server_name) is not None:
             raise AssertionError("the hot-path rows call a server of one instance")
         url = self._server_base_urls.get(server_name) or await self._aresolve_base_url(server_name)
-        body: Any = kwargs.get("json")
+        body: Any = kwargs.pop("json", None)
         if body is not None:
             if type(body) is not dict and isinstance(body, BaseModel):
                 body = body.model_dump(mode="json", exclude_unset=True)
-            del kwargs["json"]
             kwargs["data"] = json_payload(body)
         pools = self._http
         sessions = pools.sessions()
-        session = sessions.control if control else sessions.data
+        session = sessions.control if _control else sessions.data
         calls = sessions.calls
         calls.value += 1
         try:
@@ -78,7 +78,7 @@ class WithoutTrick(ServerClient):
                 method,
                 full_url,
                 pools.settings.retry,
-                resend,
+                _resend_after_disconnect,
                 kwargs,
                 None,
                 server_name,

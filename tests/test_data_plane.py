@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import socket
 import time
+import unittest.mock
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -151,12 +153,47 @@ async def test_post_and_get_go_through_a_subclass_request(http_server) -> None:
     subclassed = HeaderAddingClient(
         head_server_config=plain.head_server_config, global_config_dict=plain.global_config_dict
     )
-    await call(subclassed, "policy", "/v1/responses", json={"a": 1})
-    async with await subclassed.get("policy", "/health") as response:
-        await response.read()
-    await call(plain, "policy", "/v1/responses", json={"a": 1})
-    assert recorder.added == ["POST", "GET", None]
+    for _ in range(2):  # the first call and those after it (a plain client's later calls take a shorter way)
+        await call(subclassed, "policy", "/v1/responses", json={"a": 1})
+        async with await subclassed.get("policy", "/health") as response:
+            await response.read()
+        await call(plain, "policy", "/v1/responses", json={"a": 1})
+    assert recorder.added == ["POST", "GET", None] * 2
     assert recorder.bodies[0] == {"a": 1}
+
+
+class PostOverridingClient(ServerClient):
+    """A subclass that overrides `post` itself and calls the library's through `super()`."""
+
+    async def post(self, server_name: str, url_path: str, **kwargs: Any) -> aiohttp.ClientResponse:
+        kwargs["headers"] = {"X-Added": "post override"}
+        return await super().post(server_name, url_path, **kwargs)
+
+
+async def test_post_and_get_read_as_coroutine_functions_with_the_seed_signature(http_server) -> None:
+    """`client.post` is the hot path with the method bound (no coroutine of its own); read on the class or on a
+    client it still looks and behaves as the `async def` NeMo Gym has, for inspect, mock and plain calls."""
+    recorder = HeaderRecorder()
+    client = make_client({"policy": server_entry(await http_server(recorder.app))})
+    for method in (client.post, client.get, ServerClient.post, ServerClient.get):
+        assert inspect.iscoroutinefunction(method)
+    assert list(inspect.signature(ServerClient.post).parameters) == ["self", "server_name", "url_path", "kwargs"]
+    assert ServerClient.post.__doc__ == ServerClient.get.__doc__ and "server_name" in (
+        ServerClient.post.__doc__ or ""
+    )
+    async with await ServerClient.post(client, "policy", "/v1/responses", json={"a": 1}) as response:  # unbound
+        await response.read()
+    assert inspect.iscoroutinefunction(client.post) and inspect.iscoroutinefunction(client.get)  # after a call too
+    overriding = PostOverridingClient(
+        head_server_config=client.head_server_config, global_config_dict=client.global_config_dict
+    )
+    for _ in range(2):
+        await call(overriding, "policy", "/v1/responses", json={"b": 2})
+    assert recorder.added == [None, "post override", "post override"]
+    assert recorder.bodies == [{"a": 1}, {"b": 2}, {"b": 2}]
+    mocked = unittest.mock.create_autospec(ServerClient, instance=True)  # as users' tests mock the client
+    await mocked.post("policy", "/v1/responses", json={})
+    mocked.post.assert_awaited_once_with("policy", "/v1/responses", json={})
 
 
 # --- hosts -------------------------------------------------------------------------------------------------------

@@ -93,6 +93,7 @@ async def test_pickle_keeps_config_and_caches_and_drops_live_sessions() -> None:
         assert restored._http.settings.max_connections == 7
         assert restored._http._last is None  # reconnects on first use
         assert restored._data_plane.pools is restored._http  # its own, never the sender's
+        assert vars(restored)["post"].args[0] is restored  # its direct calls too
         assert not sessions.data.closed  # the original keeps its sessions
         assert restored._resolve_base_url("tools") == "http://10.0.0.9:8200"  # the cache travelled
     finally:
@@ -109,6 +110,7 @@ async def test_copies_get_their_own_pools() -> None:
         for clone in (shallow, deep):
             assert clone._http is not client._http and clone._http._last is None
             assert clone._data_plane.pools is clone._http  # what its calls read is its own
+            assert vars(clone)["post"].args[0] is clone and vars(clone)["get"].args[0] is clone  # its direct calls
             assert clone._data_plane.base_urls is clone._server_base_urls
             assert clone._http.settings == client._http.settings
             assert clone._resolve_base_url("policy") == "http://127.0.0.1:8000"

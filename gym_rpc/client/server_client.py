@@ -270,6 +270,23 @@ def _setup_telemetry(config: GlobalConfig) -> None:
 
 
 _DATA_PLANE = "_data_plane"  # ServerClient's cached property: see _DataPlane
+# What a client keeps in its own __dict__ for its calls, made on its first call: never copied or pickled.
+_PER_CLIENT_CALLS = (_DATA_PLANE, "post", "get")
+
+
+def _bind_direct_calls(client: ServerClient) -> None:
+    """`client.post` and `client.get` as `_call` with the client and the method bound, kept in the client's
+    `__dict__` (where they win over the class's methods), so `await client.post(...)` runs the hot path as the
+    only coroutine of ServerClient's under the caller's: the `async def post` would be a second one, alive as long
+    as the call (bench/allocations.py counts what a call keeps alive: as many objects as raw aiohttp with this,
+    one more without). The class keeps its `async def`s, for `inspect`, `help`, `unittest.mock` and the first
+    call; a subclass with its own `request`, `post` or `get` keeps them all."""
+    kind = type(client)
+    if kind.request is not ServerClient.request:
+        return
+    for name, method in (("post", "POST"), ("get", "GET")):
+        if getattr(kind, name) is getattr(ServerClient, name):
+            client.__dict__[name] = functools.partial(kind._call, client, method)
 
 
 class _DataPlane:
@@ -376,7 +393,7 @@ class ServerClient(BaseModel):
     def __getstate__(self) -> dict[Any, Any]:
         """Pickle without the live HttpPools (its sessions are this process's), keeping its settings."""
         state = super().__getstate__()
-        state["__dict__"] = {key: value for key, value in state["__dict__"].items() if key != _DATA_PLANE}
+        state["__dict__"] = {k: v for k, v in state["__dict__"].items() if k not in _PER_CLIENT_CALLS}
         private = dict(state["__pydantic_private__"] or {})
         pools: HttpPools = private.pop("_http")
         private["_routing"] = private["_pending_routing"] = None  # this process's routes and follower stay here
@@ -398,7 +415,8 @@ class ServerClient(BaseModel):
     def __copy__(self) -> Self:
         """A shallow copy sharing config and caches, with its own HttpPools."""
         clone = super().__copy__()
-        vars(clone).pop(_DATA_PLANE, None)
+        for key in _PER_CLIENT_CALLS:
+            vars(clone).pop(key, None)
         clone._http = _new_pools(self._http.settings)
         return clone
 
@@ -406,15 +424,17 @@ class ServerClient(BaseModel):
         """A deep copy of config and caches; the live HttpPools is replaced, never copied."""
         memo = {} if memo is None else memo
         memo[id(self._http)] = _new_pools(self._http.settings)
-        for live in (self._routing, self._pending_routing):
+        for live in (self._routing, self._pending_routing, *(vars(self).get(key) for key in _PER_CLIENT_CALLS)):
             if live is not None:
-                memo[id(live)] = None  # the copy makes its own routes on its first call
+                memo[id(live)] = None  # the copy makes its own routes and calls on its first call
         clone = super().__deepcopy__(memo)
-        vars(clone).pop(_DATA_PLANE, None)
+        for key in _PER_CLIENT_CALLS:
+            vars(clone).pop(key, None)
         return clone
 
     @functools.cached_property
     def _data_plane(self) -> _DataPlane:
+        _bind_direct_calls(self)
         return _DataPlane(self._server_base_urls, self._global_config, self._http, self._routing)
 
     @field_serializer(_GLOBAL_CONFIG_DICT_FIELD)
@@ -710,23 +730,33 @@ class ServerClient(BaseModel):
         The caller reads and releases the response, as with aiohttp. A server with several instances
         (docs/replicas.md) is called at the one its rollout sticks to, else at the less loaded of two healthy ones.
         """
-        return await self._call(server_name, url_path, method, kwargs, _control, _resend_after_disconnect)
+        return await self._call(
+            method,
+            server_name,
+            url_path,
+            _control=_control,
+            _resend_after_disconnect=_resend_after_disconnect,
+            **kwargs,
+        )
 
     async def _call(
         self,
+        method: str,
         server_name: str,
         url_path: str,
-        method: str,
-        kwargs: _RequestOptions,
-        control: bool = False,
-        resend: bool = True,
+        *,
+        _control: bool = False,
+        _resend_after_disconnect: bool = True,
+        **kwargs: Unpack[_RequestOptions],
     ) -> aiohttp.ClientResponse:
         """The hot path of `request`, `post` and `get`: a cached URL, the rollout prefix rule and the request.
 
         What a call keeps alive while it waits is what the collector pays for at thousands in flight (bench/
-        allocations.py), so the caller's kwargs dict is used as it is (never copied again) and the first attempt
-        is made here, with no coroutine of `send`'s: the resend path takes over only after a failure.
+        allocations.py): after the first call `client.post(...)` and `client.get(...)` are this coroutine itself
+        (`_bind_direct_calls`), and the first attempt is made here, with no coroutine of `send`'s: the resend path
+        takes over only after a failure.
         """
+        resend = _resend_after_disconnect
         plane = self._data_plane
         routing = plane.routing
         if routing is None:
@@ -748,7 +778,7 @@ class ServerClient(BaseModel):
             url_path = _observed_path(config, server_name, url_path, body)
         pools = plane.pools
         sessions = pools.sessions()
-        session = sessions.control if control else sessions.data
+        session = sessions.control if _control else sessions.data
         retry = pools.settings.retry
         calls = sessions.calls  # the loop's calls in flight: the client-wide resend budget's measure of load
         calls.value += 1
@@ -778,14 +808,14 @@ class ServerClient(BaseModel):
         # As in NeMo Gym, `get` and `post` go through a subclass's own `request`.
         if type(self).request is not ServerClient.request:
             return await self.request(server_name, url_path, "GET", **kwargs)
-        return await self._call(server_name, url_path, "GET", kwargs)
+        return await self._call("GET", server_name, url_path, **kwargs)
 
     async def post(
         self, server_name: str, url_path: str, **kwargs: Unpack[_RequestOptions]
     ) -> aiohttp.ClientResponse:
         if type(self).request is not ServerClient.request:
             return await self.request(server_name, url_path, "POST", **kwargs)
-        return await self._call(server_name, url_path, "POST", kwargs)
+        return await self._call("POST", server_name, url_path, **kwargs)
 
     get.__doc__ = post.__doc__ = _CALL_ARGS_DOC
 
