@@ -196,6 +196,18 @@ async def test_post_and_get_read_as_coroutine_functions_with_the_seed_signature(
     mocked.post.assert_awaited_once_with("policy", "/v1/responses", json={})
 
 
+async def test_post_patched_on_the_class_before_a_clients_first_call_is_what_it_calls(http_server) -> None:
+    """docs/nemo-gym.md: a patch of `ServerClient.post` reaches clients that have not called yet."""
+    recorder = Recorder()
+    client = make_client({"policy": server_entry(await http_server(recorder.app))})
+    with unittest.mock.patch.object(ServerClient, "post", autospec=True) as patched:
+        await client.post("policy", "/v1/responses", json={})
+        await client.post("policy", "/v1/responses", json={})
+    assert patched.await_count == 2 and recorder.paths == []
+    await call(client, "policy", "/v1/responses")  # the patch gone, the library's own
+    assert recorder.paths == ["/v1/responses"]
+
+
 # --- hosts -------------------------------------------------------------------------------------------------------
 
 
