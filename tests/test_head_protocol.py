@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -106,6 +106,26 @@ def test_a_silent_head_fails_within_the_calls_deadline(silent_server_port: int) 
     with pytest.raises(HeadTimeoutError):
         client.get_global_config()
     assert time.monotonic() - started < 1.5 + 0.9
+
+
+async def test_a_slow_look_at_one_head_holds_up_no_other(http_server, silent_server_port: int) -> None:
+    """One lock per address: while a look at a silent head waits out its 5 s, a client of another head is
+    answered (it finishes while the first look is still waiting)."""
+    silent = SyncControlClient(f"{LOOPBACK}:{silent_server_port}", timeout_seconds=5)
+    waiting = asyncio.ensure_future(asyncio.to_thread(_raises_head_timeout, silent.get_global_config))
+    await asyncio.sleep(0.3)  # the silent look has begun (its connect completes in the kernel's backlog)
+    seen: list[str] = []
+    config = {"head_server": {"host": LOOPBACK, "port": 1}, "tools": server_entry(closed_port())}
+    port = await http_server(_nemo_gym_like_head(config, seen))
+    found = await asyncio.to_thread(SyncControlClient(f"{LOOPBACK}:{port}", timeout_seconds=5).get_global_config)
+    assert sorted(found.servers) == ["tools"]
+    assert not waiting.done()  # a shared lock would have made this look wait out the silent one first
+    await waiting
+
+
+def _raises_head_timeout(call: Callable[[], object]) -> None:
+    with pytest.raises(HeadTimeoutError):
+        call()
 
 
 @pytest.fixture

@@ -46,7 +46,11 @@ def _lazy(loaded: list[str]) -> list[str]:
 
 
 def test_importing_server_client_loads_no_server_module() -> None:
-    code = "import gym_rpc.client.server_client, sys, json; print(json.dumps(sorted(sys.modules)))"
+    code = (
+        "import gym_rpc.client.server_client as client, sys, json\n"
+        "assert client.apply_rollout_prefix('http://h:1', 'r-1') == 'http://h:1/ng-rollout/r-1'  # no span: none\n"
+        "print(json.dumps(sorted(sys.modules)))"
+    )
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True
     )
