@@ -3,9 +3,13 @@ gym_rpc's ServerClient injected, while the resources server is killed with `kill
 tests/test_nemo_gym_compat.py, never by pytest directly.
 
 The resources server runs in a process of its own (`restart.py serve-resources PORT`), so the kill is real: its
-connections are reset, its port refuses. The agent and a stub Responses API model (it asks for `get_weather`, then
-answers) run in this process on uvicorn, as in harness.py. Rollouts are posted to the agent's `/run` at a fixed
-concurrency, each bounded by its own timeout (a hung rollout is reported, never waited for). Modes:
+connections are reset, its port refuses. Told `kill` on stdin, it sends itself SIGKILL from its event loop at a
+moment no response is half written: a kill between a response's headers and its body cuts off a response its
+caller already has, which no client can resend (aiohttp's, NeMo Gym's and gym_rpc's all return at the headers),
+and would make the count of lost rollouts hang on where the kill happened to land (2 of 256 did once). The agent
+and a stub Responses API model (it asks for `get_weather`, then answers) run in this process on uvicorn, as in
+harness.py. Rollouts are posted to the agent's `/run` at a fixed concurrency, each bounded by its own timeout (a
+hung rollout is reported, never waited for). Modes:
 
 * restart: after half of the rollouts, the server is killed and a new process is back on the same port 1 s later
   (started beforehand, so its imports are done and it binds when told), with gym_rpc's default settings;
@@ -28,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -65,9 +70,61 @@ def weather_model_app() -> Starlette:
 # --- the resources server's own process --------------------------------------------------------------------------
 
 
+class KillBetweenResponses:
+    """ASGI wrapper around the whole app: counts the responses whose headers are sent and whose body is not yet,
+    so that the process can kill itself at a moment when none is (requests being handled are cut off, as a kill
+    does; a response is never cut in two)."""
+
+    def __init__(self, app: Asgi) -> None:
+        self.app = app
+        self.half_written = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def counting_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.half_written += 1
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body") and started:
+                started = False
+                self.half_written -= 1
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            if started:
+                self.half_written -= 1
+
+    def kill_when_no_response_is_half_written(self) -> None:
+        """Runs on the event loop, so nothing is sent between the count's check and the kill."""
+        if self.half_written == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+            return
+        asyncio.get_running_loop().call_later(0.001, self.kill_when_no_response_is_half_written)
+
+
+def _kill_when_told(loop: asyncio.AbstractEventLoop, app: KillBetweenResponses) -> None:
+    for line in sys.stdin:
+        if line.strip() == "kill":
+            loop.call_soon_threadsafe(app.kill_when_no_response_is_half_written)
+
+
+async def _serve(app: KillBetweenResponses, sock: socket.socket) -> None:
+    threading.Thread(target=_kill_when_told, args=(asyncio.get_running_loop(), app), daemon=True).start()
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=30)
+    print("listening", flush=True)
+    await uvicorn.Server(config).serve(sockets=[sock])
+
+
 def serve_resources(port: int, wait_for_go: bool) -> None:
     """Build the weather server, say "ready", wait for "go" on stdin when asked to, then bind and serve until
-    killed."""
+    told "kill"."""
     server = SimpleWeatherResourcesServer.model_construct(
         config=SimpleWeatherResourcesServerConfig(host=LOOPBACK, port=port, entrypoint="app.py", name=RESOURCES),
         server_client=None,  # it calls no other server
@@ -81,9 +138,7 @@ def serve_resources(port: int, wait_for_go: bool) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the killed server's connections linger
     sock.bind((LOOPBACK, port))
     sock.listen(1024)
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=30)
-    print("listening", flush=True)
-    asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+    asyncio.run(_serve(KillBetweenResponses(app), sock))
 
 
 class ResourcesProcess:
@@ -102,15 +157,21 @@ class ResourcesProcess:
         if got != wanted:
             raise RuntimeError(f"the resources server said {got!r}, not {wanted!r}")
 
-    def go(self) -> None:
+    def _tell(self, word: str) -> None:
         assert self.process.stdin is not None
-        self.process.stdin.write("go\n")
+        self.process.stdin.write(f"{word}\n")
         self.process.stdin.flush()
 
+    def go(self) -> None:
+        self._tell("go")
+
     def kill(self) -> None:
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGKILL)
+        """SIGKILL, sent by the server to itself between two responses (KillBetweenResponses). The wait blocks
+        the caller's event loop, as a kill from outside takes no time: no rollout starts or ends meanwhile."""
+        self._tell("kill")
         self.process.wait(10)
+        if self.process.returncode != -signal.SIGKILL:
+            raise RuntimeError(f"the resources server exited {self.process.returncode}, not killed")
 
     def stop(self) -> None:
         if self.process.poll() is None:
