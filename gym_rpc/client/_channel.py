@@ -52,6 +52,10 @@ CHANNEL_OPTIONS: tuple[tuple[str, int | str], ...] = (
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2_000),
+    # A connection of its own per channel: gRPC shares one among channels to an address by default, so a channel
+    # redialing a head that went away (one of an ended event loop, say) held a newer channel in its backoff, and a
+    # head started again on that port was refused to a new client for up to the 2 s above.
+    ("grpc.use_local_subchannel_pool", 1),
     *CLIENT_MESSAGE_OPTIONS,
 )
 
