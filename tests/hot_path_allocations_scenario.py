@@ -13,7 +13,8 @@ same on every run; timing plays no part. An object made and freed before the han
 bound keeps is what a call holds while aiohttp works, which is what the collector pays for at thousands in flight
 (bench/allocations.py measures that against raw aiohttp, with the server).
 
-Prints `RESULT {"plain": [n, n], "observed": n}` (the plain count twice, to show it is exact).
+Prints `RESULT {"plain": [n, n], "observed": n}` (the plain count twice, to show it is exact); with `unsampled`,
+`RESULT {"unsampled": n}`, traced (an application's SDK provider) in a rollout the sampler dropped.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -91,14 +93,15 @@ async def counted_client(**global_keys: Any) -> AsyncIterator[tuple[ServerClient
         await close_http_sessions()
 
 
-async def extra_objects(client: ServerClient, counter: Counter, url: str, path: str) -> int:
-    """What `client.post(json=BODY)` holds at aiohttp's request start beyond the same request sent directly."""
+async def extra_objects(client: ServerClient, counter: Counter, url: str, path: str, headers: Any = None) -> int:
+    """What `client.post(json=BODY)` holds at aiohttp's request start beyond the same request sent directly (with
+    `headers`, the ones the client adds)."""
 
     async def ours() -> object:
         return await client.post("policy", "/v1/responses", json=BODY)
 
     async def direct() -> object:
-        return await counter.session.request("POST", url + path, data=json_payload(BODY))
+        return await counter.session.request("POST", url + path, data=json_payload(BODY), headers=headers)
 
     return await counter.objects_held(ours) - await counter.objects_held(direct)
 
@@ -111,7 +114,27 @@ async def handed_over(call: Callable[[], Awaitable[object]]) -> None:
     raise AssertionError("the call was not stopped at its request start")
 
 
+async def unsampled() -> int:
+    """Traced, in a rollout its sampler dropped: the call makes no span and carries the rollout's context on."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    from gym_rpc.client._http_tracing import trace_context_headers
+
+    trace.set_tracer_provider(TracerProvider(sampler=ParentBased(TraceIdRatioBased(0.0))))
+    async with counted_client(observability_enabled=True) as (client, counter, url):
+        with rollout_context("rollout-7", span=True):
+            parent = trace.get_current_span().get_span_context()
+            assert parent.is_valid and not parent.trace_flags.sampled, parent
+            headers = trace_context_headers(None, parent)
+            return await extra_objects(client, counter, url, "/ng-rollout/rollout-7/v1/responses", headers)
+
+
 async def main() -> None:
+    if sys.argv[1:] == ["unsampled"]:  # tracing is decided once per process: this one traces
+        print("RESULT " + json.dumps({"unsampled": await unsampled()}), flush=True)
+        return
     async with counted_client() as (client, counter, url):
         plain = [await extra_objects(client, counter, url, "/v1/responses") for _ in range(2)]
     async with counted_client(observability_enabled=True) as (client, counter, url):

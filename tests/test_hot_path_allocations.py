@@ -15,14 +15,17 @@ from typing import Any
 # Lower it when a change removes objects; a change that needs more must show in bench/ that they pay.
 MAX_EXTRA_OBJECTS = 2  # the `_call` coroutine (`client.post` is it: _DirectCall) and its kwargs dict
 MAX_EXTRA_OBJECTS_OBSERVED = 2  # observability on: the rollout prefix rule's URL path is transient
+# Traced, in a rollout the sampler dropped: those two and the call's own traceparent headers. No span, so the call
+# is sent as an untraced one is, with no coroutine of `send`'s (4 before).
+MAX_EXTRA_OBJECTS_UNSAMPLED = 3
 
 
-def counted() -> dict[str, Any]:
+def counted(*args: str) -> dict[str, Any]:
     scenario = Path(__file__).with_name("hot_path_allocations_scenario.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_OTEL_", "NEMO_LENS_"))}
     env["PYTHONPATH"] = str(Path(__file__).parent.parent)
     completed = subprocess.run(
-        [sys.executable, str(scenario)], env=env, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, str(scenario), *args], env=env, capture_output=True, text=True, timeout=120, check=False
     )
     assert completed.returncode == 0, completed.stderr
     line = next(line for line in completed.stdout.splitlines() if line.startswith("RESULT "))
@@ -38,4 +41,11 @@ def test_post_holds_at_most_a_few_objects_beyond_aiohttps_own() -> None:
     observed = result["observed"]
     assert 0 < observed <= MAX_EXTRA_OBJECTS_OBSERVED, (
         f"with the rollout prefix, ServerClient.post holds {observed} objects beyond aiohttp's own"
+    )
+
+
+def test_an_unsampled_call_holds_no_more_than_its_traceparent_beyond_an_untraced_one() -> None:
+    unsampled = counted("unsampled")["unsampled"]
+    assert 0 < unsampled <= MAX_EXTRA_OBJECTS_UNSAMPLED, (
+        f"traced in an unsampled rollout, ServerClient.post holds {unsampled} objects beyond aiohttp's own"
     )

@@ -119,6 +119,27 @@ def trace_context_headers(
     return headers
 
 
+def call_span(
+    session: aiohttp.ClientSession,
+    method: str,
+    base_url: str,
+    url: str,
+    kwargs: _RequestOptions,
+    server_name: str,
+) -> CallObserver | None:
+    """The observer of a traced call to `url` (under `base_url`, the server's): its CLIENT span, started, whose
+    context goes out in the `traceparent` header (put in `kwargs`); a resent call carries
+    `http.request.resend_count` (the number of attempts after the first). None for a call that records no span (a
+    child of an unsampled parent carries that parent's context on): it is sent as an untraced call is, with no
+    observer. The span starts here, so the call must be sent at once. It never raises: tracing that fails leaves
+    the call untraced, and logged."""
+    rollout_id = rollout_id_in_context()
+    if session_instrumented(session):
+        return _InstrumentedCall(kwargs, server_name, rollout_id)
+    span = _start_span(method, base_url, server_name, url, rollout_id, kwargs)
+    return None if span is None else _CallSpan(span)
+
+
 def traced_send(
     session: aiohttp.ClientSession,
     method: str,
@@ -131,22 +152,11 @@ def traced_send(
     also: CallObserver | None = None,
     reroute: Reroute | None = None,
 ) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
-    """`send(session, method, url, ...)` (`url` under `base_url`, the server's) as a CLIENT span whose context
-    goes out in the `traceparent` header; a resent call carries `http.request.resend_count` (the number of
-    attempts after the first). `also` (the worker metrics') is told everything too, before the span.
-
-    It returns `send`'s own coroutine, the span told of the outcome from inside it (a CallObserver): a coroutine of
-    ours between the caller and aiohttp would cost every resumption of the call. The span starts here, so the
-    coroutine must be awaited at once (as ServerClient.request and metered_send do). It never raises: tracing
-    that fails leaves the call untraced, and logged.
-    """
-    rollout_id = rollout_id_in_context()
-    observer: CallObserver | None
-    if session_instrumented(session):
-        observer = _with(also, _InstrumentedCall(kwargs, server_name, rollout_id))
-    else:
-        span = _start_span(method, base_url, server_name, url, rollout_id, kwargs)
-        observer = also if span is None else _with(also, _CallSpan(span))
+    """`send(session, method, url, ...)` with the call's span (`call_span`), `also` (the worker metrics') told
+    everything too, before the span. It returns `send`'s own coroutine, the span told of the outcome from inside
+    it (a CallObserver): a coroutine of ours between the caller and aiohttp would cost every resumption of the
+    call. It must be awaited at once (as metered_send and send_routed do)."""
+    observer = call_span(session, method, base_url, url, kwargs, server_name)
     return send(
         session,
         method,
@@ -154,7 +164,7 @@ def traced_send(
         retry,
         resend_after_disconnect,
         kwargs,
-        observer,
+        also if observer is None else _with(also, observer),
         reroute,
         server_name=server_name,
     )

@@ -303,15 +303,16 @@ class _DataPlane:
 
     __slots__ = (
         "base_urls",
+        "call_span",
         "config",
         "json_payload",
         "metered_send",
         "pools",
         "resend_after_failure",
         "routing",
+        "send",
         "send_routed",
         "sticky_key",
-        "traced_send",
     )
 
     def __init__(
@@ -325,7 +326,8 @@ class _DataPlane:
         self.routing = routing  # None until `request` has waited for the head's first list of instances
         self.resend_after_failure = _resend.resend_after_failure
         self.json_payload = _http.json_payload
-        self.traced_send = _http_tracing.traced_send
+        self.send = _http.send
+        self.call_span = _http_tracing.call_span
         self.metered_send = _metrics.metered_send
         self.send_routed = _routed.send_routed
         self.sticky_key = _routed.sticky_key
@@ -788,9 +790,15 @@ class ServerClient(BaseModel):
                     route, key, session, method, server_name, url_path, retry, resend, kwargs
                 )
             full_url = url + url_path
-            if TRACING.enabled or METRICS.enabled:  # what tracing and metrics cost when off
-                observed = plane.metered_send if METRICS.enabled else plane.traced_send
-                return await observed(session, method, url, full_url, retry, resend, kwargs, server_name)
+            if METRICS.enabled:  # what metrics and tracing cost when off: these two checks
+                return await plane.metered_send(session, method, url, full_url, retry, resend, kwargs, server_name)
+            if TRACING.enabled:
+                span = plane.call_span(session, method, url, full_url, kwargs, server_name)
+                if span is not None:
+                    return await plane.send(
+                        session, method, full_url, retry, resend, kwargs, span, server_name=server_name
+                    )
+                # no span (a child of an unsampled parent, its context in the headers): sent as untraced calls are
             started = time.monotonic()  # the start of the call's deadline, as in `_http.send`
             try:
                 return await session.request(method, full_url, **kwargs)
