@@ -1,11 +1,14 @@
 """What one of gym_rpc's per-process switches (tracing, worker metrics) costs a rollout worker: `ServerClient.post`
-requests per second with it on over the same with it off, both in one process against the same data server, in
-rounds of short interleaved blocks (on/off/off/on, off/on/on/off, ...: bench.data_plane's method, the collector on
-and left alone beside the same live heap of rollout records), the figure being the median of the per-round ratios.
+requests per second with it on over the same with it off, against the same data server, in rounds of short
+interleaved blocks (on/off/off/on, off/on/on/off, ...), the figure being the median of the per-round ratios:
+bench.data_plane's method. As there, each side runs in a process of its own (bench.side_worker `MODULE:on` and
+`MODULE:off`), as a worker: its own live heap of rollout records, its own collector, on and left alone, and, on,
+its own SDK provider and span queue. (In one process the two sides shared the collector and the spans queued for
+export, and a full collection was paid by whichever block crossed its threshold.)
 
-A switch is a per-process decision that never turns off again, so each benchmark flips gym_rpc's flag between
-blocks itself and runs in a process of its own (`rows_in_subprocess`), so that nothing of it leaks into the
-others. `tracing_cost` and `metrics_cost` say what "on" is; this module runs and reports them.
+A switch is a per-process decision that never turns off again, so each side's process sets gym_rpc's flag for
+each block itself. `tracing_cost`, `tracing_sampled_cost` and `metrics_cost` say what "on" is; this module runs
+and reports them.
 """
 
 from __future__ import annotations
@@ -21,19 +24,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.data_plane import (
-    LIVE_HEAP_RECORDS,
-    Block,
-    LiveHeap,
-    Post,
-    abba_rounds,
-    make_client,
-    ours_post,
-    rollout_buffers,
-)
+from bench.data_plane import LIVE_HEAP_RECORDS, Block, Post, abba_rounds
 from bench.servers import REPO_ROOT, ServerProcess
+from bench.side_worker import SideWorker
 from bench.stats import Row, median, ratio_row, spread_text, table_lines
-from gym_rpc.client._http import close_http_sessions
 
 
 @dataclass(frozen=True)
@@ -61,6 +55,7 @@ class FlagCost:
     name: str  # "tracing": progress lines and the table's area
     measure: str  # "ServerClient.post traced / untraced"
     on_label: str  # "traced": in "+N µs CPU/req traced"
+    module: str  # the benchmark's module, as bench.side_worker imports it: "bench.tracing_cost"
     install: Callable[[], None]
     timed_block: TimedBlock
     goals: Mapping[int, float] = field(default_factory=dict)  # concurrency -> minimum ratio
@@ -86,17 +81,22 @@ class Rounds:
     off: list[Block] = field(default_factory=list)
 
 
-async def interleaved(cost: FlagCost, post: Post, concurrency: int, requests: int, rounds: int) -> Rounds:
-    """bench.data_plane's `abba_rounds` of the switch on (A) against off (B), the collector left alone: a side
-    that keeps more objects alive (spans held until export) pays for the collections they cause."""
+async def interleaved(
+    cost: FlagCost, on: SideWorker, off: SideWorker, concurrency: int, requests: int, rounds: int
+) -> Rounds:
+    """bench.data_plane's `abba_rounds` of the switch on (A) against off (B), after a warm block of each, the
+    collector left alone in each side: a side that keeps more objects alive (spans held until export) pays for
+    the collections they cause."""
+
+    async def block(side: SideWorker, requests: int) -> Block:
+        return Block(*side.block(concurrency, requests))
+
     warm = max(requests, concurrency)
-    await cost.timed_block(post, warm, concurrency, True)
-    await cost.timed_block(post, warm, concurrency, False)
+    await block(on, warm)
+    await block(off, warm)
     result = Rounds(concurrency)
     result.ratios, result.on, result.off = await abba_rounds(
-        lambda: cost.timed_block(post, requests, concurrency, True),
-        lambda: cost.timed_block(post, requests, concurrency, False),
-        rounds,
+        lambda: block(on, requests), lambda: block(off, requests), rounds
     )
     print(
         f"  {cost.name} c={concurrency}: per-round ratios {' '.join(f'{r:.2f}' for r in result.ratios)}",
@@ -105,7 +105,7 @@ async def interleaved(cost: FlagCost, post: Post, concurrency: int, requests: in
     return result
 
 
-def row_of(cost: FlagCost, rounds: Rounds, heap: LiveHeap) -> Row:
+def row_of(cost: FlagCost, rounds: Rounds, heap: str) -> Row:
     on_rps = median([b.requests_per_second for b in rounds.on])
     off_rps = median([b.requests_per_second for b in rounds.off])
     on_cpu = median([b.cpu_us_per_request for b in rounds.on])
@@ -115,7 +115,7 @@ def row_of(cost: FlagCost, rounds: Rounds, heap: LiveHeap) -> Row:
     return ratio_row(
         cost.name,
         f"{cost.measure}, concurrency {rounds.concurrency} "
-        f"(req/s; GC on beside {heap.describe()}; median of per-round ratios, {spread}; "
+        f"(req/s; GC on beside {heap} in each side's process; median of per-round ratios, {spread}; "
         f"+{on_cpu - off_cpu:.0f} µs CPU/req {cost.on_label})",
         f"on: {on_rps:.0f} req/s, {on_cpu:.0f} µs CPU/req",
         f"off: {off_rps:.0f} req/s, {off_cpu:.0f} µs CPU/req",
@@ -125,16 +125,12 @@ def row_of(cost: FlagCost, rounds: Rounds, heap: LiveHeap) -> Row:
 
 
 async def run(cost: FlagCost, port: int, plan: FlagPlan) -> list[Row]:
-    cost.install()
-    client = make_client(port, observability_enabled=True)  # rollout prefixes on, as observed deployments run
-    post = ours_post(client)
+    heap = plan.live_heap_records
     rows: list[Row] = []
-    heap = rollout_buffers(plan.live_heap_records)  # beside the client while the blocks run, as in a worker
-    try:
+    with SideWorker(f"{cost.module}:on", port, heap) as on, SideWorker(f"{cost.module}:off", port, heap) as off:
         for concurrency, requests in zip(plan.concurrencies, plan.requests, strict=True):
-            rows.append(row_of(cost, await interleaved(cost, post, concurrency, requests, plan.rounds), heap))
-    finally:
-        await close_http_sessions()
+            rounds = await interleaved(cost, on, off, concurrency, requests, plan.rounds)
+            rows.append(row_of(cost, rounds, on.heap))
     return rows
 
 

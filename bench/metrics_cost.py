@@ -34,6 +34,7 @@ async def timed_block(post: Post, requests: int, concurrency: int, on: bool) -> 
 
 
 COST = flag_cost.FlagCost(
+    module="bench.metrics_cost",
     name="metrics",
     measure="ServerClient.post with worker metrics / without",
     on_label="measured",

@@ -180,7 +180,10 @@ NOTES = """\
   every call traced, 0.88x sampled in `make bench` on 63236c6); under sampling the public API is within noise of
   it, so it went. Tracing off, the hot path is the untraced one (one boolean check), so the data-plane rows do not
   move. The flag rows use the data-plane rows' method (80 rounds of four short blocks, the collector on beside the
-  same live heap).
+  same live heap), each side in a process of its own since this round (bench/side_worker.py `MODULE:on|off`): in
+  one process the spans queued for export, the batching processor's thread and the collections they cause were
+  paid partly by the untraced blocks. The first two runs so measured gave 0.78x and 0.83x for 1 in 10 sampled at
+  c=64, against 0.80x-0.84x in one process the same hour: within the scatter of either.
 - **Isolation.** gRPC control calls travel on their own HTTP/2 channel and `_control=True` calls on a reserved
   aiohttp pool, so a saturated data pool does not delay them; what remains in their p99 is the shared event loop
   and CPU, which the saturating traffic keeps busy.

@@ -7,7 +7,10 @@ round's ratio swung between about 0.5 and 2 and the median of such ratios told l
 side pays for exactly the collections its own objects cause. The parent still interleaves the two processes' blocks
 (ABBA), one at a time, so a burst of load from elsewhere hits both sides of a round.
 
-    python -m bench.side_worker ours|raw PORT HEAP_RECORDS
+    python -m bench.side_worker ours|raw|MODULE:on|MODULE:off PORT HEAP_RECORDS
+
+`MODULE:on` and `MODULE:off` are the two sides of a switch's cost (bench.flag_cost: MODULE is the benchmark, as
+`bench.tracing_cost`): `ServerClient.post` with the switch on in every block, or off in every block.
 
 prints `ready {"heap": ...}`, then answers each line `CONCURRENCY REQUESTS` on stdin with one JSON line: requests
 per second, client CPU µs per request, the collector's runs per 10k requests by generation. It ends with its input.
@@ -16,11 +19,17 @@ per second, client CPU µs per request, the collector's runs per 10k requests by
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import select
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bench.data_plane import Block
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("ours", "raw")
@@ -33,8 +42,8 @@ class SideWorker:
     """The parent's handle on one side's process: `block` runs one timed block there and returns its figures."""
 
     def __init__(self, side: str, port: int, heap_records: int) -> None:
-        if side not in SIDES:
-            raise ValueError(f"side must be one of {SIDES}, not {side!r}")
+        if side not in SIDES and not side.endswith((":on", ":off")):
+            raise ValueError(f"side must be one of {SIDES} or MODULE:on|off, not {side!r}")
         self.side = side
         self.process = subprocess.Popen(
             [sys.executable, "-m", "bench.side_worker", side, str(port), str(heap_records)],
@@ -85,19 +94,38 @@ class SideWorker:
         self.close()
 
 
+def _switch_block(side: str, port: int) -> Callable[[int, int], Awaitable[Block]]:
+    """A block of `MODULE:on|off`: the switch's benchmark installs what "on" needs (an SDK provider, say) in this
+    process, as in a worker, and runs every block with the switch as the side says."""
+    from bench.data_plane import make_client, ours_post
+
+    module, _, state = side.rpartition(":")
+    cost = importlib.import_module(module).COST
+    cost.install()
+    post = ours_post(make_client(port, observability_enabled=True))  # rollout prefixes on, as observed runs
+    return lambda concurrency, requests: cost.timed_block(post, requests, concurrency, state == "on")
+
+
 async def _serve(side: str, port: int, heap_records: int) -> None:
     from bench.data_plane import PATH, make_client, ours_post, raw_post, raw_session, rollout_buffers, run_block
     from gym_rpc.client._http import close_http_sessions
 
     heap = rollout_buffers(heap_records)  # alive until the end: every full collection scans it
     session = raw_session() if side == "raw" else None
-    post = raw_post(session, f"http://127.0.0.1:{port}{PATH}") if session else ours_post(make_client(port))
+    timed_block: Callable[[int, int], Awaitable[Block]]
+    if side in SIDES:
+        post = raw_post(session, f"http://127.0.0.1:{port}{PATH}") if session else ours_post(make_client(port))
+
+        def timed_block(concurrency: int, requests: int) -> Awaitable[Block]:
+            return run_block(post, requests, concurrency)
+    else:
+        timed_block = _switch_block(side, port)
     print(READY + json.dumps({"heap": heap.describe()}), flush=True)
     loop = asyncio.get_running_loop()
     try:
         while line := await loop.run_in_executor(None, sys.stdin.readline):
             concurrency, requests = (int(word) for word in line.split())
-            block = await run_block(post, requests, concurrency)
+            block = await timed_block(concurrency, requests)
             figures = (block.requests_per_second, block.cpu_us_per_request, block.collections_per_10k)
             print(json.dumps(figures), flush=True)
     finally:

@@ -51,6 +51,7 @@ async def timed_block(post: Post, requests: int, concurrency: int, on: bool) -> 
 
 
 COST = flag_cost.FlagCost(
+    module="bench.tracing_cost",
     name="tracing",
     measure="ServerClient.post traced / untraced, every call recorded",
     on_label="traced",

@@ -49,6 +49,7 @@ async def timed_block(post: Post, requests: int, concurrency: int, on: bool) -> 
 
 
 COST = flag_cost.FlagCost(
+    module="bench.tracing_sampled_cost",
     name="tracing",
     measure=f"ServerClient.post traced / untraced, 1 rollout in {round(1 / SAMPLED_FRACTION)} sampled "
     f"(rollouts of {CALLS_PER_ROLLOUT} calls)",
