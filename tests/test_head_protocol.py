@@ -23,10 +23,13 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2_grpc
 
 from gym_rpc.client import SyncControlClient
+from gym_rpc.client._control import ControlClient
+from gym_rpc.client._security import ClientSecurity
+from gym_rpc.client._watch import StatusWatch
 from gym_rpc.client.server_client import ServerClient
-from gym_rpc.errors import HeadTimeoutError
+from gym_rpc.errors import ControlPlaneError, HeadTimeoutError
 from tests.cli_helpers import running_head
-from tests.conftest import LOOPBACK, closed_port, server_entry
+from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 
 def _nemo_gym_like_head(config: dict, seen: list[str], root_delay_seconds: float = 0.0) -> web.Application:
@@ -163,6 +166,31 @@ async def test_a_head_that_went_away_is_looked_at_again() -> None:
         assert seen.count("/") == 1  # the poll was one direct probe of the server
     finally:
         await runner.cleanup()
+
+
+async def test_an_http_head_that_went_away_is_looked_at_again(head_factory) -> None:
+    """The other way round: NeMo Gym's HTTP head known at an address goes away and a gRPC head starts there. The
+    status watch's failed HTTP read forgets what the address spoke, so its next try finds the gRPC head (here it
+    refuses a client with no token: UNAUTHENTICATED, raised at once). Before, the watch retried over HTTP without
+    end (seen in the suite, when a gRPC head got a port an HTTP head of an earlier test had had)."""
+    config = {"head_server": {"host": LOOPBACK, "port": 1}, "tools": server_entry(closed_port())}
+    runner = web.AppRunner(_nemo_gym_like_head(config, []), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, LOOPBACK, 0).start()
+    port = int(runner.addresses[0][1])
+    await asyncio.to_thread(SyncControlClient(f"{LOOPBACK}:{port}", timeout_seconds=2).get_global_config)
+    await runner.cleanup()
+    head_server = {"host": LOOPBACK, "port": port, "auth_token": "s3cret-watch-token"}
+    head = await head_factory(document({}, head_server=head_server), port=port)
+    tries: list[BaseException] = []
+    watch = StatusWatch(
+        ControlClient(head.address, security=ClientSecurity()), on_retry=lambda error, _: tries.append(error)
+    )
+    async with asyncio.timeout(30):  # bounded: the bug was a watch that never ended
+        with pytest.raises(ControlPlaneError, match="UNAUTHENTICATED"):
+            async for _ in watch:
+                pass
+    assert len(tries) <= 1, tries  # the one HTTP read that found the HTTP head gone
 
 
 def test_every_rpc_has_an_answer_from_nemo_gyms_head_or_says_why_not() -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from gym_rpc.client._head_protocol import forget_head_protocol
 from gym_rpc.client._probe import USER_AGENT, probe
 from gym_rpc.config import GlobalConfig, parse_config_text, parse_host_port, redact_secrets
 from gym_rpc.errors import ControlPlaneError, HeadTimeoutError, HeadUnreachableError
@@ -66,6 +67,7 @@ class NemoGymHead:
             response = connection.getresponse()
             body = response.read(_MAX_ANSWER_BYTES + 1)
         except TimeoutError as exc:
+            forget_head_protocol(self.address)  # as a gRPC head's: whatever listens there next is looked at afresh
             raise HeadTimeoutError(
                 f"NeMo Gym's head at {self.url} did not answer GET {path} within {timeout:g} s; check that it "
                 "runs and is not overloaded",
@@ -73,6 +75,7 @@ class NemoGymHead:
                 code=grpc.StatusCode.DEADLINE_EXCEEDED,
             ) from exc
         except (OSError, http.client.HTTPException) as exc:
+            forget_head_protocol(self.address)  # a stream's later reads too, which no caller of ours wraps
             raise HeadUnreachableError(
                 f"NeMo Gym's head at {self.url} is unreachable ({exc or type(exc).__name__}); check that `ng_run` "
                 "runs it there and that the address (head_server, --head or GYM_RPC_HEAD) is right",

@@ -41,7 +41,7 @@ from gym_rpc.client._head_protocol import (
 from gym_rpc.client._nemo_gym_control import unimplemented
 from gym_rpc.client._nemo_gym_head import NemoGymHead
 from gym_rpc.client._security import ClientSecurity, client_security
-from gym_rpc.errors import HeadTimeoutError, HeadUnreachableError
+from gym_rpc.errors import HeadTimeoutError
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import HEALTH_SERVICE_NAME, SERVICE_NAME, from_grpc_error, status_code
 
@@ -109,11 +109,7 @@ class Rpc(Generic[Params, Request, Response, Result]):
         """The call answered from NeMo Gym's HTTP head: the row's result (for a stream, an iterator of them)."""
         if self.http is None:
             raise unimplemented(self.method, head.address)
-        try:
-            return self.http(head, call.request, self.deadline_for(call, client_timeout))
-        except HeadUnreachableError:
-            forget_head_protocol(head.address)
-            raise
+        return self.http(head, call.request, self.deadline_for(call, client_timeout))  # a failed GET forgets it
 
     def _bind(self, call_path: Callable[..., Any]) -> Callable[..., Any]:
         """The client's call path for this row; help() and inspect.signature() show the builder's parameters."""
