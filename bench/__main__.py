@@ -14,7 +14,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import allocations, control_plane, data_plane, flag_cost, hot_path, isolation, memory, replicas, report
+from bench import (
+    allocations,
+    control_plane,
+    data_plane,
+    flag_cost,
+    hot_path,
+    isolation,
+    memory,
+    metrics_cost,
+    replicas,
+    report,
+    tracing_cost,
+    tracing_sampled_cost,
+)
 from bench.servers import ServerProcess, pinned_apart
 from bench.stats import Row, table_lines
 
@@ -73,6 +86,8 @@ def _progress(message: str) -> None:
 def data_plane_rows(plan: Plan, sections: set[str], data_port: int) -> list[Row]:
     """The rows that time ServerClient.post: client and data server pinned apart (`pinned_apart`)."""
     rows: list[Row] = []
+    # Each switch's sides run in processes of their own (bench.side_worker): this process never turns one on.
+    flag_plan = flag_cost.QUICK_PLAN if plan.quick else flag_cost.FULL_PLAN
     if "data" in sections:
         _progress("data plane")
         rows += asyncio.run(data_plane.run(data_port, plan.data))
@@ -84,11 +99,11 @@ def data_plane_rows(plan: Plan, sections: set[str], data_port: int) -> list[Row]
         rows += asyncio.run(hot_path.run(data_port, hot.concurrencies[:2], hot.requests[:2], hot.rounds[:2]))
     if "tracing" in sections:
         _progress("tracing cost")
-        rows += flag_cost.rows_in_subprocess("bench.tracing_cost", data_port, quick=plan.quick)
-        rows += flag_cost.rows_in_subprocess("bench.tracing_sampled_cost", data_port, quick=plan.quick)
+        rows += asyncio.run(flag_cost.run(tracing_cost.COST, data_port, flag_plan))
+        rows += asyncio.run(flag_cost.run(tracing_sampled_cost.COST, data_port, flag_plan))
     if "metrics" in sections:
         _progress("metrics cost")
-        rows += flag_cost.rows_in_subprocess("bench.metrics_cost", data_port, quick=plan.quick)
+        rows += asyncio.run(flag_cost.run(metrics_cost.COST, data_port, flag_plan))
     return rows
 
 

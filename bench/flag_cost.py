@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
-import json
-import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -25,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.data_plane import LIVE_HEAP_RECORDS, Block, Post, abba_rounds
-from bench.servers import REPO_ROOT, ServerProcess
+from bench.servers import ServerProcess
 from bench.side_worker import SideWorker
 from bench.stats import Row, median, ratio_row, spread_text, table_lines
 
@@ -134,19 +131,10 @@ async def run(cost: FlagCost, port: int, plan: FlagPlan) -> list[Row]:
     return rows
 
 
-def rows_in_subprocess(module: str, port: int, quick: bool = False) -> list[Row]:
-    """Run `python -m <module>` (a benchmark of this kind) in a fresh interpreter, as a switch is decided per
-    process, against the data server on `port`; its rows."""
-    command = [sys.executable, "-m", module, f"--port={port}", "--json", *(["--quick"] if quick else [])]
-    completed = subprocess.run(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, timeout=600, check=True)
-    return [Row(**fields) for fields in json.loads(completed.stdout)]
-
-
 def main(cost: FlagCost, prog: str, doc: str | None, argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=doc)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument("--port", type=int, help="a running data server (python -m bench.servers data)")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     plan = QUICK_PLAN if args.quick else FULL_PLAN
     if args.port is not None:
@@ -154,8 +142,5 @@ def main(cost: FlagCost, prog: str, doc: str | None, argv: list[str] | None = No
     else:
         with ServerProcess("data") as data:
             rows = asyncio.run(run(cost, int(data.info["port"]), plan))
-    if args.json:
-        print(json.dumps([dataclasses.asdict(row) for row in rows]))
-    else:
-        print("\n".join(table_lines(rows)))
+    print("\n".join(table_lines(rows)))
     return 0

@@ -4,7 +4,7 @@
 recording its duration, in-flight count and outcome. "Off" is the plain path, whose only cost is the boolean
 check in `ServerClient.request` (the data-plane rows of `make bench` measure that path against raw aiohttp).
 
-`python -m bench.metrics_cost [--quick] [--port PORT] [--json]`.
+`python -m bench.metrics_cost [--quick] [--port PORT]`.
 """
 
 from __future__ import annotations

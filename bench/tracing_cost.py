@@ -7,7 +7,7 @@ exporting is left out), each call a CLIENT span on the public API, child of the 
 path. Reported with no goal (expected about 0.65 at concurrency 64, never below 0.6): the way to trace a large run
 is to sample rollouts (`bench.tracing_sampled_cost`, whose row has the goal).
 
-`python -m bench.tracing_cost [--quick] [--port PORT] [--json]` prints the table (it starts a data server when no
+`python -m bench.tracing_cost [--quick] [--port PORT]` prints the table (it starts a data server when no
 port is given).
 """
 

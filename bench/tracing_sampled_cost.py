@@ -5,7 +5,7 @@ parentbased_traceidratio`, `OTEL_TRACES_SAMPLER_ARG=0.1`) and the calls grouped 
 The goal at concurrency 64 is 0.85: tracing a large run, as it should be traced, cheap enough to leave on.
 
 Otherwise as `tracing_cost` (SDK provider, batching processor, dropping exporter). `python -m
-bench.tracing_sampled_cost [--quick] [--port PORT] [--json]`.
+bench.tracing_sampled_cost [--quick] [--port PORT]`.
 """
 
 from __future__ import annotations
