@@ -318,6 +318,22 @@ async def test_the_calls_deadline_bounds_its_resends(counting: Callable[[Callabl
     assert "got no answer within its deadline (total 2 s)" in str(timed_out.value)
 
 
+async def test_a_pause_is_not_taken_when_the_resend_after_it_would_have_less_time_than_the_pause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A refused server, a 0.15 s deadline and pauses of exactly 0.1 s: a resend after the first pause would get
+    about 0.05 s, so the call ends at once, unreachable by its deadline. (A resend with a sliver of time ends on
+    the deadline before it reaches the server: the call then ended as a timeout though the server had refused,
+    CI's failure of the test above.)"""
+    monkeypatch.setattr("gym_rpc.client._resend_policy.random.uniform", lambda low, high: high)
+    refused = f"http://{LOOPBACK}:{closed_port()}/v1/responses"
+    retry = policy(initial_backoff_seconds=0.1, max_backoff_seconds=0.1)
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(ServerUnreachableError) as unreachable:
+            await send(session, "POST", refused, retry, True, {"timeout": aiohttp.ClientTimeout(total=0.15)})
+    assert (unreachable.value.limit, unreachable.value.attempts) == ("deadline", 1)
+
+
 # --- the client-wide budget --------------------------------------------------------------------------------------
 
 

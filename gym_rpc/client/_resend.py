@@ -154,7 +154,9 @@ class _FailingCall:
         budget = self.retry.budget(kind)
         if self.first_failed_at is None:
             self.first_failed_at = now
-        # One clock for every kind: the longest budget bounds all.
+        # One clock for every kind: the longest budget bounds all. A pause is taken only when the attempt after
+        # it gets at least as long as the pause before the deadline: one with a sliver of time left ends on the
+        # deadline before it reaches the server, and the call would end as a timeout where the server refused.
         kind_ends = self.first_failed_at + budget.seconds
         ends = kind_ends if self.deadline is None else min(kind_ends, self.deadline)
         if kind is FailureKind.TIMEOUT and is_deadline(error):
@@ -167,6 +169,8 @@ class _FailingCall:
         pause = 0.0 if target not in self.tried_since_pause else self.retry.backoff_seconds(self.pauses + 1)
         if now + pause > ends:
             raise self.given_up(error, kind, attempts, "time" if ends == kind_ends else "deadline")
+        if self.deadline is not None and now + 2 * pause > self.deadline:
+            raise self.given_up(error, kind, attempts, "deadline")
         if not await RESEND_BUDGET.acquire(self.retry.client_budget, ends - pause - now):
             held, in_flight, waiting = RESEND_BUDGET.snapshot()
             detail = (
@@ -186,7 +190,7 @@ class _FailingCall:
             self.tried_since_pause.add(target)
         if self.deadline is not None:
             left = self.deadline - monotonic()
-            if left <= 0:
+            if left <= 0 or left < pause:
                 raise self.given_up(error, kind, attempts, "deadline")
             self.kwargs["timeout"] = _with_total(self.timeout, left)
         self.url = target
