@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import aiohttp
-from multidict import CIMultiDict, istr
+from multidict import CIMultiDict, CIMultiDictProxy, istr
 from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
 from opentelemetry.context import Context
@@ -39,6 +39,7 @@ from gym_rpc.client._aiohttp_instrumentation import session_instrumented
 from gym_rpc.client._http import CallObserver, Reroute, send
 from gym_rpc.client._resend_policy import RetryPolicy
 from gym_rpc.client._rollout import rollout_id_in_context
+from gym_rpc.client._unsampled_headers import known_headers, remember_headers
 from gym_rpc.telemetry import (
     ROLLOUT_ID_ATTRIBUTE,
     SERVER_ADDRESS,
@@ -133,10 +134,9 @@ def call_span(
     child of an unsampled parent carries that parent's context on): it is sent as an untraced call is, with no
     observer. The span starts here, so the call must be sent at once. It never raises: tracing that fails leaves
     the call untraced, and logged."""
-    rollout_id = rollout_id_in_context()
     if session_instrumented(session):
-        return _InstrumentedCall(kwargs, server_name, rollout_id)
-    span = _start_span(method, base_url, server_name, url, rollout_id, kwargs)
+        return _InstrumentedCall(kwargs, server_name, rollout_id_in_context())
+    span = _start_span(method, base_url, server_name, url, kwargs)
     return None if span is None else _CallSpan(span)
 
 
@@ -171,22 +171,30 @@ def traced_send(
 
 
 def _start_span(
-    method: str, base_url: str, server_name: str, url: str, rollout_id: str | None, kwargs: _RequestOptions
+    method: str, base_url: str, server_name: str, url: str, kwargs: _RequestOptions
 ) -> trace.Span | None:
     """The call's span, started, its context in `kwargs["headers"]`; None for a call that records none (a child of
-    an unsampled parent, whose context it carries on; a root the sampler dropped; tracing that failed)."""
+    an unsampled parent, whose context it carries on, in headers made once per context when the caller gave none:
+    gym_rpc.client._unsampled_headers; a root the sampler dropped; tracing that failed)."""
     span: trace.Span | None = None
     try:
         current = otel_context.get_current()
+        given = kwargs.get("headers")
+        textmap = propagation().get_global_textmap()
+        if not given and (known := known_headers(current, textmap)) is not None:
+            kwargs["headers"] = known  # a later call of a rollout the sampler dropped: most calls, sampling
+            return None
         parent = trace.get_current_span(current).get_span_context()
         if parent.is_valid and not parent.trace_flags.sampled:
-            kwargs["headers"] = trace_context_headers(kwargs.get("headers"), parent, current)
+            headers = trace_context_headers(given, parent, current)
+            kwargs["headers"] = headers if given else remember_headers(current, textmap, CIMultiDictProxy(headers))
             return None
         attributes = {**_static_attributes(method, base_url, server_name), URL_FULL: url}
+        rollout_id = rollout_id_in_context()
         if rollout_id is not None:
             attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
         span = tracer().start_span(span_name(method), context=current, kind=_CLIENT, attributes=attributes)
-        kwargs["headers"] = trace_context_headers(kwargs.get("headers"), span.get_span_context(), current)
+        kwargs["headers"] = trace_context_headers(given, span.get_span_context(), current)
     except Exception as error:
         instrumentation_failed(TRACING, error)
         _end_quietly(span)

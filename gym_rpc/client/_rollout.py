@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from gym_rpc.client._unsampled_headers import forget_headers
 from gym_rpc.telemetry import ROLLOUT_ID_ATTRIBUTE, TRACING, instrumentation_failed, tracer
 from gym_rpc.wire import encode_rollout_id, rollout_path_prefix, trace_path_segment
 
@@ -59,7 +60,8 @@ def rollout_context(rollout_id: str | None, *, span: bool = False) -> Iterator[s
         from opentelemetry import context as otel_context
         from opentelemetry import trace
 
-        attached = otel_context.attach(trace.set_span_in_context(rollout_span))
+        rollout_span_context = trace.set_span_in_context(rollout_span)
+        attached = otel_context.attach(rollout_span_context)
         try:
             yield rollout_id
         except Exception as error:
@@ -69,6 +71,7 @@ def rollout_context(rollout_id: str | None, *, span: bool = False) -> Iterator[s
             raise
         finally:
             otel_context.detach(attached)
+            forget_headers(rollout_span_context)
             try:
                 rollout_span.end()
             except Exception as error:
