@@ -35,6 +35,7 @@ def known_headers(context: Context, propagator: TextMapPropagator) -> CIMultiDic
 def remember_headers(
     context: Context, propagator: TextMapPropagator, headers: CIMultiDictProxy[str]
 ) -> CIMultiDictProxy[str]:
+    """Keep `headers` for the next calls in `context` (known_headers), and return them."""
     if len(_by_context) >= MAX_CONTEXTS:
         _by_context.clear()
     _by_context[id(context)] = (context, propagator, headers)
@@ -42,7 +43,8 @@ def remember_headers(
 
 
 def forget_headers(context: Context) -> None:
-    """`context` is no longer current anywhere (its rollout ended)."""
+    """`context` is no longer current anywhere (its rollout ended). Safe beside another thread's calls, which may
+    clear the entries meanwhile."""
     known = _by_context.get(id(context))
     if known is not None and known[0] is context:
-        del _by_context[id(context)]
+        _by_context.pop(id(context), None)
