@@ -15,8 +15,8 @@ from typing import Any
 # Lower it when a change removes objects; a change that needs more must show in bench/ that they pay.
 MAX_EXTRA_OBJECTS = 2  # the `_call` coroutine (`client.post` is it: _DirectCall) and its kwargs dict
 MAX_EXTRA_OBJECTS_OBSERVED = 2  # observability on: the rollout prefix rule's URL path is transient
-# Traced, in a rollout the sampler dropped: those two alone. No span, so the call is sent as an untraced one is, with
-# no coroutine of `send`'s (4 before), and its traceparent headers are the rollout's, made once (3 before).
+# Traced, in a rollout the sampler dropped: those two alone. No span, so the call is sent as an untraced one is,
+# with no coroutine of `send`'s (4 before), and its traceparent headers are the rollout's, made once (3 before).
 MAX_EXTRA_OBJECTS_UNSAMPLED = 2
 
 
