@@ -100,17 +100,21 @@ def is_default_propagator(textmap: TextMapPropagator) -> bool:
 
 
 def trace_context_headers(
-    given: Any, span_context: trace.SpanContext, current: Context | None = None
+    given: Any,
+    span_context: trace.SpanContext,
+    current: Context | None = None,
+    textmap: TextMapPropagator | None = None,
 ) -> CIMultiDict[str]:
     """A copy of the caller's headers (their mapping is never touched) carrying `span_context` and the baggage of
-    `current` (the current context by default), as the global propagator writes them: ours replace any
-    traceparent of theirs. With the default propagator, no baggage and no trace state, that is one header,
-    formatted here."""
+    `current` (the current context by default), as `textmap` (the global propagator by default) writes them: ours
+    replace any traceparent of theirs. With the default propagator, no baggage and no trace state, that is one
+    header, formatted here."""
     # A CIMultiDict, which aiohttp takes as it is (a dict it copies into one first).
     headers: CIMultiDict[str] = CIMultiDict(given) if given else CIMultiDict()
     if current is None:
         current = otel_context.get_current()
-    textmap = propagation().get_global_textmap()
+    if textmap is None:
+        textmap = propagation().get_global_textmap()
     if is_default_propagator(textmap) and not span_context.trace_state and not baggage.get_all(current):
         ids = (span_context.trace_id, span_context.span_id, span_context.trace_flags)
         headers[_TRACEPARENT_NAME] = "00-%032x-%016x-%02x" % ids  # noqa: UP031 (here faster than an f-string)
@@ -130,14 +134,40 @@ def call_span(
 ) -> CallObserver | None:
     """The observer of a traced call to `url` (under `base_url`, the server's): its CLIENT span, started, whose
     context goes out in the `traceparent` header (put in `kwargs`); a resent call carries
-    `http.request.resend_count` (the number of attempts after the first). None for a call that records no span (a
-    child of an unsampled parent carries that parent's context on): it is sent as an untraced call is, with no
-    observer. The span starts here, so the call must be sent at once. It never raises: tracing that fails leaves
-    the call untraced, and logged."""
+    `http.request.resend_count` (the number of attempts after the first). None for a call that records no span: it
+    is sent as an untraced call is, with no observer. That is a child of an unsampled parent, which carries that
+    parent's context on (in headers made once per context when the caller gave none:
+    gym_rpc.client._unsampled_headers), a root the sampler dropped, or tracing that failed. The span starts here,
+    so the call must be sent at once. It never raises: tracing that fails leaves the call untraced, and logged.
+
+    One function, not two, because most calls under sampling take its first return: a rollout's later calls."""
     if session_instrumented(session):
         return _InstrumentedCall(kwargs, server_name, rollout_id_in_context())
-    span = _start_span(method, base_url, server_name, url, kwargs)
-    return None if span is None else _CallSpan(span)
+    span: trace.Span | None = None
+    try:
+        current = otel_context.get_current()
+        given = kwargs.get("headers")
+        textmap = propagation().get_global_textmap()
+        if not given and (known := known_headers(current, textmap)) is not None:
+            kwargs["headers"] = known  # a later call of a rollout the sampler dropped: most calls, sampling
+            return None
+        parent = trace.get_current_span(current).get_span_context()
+        if parent.is_valid and not parent.trace_flags.sampled:
+            headers = trace_context_headers(given, parent, current, textmap)
+            kwargs["headers"] = headers if given else remember_headers(current, textmap, CIMultiDictProxy(headers))
+            return None
+        attributes = {**_static_attributes(method, base_url, server_name), URL_FULL: url}
+        rollout_id = rollout_id_in_context()
+        if rollout_id is not None:
+            attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
+        span = tracer().start_span(span_name(method), context=current, kind=_CLIENT, attributes=attributes)
+        kwargs["headers"] = trace_context_headers(given, span.get_span_context(), current, textmap)
+        if span.is_recording():
+            return _CallSpan(span)
+    except Exception as error:
+        instrumentation_failed(TRACING, error)
+        _end_quietly(span)
+    return None
 
 
 def traced_send(
@@ -168,38 +198,6 @@ def traced_send(
         reroute,
         server_name=server_name,
     )
-
-
-def _start_span(
-    method: str, base_url: str, server_name: str, url: str, kwargs: _RequestOptions
-) -> trace.Span | None:
-    """The call's span, started, its context in `kwargs["headers"]`; None for a call that records none (a child of
-    an unsampled parent, whose context it carries on, in headers made once per context when the caller gave none:
-    gym_rpc.client._unsampled_headers; a root the sampler dropped; tracing that failed)."""
-    span: trace.Span | None = None
-    try:
-        current = otel_context.get_current()
-        given = kwargs.get("headers")
-        textmap = propagation().get_global_textmap()
-        if not given and (known := known_headers(current, textmap)) is not None:
-            kwargs["headers"] = known  # a later call of a rollout the sampler dropped: most calls, sampling
-            return None
-        parent = trace.get_current_span(current).get_span_context()
-        if parent.is_valid and not parent.trace_flags.sampled:
-            headers = trace_context_headers(given, parent, current)
-            kwargs["headers"] = headers if given else remember_headers(current, textmap, CIMultiDictProxy(headers))
-            return None
-        attributes = {**_static_attributes(method, base_url, server_name), URL_FULL: url}
-        rollout_id = rollout_id_in_context()
-        if rollout_id is not None:
-            attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
-        span = tracer().start_span(span_name(method), context=current, kind=_CLIENT, attributes=attributes)
-        kwargs["headers"] = trace_context_headers(given, span.get_span_context(), current)
-    except Exception as error:
-        instrumentation_failed(TRACING, error)
-        _end_quietly(span)
-        return None
-    return span if span.is_recording() else None
 
 
 def _end_quietly(span: trace.Span | None) -> None:
