@@ -24,10 +24,11 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from gym_rpc.client import SyncControlClient
 from gym_rpc.client._control import ControlClient
+from gym_rpc.client._nemo_gym_head import NemoGymHead
 from gym_rpc.client._security import ClientSecurity
 from gym_rpc.client._watch import StatusWatch
 from gym_rpc.client.server_client import ServerClient
-from gym_rpc.errors import ControlPlaneError, HeadTimeoutError
+from gym_rpc.errors import ControlPlaneError, HeadTimeoutError, HeadUnreachableError
 from tests.cli_helpers import running_head
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
@@ -191,6 +192,54 @@ async def test_an_http_head_that_went_away_is_looked_at_again(head_factory) -> N
             async for _ in watch:
                 pass
     assert len(tries) <= 1, tries  # the one HTTP read that found the HTTP head gone
+
+
+async def test_a_grpc_head_where_an_http_head_was_is_named_in_the_error() -> None:
+    """NeMo Gym's HTTP head known at an address goes away and a gRPC head starts there: the config call that still
+    speaks HTTP fails with a readable reason (http.client's BadStatusLine holds the raw bytes of gRPC's SETTINGS
+    frame), and the next call finds the gRPC head."""
+    config = {"head_server": {"host": LOOPBACK, "port": 1}, "tools": server_entry(closed_port())}
+    runner = web.AppRunner(_nemo_gym_like_head(config, []), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, LOOPBACK, 0).start()
+    port = int(runner.addresses[0][1])
+    client = SyncControlClient(f"{LOOPBACK}:{port}", timeout_seconds=2)
+    await asyncio.to_thread(client.get_global_config)
+    await runner.cleanup()
+    grpc_head = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), grpc_head)  # type: ignore[attr-defined]
+    grpc_head.add_insecure_port(f"{LOOPBACK}:{port}")
+    await grpc_head.start()
+    try:
+        with pytest.raises(HeadUnreachableError, match="answered in HTTP/2, as a gRPC server does") as failed:
+            await asyncio.to_thread(client.get_global_config)
+        assert "\\x00" not in str(failed.value) and "\x00" not in str(failed.value)
+        assert await asyncio.to_thread(client.head_status) == "success"
+    finally:
+        await grpc_head.stop(None)
+
+
+async def test_an_answer_in_no_known_protocol_is_shown_escaped_and_short() -> None:
+    """A server at a known HTTP head's address that answers bytes of neither HTTP: the error shows their escaped
+    start, not the raw bytes."""
+    answer = b"\x15\x03\x01\x00\x02\x02\x0b" + b"x" * 500 + b"\r\n"
+
+    async def answer_garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer_garbage, LOOPBACK, 0)
+    address = f"{LOOPBACK}:{server.sockets[0].getsockname()[1]}"
+    try:
+        with pytest.raises(HeadUnreachableError) as failed:
+            await asyncio.to_thread(NemoGymHead(address).config, 2.0, include_secrets=False)
+        assert "its answer is no HTTP/1.x: b'\\x15\\x03\\x01\\x00\\x02\\x02\\x0bxxx" in str(failed.value)
+        assert "x" * 100 not in str(failed.value) and "\x15" not in str(failed.value)
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 def test_every_rpc_has_an_answer_from_nemo_gyms_head_or_says_why_not() -> None:

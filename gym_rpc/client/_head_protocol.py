@@ -83,7 +83,7 @@ def detect(address: str, timeout: float) -> HeadProtocol | None:
                 if not chunk:
                     break
                 first += chunk
-            protocol = _protocol_of(first)
+            protocol = protocol_of_answer(first)
             if protocol == NEMO_GYM_HTTP:
                 _read_to_end(connection, deadline)  # let the HTTP head finish its answer before we close
             return protocol
@@ -91,7 +91,8 @@ def detect(address: str, timeout: float) -> HeadProtocol | None:
         return None
 
 
-def _protocol_of(first: bytes) -> HeadProtocol | None:
+def protocol_of_answer(first: bytes) -> HeadProtocol | None:
+    """The protocol an answer's first bytes are in: HTTP/1.x (NeMo Gym's head), HTTP/2 (gRPC's), or neither."""
     if first.startswith(b"HTTP/1."):
         return NEMO_GYM_HTTP
     # An HTTP/2 frame header: 3 bytes length, type, flags, 4 bytes stream id; a server's first is SETTINGS on 0.

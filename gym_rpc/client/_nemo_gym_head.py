@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from gym_rpc.client._head_protocol import forget_head_protocol
+from gym_rpc.client._head_protocol import GRPC, forget_head_protocol, protocol_of_answer
 from gym_rpc.client._probe import USER_AGENT, probe
 from gym_rpc.config import GlobalConfig, parse_config_text, parse_host_port, redact_secrets
 from gym_rpc.errors import ControlPlaneError, HeadTimeoutError, HeadUnreachableError
@@ -27,6 +27,7 @@ from gym_rpc.wire import SERVER_STATUSES, ServerInstance, ServerStatus
 CONFIG_PATH = "/global_config_dict_yaml"
 INSTANCES_PATH = "/server_instances"
 _MAX_ANSWER_BYTES = 64 * 1024 * 1024  # as the gRPC client's largest accepted answer
+_SHOWN_ANSWER_BYTES = 40  # of an answer that is no HTTP/1.x, in its error
 
 
 class NemoGymHead:
@@ -77,7 +78,7 @@ class NemoGymHead:
         except (OSError, http.client.HTTPException) as exc:
             forget_head_protocol(self.address)  # a stream's later reads too, which no caller of ours wraps
             raise HeadUnreachableError(
-                f"NeMo Gym's head at {self.url} is unreachable ({exc or type(exc).__name__}); check that `ng_run` "
+                f"NeMo Gym's head at {self.url} is unreachable ({_failure_text(exc)}); check that `ng_run` "
                 "runs it there and that the address (head_server, --head or GYM_RPC_HEAD) is right",
                 address=self.address,
                 code=grpc.StatusCode.UNAVAILABLE,
@@ -122,3 +123,14 @@ def _instance(item: Mapping[str, Any]) -> ServerInstance:
         start_time=number("start_time"),
         status=status if status in SERVER_STATUSES else None,
     )
+
+
+def _failure_text(error: OSError | http.client.HTTPException) -> str:
+    """What went wrong, readable: an answer that is no HTTP/1.x (http.client's BadStatusLine holds its raw bytes)
+    is named by its protocol, or shown as the escaped start of it."""
+    if not isinstance(error, http.client.BadStatusLine):
+        return str(error) or type(error).__name__
+    first = error.line.encode("latin-1", "replace")
+    if protocol_of_answer(first) == GRPC:
+        return "it answered in HTTP/2, as a gRPC server does: a gym_rpc head may have started there"
+    return f"its answer is no HTTP/1.x: {first[:_SHOWN_ANSWER_BYTES]!r}"
