@@ -130,7 +130,7 @@ def _failure_text(error: OSError | http.client.HTTPException) -> str:
     is named by its protocol, or shown as the escaped start of it."""
     if not isinstance(error, http.client.BadStatusLine):
         return str(error) or type(error).__name__
-    first = error.line.encode("latin-1", "replace")
+    first = str(error).encode("latin-1", "replace")  # its one argument: the line as read, decoded as latin-1
     if protocol_of_answer(first) == GRPC:
         return "it answered in HTTP/2, as a gRPC server does: a gym_rpc head may have started there"
     return f"its answer is no HTTP/1.x: {first[:_SHOWN_ANSWER_BYTES]!r}"
