@@ -56,6 +56,28 @@ def _nemo_gym_like_head(config: dict, seen: list[str], root_delay_seconds: float
     return app
 
 
+async def _grpc_health_head(address: str) -> grpc.aio.Server:
+    """A gRPC head at `address` that serves only the health service, started."""
+    grpc_head = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), grpc_head)  # type: ignore[attr-defined]
+    grpc_head.add_insecure_port(address)
+    await grpc_head.start()
+    return grpc_head
+
+
+async def _port_of_an_http_head_that_went_away() -> int:
+    """A port this process knows as NeMo Gym's HTTP head's (a config was read there: the protocol is remembered per
+    process and address), whose head has stopped."""
+    config = {"head_server": {"host": LOOPBACK, "port": 1}, "tools": server_entry(closed_port())}
+    runner = web.AppRunner(_nemo_gym_like_head(config, []), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, LOOPBACK, 0).start()
+    port = int(runner.addresses[0][1])
+    await asyncio.to_thread(SyncControlClient(f"{LOOPBACK}:{port}", timeout_seconds=2).get_global_config)
+    await runner.cleanup()
+    return port
+
+
 async def test_an_http_head_is_looked_at_once_per_process_and_address(http_server) -> None:
     seen: list[str] = []
     config = {"head_server": {"host": LOOPBACK, "port": 1}, "tools": server_entry(closed_port())}
@@ -144,10 +166,7 @@ async def test_a_head_that_went_away_is_looked_at_again() -> None:
     head started there next is found (and then known: a poll is one direct probe, no second look)."""
     port = closed_port()
     address = f"{LOOPBACK}:{port}"
-    grpc_head = grpc.aio.server()
-    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), grpc_head)  # type: ignore[attr-defined]
-    grpc_head.add_insecure_port(address)
-    await grpc_head.start()
+    grpc_head = await _grpc_health_head(address)
     client = SyncControlClient(address, timeout_seconds=2)
     assert await asyncio.to_thread(client.head_status) == "success"
     await grpc_head.stop(None)
@@ -174,13 +193,7 @@ async def test_an_http_head_that_went_away_is_looked_at_again(head_factory) -> N
     status watch's failed HTTP read forgets what the address spoke, so its next try finds the gRPC head (here it
     refuses a client with no token: UNAUTHENTICATED, raised at once). Before, the watch retried over HTTP without
     end (seen in the suite, when a gRPC head got a port an HTTP head of an earlier test had had)."""
-    config = {"head_server": {"host": LOOPBACK, "port": 1}, "tools": server_entry(closed_port())}
-    runner = web.AppRunner(_nemo_gym_like_head(config, []), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, LOOPBACK, 0).start()
-    port = int(runner.addresses[0][1])
-    await asyncio.to_thread(SyncControlClient(f"{LOOPBACK}:{port}", timeout_seconds=2).get_global_config)
-    await runner.cleanup()
+    port = await _port_of_an_http_head_that_went_away()
     head_server = {"host": LOOPBACK, "port": port, "auth_token": "s3cret-watch-token"}
     head = await head_factory(document({}, head_server=head_server), port=port)
     tries: list[BaseException] = []
@@ -198,18 +211,9 @@ async def test_a_grpc_head_where_an_http_head_was_is_named_in_the_error() -> Non
     """NeMo Gym's HTTP head known at an address goes away and a gRPC head starts there: the config call that still
     speaks HTTP fails with a readable reason (http.client's BadStatusLine holds the raw bytes of gRPC's SETTINGS
     frame), and the next call finds the gRPC head."""
-    config = {"head_server": {"host": LOOPBACK, "port": 1}, "tools": server_entry(closed_port())}
-    runner = web.AppRunner(_nemo_gym_like_head(config, []), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, LOOPBACK, 0).start()
-    port = int(runner.addresses[0][1])
+    port = await _port_of_an_http_head_that_went_away()
+    grpc_head = await _grpc_health_head(f"{LOOPBACK}:{port}")
     client = SyncControlClient(f"{LOOPBACK}:{port}", timeout_seconds=2)
-    await asyncio.to_thread(client.get_global_config)
-    await runner.cleanup()
-    grpc_head = grpc.aio.server()
-    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), grpc_head)  # type: ignore[attr-defined]
-    grpc_head.add_insecure_port(f"{LOOPBACK}:{port}")
-    await grpc_head.start()
     try:
         with pytest.raises(HeadUnreachableError, match="answered in HTTP/2, as a gRPC server does") as failed:
             await asyncio.to_thread(client.get_global_config)
@@ -220,7 +224,7 @@ async def test_a_grpc_head_where_an_http_head_was_is_named_in_the_error() -> Non
 
 
 async def test_an_answer_in_no_known_protocol_is_shown_escaped_and_short() -> None:
-    """A server at a known HTTP head's address that answers bytes of neither HTTP: the error shows their escaped
+    """NeMo Gym's head client reaching a server that answers bytes of neither HTTP: the error shows their escaped
     start, not the raw bytes."""
     answer = b"\x15\x03\x01\x00\x02\x02\x0b" + b"x" * 500 + b"\r\n"
 
