@@ -183,7 +183,16 @@ NOTES = """\
   same live heap), each side in a process of its own since this round (bench/side_worker.py `MODULE:on|off`): in
   one process the spans queued for export, the batching processor's thread and the collections they cause were
   paid partly by the untraced blocks. The first two runs so measured gave 0.78x and 0.83x for 1 in 10 sampled at
-  c=64, against 0.80x-0.84x in one process the same hour: within the scatter of either.
+  c=64, against 0.80x-0.84x in one process the same hour: within the scatter of either. Where 1 in 10 sampled
+  goes (one process, c=64, timed inside the loop): with every rollout dropped (`ParentBased(ALWAYS_OFF)`) the
+  traced side reads 0.98x, so gym_rpc's own work for an unsampled call (its checks, the header its rollout shares,
+  the dropped `gym.rollout` span) is about 2 %; the rest is the one call in ten that records a span. Such a call's
+  SDK `start_span` takes about 30 µs in the loop (16 µs in a hot microbenchmark, its 7 attributes included) and
+  its `end` with the batching processor about 12 µs, beside 5 µs for its `traceparent` header; the spans queued
+  for export add young and middle collections (3.9 against 1.6 µs per call). The row sits on its goal at the
+  SDK's cost: interleaved runs of `python -m bench.tracing_sampled_cost` on one machine gave 0.86x, 0.84x and
+  0.87x for the code before the data-plane work of this round (fcd8eb8, with this bench copied in) and 0.86x,
+  0.85x and 0.87x for 78537ee.
 - **Isolation.** gRPC control calls travel on their own HTTP/2 channel and `_control=True` calls on a reserved
   aiohttp pool, so a saturated data pool does not delay them; what remains in their p99 is the shared event loop
   and CPU, which the saturating traffic keeps busy.
