@@ -190,7 +190,7 @@ NOTES = """\
   SDK `start_span` takes about 30 µs in the loop (16 µs in a hot microbenchmark, its 7 attributes included) and
   its `end` with the batching processor about 12 µs, beside 5 µs for its `traceparent` header; the spans queued
   for export add young and middle collections (3.9 against 1.6 µs per call). The row sits on its goal at the
-  SDK's cost: interleaved runs of `python -m bench.tracing_sampled_cost` on one machine gave 0.86x, 0.84x and
+  SDK's cost: alternating runs of `python -m bench.tracing_sampled_cost` on one machine gave 0.86x, 0.84x and
   0.87x for the code before the data-plane work of this round (fcd8eb8, with this bench copied in) and 0.86x,
   0.85x and 0.87x for 78537ee.
 - **Isolation.** gRPC control calls travel on their own HTTP/2 channel and `_control=True` calls on a reserved
