@@ -8,6 +8,7 @@ closes without a word and an HTTP head answers; it counts against the call's dea
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import socket
 import subprocess
@@ -23,12 +24,14 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2_grpc
 
 from gym_rpc.client import SyncControlClient
+from gym_rpc.client._channel import CHANNEL_OPTIONS
 from gym_rpc.client._control import ControlClient
 from gym_rpc.client._nemo_gym_head import NemoGymHead
 from gym_rpc.client._security import ClientSecurity
 from gym_rpc.client._watch import StatusWatch
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.errors import ControlPlaneError, HeadTimeoutError, HeadUnreachableError
+from gym_rpc.wire import SERVICE_NAME
 from tests.cli_helpers import running_head
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
@@ -56,10 +59,14 @@ def _nemo_gym_like_head(config: dict, seen: list[str], root_delay_seconds: float
     return app
 
 
-async def _grpc_health_head(address: str) -> grpc.aio.Server:
-    """A gRPC head at `address` that serves only the health service, started."""
+async def _grpc_health_head(
+    address: str, control_plane: dict[str, grpc.RpcMethodHandler] | None = None
+) -> grpc.aio.Server:
+    """A gRPC head at `address` that serves the health service (and `control_plane`'s methods), started."""
     grpc_head = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), grpc_head)  # type: ignore[attr-defined]
+    if control_plane is not None:
+        grpc_head.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, control_plane),))
     grpc_head.add_insecure_port(address)
     await grpc_head.start()
     return grpc_head
@@ -188,6 +195,34 @@ async def test_a_head_that_went_away_is_looked_at_again() -> None:
         await runner.cleanup()
 
 
+@pytest.mark.parametrize("flavour", ["blocking", "async"])
+async def test_an_http_head_where_a_grpc_head_was_answers_the_next_call(flavour: str) -> None:
+    """A gRPC head known at an address stops with no call in between (nothing failed, nothing forgotten) and NeMo
+    Gym's HTTP head starts there (`ng_run` on the port a `gym-rpc head` had): the next call's gRPC attempt fails,
+    the address is looked at again, and the call is answered over HTTP. Before, it failed with gRPC's "Trying to
+    connect an http1.x server" (CI, when an HTTP head of one test got a port a gRPC head of an earlier one had)."""
+    port = closed_port()
+    address = f"{LOOPBACK}:{port}"
+    grpc_head = await _grpc_health_head(address)
+    blocking = SyncControlClient(address, timeout_seconds=2)
+    assert await asyncio.to_thread(blocking.head_status) == "success"
+    await grpc_head.stop(None)
+    seen: list[str] = []
+    config = {"head_server": {"host": LOOPBACK, "port": port}, "tools": server_entry(closed_port())}
+    runner = web.AppRunner(_nemo_gym_like_head(config, seen), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, LOOPBACK, port, reuse_address=True).start()
+    try:
+        if flavour == "blocking":
+            found = await asyncio.to_thread(blocking.get_global_config)
+        else:
+            found = await ControlClient(address, timeout_seconds=2).get_global_config()
+        assert sorted(found.servers) == ["tools"]
+        assert seen == ["/", "/global_config_dict_yaml"]  # one look, then the call over HTTP
+    finally:
+        await runner.cleanup()
+
+
 async def test_an_http_head_that_went_away_is_looked_at_again(head_factory) -> None:
     """The other way round: NeMo Gym's HTTP head known at an address goes away and a gRPC head starts there. The
     status watch's failed HTTP read forgets what the address spoke, so its next try finds the gRPC head (here it
@@ -207,18 +242,53 @@ async def test_an_http_head_that_went_away_is_looked_at_again(head_factory) -> N
     assert len(tries) <= 1, tries  # the one HTTP read that found the HTTP head gone
 
 
-async def test_a_grpc_head_where_an_http_head_was_is_named_in_the_error() -> None:
-    """NeMo Gym's HTTP head known at an address goes away and a gRPC head starts there: the config call that still
-    speaks HTTP fails with a readable reason (http.client's BadStatusLine holds the raw bytes of gRPC's SETTINGS
-    frame), and the next call finds the gRPC head."""
+async def test_a_grpc_head_where_an_http_head_was_answers_the_next_call(head_factory) -> None:
+    """NeMo Gym's HTTP head known at an address goes away and a gym_rpc head starts there: the config call that
+    still speaks HTTP fails, the address is looked at again, and the gRPC head answers the call."""
     port = await _port_of_an_http_head_that_went_away()
-    grpc_head = await _grpc_health_head(f"{LOOPBACK}:{port}")
-    client = SyncControlClient(f"{LOOPBACK}:{port}", timeout_seconds=2)
+    head = await head_factory(document({"tools": server_entry(closed_port())}), port=port)
+    found = await asyncio.to_thread(SyncControlClient(head.address, timeout_seconds=2).get_global_config)
+    assert sorted(found.servers) == ["tools"]
+
+
+async def test_a_head_that_is_unavailable_in_its_own_protocol_is_not_called_twice() -> None:
+    """A call is made again only when the second look finds the other protocol: a gRPC head answering UNAVAILABLE
+    (still a gRPC head) gets the call once, and an HTTP head that went away fails with NeMo Gym's head's error."""
+    calls: list[str] = []
+
+    async def unavailable(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        calls.append("GetGlobalConfig")
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
+
+    address = f"{LOOPBACK}:{closed_port()}"
+    grpc_head = await _grpc_health_head(
+        address, {"GetGlobalConfig": grpc.unary_unary_rpc_method_handler(unavailable)}
+    )
+    client = SyncControlClient(address, timeout_seconds=2)
+    try:
+        assert await asyncio.to_thread(client.head_status) == "success"  # the address is known as gRPC's
+        with pytest.raises(HeadUnreachableError, match="draining"):
+            await asyncio.to_thread(client.get_global_config)
+        service_config = json.loads(str(dict(CHANNEL_OPTIONS)["grpc.service_config"]))
+        assert (
+            len(calls) == service_config["methodConfig"][0]["retryPolicy"]["maxAttempts"]
+        )  # one call, as retried
+    finally:
+        await grpc_head.stop(None)
+    port = await _port_of_an_http_head_that_went_away()
+    with pytest.raises(HeadUnreachableError, match="NeMo Gym's head at"):
+        await asyncio.to_thread(SyncControlClient(f"{LOOPBACK}:{port}", timeout_seconds=2).get_global_config)
+
+
+async def test_a_grpc_head_is_named_in_the_error_of_nemo_gyms_head_client() -> None:
+    """NeMo Gym's head client reaching a gRPC head: the error says so readably (http.client's BadStatusLine holds
+    the raw bytes of gRPC's SETTINGS frame)."""
+    address = f"{LOOPBACK}:{closed_port()}"
+    grpc_head = await _grpc_health_head(address)
     try:
         with pytest.raises(HeadUnreachableError, match="answered in HTTP/2, as a gRPC server does") as failed:
-            await asyncio.to_thread(client.get_global_config)
+            await asyncio.to_thread(NemoGymHead(address).config, 2.0, include_secrets=False)
         assert "\\x00" not in str(failed.value) and "\x00" not in str(failed.value)
-        assert await asyncio.to_thread(client.head_status) == "success"
     finally:
         await grpc_head.stop(None)
 

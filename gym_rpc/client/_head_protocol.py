@@ -60,6 +60,11 @@ def known_head_protocol(address: str, *, tls: bool) -> HeadProtocol | None:
     return _known.get(address)
 
 
+def remembered_head_protocol(address: str) -> HeadProtocol | None:
+    """What an earlier look at `address` found, if this process remembers it (never a TLS or scheme default)."""
+    return _known.get(address)
+
+
 def forget_head_protocol(address: str) -> None:
     """Look again next time: the head at `address` went away (another one may start there)."""
     _known.pop(address, None)

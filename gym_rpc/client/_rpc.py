@@ -33,15 +33,18 @@ from gym_rpc.client._channel import (
 )
 from gym_rpc.client._head_protocol import (
     DETECT_TIMEOUT_SECONDS,
+    GRPC,
     NEMO_GYM_HTTP,
+    HeadProtocol,
     forget_head_protocol,
     head_protocol,
     known_head_protocol,
+    remembered_head_protocol,
 )
 from gym_rpc.client._nemo_gym_control import unimplemented
 from gym_rpc.client._nemo_gym_head import NemoGymHead
 from gym_rpc.client._security import ClientSecurity, client_security
-from gym_rpc.errors import HeadTimeoutError
+from gym_rpc.errors import HeadTimeoutError, HeadUnreachableError
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import HEALTH_SERVICE_NAME, SERVICE_NAME, from_grpc_error, status_code
 
@@ -205,23 +208,66 @@ class _Transport:
             return await asyncio.to_thread(self._nemo_gym_head, rpc, call)
         return self._nemo_gym_head(rpc, call)
 
+    # A unary call made to a head remembered as speaking one protocol, which fails as if nothing listened there
+    # (gRPC's UNAVAILABLE, or an HTTP GET unreachable), may have reached another head started at that address with
+    # the other protocol: `ng_run` on the port a `gym-rpc head` had, or the other way round (11000 is both one's
+    # default). The failed attempt forgets the address's protocol; the address is looked at again, within the
+    # call's deadline, and only when the look finds the other protocol is the call made once more, with that one.
+    # The first attempt cannot have been served then (a head of one protocol serves no request of the other), so
+    # no call is made twice.
+
+    def _protocol_may_have_changed(self, error: BaseException, remembered: HeadProtocol | None) -> bool:
+        if isinstance(error, grpc.RpcError):
+            return remembered == GRPC and status_code(error) == grpc.StatusCode.UNAVAILABLE
+        return remembered == NEMO_GYM_HTTP and not isinstance(error, HeadTimeoutError)
+
+    def _call_again(self, rpc: Rpc[..., Any, Any, Any], call: Call[Any], started: float) -> Call[Any]:
+        """`call` with what is left of its deadline (`started` when it began), the address's protocol forgotten."""
+        forget_head_protocol(self.address)
+        deadline = rpc.deadline_for(call, self.timeout_seconds)
+        if deadline is None:
+            return call
+        return Call(call.request, max(deadline - (time.monotonic() - started), 0.001))
+
+    def _protocol_changed(self, remembered: HeadProtocol | None) -> bool:
+        """After the second look: whether it found the other protocol (nothing, or the same, changes nothing)."""
+        found = remembered_head_protocol(self.address)
+        return found is not None and found != remembered
+
+    def _failed(self, rpc: Rpc[..., Any, Any, Result], error: BaseException) -> Result:
+        """The first attempt's failure, as it would have been: a gRPC error made typed (or `on_error`'s result)."""
+        if isinstance(error, grpc.RpcError):
+            return rpc.failed(error, self.address)
+        raise error
+
 
 class BlockingTransport(_Transport):
     """The one blocking call path, over the process's shared channel to the head."""
 
     def unary(self, rpc: Rpc[..., Any, Any, Result], *args: Any, **kwargs: Any) -> Result:
+        remembered, started = remembered_head_protocol(self.address), time.monotonic()
         head, call = self._nemo_gym_head(rpc, rpc.build(*args, **kwargs))
+        try:
+            return self._attempt(rpc, head, call)
+        except (grpc.RpcError, HeadUnreachableError) as error:
+            if not self._protocol_may_have_changed(error, remembered):
+                return self._failed(rpc, error)
+            head, again = self._nemo_gym_head(rpc, self._call_again(rpc, call, started))
+            if not self._protocol_changed(remembered):
+                return self._failed(rpc, error)
+        try:
+            return self._attempt(rpc, head, again)
+        except grpc.RpcError as error:
+            return rpc.failed(error, self.address)
+
+    def _attempt(self, rpc: Rpc[..., Any, Any, Result], head: NemoGymHead | None, call: Call[Any]) -> Result:
+        """The call over HTTP to NeMo Gym's `head`, or over gRPC (None); a gRPC failure raised as it is."""
         if head is not None:
             result: Result = rpc.over_http(head, call, self.timeout_seconds)
             return result
         method = _method(sync_channel(self.address, self.security.tls), rpc)
-        try:
-            response = method(
-                call.request, timeout=rpc.deadline_for(call, self.timeout_seconds), metadata=self._metadata
-            )
-        except grpc.RpcError as error:
-            return rpc.failed(error, self.address)
-        return rpc.convert(response)
+        timeout = rpc.deadline_for(call, self.timeout_seconds)
+        return rpc.convert(method(call.request, timeout=timeout, metadata=self._metadata))
 
     def stream(self, rpc: Rpc[..., Any, Any, Result], *args: Any, **kwargs: Any) -> Generator[Result, None, None]:
         head, call = self._nemo_gym_head(rpc, rpc.build(*args, **kwargs))
@@ -246,18 +292,29 @@ class AsyncTransport(_Transport):
     """The one asyncio call path, over the running loop's shared channel to the head."""
 
     async def unary(self, rpc: Rpc[..., Any, Any, Result], *args: Any, **kwargs: Any) -> Result:
+        remembered, started = remembered_head_protocol(self.address), time.monotonic()
         head, call = await self._anemo_gym_head(rpc, rpc.build(*args, **kwargs))
+        try:
+            return await self._attempt(rpc, head, call)
+        except (grpc.RpcError, HeadUnreachableError) as error:
+            if not self._protocol_may_have_changed(error, remembered):
+                return self._failed(rpc, error)
+            head, again = await self._anemo_gym_head(rpc, self._call_again(rpc, call, started))
+            if not self._protocol_changed(remembered):
+                return self._failed(rpc, error)
+        try:
+            return await self._attempt(rpc, head, again)
+        except grpc.RpcError as error:
+            return rpc.failed(error, self.address)
+
+    async def _attempt(self, rpc: Rpc[..., Any, Any, Result], head: NemoGymHead | None, call: Call[Any]) -> Result:
+        """The call over HTTP to NeMo Gym's `head` (in a thread), or over gRPC (None); a gRPC failure raised."""
         if head is not None:
             result: Result = await asyncio.to_thread(rpc.over_http, head, call, self.timeout_seconds)
             return result
         method = _method(aio_channel(self.address, self.security.tls), rpc)
-        try:
-            response = await method(
-                call.request, timeout=rpc.deadline_for(call, self.timeout_seconds), metadata=self._metadata
-            )
-        except grpc.RpcError as error:
-            return rpc.failed(error, self.address)
-        return rpc.convert(response)
+        timeout = rpc.deadline_for(call, self.timeout_seconds)
+        return rpc.convert(await method(call.request, timeout=timeout, metadata=self._metadata))
 
     async def stream(
         self, rpc: Rpc[..., Any, Any, Result], *args: Any, **kwargs: Any
