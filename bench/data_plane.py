@@ -33,7 +33,7 @@ from aiohttp.payload import JsonPayload
 from omegaconf import OmegaConf
 
 from bench.servers import ServerProcess, pinned_apart
-from bench.side_worker import SideWorker
+from bench.side_worker import side_pair
 from bench.stats import Row, interleaved_latencies, median, ratio_row, spread_text, table_lines
 from gym_rpc.client._http import json_payload
 from gym_rpc.client._http_settings import HttpClientSettings
@@ -162,6 +162,14 @@ class Comparison:
     ratios: list[float] = field(default_factory=list)
     ours: list[Block] = field(default_factory=list)
     raw: list[Block] = field(default_factory=list)
+    by_pair: list[list[float]] = field(default_factory=list)  # the ratios of each pair of side processes
+
+    def add_pair(self, pair: Comparison) -> None:
+        """The rounds one more pair of side processes made (bench.side_worker.side_pair)."""
+        self.ratios += pair.ratios
+        self.ours += pair.ours
+        self.raw += pair.raw
+        self.by_pair.append(pair.ratios)
 
 
 async def abba_rounds(
@@ -220,8 +228,7 @@ def rows_of(comparison: Comparison, heap: str) -> list[Row]:
     raw_rps = median([b.requests_per_second for b in comparison.raw])
     ours_cpu = median([b.cpu_us_per_request for b in comparison.ours])
     raw_cpu = median([b.cpu_us_per_request for b in comparison.raw])
-    ratios = comparison.ratios
-    spread = spread_text(ratios)
+    spread = spread_text(comparison.ratios, comparison.by_pair)
     return [
         ratio_row(
             "data plane",
@@ -271,6 +278,9 @@ class DataPlanePlan:
     # Rounds per concurrency: what keeps each row's middle half within about ±0.03 of its median in a few tens of
     # seconds (bench/RESULTS.md's notes say how that was found).
     rounds: tuple[int, ...] = (80, 80, 80, 60, 40)
+    # Pairs of side processes (bench.side_worker.side_pair), one after the other, each making an equal share of
+    # every row's rounds: with one pair, a row moved by up to ±0.04 with the processes it happened to get.
+    pairs: int = 4
     serialisation_pairs: int = 50
     live_heap_records: int = LIVE_HEAP_RECORDS
 
@@ -278,7 +288,8 @@ class DataPlanePlan:
 QUICK_DATA_PLANE = DataPlanePlan(
     concurrencies=(1, 64, 512, 2048),
     requests=(20, 64, 512, 2048),
-    rounds=(1, 1, 1, 1),
+    rounds=(2, 2, 2, 2),
+    pairs=2,
     serialisation_pairs=3,
     live_heap_records=10_000,
 )
@@ -287,21 +298,23 @@ QUICK_DATA_PLANE = DataPlanePlan(
 async def run(port: int, plan: DataPlanePlan) -> list[Row]:
     """The rows, each side in a process of its own (bench.side_worker: its own heap and collector, as a worker)."""
     rows = [serialisation_row(plan.serialisation_pairs)]
-    with (
-        SideWorker("ours", port, plan.live_heap_records) as ours,
-        SideWorker("raw", port, plan.live_heap_records) as raw,
-    ):
-        for concurrency, requests, rounds in zip(plan.concurrencies, plan.requests, plan.rounds, strict=True):
+    comparisons = [Comparison(concurrency) for concurrency in plan.concurrencies]
+    heap = ""
+    for _ in range(plan.pairs):
+        with side_pair("ours", "raw", port, plan.live_heap_records) as (ours, raw):
+            heap = ours.heap
+            for comparison, requests, rounds in zip(comparisons, plan.requests, plan.rounds, strict=True):
+                concurrency = comparison.concurrency
 
-            async def ours_block(concurrency: int = concurrency, requests: int = requests) -> Block:
-                return Block(*ours.block(concurrency, requests))
+                async def ours_block(concurrency: int = concurrency, requests: int = requests) -> Block:
+                    return Block(*ours.block(concurrency, requests))
 
-            async def raw_block(concurrency: int = concurrency, requests: int = requests) -> Block:
-                return Block(*raw.block(concurrency, requests))
+                async def raw_block(concurrency: int = concurrency, requests: int = requests) -> Block:
+                    return Block(*raw.block(concurrency, requests))
 
-            comparison = await compare_blocks(ours_block, raw_block, concurrency, rounds)
-            rows.extend(rows_of(comparison, ours.heap))
-    return rows
+                share = await compare_blocks(ours_block, raw_block, concurrency, rounds // plan.pairs)
+                comparison.add_pair(share)
+    return rows + [row for comparison in comparisons for row in rows_of(comparison, heap)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 
 from bench.data_plane import LIVE_HEAP_RECORDS, Block, Post, abba_rounds
 from bench.servers import ServerProcess
-from bench.side_worker import SideWorker
+from bench.side_worker import SideWorker, side_pair
 from bench.stats import Row, median, ratio_row, spread_text, table_lines
 
 
@@ -36,11 +36,12 @@ class FlagPlan:
     concurrencies: tuple[int, ...] = (1, 64)
     requests: tuple[int, ...] = (100, 512)
     rounds: int = 80
+    pairs: int = 4  # of side processes, one after the other (bench.data_plane.DataPlanePlan.pairs says why)
     live_heap_records: int = LIVE_HEAP_RECORDS
 
 
 FULL_PLAN = FlagPlan()
-QUICK_PLAN = FlagPlan(requests=(30, 128), rounds=2, live_heap_records=10_000)
+QUICK_PLAN = FlagPlan(requests=(30, 128), rounds=2, pairs=2, live_heap_records=10_000)
 
 TimedBlock = Callable[[Post, int, int, bool], Awaitable[Block]]
 
@@ -76,14 +77,16 @@ class Rounds:
     ratios: list[float] = field(default_factory=list)
     on: list[Block] = field(default_factory=list)
     off: list[Block] = field(default_factory=list)
+    by_pair: list[list[float]] = field(default_factory=list)  # the ratios of each pair of side processes
 
 
 async def interleaved(
-    cost: FlagCost, on: SideWorker, off: SideWorker, concurrency: int, requests: int, rounds: int
-) -> Rounds:
+    cost: FlagCost, on: SideWorker, off: SideWorker, result: Rounds, requests: int, rounds: int
+) -> None:
     """bench.data_plane's `abba_rounds` of the switch on (A) against off (B), after a warm block of each, the
     collector left alone in each side: a side that keeps more objects alive (spans held until export) pays for
-    the collections they cause."""
+    the collections they cause. Added to `result` as one pair's rounds."""
+    concurrency = result.concurrency
 
     async def block(side: SideWorker, requests: int) -> Block:
         return Block(*side.block(concurrency, requests))
@@ -91,15 +94,16 @@ async def interleaved(
     warm = max(requests, concurrency)
     await block(on, warm)
     await block(off, warm)
-    result = Rounds(concurrency)
-    result.ratios, result.on, result.off = await abba_rounds(
+    ratios, on_blocks, off_blocks = await abba_rounds(
         lambda: block(on, requests), lambda: block(off, requests), rounds
     )
+    result.ratios += ratios
+    result.on += on_blocks
+    result.off += off_blocks
+    result.by_pair.append(ratios)
     print(
-        f"  {cost.name} c={concurrency}: per-round ratios {' '.join(f'{r:.2f}' for r in result.ratios)}",
-        file=sys.stderr,
+        f"  {cost.name} c={concurrency}: per-round ratios {' '.join(f'{r:.2f}' for r in ratios)}", file=sys.stderr
     )
-    return result
 
 
 def row_of(cost: FlagCost, rounds: Rounds, heap: str) -> Row:
@@ -107,8 +111,7 @@ def row_of(cost: FlagCost, rounds: Rounds, heap: str) -> Row:
     off_rps = median([b.requests_per_second for b in rounds.off])
     on_cpu = median([b.cpu_us_per_request for b in rounds.on])
     off_cpu = median([b.cpu_us_per_request for b in rounds.off])
-    ratios = rounds.ratios
-    spread = spread_text(ratios)
+    spread = spread_text(rounds.ratios, rounds.by_pair)
     return ratio_row(
         cost.name,
         f"{cost.measure}, concurrency {rounds.concurrency} "
@@ -122,13 +125,14 @@ def row_of(cost: FlagCost, rounds: Rounds, heap: str) -> Row:
 
 
 async def run(cost: FlagCost, port: int, plan: FlagPlan) -> list[Row]:
-    heap = plan.live_heap_records
-    rows: list[Row] = []
-    with SideWorker(f"{cost.module}:on", port, heap) as on, SideWorker(f"{cost.module}:off", port, heap) as off:
-        for concurrency, requests in zip(plan.concurrencies, plan.requests, strict=True):
-            rounds = await interleaved(cost, on, off, concurrency, requests, plan.rounds)
-            rows.append(row_of(cost, rounds, on.heap))
-    return rows
+    results = [Rounds(concurrency) for concurrency in plan.concurrencies]
+    heap = ""
+    for _ in range(plan.pairs):
+        with side_pair(f"{cost.module}:on", f"{cost.module}:off", port, plan.live_heap_records) as (on, off):
+            heap = on.heap
+            for result, requests in zip(results, plan.requests, strict=True):
+                await interleaved(cost, on, off, result, requests, plan.rounds // plan.pairs)
+    return [row_of(cost, result, heap) for result in results]
 
 
 def main(cost: FlagCost, prog: str, doc: str | None, argv: list[str] | None = None) -> int:

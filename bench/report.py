@@ -86,11 +86,12 @@ METHOD = """\
   whichever block crossed its threshold, and round ratios swung between about 0.5 and 2.) The parent runs one
   side's block at a time: rounds of four short blocks (ABBA, then BAAB: each side runs first once per round),
   100, 256, 512, 2,048 and 4,096 requests per block at concurrency 1, 64, 512, 2,048 and 4,096, and 80, 80, 80,
-  60 and 40 rounds; the figure is the median of the per-round ratios, shown with their middle half and a seeded
-  bootstrap's 90 % range of that median. Client CPU per request is the side's process CPU time over requests;
-  the collector's runs per 10,000 requests (young / middle / full) are counted per side. The serialisation row
-  times 200 `json=` bodies made into the payload aiohttp sends: gym_rpc's (orjson) against aiohttp's own `json=`
-  (`json.dumps`), interleaved.
+  60 and 40 rounds, made in equal shares by 4 pairs of side processes, one pair after the other (a process has a
+  speed of its own, below); the figure is the median of the per-round ratios, shown with their middle half, a
+  seeded bootstrap's 90 % range of that median, and the lowest and highest of the pairs' own medians. Client
+  CPU per request is the side's process CPU time over requests; the collector's runs per 10,000 requests (young /
+  middle / full) are counted per side. The serialisation row times 200 `json=` bodies made into the payload
+  aiohttp sends: gym_rpc's (orjson) against aiohttp's own `json=` (`json.dumps`), interleaved.
 - Objects a call keeps alive (bench/allocations.py): 256 calls of each side started at once against a server
   that holds each answer 4 s, on pooled connections; once every call waits, the objects the collector tracks and
   the memory blocks in use are counted against the same counts before (median of 3, interleaved). The collector is
@@ -167,6 +168,16 @@ NOTES = """\
   after gave 0.95-1.05 (median 1.01). An A/A run (raw against raw) on the same loaded machine gave medians of 0.96
   to 1.07 over 40-100 rounds, so a figure within a few hundredths of its goal is that scatter, not a difference:
   read the client CPU per request and the objects per call beside it.
+- **How many processes.** More rounds narrow the range of a median, not the luck of the two processes that made
+  them: a process has a speed of its own (where its memory landed, its hash seed), the same in each of its blocks.
+  Two processes of one side, 80 rounds at c=64 each time: the tracing rows' untraced side against itself read
+  0.99x, 1.04x (90 % range 1.01-1.06: it excludes 1) and 1.00x; raw aiohttp against itself 1.00x and 0.99x. So
+  each row's rounds are shared by 4 pairs, started one after the other (never more than the two processes of a
+  pair alive, so no idle pool holds thousands of connections to the server meanwhile): A/A then read 0.996x and
+  0.997x, the pairs' medians within 0.98-1.02, and ours against raw at c=512 0.98x with pairs' medians of
+  0.96-1.00. Kept alive together and taking turns by round, the pairs read the same at c=512 but scattered twice
+  as widely at c=2,048 (middle half 0.76-1.23 against 0.88-1.11), where each process's thousands of idle
+  connections waited through the others' rounds.
 - **Tracing.** A traced call is one span on OpenTelemetry's public API: the SDK's `start_span` and `end` (its
   sampler, attribute checks, a lock, the `Span` and its `ReadableSpan`), its `traceparent` header, and the batching
   processor's queue and thread; the spans it holds until export also lengthen young garbage collections. With every
@@ -184,15 +195,20 @@ NOTES = """\
   one process the spans queued for export, the batching processor's thread and the collections they cause were
   paid partly by the untraced blocks. The first two runs so measured gave 0.78x and 0.83x for 1 in 10 sampled at
   c=64, against 0.80x-0.84x in one process the same hour: within the scatter of either. Where 1 in 10 sampled
-  goes (one process, c=64, timed inside the loop): with every rollout dropped (`ParentBased(ALWAYS_OFF)`) the
-  traced side reads 0.98x, so gym_rpc's own work for an unsampled call (its checks, the header its rollout shares,
-  the dropped `gym.rollout` span) is about 2 %; the rest is the one call in ten that records a span. Such a call's
-  SDK `start_span` takes about 30 µs in the loop (16 µs in a hot microbenchmark, its 7 attributes included) and
-  its `end` with the batching processor about 12 µs, beside 5 µs for its `traceparent` header; the spans queued
-  for export add young and middle collections (3.9 against 1.6 µs per call). The row sits on its goal at the
-  SDK's cost: alternating runs of `python -m bench.tracing_sampled_cost` on one machine gave 0.86x, 0.84x and
-  0.87x for the code before the data-plane work of this round (fcd8eb8, with this bench copied in) and 0.86x,
-  0.85x and 0.87x for 78537ee.
+  goes, in instructions per request (valgrind's callgrind, deterministic: the client's process for 4,096 requests
+  at c=64 beside the live heap, less the same for 512): untraced 491k; every rollout dropped
+  (`ParentBased(TraceIdRatioBased(0))`) 507k (+3.3 %); 1 in 10 sampled 535k (+9.0 %); every rollout sampled 755k
+  (+54 %). So it adds up (0.9 x 3.3 + 0.1 x 54 = 8.4 %), and two thirds of the cost at 1 in 10 is the call in ten
+  that records a span. Time costs about twice the instructions (caches, and the full collections the spans held
+  until export bring on: 0.4 against 0.2 per 10k requests at 1 in 10, 1.2 at every rollout): with 4 process
+  pairs, every rollout dropped read 0.94x and 0.93x, every rollout sampled 0.55x (one pair), 1 in 10 0.86x, 0.84x
+  and 0.81x (pairs' medians 0.79-0.88). An unsampled rollout of 8 calls costs about 144k instructions: 57k its
+  dropped `gym.rollout` span (the SDK's `start_span` and sampler, about 40 of its 62 Python calls, then attach
+  and detach), 32k the first call (its header made), 5.6k each later call (the header shared) and about 2k per
+  call for aiohttp to copy and write the `traceparent` header. Of its Python calls (about 185), gym_rpc's own
+  are about 70; a trial that made the header with the rollout, inlined two lookups of each later call and cached
+  two imports took 2.8 of the 28 Python calls per request an unsampled rollout adds (cProfile) and no instructions
+  (callgrind), so it was not kept. The row sits on its goal at the SDK's cost.
 - **Isolation.** gRPC control calls travel on their own HTTP/2 channel and `_control=True` calls on a reserved
   aiohttp pool, so a saturated data pool does not delay them; what remains in their p99 is the shared event loop
   and CPU, which the saturating traffic keeps busy.

@@ -19,12 +19,13 @@ per second, client CPU µs per request, the collector's runs per 10k requests by
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import json
 import select
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,12 +40,14 @@ _BLOCK_SECONDS = 300.0  # far beyond any block: a stuck side fails the bench ins
 
 
 class SideWorker:
-    """The parent's handle on one side's process: `block` runs one timed block there and returns its figures."""
+    """The parent's handle on one side's process: `block` runs one timed block there and returns its figures.
+    Started at once; `wait_ready` waits until its heap and client are made."""
 
     def __init__(self, side: str, port: int, heap_records: int) -> None:
         if side not in SIDES and not side.endswith((":on", ":off")):
             raise ValueError(f"side must be one of {SIDES} or MODULE:on|off, not {side!r}")
         self.side = side
+        self.heap = ""
         self.process = subprocess.Popen(
             [sys.executable, "-m", "bench.side_worker", side, str(port), str(heap_records)],
             stdin=subprocess.PIPE,
@@ -52,11 +55,12 @@ class SideWorker:
             text=True,
             cwd=REPO_ROOT,
         )
+
+    def wait_ready(self) -> None:
         ready = self._line(_START_SECONDS)
         if not ready.startswith(READY):
-            self.close()
-            raise RuntimeError(f"the {side} side did not start: {ready!r}")
-        self.heap: str = json.loads(ready[len(READY) :])["heap"]
+            raise RuntimeError(f"the {self.side} side did not start: {ready!r}")
+        self.heap = json.loads(ready[len(READY) :])["heap"]
 
     def block(self, concurrency: int, requests: int) -> tuple[float, float, tuple[float, ...]]:
         assert self.process.stdin is not None
@@ -87,11 +91,24 @@ class SideWorker:
         if self.process.stdout is not None:
             self.process.stdout.close()
 
-    def __enter__(self) -> SideWorker:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+@contextlib.contextmanager
+def side_pair(side_a: str, side_b: str, port: int, heap_records: int) -> Iterator[tuple[SideWorker, SideWorker]]:
+    """The two sides' processes, started side by side (each builds its heap meanwhile), stopped at the end.
+
+    A process has a speed of its own, which no number of its rounds averages away: where its memory landed and its
+    hash seed make every block it runs a few percent faster or slower. Two processes of the same side, each
+    comparison's rounds tightly about its figure, read 0.99, 1.04 and 1.00 of each other. So a row's rounds are
+    spread over several pairs, one after the other (DataPlanePlan.pairs), and the spread of the pairs' medians
+    shows how much that moved them."""
+    workers = (SideWorker(side_a, port, heap_records), SideWorker(side_b, port, heap_records))
+    try:
+        for worker in workers:
+            worker.wait_ready()
+        yield workers
+    finally:
+        for worker in workers:
+            worker.close()
 
 
 def _switch_block(side: str, port: int) -> Callable[[int, int], Awaitable[Block]]:

@@ -41,14 +41,19 @@ def median_interval(
     return medians[cut], medians[resamples - 1 - cut]
 
 
-def spread_text(ratios: Sequence[float]) -> str:
+def spread_text(ratios: Sequence[float], by_pair: Sequence[Sequence[float]] = ()) -> str:
     """How a row's per-round ratios scatter and how well their median is known: "40 rounds, middle half
-    0.95-1.01, median within 0.97-0.99 (90%)"."""
+    0.95-1.01, median within 0.97-0.99 (90%)"; for rounds made on several pairs of processes (`by_pair`: each
+    pair's ratios), also the lowest and highest of the pairs' medians: ", 4 process pairs' medians 0.96-0.99"."""
     low, high = median_interval(ratios)
-    return (
+    text = (
         f"{len(ratios)} rounds, middle half {percentile(ratios, 0.25):.2f}-{percentile(ratios, 0.75):.2f}, "
         f"median within {low:.2f}-{high:.2f} (90%)"
     )
+    if len(by_pair) > 1:
+        medians = [median(pair) for pair in by_pair]
+        text += f", {len(by_pair)} process pairs' medians {min(medians):.2f}-{max(medians):.2f}"
+    return text
 
 
 def p99(values: Sequence[float]) -> float:

@@ -121,3 +121,15 @@ def test_a_ratio_at_its_goal_to_two_digits_is_shown_with_three() -> None:
     assert shown(0.85, 0.85) == ["0.85x", "≥ 0.85x", "yes"]
     assert shown(0.87, 0.85) == ["0.87x", "≥ 0.85x", "yes"]
     assert shown(0.848, None) == ["0.85x", "—", "—"]
+
+
+def test_rounds_made_on_several_process_pairs_show_each_pairs_median() -> None:
+    """The spread names the lowest and highest of the pairs' medians, so a pair of processes faster than the others
+    shows; with one pair there is nothing to name."""
+    from bench.stats import spread_text
+
+    by_pair = [[0.90, 0.92, 0.94], [1.00, 1.02, 1.04]]
+    ratios = [ratio for pair in by_pair for ratio in pair]
+    assert spread_text(ratios, by_pair).endswith(", 2 process pairs' medians 0.92-1.02")
+    assert "process pairs" not in spread_text(ratios, by_pair[:1])
+    assert "process pairs" not in spread_text(ratios)
