@@ -4,8 +4,8 @@
 `ParentBased(ALWAYS_ON)`) with a batching processor (its exporter drops the spans, so the network cost of
 exporting is left out), each call a CLIENT span on the public API, child of the rollout's span
 (`rollout_context(id, span=True)`), whose context goes out in the `traceparent` header. "Off" is the untraced
-path. Reported with no goal (expected about 0.65 at concurrency 64, never below 0.6): the way to trace a large run
-is to sample rollouts (`bench.tracing_sampled_cost`, whose row has the goal).
+path. Reported with no goal: the way to trace a large run is to sample rollouts (`bench.tracing_sampled_cost`,
+whose row has the goal).
 
 `python -m bench.tracing_cost [--quick] [--port PORT]` prints the table (it starts a data server when no
 port is given).
