@@ -72,13 +72,19 @@ async def _grpc_health_head(
     return grpc_head
 
 
+async def _http_head_at(port: int, seen: list[str]) -> web.AppRunner:
+    """`_nemo_gym_like_head` serving a config of one server ("tools"), started at `port` (0: a free one)."""
+    config = {"head_server": {"host": LOOPBACK, "port": port or 1}, "tools": server_entry(closed_port())}
+    runner = web.AppRunner(_nemo_gym_like_head(config, seen), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, LOOPBACK, port, reuse_address=True).start()
+    return runner
+
+
 async def _port_of_an_http_head_that_went_away() -> int:
     """A port this process knows as NeMo Gym's HTTP head's (a config was read there: the protocol is remembered per
     process and address), whose head has stopped."""
-    config = {"head_server": {"host": LOOPBACK, "port": 1}, "tools": server_entry(closed_port())}
-    runner = web.AppRunner(_nemo_gym_like_head(config, []), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, LOOPBACK, 0).start()
+    runner = await _http_head_at(0, [])
     port = int(runner.addresses[0][1])
     await asyncio.to_thread(SyncControlClient(f"{LOOPBACK}:{port}", timeout_seconds=2).get_global_config)
     await runner.cleanup()
@@ -179,10 +185,7 @@ async def test_a_head_that_went_away_is_looked_at_again() -> None:
     await grpc_head.stop(None)
     assert await asyncio.to_thread(client.head_status) == "connection_error"
     seen: list[str] = []
-    config = {"head_server": {"host": LOOPBACK, "port": port}, "tools": server_entry(closed_port())}
-    runner = web.AppRunner(_nemo_gym_like_head(config, seen), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, LOOPBACK, port, reuse_address=True).start()
+    runner = await _http_head_at(port, seen)
     try:
         found = await asyncio.to_thread(client.get_global_config)
         assert sorted(found.servers) == ["tools"] and seen[0] == "/"
@@ -208,10 +211,7 @@ async def test_an_http_head_where_a_grpc_head_was_answers_the_next_call(flavour:
     assert await asyncio.to_thread(blocking.head_status) == "success"
     await grpc_head.stop(None)
     seen: list[str] = []
-    config = {"head_server": {"host": LOOPBACK, "port": port}, "tools": server_entry(closed_port())}
-    runner = web.AppRunner(_nemo_gym_like_head(config, seen), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, LOOPBACK, port, reuse_address=True).start()
+    runner = await _http_head_at(port, seen)
     try:
         if flavour == "blocking":
             found = await asyncio.to_thread(blocking.get_global_config)
