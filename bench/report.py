@@ -207,10 +207,11 @@ NOTES = """\
   8 calls costs about 144k instructions: 57k its dropped `gym.rollout` span (the SDK's `start_span` and sampler,
   about 40 of its 62 Python calls, then attach and detach), 32k the first call (its header made), 5.6k each later
   call (the header shared) and about 2k per call for aiohttp to copy and write the `traceparent` header. Of its
-  Python calls (about 185), gym_rpc's own are about 70; a trial that made the header with the rollout, inlined two
-  lookups of each later call and cached two imports took 2.8 of the 28 Python calls per request an unsampled
-  rollout adds (cProfile) and no instructions (callgrind), so it was not kept. The row misses its goal by about
-  0.02 at the SDK's cost; single-pair runs that met it (0.850x on d57a028) had the luck of their processes.
+  Python calls (about 185), gym_rpc's own are about 70; a rough trial that made the header with the rollout,
+  inlined two lookups of each later call and cached two imports took 2.8 of the 28 Python calls per request an
+  unsampled rollout adds (cProfile), under 0.5 % of a request's instructions at best, so it was not kept. The row
+  misses its goal by about 0.02 at the SDK's cost; single-pair runs that met it (0.850x on d57a028) had the luck of
+  their processes.
 - **Isolation.** gRPC control calls travel on their own HTTP/2 channel and `_control=True` calls on a reserved
   aiohttp pool, so a saturated data pool does not delay them; what remains in their p99 is the shared event loop
   and CPU, which the saturating traffic keeps busy.
