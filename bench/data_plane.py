@@ -33,7 +33,7 @@ from aiohttp.payload import JsonPayload
 from omegaconf import OmegaConf
 
 from bench.servers import ServerProcess, pinned_apart
-from bench.side_worker import side_pair
+from bench.side_worker import rounds_per_pair, side_pair
 from bench.stats import Row, interleaved_latencies, median, ratio_row, spread_text, table_lines
 from gym_rpc.client._http import json_payload
 from gym_rpc.client._http_settings import HttpClientSettings
@@ -312,7 +312,9 @@ async def run(port: int, plan: DataPlanePlan) -> list[Row]:
                 async def raw_block(concurrency: int = concurrency, requests: int = requests) -> Block:
                     return Block(*raw.block(concurrency, requests))
 
-                share = await compare_blocks(ours_block, raw_block, concurrency, rounds // plan.pairs)
+                share = await compare_blocks(
+                    ours_block, raw_block, concurrency, rounds_per_pair(rounds, plan.pairs)
+                )
                 comparison.add_pair(share)
     return rows + [row for comparison in comparisons for row in rows_of(comparison, heap)]
 

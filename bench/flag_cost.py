@@ -23,7 +23,7 @@ from typing import Any
 
 from bench.data_plane import LIVE_HEAP_RECORDS, Block, Post, abba_rounds
 from bench.servers import ServerProcess
-from bench.side_worker import SideWorker, side_pair
+from bench.side_worker import SideWorker, rounds_per_pair, side_pair
 from bench.stats import Row, median, ratio_row, spread_text, table_lines
 
 
@@ -131,7 +131,7 @@ async def run(cost: FlagCost, port: int, plan: FlagPlan) -> list[Row]:
         with side_pair(f"{cost.module}:on", f"{cost.module}:off", port, plan.live_heap_records) as (on, off):
             heap = on.heap
             for result, requests in zip(results, plan.requests, strict=True):
-                await interleaved(cost, on, off, result, requests, plan.rounds // plan.pairs)
+                await interleaved(cost, on, off, result, requests, rounds_per_pair(plan.rounds, plan.pairs))
     return [row_of(cost, result, heap) for result in results]
 
 

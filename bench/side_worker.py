@@ -92,6 +92,11 @@ class SideWorker:
             self.process.stdout.close()
 
 
+def rounds_per_pair(rounds: int, pairs: int) -> int:
+    """Each pair's share of a row's `rounds`, rounded up: never none (`python -m bench.data_plane --rounds 2`)."""
+    return -(-rounds // pairs)
+
+
 @contextlib.contextmanager
 def side_pair(side_a: str, side_b: str, port: int, heap_records: int) -> Iterator[tuple[SideWorker, SideWorker]]:
     """The two sides' processes, started side by side (each builds its heap meanwhile), stopped at the end.

@@ -133,3 +133,9 @@ def test_rounds_made_on_several_process_pairs_show_each_pairs_median() -> None:
     assert spread_text(ratios, by_pair).endswith(", 2 process pairs' medians 0.92-1.02")
     assert "process pairs" not in spread_text(ratios, by_pair[:1])
     assert "process pairs" not in spread_text(ratios)
+
+
+def test_every_pair_of_processes_makes_rounds_even_when_asked_for_fewer_than_pairs() -> None:
+    from bench.side_worker import rounds_per_pair
+
+    assert [rounds_per_pair(rounds, 4) for rounds in (80, 60, 40, 2, 1)] == [20, 15, 10, 1, 1]

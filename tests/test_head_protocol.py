@@ -81,6 +81,17 @@ async def _http_head_at(port: int, seen: list[str]) -> web.AppRunner:
     return runner
 
 
+async def _a_grpc_head_known_then_stopped() -> tuple[int, SyncControlClient]:
+    """A port whose gRPC head a client (returned) has talked to, so the address is known as gRPC's; the head has
+    stopped since, and no call has noticed."""
+    port = closed_port()
+    grpc_head = await _grpc_health_head(f"{LOOPBACK}:{port}")
+    client = SyncControlClient(f"{LOOPBACK}:{port}", timeout_seconds=2)
+    assert await asyncio.to_thread(client.head_status) == "success"
+    await grpc_head.stop(None)
+    return port, client
+
+
 async def _port_of_an_http_head_that_went_away() -> int:
     """A port this process knows as NeMo Gym's HTTP head's (a config was read there: the protocol is remembered per
     process and address), whose head has stopped."""
@@ -177,12 +188,7 @@ def silent_server_port() -> Iterator[int]:
 async def test_a_head_that_went_away_is_looked_at_again() -> None:
     """A gRPC head known at an address stops; the refused call forgets what the address spoke, so NeMo Gym's HTTP
     head started there next is found (and then known: a poll is one direct probe, no second look)."""
-    port = closed_port()
-    address = f"{LOOPBACK}:{port}"
-    grpc_head = await _grpc_health_head(address)
-    client = SyncControlClient(address, timeout_seconds=2)
-    assert await asyncio.to_thread(client.head_status) == "success"
-    await grpc_head.stop(None)
+    port, client = await _a_grpc_head_known_then_stopped()
     assert await asyncio.to_thread(client.head_status) == "connection_error"
     seen: list[str] = []
     runner = await _http_head_at(port, seen)
@@ -204,12 +210,8 @@ async def test_an_http_head_where_a_grpc_head_was_answers_the_next_call(flavour:
     Gym's HTTP head starts there (`ng_run` on the port a `gym-rpc head` had): the next call's gRPC attempt fails,
     the address is looked at again, and the call is answered over HTTP. Before, it failed with gRPC's "Trying to
     connect an http1.x server" (CI, when an HTTP head of one test got a port a gRPC head of an earlier one had)."""
-    port = closed_port()
-    address = f"{LOOPBACK}:{port}"
-    grpc_head = await _grpc_health_head(address)
-    blocking = SyncControlClient(address, timeout_seconds=2)
-    assert await asyncio.to_thread(blocking.head_status) == "success"
-    await grpc_head.stop(None)
+    port, blocking = await _a_grpc_head_known_then_stopped()
+    address = blocking.address
     seen: list[str] = []
     runner = await _http_head_at(port, seen)
     try:
