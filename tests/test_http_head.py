@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import requests
 import yaml
+from aiohttp import web
 from omegaconf import OmegaConf
 
 from gym_rpc.client._control import SyncControlClient
@@ -143,6 +144,45 @@ async def test_liveness_answers_ok(head_factory):
 
     assert response.status_code == 200
     assert response.json() == {"status": "ok"}
+
+
+async def test_readiness_answers_starting_until_the_first_probe_round_is_done(head_factory, http_server):
+    """NeMo Gym 0.7.0's head endpoints: /livez and / are alive at once; /readyz, /healthz and /health answer 503
+    {"status": "starting"} while the first probe round is still out (its server holds the probe), then 200."""
+    release = asyncio.Event()
+
+    async def held_until_released(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_get("/", held_until_released)
+    held = await http_server(app)
+    head = await head_factory(
+        secret_document(held, closed_port()), http_port=0, probe_timeout_seconds=60, probe_interval_seconds=60
+    )
+    base = http_base(head)
+
+    async def get(path: str) -> requests.Response:
+        return await asyncio.to_thread(requests.get, f"{base}{path}", timeout=HTTP_TIMEOUT)
+
+    try:
+        for path in ("/", "/livez"):
+            alive = await get(path)
+            assert (alive.status_code, alive.json()) == (200, {"status": "ok"}), path
+        for path in ("/readyz", "/healthz", "/health"):
+            starting = await get(path)
+            assert (starting.status_code, starting.json()) == (503, {"status": "starting"}), path
+    finally:
+        release.set()  # a failed assertion must not leave the probe held past the test
+    deadline = time.monotonic() + 30
+    while (await get("/readyz")).status_code != 200:
+        assert time.monotonic() < deadline, "the head never became ready after its first probe round"
+        await asyncio.sleep(0.05)
+    assert head.prober.rounds >= 1
+    for path in ("/readyz", "/healthz", "/health", "/livez", "/"):
+        ready = await get(path)
+        assert (ready.status_code, ready.json()) == (200, {"status": "ok"}), path
 
 
 async def test_http_port_from_the_config_key_and_reload_serves_the_new_version(head_factory, tmp_path):

@@ -205,6 +205,12 @@ class HeadServer:
         """The port serving only GET /metrics (--metrics-port), None when not served."""
         return self._metrics_server.port if self._metrics_server is not None else None
 
+    @property
+    def ready(self) -> bool:
+        """Serving what it knows: started, its config source answering, its first probe round done (readiness
+        endpoints answer 503 before)."""
+        return self._server is not None and self.problem is None and self.prober.rounds > 0
+
     # What the head's gauges read (gym_rpc.server._metrics.ObservedHead).
     @property
     def observed_servers(self) -> Mapping[str, ServerEntry]:

@@ -5,7 +5,9 @@ The wire format is NeMo Gym's FastAPI head's, byte for byte where it matters:
 * `GET /global_config_dict_yaml` answers the config rendered as YAML, as a JSON *string literal*
   (`Content-Type: application/json`); NeMo Gym's client does `OmegaConf.create(json.loads(body))`.
 * `GET /server_instances` answers a JSON list of NeMo Gym's `ServerInstanceDisplayConfig` objects.
-* `GET /` answers `{"status": "ok"}`.
+* `GET /` and `GET /livez` answer `{"status": "ok"}` (alive); `GET /readyz`, `/healthz` and `/health` answer 503
+  `{"status": "starting"}` until the head is ready (config loaded, first probe round done, warm-up over), then 200
+  `{"status": "ok"}`, as NeMo Gym 0.7.0's head does: tools such as NeMo Evaluator poll them.
 
 Secret-looking keys are redacted exactly as in GetGlobalConfig: this endpoint has no authentication.
 """
@@ -27,6 +29,8 @@ from gym_rpc.server._servicer import HeadState
 logger = logging.getLogger(__name__)
 
 HTTP_PORT_KEY = "http_port"
+LIVENESS_PATHS = ("/", "/livez")
+READINESS_PATHS = ("/readyz", "/healthz", "/health")
 _JSON = "application/json"
 
 
@@ -79,13 +83,21 @@ class HttpHead(AppServer):
 
     def app(self) -> web.Application:
         app = web.Application()
-        app.router.add_get("/", self._liveness)
+        for path in LIVENESS_PATHS:
+            app.router.add_get(path, self._liveness)
+        for path in READINESS_PATHS:
+            app.router.add_get(path, self._readiness)
         app.router.add_get("/global_config_dict_yaml", self._global_config_dict_yaml)
         app.router.add_get("/server_instances", self._server_instances)
         app.router.add_get(METRICS_PATH, metrics_handler)
         return app
 
     async def _liveness(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _readiness(self, request: web.Request) -> web.Response:
+        if not self._head.ready:
+            return web.json_response({"status": "starting"}, status=503)
         return web.json_response({"status": "ok"})
 
     async def _global_config_dict_yaml(self, request: web.Request) -> web.Response:

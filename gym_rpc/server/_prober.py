@@ -179,6 +179,7 @@ class StatusProber:
         self.config_version = ""  # the head's config version, sent on every watch message
         self.probes_started = 0  # probes actually sent (a shared probe counts once)
         self.probes_joined = 0  # callers that shared a probe already in flight instead of starting one
+        self.rounds = 0  # background probe rounds finished (the head is not ready before the first)
         # (server name, instance id) -> (url, probe task)
         self._in_flight: dict[tuple[str, str], tuple[str, asyncio.Task[InstanceReport]]] = {}
         # Start at the wall clock in milliseconds, so revisions keep rising across head restarts and a watch
@@ -339,6 +340,7 @@ class StatusProber:
         ]
         if tasks:
             await asyncio.gather(*(asyncio.shield(task) for task in tasks))
+        self.rounds += 1
 
     def _shared_probe(self, name: str, instance_id: str, timeout: float) -> asyncio.Task[InstanceReport]:
         """The in-flight probe of the instance at its current URL, started with `timeout` when there is none."""

@@ -56,6 +56,11 @@ class HeadState(Protocol):
     start_time: float
 
     @property
+    def ready(self) -> bool:
+        """Whether the head serves what it knows: config loaded, first probe round done, warm-up over."""
+        ...
+
+    @property
     def processes(self) -> Mapping[str, ReportedProcess]:
         """pid and start time per server, as the config source reports them (a NeMo Gym upstream)."""
         ...
