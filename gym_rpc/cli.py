@@ -234,6 +234,12 @@ def _add_serving_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds a status or health watch may wait for its reader to take a message before it is dropped "
         "(none: 10)",
     )
+    parser.add_argument(
+        "--open-registrations",
+        action="store_true",
+        help="accept RegisterServerInstance without a token on a head bound beyond loopback (by default such a "
+        "head refuses registrations: anyone reaching the port could add or drain the instances clients call)",
+    )
     _add_log_flags(parser, "info")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at least at info level")
 
@@ -488,6 +494,7 @@ def cmd_head(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         status_max_age_seconds=args.status_max_age,
         connect_port=args.connect_port,
+        open_registrations=args.open_registrations,
         **_max_watches(args),
     )
     head = HeadServer(config, options, config_path=args.config)
@@ -517,6 +524,7 @@ def cmd_bridge(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         metrics_port=args.metrics_port,
         connect_port=args.connect_port,
+        open_registrations=args.open_registrations,
         **_max_watches(args),
     )
 
@@ -537,6 +545,8 @@ def _announce(kind: str, started: HeadServer, source: str) -> None:
         f"; Connect on {started.connect_url}" if started.connect_url is not None else "",
     ]
     guard = started.security.describe()
+    if started.registrations_off is not None:
+        guard += ", registrations off (--open-registrations or a token turns them on)"
     print(f"gym-rpc {kind} listening on {started.address} ({source}, {guard}){''.join(extras)}", flush=True)
 
 

@@ -43,6 +43,7 @@ from gym_rpc.server._connection_limits import (
     raise_fd_soft_limit,
 )
 from gym_rpc.server._health import HealthServicer
+from gym_rpc.server._host_check import bound_to_loopback
 from gym_rpc.server._http_head import HttpHead
 from gym_rpc.server._instances import serves
 from gym_rpc.server._metrics_http import MetricsServer
@@ -97,6 +98,9 @@ class HeadOptions:
     # gRPC connections at once (fewer when the descriptor limit is low: grpc_connection_bound); more are closed.
     max_connections: int = DEFAULT_MAX_GRPC_CONNECTIONS
     connection_idle_seconds: float = CONNECTION_IDLE_SECONDS  # a gRPC connection without a call this long closes
+    # Accept registrations without a token on a head bound beyond loopback (--open-registrations): off, such a
+    # head refuses RegisterServerInstance and DeregisterServerInstance (SECURITY.md, "No open head").
+    open_registrations: bool = False
 
     def __post_init__(self) -> None:
         """Refuse what would spin (a 0 interval), never end (nan, inf) or bind another port (70000 wraps)."""
@@ -169,6 +173,7 @@ class HeadServer:
         self._servicer: ControlPlaneServicer | None = None
         self._running_reload: asyncio.Task[bool] | None = None
         self._next_reload: asyncio.Task[bool] | None = None  # shared by every caller arriving while one runs
+        self.registrations_off: str | None = None  # why registrations are refused (an open head), None: taken
 
     @property
     def config_path(self) -> Path | None:
@@ -243,8 +248,12 @@ class HeadServer:
             self.config.observability_enabled, service_name=self._service_name, telemetry_block=telemetry_block
         )
         setup_metrics(service_name=self._service_name, prometheus=True, telemetry_block=telemetry_block)
+        self.registrations_off = registration_refusal(self.host, security, self.options.open_registrations)
+        if self.registrations_off is not None:
+            logger.warning("%s", self.registrations_off)
         self._servicer = servicer = ControlPlaneServicer(
             self,
+            registrations_off=self.registrations_off,
             max_concurrent_watches=self.options.max_concurrent_watches,
             max_watches_per_peer=self.options.max_watches_per_peer,
             address_policy=AddressPolicy(own.registration.allowed_networks),
@@ -399,6 +408,23 @@ def _retrieve_outcome(task: asyncio.Task[bool]) -> None:
     """A shared reload whose callers all went away still had its outcome logged: nothing left to report."""
     if not task.cancelled():
         task.exception()
+
+
+OPEN_REGISTRATIONS_FLAG = "--open-registrations"
+
+
+def registration_refusal(host: str, security: ServerSecurity, open_registrations: bool) -> str | None:
+    """Why a head refuses registrations: it is reachable beyond this machine (bound to a wildcard or another
+    address than loopback) and nothing tells who may add instances clients will send work to (no token), unless
+    the operator opened them on purpose. None when it takes them (loopback stays zero-config)."""
+    if security.token or open_registrations or bound_to_loopback(host):
+        return None
+    return (
+        f"registrations are off: this head listens on {url_host(host)} without a token, so anyone who reaches "
+        f"the port could add, drain or remove the instances clients send work to; set a token "
+        f"(head_server.auth_token or GYM_RPC_TOKEN), or start it with {OPEN_REGISTRATIONS_FLAG} to accept them "
+        f"from anyone who reaches the port"
+    )
 
 
 def refuse_busy_port(host: str, port: int, setting: str) -> None:

@@ -77,8 +77,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         max_watches_per_peer: int = DEFAULT_MAX_WATCHES_PER_PEER,
         address_policy: AddressPolicy | None = None,
         watch_stall_seconds: float = DEFAULT_STALL_SECONDS,
+        registrations_off: str | None = None,
     ) -> None:
         self._head = head
+        self._registrations_off = registrations_off  # why RegisterServerInstance is refused; None: taken
         self._address_policy = address_policy if address_policy is not None else AddressPolicy()
         self._config_responses: dict[bool, tuple[str, pb.GetGlobalConfigResponse]] = {}
         self._report_messages = ReportMessages()  # each probe result converted once
@@ -213,6 +215,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self, request: pb.RegisterServerInstanceRequest, context: Context
     ) -> pb.RegisterServerInstanceResponse:
         name = request.server_name
+        await self._require_registrations_on(context)
         await self._require_server(name, context)
         if not 0 < request.listen_port < 65536:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "listen_port must be in 1..65535")
@@ -257,6 +260,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self, request: pb.DeregisterServerInstanceRequest, context: Context
     ) -> pb.DeregisterServerInstanceResponse:
         name = request.server_name
+        await self._require_registrations_on(context)
         await self._require_server(name, context)
         if request.pid <= 0:
             await context.abort(
@@ -272,6 +276,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             for instance_id, registration in removed:
                 events.server_deregistered(name, registration.pid, instance_id, left)
         return pb.DeregisterServerInstanceResponse(deregistered=bool(removed))
+
+    async def _require_registrations_on(self, context: Context) -> None:
+        """PERMISSION_DENIED, saying which flag or setting turns them on, on a head that takes no registrations."""
+        if self._registrations_off is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, self._registrations_off)
 
     async def _require_server(self, name: str, context: Context, field: str = "server_name") -> None:
         """INVALID_ARGUMENT for no name, NOT_FOUND (with the known names) for one the config does not have."""
