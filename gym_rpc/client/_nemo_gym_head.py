@@ -5,7 +5,8 @@ gym_rpc head). The endpoints, as NeMo Gym's FastAPI head serves them: `GET /glob
 config's YAML text as a JSON string, `GET /server_instances` a JSON list of the processes it launched, `GET /`
 `{"status": "ok"}`. It has no status of its own to ask: a server's status is a `GET` of its base URL, any HTTP
 answer counting as up (NeMo Gym's `poll_for_status`). Blocking calls on the standard library's http.client, one
-connection per request, each bounded by its timeout.
+connection per request, each ended by its timeout however the head answers and read up to a size bound
+(gym_rpc.client._bounded_get).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Any
 
 import grpc
 
+from gym_rpc.client._bounded_get import bounded_get
 from gym_rpc.client._head_protocol import GRPC, forget_head_protocol, protocol_of_answer
-from gym_rpc.client._probe import USER_AGENT, probe
+from gym_rpc.client._probe import probe
 from gym_rpc.config import GlobalConfig, parse_config_text, parse_host_port, redact_secrets
 from gym_rpc.errors import ControlPlaneError, HeadTimeoutError, HeadUnreachableError
 from gym_rpc.wire import SERVER_STATUSES, ServerInstance, ServerStatus
@@ -62,16 +64,15 @@ class NemoGymHead:
 
     def _get_json(self, path: str, timeout: float) -> Any:
         host, port = parse_host_port(self.address, "head address")
-        connection = http.client.HTTPConnection(host, port, timeout=timeout)
         try:
-            connection.request("GET", path, headers={"User-Agent": USER_AGENT, "Accept": "application/json"})
-            response = connection.getresponse()
-            body = response.read(_MAX_ANSWER_BYTES + 1)
+            answer = bounded_get(
+                host, port, path, timeout=timeout, max_body=_MAX_ANSWER_BYTES, accept="application/json"
+            )
         except TimeoutError as exc:
             forget_head_protocol(self.address)  # as a gRPC head's: whatever listens there next is looked at afresh
             raise HeadTimeoutError(
-                f"NeMo Gym's head at {self.url} did not answer GET {path} within {timeout:g} s; check that it "
-                "runs and is not overloaded",
+                f"NeMo Gym's head at {self.url} did not answer GET {path} (all of it) within {timeout:g} s; check "
+                "that it runs and is not overloaded",
                 address=self.address,
                 code=grpc.StatusCode.DEADLINE_EXCEEDED,
             ) from exc
@@ -83,14 +84,12 @@ class NemoGymHead:
                 address=self.address,
                 code=grpc.StatusCode.UNAVAILABLE,
             ) from exc
-        finally:
-            connection.close()
-        if response.status != 200:
-            raise self._bad_answer(path, f"HTTP {response.status}")
-        if len(body) > _MAX_ANSWER_BYTES:
+        if answer.status != 200:
+            raise self._bad_answer(path, f"HTTP {answer.status}")
+        if not answer.whole:
             raise self._bad_answer(path, f"more than {_MAX_ANSWER_BYTES} bytes")
         try:
-            return json.loads(body)
+            return json.loads(answer.body)
         except ValueError as exc:
             raise self._bad_answer(path, f"no JSON ({exc})") from exc
 

@@ -1,7 +1,9 @@
 """A direct status probe of a server's base URL, as NeMo Gym's `poll_for_status` makes it: any HTTP answer is up.
 
 Standard library only (http.client), so the client can probe without loading gRPC: `ServerClient.poll_for_status`
-against NeMo Gym's HTTP head, or while a gym_rpc head is unreachable.
+against NeMo Gym's HTTP head, or while a gym_rpc head is unreachable. The probe ends at its timeout whatever the
+server does (a dripping answer included), and reads at most MAX_PROBE_BODY_BYTES of the body: an answer is an
+answer, however long (gym_rpc.client._bounded_get).
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from gym_rpc._version import __version__
+from gym_rpc.client._bounded_get import bounded_get
 from gym_rpc.wire import ServerStatus
 
-USER_AGENT = f"gym-rpc/{__version__}"
+MAX_PROBE_BODY_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -30,22 +32,19 @@ class ProbeResult:
 
 
 def probe(url: str, timeout: float) -> ProbeResult:
-    """GET `url`: any HTTP answer is "success" (a 503 too), refused "connection_error", none in time "timeout",
-    anything else "unknown_error" (NeMo Gym's rule)."""
+    """GET `url`: any HTTP answer is "success" (a 503 too), refused "connection_error", none (or not all of its
+    first MAX_PROBE_BODY_BYTES) within `timeout` "timeout", anything else "unknown_error" (NeMo Gym's rule)."""
     parts = urlsplit(url)
     started, checked_at = time.perf_counter(), time.time()
-    connection = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=max(timeout, 0.001))
     try:
-        connection.request("GET", parts.path or "/", headers={"User-Agent": USER_AGENT})
-        response = connection.getresponse()
-        response.read()
-        result = ProbeResult("success", response.status)
+        answer = bounded_get(
+            parts.hostname or "", parts.port, parts.path or "/", timeout=timeout, max_body=MAX_PROBE_BODY_BYTES
+        )
+        result = ProbeResult("success", answer.status)
     except TimeoutError:
         result = ProbeResult("timeout", detail=f"no answer within {timeout:g} s")
     except ConnectionError as exc:
         result = ProbeResult("connection_error", detail=str(exc))
     except (OSError, http.client.HTTPException) as exc:
         result = ProbeResult("unknown_error", detail=str(exc) or type(exc).__name__)
-    finally:
-        connection.close()
     return dataclasses.replace(result, latency_seconds=time.perf_counter() - started, checked_at=checked_at)
