@@ -8,7 +8,7 @@
   `_http_settings`: what a client holds of them before that; `_resend`, `_resend_policy`, `_resend_budget`,
   `_failures`, `_resend_log`: what a failed call does (budgets by kind and in time, the client-wide budget, one log
   line per server per interval); `_rollout`: the current rollout id; `_unsampled_headers`: the traceparent headers
-  an unsampled rollout's calls share.
+  an unsampled rollout's calls share; `_call_paths`: where a call carries its rollout (path or header).
 * `_routed`, `_routing`, `_picker`, `_outliers`, `_instances`: picking one instance of a replicated server per
   call; `_follower`: each server's instances, followed from the head's watch in the background.
 

@@ -10,11 +10,11 @@ import contextlib
 import contextvars
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from gym_rpc.client._unsampled_headers import forget_headers
 from gym_rpc.telemetry import ROLLOUT_ID_ATTRIBUTE, TRACING, instrumentation_failed, tracer
-from gym_rpc.wire import encode_rollout_id, rollout_path_prefix, trace_path_segment
+from gym_rpc.wire import TRACEPARENT_HEADER, encode_rollout_id, rollout_path_prefix, trace_path_segment
 
 if TYPE_CHECKING:
     from opentelemetry import trace
@@ -97,13 +97,21 @@ def trace_context_path_segment() -> str:
     current span is valid and sampled, whoever started it (gym_rpc's `gym.rollout`, or a span the application
     started under its own TracerProvider, gym_rpc's own tracing on or off). A valid span that is not sampled gives
     it only while gym_rpc traces (gym_rpc.telemetry), carrying its "not sampled" on, as gym_rpc's calls do."""
-    trace_api = sys.modules.get("opentelemetry.trace")
-    if trace_api is None:  # OpenTelemetry's API is not even loaded: no span was made, none is current
-        return ""
-    context = trace_api.get_current_span().get_span_context()
-    if not context.is_valid or not (context.trace_flags.sampled or TRACING.enabled):
+    context = _exported_span_context()
+    if context is None:
         return ""
     return trace_path_segment(context.trace_id, context.span_id, context.trace_flags)
+
+
+def _exported_span_context() -> trace.SpanContext | None:
+    """The current span's context while its trace exports (see `trace_context_path_segment`), else None."""
+    trace_api = sys.modules.get("opentelemetry.trace")
+    if trace_api is None:  # OpenTelemetry's API is not even loaded: no span was made, none is current
+        return None
+    context: trace.SpanContext = trace_api.get_current_span().get_span_context()
+    if not context.is_valid or not (context.trace_flags.sampled or TRACING.enabled):
+        return None
+    return context
 
 
 def apply_rollout_prefix(
@@ -118,3 +126,24 @@ def apply_rollout_prefix(
     if trace_context:
         prefix += trace_context_path_segment()
     return base_url.rstrip("/") + prefix if prefix else base_url  # nothing to add: the URL as given
+
+
+def rollout_headers(rollout_id: str | None, session_header: str, trace_context: bool = True) -> dict[str, str]:
+    """The header form of `apply_rollout_prefix`, for a server that takes the session key in `session_header` (an
+    engine or router: its entry's `session_affinity_header`): the rollout id there and, while traces export, the
+    current span's context in `traceparent`, where the path form puts `/ng-rollout/<id>` and `/ng-trace/<tp>`."""
+    headers: dict[str, str] = {}
+    if rollout_id:
+        headers[session_header] = encode_rollout_id(rollout_id)
+    if trace_context and (context := _exported_span_context()) is not None:
+        ids = (context.trace_id, context.span_id, context.trace_flags)
+        headers[TRACEPARENT_HEADER] = "00-%032x-%016x-%02x" % ids  # noqa: UP031 (the W3C format, as on the path)
+    return headers
+
+
+class RolloutTarget(NamedTuple):
+    """Where a client Gym does not instrument (an OpenAI client, a harness) sends a rollout's calls to one server:
+    `url` to use as its base URL and `headers` to send with every call (its default headers)."""
+
+    url: str
+    headers: dict[str, str]

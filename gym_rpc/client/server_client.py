@@ -36,11 +36,13 @@ from gym_rpc._environment import (
     environment,
 )
 from gym_rpc._telemetry_switches import TELEMETRY_KEY
-from gym_rpc.client._nemo_gym import SESSION_ID_KEY, nemo_gym_rollout_id, rollout_id_from_run_body
+from gym_rpc.client._nemo_gym import SESSION_ID_KEY, nemo_gym_rollout_id
 from gym_rpc.client._rollout import (
+    RolloutTarget,
     apply_rollout_prefix,
     current_rollout_id,
     rollout_context,
+    rollout_headers,
     rollout_id_in_context,
     trace_context_path_segment,
 )
@@ -72,9 +74,7 @@ from gym_rpc.metrics import METRICS, setup_client_metrics
 from gym_rpc.telemetry import TRACING, setup_tracing
 from gym_rpc.wire import (
     HEAD_ADDRESS_ENV_VAR,
-    RESOURCES_SERVER_TYPE,
     ServerStatus,
-    prefixed_path,
     rollout_path_prefix,
 )
 from gym_rpc.wire import (
@@ -101,6 +101,7 @@ __all__ = [
     "NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR_NAME",
     "SESSION_ID_KEY",
     "_TRACEPARENT_PATTERN",
+    "RolloutTarget",
     "ServerClient",
     "ServerStatus",
     "_connectable_client_host",
@@ -110,6 +111,7 @@ __all__ = [
     "logger",
     "rollout_context",
     "rollout_path_prefix",
+    "rollout_target",
     "setup_server_client",
     "trace_context_path_segment",
 ]
@@ -307,6 +309,7 @@ class _DataPlane:
         "config",
         "json_payload",
         "metered_send",
+        "path_rule",
         "pools",
         "resend_after_failure",
         "routing",
@@ -318,9 +321,11 @@ class _DataPlane:
     def __init__(
         self, base_urls: dict[str, str], config: GlobalConfig, pools: HttpPools, routing: Routing | None
     ) -> None:
-        from gym_rpc.client import _http, _http_tracing, _metrics, _resend, _routed
+        from gym_rpc.client import _call_paths, _http, _http_tracing, _metrics, _resend, _routed
 
         self.base_urls = base_urls
+        # Where calls carry their rollout (None: nowhere, no observability and no engine entry), decided once.
+        self.path_rule = _call_paths.path_rule(config)
         self.config = config
         self.pools = pools
         self.routing = routing  # None until `request` has waited for the head's first list of instances
@@ -522,6 +527,27 @@ class ServerClient(BaseModel):
         """
         routed = self._routed_url(server_name, wait=True)
         return routed if routed is not None else self._resolve_with(server_name, self._advertised_base_urls)
+
+    def rollout_target(
+        self, server_name: str, rollout_id: str | None, token_capture: bool = False, trace_context: bool = True
+    ) -> RolloutTarget:
+        """The base URL and headers for a rollout's calls to `server_name` made by a client Gym does not instrument
+        (an OpenAI client: `AsyncOpenAI(base_url=target.url + "/v1", default_headers=target.headers)`), by the
+        entry's form. A Gym server: `apply_rollout_prefix(url, rollout_id, ...)` and no header. An engine or router
+        (`session_affinity_header`): its URL as it is, the rollout id in its header and, while traces export, the
+        trace context in `traceparent`; it has no training-token-capture path, so `token_capture` is a
+        ValueError there. Blocking, as `_resolve_base_url`; trace_context=False as for apply_rollout_prefix."""
+        url = self._resolve_base_url(server_name)
+        entry = self._global_config.servers.get(server_name)
+        header = None if entry is None else entry.session_affinity_header
+        if header is None or _model_server_override(server_name) is not None:  # a launcher's URL is as given
+            return RolloutTarget(apply_rollout_prefix(url, rollout_id, token_capture, trace_context), {})
+        if token_capture:
+            raise ValueError(
+                f"server {server_name!r} takes a rollout in its {header} header (session_affinity_header): an "
+                f"engine or router has no training-token-capture path"
+            )
+        return RolloutTarget(url, rollout_headers(rollout_id, header, trace_context))
 
     def _routed_url(self, server_name: str, *, wait: bool) -> str | None:
         """For a server with several instances, the current rollout's instance, else a healthy one; None for a
@@ -776,8 +802,8 @@ class ServerClient(BaseModel):
         config = plane.config
         if route is not None:
             key = plane.sticky_key(config, server_name, url_path, body, kwargs)
-        if config.observability_enabled:
-            url_path = _observed_path(config, server_name, url_path, body)
+        if plane.path_rule is not None:  # decided once per client (gym_rpc.client._call_paths)
+            url_path = plane.path_rule(config, server_name, url_path, body, kwargs)
         pools = plane.pools
         sessions = pools.sessions()
         session = sessions.control if _control else sessions.data
@@ -936,19 +962,6 @@ def _asks_for_secrets(control: SyncControlClient) -> bool:
     return control.security.token is not None or _speaks_nemo_gym_http(control)
 
 
-def _observed_path(config: GlobalConfig, server_name: str, url_path: str, body: Any) -> str:
-    """The rollout prefix rule with observability on, as NeMo Gym applies it: the id bound by gym_rpc's
-    `rollout_context`, else by NeMo Gym's own context (when NeMo Gym is loaded), else, for `/verify` on a resources
-    server, the one the body names (`_ng_rollout_id`, or `_ng_task_index`-`_ng_rollout_index`)."""
-    entry = config.servers.get(server_name)
-    if entry is None:  # a server known only from NEMO_GYM_MODEL_SERVER_BASE_URL: its URL carries the prefix
-        return url_path
-    rollout_id = rollout_id_in_context() or nemo_gym_rollout_id()
-    if not rollout_id and url_path == "/verify" and entry.server_type == RESOURCES_SERVER_TYPE:
-        rollout_id = rollout_id_from_run_body(body)
-    return prefixed_path(url_path, entry.server_type, rollout_id)
-
-
 def _advertised_urls_of(instances: list[ServerInstance]) -> dict[str, str]:
     """name -> advertised URL of each server that registered one instance (a server of several has a route)."""
     urls: dict[str, list[str]] = {}
@@ -1013,3 +1026,15 @@ def get_server_url(server_name: str) -> str:
     (a harness where the head is unreachable), else from the global config."""
     override = environment().model_server_override(server_name)
     return override if override is not None else setup_server_client()._resolve_base_url(server_name)
+
+
+def rollout_target(
+    server_name: str, rollout_id: str | None, token_capture: bool = False, trace_context: bool = True
+) -> RolloutTarget:
+    """`get_server_url` and `apply_rollout_prefix` in one, by the server's form (`ServerClient.rollout_target`):
+    the URL and headers a client Gym does not instrument sends a rollout's calls with. A launcher's
+    NEMO_GYM_MODEL_SERVER_BASE_URL is returned as given, with no header."""
+    override = environment().model_server_override(server_name)
+    if override is not None:
+        return RolloutTarget(override, {})
+    return setup_server_client().rollout_target(server_name, rollout_id, token_capture, trace_context)

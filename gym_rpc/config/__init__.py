@@ -4,6 +4,7 @@ things up in. One module per job, each importing only those listed after it:
 * `_global`: `GlobalConfig`, the read-only view of one document, and loading it from a file;
 * `_models`: the pydantic models (where a server listens, the `head_server` block, one server entry);
 * `_replicas`: the static replicas an entry lists (its `replicas:` key);
+* `_affinity`: the header an engine or router takes a rollout's session key in (its `session_affinity_header:`);
 * `_parsing`: the bounds on config text and OmegaConf interpolations, resolved strictly or tolerantly;
 * `_yaml`: the bounded YAML loader (PyYAML imported with the first text parsed);
 * `_validators`: checks of typed values whose one-line messages name the flag or key;
@@ -20,6 +21,7 @@ from gym_rpc.config._addresses import (
     url_authority,
     url_host,
 )
+from gym_rpc.config._affinity import DEFAULT_SESSION_AFFINITY_HEADER, SESSION_AFFINITY_HEADER_KEY
 from gym_rpc.config._global import (
     GlobalConfig,
     config_from_bytes,
@@ -64,6 +66,7 @@ from gym_rpc.config._validators import (
 __all__ = [
     "DEFAULT_HEAD_HOST",
     "DEFAULT_HEAD_PORT",
+    "DEFAULT_SESSION_AFFINITY_HEADER",
     "HEAD_SERVER_KEY",
     "MAX_CONFIG_BYTES",
     "MAX_CONFIG_DEPTH",
@@ -72,6 +75,7 @@ __all__ = [
     "REDACTED",
     "REPLICAS_KEY",
     "SECRET_KEY_MARKERS",
+    "SESSION_AFFINITY_HEADER_KEY",
     "BaseServerConfig",
     "GlobalConfig",
     "HeadServerSettings",

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from gym_rpc.config._addresses import InstanceAddress, base_url
+from gym_rpc.config._affinity import SESSION_AFFINITY_HEADER_KEY, session_affinity_header
 from gym_rpc.config._models import (
     DEFAULT_HEAD_HOST,
     DEFAULT_HEAD_PORT,
@@ -75,6 +76,7 @@ def _server_entry(name: str, node: Any) -> ServerEntry | None:
         url=url,
         config=dict(entry),
         replicas=replica_addresses(name, InstanceAddress(host, port, url), entry.get(REPLICAS_KEY)),
+        session_affinity_header=session_affinity_header(name, entry.get(SESSION_AFFINITY_HEADER_KEY)),
     )
 
 
@@ -281,16 +283,17 @@ _GLOBAL_KEYS_READ_AT_ONCE = frozenset(
         "global_aiohttp_connector_limit_per_host",
     }
 )
-_ADDRESS_KEYS = frozenset({"host", "port"})
+# An entry's keys that say how it is called: one that cannot be resolved makes the server unusable, not the config.
+_ROUTING_KEYS = frozenset({"host", "port", SESSION_AFFINITY_HEADER_KEY})
 
 
 def _servers_with_unresolved_address(unresolved: Mapping[str, str]) -> dict[str, str]:
-    """server name -> the first unresolved address among `unresolved`: a host or port (`name.type.impl.host`), or
-    anything in its replicas (`name.type.impl.replicas.0.host`)."""
+    """server name -> the first unresolved address among `unresolved`: a host, port or session affinity header
+    (`name.type.impl.host`), or anything in its replicas (`name.type.impl.replicas.0.host`)."""
     unusable: dict[str, str] = {}
     for path, reason in unresolved.items():
         parts = path.split(".")
-        if (len(parts) == 4 and parts[3] in _ADDRESS_KEYS) or (len(parts) >= 4 and parts[3] == REPLICAS_KEY):
+        if (len(parts) == 4 and parts[3] in _ROUTING_KEYS) or (len(parts) >= 4 and parts[3] == REPLICAS_KEY):
             unusable.setdefault(parts[0], f"{path} = {reason}")
     return unusable
 

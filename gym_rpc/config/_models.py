@@ -164,6 +164,9 @@ class ServerEntry(BaseModel):
     config: dict[str, Any]
     # The static replicas the entry lists (its `replicas:` key, gym_rpc.config._replicas), in the listed order.
     replicas: tuple[InstanceAddress, ...] = Field(default=(), repr=False)
+    # The header an engine or router takes the rollout's session key in (its `session_affinity_header` key,
+    # gym_rpc.config._affinity); None: the key travels in the path (`/ng-rollout/<id>`), as for Gym servers.
+    session_affinity_header: str | None = Field(default=None, repr=False)
 
     @property
     def instances(self) -> tuple[InstanceAddress, ...]:

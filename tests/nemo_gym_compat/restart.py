@@ -60,7 +60,11 @@ START_TIMEOUT_SECONDS = 120.0  # importing NeMo Gym on a loaded 2-core machine t
 
 async def _responses(request: Request) -> JSONResponse:
     """A Responses API model: the first turn asks for `get_weather`, the turn after the tool's output answers."""
-    return stub_turn(await request.json(), "get_weather", lambda: json.dumps({"city": "Paris"}), "cold")
+    # harness's stub_turn is untyped here (mypy reads it as Any): the annotation says what it returns
+    answer: JSONResponse = stub_turn(
+        await request.json(), "get_weather", lambda: json.dumps({"city": "Paris"}), "cold"
+    )
+    return answer
 
 
 def weather_model_app() -> Starlette:
