@@ -16,6 +16,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -32,7 +33,7 @@ from gym_rpc.client._instances import InstanceState
 from gym_rpc.client._outliers import OutlierDetection
 from gym_rpc.client._picker import SLOTS, heaviest, mix64, slot_of, stable_key, two_choices, weight
 from gym_rpc.client._rollout import rollout_context
-from gym_rpc.client._routing import ServerRoute
+from gym_rpc.client._routing import RoutedCall, ServerRoute
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.errors import NoHealthyInstanceError, RequestTimeoutError, ServerUnreachableError
@@ -192,6 +193,32 @@ def test_two_choices_takes_the_less_loaded_of_two_distinct_instances() -> None:
     busy, idle = SimpleNamespace(key=1, in_flight=3), SimpleNamespace(key=2, in_flight=0)
     assert all(two_choices([busy, idle]) is idle for _ in range(50))
     assert two_choices([busy]) is busy
+
+
+def test_calls_in_flight_are_counted_under_the_routes_lock() -> None:
+    """One client may serve the event loops of several threads: a call's count in flight changes only under its
+    route's lock, so two threads' `+= 1` cannot lose one (which would skew every later two-choices pick)."""
+    states = [InstanceState(f"10.0.0.{i}:8000", f"http://10.0.0.{i}:8000", "success") for i in range(3)]
+    route = ServerRoute(NAME, states, OutlierDetection())
+    calls: list[RoutedCall] = []
+
+    def in_flight() -> int:
+        return sum(instance.in_flight for instance in route.instances)
+
+    with route.lock:  # as the watch's thread holds it while it applies a list of instances
+        started = threading.Thread(target=lambda: calls.append(RoutedCall(route, None, "/v1/responses")))
+        started.start()
+        started.join(0.2)
+        assert in_flight() == 0 and calls == []  # waiting for the lock, not counting beside it
+    started.join(10)
+    assert in_flight() == 1 and len(calls) == 1
+    with route.lock:
+        ended = threading.Thread(target=calls[0].failed, args=(ConnectionRefusedError(),))
+        ended.start()
+        ended.join(0.2)
+        assert in_flight() == 1
+    ended.join(10)
+    assert in_flight() == 0
 
 
 # --- one instance: nothing changes -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import weakref
 import grpc
 
 from gym_rpc._environment import environment
+from gym_rpc.client._head_protocol import GRPC_TARGET_SCHEMES
 from gym_rpc.client._security import CLIENT_MESSAGE_OPTIONS, ClientTls
 from gym_rpc.client._tracing import aio_client_interceptors, traced_sync_channel
 from gym_rpc.config import DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT, parse_host_port, url_host
@@ -69,15 +70,11 @@ def default_head_address() -> str:
     return environment().head_address or head_address(DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT)
 
 
-# gRPC target schemes a caller may spell out; anything else must be HOST:PORT.
-_GRPC_TARGET_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")
-
-
 def checked_head_address(address: str) -> str:
     """`address` when it is HOST:PORT (or an explicit gRPC target such as `unix:PATH`); else a ConfigError saying
     what is expected. gRPC would take `http://h:1` for a host name and answer "Misformatted domain name", and
     `h:99999` for some other port."""
-    if address.startswith(_GRPC_TARGET_SCHEMES):
+    if address.startswith(GRPC_TARGET_SCHEMES):
         return address
     what = f"head address (--head or {HEAD_ADDRESS_ENV_VAR})"
     _, port = parse_host_port(address, what)

@@ -29,7 +29,8 @@ NEMO_GYM_HTTP: HeadProtocol = "nemo_gym_http"
 DETECT_TIMEOUT_SECONDS = 5.0
 _HTTP2_FRAME_HEADER_BYTES = 9
 _HTTP2_SETTINGS_FRAME = 0x04
-_GRPC_TARGET_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")
+# gRPC target schemes a caller may spell out (`unix:PATH`); anything else must be HOST:PORT.
+GRPC_TARGET_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")
 
 _known: dict[str, HeadProtocol] = {}
 _looks: dict[str, threading.Lock] = {}  # one per address: a slow look at one head holds up no other
@@ -55,7 +56,7 @@ def head_protocol(address: str, *, tls: bool, timeout: float = DETECT_TIMEOUT_SE
 
 def known_head_protocol(address: str, *, tls: bool) -> HeadProtocol | None:
     """What `head_protocol` would answer without looking (None: it has to look first)."""
-    if tls or address.startswith(_GRPC_TARGET_SCHEMES):
+    if tls or address.startswith(GRPC_TARGET_SCHEMES):
         return GRPC
     return _known.get(address)
 

@@ -316,7 +316,11 @@ def session_pin_key(cookies: Any, server_name: str) -> str | None:
 
 
 class RoutedCall:
-    """One call to a replicated server: the instance it is at, counted in flight there until it ends."""
+    """One call to a replicated server: the instance it is at, counted in flight there until it ends.
+
+    The counts change under the route's lock: one client may serve the event loops of several threads, and
+    `+= 1` from two of them at once could lose one (a count off for good skews every later two-choices pick).
+    Only replicated calls come here; a server of one instance takes no lock."""
 
     __slots__ = ("instance", "key", "path", "route", "tried")
 
@@ -326,8 +330,9 @@ class RoutedCall:
         self.path = path
         self.tried: tuple[Instance, ...] = ()
         self.instance = instance = route.pick(key)
-        instance.in_flight += 1
-        instance.picks += 1
+        with route.lock:
+            instance.in_flight += 1
+            instance.picks += 1
 
     def reroute(self, error: BaseException) -> str:
         """The URL of the next attempt after `error` (the resend loop asks): another instance after a refused
@@ -340,17 +345,20 @@ class RoutedCall:
         elif _is_refused(error) or not old.alive:
             new = route.pin(self.key, old, self.tried, _failure_text(error))
         else:  # a dropped call of a rollout whose instance lives: resent there
-            old.picks += 1
+            with route.lock:
+                old.picks += 1
             return old.url + self.path
-        old.in_flight -= 1
-        new.in_flight += 1
-        new.picks += 1
+        with route.lock:
+            old.in_flight -= 1
+            new.in_flight += 1
+            new.picks += 1
         self.instance = new
         return new.url + self.path
 
     def answered(self, response: aiohttp.ClientResponse) -> None:
         instance = self.instance
-        instance.in_flight -= 1
+        with self.route.lock:
+            instance.in_flight -= 1
         if response.status >= 500:
             self.route.failed_with(instance, f"HTTP {response.status}")
             return
@@ -362,7 +370,8 @@ class RoutedCall:
                 logger.debug("cannot read the session cookie of an answer", exc_info=True)
 
     def failed(self, error: BaseException) -> None:
-        self.instance.in_flight -= 1
+        with self.route.lock:
+            self.instance.in_flight -= 1
         self.route.failed(self.instance, error)
 
 

@@ -381,15 +381,3 @@ def add_control_plane_service(servicer: ControlPlaneServicer, server: grpc.aio.S
     register: Any = getattr(server, "add_registered_method_handlers", None)
     if register is not None:
         register(service.full_name, handlers)
-
-
-def _snapshot(
-    revision: int, reports: list[StatusReport], *, compacted: bool, config_version: str
-) -> pb.WatchServerStatusesResponse:
-    return pb.WatchServerStatusesResponse(
-        type=pb.WATCH_EVENT_TYPE_SNAPSHOT,
-        revision=revision,
-        reports=[convert.report_to_pb(r) for r in reports],
-        compacted=compacted,
-        config_version=config_version,
-    )
