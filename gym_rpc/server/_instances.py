@@ -77,30 +77,55 @@ def with_probe(instance: InstanceReport, probe: StatusReport) -> InstanceReport:
     )
 
 
+# Registrations that ended: clients send such an instance no work (gym_rpc.client._instances.GONE_REGISTRATIONS).
+GONE: frozenset[RegistrationState | None] = frozenset({"deregistered", "expired"})
+# The server's status when instances answer but none may be given work: what clients find there (no instance).
+NOT_SERVING_STATUS = "unknown_error"
+
+
+def open_for_work(instance: InstanceReport) -> bool:
+    """Whether clients may send the instance new work: it answers, is not draining, and its process's
+    registration did not end (what clients route by)."""
+    return instance.status == UP and not instance.draining and instance.registration not in GONE
+
+
 def serving_instance(instances: Sequence[InstanceReport]) -> InstanceReport | None:
-    """The first instance that answers and is not draining: one that may be given new work."""
-    return next((i for i in instances if i.status == UP and not i.draining), None)
+    """The first instance that may be given new work."""
+    return next((i for i in instances if open_for_work(i)), None)
 
 
 def server_report(name: str, instances: tuple[InstanceReport, ...], advertised_url: str) -> StatusReport:
-    """The server's report from its instances (the config instance first). With one instance it is that instance's
-    result, as it always was; with several, SUCCESS when any instance that is not draining answers."""
+    """The server's report from its instances (the config instance first): SUCCESS when an instance may be given
+    new work, as clients route; the probe fields from that instance (else from the config instance). Instances that
+    answer while none may be given work (every one draining, or its registration ended) make the server
+    NOT_SERVING_STATUS, saying why: the head's status, health and `gym-rpc status` agree with what clients do."""
     first = instances[0]
-    source = first
-    if len(instances) > 1 and (first.status != UP or first.draining):
-        source = serving_instance(instances) or first
+    source = serving_instance(instances) or first
+    status, detail = source.status, source.detail
+    if status == UP and not open_for_work(source):
+        status, detail = NOT_SERVING_STATUS, _why_no_work(instances)
     return StatusReport(
         server_name=name,
-        status=source.status,
+        status=status,
         url=first.url,
         latency_seconds=source.latency_seconds,
         checked_at=source.checked_at,
-        detail=source.detail,
+        detail=detail,
         http_status=source.http_status,
         registration=first.registration,
         advertised_url=advertised_url,
         instances=instances,
     )
+
+
+def _why_no_work(instances: Sequence[InstanceReport]) -> str:
+    """Why no instance may be given work although one answers: what each answering one is."""
+    states = {
+        "draining" if i.draining else str(i.registration)
+        for i in instances
+        if i.status == UP and not open_for_work(i)
+    }
+    return f"answers, but clients send it no work: every instance is {' or '.join(sorted(states))}"
 
 
 def watched(report: StatusReport) -> tuple[object, ...]:

@@ -175,31 +175,53 @@ class InstanceRegistry:
                 )
         return None
 
-    async def register(self, registration: InstanceRegistration) -> Registered:
-        """Record a registration at the instance it holds (renewing, replacing or adding one)."""
+    async def register(self, registration: InstanceRegistration, *, authenticated: bool = False) -> Registered:
+        """Record a registration at the instance it holds (renewing, replacing or adding one). Unless the caller
+        presented the head's token (`authenticated`), IdentityRefused when it cannot be the process of that
+        instance: a config instance or static replica is held only from its own address, and an instance already
+        held only from the address of the registration holding it."""
         name = registration.server_name
         registrations = self._registrations.setdefault(name, {})
         instance_id = next(
             (key for key, held in registrations.items() if held.advertised_id == registration.advertised_id), None
         )
+        entry = self._servers().get(name)
         if instance_id is None:
-            entry = self._servers().get(name)
             held_config = await self._config_instance_at(entry, registration) if entry is not None else None
             instance_id = held_config or registration.advertised_id
         previous = registrations.get(instance_id)
+        if not authenticated:
+            refusal = await self._identity_refusal(entry, instance_id, previous, registration)
+            if refusal is not None:
+                raise IdentityRefused(refusal)
         registrations[instance_id] = registration  # a key already there keeps its place: a restart stays in line
         self._ended.get(name, {}).pop(instance_id, None)
         return Registered(instance_id, _kind(previous, registration), previous)
 
     def deregister(
-        self, server_name: str, pid: int, instance_id: str = ""
+        self,
+        server_name: str,
+        pid: int,
+        instance_id: str = "",
+        *,
+        peer_host: str = "",
+        authenticated: bool = False,
     ) -> list[tuple[str, InstanceRegistration]]:
         """Remove the server's registrations made by `pid` (the one at `instance_id`, or every one of `pid` when
         empty); the ones removed. A call naming another process (a newer one registered since), or none (pid 0),
-        removes nothing: only the owner deregisters."""
+        removes nothing: only the owner deregisters. A call from another address than the registration's (pids
+        are no secret: ListServerInstances shows them) is IdentityRefused unless `authenticated`."""
         registrations = self._registrations.get(server_name, {})
         keys = [instance_id] if instance_id else list(registrations)
         owned = [key for key in keys if pid != 0 and key in registrations and registrations[key].pid == pid]
+        foreign = [key for key in owned if not same_machine(registrations[key].peer_host, peer_host)]
+        if foreign and not authenticated:
+            held = registrations[foreign[0]]
+            raise IdentityRefused(
+                f"{server_name}: instance {foreign[0]} is held by the registration of pid {held.pid} from "
+                f"{_shown(held.peer_host)}; only a call from that address, or one presenting the head's token, "
+                f"may deregister it (this one came from {_shown(peer_host)})"
+            )
         return [(key, self._remove(server_name, key, "deregistered")) for key in owned]
 
     def expire(self, now: float) -> list[tuple[str, InstanceRegistration]]:
@@ -296,6 +318,40 @@ class InstanceRegistry:
         replicas = {address.instance_id for address in entry.replicas}
         return next((key for key in registrations if key not in replicas), None)
 
+    async def _identity_refusal(
+        self,
+        entry: ServerEntry | None,
+        instance_id: str,
+        previous: InstanceRegistration | None,
+        registration: InstanceRegistration,
+    ) -> str | None:
+        """Why `registration` may not hold `instance_id` (not authenticated): None when it is a new instance at an
+        address of its own, when it comes from the address of the registration holding the instance, or (an
+        instance the config names, held by none) from the config's address of it."""
+        name, peer = registration.server_name, registration.peer_host
+        if previous is not None:
+            if same_machine(previous.peer_host, peer):
+                return None
+            return (
+                f"{name}: instance {instance_id} is held by the registration of pid {previous.pid} from "
+                f"{_shown(previous.peer_host)}; only a registration from that address, or one presenting the "
+                f"head's token, may renew, drain or replace it (this one came from {_shown(peer)})"
+            )
+        if entry is None or instance_id not in _config_ids(entry):
+            return None
+        address = next(a for a in entry.instances if a.instance_id == instance_id)
+        host = connectable_host(address.host)
+        if peer and (
+            await self._addresses.same_host(host, peer)
+            or (_is_loopback(peer) and any(_is_loopback(ip) for ip in await self._addresses.of(host)))
+        ):
+            return None
+        what = "config instance" if address is entry.instances[0] else "static replica"
+        return (
+            f"{name}: {instance_id} is the config's {what}; a registration holds it only from its address "
+            f"({host}) or with the head's token, and this one came from {_shown(peer)}"
+        )
+
     async def _config_instance_at(self, entry: ServerEntry, registration: InstanceRegistration) -> str | None:
         """The id of the config instance or static replica at the registration's address, if one is: same port,
         and the same IP (a config host name counts when it resolves to the registered IP). A wildcard-bound
@@ -332,6 +388,28 @@ class InstanceRegistry:
             for name in names:
                 if name in current:
                     await prober.set_instances(name, self.targets(current[name]))
+
+
+class IdentityRefused(Exception):
+    """A registration or deregistration that cannot come from the process holding the instance (PERMISSION_DENIED
+    to the caller, a rate-limited warning in the head's log)."""
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def same_machine(a: str, b: str) -> bool:
+    """Whether two registrations' peer addresses are one machine: the same IP, or both loopback (every loopback
+    address is this machine, as for the head's per-client bounds)."""
+    return a == b or (_is_loopback(a) and _is_loopback(b))
+
+
+def _shown(peer: str) -> str:
+    return peer or "an unknown address"
 
 
 def _config_ids(entry: ServerEntry) -> set[str]:

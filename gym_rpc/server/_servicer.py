@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 import grpc
 
+from gym_rpc._logging import RateLimitedLog
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url, is_wildcard_host
 from gym_rpc.errors import ConfigError, quoted
 from gym_rpc.server import _events as events
@@ -22,9 +24,11 @@ from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import (
     MAX_LEASE_SECONDS,
     MIN_LEASE_SECONDS,
+    IdentityRefused,
     InstanceRegistry,
     advertised_host,
     is_valid_host,
+    peer_host,
 )
 from gym_rpc.server._security import (
     DEFAULT_MAX_CONCURRENT_WATCHES,
@@ -36,6 +40,8 @@ from gym_rpc.server._watch_slots import DEFAULT_STALL_SECONDS, WatchSlots, peer_
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import ReportedProcess, StatusReport, convert, label_problem, unknown_server_status
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 MIN_HEARTBEAT_SECONDS = 0.05
@@ -81,6 +87,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
     ) -> None:
         self._head = head
         self._registrations_off = registrations_off  # why RegisterServerInstance is refused; None: taken
+        # Who tried to take over an instance it does not hold: a line per 10 s at most, however hard it tries.
+        self._identity_refusals = RateLimitedLog(logger)
         self._address_policy = address_policy if address_policy is not None else AddressPolicy()
         self._config_responses: dict[bool, tuple[str, pb.GetGlobalConfigResponse]] = {}
         self._report_messages = ReportMessages()  # each probe result converted once
@@ -237,12 +245,22 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         problem = label_problem(request.labels)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {problem}")
-        registration = convert.registration_from_pb(request, host, time.monotonic())
+        peer = peer_host(context.peer()) or ""
+        registration = dataclasses.replace(
+            convert.registration_from_pb(request, host, time.monotonic()), peer_host=peer
+        )
         head = self._head
         conflict = head.registry.server_type_conflict(head.config.servers[name], registration)
         if conflict is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, conflict)
-        registered = await head.registry.register(registration)
+        try:
+            registered = await head.registry.register(registration, authenticated=caller_is_authenticated())
+        except IdentityRefused as exc:
+            self._identity_refusals.log(
+                f"refused the registration of {name} at {registration.advertised_url} (pid {registration.pid}) "
+                f"from {peer or 'an unknown address'}: {exc}"
+            )
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         if registered.kind == "renewed":  # nothing changed but the lease (and the calls in flight): not followed
             events.server_renewed(name, registration.pid, registration.advertised_url)
         else:
@@ -269,7 +287,17 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
                 "registration made without a pid ends with its lease or when another replaces it)",
             )
         head = self._head
-        removed = head.registry.deregister(name, request.pid, request.instance_id)
+        peer = peer_host(context.peer()) or ""
+        try:
+            removed = head.registry.deregister(
+                name, request.pid, request.instance_id, peer_host=peer, authenticated=caller_is_authenticated()
+            )
+        except IdentityRefused as exc:
+            self._identity_refusals.log(
+                f"refused the deregistration of {name} (pid {request.pid}) from {peer or 'an unknown address'}: "
+                f"{exc}"
+            )
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         if removed:
             await head.registry.update_prober(head.prober, [name])
             left = len(head.prober.report(name).instances)

@@ -489,8 +489,10 @@ class ServerStatusReport(_message.Message):
         """Every instance of the server: the config's own first, then static replicas in the config's order, then
         registered ones in the order they first registered. Any change to one of them (added, removed, its status,
         its draining flag or labels) is a change of this report: one revision, sent by status watches. The report's
-        own fields stay what a client of one instance expects: with several instances, `status` is SUCCESS when any
-        instance that is not draining is SUCCESS (else the config instance's status), `url` the config instance's.
+        own fields stay what a client of one instance expects: `status` is SUCCESS when any instance that is not
+        draining, and whose registration did not end, is SUCCESS, as clients route; UNKNOWN_ERROR (the detail says
+        why) when instances answer but none may be given work (every one draining, deregistered or expired); else the
+        config instance's status. `url` is the config instance's.
         """
 
     def __init__(

@@ -279,6 +279,9 @@ class InstanceRegistration:
     draining: bool = False  # the process is stopping: no new work for it
     server_type: str = ""  # the type it says it serves as; "" when not said
     in_flight: int = 0  # calls in flight in the process when it (re)registered
+    # The IP address the registration came from ("" when unknown): what holds its instance (gym_rpc.server.
+    # _registry). Never shown.
+    peer_host: str = ""
 
     @property
     def advertised_url(self) -> str:
