@@ -81,6 +81,7 @@ def test_an_instance_is_held_only_from_its_own_address() -> None:
 
 
 async def _answer(request: web.Request) -> web.Response:
+    assert request.transport is not None
     return web.json_response({"port": request.transport.get_extra_info("sockname")[1]})
 
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gym_rpc.config import ServerEntry
-from gym_rpc.wire import InstanceOrigin, InstanceReport, RegistrationState, StatusReport
+from gym_rpc.wire import InstanceOrigin, InstanceReport, RegistrationState, ServerStatus, StatusReport
 
 UP = "success"
 
@@ -80,7 +80,7 @@ def with_probe(instance: InstanceReport, probe: StatusReport) -> InstanceReport:
 # Registrations that ended: clients send such an instance no work (gym_rpc.client._instances.GONE_REGISTRATIONS).
 GONE: frozenset[RegistrationState | None] = frozenset({"deregistered", "expired"})
 # The server's status when instances answer but none may be given work: what clients find there (no instance).
-NOT_SERVING_STATUS = "unknown_error"
+NOT_SERVING_STATUS: ServerStatus = "unknown_error"
 
 
 def open_for_work(instance: InstanceReport) -> bool:
