@@ -20,6 +20,8 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HARNESS = REPO_ROOT / "tests" / "nemo_gym_compat" / "harness.py"
 RESTART_HARNESS = REPO_ROOT / "tests" / "nemo_gym_compat" / "restart.py"
+STICKY_HARNESS = REPO_ROOT / "tests" / "nemo_gym_compat" / "sticky.py"
+STICKY_TIMEOUT_SECONDS = 240  # four modes of 96 rollouts: 15-35 s on a 2-core machine, idle to loaded
 RESTART_TIMEOUT_SECONDS = 600  # three modes, each starting NeMo Gym's servers afresh, on a loaded 2-core machine
 VENV_BUILDER = REPO_ROOT / "tools" / "nemo_gym_venv.py"
 BUILD_TIMEOUT_SECONDS = 900  # a first build on a fresh machine downloads a few hundred MB
@@ -137,3 +139,31 @@ def test_a_resources_server_that_never_returns_fails_every_rollout_within_its_bu
         assert failed.get("status") == 500, failed
         # The call that failed had 2 s; the rollout's other calls and a loaded machine take the rest.
         assert failed["seconds"] < 2 * gone["budget_seconds"] + 20, failed
+
+
+STICKY_MODES = ("static/off", "static/on", "registered/off", "registered/on")
+STICKY_ROLLOUTS = 96
+
+
+@pytest.fixture(scope="module")
+def sticky_results(nemo_gym_python: str) -> dict[str, Any]:
+    command = [nemo_gym_python, str(STICKY_HARNESS), "--rollouts", str(STICKY_ROLLOUTS), "--concurrency", "48"]
+    return run_harness(command, STICKY_TIMEOUT_SECONDS)
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT_SECONDS + STICKY_TIMEOUT_SECONDS)
+@pytest.mark.parametrize("mode", STICKY_MODES)
+def test_every_call_of_a_rollout_reaches_one_instance_of_the_resources_server(
+    sticky_results: dict[str, Any], mode: str
+) -> None:
+    """Issue 39, point 0: NeMo Gym's SimpleAgent with gym_rpc's client, the weather server as three instances
+    (static `replicas:`, or three registrations followed from a head), observability off and on, 96 rollouts at
+    48 at once. Counted on the servers' side: each rollout's /seed_session (known by its body, or NeMo Gym's
+    context), /get_weather (by the session cookie alone) and /verify (by its body, or the context, and the cookie)
+    reached one instance, and the rollouts spread over all three. The old client split 57-66 of 96 rollouts."""
+    result = sticky_results[mode]
+    assert result["route_instances"] == 3
+    assert (result["incomplete"], result["unexpected"]) == ([], [])
+    assert result["rewarded"] == result["rollouts"] == STICKY_ROLLOUTS
+    assert result["split"] == []
+    assert len(result["per_instance"]) == 3 and sum(result["per_instance"].values()) == 3 * STICKY_ROLLOUTS

@@ -458,6 +458,120 @@ async def test_a_nemo_gym_session_stays_with_the_instance_that_opened_it(replica
         assert await call(client, "/verify", cookies=resigned) == opened_at
 
 
+async def answered_at(
+    client: ServerClient, path: str, body: dict[str, Any] | None = None, cookies: Any = None
+) -> tuple[int, Any]:
+    """One POST: the port of the instance that answered, and the cookies the answer set."""
+    async with await client.post(NAME, path, json=body or {}, cookies=cookies) as response:
+        return int((await response.json())["instance"]), response.cookies
+
+
+def open_session(fleet: list[Replica], session_id: str | None) -> None:
+    """Every replica answers with this NeMo Gym session's cookie (None: with none), as a NeMo Gym server sets it
+    on every answer."""
+    for replica in fleet:
+        replica.set_cookie = None if session_id is None else session_cookie(session_id)
+
+
+async def test_a_session_opened_by_a_call_of_a_rollout_is_pinned_with_the_rollout(replicas) -> None:
+    """Observability on: NeMo Gym binds the rollout around /run, so /seed_session carries the rollout id; the tool
+    calls, made where no rollout is bound, carry only the session cookie the /seed_session answer set. They must
+    reach the rollout's instance (issue 39: they hashed away by the cookie, as the session was never pinned)."""
+    fleet = await replicas(4)
+    client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
+    for n in range(12):
+        open_session(fleet, f"session-{n}")
+        with rollout_context(f"rollout-{n}"):
+            opened_at, cookies = await answered_at(client, "/seed_session")
+        for _ in range(2):
+            assert (await answered_at(client, "/get_weather", cookies=cookies))[0] == opened_at
+        with rollout_context(f"rollout-{n}"):
+            assert (await answered_at(client, "/verify", cookies=cookies))[0] == opened_at
+
+
+async def test_the_rollout_a_verify_body_names_joins_its_sessions_instance(replicas) -> None:
+    """Observability off, no rollout bound anywhere, and /seed_session's body naming none: the session is opened
+    where two random choices send it. /verify names its rollout in its body and carries the cookie: it goes to the
+    session's instance (issue 39: it hashed away by the body's rollout id), and from then on a call known by the
+    rollout id alone goes there too."""
+    fleet = await replicas(4)
+    client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
+    for n in range(12):
+        open_session(fleet, f"session-{n}")
+        opened_at, cookies = await answered_at(client, "/seed_session")
+        open_session(fleet, None)
+        body = {"_ng_task_index": n, "_ng_rollout_index": 0}
+        assert (await answered_at(client, "/verify", body, cookies))[0] == opened_at
+        assert (await answered_at(client, "/verify", body))[0] == opened_at
+
+
+async def test_a_seed_session_body_pins_its_rollout_alike_in_every_worker(replicas) -> None:
+    """/seed_session's body names the rollout (`_ng_task_index`-`_ng_rollout_index`): with no rollout bound, it is
+    pinned by rendezvous on that id, so two workers that never shared a pin send it to the same instance, and the
+    session it opens is pinned with it."""
+    fleet = await replicas(4)
+    doc = replicated_doc([replica.port for replica in fleet], "resources_servers")
+    first, second = client_of(doc), client_of(doc)
+    for n in range(16):
+        open_session(fleet, f"session-{n}")
+        body = {"_ng_task_index": n // 4, "_ng_rollout_index": n % 4}
+        at, cookies = await answered_at(first, "/seed_session", body)
+        assert (await answered_at(second, "/verify", body))[0] == at
+        assert (await answered_at(first, "/get_weather", cookies=cookies))[0] == at
+    pins = route_of(first).pins
+    assert pins["1-2"] is pins["\0session-6"]  # one pin: the rollout id and its session are aliases
+
+
+async def test_a_rollouts_keys_move_together_when_its_instance_is_gone(replicas) -> None:
+    """The rollout id and the session share one pin: when the instance is gone, a call known by the session alone
+    moves the pin, and a later call known by the rollout alone follows it (not a rendezvous of its own)."""
+    fleet = await replicas(3)
+    client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
+    for n in range(6):
+        open_session(fleet, f"session-{n}")
+        with rollout_context(f"rollout-{n}"):
+            opened_at, cookies = await answered_at(client, "/seed_session")
+        gone = next(replica for replica in fleet if replica.port == opened_at)
+        await gone.stop()
+        now_at = (await answered_at(client, "/get_weather", cookies=cookies))[0]
+        assert now_at != opened_at
+        with rollout_context(f"rollout-{n}"):
+            assert (await answered_at(client, "/verify"))[0] == now_at
+        await gone.start(gone.port)  # back for the next rollout (one refusal neither ejects nor lists it down)
+    assert route_of(client).repins == 6
+
+
+async def test_a_session_wins_over_the_rollout_pinned_elsewhere(replicas) -> None:
+    """A call carrying a rollout id pinned to one instance and a session opened on another goes to the session's
+    (its state is there), and the rollout id follows it from then on."""
+    fleet = await replicas(4)
+    client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
+    with rollout_context("rollout-7"):
+        pinned_at = (await answered_at(client, "/step"))[0]
+    for n in range(64):  # a session opened (by two random choices) elsewhere
+        open_session(fleet, f"session-{n}")
+        opened_at, cookies = await answered_at(client, "/seed_session")
+        if opened_at != pinned_at:
+            break
+    assert opened_at != pinned_at
+    open_session(fleet, None)
+    with rollout_context("rollout-7"):
+        assert (await answered_at(client, "/step", cookies=cookies))[0] == opened_at
+        assert (await answered_at(client, "/step"))[0] == opened_at
+
+
+async def test_a_body_with_a_malformed_rollout_id_is_a_call_of_no_rollout(replicas) -> None:
+    """Observability off, the body rule finds no usable id: the call is sent (two random choices), not failed."""
+    fleet = await replicas(2)
+    client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
+    for body in (
+        {"_ng_rollout_id": "../etc"},
+        {"_ng_task_index": 1, "_ng_rollout_index": 0, "_ng_attempt_index": []},
+    ):
+        assert (await answered_at(client, "/seed_session", body))[0] in {replica.port for replica in fleet}
+    assert route_of(client).pins == {}
+
+
 # --- label selectors ---------------------------------------------------------------------------------------------
 
 

@@ -7,8 +7,9 @@ injected into NeMo Gym's servers, both must still put `/ng-rollout/<id>` on the 
 read only when the process has already imported it (NeMo Gym code binding an id has), so a process without NeMo Gym
 pays one dictionary lookup, and only on calls made with observability on and no gym_rpc rollout bound.
 
-A call to a replicated server with no rollout bound sticks to the NeMo Gym session its cookies carry
-(`session_key_from_cookies`), so a session's calls stay with the instance that holds its state.
+A call to a replicated server sticks by its rollout (the contexts, else its body by the same rule) and by the NeMo
+Gym session its cookies carry (`session_key_from_cookies`): the route keeps both as keys of one pin, so a session's
+calls stay with the instance that holds its state (gym_rpc.client._routing).
 """
 
 from __future__ import annotations

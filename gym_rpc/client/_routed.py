@@ -1,5 +1,5 @@
 """A call to a server with several instances, as `ServerClient.request` makes it: what it sticks by (its rollout,
-else a NeMo Gym session) and its send, which picks the instance, fails over through the resend loop's `reroute`
+its NeMo Gym session) and its send, which picks the instance, fails over through the resend loop's `reroute`
 and tells the route how the call ended (gym_rpc.client._routing)."""
 
 from __future__ import annotations
@@ -19,36 +19,31 @@ from gym_rpc.client._routing import RoutedCall, ServerRoute, session_pin_key
 from gym_rpc.config import GlobalConfig
 from gym_rpc.metrics import METRICS
 from gym_rpc.telemetry import TRACING
-from gym_rpc.wire import RESOURCES_SERVER_TYPE
 
 if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
 
 
-def sticky_key(
+def sticky_keys(
     config: GlobalConfig, server_name: str, url_path: str, body: Any, kwargs: Mapping[str, Any]
-) -> str | None:
-    """What a call to a replicated server sticks by: its rollout (gym_rpc's context, NeMo Gym's, or for `/verify`
-    on a resources server the one its body names, as the rollout prefix rule finds it), else the NeMo Gym session
-    its cookies carry for that server; None: a call of no rollout."""
+) -> tuple[str | None, str | None]:
+    """What a call to a replicated server sticks by: its rollout (gym_rpc's context, NeMo Gym's, else the one its
+    body names by NeMo Gym's rule: `_ng_rollout_id`, or `_ng_task_index`-`_ng_rollout_index`, as `/seed_session`
+    and `/verify` bodies do), and the NeMo Gym session its cookies carry for that server. (None, None): a call of
+    no rollout. A rollout's calls carry different ones (a tool call made where no rollout is bound carries only
+    the cookie): the route keeps them as aliases of one pin (gym_rpc.client._routing)."""
     rollout_id = rollout_id_in_context() or nemo_gym_rollout_id()
-    if rollout_id:
-        return rollout_id
-    if url_path == "/verify":
-        entry = config.servers.get(server_name)
-        if entry is not None and entry.server_type == RESOURCES_SERVER_TYPE:
-            try:
-                rollout_id = rollout_id_from_run_body(body)
-            except ValueError:
-                rollout_id = None  # refused by the prefix rule when observability is on; here: no rollout
-            if rollout_id:
-                return rollout_id
-    return session_pin_key(kwargs.get("cookies"), server_name)
+    if not rollout_id and isinstance(body, Mapping):
+        try:
+            rollout_id = rollout_id_from_run_body(body)
+        except (ValueError, TypeError):  # a malformed `_ng_rollout_id` or `_ng_attempt_index`: no rollout here
+            rollout_id = None
+    return rollout_id or None, session_pin_key(kwargs.get("cookies"), server_name)
 
 
 async def send_routed(
     route: ServerRoute,
-    key: str | None,
+    keys: tuple[str | None, str | None],
     session: aiohttp.ClientSession,
     method: str,
     server_name: str,
@@ -59,7 +54,7 @@ async def send_routed(
 ) -> aiohttp.ClientResponse:
     """`request` for a server with several instances: the call picks one, counts in flight there, moves on a
     refused connection (the resend loop asks `call.reroute`), and tells the route how it ended."""
-    call = RoutedCall(route, key, url_path)
+    call = RoutedCall(route, keys[0], url_path, keys[1])
     base = call.instance.url
     try:
         if TRACING.enabled or METRICS.enabled:

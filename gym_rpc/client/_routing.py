@@ -6,6 +6,10 @@ call goes to, and where it goes next when that one fails.
   the head's probe, not ejected, still listed), even if it drains or stops matching the worker's labels since: a
   rollout in flight finishes where it started. When its instance is gone the rollout is pinned again (counted, and
   logged once per instance it left).
+* A rollout may be known by several keys: its rollout id, and the NeMo Gym session its cookies carry (a tool call
+  made where no rollout is bound carries only the cookie). Every key of one rollout shares one `Pin`: a call
+  carrying two keys makes them one (the session's instance wins: it holds the session's state), an answer that
+  opens a session pins it with the call's rollout, and moving the pin moves every key with it.
 * A call of no rollout goes to the less loaded of two random instances that take new work.
 * A failed attempt counts against its instance (gym_rpc.client._outliers); a refused connection, or any resent
   call of no rollout, moves to another instance not tried yet by that call.
@@ -81,6 +85,16 @@ def _failure_text(error: BaseException) -> str:
 _INSTANCE_FAILURES = (aiohttp.ClientConnectionError, ServerUnreachableError)
 
 
+class Pin:
+    """Where one rollout's calls go, shared by every key the rollout is known by (its rollout id, its NeMo Gym
+    sessions): re-pinning it, when its instance is gone, moves them all at once."""
+
+    __slots__ = ("instance",)
+
+    def __init__(self, instance: Instance) -> None:
+        self.instance = instance
+
+
 class ServerRoute:
     """The instances of one server name and how calls are spread over them."""
 
@@ -112,7 +126,7 @@ class ServerRoute:
         self.selector = selector
         self.instances: tuple[Instance, ...] = ()
         self.by_id: dict[str, Instance] = {}
-        self.pins: dict[str, Instance] = {}
+        self.pins: dict[str, Pin] = {}  # rollout ids and session keys; aliases of one rollout share a Pin
         self.repins = 0  # rollouts moved off an instance that was gone, for the worker metrics
         self.pool: tuple[Instance, ...] = ()  # the instances that take new work (`candidate` set on each)
         # slot -> (its heaviest candidate, the generation it was found in): kept across changes of the pool. A
@@ -193,21 +207,46 @@ class ServerRoute:
 
     def pick(self, key: str | None) -> Instance:
         """The instance for a call of rollout (or session) `key`, or of no rollout (None)."""
-        if self.refresh_at != _NEVER and _monotonic() >= self.refresh_at:
-            self.refresh()
         if key is None:
+            if self.refresh_at != _NEVER and _monotonic() >= self.refresh_at:
+                self.refresh()
             candidates = self.pool
             if not candidates:
                 raise self.no_instance()
             return two_choices(candidates)
-        pinned = self.pins.get(key)
-        if pinned is not None and pinned.alive:
-            return pinned
-        return self.pin(key, pinned, ())
+        return self.pin_of(key, None).instance
 
-    def pin(self, key: str, previous: Instance | None, tried: tuple[Instance, ...], why: str = "") -> Instance:
+    def pin_of(self, rollout: str | None, session: str | None) -> Pin:
+        """The pin of a call known by its rollout key, its session key or both (one at least): the first alive pin
+        of the session, then of the rollout; else pinned by rendezvous on the rollout (the same in every worker),
+        else on the session. A call carrying both leaves them sharing that pin."""
+        if self.refresh_at != _NEVER and _monotonic() >= self.refresh_at:
+            self.refresh()
+        pins = self.pins
+        if session is None or rollout is None:
+            key = rollout if session is None else session
+            assert key is not None
+            pin = pins.get(key)
+            if pin is not None and pin.instance.alive:
+                return pin
+            return self.repin(key, pin, ())
+        by_session, by_rollout = pins.get(session), pins.get(rollout)
+        if by_session is not None and by_session.instance.alive:
+            pin = by_session
+        elif by_rollout is not None and by_rollout.instance.alive:
+            pin = by_rollout
+        else:  # neither alive: the rollout's rendezvous, moving a known pin (and its other aliases) along
+            pin = self.repin(rollout, by_rollout or by_session, ())
+        if by_session is not pin:
+            self.pins_put(session, pin)
+        if by_rollout is not pin:
+            self.pins_put(rollout, pin)
+        return pin
+
+    def repin(self, key: str, pin: Pin | None, tried: tuple[Instance, ...], why: str = "") -> Pin:
         """Pin `key` by rendezvous over the instances that take new work (those not `tried` by the call, when any
-        remain); `previous`, the instance it leaves, if any, is counted and logged once."""
+        remain): `pin` moved there (with every key sharing it), or a new pin. The instance it leaves, if any, is
+        counted and logged once."""
         candidates = self.pool
         if not candidates:
             raise self.no_instance()
@@ -215,8 +254,14 @@ class ServerRoute:
         untried = tuple(instance for instance in candidates if instance not in tried) if tried else ()
         # Instances `tried` (and failed) by this call: the next heaviest, where the rollout goes once they are out.
         chosen = heaviest(slot, untried) if untried else self.slot_winner(slot, candidates)
-        self.pins_put(key, chosen)
-        if previous is not None and previous is not chosen:
+        if pin is None:
+            pin = Pin(chosen)
+            self.pins_put(key, pin)
+            return pin
+        previous, pin.instance = pin.instance, chosen
+        if self.pins.get(key) is not pin:
+            self.pins_put(key, pin)
+        if previous is not chosen:
             self.repins += 1
             if not previous.repins_logged:
                 previous.repins_logged = True
@@ -231,7 +276,7 @@ class ServerRoute:
                     _shown_key(key),
                     chosen.instance_id,
                 )
-        return chosen
+        return pin
 
     def slot_winner(self, slot: int, candidates: tuple[Instance, ...]) -> Instance:
         """The heaviest candidate for `slot`, remembered (`winners`): weighed against every candidate when none is
@@ -289,20 +334,23 @@ class ServerRoute:
         if record_failure(self.policy, self.name, instance, self.instances, reason, _monotonic()):
             self.refresh()
 
-    def learn_session(self, response: aiohttp.ClientResponse, instance: Instance) -> None:
-        """Pin the NeMo Gym session the answer opened to the instance that opened it (a session cookie named
-        for this server in its Set-Cookie), so the session's later calls, which carry the cookie, go there."""
+    def learn_session(self, response: aiohttp.ClientResponse, instance: Instance, pin: Pin | None) -> None:
+        """Pin the NeMo Gym session the answer opened (a session cookie named for this server in its Set-Cookie)
+        to the instance that opened it, with the call's rollout (`pin`, when it is there), so the session's later
+        calls, which carry the cookie, go there, whatever else they carry."""
         session = session_key_from_cookies(response.cookies, self.name)
         if session is not None:
-            self.pins_put(_SESSION_PREFIX + session, instance)
+            self.pins_put(
+                _SESSION_PREFIX + session, pin if pin is not None and pin.instance is instance else Pin(instance)
+            )
 
-    def pins_put(self, key: str, instance: Instance) -> None:
+    def pins_put(self, key: str, pin: Pin) -> None:
         """Pin `key`; past MAX_PINS the older half is forgotten at once (popping a dict's first key one at a time
         costs a scan over every key popped before it)."""
         pins = self.pins
         if len(pins) >= MAX_PINS and key not in pins:
             pins = self.pins = dict(itertools.islice(pins.items(), MAX_PINS // 2, None))
-        pins[key] = instance
+        pins[key] = pin
 
 
 def _shown_key(key: str) -> str:
@@ -316,20 +364,27 @@ def session_pin_key(cookies: Any, server_name: str) -> str | None:
 
 
 class RoutedCall:
-    """One call to a replicated server: the instance it is at, counted in flight there until it ends.
+    """One call to a replicated server: the instance it is at, counted in flight there until it ends. `key` is
+    its rollout's, `session` the NeMo Gym session its cookies carry; with neither, it is a call of no rollout.
 
     The counts change under the route's lock: one client may serve the event loops of several threads, and
     `+= 1` from two of them at once could lose one (a count off for good skews every later two-choices pick).
     Only replicated calls come here; a server of one instance takes no lock."""
 
-    __slots__ = ("instance", "key", "path", "route", "tried")
+    __slots__ = ("instance", "key", "path", "pin", "route", "session", "tried")
 
-    def __init__(self, route: ServerRoute, key: str | None, path: str) -> None:
+    def __init__(self, route: ServerRoute, key: str | None, path: str, session: str | None = None) -> None:
         self.route = route
         self.key = key
+        self.session = session
         self.path = path
         self.tried: tuple[Instance, ...] = ()
-        self.instance = instance = route.pick(key)
+        if key is None and session is None:
+            self.pin: Pin | None = None
+            self.instance = instance = route.pick(None)
+        else:
+            self.pin = pin = route.pin_of(key, session)
+            self.instance = instance = pin.instance
         with route.lock:
             instance.in_flight += 1
             instance.picks += 1
@@ -337,13 +392,15 @@ class RoutedCall:
     def reroute(self, error: BaseException) -> str:
         """The URL of the next attempt after `error` (the resend loop asks): another instance after a refused
         connection, or for a call of no rollout; the same one for a rollout whose instance is still alive."""
-        route, old = self.route, self.instance
+        route, old, pin = self.route, self.instance, self.pin
         route.failed(old, error)
         self.tried += (old,)
-        if self.key is None:
+        if pin is None:
             new = route.other(self.tried)
         elif _is_refused(error) or not old.alive:
-            new = route.pin(self.key, old, self.tried, _failure_text(error))
+            key = self.key if self.key is not None else self.session
+            assert key is not None
+            new = route.repin(key, pin, self.tried, _failure_text(error)).instance
         else:  # a dropped call of a rollout whose instance lives: resent there
             with route.lock:
                 old.picks += 1
@@ -363,9 +420,11 @@ class RoutedCall:
             self.route.failed_with(instance, f"HTTP {response.status}")
             return
         instance.consecutive_failures = 0  # a success ends a run of failures (gym_rpc.client._outliers)
-        if self.key is None and "Set-Cookie" in response.headers:
+        # A call that carried no session may have opened one (a NeMo Gym server sets its cookie on every answer;
+        # a call carrying one keeps it): pinned with the call's rollout.
+        if self.session is None and "Set-Cookie" in response.headers:
             try:
-                self.route.learn_session(response, instance)
+                self.route.learn_session(response, instance, self.pin)
             except Exception:  # a malformed cookie must not fail an answered call
                 logger.debug("cannot read the session cookie of an answer", exc_info=True)
 

@@ -315,7 +315,7 @@ class _DataPlane:
         "routing",
         "send",
         "send_routed",
-        "sticky_key",
+        "sticky_keys",
     )
 
     def __init__(
@@ -335,7 +335,7 @@ class _DataPlane:
         self.call_span = _http_tracing.call_span
         self.metered_send = _metrics.metered_send
         self.send_routed = _routed.send_routed
-        self.sticky_key = _routed.sticky_key
+        self.sticky_keys = _routed.sticky_keys
 
 
 class ServerClient(BaseModel):
@@ -801,7 +801,7 @@ class ServerClient(BaseModel):
             kwargs["data"] = plane.json_payload(body)
         config = plane.config
         if route is not None:
-            key = plane.sticky_key(config, server_name, url_path, body, kwargs)
+            keys = plane.sticky_keys(config, server_name, url_path, body, kwargs)
         if plane.path_rule is not None:  # decided once per client (gym_rpc.client._call_paths)
             url_path = plane.path_rule(config, server_name, url_path, body, kwargs)
         pools = plane.pools
@@ -813,7 +813,7 @@ class ServerClient(BaseModel):
         try:
             if route is not None:
                 return await plane.send_routed(
-                    route, key, session, method, server_name, url_path, retry, resend, kwargs
+                    route, keys, session, method, server_name, url_path, retry, resend, kwargs
                 )
             full_url = url + url_path
             if METRICS.enabled:  # what metrics and tracing cost when off: these two checks

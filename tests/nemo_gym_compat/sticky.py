@@ -1,0 +1,254 @@
+"""Rollouts through NeMo Gym's real SimpleAgent and weather resources server (example_single_tool_call), the
+resources server as three instances, with gym_rpc's ServerClient injected into the agent: run in the NeMo Gym venv
+by tests/test_nemo_gym_compat.py, never by pytest directly.
+
+Each rollout is `/run` on the agent, which calls the weather server three times: `/seed_session` (its body names
+the rollout by `_ng_task_index`/`_ng_rollout_index`; NeMo Gym binds its own rollout context around `/run` only with
+observability on), `/get_weather` (made from the agent's self-called `/v1/responses`, where no rollout is bound:
+only the session cookie names it) and `/verify` (the body and, with observability on, the context). Whatever each
+call is known by, all three must reach one instance. Each instance records, on the server side, which rollout each
+call belonged to: `/seed_session` and `/verify` by their body's indices, `/get_weather` by the city the stub model
+asks about (`city-<task>-<rollout>`, read from the rollout's user message).
+
+Modes, each `<instances>/<observability>`:
+* static: the three instances are the config entry and its `replicas:`; the client is given the config (it asks
+  no head);
+* registered: a gym_rpc head (a subprocess) serves a config naming one instance, all three register with it
+  (`ServerRegistration`), and the client, made from the head, follows it.
+
+It prints one JSON object: per mode, the rollouts run, how many answered with reward 1.0, the calls each instance
+served, the rollouts whose calls reached more than one instance, and those whose three calls did not all arrive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import re
+import socket
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import aiohttp
+from harness import LOOPBACK, Asgi, _held_socket, gym_rpc_head, serving, simple_agent, stub_turn
+from nemo_gym.config_types import BaseServerConfig as NemoGymServerConfig
+from omegaconf import OmegaConf
+from resources_servers.example_single_tool_call.app import (
+    SimpleWeatherResourcesServer,
+    SimpleWeatherResourcesServerConfig,
+)
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+MODEL, RESOURCES, AGENT = "policy_model", "weather", "agent"
+INSTANCES = 3
+GROUP = 4  # rollouts per task: NeMo Gym's rollout ids are `<task index>-<rollout index>`
+ROLLOUT_TIMEOUT_SECONDS = 60.0
+CITY = re.compile(r"city-(\d+)-(\d+)")
+RESOURCES_CALLS = ("/seed_session", "/get_weather", "/verify")
+
+Message = MutableMapping[str, Any]
+
+
+async def _responses(request: Request) -> JSONResponse:
+    """The model asks for the weather in the city its user message names, then answers."""
+    body = await request.json()
+    user = next(item for item in body["input"] if item.get("role") == "user")
+    city = CITY.search(str(user["content"]))
+    assert city is not None, user
+    return stub_turn(body, "get_weather", lambda: json.dumps({"city": city.group(0)}), "cold")
+
+
+def model_app() -> Starlette:
+    return Starlette(routes=[Route("/{prefix:path}v1/responses", _responses, methods=["POST"])])
+
+
+class Counting:
+    """Outermost ASGI layer of one instance: which rollout each call to a resources path belongs to, read from the
+    request's body (replayed to the app unchanged)."""
+
+    def __init__(self, app: Asgi, port: int, seen: list[tuple[str, int, str]]) -> None:
+        self.app = app
+        self.port = port
+        self.seen = seen
+
+    async def __call__(self, scope: Message, receive: Callable[[], Awaitable[Message]], send: Any) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        call = next((name for name in RESOURCES_CALLS if path.endswith(name)), None)
+        if call is None:
+            await self.app(scope, receive, send)
+            return
+        messages = [await receive()]
+        while messages[-1].get("more_body"):
+            messages.append(await receive())
+        body = json.loads(b"".join(message.get("body", b"") for message in messages) or b"{}")
+        if call == "/get_weather":
+            found = CITY.fullmatch(str(body.get("city")))
+            rollout = f"{found.group(1)}-{found.group(2)}" if found else "?"
+        else:
+            rollout = f"{body.get('_ng_task_index')}-{body.get('_ng_rollout_index')}"
+        self.seen.append((rollout, self.port, call))
+        replay = iter(messages)
+
+        async def replayed() -> Message:
+            try:
+                return next(replay)
+            except StopIteration:
+                return await receive()
+
+        await self.app(scope, replayed, send)
+
+
+def weather_app(port: int, seen: list[tuple[str, int, str]]) -> Asgi:
+    server = SimpleWeatherResourcesServer.model_construct(
+        config=SimpleWeatherResourcesServerConfig(host=LOOPBACK, port=port, entrypoint="app.py", name=RESOURCES),
+        server_client=None,  # it calls no other server
+    )
+    app = server.setup_webserver()
+    server.setup_exception_middleware(app)
+    return Counting(app, port, seen)
+
+
+def global_config(ports: dict[str, int], weather: list[int], static: bool, observability: bool) -> dict[str, Any]:
+    def entry(server_type: str, impl: str, port: int, **extra: Any) -> dict[str, Any]:
+        return {server_type: {impl: {"host": LOOPBACK, "port": port, "entrypoint": "app.py", **extra}}}
+
+    replicas = {"replicas": [f"{LOOPBACK}:{port}" for port in weather[1:]]} if static else {}
+    return {
+        "head_server": {"host": LOOPBACK, "port": 0},
+        MODEL: entry("responses_api_models", "stub_model", ports[MODEL]),
+        RESOURCES: entry("resources_servers", "example_single_tool_call", weather[0], **replicas),
+        AGENT: entry(
+            "responses_api_agents",
+            "simple_agent",
+            ports[AGENT],
+            resources_server={"type": "resources_servers", "name": RESOURCES},
+            model_server={"type": "responses_api_models", "name": MODEL},
+        ),
+        "observability_enabled": observability,
+    }
+
+
+async def _rollout(session: aiohttp.ClientSession, url: str, task: int, rollout: int) -> float | None:
+    body = {
+        "responses_create_params": {"input": f"What is the weather in city-{task}-{rollout}?"},
+        "_ng_task_index": task,
+        "_ng_rollout_index": rollout,
+    }
+    async with asyncio.timeout(ROLLOUT_TIMEOUT_SECONDS), session.post(url, json=body) as response:
+        answer = await response.json()
+        if response.status != 200:
+            raise RuntimeError(f"/run answered {response.status}: {answer}")
+    reward: float | None = answer.get("reward")
+    return reward
+
+
+async def _registered_client(doc: dict[str, Any], weather: list[int], head_port: int) -> Any:
+    """All three instances registered with the head, then a client made from the head (it follows the head)."""
+    from gym_rpc.client.server_client import setup_server_client
+    from gym_rpc.integrations import ServerRegistration
+
+    head = f"{LOOPBACK}:{head_port}"
+    registrations = [
+        ServerRegistration(
+            RESOURCES, port, listen_host=LOOPBACK, head=head, refresh_seconds=None, server_type="resources_servers"
+        )
+        for port in weather
+    ]
+    for registration in registrations:
+        await registration.aregister()
+    return await asyncio.to_thread(setup_server_client, NemoGymServerConfig(host=LOOPBACK, port=head_port))
+
+
+async def run_mode(mode: str, rollouts: int, concurrency: int) -> dict[str, Any]:
+    from gym_rpc.client.server_client import ServerClient
+    from gym_rpc.config import BaseServerConfig
+
+    instances, observability = mode.split("/")
+    static = instances == "static"
+    sockets = {name: _held_socket() for name in (MODEL, AGENT)}
+    weather_sockets = [_held_socket() for _ in range(INSTANCES)]
+    ports = {name: int(sock.getsockname()[1]) for name, sock in sockets.items()}
+    weather = [int(sock.getsockname()[1]) for sock in weather_sockets]
+    doc = global_config(ports, weather, static, observability == "on")
+    seen: list[tuple[str, int, str]] = []
+    with gym_rpc_head(doc) if not static else _no_head() as head_port:
+        if static:
+            client = ServerClient(
+                head_server_config=BaseServerConfig(host=LOOPBACK, port=1),
+                global_config_dict=OmegaConf.create(doc),
+            )
+        else:
+            client = await _registered_client(doc, weather, head_port)
+        agent = simple_agent(ports[AGENT], client, resources=RESOURCES)
+        agent_app = agent.setup_webserver()
+        agent.setup_exception_middleware(agent_app)
+        apps: dict[str, tuple[Asgi, socket.socket]] = {
+            MODEL: (model_app(), sockets[MODEL]),
+            AGENT: (agent_app, sockets[AGENT]),
+        }
+        for port, sock in zip(weather, weather_sockets, strict=True):
+            apps[f"{RESOURCES}-{port}"] = (weather_app(port, seen), sock)
+        limit = asyncio.Semaphore(concurrency)
+        url = f"http://{LOOPBACK}:{ports[AGENT]}/run"
+
+        async def one(session: aiohttp.ClientSession, index: int) -> float | None:
+            async with limit:
+                return await _rollout(session, url, index // GROUP, index % GROUP)
+
+        connector = aiohttp.TCPConnector(limit=concurrency)
+        async with serving(apps), aiohttp.ClientSession(connector=connector) as session:
+            started = time.monotonic()
+            rewards = await asyncio.gather(*(one(session, index) for index in range(rollouts)))
+            took = time.monotonic() - started
+        routed = client._routing.routes[RESOURCES] if client._routing is not None else None
+        await client.aclose()
+    by_rollout: dict[str, list[tuple[int, str]]] = collections.defaultdict(list)
+    for rollout, port, call in seen:
+        by_rollout[rollout].append((port, call))
+    expected = {f"{index // GROUP}-{index % GROUP}" for index in range(rollouts)}
+    return {
+        "rollouts": rollouts,
+        "rewarded": sum(1 for reward in rewards if reward == 1.0),
+        "seconds": took,
+        "route_instances": len(routed.instances) if routed is not None else 0,
+        "per_instance": dict(collections.Counter(port for _, port, _ in seen)),
+        "split": sorted(rollout for rollout, calls in by_rollout.items() if len({port for port, _ in calls}) > 1),
+        "incomplete": sorted(
+            rollout
+            for rollout in expected
+            if sorted(call for _, call in by_rollout.get(rollout, [])) != sorted(RESOURCES_CALLS)
+        ),
+        "unexpected": sorted(set(by_rollout) - expected),
+    }
+
+
+class _no_head:
+    def __enter__(self) -> int:
+        return 0
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+async def main(modes: list[str], rollouts: int, concurrency: int) -> None:
+    results = {}
+    for mode in modes:
+        results[mode] = await run_mode(mode, rollouts, concurrency)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    os.environ.pop("NEMO_GYM_CONFIG_DICT", None)  # the config is handed to the client, or served by the head
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--modes", default="static/off,static/on,registered/off,registered/on")
+    parser.add_argument("--rollouts", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, default=32)
+    args = parser.parse_args()
+    asyncio.run(main(args.modes.split(","), args.rollouts, args.concurrency))
