@@ -20,26 +20,37 @@ from gym_rpc.config import MIN_PROBE_INTERVAL_SECONDS
 from gym_rpc.errors import ConfigError
 
 ENV_ERRORS_ATTRIBUTE = "gym_rpc_env_errors"  # set on a parser: the bad variables found while building it
+SUBCOMMANDS_ATTRIBUTE = "gym_rpc_subcommands"  # set on a parser: its subcommands' parsers, by name
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults in --help, wider lines than argparse's 80 columns less two."""
+class HelpFormatter(argparse.HelpFormatter):
+    """Wider lines than argparse's 80 columns less two."""
 
     def __init__(self, prog: str) -> None:
         super().__init__(prog, max_help_position=34, width=110)
 
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        """No `(default: False)` on switches, nor `(default: None)` where none means "not given"."""
-        if action.default in (None, False, []):
-            return action.help
-        return super()._get_help_string(action)
-
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse, with a usage mistake reported as one line (argparse prints the whole usage text first)."""
+    """argparse, with a usage mistake reported as one line (argparse prints the whole usage text first), and each
+    flag's default in --help, except `(default: False)` on switches and `(default: None)` where none means "not
+    given" (added to the help as the flag is added: argparse's formatter hooks are not public API)."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        shown = action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)
+        if (
+            action.help
+            and action.help is not argparse.SUPPRESS
+            and "%(default)" not in action.help
+            and action.default is not argparse.SUPPRESS
+            and action.default not in (None, False, [])
+            and shown
+        ):
+            action.help += " (default: %(default)s)"
+        return action
 
 
 _DURATION = re.compile(
@@ -147,11 +158,27 @@ def env_flag(
     parser.add_argument(*names, type=parse, default=value, help=f"{help} [env: {env}]", **kwargs)
 
 
+def add_subcommand(
+    parser: argparse.ArgumentParser, commands: Any, name: str, **kwargs: Any
+) -> argparse.ArgumentParser:
+    """`commands.add_parser(name, **kwargs)` (`commands` is what `parser.add_subparsers()` returned), remembered on
+    `parser` by name: argparse lists a parser's subcommands only in its private actions."""
+    sub: argparse.ArgumentParser = commands.add_parser(name, **kwargs)
+    setattr(parser, SUBCOMMANDS_ATTRIBUTE, {**subcommands(parser), name: sub})
+    return sub
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The subcommands added to `parser` with `add_subcommand`, by name."""
+    found: dict[str, argparse.ArgumentParser] = getattr(parser, SUBCOMMANDS_ATTRIBUTE, {})
+    return found
+
+
 def env_errors(parser: argparse.ArgumentParser, command: str | None = None) -> list[str]:
     """The bad variables found while building `parser` and its subcommand `command` (the one being run: a bad
     variable only another subcommand reads is no reason to fail this one)."""
     found: list[str] = list(getattr(parser, ENV_ERRORS_ATTRIBUTE, []))
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
-            found += env_errors(action.choices[command])
+    sub = subcommands(parser).get(command) if command is not None else None
+    if sub is not None:
+        found += env_errors(sub)
     return found

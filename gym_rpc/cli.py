@@ -23,6 +23,7 @@ from gym_rpc import __version__
 from gym_rpc._cli_flags import (
     HelpFormatter,
     OneLineErrorParser,
+    add_subcommand,
     choice_of,
     env_errors,
     env_flag,
@@ -250,10 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
-        sub: argparse.ArgumentParser = commands.add_parser(
-            name, help=help, description=help, formatter_class=HelpFormatter
-        )
-        return sub
+        return add_subcommand(parser, commands, name, help=help, description=help, formatter_class=HelpFormatter)
 
     head = command("head", "run a head server (the gRPC control plane)")
     env_flag(

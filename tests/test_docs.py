@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gym_rpc._cli_flags import subcommands
 from gym_rpc.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,9 +61,7 @@ def _commands_shown(text: str) -> Iterator[list[str]]:
 
 
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
-    parser = build_parser()
-    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
+    return dict(subcommands(build_parser()))
 
 
 def _flags(parser: argparse.ArgumentParser) -> set[str]:

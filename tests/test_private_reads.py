@@ -1,12 +1,12 @@
-"""No gym_rpc module reads (or writes) an underscore attribute of an OpenTelemetry or aiohttp object: gym_rpc
-lives on their public APIs, so that an upgrade of either can change their insides under it.
+"""No gym_rpc module reads (or writes) an underscore attribute of an OpenTelemetry, aiohttp, argparse or pydantic
+object: gym_rpc lives on their public APIs, so that an upgrade of any can change their insides under it.
 
 Read from the source (Python's `ast`): an attribute starting with one underscore is refused on any name bound to
-one of their modules (`metrics._internal`), and, on any other object but `self` and `cls`, when OpenTelemetry or
-aiohttp have a private name of that spelling (`session._trace_configs`, `tracer._span_limits`,
-`propagator._propagators`), and so for `getattr`, `hasattr`, `setattr` and `delattr` with such a name as a
-literal. The few hits that are gym_rpc's own objects are listed (OWN_NAMES), as are the ones left in another's
-module (KNOWN_ELSEWHERE): both lists must match exactly what is found.
+one of their modules (`metrics._internal`, `argparse._SubParsersAction`), and, on any other object but `self` and
+`cls`, when one of them has a private name of that spelling (`parser._actions`, `session._trace_configs`,
+`tracer._span_limits`, `propagator._propagators`), and so for `getattr`, `hasattr`, `setattr` and `delattr` with
+such a name as a literal. The few hits that are gym_rpc's own objects are listed (OWN_NAMES), as are the ones left
+in another's module (KNOWN_ELSEWHERE): both lists must match exactly what is found.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gym_rpc"
-DEPENDENCIES = ("opentelemetry", "aiohttp")
+DEPENDENCIES = ("opentelemetry", "aiohttp", "argparse", "pydantic")
 ATTRIBUTE_FUNCTIONS = {"getattr", "hasattr", "setattr", "delattr"}
 # The names the lead's before-stop hook greps for: private to OpenTelemetry's SDK and API, never read here.
 NAMED_BY_THE_LEAD = {
@@ -76,10 +76,14 @@ def dependency_private_names() -> frozenset[str]:
     names: set[str] = set()
     for dependency in DEPENDENCIES:
         spec = importlib.util.find_spec(dependency)
-        assert spec is not None and spec.submodule_search_locations, dependency
-        for location in spec.submodule_search_locations:
-            for _, tree in _sources(Path(location)):
-                names |= _defined_private_names(tree)
+        assert spec is not None and (spec.submodule_search_locations or spec.origin), dependency
+        if spec.submodule_search_locations:  # a package: every module of it
+            for location in spec.submodule_search_locations:
+                for _, tree in _sources(Path(location)):
+                    names |= _defined_private_names(tree)
+        else:  # one module (argparse)
+            origin = Path(str(spec.origin))
+            names |= _defined_private_names(ast.parse(origin.read_text(encoding="utf-8"), str(origin)))
     return frozenset(names)
 
 
@@ -134,7 +138,7 @@ def test_no_gym_rpc_module_reads_a_private_attribute_of_opentelemetry_or_aiohttp
     found = gym_rpc_private_reads()
     listed = KNOWN_ELSEWHERE | OWN_NAMES
     unexpected = sorted(read for read in found if (read[0], read[2]) not in listed)
-    assert unexpected == [], "private reads of OpenTelemetry or aiohttp (use their public API): " + ", ".join(
+    assert unexpected == [], "private reads of a dependency (use its public API): " + ", ".join(
         f"gym_rpc/{path}:{line} {name}" for path, line, name in unexpected
     )
     assert {(path, name) for path, _, name in found} == listed  # a listed one gone: drop it from its list
@@ -151,6 +155,8 @@ def test_no_gym_rpc_module_reads_a_private_attribute_of_opentelemetry_or_aiohttp
         "from opentelemetry import context\nruntime = context._RUNTIME_CONTEXT",
         "import aiohttp\nanything = aiohttp._private_helper",
         "processor._batch_processor.emit(span)",
+        "import argparse\nfound = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]",
+        "text = formatter._get_help_string(action)",
     ],
 )
 def test_the_scan_finds_what_the_old_span_path_read(source: str) -> None:
