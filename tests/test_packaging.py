@@ -29,6 +29,7 @@ FOOTPRINT = REPO_ROOT / "tools" / "install_footprint.py"
 INSTALL_TIMEOUT_SECONDS = 900
 MAX_BASE_PACKAGES = 30
 MAX_BASE_MEGABYTES = 60.0
+PAGE_FILES = ("index.html", "page.js", "page.css")
 
 _ROLLOUT = """
 import asyncio
@@ -95,6 +96,15 @@ def test_the_wheel_carries_the_licence(wheel: Path) -> None:
     assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
     assert "Classifier: License ::" not in metadata  # PEP 639: the expression, not a classifier
     assert "gym_rpc/v1/control_plane_pb2.py" in names and "gym_rpc/default_config.yaml" in names
+
+
+def test_the_wheel_carries_the_status_page(wheel: Path) -> None:
+    """The head's page at /ui/ is package data: a head installed from the wheel serves it (issue 42)."""
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        sizes = [archive.getinfo(f"gym_rpc/server/status_page/{name}").file_size for name in PAGE_FILES]
+    assert {f"gym_rpc/server/status_page/{name}" for name in PAGE_FILES} <= names
+    assert sum(sizes) < 150 * 1024
 
 
 @pytest.mark.timeout(INSTALL_TIMEOUT_SECONDS)

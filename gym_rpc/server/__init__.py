@@ -4,7 +4,8 @@
   where its config comes from (a file); `_bridge`: the same server fed by an upstream NeMo Gym head.
 * `_servicer`: the ControlPlaneService handlers; `_prober`: the status prober and watch history; `_instances`: a
   server's instances and the one report made from them; `_registry`: registered server instances
-  (`_address_policy`: where they may be advertised); `_http_head`: NeMo Gym's HTTP head endpoints; `_connect`: the
+  (`_address_policy`: where they may be advertised); `_http_head`: NeMo Gym's HTTP head endpoints (and
+  `_status_page`, `_page_feed`: the status page at /ui/ on its port); `_connect`: the
   same service over the Connect protocol (head_server.connect_port).
 * `_security`: the token interceptor, TLS credentials and server bounds; `_tracing`: OpenTelemetry's server
   interceptor.

@@ -60,6 +60,7 @@ from gym_rpc.server._security import (
 )
 from gym_rpc.server._servicer import ControlPlaneServicer, add_control_plane_service
 from gym_rpc.server._sources import ConfigSource, FileSource
+from gym_rpc.server._status_page import StatusPage
 from gym_rpc.server._tracing import server_interceptors
 from gym_rpc.server._watch_slots import DEFAULT_STALL_SECONDS
 from gym_rpc.telemetry import setup_tracing
@@ -167,6 +168,7 @@ class HeadServer:
         self.health_port: int | None = None
         self.security = ServerSecurity()
         self._http_head: HttpHead | None = None
+        self.status_page: StatusPage | None = None  # /ui/ on the HTTP head's port, when it is served
         self.problem: str | None = None  # why ControlPlaneService calls are refused now (a source's upstream)
         self._connect: ConnectServer | None = None
         self._metrics_server: MetricsServer | None = None
@@ -292,7 +294,8 @@ class HeadServer:
         try:
             await self.source.start(self)
             if http_port is not None:
-                http_head = HttpHead(self)
+                self.status_page = self._status_page(security)
+                http_head = HttpHead(self, self.status_page)
                 await http_head.start(self.host, http_port)
                 self._http_head = http_head
             if connect_port is not None:  # the same servicer and security as the gRPC port, over Connect
@@ -309,6 +312,20 @@ class HeadServer:
             await self.stop()  # a head that cannot serve all it was asked to serves nothing
             raise
         head_metrics.observe(self)
+
+    def _status_page(self, security: ServerSecurity) -> StatusPage:
+        """The page at /ui/ of the HTTP head's port: guarded by the head's token, bounded as its watches are."""
+        return StatusPage(
+            self,
+            token=security.token,
+            stall_seconds=self.options.watch_stall_seconds,
+            head_info=lambda: {
+                "address": self.address,
+                "pid": self.pid,
+                "started": round(self.start_time, 3),
+                "probe_interval": self.options.probe_interval_seconds,
+            },
+        )
 
     async def stop(self) -> None:
         """Report NOT_SERVING, stop the source, then finish in-flight calls within the grace period."""

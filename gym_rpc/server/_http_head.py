@@ -25,6 +25,7 @@ from aiohttp import web
 from gym_rpc.config import HEAD_SERVER_KEY, GlobalConfig, redact_secrets
 from gym_rpc.server._metrics_http import METRICS_PATH, AppServer, metrics_handler
 from gym_rpc.server._servicer import HeadState
+from gym_rpc.server._status_page import StatusPage
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +77,10 @@ class HttpHead(AppServer):
     what = "NeMo Gym's HTTP head"
     setting = f"{HEAD_SERVER_KEY}.{HTTP_PORT_KEY} (or --http-port)"
 
-    def __init__(self, head: HeadState) -> None:
+    def __init__(self, head: HeadState, page: StatusPage | None = None) -> None:
         super().__init__()
         self._head = head
+        self._page = page  # the status page at /ui/ (gym_rpc.server._status_page), when served
         self._yaml_body: tuple[str, bytes] | None = None  # (version, body): rendered once per config version
 
     def app(self) -> web.Application:
@@ -90,7 +92,24 @@ class HttpHead(AppServer):
         app.router.add_get("/global_config_dict_yaml", self._global_config_dict_yaml)
         app.router.add_get("/server_instances", self._server_instances)
         app.router.add_get(METRICS_PATH, metrics_handler)
+        if self._page is not None:
+            self._page.add_routes(app)
         return app
+
+    async def start(self, host: str, port: int) -> None:
+        if self._page is not None:
+            await self._page.start()
+        try:
+            await super().start(host, port)
+        except BaseException:
+            if self._page is not None:
+                await self._page.stop()
+            raise
+
+    async def stop(self) -> None:
+        if self._page is not None:
+            await self._page.stop()  # first: the port waits for the page streams it still serves
+        await super().stop()
 
     async def _liveness(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -1,0 +1,238 @@
+"""The status page's HTTP side (gym_rpc.server._status_page, _page_feed) on a real head with its HTTP port: what
+it serves and to whom, what it never sends, how a page resumes, and that a page that stops reading holds nothing
+(issue 42). The page in a browser: tests/test_status_page_browser.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gym_rpc.client import ControlClient
+from gym_rpc.server import HeadServer
+from gym_rpc.server._page_feed import TimelineEvent, report_events
+from gym_rpc.server._status_page import CONTENT_SECURITY_POLICY, MAX_PAGES_PER_CLIENT
+from gym_rpc.wire import InstanceReport, StatusReport
+from tests.conftest import LOOPBACK, closed_port, document, server_entry
+
+TOKEN = "status-page-token-5678"
+PAGE_BYTES_GOAL = 150 * 1024
+
+
+def ui(head: HeadServer, path: str = "") -> str:
+    return f"http://{LOOPBACK}:{head.http_port}/ui/{path}"
+
+
+async def read_events(
+    response: aiohttp.ClientResponse, count: int, timeout: float = 10.0
+) -> list[tuple[str, dict[str, Any]]]:
+    """The next `count` server-sent events of a stream: (event type, data)."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    kind, data = "", ""
+
+    async def read() -> None:
+        nonlocal kind, data
+        async for raw in response.content:
+            line = raw.decode().rstrip("\n")
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                data = line[6:]
+            elif not line and data:
+                events.append((kind, json.loads(data)))
+                kind, data = "", ""
+                if len(events) == count:
+                    return
+
+    await asyncio.wait_for(read(), timeout)
+    return events
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        yield session
+
+
+async def test_the_page_is_served_small_with_a_strict_policy_and_liveness_keeps_slash(
+    head_factory: Any, session: aiohttp.ClientSession
+) -> None:
+    head = await head_factory(document({"m": server_entry(closed_port())}), http_port=0)
+    total = 0
+    for path, kind in (("", "text/html"), ("page.js", "text/javascript"), ("page.css", "text/css")):
+        async with session.get(ui(head, path)) as response:
+            assert response.status == 200
+            assert response.content_type == kind
+            assert response.headers["Content-Security-Policy"] == CONTENT_SECURITY_POLICY
+            assert response.headers["X-Content-Type-Options"] == "nosniff"
+            assert response.headers["X-Frame-Options"] == "DENY"
+            total += len(await response.read())
+    print(f"the page weighs {total / 1024:.1f} KB (goal: under {PAGE_BYTES_GOAL // 1024} KB)")
+    assert total < PAGE_BYTES_GOAL
+    async with session.get(ui(head)) as response:
+        html = await response.text()
+    assert "<script>" not in html and "style=" not in html and "http" not in html.replace("http-equiv", "")
+    async with session.get(f"http://{LOOPBACK}:{head.http_port}/") as response:
+        assert await response.json() == {"status": "ok"}
+    async with session.get(f"http://{LOOPBACK}:{head.http_port}/ui", allow_redirects=False) as response:
+        assert response.status == 301 and response.headers["Location"] == "/ui/"
+
+
+async def test_the_feed_needs_the_token_and_sends_no_config_value(
+    head_factory: Any, session: aiohttp.ClientSession
+) -> None:
+    servers = {"m": server_entry(closed_port(), api_key="sk-secret-value-1")}
+    head = await head_factory(
+        document(servers, head_server={"host": LOOPBACK, "port": 0, "auth_token": TOKEN}), http_port=0
+    )
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+        async with session.get(ui(head, "api/events"), headers=headers) as response:
+            assert response.status == 401
+            assert response.headers["Content-Security-Policy"] == CONTENT_SECURITY_POLICY
+            assert TOKEN not in await response.text()
+    async with session.get(ui(head, "api/events"), headers={"Authorization": f"Bearer {TOKEN}"}) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        [(kind, snapshot)] = await read_events(response, 1)
+    assert kind == "snapshot"
+    assert [server["name"] for server in snapshot["servers"]] == ["m"]
+    text = json.dumps(snapshot)
+    assert "sk-secret-value-1" not in text and TOKEN not in text and "api_key" not in text
+    async with session.get(ui(head)) as response:  # the page itself holds no data: anyone may load it
+        assert response.status == 200
+
+
+async def test_the_page_keeps_the_heads_host_check(head_factory: Any, session: aiohttp.ClientSession) -> None:
+    head = await head_factory(document({"m": server_entry(closed_port())}), http_port=0)
+    for path in ("", "page.js", "api/events"):
+        async with session.get(ui(head, path), headers={"Host": "evil.example"}) as response:
+            assert response.status == 403
+
+
+async def test_a_page_resumes_from_its_revision_and_gets_a_snapshot_when_it_is_too_old(
+    head_factory: Any, session: aiohttp.ClientSession, http_server: Any
+) -> None:
+    port = await http_server()
+    head = await head_factory(document({"m": server_entry(port)}), http_port=0)
+    client = ControlClient(head.address)
+    async with session.get(ui(head, "api/events")) as response:
+        [(_, snapshot)] = await read_events(response, 1)
+    revision = snapshot["revision"]
+    await client.register_server_instance("m", listen_port=closed_port(), listen_host=LOOPBACK, pid=99, timeout=5)
+    await client.register_server_instance(
+        "m", listen_port=closed_port(), listen_host=LOOPBACK, pid=98, labels={"weights_version": "7"}, timeout=5
+    )
+    await asyncio.sleep(0.5)  # the feed follows (and the instances are probed: more changes)
+    async with session.get(ui(head, f"api/events?since={revision}")) as response:
+        changes: list[tuple[str, dict[str, Any]]] = []
+        while not changes or changes[-1][1]["servers"][0]["total"] < 3:
+            changes += await read_events(response, 1)
+    assert {kind for kind, _ in changes} == {"change"}  # what it missed, one frame per revision
+    assert all(change["revision"] > revision for _, change in changes)
+    texts = [event["text"] for _, change in changes for event in change["events"]]
+    assert any("registered pid 99" in text for text in texts)
+    async with session.get(ui(head, "api/events"), headers={"Last-Event-ID": "1"}) as response:
+        [(kind, again)] = await read_events(response, 1)
+    assert kind == "snapshot" and again["servers"][0]["total"] == 3
+    labels = [instance["labels"] for instance in again["servers"][0]["instances"]]
+    assert {"weights_version": "7"} in labels
+
+
+async def test_a_page_that_stops_reading_holds_nothing_of_the_head(
+    head_factory: Any, session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reader with a tiny window that never reads: its stream is dropped after the stall limit and its slot
+    freed, while another page keeps hearing from the head. As a stalled watch is (tests/test_stalled_watchers.py).
+    """
+    servers = {f"server-{i:04d}": server_entry(closed_port()) for i in range(600)}
+    head = await head_factory(
+        document(servers),
+        http_port=0,
+        watch_stall_seconds=1.0,
+        probe_interval_seconds=5.0,
+        probe_timeout_seconds=1,
+    )
+    page = head.status_page
+    assert page is not None
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.connect((LOOPBACK, head.http_port or 0))
+    try:
+        with caplog.at_level(logging.WARNING, "gym_rpc.server._status_page"):
+            stalled.sendall(f"GET /ui/api/events HTTP/1.1\r\nHost: {LOOPBACK}\r\n\r\n".encode())
+            deadline = time.monotonic() + 20
+            while page.slots.open == 0:  # its stream opens ...
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            async with session.get(ui(head, "api/events")) as response:  # ... another page still hears
+                [(kind, snapshot)] = await read_events(response, 1)
+                assert kind == "snapshot" and len(snapshot["servers"]) == 600
+                while page.slots.open > 1:  # ... and the stalled one is dropped
+                    assert time.monotonic() < deadline, "the stalled page was never dropped"
+                    await asyncio.sleep(0.05)
+                [(kind, _)] = await read_events(response, 1)
+                assert kind in ("heartbeat", "change")  # the other page still hears from the head
+        assert any("dropped a status page stream" in r.getMessage() for r in caplog.records)
+    finally:
+        stalled.close()
+
+
+async def test_one_client_cannot_take_every_page_slot(head_factory: Any, session: aiohttp.ClientSession) -> None:
+    head = await head_factory(document({"m": server_entry(closed_port())}), http_port=0)
+    open_streams = []
+    try:
+        for _ in range(MAX_PAGES_PER_CLIENT):
+            response = await session.get(ui(head, "api/events"))
+            assert response.status == 200
+            open_streams.append(response)
+        async with session.get(ui(head, "api/events")) as refused:
+            assert refused.status == 429 and refused.headers["Retry-After"]
+    finally:
+        for response in open_streams:
+            response.close()
+
+
+def _instance(iid: str, **fields: Any) -> InstanceReport:
+    return InstanceReport(instance_id=iid, url=f"http://{iid}", **fields)
+
+
+def _report(*instances: InstanceReport) -> StatusReport:
+    return StatusReport(server_name="m", status=instances[0].status, url=instances[0].url, instances=instances)
+
+
+def test_the_timeline_names_what_happened_to_each_instance() -> None:
+    a = _instance("h:1", status="success", registration="registered", pid=10, labels={"w": "1"})
+    b = _instance("h:2", status="success", registration="registered", pid=20)
+    before = _report(a, b)
+    after = _report(
+        _instance("h:1", status="connection_error", registration="registered", pid=10, labels={"w": "2"}),
+        _instance("h:3", status=None, registration="registered", pid=30, draining=True),
+    )
+    events = report_events(before, after, 1.0)
+    kinds = [(event.kind, event.instance) for event in events]
+    assert ("status", "h:1") in kinds and ("labels", "h:1") in kinds
+    assert ("registered", "h:3") in kinds and ("left", "h:2") in kinds
+    assert all(isinstance(event, TimelineEvent) for event in events)
+    drained = report_events(
+        after, _report(after.instances[0], _instance("h:3", registration="registered", pid=30)), 2
+    )
+    assert [event.kind for event in drained] == ["draining"]
+
+
+async def test_stopping_the_head_ends_open_page_streams(head_factory: Any, session: aiohttp.ClientSession) -> None:
+    head = await head_factory(document({"m": server_entry(closed_port())}), http_port=0)
+    response = await session.get(ui(head, "api/events"))
+    await read_events(response, 1)
+    started = time.monotonic()
+    await head.stop()
+    assert time.monotonic() - started < 5  # not the HTTP port's 60 s wait for handlers
+    assert await asyncio.wait_for(response.content.read(), 5) == b""
+    response.close()
