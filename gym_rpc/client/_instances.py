@@ -33,6 +33,7 @@ class InstanceState:
     labels: Mapping[str, str] | None = None
     registration: RegistrationState | None = None
     origin: InstanceOrigin | None = None
+    http_status: int = 0  # the code the head's last probe got; 0 when none came (or an older head)
 
 
 class Instance:
@@ -49,15 +50,18 @@ class Instance:
         "consecutive_failures",
         "draining",
         "ejected_checked_at",
+        "ejected_for_connect",
         "ejected_until",
         "ejection_level",
         "ejections",
+        "http_status",
         "in_flight",
         "instance_id",
         "key",
         "labels",
         "last_ejection_ended",
         "last_failure",
+        "on_probation",
         "origin",
         "picks",
         "registration",
@@ -72,6 +76,7 @@ class Instance:
         self.url = state.url
         self.status: ServerStatus | None = None
         self.checked_at = 0.0
+        self.http_status = 0
         self.draining = False
         self.labels: Mapping[str, str] = {}
         self.registration: RegistrationState | None = None
@@ -83,7 +88,9 @@ class Instance:
         self.ejections = 0  # times ejected, for the worker metrics
         self.ejection_level = 0  # how many ejections in a row the next one's length grows by
         self.ejected_until = 0.0  # time.monotonic() at which an ejection ends; 0: not ejected
-        self.ejected_checked_at = 0.0  # the head's probe time when ejected: a newer successful probe ends it
+        self.ejected_checked_at = 0.0  # the head's probe time when ejected: a newer healthy probe may end it
+        self.ejected_for_connect = False  # ejected by failures to connect, which the head's probe tests too
+        self.on_probation = False  # back from an ejection: its next failure ejects it again, a success ends this
         self.last_ejection_ended = 0.0
         self.repins_logged = False  # one log line when rollouts first move off this instance
         self.alive = True
@@ -94,6 +101,7 @@ class Instance:
         self.url = state.url
         self.status = state.status
         self.checked_at = state.checked_at
+        self.http_status = state.http_status
         self.draining = state.draining
         if state.labels is not None:
             self.labels = dict(state.labels)
@@ -154,6 +162,7 @@ def _instance_state(instance: InstanceReport) -> InstanceState:
         labels=instance.labels,
         registration=instance.registration,
         origin=instance.origin,
+        http_status=instance.http_status,
     )
 
 

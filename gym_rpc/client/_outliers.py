@@ -1,11 +1,20 @@
 """Passive outlier ejection: an instance that fails calls several times in a row is taken out of rotation for a
 while, then let back on probation; Envoy's outlier detection, with its defaults as the guide.
 
-A failure is what says the instance, not the call, is at fault: a connection refused, reset or timed out while
-connecting, a connection dropped, or a 5xx answer. Any other answer is a success and resets the count. The n-th
-ejection in a row lasts n times the base (capped), and at most half of a server's instances are ever ejected at
-once, so a fault on the client's side (or one that hits every instance alike) cannot empty a server. The head's
-probe is the other input: an instance the head probes successfully after its ejection returns at once.
+A failure is what a user feels of an instance: a connection refused, reset or timed out while connecting, no answer
+within the call's deadline, a connection dropped before or after the answer's headers, a body that broke off or
+went silent, or a 5xx answer. An answer whose body arrived whole is a success and resets the count (a caller that
+lets an answer go before its end says nothing either way). The n-th ejection in a row lasts n times the base
+(capped), and at most half of a server's instances are ever ejected at once, so a fault on the client's side (or
+one that hits every instance alike) cannot empty a server.
+
+An ejection ends on evidence, never on a change of the head's report alone:
+* its time runs out, and the instance is back on probation: its next call decides, a success ends the probation,
+  a failure ejects it again at once (for longer);
+* or, for an ejection by failures to connect, a head's probe made since saw the instance answer below 500. A probe
+  is evidence only of what it tests (a connection, and `GET /` below 500), so it never ends an ejection for
+  timeouts, drops, broken bodies or 5xx answers to calls: a wedged instance answers its `GET /` and still never
+  answers a POST.
 
 `http_client.outlier_detection` in the global config sets the policy (every key has a default).
 """
@@ -46,11 +55,15 @@ def record_failure(
     instances: tuple[Instance, ...],
     reason: str,
     now: float,
+    connect: bool = False,
 ) -> bool:
-    """Count one failure of `instance`; returns whether this one ejected it (then the route must refresh)."""
+    """Count one failure of `instance` (`connect`: nothing took the connection); returns whether this one ejected
+    it (then the route must refresh). An instance on probation is ejected at its first failure."""
     instance.consecutive_failures += 1
     instance.last_failure = reason
-    if instance.consecutive_failures < policy.consecutive_failures or instance.ejected(now):
+    if instance.ejected(now):
+        return False
+    if not instance.on_probation and instance.consecutive_failures < policy.consecutive_failures:
         return False
     ejected = sum(1 for other in instances if other.ejected(now))
     if ejected + 1 > int(len(instances) * policy.max_ejected_fraction):
@@ -61,6 +74,8 @@ def record_failure(
     seconds = policy.ejection_seconds(instance.ejection_level)
     instance.ejected_until = now + seconds
     instance.ejected_checked_at = instance.checked_at
+    instance.ejected_for_connect = connect
+    instance.on_probation = False
     instance.ejections += 1
     instance.alive = False
     logger.warning(
@@ -83,14 +98,29 @@ def end_ejection(server_name: str, instance: Instance, now: float, why: str) -> 
     instance.ejected_until = 0.0
     instance.consecutive_failures = 0
     instance.last_ejection_ended = now
+    instance.on_probation = True
     logger.info("instance %s of %s returns to rotation (%s)", instance.instance_id, server_name, why)
 
 
+def succeeded(server_name: str, instance: Instance) -> None:
+    """A call of `instance` ended well (its answer whole): a run of failures ends, and so does a probation."""
+    instance.consecutive_failures = 0
+    if instance.on_probation:
+        instance.on_probation = False
+        logger.info("instance %s of %s passed its probation (a call succeeded)", instance.instance_id, server_name)
+
+
 def ejection_over(instance: Instance, now: float) -> str | None:
-    """Why an ejected instance may return now (its time is up, or the head probed it successfully since it was
-    ejected), or None while it stays out."""
+    """Why an ejected instance may return now (its time is up; or, ejected for failures to connect, a head's
+    probe since connected and was answered below 500), or None while it stays out. A report that changed for any
+    other reason (another instance relabelled, a probe that got a 5xx) is no evidence."""
     if instance.ejected_until <= now:
         return "its ejection ended; on probation"
-    if instance.status == "success" and instance.checked_at != instance.ejected_checked_at:
-        return "the head's probe answered since it was ejected; on probation"
+    if (
+        instance.ejected_for_connect
+        and instance.status == "success"
+        and instance.http_status < 500
+        and instance.checked_at != instance.ejected_checked_at
+    ):
+        return "the head's probe connected since it was ejected; on probation"
     return None

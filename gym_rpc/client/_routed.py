@@ -5,6 +5,7 @@ and tells the route how the call ended (gym_rpc.client._routing)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -56,6 +57,9 @@ async def send_routed(
     refused connection (the resend loop asks `call.reroute`), and tells the route how it ended."""
     call = RoutedCall(route, keys[0], url_path, keys[1])
     base = call.instance.url
+    timeout = kwargs.get("timeout")
+    total = (timeout if isinstance(timeout, aiohttp.ClientTimeout) else session.timeout).total
+    deadline = monotonic() + total if total else None  # where a body still arriving is the instance's timeout
     try:
         if TRACING.enabled or METRICS.enabled:
             observed = metered_send if METRICS.enabled else traced_send
@@ -84,5 +88,5 @@ async def send_routed(
     except BaseException as error:
         call.failed(error)
         raise
-    call.answered(response)
+    call.answered(response, deadline)
     return response

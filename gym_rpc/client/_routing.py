@@ -11,14 +11,16 @@ call goes to, and where it goes next when that one fails.
   carrying two keys makes them one (the session's instance wins: it holds the session's state), an answer that
   opens a session pins it with the call's rollout, and moving the pin moves every key with it.
 * A call of no rollout goes to the less loaded of two random instances that take new work.
-* A failed attempt counts against its instance (gym_rpc.client._outliers); a refused connection, or any resent
-  call of no rollout, moves to another instance not tried yet by that call.
+* A failed attempt counts against its instance (gym_rpc.client._outliers): refused, timed out, dropped, a 5xx, or
+  a body that broke off once the caller read it; a refused connection, or any resent call of no rollout, moves to
+  another instance not tried yet by that call.
 
 Names with one instance have no route: `ServerClient.request` takes its old path for them, at its old cost.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -45,6 +47,7 @@ from gym_rpc.client._outliers import (
     ejection_over,
     end_ejection,
     record_failure,
+    succeeded,
 )
 from gym_rpc.client._picker import heaviest, slot_of, two_choices
 from gym_rpc.config import url_authority
@@ -78,11 +81,29 @@ def _failure_text(error: BaseException) -> str:
         return "connection refused"
     if isinstance(error, aiohttp.ClientConnectorError):
         return f"cannot connect: {error.os_error.strerror or type(error.os_error).__name__}"
+    if isinstance(error, TimeoutError):
+        return "no answer in time"
     return type(error).__name__
 
 
-# Errors that say the instance failed (counted towards its ejection); a timeout or a cancelled call says nothing.
-_INSTANCE_FAILURES = (aiohttp.ClientConnectionError, ServerUnreachableError)
+def _is_connect_failure(error: BaseException) -> bool:
+    """Nothing took the connection (refused, unreachable, no connection in time): what the head's probe tests."""
+    return isinstance(
+        error, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError | ServerUnreachableError
+    )
+
+
+# Errors that say the instance failed the call (counted towards its ejection): it refused, dropped or never
+# answered (a timeout: a wedged instance answers its probes and nothing else). A cancelled call says nothing.
+_INSTANCE_FAILURES = (aiohttp.ClientConnectionError, ServerUnreachableError, TimeoutError)
+# What a body that did not arrive whole was cut off by, on the instance's side (a caller that let the answer go
+# leaves aiohttp's plain "Connection closed", which says nothing of the instance).
+_BODY_FAILURES = (
+    aiohttp.ClientPayloadError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+    aiohttp.ServerTimeoutError,
+)
 
 
 class Pin:
@@ -328,11 +349,28 @@ class ServerRoute:
     def failed(self, instance: Instance, error: BaseException) -> None:
         # NoHealthyInstanceError is the route's own word (a failover found nowhere to go), not the instance's.
         if isinstance(error, _INSTANCE_FAILURES) and not isinstance(error, NoHealthyInstanceError):
-            self.failed_with(instance, _failure_text(error))
+            self.failed_with(instance, _failure_text(error), _is_connect_failure(error))
 
-    def failed_with(self, instance: Instance, reason: str) -> None:
-        if record_failure(self.policy, self.name, instance, self.instances, reason, _monotonic()):
+    def failed_with(self, instance: Instance, reason: str, connect: bool = False) -> None:
+        if record_failure(self.policy, self.name, instance, self.instances, reason, _monotonic(), connect):
             self.refresh()
+
+    def succeeded(self, instance: Instance) -> None:
+        succeeded(self.name, instance)
+
+    def body_ended(self, instance: Instance, response: aiohttp.ClientResponse, deadline: float | None) -> None:
+        """The answer's connection was let go (aiohttp's connection callback): a body read whole is a success; one
+        cut off by the instance (a reset, a broken chunk, a silent socket) or still arriving at the call's
+        deadline is a failure; one the caller let go early says nothing."""
+        content = response.content
+        if content.is_eof():
+            self.succeeded(instance)
+            return
+        error = content.exception()
+        if isinstance(error, _BODY_FAILURES):
+            self.failed_with(instance, f"its answer's body broke off ({type(error).__name__})")
+        elif deadline is not None and _monotonic() >= deadline:
+            self.failed_with(instance, "its answer's body did not arrive in time")
 
     def learn_session(self, response: aiohttp.ClientResponse, instance: Instance, pin: Pin | None) -> None:
         """Pin the NeMo Gym session the answer opened (a session cookie named for this server in its Set-Cookie)
@@ -371,7 +409,7 @@ class RoutedCall:
     `+= 1` from two of them at once could lose one (a count off for good skews every later two-choices pick).
     Only replicated calls come here; a server of one instance takes no lock."""
 
-    __slots__ = ("instance", "key", "path", "pin", "route", "session", "tried")
+    __slots__ = ("counted", "instance", "key", "path", "pin", "route", "session", "tried")
 
     def __init__(self, route: ServerRoute, key: str | None, path: str, session: str | None = None) -> None:
         self.route = route
@@ -379,6 +417,7 @@ class RoutedCall:
         self.session = session
         self.path = path
         self.tried: tuple[Instance, ...] = ()
+        self.counted = 0  # the attempts whose failure `reroute` counted: the call's end counts none twice
         if key is None and session is None:
             self.pin: Pin | None = None
             self.instance = instance = route.pick(None)
@@ -394,6 +433,7 @@ class RoutedCall:
         connection, or for a call of no rollout; the same one for a rollout whose instance is still alive."""
         route, old, pin = self.route, self.instance, self.pin
         route.failed(old, error)
+        self.counted = len(self.tried) + 1
         self.tried += (old,)
         if pin is None:
             new = route.other(self.tried)
@@ -412,14 +452,20 @@ class RoutedCall:
         self.instance = new
         return new.url + self.path
 
-    def answered(self, response: aiohttp.ClientResponse) -> None:
+    def answered(self, response: aiohttp.ClientResponse, deadline: float | None = None) -> None:
+        """The answer's headers came: a 5xx is a failure; any other answer succeeds once its body is read whole
+        (told by its connection's release: `ServerRoute.body_ended`), or at once when it came whole already."""
         instance = self.instance
         with self.route.lock:
             instance.in_flight -= 1
         if response.status >= 500:
             self.route.failed_with(instance, f"HTTP {response.status}")
             return
-        instance.consecutive_failures = 0  # a success ends a run of failures (gym_rpc.client._outliers)
+        connection = response.connection
+        if connection is None:  # no body, or all of it read with the headers: the connection is free already
+            self.route.succeeded(instance)
+        else:
+            connection.add_callback(functools.partial(self.route.body_ended, instance, response, deadline))
         # A call that carried no session may have opened one (a NeMo Gym server sets its cookie on every answer;
         # a call carrying one keeps it): pinned with the call's rollout.
         if self.session is None and "Set-Cookie" in response.headers:
@@ -429,9 +475,13 @@ class RoutedCall:
                 logger.debug("cannot read the session cookie of an answer", exc_info=True)
 
     def failed(self, error: BaseException) -> None:
+        """The call ended in `error`: counted against its instance unless `reroute` counted that attempt already
+        (a call given up on after its failover was chosen: no attempt reached the new instance)."""
         with self.route.lock:
             self.instance.in_flight -= 1
-        self.route.failed(self.instance, error)
+        attempts = getattr(error, "attempts", None)
+        if attempts is None or attempts > self.counted:
+            self.route.failed(self.instance, error)
 
 
 # Every live Routing of the process, for the worker metrics' per-instance counts.
@@ -472,7 +522,13 @@ class Routing:
                     first = route.instances[0]
                     route.update(
                         [
-                            InstanceState(first.instance_id, first.url, report.status, report.checked_at),
+                            InstanceState(
+                                first.instance_id,
+                                first.url,
+                                report.status,
+                                report.checked_at,
+                                http_status=report.http_status,
+                            ),
                             *(_state_of(instance) for instance in route.instances[1:]),
                         ]
                     )
@@ -530,4 +586,5 @@ def _state_of(instance: Instance) -> InstanceState:
         None,
         instance.registration,
         instance.origin,
+        instance.http_status,
     )

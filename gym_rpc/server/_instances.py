@@ -130,13 +130,26 @@ def _why_no_work(instances: Sequence[InstanceReport]) -> str:
 
 def watched(report: StatusReport) -> tuple[object, ...]:
     """What status watches follow of a server's report: a change of any of it is one revision. Latencies, probe
-    times and failure details move with every probe and are no change."""
+    times and failure details move with every probe and are no change; whether a probe's answer was a 5xx is one
+    (a client's ejection of an instance ends on a probe answered below 500, never on a 5xx: gym_rpc.client's
+    _outliers), its exact code is not."""
     return (
         report.status,
         report.registration,
         report.advertised_url,
         tuple(
-            (i.instance_id, i.url, i.status, i.registration, i.draining, i.labels, i.origin, i.pid, i.start_time)
+            (
+                i.instance_id,
+                i.url,
+                i.status,
+                i.http_status >= 500,
+                i.registration,
+                i.draining,
+                i.labels,
+                i.origin,
+                i.pid,
+                i.start_time,
+            )
             for i in report.instances
         ),
     )
