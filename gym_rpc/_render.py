@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import yaml
@@ -20,6 +20,8 @@ from gym_rpc.wire import InstanceReport, ServerInstance, StatusReport
 OutputFormat = Literal["table", "json", "jsonl", "yaml"]
 OUTPUT_FORMATS: tuple[OutputFormat, ...] = ("table", "json", "jsonl", "yaml")
 TABLE_COLUMNS = ("NAME", "TYPE", "URL", "STATUS", "HTTP", "LATENCY", "LAST CHECKED", "PID", "UPTIME")
+# `status -o wide`: a line per instance, with what its registration says (labels) and what its process reported.
+WIDE_COLUMNS = (*TABLE_COLUMNS, "LABELS", "IN FLIGHT")
 UP = "success"
 PENDING = "pending"  # shown for a server the head has not probed yet
 _STATUS_STYLES = {UP: "green", PENDING: "yellow"}
@@ -189,6 +191,60 @@ def format_status_table(
     apart, no trailing spaces. ANSI colours only when `color`."""
     moment = time.time() if now is None else now
     return _table(reports, instances, moment).render(color=color)
+
+
+def labels_text(labels: Mapping[str, str]) -> str:
+    """`key=value` pairs, comma-separated and sorted by key; "-" for none."""
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items())) or "-"
+
+
+def format_wide_table(
+    reports: Sequence[StatusReport],
+    instances: Iterable[ServerInstance],
+    *,
+    now: float | None = None,
+    color: bool = False,
+) -> str:
+    """`status -o wide`: the status table with LABELS and IN FLIGHT, and a line per instance for every server (a
+    server of one instance too: its line is the server's, under its name)."""
+    moment = time.time() if now is None else now
+    table = Table()
+    for column in WIDE_COLUMNS:
+        table.add_column(column)
+    rows = by_name(instances)
+    for report in reports:
+        found = rows.get(report.server_name, [])
+        server_type = found[0].server_type if found else "-"
+        by_id = {row.instance_id: row for row in found}
+        members = report.instances or (InstanceReport(instance_id="", url=report.url, status=report.status),)
+        if len(members) > 1:
+            up, total = instances_up(report), len(members)
+            style = "green" if up == total else "yellow" if up else "red"
+            flights = sum(row.in_flight for row in found)
+            table.add_row(
+                report.server_name,
+                server_type,
+                report.url,
+                f"[{style}]{up}/{total} up[/]",
+                *["-"] * 6,
+                str(flights),
+            )
+        for instance in members:
+            text = instance.status or PENDING
+            shown = f"{text} (draining)" if instance.draining else text
+            style = "yellow" if instance.draining else _STATUS_STYLES.get(text, "red")
+            row = by_id.get(instance.instance_id)
+            first = len(members) == 1
+            table.add_row(
+                report.server_name if first else f"  {instance.instance_id}",
+                server_type if first else instance.origin or "-",
+                instance.url,
+                f"[{style}]{shown}[/]",
+                *_instance_cells(instance, moment),
+                labels_text(instance.labels),
+                str(row.in_flight) if row is not None and instance.registration == "registered" else "-",
+            )
+    return table.render(color=color)
 
 
 def summary_line(reports: Sequence[StatusReport], allowed_down: Iterable[str] = ()) -> str:

@@ -15,7 +15,8 @@ import importlib.util
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +65,7 @@ from gym_rpc.config import (
     url_host,
 )
 from gym_rpc.errors import ConfigError, ControlPlaneError, GymRpcError, HeadUnreachableError, UnknownServerError
-from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, ServerInstance, StatusReport, WatchEvent
+from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, InstanceReport, ServerInstance, StatusReport, WatchEvent
 
 if TYPE_CHECKING:
     from gym_rpc.server import HeadServer
@@ -80,6 +81,7 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell shows for a command whose 
 DEFAULT_HEAD = "127.0.0.1:11000"
 DEFAULT_WAIT_TIMEOUT_SECONDS = 300.0
 OUTPUT_FORMATS = ("table", "json", "jsonl", "yaml")
+STATUS_FORMATS = (*OUTPUT_FORMATS, "wide")  # wide: the table with labels and calls in flight, a line per instance
 CONFIG_FORMATS = ("yaml", "json", "jsonl")
 
 # How often `status --watch` (table) and `wait` hear from the head while nothing changes: the table's LAST CHECKED
@@ -294,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     status = command("status", "show every server's status (or the named ones'); exit 1 when one is not up")
     status.add_argument("servers", nargs="*", metavar="NAME", help="only these servers (none: every server)")
     _add_head_flags(status)
-    _add_output_flag(status, OUTPUT_FORMATS, "table")
+    _add_output_flag(status, STATUS_FORMATS, "table")
     status.add_argument("--watch", action="store_true", help="redraw on every change until Ctrl-C")
     status.add_argument(
         "--max-wait",
@@ -320,6 +322,21 @@ def build_parser() -> argparse.ArgumentParser:
         parse=positive_float,
         metavar="S",
         help="give up after this many seconds",
+    )
+    wait.add_argument(
+        "--instances",
+        type=_positive_int,
+        metavar="N",
+        help="wait until each server has at least N instances up (answering, not draining; with --label: "
+        "carrying the label)",
+    )
+    wait.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        type=_label_selector,
+        metavar="KEY=VALUE",
+        help="count only instances with this label (repeat: all of them); without --instances, one is enough",
     )
     _add_head_flags(wait, call_timeout=False)
     _add_output_flag(wait, OUTPUT_FORMATS, "table")
@@ -353,6 +370,13 @@ def build_parser() -> argparse.ArgumentParser:
     completion = command("completion", "print a shell completion script (eval it in your shell's rc file)")
     completion.add_argument("shell", choices=("bash", "zsh", "tcsh"), help="the shell")
     return parser
+
+
+def _label_selector(text: str) -> tuple[str, str]:
+    key, equals, value = text.partition("=")
+    if not equals or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
+    return key.strip(), value.strip()
 
 
 def _positive_int(text: str) -> int:
@@ -643,10 +667,11 @@ def _not_up(reports: Sequence[StatusReport], exempt: Sequence[str] = ()) -> list
 def _print_statuses(
     reports: Sequence[StatusReport], instances: Sequence[ServerInstance], output: str, exempt: Sequence[str]
 ) -> None:
-    from gym_rpc._render import format_status_table, render_rows, status_rows, summary_line
+    from gym_rpc._render import format_status_table, format_wide_table, render_rows, status_rows, summary_line
 
-    if output == "table":
-        print(format_status_table(reports, instances, color=sys.stdout.isatty()))
+    if output in ("table", "wide"):
+        draw = format_wide_table if output == "wide" else format_status_table
+        print(draw(reports, instances, color=sys.stdout.isatty()))
         print(summary_line(reports, exempt))
     else:
         print(render_rows(status_rows(reports, instances), output))  # type: ignore[arg-type]
@@ -696,7 +721,7 @@ def _watch_status(client: SyncControlClient, args: argparse.Namespace) -> int:
     """
     from gym_rpc._render import render_document, status_rows
 
-    table = args.output == "table"
+    table = args.output in ("table", "wide")
     terminal = sys.stdout.isatty()
     _require_known(args.allow_down, client.list_server_statuses().reports, "--allow-down")  # fails fast too
     heartbeat = WATCH_REFRESH_SECONDS if table else None
@@ -708,7 +733,7 @@ def _watch_status(client: SyncControlClient, args: argparse.Namespace) -> int:
             if terminal:
                 print("\x1b[H\x1b[2J", end="")
             print(f"revision {event.revision}")
-            _print_statuses(reports, instances, "table", args.allow_down)
+            _print_statuses(reports, instances, args.output, args.allow_down)
         else:
             document = {"revision": event.revision, "kind": event.kind, "servers": status_rows(reports, instances)}
             print(render_document(document, "jsonl" if args.output == "json" else args.output), flush=True)
@@ -724,6 +749,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     client = _client(args, DEFAULT_TIMEOUT_SECONDS)
     progress = _WaitProgress(args.timeout, deadline)
+    need = WaitNeed(args.instances, dict(args.label))
     reports: dict[str, StatusReport] = {}
     try:
         for event in watch_events(client, heartbeat_seconds=WATCH_REFRESH_SECONDS, deadline=deadline):
@@ -732,11 +758,11 @@ def cmd_wait(args: argparse.Namespace) -> int:
                 _require_known(args.servers, event.reports, "wait")
             reports.update((r.server_name, r) for r in event.reports)
             watched = [r for name, r in reports.items() if not args.servers or name in args.servers]
-            if not _not_up(watched):
+            if not need.waiting_for(watched):
                 progress.done()
                 _print_wait_result(watched, client, args.output)
                 return EXIT_OK
-            progress.show(_not_up(watched))
+            progress.show(need.waiting_for(watched))
             if time.monotonic() >= deadline:
                 break
     except HeadUnreachableError:
@@ -745,10 +771,48 @@ def cmd_wait(args: argparse.Namespace) -> int:
             raise
     progress.done()
     watched = [r for name, r in reports.items() if not args.servers or name in args.servers]
-    down = _not_up(watched)
-    print(f"gym-rpc wait: timed out after {args.timeout:g}s; {summary_line(watched)}", file=sys.stderr)
+    down = need.waiting_for(watched)
+    missing = f"; waiting for {', '.join(down)}" if down and need.counts_instances else ""
+    print(f"gym-rpc wait: timed out after {args.timeout:g}s; {summary_line(watched)}{missing}", file=sys.stderr)
     _print_wait_result(watched, client, args.output)
     return EXIT_DOWN if down else EXIT_OK
+
+
+@dataclass(frozen=True)
+class WaitNeed:
+    """What `wait` waits for: every server up (the default), or at least `instances` instances of each up and not
+    draining, counting only those carrying every label of `labels`."""
+
+    instances: int | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def counts_instances(self) -> bool:
+        return self.instances is not None or bool(self.labels)
+
+    def ready_instances(self, report: StatusReport) -> int:
+        members = report.instances or (InstanceReport(instance_id="", url=report.url, status=report.status),)
+        return sum(
+            1
+            for i in members
+            if i.status == "success"
+            and not i.draining
+            and all(i.labels.get(k) == v for k, v in self.labels.items())
+        )
+
+    def waiting_for(self, reports: Sequence[StatusReport]) -> list[str]:
+        """Each server not there yet, with why: `name (status)`, or `name (1/4 instances up with k=v)`."""
+        if not self.counts_instances:
+            return [f"{r.server_name} ({r.status or 'pending'})" for r in _not_up(reports)]
+        need = self.instances or 1
+        with_labels = (
+            f" with {','.join(f'{k}={v}' for k, v in sorted(self.labels.items()))}" if self.labels else ""
+        )
+        return [
+            f"{r.server_name} ({ready}/{need} instances up{with_labels})"
+            for r in reports
+            if (ready := self.ready_instances(r)) < need
+        ]
 
 
 def _print_wait_result(reports: Sequence[StatusReport], client: SyncControlClient, output: str) -> None:
@@ -779,8 +843,8 @@ class _WaitProgress:
         sys.stderr.write(f"\r\x1b[2K{line}")  # back to the line's start, clear it, draw
         sys.stderr.flush()
 
-    def show(self, down: Sequence[StatusReport]) -> None:
-        names = ", ".join(f"{r.server_name} ({r.status or 'pending'})" for r in down)
+    def show(self, waiting: Sequence[str]) -> None:
+        names = ", ".join(waiting)
         if self._live:
             left = max(0.0, self._deadline - time.monotonic())
             self._draw(f"gym-rpc wait: waiting for {names} ({left:.0f}s left)")
