@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gym_rpc.client._control import SyncControlClient
 from tests.cli_helpers import LOOPBACK, run_cli, running_cli, running_head, threaded_http_server
-from tests.conftest import closed_port, document, server_entry
+from tests.conftest import document, server_entry
 from tests.test_cli import write_config
 from tests.test_replicas_cli import wait_for_instances
 
