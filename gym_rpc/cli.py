@@ -222,7 +222,14 @@ def _add_serving_flags(parser: argparse.ArgumentParser) -> None:
         "--max-watches",
         type=_positive_int,
         metavar="N",
-        help="status watches served at once; more get RESOURCE_EXHAUSTED (none: 512)",
+        help="status watches served at once; more get RESOURCE_EXHAUSTED (none: 16384)",
+    )
+    parser.add_argument(
+        "--max-watches-per-address",
+        type=_positive_int,
+        metavar="N",
+        help="status watches one client IP address may hold at once (every loopback address counts as one; health "
+        "watches have a pool of the same size); more get RESOURCE_EXHAUSTED (none: 1024)",
     )
     parser.add_argument(
         "--connection-idle",
@@ -576,6 +583,7 @@ def _max_watches(args: argparse.Namespace) -> dict[str, Any]:
     """The watch and connection bounds given on the command line (the rest keep HeadOptions' defaults)."""
     given = {
         "max_concurrent_watches": args.max_watches,
+        "max_watches_per_peer": args.max_watches_per_address,
         "watch_stall_seconds": args.watch_stall,
         "connection_idle_seconds": args.connection_idle,
     }

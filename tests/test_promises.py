@@ -132,7 +132,8 @@ def test_keepalive_and_ping_rules_are_the_documented_figures() -> None:
         "grpc.max_connection_age_grace_ms": 300_000,
         "grpc.so_reuseport": 0,
     }
-    assert HeadOptions().max_concurrent_watches == 512
+    assert (HeadOptions().max_concurrent_watches, HeadOptions().max_watches_per_peer) == (16384, 1024)
+    assert HeadOptions().max_connections == 16384
     assert HeadOptions().shutdown_grace_seconds == 0.5
     assert HeadOptions().handshake_timeout_seconds == 10.0
 
@@ -147,26 +148,30 @@ def test_the_port_is_not_shared_with_a_second_process() -> None:
                 intruder.bind((LOOPBACK, port))
 
 
-async def test_at_most_512_status_watches_per_head(head_factory) -> None:
-    """SECURITY.md: "at most 512 status watches per head (more get RESOURCE_EXHAUSTED)", with the default options:
-    512 watches on four connections (128 streams each) are served, the 513th is refused, unary calls still work.
-    All of them come from 127.0.0.1, so the per-address cap (128, tests/test_watch_limits.py) is raised here: this
-    test is about the head-wide one."""
-    head = await head_factory(document({}), max_watches_per_peer=1024)
-    assert head.options.max_concurrent_watches == 512  # the default
-    channels = [grpc.aio.insecure_channel(head.address, options=OWN_CONNECTION) for _ in range(5)]
+async def test_a_busy_nodes_watches_are_served_and_one_address_gets_at_most_1024(head_factory) -> None:
+    """SECURITY.md and docs/multi-host.md: with the default options a head serves 16,384 status watches, at most
+    1,024 per client address (every loopback address is one). A busy node's processes (256 and more, one watch
+    each) share one address and are all served; the 1,025th watch from that address is refused with
+    RESOURCE_EXHAUSTED naming the cap, and unary calls still work."""
+    head = await head_factory(document({}))
+    assert (head.options.max_concurrent_watches, head.options.max_watches_per_peer) == (16384, 1024)  # defaults
+    channels = [grpc.aio.insecure_channel(head.address, options=OWN_CONNECTION) for _ in range(9)]
+    watches = []
     try:
-        watches = [_watch_stream(channel) for channel in channels[:4] for _ in range(128)]
-        for watch in watches:
-            assert (await asyncio.wait_for(watch.read(), 20)).type == pb.WATCH_EVENT_TYPE_SNAPSHOT
+        for channel in channels[:8]:
+            batch = [_watch_stream(channel) for _ in range(128)]
+            for watch in batch:
+                assert (await asyncio.wait_for(watch.read(), 20)).type == pb.WATCH_EVENT_TYPE_SNAPSHOT
+            watches += batch
+        assert len(watches) == 1024 and head._servicer is not None and head._servicer.watches == 1024
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await asyncio.wait_for(_watch_stream(channels[4]).read(), 20)
+            await asyncio.wait_for(_watch_stream(channels[8]).read(), 20)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "512 status watches" in str(refused.value.details())
-        assert (await _list_statuses(channels[4])(pb.ListServerStatusesRequest(), timeout=10)).reports == []
+        assert "already holds 1024 status watches" in str(refused.value.details())
+        assert (await _list_statuses(channels[8])(pb.ListServerStatusesRequest(), timeout=10)).reports == []
+    finally:
         for watch in watches:
             watch.cancel()
-    finally:
         for channel in channels:
             await channel.close(None)
 

@@ -162,7 +162,7 @@ async def watch_once(head: HeadProcess, method: str) -> grpc.StatusCode:
 
 async def test_health_watches_are_capped_per_client_and_every_loopback_address_is_one(tmp_path: Path) -> None:
     config = write_config(tmp_path / "gym.yaml", {})
-    with running_head(config, "--watch-stall", "600") as head:
+    with running_head(config, "--watch-stall", "600", "--max-watches-per-address", "128") as head:
         # 128 per client address: spread over 127.0.0.1, 127.0.0.2 and 127.0.0.3, they are still one client.
         clients = [stalled_client(head, source) for source in ("127.0.0.1", "127.0.0.2", "127.0.0.3")]
         with contextlib.ExitStack() as stack:

@@ -17,7 +17,7 @@ from gym_rpc.client._control import ControlClient, WatchEvent
 from gym_rpc.errors import ControlPlaneError, GymRpcError
 from gym_rpc.server._head import HeadServer
 from gym_rpc.server._watch_slots import WatchSlots, peer_address
-from tests.cli_helpers import STARTUP_SECONDS, running_cli
+from tests.cli_helpers import STARTUP_SECONDS, running_cli, running_head
 from tests.conftest import document
 
 
@@ -107,3 +107,22 @@ async def test_status_watch_waits_for_a_free_slot_instead_of_giving_up(head_fact
 )
 def test_peer_address_drops_the_port(peer: str, address: str) -> None:
     assert peer_address(peer) == address
+
+
+async def test_the_cli_sets_the_per_address_cap(tmp_path) -> None:
+    """`gym-rpc head --max-watches-per-address N`: the N+1st watch from one address is refused naming N (before
+    it, only the Python API could raise or lower that cap)."""
+    config = tmp_path / "head.yaml"
+    config.write_text("head_server: {host: 127.0.0.1, port: 0}\n", encoding="utf-8")
+    with running_head(config, "--max-watches-per-address", "2") as head:
+        client = ControlClient(head.address, timeout_seconds=5.0)
+        held = [watch_stream(client) for _ in range(2)]
+        try:
+            for watch in held:
+                assert (await anext(watch)).kind == "snapshot"
+            with pytest.raises(ControlPlaneError, match="RESOURCE_EXHAUSTED") as caught:
+                await anext(watch_stream(client))
+            assert "already holds 2 status watches" in str(caught.value)
+        finally:
+            for watch in held:
+                await watch.aclose()

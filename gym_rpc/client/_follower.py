@@ -4,7 +4,9 @@ routes: the xDS idea (endpoints pushed, never looked up per call).
 One follower per head per process: a daemon thread with an event loop of its own runs a `StatusWatch` (which
 reconnects and resumes from its last revision by itself) and hands every snapshot and change to the routes of the
 clients that subscribed (a head that turns out to be NeMo Gym's HTTP head has no watch: nothing to follow).
-Workers' event loops never run any of it, and a call never waits on the head. The
+Workers' event loops never run any of it, and a call never waits on the head. It takes at most a tenth of a core
+over time (gym_rpc.client._cpu_budget): a head pushing a flood pauses it, and after a long pause it resumes from
+its revision, so it gets the latest state merged instead of every message that queued. The
 follower stops when its last client is gone (it looks at each event and each reconnect, and the watch asks for a
 heartbeat, so it looks at least that often), at `close_instance_followers()`, and at interpreter exit.
 """
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from gym_rpc.client._channel import close_aio_channels
 from gym_rpc.client._control import ControlClient
+from gym_rpc.client._cpu_budget import CpuBudget
 from gym_rpc.client._head_protocol import NEMO_GYM_HTTP, head_protocol
 from gym_rpc.client._watch import StatusWatch
 from gym_rpc.errors import ControlPlaneError
@@ -30,7 +33,7 @@ from gym_rpc.errors import ControlPlaneError
 if TYPE_CHECKING:
     from gym_rpc.client._routing import Routing
     from gym_rpc.client._security import ClientSecurity
-    from gym_rpc.wire import StatusReport
+    from gym_rpc.wire import StatusReport, WatchEvent
 
 logger = logging.getLogger("gym_rpc.client.replicas")
 
@@ -38,6 +41,10 @@ logger = logging.getLogger("gym_rpc.client.replicas")
 # client is gone.
 HEARTBEAT_SECONDS = 5.0
 _STOP_JOIN_SECONDS = 2.0
+# A follower over its CPU share pauses (gym_rpc.client._cpu_budget), at most this long at a time; after a pause
+# this long it resumes the watch from its revision instead of reading what queued meanwhile (the head merges it).
+MAX_PAUSE_SECONDS = 5.0
+RESUME_AFTER_PAUSE_SECONDS = 1.0
 
 
 class _NoClientsLeft(Exception):
@@ -99,23 +106,42 @@ class InstanceFollower:
 
     async def _follow(self) -> None:
         client = ControlClient(self.address, security=self._security)
-        watch = StatusWatch(client, heartbeat_seconds=HEARTBEAT_SECONDS, on_retry=self._retrying)
-        async for event in watch:
-            with self._lock:
-                subscribers = list(self._subscribers)
-                if event.kind == "snapshot":
-                    self._reports = {}
-                self._reports.update((report.server_name, report) for report in event.reports)
-                self.revision = event.revision
-            if not subscribers:
-                return
-            if self._outage_logged:
-                self._outage_logged = False
-                logger.info("following the instances of the head at %s again", self.address)
-            for routing in subscribers:
-                routing.apply_reports(event.reports)
-            if event.kind == "snapshot" and not self.first_snapshot.done():
-                self.first_snapshot.set_result(None)
+        budget = CpuBudget()  # made here: it reads this thread's CPU time
+        while True:
+            watch = StatusWatch(
+                client, start_revision=self.revision, heartbeat_seconds=HEARTBEAT_SECONDS, on_retry=self._retrying
+            )
+            async with contextlib.aclosing(watch.events()) as events:
+                async for event in events:
+                    if not self._apply(event):
+                        return
+                    pause = budget.pause()
+                    if pause > 0:
+                        # Over its share of the CPU: the head pushes more than this process should spend on it.
+                        await asyncio.sleep(min(pause, MAX_PAUSE_SECONDS))
+                        if pause >= RESUME_AFTER_PAUSE_SECONDS:
+                            break  # what queued meanwhile is stale: resume, and the head sends it merged
+                else:
+                    return
+
+    def _apply(self, event: WatchEvent) -> bool:
+        """Fold one event into what the follower knows and push it to every subscriber; False when none is left."""
+        with self._lock:
+            subscribers = list(self._subscribers)
+            if event.kind == "snapshot":
+                self._reports = {}
+            self._reports.update((report.server_name, report) for report in event.reports)
+            self.revision = event.revision
+        if not subscribers:
+            return False
+        if self._outage_logged:
+            self._outage_logged = False
+            logger.info("following the instances of the head at %s again", self.address)
+        for routing in subscribers:
+            routing.apply_reports(event.reports)
+        if event.kind == "snapshot" and not self.first_snapshot.done():
+            self.first_snapshot.set_result(None)
+        return True
 
     def _retrying(self, error: ControlPlaneError, pause: float) -> None:
         if not self._subscribers:

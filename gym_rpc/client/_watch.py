@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Generic, TypeVar
 
 import grpc
@@ -120,7 +120,12 @@ class SyncStatusWatch(_Watch[SyncControlClient]):
 class StatusWatch(_Watch[ControlClient]):
     """asyncio: `async for event in StatusWatch(client): ...`; `reports` and `revision` are the merged view."""
 
-    async def __aiter__(self) -> AsyncIterator[WatchEvent]:
+    def __aiter__(self) -> AsyncIterator[WatchEvent]:
+        return self.events()
+
+    async def events(self) -> AsyncGenerator[WatchEvent, None]:
+        """The events, as an async generator (for `contextlib.aclosing`: a caller that stops early closes its
+        stream at once)."""
         while True:
             stream = self._client.watch_server_statuses(
                 self.revision, heartbeat_seconds=self._heartbeat_seconds, timeout=self._stream_timeout()

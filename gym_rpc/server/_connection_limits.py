@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_HTTP_CONNECTIONS = 256
 DEFAULT_MAX_CONNECT_CONNECTIONS = 1024  # the Connect port: each open watch holds one
-DEFAULT_MAX_GRPC_CONNECTIONS = 4096  # the gRPC port (HeadOptions.max_connections)
+DEFAULT_MAX_GRPC_CONNECTIONS = 16384  # the gRPC port (HeadOptions.max_connections): a fleet's 10,000 followers
 MIN_GRPC_CONNECTIONS = 16
 HEALTH_PORT_CONNECTIONS = 64  # the plaintext health port (head_server.health_port): probes, not clients
 # Never given to any port's connections: the prober's probes (at most 100 at once), the health port's

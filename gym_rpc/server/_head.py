@@ -48,6 +48,7 @@ from gym_rpc.server._http_head import HttpHead
 from gym_rpc.server._instances import serves
 from gym_rpc.server._metrics_http import MetricsServer
 from gym_rpc.server._prober import StatusProber
+from gym_rpc.server._pushes import DEFAULT_MAX_DELAY_SECONDS, DEFAULT_QUIET_SECONDS, MAX_PUSH_DELAY_SECONDS
 from gym_rpc.server._registry import InstanceRegistry
 from gym_rpc.server._security import (
     CONNECTION_IDLE_SECONDS,
@@ -102,6 +103,10 @@ class HeadOptions:
     # Accept registrations without a token on a head bound beyond loopback (--open-registrations): off, such a
     # head refuses RegisterServerInstance and DeregisterServerInstance (SECURITY.md, "No open head").
     open_registrations: bool = False
+    # Status changes are pushed to watchers once nothing changed for this long, and never held longer than the max
+    # (gym_rpc.server._pushes): a storm of changes reaches each watcher as a few merged messages.
+    push_quiet_seconds: float = DEFAULT_QUIET_SECONDS
+    push_max_delay_seconds: float = DEFAULT_MAX_DELAY_SECONDS
 
     def __post_init__(self) -> None:
         """Refuse what would spin (a 0 interval), never end (nan, inf) or bind another port (70000 wraps)."""
@@ -110,6 +115,12 @@ class HeadOptions:
         checked_seconds(self.handshake_timeout_seconds, "HeadOptions.handshake_timeout_seconds")
         checked_seconds(self.watch_stall_seconds, "HeadOptions.watch_stall_seconds")
         checked_seconds(self.connection_idle_seconds, "HeadOptions.connection_idle_seconds")
+        for seconds, name in ((self.push_quiet_seconds, "quiet"), (self.push_max_delay_seconds, "max_delay")):
+            if not 0 <= seconds <= MAX_PUSH_DELAY_SECONDS:
+                raise ConfigError(
+                    f"HeadOptions.push_{name}_seconds must be between 0 and {MAX_PUSH_DELAY_SECONDS:g} s, "
+                    f"got {seconds}"
+                )
         checked_port(self.port, "the head port (--port)")
         checked_port(self.http_port, "the HTTP head port (--http-port)")
         checked_port(self.metrics_port, "the metrics port (--metrics-port)")
@@ -161,6 +172,8 @@ class HeadServer:
             history_size=options.watch_history_size,
             on_change=self._follow_health,
             default_max_age_seconds=options.status_max_age_seconds,
+            push_quiet_seconds=options.push_quiet_seconds,
+            push_max_delay_seconds=options.push_max_delay_seconds,
         )
         self.registry = InstanceRegistry(lambda: self.config.servers)  # RegisterServerInstance's instances
         self._server: grpc.aio.Server | None = None

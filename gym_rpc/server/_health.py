@@ -23,8 +23,8 @@ from gym_rpc.errors import quoted
 from gym_rpc.server._watch_slots import DEFAULT_STALL_SECONDS, WatchSlots, peer_address, write_all_or_drop
 
 MAX_LISTED_SERVICES = 10_000  # the proto lets a server refuse a list too long to send (RESOURCE_EXHAUSTED)
-DEFAULT_MAX_HEALTH_WATCHES = 512  # per head
-DEFAULT_MAX_HEALTH_WATCHES_PER_PEER = 128  # per client address
+DEFAULT_MAX_HEALTH_WATCHES = 16384  # per head (as status watches: gym_rpc.server._security)
+DEFAULT_MAX_HEALTH_WATCHES_PER_PEER = 1024  # per client address
 
 ServingStatus = Any  # health_pb2.HealthCheckResponse.ServingStatus (an int enum)
 Context = grpc.aio.ServicerContext[Any, Any]

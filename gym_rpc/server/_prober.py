@@ -33,6 +33,7 @@ from gym_rpc._version import __version__
 from gym_rpc.config import ServerEntry
 from gym_rpc.server import _events as events
 from gym_rpc.server._instances import InstanceTarget, server_report, targets_by_name, watched, with_probe
+from gym_rpc.server._pushes import DEFAULT_MAX_DELAY_SECONDS, DEFAULT_QUIET_SECONDS, Pushes
 from gym_rpc.wire import TRACEPARENT_HEADER, InstanceReport, ServerStatus, StatusReport
 
 logger = logging.getLogger(__name__)
@@ -168,6 +169,8 @@ class StatusProber:
         history_size: int = 1024,
         on_change: ChangeListener | None = None,
         default_max_age_seconds: float | None = None,
+        push_quiet_seconds: float = DEFAULT_QUIET_SECONDS,
+        push_max_delay_seconds: float = DEFAULT_MAX_DELAY_SECONDS,
     ) -> None:
         self.interval_seconds = interval_seconds
         self.probe_timeout_seconds = probe_timeout_seconds
@@ -192,6 +195,10 @@ class StatusProber:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._pending_servers = servers
+        # What watchers are told, and when: changes close together are pushed as one (gym_rpc.server._pushes).
+        self.pushes = Pushes(
+            lambda: self.revision, quiet_seconds=push_quiet_seconds, max_delay_seconds=push_max_delay_seconds
+        )
 
     async def start(self) -> None:
         self._session = new_probe_session()
@@ -202,6 +209,7 @@ class StatusProber:
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
+        self.pushes.close()
         for _, task in list(self._in_flight.values()):
             await cancel_and_wait(task)
         self._in_flight.clear()
@@ -256,18 +264,21 @@ class StatusProber:
     def report(self, name: str) -> StatusReport:
         return self._servers[name].report
 
-    def changes_since(self, revision: int) -> Changes:
-        """Everything a watcher at `revision` has not seen: the changed reports, or a compacted snapshot."""
-        if revision >= self.revision:
-            return Changes(self.revision, [], compacted=False)
+    def changes_since(self, revision: int, until: int | None = None) -> Changes:
+        """Everything a watcher at `revision` has not seen up to `until` (None: the current revision; a push's
+        revision, so every watcher at `revision` gets the same message): the changed reports (the latest of each
+        server), or a compacted snapshot of now when the history no longer reaches back to `revision`."""
+        top = self.revision if until is None else min(until, self.revision)
+        if revision >= top:
+            return Changes(top, [], compacted=False)
         oldest = self._history[0][0] if self._history else self.revision + 1
         if revision < oldest - 1:
             return Changes(self.revision, self.reports(), compacted=True)
         latest: dict[str, StatusReport] = {}
         for rev, report in self._history:
-            if rev > revision:
+            if revision < rev <= top:
                 latest[report.server_name] = report
-        return Changes(self.revision, list(latest.values()), compacted=False)
+        return Changes(top, list(latest.values()), compacted=False)
 
     async def wait_for_change(self, after_revision: int, timeout: float) -> bool:
         """Wait until the revision passes `after_revision`; False when `timeout` ran out first."""
@@ -395,6 +406,7 @@ class StatusProber:
         changed, self._next_change = self._next_change, None
         if changed is not None:
             changed.set_result(None)
+        self.pushes.changed()
 
     async def _notify(self, report: StatusReport | None, name: str) -> None:
         if self._on_change is not None:

@@ -49,8 +49,11 @@ logger = logging.getLogger(__name__)
 
 _BEARER_SCHEME = "bearer"
 MAX_CONCURRENT_STREAMS = 128  # per connection
-DEFAULT_MAX_CONCURRENT_WATCHES = 512  # per head, across all clients
-DEFAULT_MAX_WATCHES_PER_PEER = 128  # per client IP address: one client cannot take them all
+# A fleet: 10,000 follower processes (one watch each) on one head, with room to spare.
+DEFAULT_MAX_CONCURRENT_WATCHES = 16384  # per head, across all clients
+# Per client IP address: a busy node (256 processes, one watch each) stays far below it, and one client still
+# cannot take more than a sixteenth of the head's watches.
+DEFAULT_MAX_WATCHES_PER_PEER = 1024
 
 HANDSHAKE_TIMEOUT_SECONDS = 10.0  # the default of HeadOptions.handshake_timeout_seconds
 CONNECTION_IDLE_SECONDS = 30.0  # the default of HeadOptions.connection_idle_seconds

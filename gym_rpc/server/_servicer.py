@@ -184,7 +184,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             seen, message = feed.after(seen)
             if message is not None:
                 yield message
-            if not await self._head.prober.wait_for_change(seen, heartbeat):
+            if not await self._head.prober.pushes.wait(seen, heartbeat):
                 # The revision this stream has delivered: a resume from it misses nothing.
                 yield feed.heartbeat(seen)
 

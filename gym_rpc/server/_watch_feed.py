@@ -41,6 +41,11 @@ class ReportMessages:
             self._messages = {k: v for k, v in self._messages.items() if k in current}
         return messages
 
+    def of_changed(self, reports: list[StatusReport]) -> list[pb.ServerStatusReport]:
+        """Messages of some servers' reports (a change's): each report converted once, whatever number of
+        merged changes carry it."""
+        return [self._message(report) for report in reports]
+
     def _message(self, report: StatusReport) -> pb.ServerStatusReport:
         cached = self._messages.get(report.server_name)
         if cached is not None and cached[0] is report:  # reports are immutable: the same object, the same message
@@ -76,14 +81,17 @@ class WatchFeed:
         return revision, self._get(key, lambda: _snapshot(prober, self._reports, revision, compacted))
 
     def after(self, seen: int) -> tuple[int, Message | None]:
-        """What a watcher that has delivered `seen` must be sent (None: nothing), and the revision it reaches."""
+        """What a watcher that has delivered `seen` must be sent as of the last push (None: nothing), and the
+        revision it reaches. Every watcher at `seen` gets the one message of (`seen`, the pushed revision): a
+        watcher that fell behind gets the changes it missed merged, the latest report of each server."""
         prober = self._prober()
-        revision, version = prober.revision, prober.config_version
-        if seen >= revision:
-            return revision, None
-        return revision, self._get(
-            ("after", seen, revision, version), lambda: _changes(prober, self._reports, seen)
+        pushed, version = prober.pushes.revision, prober.config_version
+        if seen >= pushed:
+            return seen, None
+        message = self._get(
+            ("after", seen, pushed, version), lambda: _changes(prober, self._reports, seen, pushed)
         )
+        return message.revision, message
 
     def heartbeat(self, seen: int) -> Message:
         version = self._prober().config_version
@@ -127,15 +135,15 @@ def _snapshot(prober: StatusProber, reports: ReportMessages, revision: int, comp
     )
 
 
-def _changes(prober: StatusProber, reports: ReportMessages, seen: int) -> Message:
-    """The reports changed after `seen` (latest per server), or a compacted snapshot when history is gone. A
-    CHANGE without reports says the config version moved."""
-    changes = prober.changes_since(seen)
+def _changes(prober: StatusProber, reports: ReportMessages, seen: int, until: int) -> Message:
+    """The reports changed after `seen` up to `until` (latest per server), or a compacted snapshot when history is
+    gone. A CHANGE without reports says the config version moved."""
+    changes = prober.changes_since(seen, until)
     if changes.compacted:
         return _snapshot(prober, reports, changes.revision, compacted=True)
     return Message(
         type=pb.WATCH_EVENT_TYPE_CHANGE,
         revision=changes.revision,
-        reports=[convert.report_to_pb(r) for r in changes.reports],
+        reports=reports.of_changed(changes.reports),
         config_version=prober.config_version,
     )

@@ -1,0 +1,103 @@
+"""When the head pushes status changes to its watchers: changes that come close together go out as one message.
+
+Istio's idea (its debounce of config pushes): a change is pushed once nothing has changed for `quiet_seconds`,
+and never later than `max_delay_seconds` after the first change it holds, however the changes keep coming. A
+change after a quiet spell (nothing pushed for `quiet_seconds`) goes out at once, so a lone change (an instance
+dies) costs no delay. A storm of a thousand changes in a second thus reaches each watcher as a few merged messages,
+the last one `quiet_seconds` after the storm ends, and every watcher waiting on the same pushed revision gets the
+same message (gym_rpc.server._watch_feed builds and encodes it once).
+
+The prober tells `Pushes` of every revision it makes (`changed`, in its event loop, synchronously); watchers wait
+on `wait` and read `revision`, the last revision pushed. Timers are the loop's own (`call_later`), so nothing is
+left running when the loop ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+DEFAULT_QUIET_SECONDS = 0.05
+DEFAULT_MAX_DELAY_SECONDS = 0.5
+MAX_PUSH_DELAY_SECONDS = 10.0  # Istio's own upper bound: a change held longer is a stale view
+
+
+class Pushes:
+    """The revision watchers are told of (`revision`), which follows the prober's through the debounce."""
+
+    def __init__(
+        self,
+        current: Callable[[], int],
+        *,
+        quiet_seconds: float = DEFAULT_QUIET_SECONDS,
+        max_delay_seconds: float = DEFAULT_MAX_DELAY_SECONDS,
+    ) -> None:
+        self._current = current  # the prober's revision now
+        self.quiet_seconds = quiet_seconds
+        self.max_delay_seconds = max(quiet_seconds, max_delay_seconds)
+        self.revision = current()
+        self.pushed = 0  # pushes made (tests and the scale bench read it)
+        self._last_push = -float("inf")  # time.monotonic() of the last push
+        self._first_held = 0.0  # when the oldest change not pushed yet came
+        self._last_change = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._next: asyncio.Future[None] | None = None  # made by the first waiter, in its running loop
+
+    def changed(self) -> None:
+        """The prober made a revision: push it now (after a quiet spell), or hold it for the debounce."""
+        now = time.monotonic()
+        self._last_change = now
+        if self._timer is not None:
+            return  # held: the timer pushes it with the rest
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a prober driven synchronously): nobody waits, nothing to hold
+            self._push(now)
+            return
+        if now - self._last_push >= self.quiet_seconds:
+            self._push(now)
+            return
+        self._first_held = now
+        self._timer = loop.call_later(self.quiet_seconds, self._due)
+
+    def _due(self) -> None:
+        now = time.monotonic()
+        quiet_at = self._last_change + self.quiet_seconds
+        latest_at = self._first_held + self.max_delay_seconds
+        if now >= min(quiet_at, latest_at):
+            self._timer = None
+            self._push(now)
+            return
+        self._timer = asyncio.get_running_loop().call_later(min(quiet_at, latest_at) - now, self._due)
+
+    def _push(self, now: float) -> None:
+        self._last_push = now
+        revision = self._current()
+        if revision == self.revision:
+            return
+        self.revision = revision
+        self.pushed += 1
+        waiting, self._next = self._next, None
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
+
+    async def wait(self, after_revision: int, timeout: float) -> bool:
+        """Wait until a push passes `after_revision`; False when `timeout` ran out first."""
+        deadline = time.monotonic() + timeout
+        while self.revision <= after_revision:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            # Every watcher waits on the one future of the next push: no task or event waiter per watcher.
+            if self._next is None:
+                self._next = asyncio.get_running_loop().create_future()
+            await asyncio.wait((self._next,), timeout=remaining)
+        return True
+
+    def close(self) -> None:
+        """Push what is held now and stop the timer (the head stops)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            self._push(time.monotonic())

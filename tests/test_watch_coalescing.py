@@ -1,0 +1,137 @@
+"""Coalesced pushes on a real head: changes close together reach each watcher as one message (a debounce with an
+upper bound), encoded once for all of them, and a lone change still goes out at once."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+
+from gym_rpc.client._control import ControlClient
+from gym_rpc.server._head import HeadServer
+from gym_rpc.wire import WatchEvent
+from tests.conftest import LOOPBACK, document, server_entry
+
+NAME = "policy_model"
+WATCHERS = 20
+CHANGES = 200
+
+
+async def _relabel_storm(client: ControlClient, port: int, changes: int) -> float:
+    """`changes` registrations of one process at one address, each with new labels: each is one revision. The
+    seconds the storm took."""
+    started = time.monotonic()
+    for index in range(changes):
+        await client.register_instance(
+            NAME, listen_port=port, listen_host=LOOPBACK, pid=os.getpid(), labels={"step": str(index)}
+        )
+    return time.monotonic() - started
+
+
+async def _quiet(head: HeadServer) -> None:
+    """Until every revision is pushed and nothing has been pushed for the quiet time."""
+    pushes = head.prober.pushes
+    deadline = time.monotonic() + 30
+    while pushes.revision != head.prober.revision:
+        assert time.monotonic() < deadline, "the head never pushed its last revision"
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(pushes.quiet_seconds + 0.1)
+
+
+def _step(event: WatchEvent) -> str | None:
+    """The `step` label the registered instance carries in this event, if the event reports it."""
+    for report in event.reports:
+        for instance in report.instances:
+            if instance.labels.get("step") is not None:
+                return instance.labels["step"]
+    return None
+
+
+async def _events_until(stream: object, last_step: str, timeout: float) -> list[WatchEvent]:
+    """A watcher's change events until it reports `last_step`."""
+    events: list[WatchEvent] = []
+    deadline = time.monotonic() + timeout
+    async for event in stream:  # type: ignore[attr-defined]
+        if event.kind != "heartbeat":
+            events.append(event)
+        if _step(event) == last_step:
+            return events
+        assert time.monotonic() < deadline, f"the watcher never heard step {last_step}"
+    raise AssertionError("the watch ended")
+
+
+async def test_a_storm_of_changes_reaches_each_watcher_as_a_few_merged_messages(head_factory, http_server):
+    replica = await http_server()
+    head: HeadServer = await head_factory(document({NAME: server_entry(await http_server())}))
+    client = ControlClient(head.address)
+    streams = [client.watch_server_statuses(heartbeat_seconds=60) for _ in range(WATCHERS)]
+    try:
+        firsts = await asyncio.gather(*(asyncio.wait_for(anext(s), 10) for s in streams))
+        assert {event.kind for event in firsts} == {"snapshot"}
+        assert head._servicer is not None
+        feed, pushes = head._servicer.watch_feed, head.prober.pushes
+        encoded, pushed, revision = feed.encoded, pushes.pushed, head.prober.revision
+
+        heard = asyncio.gather(*(_events_until(s, str(CHANGES - 1), 60) for s in streams))
+        seconds = await _relabel_storm(client, replica, CHANGES)
+        per_watcher = await asyncio.wait_for(heard, 60)
+    finally:
+        for stream in streams:
+            await stream.aclose()
+
+    assert head.prober.revision - revision >= CHANGES  # every registration was a revision of its own
+    # A push at the storm's first change, one at least every max delay while it lasts, one after it ends (and a
+    # probe result may land in between).
+    most = 3 + math.ceil(seconds / pushes.max_delay_seconds)
+    counts = [len(events) for events in per_watcher]
+    assert max(counts) <= most, (counts, seconds)
+    assert {events[-1].revision for events in per_watcher} == {pushes.revision}
+    # Each push was encoded once for all twenty watchers: a message per watcher would be twenty times as many.
+    assert feed.encoded - encoded <= pushes.pushed - pushed + 2, (feed.encoded - encoded, pushes.pushed - pushed)
+
+
+async def test_a_lone_change_is_pushed_at_once(head_factory, http_server):
+    """After a quiet spell a change is not held for the debounce: it is pushed as it is made (before the
+    registration that made it returns), and the watcher hears it."""
+    replica = await http_server()
+    head = await head_factory(
+        document({NAME: server_entry(await http_server())}),
+        push_quiet_seconds=2.0,
+        push_max_delay_seconds=10.0,
+        probe_interval_seconds=3600.0,
+    )
+    client = ControlClient(head.address)
+    stream = client.watch_server_statuses(heartbeat_seconds=60)
+    try:
+        await asyncio.wait_for(anext(stream), 10)
+        await _quiet(head)  # a quiet spell: nothing pushed for the quiet time
+        await _relabel_storm(client, replica, 1)
+        assert head.prober.pushes.revision == head.prober.revision  # pushed, not held
+        events = await asyncio.wait_for(_events_until(stream, "0", 30), 30)
+    finally:
+        await stream.aclose()
+    assert [event.kind for event in events] == ["change"]
+
+
+async def test_changes_after_a_push_are_held_until_quiet_then_merged(head_factory, http_server):
+    """Two changes right after a push: held until nothing changed for the quiet time, then one merged message
+    carrying the later one."""
+    replica = await http_server()
+    head = await head_factory(
+        document({NAME: server_entry(await http_server())}),
+        push_quiet_seconds=0.5,
+        push_max_delay_seconds=5.0,
+        probe_interval_seconds=3600.0,
+    )
+    client = ControlClient(head.address)
+    stream = client.watch_server_statuses(heartbeat_seconds=60)
+    try:
+        await asyncio.wait_for(anext(stream), 10)
+        await _quiet(head)
+        await _relabel_storm(client, replica, 3)  # the first goes out at once; the next two are held
+        assert head.prober.pushes.revision < head.prober.revision
+        events = await asyncio.wait_for(_events_until(stream, "2", 30), 20)
+    finally:
+        await stream.aclose()
+    assert [_step(event) for event in events] == ["0", "2"]
