@@ -428,19 +428,19 @@ def test_loops_in_other_threads_share_the_budget_and_are_woken_when_a_slot_frees
     results: dict[str, Any] = {}
 
     async def hold_both_then_release() -> None:
-        assert await budget.acquire(floor, 1) and await budget.acquire(floor, 1)
+        assert await budget.acquire("judge", floor, 1) and await budget.acquire("judge", floor, 1)
         holding.set()
         await asyncio.sleep(0.3)
-        budget.release()
+        budget.release("judge")
 
     def other_thread() -> None:
         async def wait_for_one() -> None:
             holding.wait(10)
             started = time.monotonic()
-            results["timed_out"] = not await budget.acquire(floor, 0.05)  # both held: times out
-            results["got"] = await budget.acquire(floor, 10)  # woken by the release in the other thread
+            results["timed_out"] = not await budget.acquire("judge", floor, 0.05)  # both held: times out
+            results["got"] = await budget.acquire("judge", floor, 10)  # woken by the release in the other thread
             results["waited"] = time.monotonic() - started
-            budget.release()
+            budget.release("judge")
 
         asyncio.run(wait_for_one())
 
@@ -451,7 +451,7 @@ def test_loops_in_other_threads_share_the_budget_and_are_woken_when_a_slot_frees
     assert results["timed_out"] is True and results["got"] is True
     assert 0.1 < results["waited"] < 5.0
     assert (budget.held, budget.waiting) == (1, 0)  # the first loop holds one; the timed-out waiter took none
-    budget.release()
+    budget.release("judge")
 
 
 # --- the replicas hook -------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """The failure path of a data-plane call: `send` (gym_rpc.client._http) hands its first failed attempt here.
 
 Each failure is classified (gym_rpc.client._failures) and resent while its kind's budget (`RetryPolicy`) allows,
-after a jittered exponential pause, with one of the client's resend slots (gym_rpc.client._resend_budget) held
-during the pause. The call's own deadline (aiohttp's `total`, which aiohttp applies per attempt) bounds the whole:
-every resend gets only the time left. When nothing more may be tried, the call fails with a ResendsExhaustedError
+after a jittered exponential pause, with one of its server's resend slots (gym_rpc.client._resend_budget) held
+during the pause; a failover to an instance not tried since the last pause goes out at once and takes no slot.
+The call's own deadline (aiohttp's `total`, which aiohttp applies per attempt) bounds the whole: every resend gets
+only the time left. When nothing more may be tried, the call fails with a ResendsExhaustedError
 naming the server, the URL, the kind, the attempts, the time spent and what ran out.
 
 Nothing here runs while calls succeed at their first attempt.
@@ -171,18 +172,20 @@ class _FailingCall:
             raise self.given_up(error, kind, attempts, "time" if ends == kind_ends else "deadline")
         if self.deadline is not None and now + 2 * pause > self.deadline:
             raise self.given_up(error, kind, attempts, "deadline")
-        if not await RESEND_BUDGET.acquire(self.retry.client_budget, ends - pause - now):
-            held, in_flight, waiting = RESEND_BUDGET.snapshot()
-            detail = (
-                f"{held} resend slot(s) held, {in_flight} first attempt(s) in flight, {waiting} call(s) waiting; "
-                f"http_client.retry.client_budget allows {self.retry.client_budget.slots(in_flight)}"
-            )
-            raise self.given_up(error, kind, attempts, "client budget", detail)
-        try:
-            if pause:
+        if pause:  # a failover to an instance not tried since the last pause goes out at once, taking no slot
+            server_name = self.server_name
+            if not await RESEND_BUDGET.acquire(server_name, self.retry.client_budget, ends - pause - now):
+                held, in_flight, waiting = RESEND_BUDGET.snapshot(server_name)
+                detail = (
+                    f"{held} resend slot(s) of this server's held, {in_flight} first attempt(s) in flight, "
+                    f"{waiting} call(s) of this server's waiting; http_client.retry.client_budget allows "
+                    f"{self.retry.client_budget.slots(in_flight)} per server"
+                )
+                raise self.given_up(error, kind, attempts, "client budget", detail)
+            try:
                 await asyncio.sleep(pause)
-        finally:
-            RESEND_BUDGET.release()
+            finally:
+                RESEND_BUDGET.release(server_name)
         if pause:
             self.pauses += 1
             self.tried_since_pause = {target}

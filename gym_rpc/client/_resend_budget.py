@@ -1,13 +1,16 @@
-"""The client-wide resend budget: the process's resends waiting out their backoff at once are at most a share of
-its first attempts in flight (Envoy's retry budget), with a floor.
+"""The resend budget, per server name: each server's resends waiting out their backoff at once are at most a share
+of the process's first attempts in flight (Envoy's retry budget), with a floor.
 
-A call that must resend takes a slot for its backoff pause and frees it as its resend goes out. When every slot is
-held, it waits for one: on the budget, not on the server. The slots are a share of the first attempts in flight:
-resends, pausing, waiting or out at the server, never widen the budget. So when thousands of calls find one server
-dead, the server sees a few resends at a time (the floor's worth: no first attempt is in flight), not one stream
-per call, however long each resend takes to fail on a loaded machine; when it answers again, calls end, new ones
-start, and the slots grow with their first attempts. A call whose own budget (its kind's time, its deadline) runs
-out while it waits fails at once, saying so.
+A call that must resend takes a slot of its server's for its backoff pause and frees it as its resend goes out.
+When every slot of its server's is held, it waits for one (first come, first served among that server's calls): on
+the budget, not on the server. Each server name has slots and a queue of its own, so one server's outage (thousands
+of calls queued for its slots) never delays another server's resends; a resend without a pause (a failover to an
+instance the call has not tried) takes no slot at all (gym_rpc.client._resend). The slots are a share of the first
+attempts in flight: resends, pausing, waiting or out at the server, never widen the budget. So when thousands of
+calls find one server dead, the server sees a few resends at a time (the floor's worth: no first attempt is in
+flight), not one stream per call, however long each resend takes to fail on a loaded machine; when it answers
+again, calls end, new ones start, and the slots grow with their first attempts. A call whose own budget (its kind's
+time, its deadline) runs out while it waits fails at once, saying so.
 
 Threads: clients on several event loops share a process and this one budget. Calls in flight are counted per
 event loop without a lock (a loop's calls start and end on its thread; a lock would cost the happy path), summed
@@ -63,19 +66,31 @@ class _Waiter:
 
 
 @dataclass(eq=False)
+class _Pool:
+    """One server name's slots held and its calls waiting for one, in order."""
+
+    held: int = 0
+    waiting: int = 0
+    waiters: deque[_Waiter] = field(default_factory=deque)
+
+
+@dataclass(eq=False)
 class ResendBudget:
-    """Slots for resends pausing before they go out, shared by every loop and client of the process."""
+    """Slots for resends pausing before they go out, per server name, shared by every loop and client of the
+    process. `held`, `waiting` and `resending` are the process's totals over every server."""
 
     held: int = 0
     waiting: int = 0  # the waiters that have neither been granted a slot nor given up
     resending: int = 0  # resends out at their server (each freed its slot as it went out)
-    _waiters: deque[_Waiter] = field(default_factory=deque)
+    _pools: dict[str, _Pool] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def snapshot(self) -> tuple[int, int, int]:
-        """(slots held, first attempts in flight, calls waiting): for the error of a call that waited in vain."""
+    def snapshot(self, server_name: str = "") -> tuple[int, int, int]:
+        """(the server's slots held, first attempts in flight, the server's calls waiting): for the error of a
+        call that waited in vain."""
         with self._lock:
-            return self.held, self._attempts_in_flight(), self.waiting
+            pool = self._pools.get(server_name) or _Pool()
+            return pool.held, self._attempts_in_flight(), pool.waiting
 
     def _attempts_in_flight(self) -> int:
         """The process's calls in flight less those pausing, waiting or resending: the first attempts out at a
@@ -83,17 +98,24 @@ class ResendBudget:
         resending: neither changes this.)"""
         return max(calls_in_flight() - self.held - self.waiting - self.resending, 0)
 
-    async def acquire(self, budget: ClientBudget, wait_seconds: float) -> bool:
-        """Take a slot, waiting at most `wait_seconds` for one (first come, first served); False if none came."""
+    async def acquire(self, server_name: str, budget: ClientBudget, wait_seconds: float) -> bool:
+        """Take a slot of `server_name`'s, waiting at most `wait_seconds` for one (first come, first served among
+        that server's calls); False if none came."""
         loop = asyncio.get_running_loop()
         with self._lock:
-            while self._waiters and self._waiters[0].abandoned:
-                self._waiters.popleft()
-            if not self._waiters and self.held < budget.slots(self._attempts_in_flight()):
+            pool = self._pools.get(server_name)
+            if pool is None:
+                pool = self._pools[server_name] = _Pool()
+            waiters = pool.waiters
+            while waiters and waiters[0].abandoned:
+                waiters.popleft()
+            if not waiters and pool.held < budget.slots(self._attempts_in_flight()):
+                pool.held += 1
                 self.held += 1
                 return True
             waiter = _Waiter(loop, loop.create_future(), budget)
-            self._waiters.append(waiter)
+            waiters.append(waiter)
+            pool.waiting += 1
             self.waiting += 1
         got_it = False
         try:
@@ -108,24 +130,30 @@ class ResendBudget:
                     waiter.abandoned = True
                     granted = waiter.granted
                     if not granted:
+                        pool.waiting -= 1
                         self.waiting -= 1
+                        self._forget_if_idle(server_name, pool)
                 if granted:
-                    self.release()
+                    self.release(server_name)
         return True
 
-    def release(self) -> None:
-        """Free a slot, and hand as many as the budget now allows to the waiters, in order."""
+    def release(self, server_name: str = "") -> None:
+        """Free a slot of `server_name`'s, and hand as many as the budget now allows to its waiters, in order."""
         with self._lock:
+            pool = self._pools[server_name]
+            pool.held -= 1
             self.held -= 1
             in_flight = self._attempts_in_flight()
-            while self._waiters:
-                waiter = self._waiters[0]
+            waiters = pool.waiters
+            while waiters:
+                waiter = waiters[0]
                 if waiter.abandoned:
-                    self._waiters.popleft()
+                    waiters.popleft()
                     continue
-                if self.held >= waiter.budget.slots(in_flight):
+                if pool.held >= waiter.budget.slots(in_flight):
                     break
-                self._waiters.popleft()
+                waiters.popleft()
+                pool.waiting -= 1
                 self.waiting -= 1
                 try:
                     waiter.loop.call_soon_threadsafe(_wake, waiter.future)
@@ -133,7 +161,16 @@ class ResendBudget:
                     waiter.abandoned = True
                     continue
                 waiter.granted = True
+                pool.held += 1
                 self.held += 1
+            self._forget_if_idle(server_name, pool)
+
+    def _forget_if_idle(self, server_name: str, pool: _Pool) -> None:
+        """Drop a pool nobody holds or waits in (under the lock): the pools stay as many as the servers failing
+        now, whatever names a process has called."""
+        if not pool.held and not pool.waiting and self._pools.get(server_name) is pool:
+            pool.waiters.clear()  # only abandoned waiters are left in it
+            del self._pools[server_name]
 
     def resend_started(self) -> None:
         """A resend goes out (its slot freed): until `resend_ended`, it is no first attempt."""

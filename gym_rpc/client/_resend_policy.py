@@ -49,8 +49,9 @@ LEGACY_ATTEMPT_KINDS = (FailureKind.REFUSED, FailureKind.DROPPED_BEFORE_WRITE, F
 
 
 class ClientBudget(BaseModel):
-    """The budget of the whole client (Envoy's retry budget): resends waiting out their backoff at once, in the
-    whole process, at most `share` of the first attempts in flight, and never fewer than `floor`."""
+    """The client's resend budget (Envoy's retry budget), per server name: a server's resends waiting out their
+    backoff at once, in the whole process, at most `share` of the process's first attempts in flight, and never
+    fewer than `floor` (gym_rpc.client._resend_budget)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
