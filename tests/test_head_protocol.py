@@ -26,7 +26,8 @@ from grpc_health.v1 import health, health_pb2_grpc
 from gym_rpc.client import SyncControlClient
 from gym_rpc.client._channel import CHANNEL_OPTIONS
 from gym_rpc.client._control import ControlClient
-from gym_rpc.client._nemo_gym_head import NemoGymHead
+from gym_rpc.client._heads import GrpcHead, Head, NemoGymHttpHead, head_for
+from gym_rpc.client._nemo_gym_head import NemoGymEndpoints
 from gym_rpc.client._security import ClientSecurity
 from gym_rpc.client._watch import StatusWatch
 from gym_rpc.client.server_client import ServerClient
@@ -289,7 +290,7 @@ async def test_a_grpc_head_is_named_in_the_error_of_nemo_gyms_head_client() -> N
     grpc_head = await _grpc_health_head(address)
     try:
         with pytest.raises(HeadUnreachableError, match="answered in HTTP/2, as a gRPC server does") as failed:
-            await asyncio.to_thread(NemoGymHead(address).config, 2.0, include_secrets=False)
+            await asyncio.to_thread(NemoGymEndpoints(address).config, 2.0, include_secrets=False)
         assert "\\x00" not in str(failed.value) and "\x00" not in str(failed.value)
     finally:
         await grpc_head.stop(None)
@@ -310,7 +311,7 @@ async def test_an_answer_in_no_known_protocol_is_shown_escaped_and_short() -> No
     address = f"{LOOPBACK}:{server.sockets[0].getsockname()[1]}"
     try:
         with pytest.raises(HeadUnreachableError) as failed:
-            await asyncio.to_thread(NemoGymHead(address).config, 2.0, include_secrets=False)
+            await asyncio.to_thread(NemoGymEndpoints(address).config, 2.0, include_secrets=False)
         assert "its answer is no HTTP/1.x: b'\\x15\\x03\\x01\\x00\\x02\\x02\\x0bxxx" in str(failed.value)
         assert "x" * 100 not in str(failed.value) and "\x15" not in str(failed.value)
     finally:
@@ -331,3 +332,56 @@ def test_every_rpc_has_an_answer_from_nemo_gyms_head_or_says_why_not() -> None:
         "register_server_instance",
         "reload_global_config",
     ]
+
+
+async def test_head_for_is_one_implementation_per_protocol(http_server) -> None:
+    """The seam: `head_for` is the gRPC head where one listens and NeMo Gym's HTTP head where that listens, each
+    saying what it offers; the blocking and the asyncio client go through the same one."""
+    grpc_address = f"{LOOPBACK}:{closed_port()}"
+    grpc_head = await _grpc_health_head(grpc_address)
+    seen: list[str] = []
+    config = {"head_server": {"host": LOOPBACK, "port": 1}, "tools": server_entry(closed_port())}
+    http_address = f"{LOOPBACK}:{await http_server(_nemo_gym_like_head(config, seen))}"
+    try:
+        found = {
+            address: await asyncio.to_thread(head_for, address, ClientSecurity(), 2.0)
+            for address in (grpc_address, http_address)
+        }
+        assert isinstance(found[grpc_address], GrpcHead) and isinstance(found[http_address], NemoGymHttpHead)
+        offers = {type(head).__name__: _offers(head) for head in found.values()}
+        assert offers == {"GrpcHead": (True, True, True), "NemoGymHttpHead": (False, False, False)}
+        assert SyncControlClient(http_address).head() is found[http_address]
+        assert ControlClient(grpc_address).head() is found[grpc_address]
+        assert seen == ["/"]  # one look at the HTTP head for the three
+    finally:
+        await grpc_head.stop(None)
+
+
+def _offers(head: Head) -> tuple[bool, bool, bool]:
+    return head.keeps_statuses, head.guards_secrets, head.pushes_instances
+
+
+@pytest.mark.parametrize("flavour", ["blocking", "async"])
+async def test_a_grpc_head_where_an_http_head_was_answers_either_client(head_factory, flavour: str) -> None:
+    """As above, for both call paths: the re-detection is written once, in the seam."""
+    port = await _port_of_an_http_head_that_went_away()
+    head = await head_factory(document({"tools": server_entry(closed_port())}), port=port)
+    if flavour == "blocking":
+        found = await asyncio.to_thread(SyncControlClient(head.address, timeout_seconds=2).get_global_config)
+    else:
+        found = await ControlClient(head.address, timeout_seconds=2).get_global_config()
+    assert sorted(found.servers) == ["tools"]
+
+
+def test_only_the_seam_decides_the_head_protocol() -> None:
+    """Outside the seam (client/_heads.py) and the look itself (client/_head_protocol.py), no module of gym_rpc
+    asks which protocol a head speaks: the others ask the head what it offers. (NeMo Gym's endpoints name the
+    protocol of a broken answer in their error, client/_nemo_gym_head.py; that decides no call's way.)"""
+    package = Path(__file__).resolve().parent.parent / "gym_rpc"
+    deciding = re.compile(r"\b(head_protocol|known_head_protocol|remembered_head_protocol|NEMO_GYM_HTTP|GRPC)\b")
+    found = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if deciding.search(path.read_text(encoding="utf-8"))
+    )
+    assert found == ["client/_head_protocol.py", "client/_heads.py", "client/_nemo_gym_head.py"]

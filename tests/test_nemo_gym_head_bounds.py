@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import yaml
 
-from gym_rpc.client._nemo_gym_head import NemoGymHead
+from gym_rpc.client._nemo_gym_head import NemoGymEndpoints
 from gym_rpc.client._probe import MAX_PROBE_BODY_BYTES, ProbeResult, probe
 from gym_rpc.errors import ControlPlaneError, HeadTimeoutError
 from tests.cli_helpers import cli_start_seconds, run_cli
@@ -135,7 +135,7 @@ async def test_a_dripping_nemo_gym_head_fails_the_call_at_its_deadline(path: str
         await _drip(writer, _answer(json.dumps("head_server: {}" if "config" in asked else []).encode()))
 
     async with _raw_server(dripping) as address:
-        head = NemoGymHead(address)
+        head = NemoGymEndpoints(address)
         call = head.instances if path == "/server_instances" else lambda t: head.config(t, include_secrets=False)
         result, took = await _timed(lambda: call(1.0))
     assert isinstance(result, HeadTimeoutError), result
@@ -154,7 +154,7 @@ async def test_a_huge_config_is_refused_after_its_bound() -> None:
             sent[0] += len(CHUNK)
 
     async with _raw_server(huge) as address:
-        result, _ = await _timed(lambda: NemoGymHead(address).config(30.0, include_secrets=False))
+        result, _ = await _timed(lambda: NemoGymEndpoints(address).config(30.0, include_secrets=False))
     assert isinstance(result, ControlPlaneError) and "more than 67108864 bytes" in str(result), result
     assert sent[0] < HUGE_BODY_BYTES // 2, f"the server sent {sent[0] / 2**20:.0f} MiB"
 

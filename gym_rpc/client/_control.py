@@ -2,10 +2,11 @@
 
 `ControlRpcs` is the table: one row per RPC (the gRPC method, a request builder whose signature is the method's,
 a response converter, a default deadline). Both clients inherit it, so an RPC cannot exist on one flavour only;
-each flavour adds only its call path (gym_rpc.client._rpc). Every call has a deadline (the client's
+each flavour adds only its call path (gym_rpc.client._heads). Every call has a deadline (the client's
 `timeout_seconds` unless given), carries the bearer token when one is configured, and turns gRPC failures into
 gym_rpc errors that name the head's address and what to check (the gRPC error kept as their cause). Against NeMo
-Gym's HTTP head (an `ng_run` deployment) the rows' `http` functions answer instead (client._nemo_gym_control).
+Gym's HTTP head (an `ng_run` deployment) the rows' `http` functions answer instead (client._nemo_gym_control;
+which head a call goes to is the head seam's, client._heads).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from gym_rpc.client import _nemo_gym_control as nemo_gym
-from gym_rpc.client._rpc import AsyncTransport, BlockingTransport, Call, Rpc, StreamRpc
+from gym_rpc.client._heads import AsyncTransport, BlockingTransport
+from gym_rpc.client._rpc import Call, Rpc, StreamRpc
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import HEALTH_SERVICE_NAME, ServerStatus, StatusSnapshot, WatchEvent, convert
 

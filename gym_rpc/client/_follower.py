@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from gym_rpc.client._channel import close_aio_channels
 from gym_rpc.client._control import ControlClient
 from gym_rpc.client._cpu_budget import CpuBudget
-from gym_rpc.client._head_protocol import NEMO_GYM_HTTP, head_protocol
+from gym_rpc.client._heads import head_for
 from gym_rpc.client._watch import StatusWatch
 from gym_rpc.errors import ControlPlaneError
 
@@ -88,7 +88,7 @@ class InstanceFollower:
     def _run(self) -> None:
         loop = self._loop = asyncio.new_event_loop()
         try:
-            if head_protocol(self.address, tls=self._security.tls is not None) == NEMO_GYM_HTTP:
+            if not head_for(self.address, self._security).pushes_instances:
                 logger.info("the head at %s is NeMo Gym's HTTP head: it has no instances to follow", self.address)
                 return
             self._task = loop.create_task(self._follow())

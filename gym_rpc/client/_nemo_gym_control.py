@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from gym_rpc.client._nemo_gym_head import NemoGymHead
+from gym_rpc.client._nemo_gym_head import NemoGymEndpoints
 from gym_rpc.client._probe import probe
 from gym_rpc.config import HEAD_SERVER_KEY, BaseServerConfig, GlobalConfig, ServerEntry
 from gym_rpc.errors import ControlPlaneError, HeadTimeoutError, UnknownServerError
@@ -38,23 +38,27 @@ def unimplemented(method: str, address: str) -> ControlPlaneError:
 
 
 def head_server_config(
-    head: NemoGymHead, request: pb.GetHeadServerConfigRequest, timeout: float | None
+    head: NemoGymEndpoints, request: pb.GetHeadServerConfigRequest, timeout: float | None
 ) -> BaseServerConfig:
     return head.config(_seconds(timeout), include_secrets=False).head_server
 
 
-def global_config(head: NemoGymHead, request: pb.GetGlobalConfigRequest, timeout: float | None) -> GlobalConfig:
+def global_config(
+    head: NemoGymEndpoints, request: pb.GetGlobalConfigRequest, timeout: float | None
+) -> GlobalConfig:
     return head.config(_seconds(timeout), include_secrets=request.include_secrets)
 
 
 def global_config_if_changed(
-    head: NemoGymHead, request: pb.GetGlobalConfigRequest, timeout: float | None
+    head: NemoGymEndpoints, request: pb.GetGlobalConfigRequest, timeout: float | None
 ) -> GlobalConfig | None:
     config = head.config(_seconds(timeout), include_secrets=request.include_secrets)
     return None if config.version == request.known_version else config
 
 
-def server_status(head: NemoGymHead, request: pb.GetServerStatusRequest, timeout: float | None) -> StatusReport:
+def server_status(
+    head: NemoGymEndpoints, request: pb.GetServerStatusRequest, timeout: float | None
+) -> StatusReport:
     """The server probed now (NeMo Gym's head keeps no statuses); the head's own name asks the head."""
     seconds = _seconds(timeout)
     deadline = time.monotonic() + seconds
@@ -65,7 +69,7 @@ def server_status(head: NemoGymHead, request: pb.GetServerStatusRequest, timeout
 
 
 def server_statuses(
-    head: NemoGymHead, request: pb.ListServerStatusesRequest, timeout: float | None
+    head: NemoGymEndpoints, request: pb.ListServerStatusesRequest, timeout: float | None
 ) -> StatusSnapshot:
     seconds = _seconds(timeout)
     deadline = time.monotonic() + seconds
@@ -73,7 +77,7 @@ def server_statuses(
 
 
 def watch(
-    head: NemoGymHead, request: pb.WatchServerStatusesRequest, timeout: float | None
+    head: NemoGymEndpoints, request: pb.WatchServerStatusesRequest, timeout: float | None
 ) -> Iterator[WatchEvent]:
     """A snapshot, then every change (a changed status, or a changed config: a change without reports), and a
     heartbeat each `heartbeat_interval` when one is asked for, from probes repeated that often (else every
@@ -108,13 +112,13 @@ def watch(
 
 
 def server_instances(
-    head: NemoGymHead, request: pb.ListServerInstancesRequest, timeout: float | None
+    head: NemoGymEndpoints, request: pb.ListServerInstancesRequest, timeout: float | None
 ) -> list[ServerInstance]:
     return head.instances(_seconds(timeout))
 
 
 def assistant_message_header(
-    head: NemoGymHead, request: pb.GetAssistantMessageHeaderRequest, timeout: float | None
+    head: NemoGymEndpoints, request: pb.GetAssistantMessageHeaderRequest, timeout: float | None
 ) -> bytes | None:
     config = head.config(_seconds(timeout), include_secrets=False)
     if request.model_server_name not in config.servers:
@@ -122,7 +126,7 @@ def assistant_message_header(
     return config.assistant_message_header(request.model_server_name)
 
 
-def head_health(head: NemoGymHead, request: object, timeout: float | None) -> ServerStatus:
+def head_health(head: NemoGymEndpoints, request: object, timeout: float | None) -> ServerStatus:
     return head.status(_seconds(timeout))
 
 

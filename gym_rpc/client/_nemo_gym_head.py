@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from gym_rpc.client._bounded_get import bounded_get
-from gym_rpc.client._head_protocol import GRPC, forget_head_protocol, protocol_of_answer
+from gym_rpc.client._head_protocol import GRPC, protocol_of_answer
 from gym_rpc.client._probe import probe
 from gym_rpc.config import GlobalConfig, parse_config_text, parse_host_port, redact_secrets
 from gym_rpc.errors import ControlPlaneError, HeadTimeoutError, HeadUnreachableError
@@ -32,8 +32,9 @@ _MAX_ANSWER_BYTES = 64 * 1024 * 1024  # as the gRPC client's largest accepted an
 _SHOWN_ANSWER_BYTES = 40  # of an answer that is no HTTP/1.x, in its error
 
 
-class NemoGymHead:
-    """The HTTP endpoints of NeMo Gym's head at `address` (HOST:PORT)."""
+class NemoGymEndpoints:
+    """The HTTP endpoints of NeMo Gym's head at `address` (HOST:PORT); what a failure says of the head (gone,
+    silent) is the head seam's to act on (gym_rpc.client._heads)."""
 
     def __init__(self, address: str) -> None:
         self.address = address
@@ -68,22 +69,8 @@ class NemoGymHead:
             answer = bounded_get(
                 host, port, path, timeout=timeout, max_body=_MAX_ANSWER_BYTES, accept="application/json"
             )
-        except TimeoutError as exc:
-            forget_head_protocol(self.address)  # as a gRPC head's: whatever listens there next is looked at afresh
-            raise HeadTimeoutError(
-                f"NeMo Gym's head at {self.url} did not answer GET {path} (all of it) within {timeout:g} s; check "
-                "that it runs and is not overloaded",
-                address=self.address,
-                code=grpc.StatusCode.DEADLINE_EXCEEDED,
-            ) from exc
         except (OSError, http.client.HTTPException) as exc:
-            forget_head_protocol(self.address)  # a stream's later reads too, which no caller of ours wraps
-            raise HeadUnreachableError(
-                f"NeMo Gym's head at {self.url} is unreachable ({_failure_text(exc)}); check that `ng_run` "
-                "runs it there and that the address (head_server, --head or GYM_RPC_HEAD) is right",
-                address=self.address,
-                code=grpc.StatusCode.UNAVAILABLE,
-            ) from exc
+            raise self._unanswered(path, timeout, exc) from exc
         if answer.status != 200:
             raise self._bad_answer(path, f"HTTP {answer.status}")
         if not answer.whole:
@@ -92,6 +79,25 @@ class NemoGymHead:
             return json.loads(answer.body)
         except ValueError as exc:
             raise self._bad_answer(path, f"no JSON ({exc})") from exc
+
+    def _unanswered(
+        self, path: str, timeout: float, error: OSError | http.client.HTTPException
+    ) -> ControlPlaneError:
+        """No answer in time (the head may be there but slow), or none at all (it is not there, or is no HTTP/1.x
+        server)."""
+        if isinstance(error, TimeoutError):
+            return HeadTimeoutError(
+                f"NeMo Gym's head at {self.url} did not answer GET {path} (all of it) within {timeout:g} s; check "
+                "that it runs and is not overloaded",
+                address=self.address,
+                code=grpc.StatusCode.DEADLINE_EXCEEDED,
+            )
+        return HeadUnreachableError(
+            f"NeMo Gym's head at {self.url} is unreachable ({_failure_text(error)}); check that `ng_run` runs it "
+            "there and that the address (head_server, --head or GYM_RPC_HEAD) is right",
+            address=self.address,
+            code=grpc.StatusCode.UNAVAILABLE,
+        )
 
     def _bad_answer(self, path: str, what: str) -> ControlPlaneError:
         return ControlPlaneError(

@@ -870,7 +870,7 @@ class ServerClient(BaseModel):
         )
         if server_name == HEAD_SERVER_KEY:
             return control.head_status()
-        if _speaks_nemo_gym_http(control):
+        if not control.head().keeps_statuses:  # NeMo Gym's HTTP head: a poll is one direct probe
             return self._probe_directly(server_name, deadline)
         try:
             report = control.get_server_status(server_name)
@@ -948,18 +948,10 @@ def _control_client(
     return SyncControlClient(address, timeout_seconds=timeout_seconds, security=security)
 
 
-def _speaks_nemo_gym_http(control: SyncControlClient) -> bool:
-    """Whether the head is NeMo Gym's HTTP head (found out once per process and address)."""
-    from gym_rpc.client._head_protocol import NEMO_GYM_HTTP, head_protocol  # loaded with the control client
-
-    tls = control.security.tls is not None
-    return head_protocol(control.address, tls=tls, timeout=control.timeout_seconds) == NEMO_GYM_HTTP
-
-
 def _asks_for_secrets(control: SyncControlClient) -> bool:
     """A worker needs its servers' API keys: a gym_rpc head gives them to a caller with its token; NeMo Gym's HTTP
     head gives everyone the whole config, as NeMo Gym's own client gets it."""
-    return control.security.token is not None or _speaks_nemo_gym_http(control)
+    return control.security.token is not None or not control.head().guards_secrets
 
 
 def _advertised_urls_of(instances: list[ServerInstance]) -> dict[str, str]:

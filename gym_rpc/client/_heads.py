@@ -1,0 +1,422 @@
+"""One seam per head protocol: the gRPC head, or NeMo Gym's HTTP head (an `ng_run` deployment).
+
+`head_for(address, security)` finds out which one listens at an address (gym_rpc.client._head_protocol: one look
+per process and address) and returns its implementation, `GrpcHead` or `NemoGymHttpHead`, behind one interface,
+`Head`: a row's unary call, blocking or awaited, and its stream, each backend making them its own way (as
+temporalio's ServiceClient has one `_rpc_call` per backend). Callers ask a head what it can do (`keeps_statuses`,
+`guards_secrets`, `pushes_instances`), never which protocol it speaks.
+
+The seam also owns forgetting and looking again, once for both call paths. A failure that says the head went away
+(UNAVAILABLE, or no answer within the deadline before anything came) forgets what the address spoke. A unary call
+made to an address remembered as one protocol's, which fails as if nothing listened there, may have reached a head
+of the other protocol started there since: `ng_run` on the port a `gym-rpc head` had, or the other way round
+(11000 is both one's default). The address is looked at again within the call's deadline, and only when the look
+finds the other protocol is the call made once more, with that head. The first attempt cannot have been served
+then (a head of one protocol serves no request of the other), so no call is made twice. That decision is written
+once (`_unary_steps`); the blocking and the asyncio client only run its steps (`BlockingTransport`,
+`AsyncTransport`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from gym_rpc.client._channel import (
+    DEFAULT_TIMEOUT_SECONDS,
+    aio_channel,
+    checked_head_address,
+    default_head_address,
+    sync_channel,
+)
+from gym_rpc.client._head_protocol import (
+    DETECT_TIMEOUT_SECONDS,
+    GRPC,
+    NEMO_GYM_HTTP,
+    HeadProtocol,
+    forget_head_protocol,
+    head_protocol,
+    known_head_protocol,
+    remembered_head_protocol,
+)
+from gym_rpc.client._nemo_gym_control import unimplemented
+from gym_rpc.client._nemo_gym_head import NemoGymEndpoints
+from gym_rpc.client._rpc import AsyncCallPath, BlockingCallPath, Call, Rpc, StreamRpc
+from gym_rpc.client._security import ClientSecurity, client_security
+from gym_rpc.errors import ControlPlaneError, HeadTimeoutError, HeadUnreachableError
+from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
+from gym_rpc.wire import HEALTH_SERVICE_NAME, SERVICE_NAME, status_code
+
+Result = TypeVar("Result")
+AnyRpc = Rpc[..., Any, Any, Result]
+
+
+class Head(ABC):
+    """The head at one address, in the protocol it speaks: how a row's call is made there, and what it offers."""
+
+    protocol: ClassVar[HeadProtocol]
+    keeps_statuses: ClassVar[bool]  # False: a server's status is a direct probe of it (NeMo Gym's rule)
+    guards_secrets: ClassVar[bool]  # False: everyone gets the whole config, as NeMo Gym's own client does
+    pushes_instances: ClassVar[bool]  # False: no watch of registered instances to follow
+
+    def __init__(self, address: str, security: ClientSecurity) -> None:
+        self.address = address
+        self.security = security
+
+    @abstractmethod
+    def unary(self, rpc: AnyRpc[Result], call: Call[Any], client_timeout: float) -> Result:
+        """The call made here; its failure raised as it came (gRPC's) or typed (NeMo Gym's), for the seam."""
+
+    @abstractmethod
+    async def aunary(self, rpc: AnyRpc[Result], call: Call[Any], client_timeout: float) -> Result:
+        """`unary` for the event loop."""
+
+    @abstractmethod
+    def stream(self, rpc: AnyRpc[Result], call: Call[Any], client_timeout: float) -> Generator[Result, None, None]:
+        """The stream's results, until the caller stops or it fails (typed)."""
+
+    @abstractmethod
+    def astream(self, rpc: AnyRpc[Result], call: Call[Any], client_timeout: float) -> AsyncGenerator[Result, None]:
+        """`stream` for the event loop."""
+
+    def failed(self, rpc: AnyRpc[Result], error: BaseException) -> Result:
+        """A unary call's failure, as the caller gets it: typed (or the row's `on_error` result)."""
+        raise error
+
+    def forget_if_gone(self, code: grpc.StatusCode, answered: bool = False) -> None:
+        """Whatever listens at the address next is looked at afresh when this failure says the head went away
+        (a stream that answered and then reached its own deadline says nothing against it)."""
+        if code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.DEADLINE_EXCEEDED and not answered):
+            forget_head_protocol(self.address)
+
+
+_STUB_CLASSES: dict[str, Callable[[Any], object]] = {
+    SERVICE_NAME: pb_grpc.ControlPlaneServiceStub,
+    HEALTH_SERVICE_NAME: health_pb2_grpc.HealthStub,
+}
+# A channel's stubs, made once per channel (a channel lives as long as its process, or its event loop).
+_stubs: weakref.WeakKeyDictionary[object, dict[str, object]] = weakref.WeakKeyDictionary()
+
+
+def _method(channel: grpc.Channel | grpc.aio.Channel, rpc: AnyRpc[Any]) -> Any:
+    stubs = _stubs.get(channel)
+    if stubs is None:
+        stubs = _stubs[channel] = {service: make(channel) for service, make in _STUB_CLASSES.items()}
+    return getattr(stubs[rpc.service], rpc.method)
+
+
+class GrpcHead(Head):
+    """A gym_rpc head: every row over the process's shared channel (one per event loop for grpc.aio), with the
+    token as call metadata."""
+
+    protocol = GRPC
+    keeps_statuses = guards_secrets = pushes_instances = True
+
+    def __init__(self, address: str, security: ClientSecurity) -> None:
+        super().__init__(address, security)
+        self._metadata = security.metadata()
+
+    def unary(self, rpc: AnyRpc[Result], call: Call[Any], client_timeout: float) -> Result:
+        method = _method(sync_channel(self.address, self.security.tls), rpc)
+        timeout = rpc.deadline_for(call, client_timeout)
+        return rpc.convert(method(call.request, timeout=timeout, metadata=self._metadata))
+
+    async def aunary(self, rpc: AnyRpc[Result], call: Call[Any], client_timeout: float) -> Result:
+        method = _method(aio_channel(self.address, self.security.tls), rpc)
+        timeout = rpc.deadline_for(call, client_timeout)
+        return rpc.convert(await method(call.request, timeout=timeout, metadata=self._metadata))
+
+    def failed(self, rpc: AnyRpc[Result], error: BaseException) -> Result:
+        if not isinstance(error, grpc.RpcError):
+            raise error
+        self.forget_if_gone(status_code(error))
+        return rpc.failed(error, self.address)
+
+    def stream(self, rpc: AnyRpc[Result], call: Call[Any], client_timeout: float) -> Generator[Result, None, None]:
+        with self._stream(sync_channel(self.address, self.security.tls), rpc, call, client_timeout) as stream:
+            for message in stream.messages:
+                stream.answered = True
+                yield rpc.convert(message)
+
+    async def astream(
+        self, rpc: AnyRpc[Result], call: Call[Any], client_timeout: float
+    ) -> AsyncGenerator[Result, None]:
+        with self._stream(aio_channel(self.address, self.security.tls), rpc, call, client_timeout) as stream:
+            async for message in stream.messages:
+                stream.answered = True
+                yield rpc.convert(message)
+
+    def _stream(
+        self, channel: grpc.Channel | grpc.aio.Channel, rpc: AnyRpc[Any], call: Call[Any], client_timeout: float
+    ) -> _GrpcStream:
+        deadline = rpc.deadline_for(call, client_timeout)
+        messages = _method(channel, rpc)(call.request, timeout=deadline, metadata=self._metadata)
+        return _GrpcStream(self, rpc, messages, deadline)
+
+
+class _GrpcStream:
+    """One gRPC stream's messages; at its end it is cancelled, and its failure raised typed (the head forgotten
+    when the failure says it went away)."""
+
+    def __init__(self, head: GrpcHead, rpc: AnyRpc[Any], messages: Any, deadline: float | None) -> None:
+        self.head, self.rpc, self.messages, self.deadline = head, rpc, messages, deadline
+        self.answered = False
+
+    def __enter__(self) -> _GrpcStream:
+        return self
+
+    def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> bool:
+        try:
+            if not isinstance(error, grpc.RpcError):
+                return False
+            self.head.forget_if_gone(status_code(error), self.answered)
+            assert isinstance(self.rpc, StreamRpc)  # the stream call paths serve only StreamRpc rows
+            # the DEADLINE_EXCEEDED of a stream that had answered is its own deadline passing
+            self.rpc.stream_failed(error, self.head.address, self.deadline if self.answered else None)
+            return True
+        finally:
+            self.messages.cancel()
+
+
+class NemoGymHttpHead(Head):
+    """NeMo Gym's HTTP head: each row's `http` function over its endpoints (rows without one are refused with
+    UNIMPLEMENTED); blocking HTTP, in a thread from the event loop."""
+
+    protocol = NEMO_GYM_HTTP
+    keeps_statuses = guards_secrets = pushes_instances = False
+
+    def __init__(self, address: str, security: ClientSecurity) -> None:
+        super().__init__(address, security)
+        self.endpoints = NemoGymEndpoints(address)
+
+    def _answer(self, rpc: AnyRpc[Any], call: Call[Any], client_timeout: float) -> Any:
+        """The row's answer from the endpoints: its result (for a stream, an iterator of them)."""
+        if rpc.http is None:
+            raise unimplemented(rpc.method, self.address)
+        return rpc.http(self.endpoints, call.request, rpc.deadline_for(call, client_timeout))
+
+    def unary(self, rpc: AnyRpc[Result], call: Call[Any], client_timeout: float) -> Result:
+        try:
+            result: Result = self._answer(rpc, call, client_timeout)
+        except ControlPlaneError as error:
+            self.forget_if_gone(error.code)
+            raise
+        return result
+
+    async def aunary(self, rpc: AnyRpc[Result], call: Call[Any], client_timeout: float) -> Result:
+        return await asyncio.to_thread(self.unary, rpc, call, client_timeout)
+
+    def stream(self, rpc: AnyRpc[Result], call: Call[Any], client_timeout: float) -> Generator[Result, None, None]:
+        answered = False
+        try:
+            for result in self._answer(rpc, call, client_timeout):
+                answered = True
+                yield result
+        except ControlPlaneError as error:
+            self.forget_if_gone(error.code, answered)
+            raise
+
+    async def astream(
+        self, rpc: AnyRpc[Result], call: Call[Any], client_timeout: float
+    ) -> AsyncGenerator[Result, None]:
+        async for result in _in_threads(self.stream(rpc, call, client_timeout)):
+            yield result
+
+
+async def _in_threads(results: Generator[Result, None, None]) -> AsyncGenerator[Result, None]:
+    """A blocking generator (NeMo Gym's polled watch) iterated from the event loop, each step in a thread."""
+    done = object()
+    try:
+        while (result := await asyncio.to_thread(next, results, done)) is not done:
+            yield result  # type: ignore[misc]
+    finally:
+        with contextlib.suppress(ValueError):  # still running in its thread (the caller was cancelled)
+            results.close()
+
+
+_HEADS: dict[HeadProtocol, type[Head]] = {GRPC: GrpcHead, NEMO_GYM_HTTP: NemoGymHttpHead}
+
+
+@functools.lru_cache(maxsize=256)
+def _head(protocol: HeadProtocol, address: str, security: ClientSecurity) -> Head:
+    return _HEADS[protocol](address, security)
+
+
+def head_for(address: str, security: ClientSecurity, timeout: float = DETECT_TIMEOUT_SECONDS) -> Head:
+    """The head at `address`: found out on this process's first call there (one look, within `timeout`), then
+    remembered until a failure says it went away. A head that cannot be reached is taken for a gRPC head."""
+    return _head(head_protocol(address, tls=security.tls is not None, timeout=timeout), address, security)
+
+
+# --- one call path per flavour, over the seam ---
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What `_unary_steps` asks its runner for: the call made at `head`, or (None) a look at the address."""
+
+    head: Head | None
+    call: Call[Any]
+
+
+def _unary_steps(
+    address: str, rpc: AnyRpc[Result], call: Call[Any], client_timeout: float
+) -> Generator[_Step, Any, Result]:
+    """A unary call, with the look at the address and the one call made again after a second look (above); the
+    runner sends back each step's outcome (a look's: the head and the call) or throws its failure in."""
+    remembered, started = remembered_head_protocol(address), time.monotonic()
+    head: Head
+    other: Head
+    result: Result
+    head, call = yield _Step(None, call)
+    try:
+        result = yield _Step(head, call)
+        return result
+    except (grpc.RpcError, HeadUnreachableError) as error:
+        if not _protocol_may_have_changed(error, remembered):
+            return head.failed(rpc, error)
+        forget_head_protocol(address)
+        other, again = yield _Step(None, _rest_of(rpc, call, client_timeout, started))
+        found = remembered_head_protocol(address)
+        if found is None or found == remembered:  # nothing, or the same: the first failure stands
+            return head.failed(rpc, error)
+    try:
+        result = yield _Step(other, again)
+        return result
+    except grpc.RpcError as error:
+        return other.failed(rpc, error)
+
+
+def _protocol_may_have_changed(error: BaseException, remembered: HeadProtocol | None) -> bool:
+    """A failure as if nothing listened, at an address remembered as one protocol's."""
+    if isinstance(error, grpc.RpcError):
+        return remembered == GRPC and status_code(error) == grpc.StatusCode.UNAVAILABLE
+    return remembered == NEMO_GYM_HTTP and not isinstance(error, HeadTimeoutError)
+
+
+def _rest_of(rpc: AnyRpc[Any], call: Call[Any], client_timeout: float, started: float) -> Call[Any]:
+    """`call` with what is left of its deadline (`started` when it began)."""
+    deadline = rpc.deadline_for(call, client_timeout)
+    if deadline is None:
+        return call
+    return Call(call.request, max(deadline - (time.monotonic() - started), 0.001))
+
+
+class _Run(Generic[Result]):
+    """`_unary_steps` run to its end by a driver that makes each step, blocking or awaited."""
+
+    def __init__(self, steps: Generator[_Step, Any, Result]) -> None:
+        self._steps = steps
+        self._outcome: tuple[bool, Any] = (True, None)  # (made, what it returned) or (False, what it raised)
+        self.result: Result
+
+    def next_step(self) -> _Step | None:
+        """The next step, given the last one's outcome; None when the call is over (`result`, or it raised)."""
+        made, outcome = self._outcome
+        try:
+            return self._steps.send(outcome) if made else self._steps.throw(outcome)
+        except StopIteration as over:
+            self.result = over.value
+            return None
+
+    def make(self, step: Callable[[], Any]) -> None:
+        try:
+            self._outcome = (True, step())
+        except Exception as error:
+            self._outcome = (False, error)
+
+    async def amake(self, step: Awaitable[Any]) -> None:
+        try:
+            self._outcome = (True, await step)
+        except Exception as error:
+            self._outcome = (False, error)
+
+
+class _Transport:
+    """What both flavours share: the head's address, the default deadline, the token and TLS."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        security: ClientSecurity | None = None,
+    ) -> None:
+        self.address = checked_head_address(address or default_head_address())
+        self.timeout_seconds = timeout_seconds
+        self.security = security if security is not None else client_security()
+
+    def head(self) -> Head:
+        """The head at this client's address (looked at within the client's timeout if this process has not)."""
+        return head_for(self.address, self.security, self.timeout_seconds)
+
+    def _look(self, rpc: AnyRpc[Any], call: Call[Any]) -> tuple[Head, Call[Any]]:
+        """The head at the address, and the call with its deadline less the time the first look took (one
+        connection, within the call's deadline: a slow head is still told apart)."""
+        if known_head_protocol(self.address, tls=self.security.tls is not None) is not None:
+            return self.head(), call
+        deadline = rpc.deadline_for(call, self.timeout_seconds)
+        started = time.monotonic()
+        head = head_for(self.address, self.security, deadline or DETECT_TIMEOUT_SECONDS)
+        if deadline is not None:
+            call = Call(call.request, max(deadline - (time.monotonic() - started), 0.001))
+        return head, call
+
+    async def _alook(self, rpc: AnyRpc[Any], call: Call[Any]) -> tuple[Head, Call[Any]]:
+        """`_look` for the event loop: the first look at an address runs in a thread."""
+        if known_head_protocol(self.address, tls=self.security.tls is not None) is None:
+            return await asyncio.to_thread(self._look, rpc, call)
+        return self._look(rpc, call)
+
+
+class BlockingTransport(_Transport, BlockingCallPath):
+    """The one blocking call path: the head seam's steps, each made blocking."""
+
+    def unary(self, rpc: AnyRpc[Result], *args: Any, **kwargs: Any) -> Result:
+        run = _Run(_unary_steps(self.address, rpc, rpc.build(*args, **kwargs), self.timeout_seconds))
+        while (step := run.next_step()) is not None:
+            run.make(functools.partial(self._make, rpc, step))
+        return run.result
+
+    def _make(self, rpc: AnyRpc[Any], step: _Step) -> Any:
+        if step.head is None:
+            return self._look(rpc, step.call)
+        return step.head.unary(rpc, step.call, self.timeout_seconds)
+
+    def stream(self, rpc: AnyRpc[Result], *args: Any, **kwargs: Any) -> Generator[Result, None, None]:
+        head, call = self._look(rpc, rpc.build(*args, **kwargs))
+        yield from head.stream(rpc, call, self.timeout_seconds)
+
+
+class AsyncTransport(_Transport, AsyncCallPath):
+    """The one asyncio call path: the head seam's steps, each awaited."""
+
+    async def unary(self, rpc: AnyRpc[Result], *args: Any, **kwargs: Any) -> Result:
+        run = _Run(_unary_steps(self.address, rpc, rpc.build(*args, **kwargs), self.timeout_seconds))
+        while (step := run.next_step()) is not None:
+            await run.amake(self._amake(rpc, step))
+        return run.result
+
+    async def _amake(self, rpc: AnyRpc[Any], step: _Step) -> Any:
+        if step.head is None:
+            return await self._alook(rpc, step.call)
+        return await step.head.aunary(rpc, step.call, self.timeout_seconds)
+
+    async def stream(self, rpc: AnyRpc[Result], *args: Any, **kwargs: Any) -> AsyncGenerator[Result, None]:
+        head, call = await self._alook(rpc, rpc.build(*args, **kwargs))
+        results = head.astream(rpc, call, self.timeout_seconds)
+        try:
+            async for result in results:
+                yield result
+        finally:
+            await results.aclose()
