@@ -232,6 +232,13 @@ def _add_serving_flags(parser: argparse.ArgumentParser) -> None:
         "watches have a pool of the same size); more get RESOURCE_EXHAUSTED (none: 1024)",
     )
     parser.add_argument(
+        "--instance-series",
+        type=_non_negative_int,
+        metavar="N",
+        help="export up to N instances one by one in the gym_instance_* metrics (their ids are addresses), the "
+        "rest counted in gym_head_instance_series_dropped; at most 10000 (none: 0, no per-instance series)",
+    )
+    parser.add_argument(
         "--connection-idle",
         type=positive_float,
         metavar="S",
@@ -384,6 +391,13 @@ def _label_selector(text: str) -> tuple[str, str]:
     if not equals or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
     return key.strip(), value.strip()
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -586,6 +600,7 @@ def _max_watches(args: argparse.Namespace) -> dict[str, Any]:
         "max_watches_per_peer": args.max_watches_per_address,
         "watch_stall_seconds": args.watch_stall,
         "connection_idle_seconds": args.connection_idle,
+        "instance_series": args.instance_series,
     }
     return {option: value for option, value in given.items() if value is not None}
 

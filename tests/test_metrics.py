@@ -106,7 +106,8 @@ def test_up_gauge_follows_a_server_killed_and_restarted(tmp_path: Path) -> None:
 def test_head_gauges_and_rpc_counts(tmp_path: Path) -> None:
     with threaded_http_server() as server:
         config = write_config(tmp_path / "config.yaml", {"live": server_entry(server.port)})
-        with running_head(config, "--metrics-port", "0") as head:
+        # --instance-series: the per-instance series the dashboard shows are on (off by default)
+        with running_head(config, "--metrics-port", "0", "--instance-series", "100") as head:
             url = announced(head, METRICS_PATTERN)
             client = SyncControlClient(head.address, timeout_seconds=5.0)
             for _ in range(3):
@@ -187,3 +188,41 @@ def test_metrics_off_answers_404(tmp_path: Path, environ: dict[str, str], block:
         with pytest.raises(urllib.error.HTTPError) as raised:
             urllib.request.urlopen(url, timeout=5)
         assert raised.value.code == 404
+
+
+def test_per_instance_series_follow_each_instance_up_to_the_cap(tmp_path: Path) -> None:
+    """gym_instance_up, _in_flight and _downs per instance (issue 42): an instance that stops answering turns 0 and
+    counts a down, the calls in flight its process reported are exported, and instances past `--instance-series`
+    are counted in gym_head_instance_series_dropped instead of named."""
+    with threaded_http_server() as first, threaded_http_server() as second:
+        dead = closed_port()
+        replicated = server_entry(first.port, replicas=[f"{LOOPBACK}:{second.port}"])
+        config = write_config(tmp_path / "gym.yaml", {"policy_model": replicated}, http_port=0)
+        with running_head(config, "--instance-series", "3") as head:
+            url = announced(head, HTTP_HEAD_PATTERN) + "/metrics"
+            SyncControlClient(head.address).register_server_instance(
+                "policy_model", listen_port=dead, listen_host=LOOPBACK, pid=77, in_flight=6
+            )
+            SyncControlClient(head.address).register_server_instance(
+                "policy_model", listen_port=closed_port(), listen_host=LOOPBACK, pid=78
+            )
+            ids = [f"{LOOPBACK}:{port}" for port in (first.port, second.port, dead)]
+
+            def up(samples: list[Sample], instance: str) -> float | None:
+                return value(
+                    samples, "gym_instance_up", gym_server_name="policy_model", gym_server_instance_id=instance
+                )
+
+            samples = eventually(url, lambda s: up(s, ids[1]) == 1 and up(s, ids[2]) == 0, "the instances probed")
+            assert up(samples, ids[0]) == 1
+            assert (
+                len([s for s in samples if s.name == "gym_instance_up"]) == 3
+            )  # the cap: the fourth is not named
+            assert value(samples, "gym_head_instance_series_dropped") == 1
+            in_flight = value(samples, "gym_instance_in_flight", gym_server_instance_id=ids[2])
+            assert in_flight == 6
+            assert value(samples, "gym_instance_in_flight", gym_server_instance_id=ids[0]) is None  # none reported
+            second.stop()
+            samples = eventually(url, lambda s: up(s, ids[1]) == 0, "the stopped replica down")
+            assert value(samples, "gym_instance_downs_total", gym_server_instance_id=ids[1]) == 1
+            assert value(samples, "gym_instance_downs_total", gym_server_instance_id=ids[0]) == 0

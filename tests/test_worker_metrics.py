@@ -116,6 +116,8 @@ def test_prometheus_names_are_the_documented_ones_and_the_dashboards() -> None:
         "http_client_active_requests",
         "gym_client_resends_total",
         "gym_client_unreachable_total",
+        "gym_client_instance_picks_total",
+        "gym_client_instance_ejections_total",
     } <= exposed
     dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
     queried = {

@@ -79,6 +79,13 @@ async def main(mode: str) -> None:
     }
     if mode == "app-traced":
         document["observability_enabled"] = True  # gym_rpc traces its calls
+    if (
+        mode == "prometheus"
+    ):  # a replicated server too: the per-instance series (picks, ejections) the dashboard shows
+        replicas = [f"{LOOPBACK}:{closed.getsockname()[1]}"]
+        document["replicated"] = {
+            "responses_api_models": {"impl": {"host": LOOPBACK, "port": ok_port, "replicas": replicas}}
+        }
     if mode == "gym-block":  # NeMo Gym's own switch in the config, the environment silent
         document["telemetry"] = {"enabled": True, "traces_enabled": False, "exporter": "console"}
     os.environ["NEMO_GYM_CONFIG_DICT"] = json.dumps(document)
@@ -96,6 +103,10 @@ async def main(mode: str) -> None:
             await response.read()
     async with await client.post("flaky", "/verify", json={}) as response:
         await response.read()
+    if mode == "prometheus":
+        for _ in range(OK_CALLS):
+            async with await client.post("replicated", "/v1/responses", json={"input": "hi"}) as response:
+                await response.read()
     unreachable = False
     try:
         await client.post("gone", "/verify", json={})

@@ -58,6 +58,8 @@ def probe_stored(
         return
     before, after = previous.status or PENDING, instance.status or PENDING
     metrics.status_changed(name, before, after)
+    if previous.status == "success":
+        metrics.instance_went_down(name, instance.instance_id)
     level = logging.INFO if after == "success" or previous.status is None else logging.WARNING
     detail = f" ({instance.detail})" if instance.detail and after != "success" else ""
     label = instance_label(name, instance.instance_id, instances)

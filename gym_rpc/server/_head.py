@@ -100,6 +100,9 @@ class HeadOptions:
     # gRPC connections at once (fewer when the descriptor limit is low: grpc_connection_bound); more are closed.
     max_connections: int = DEFAULT_MAX_GRPC_CONNECTIONS
     connection_idle_seconds: float = CONNECTION_IDLE_SECONDS  # a gRPC connection without a call this long closes
+    # Instances exported one by one in gym.instance.* metrics (0, the default: none, so metrics name no address);
+    # past it they are counted, not named.
+    instance_series: int = head_metrics.DEFAULT_INSTANCE_SERIES
     # Accept registrations without a token on a head bound beyond loopback (--open-registrations): off, such a
     # head refuses RegisterServerInstance and DeregisterServerInstance (SECURITY.md, "No open head").
     open_registrations: bool = False
@@ -127,6 +130,11 @@ class HeadOptions:
         if min(self.watch_history_size, self.max_concurrent_watches, self.max_watches_per_peer) < 1:
             raise ConfigError(
                 "watch_history_size, max_concurrent_watches and max_watches_per_peer must be at least 1"
+            )
+        if not 0 <= self.instance_series <= head_metrics.MAX_INSTANCE_SERIES:
+            raise ConfigError(
+                f"instance_series (--instance-series) must be between 0 (no per-instance metrics) and "
+                f"{head_metrics.MAX_INSTANCE_SERIES}"
             )
         if self.max_connections < 1:
             raise ConfigError("max_connections must be at least 1")
@@ -247,6 +255,13 @@ class HeadServer:
     @property
     def observed_registrations(self) -> int:
         return len(self.registry)
+
+    @property
+    def observed_instance_series(self) -> int:
+        return self.options.instance_series
+
+    def observed_in_flight(self, server_name: str) -> Mapping[str, int]:
+        return self.registry.in_flight(server_name)
 
     def served(self, config: GlobalConfig) -> GlobalConfig:
         """`config` as this server serves it: its head_server block says where this server listens."""

@@ -32,6 +32,13 @@ INSTANCE_STATE = "gym.instance.state"
 INSTANCE_STATES = ("up", "draining", "down", "pending")
 # Seconds: probes on loopback take a millisecond, a silent server the whole probe timeout.
 PROBE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Per-instance series (gym.instance.*): off by default, since instance ids are addresses and the head's metrics
+# carry none unless asked (SECURITY.md); with `--instance-series N`, at most N instances per head (N <=
+# MAX_INSTANCE_SERIES) are exported one by one, in the prober's order (config instances and replicas first, then
+# registered ones), the rest counted in gym.head.instance_series_dropped. gym.server.instances counts them all.
+DEFAULT_INSTANCE_SERIES = 0
+MAX_INSTANCE_SERIES = 10_000
+INSTANCE_ID = "gym.server.instance.id"  # an instance's host:port, as the workers' gym.client.instance.* carry it
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -55,6 +62,11 @@ class ObservedHead(Protocol):
 
     @property
     def observed_registrations(self) -> int: ...
+
+    @property
+    def observed_instance_series(self) -> int: ...
+
+    def observed_in_flight(self, server_name: str) -> Mapping[str, int]: ...
 
 
 _heads: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -97,6 +109,63 @@ def _instances(options: CallbackOptions) -> Iterable[Observation]:
                 yield Observation(states.count(state), {SERVER_NAME: report.server_name, INSTANCE_STATE: state})
 
 
+def _exported_instances(head: Any) -> Iterator[tuple[str, InstanceReport]]:
+    """The head's instances exported one by one: the first `observed_instance_series` of them."""
+    left = head.observed_instance_series
+    for report in head.observed_prober.reports():
+        for instance in report.instances[:left]:
+            yield report.server_name, instance
+        left -= min(left, len(report.instances))
+        if not left:
+            return
+
+
+def _instance_up(options: CallbackOptions) -> Iterable[Observation]:
+    for head in list(_heads):
+        for name, instance in _exported_instances(head):
+            up = instance.status == "success" and not instance.draining
+            yield Observation(1 if up else 0, {SERVER_NAME: name, INSTANCE_ID: instance.instance_id})
+
+
+def _instance_in_flight(options: CallbackOptions) -> Iterable[Observation]:
+    for head in list(_heads):
+        reported: dict[str, Mapping[str, int]] = {}
+        for name, instance in _exported_instances(head):
+            if name not in reported:
+                reported[name] = head.observed_in_flight(name)
+            count = reported[name].get(instance.instance_id)
+            if count is not None:
+                yield Observation(count, {SERVER_NAME: name, INSTANCE_ID: instance.instance_id})
+
+
+def _instance_downs(options: CallbackOptions) -> Iterable[Observation]:
+    for head in list(_heads):
+        for name, instance in _exported_instances(head):
+            yield Observation(
+                _downs.get((name, instance.instance_id), 0), {SERVER_NAME: name, INSTANCE_ID: instance.instance_id}
+            )
+
+
+def _series_dropped(options: CallbackOptions) -> Iterable[Observation]:
+    for head in list(_heads):
+        if not head.observed_instance_series:
+            continue  # off: nothing is dropped, nothing was asked for
+        total = sum(len(report.instances) for report in head.observed_prober.reports())
+        yield Observation(max(0, total - head.observed_instance_series))
+
+
+# Times each instance stopped answering (success -> a failure): the head's ejections, which take it out of the
+# healthy set it sends workers. Bounded: the oldest entries go first past twice the default cap.
+_downs: dict[tuple[str, str], int] = {}
+
+
+def instance_went_down(name: str, instance_id: str) -> None:
+    key = (name, instance_id)
+    _downs[key] = _downs.pop(key, 0) + 1
+    while len(_downs) > MAX_INSTANCE_SERIES:
+        del _downs[next(iter(_downs))]
+
+
 def _revision(options: CallbackOptions) -> Iterable[Observation]:
     for head in list(_heads):
         yield Observation(head.observed_prober.revision)
@@ -134,6 +203,30 @@ def _instruments() -> _HeadInstruments:
     )
     m.create_observable_gauge(
         "gym.head.revision", [_revision], description="the status revision watches resume from"
+    )
+    m.create_observable_gauge(
+        "gym.instance.up",
+        [_instance_up],
+        unit="1",
+        description="1 while an instance answers its probe and is not draining (capped per head)",
+    )
+    m.create_observable_gauge(
+        "gym.instance.in_flight",
+        [_instance_in_flight],
+        unit="{request}",
+        description="calls in flight a registered instance's process reported at its last renewal",
+    )
+    m.create_observable_counter(
+        "gym.instance.downs",
+        [_instance_downs],
+        unit="{ejection}",
+        description="times an instance stopped answering its probe (the head took it out of the healthy set)",
+    )
+    m.create_observable_gauge(
+        "gym.head.instance_series_dropped",
+        [_series_dropped],
+        unit="{instance}",
+        description="instances past the per-instance series cap, not exported one by one",
     )
     m.create_observable_gauge("gym.head.watchers", [_watchers], unit="{watch}", description="open status watches")
     m.create_observable_gauge(
