@@ -18,12 +18,14 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import aiohttp
 import pytest
 import yaml
 
 from gym_rpc.client._nemo_gym_head import NemoGymEndpoints
 from gym_rpc.client._probe import MAX_PROBE_BODY_BYTES, ProbeResult, probe
-from gym_rpc.errors import ControlPlaneError, HeadTimeoutError
+from gym_rpc.errors import ControlPlaneError, HeadTimeoutError, UpstreamError
+from gym_rpc.server._bridge import MAX_UPSTREAM_ANSWER_BYTES, fetch_upstream
 from tests.cli_helpers import cli_start_seconds, run_cli
 from tests.conftest import LOOPBACK, server_entry
 
@@ -208,3 +210,23 @@ async def test_status_ends_at_its_deadline_against_a_dripping_nemo_gym_deploymen
         assert [row["status"] for row in json.loads(result.stdout)] == ["timeout"]
     # two calls of 2 s, on top of the command's own start (measured beside it) and a loaded machine's slack
     assert took < start + 2 * timeout + 4.0, f"took {took:.1f} s, a bare start {start:.1f} s"
+
+
+@pytest.mark.parametrize("says_its_length", [True, False])
+async def test_the_bridge_refuses_a_huge_upstream_answer_as_it_comes(says_its_length: bool) -> None:
+    """`gym-rpc bridge` reads NeMo Gym's head too: a 300 MiB config is refused past 64 MiB (at once when its
+    Content-Length says so), never read whole. Before, the bridge read whatever came within its fetch timeout."""
+    sent = [0]
+
+    async def huge(path: str, writer: asyncio.StreamWriter) -> None:
+        length = f"Content-Length: {HUGE_BODY_BYTES}" if says_its_length else "Connection: close"
+        writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n{length}\r\n\r\n".encode("ascii"))
+        while sent[0] < HUGE_BODY_BYTES:
+            writer.write(CHUNK)
+            await writer.drain()
+            sent[0] += len(CHUNK)
+
+    async with _raw_server(huge) as address, aiohttp.ClientSession(trust_env=False) as session:
+        with pytest.raises(UpstreamError, match=f"more than {MAX_UPSTREAM_ANSWER_BYTES} bytes"):
+            await fetch_upstream(session, f"http://{address}")
+    assert sent[0] < MAX_UPSTREAM_ANSWER_BYTES * 2, f"the upstream sent {sent[0] / 2**20:.0f} MiB"

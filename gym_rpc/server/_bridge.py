@@ -43,6 +43,10 @@ logger = logging.getLogger(__name__)
 CONFIG_PATH = "/global_config_dict_yaml"
 INSTANCES_PATH = "/server_instances"
 _METHOD_PREFIX = f"/{SERVICE_NAME}/"
+# The most of an upstream answer read (as the client's largest accepted answer): a larger one is refused as it
+# comes, never held whole.
+MAX_UPSTREAM_ANSWER_BYTES = 64 * 1024 * 1024
+_READ_CHUNK_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +96,7 @@ async def _get_json(session: aiohttp.ClientSession, url: str) -> Any:
         async with session.get(url, allow_redirects=False) as response:
             if response.status != 200:
                 raise UpstreamError(f"GET {url} answered HTTP {response.status}")
-            body = await response.read()
+            body = await _bounded_body(response, url)
     except aiohttp.ClientResponseError as exc:  # bytes that are no HTTP/1.1 response (aiohttp quotes them raw)
         raise UpstreamError(
             f"GET {url} failed: the answer is not HTTP/1.1 (a gRPC port answers HTTP/2); --upstream takes the "
@@ -105,6 +109,19 @@ async def _get_json(session: aiohttp.ClientSession, url: str) -> Any:
         return json.loads(body)
     except ValueError as exc:
         raise UpstreamError(f"GET {url} answered no JSON: {exc}") from exc
+
+
+async def _bounded_body(response: aiohttp.ClientResponse, url: str) -> bytes:
+    """The answer's body, refused (UpstreamError) past MAX_UPSTREAM_ANSWER_BYTES, from its length when it says."""
+    too_long = UpstreamError(f"GET {url} answered more than {MAX_UPSTREAM_ANSWER_BYTES} bytes")
+    if (response.content_length or 0) > MAX_UPSTREAM_ANSWER_BYTES:
+        raise too_long
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(_READ_CHUNK_BYTES):
+        body += chunk
+        if len(body) > MAX_UPSTREAM_ANSWER_BYTES:
+            raise too_long
+    return bytes(body)
 
 
 def _config_document(payload: Any, source: str) -> dict[str, Any]:
