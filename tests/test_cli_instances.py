@@ -9,11 +9,15 @@ import re
 import time
 from pathlib import Path
 
+import pytest
+
 from gym_rpc.client._control import SyncControlClient
 from tests.cli_helpers import LOOPBACK, run_cli, running_cli, running_head, threaded_http_server
 from tests.conftest import document, server_entry
 from tests.test_cli import write_config
 from tests.test_replicas_cli import wait_for_instances
+
+pytestmark = pytest.mark.process
 
 WIDE_HEADER = [
     "NAME",
