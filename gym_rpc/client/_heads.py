@@ -218,13 +218,14 @@ class NemoGymHttpHead(Head):
 
     def stream(self, rpc: AnyRpc[Result], call: Call[Any], client_timeout: float) -> Generator[Result, None, None]:
         answered = False
-        try:
-            for result in self._answer(rpc, call, client_timeout):
-                answered = True
-                yield result
-        except ControlPlaneError as error:
-            self.forget_if_gone(error.code, answered)
-            raise
+        with contextlib.closing(self._answer(rpc, call, client_timeout)) as results:  # closed with this one
+            try:
+                for result in results:
+                    answered = True
+                    yield result
+            except ControlPlaneError as error:
+                self.forget_if_gone(error.code, answered)
+                raise
 
     async def astream(
         self, rpc: AnyRpc[Result], call: Call[Any], client_timeout: float
