@@ -15,13 +15,17 @@ from typing import Any, Literal
 import yaml
 
 from gym_rpc._text_table import Table
-from gym_rpc.wire import InstanceReport, ServerInstance, StatusReport
+from gym_rpc.wire import EngineLoad, InstanceReport, ServerInstance, StatusReport
 
 OutputFormat = Literal["table", "json", "jsonl", "yaml"]
 OUTPUT_FORMATS: tuple[OutputFormat, ...] = ("table", "json", "jsonl", "yaml")
 TABLE_COLUMNS = ("NAME", "TYPE", "URL", "STATUS", "HTTP", "LATENCY", "LAST CHECKED", "PID", "UPTIME")
 # `status -o wide`: a line per instance, with what its registration says (labels) and what its process reported.
 WIDE_COLUMNS = (*TABLE_COLUMNS, "LABELS", "IN FLIGHT")
+# Shown after the others only when the config has engines (entries with session_affinity_header).
+ENGINE_LOAD_COLUMN = "ENGINE LOAD"
+# (server name, instance id) -> that engine instance's load as the head last read it
+Loads = dict[tuple[str, str], EngineLoad]
 UP = "success"
 PENDING = "pending"  # shown for a server the head has not probed yet
 _STATUS_STYLES = {UP: "green", PENDING: "yellow"}
@@ -67,8 +71,39 @@ def _probe_fields(probed: StatusReport | InstanceReport) -> dict[str, Any]:
     }
 
 
-def instance_row(instance: InstanceReport, row: ServerInstance | None, now: float) -> dict[str, Any]:
-    """One instance of a server as JSON/YAML output shows it (`in_flight`: the calls its process reported)."""
+def engine_load_fields(load: EngineLoad | None) -> dict[str, Any] | None:
+    """An engine instance's load as JSON/YAML rows show it (None: not an engine); null figures are unknown."""
+    if load is None:
+        return None
+    return {
+        "waiting": load.waiting,
+        "running": load.running,
+        "kv_cache_usage": load.kv_cache_usage,
+        "age_seconds": None if load.age_seconds is None else round(load.age_seconds, 3),
+    }
+
+
+def engine_load_text(load: EngineLoad | None) -> str:
+    """`3 waiting, 5 running, kv 42%` (`?` for a figure unknown); `-` for an instance that is no engine."""
+    if load is None:
+        return "-"
+
+    def count(value: float | None) -> str:
+        return "?" if value is None else f"{value:g}"
+
+    usage = "?" if load.kv_cache_usage is None else f"{load.kv_cache_usage * 100:.0f}%"
+    return f"{count(load.waiting)} waiting, {count(load.running)} running, kv {usage}"
+
+
+def loads_by_instance(loads: Iterable[EngineLoad]) -> Loads:
+    return {(load.server_name, load.instance_id): load for load in loads}
+
+
+def instance_row(
+    instance: InstanceReport, row: ServerInstance | None, now: float, load: EngineLoad | None = None
+) -> dict[str, Any]:
+    """One instance of a server as JSON/YAML output shows it (`in_flight`: the calls its process reported;
+    `engine_load`: an engine's queue and cache use, null for other servers)."""
     started = _started(instance.start_time)
     return {
         "instance_id": instance.instance_id,
@@ -82,10 +117,13 @@ def instance_row(instance: InstanceReport, row: ServerInstance | None, now: floa
         "pid": instance.pid or None,
         "start_time": started,
         "uptime_seconds": round(now - started, 3) if started is not None else None,
+        "engine_load": engine_load_fields(load),
     }
 
 
-def status_row(report: StatusReport, rows: Sequence[ServerInstance], now: float) -> dict[str, Any]:
+def status_row(
+    report: StatusReport, rows: Sequence[ServerInstance], now: float, loads: Loads | None = None
+) -> dict[str, Any]:
     """One server as JSON/YAML output shows it (`rows`: its ListServerInstances rows, the config instance's first).
     pid, start_time and uptime are null until the server registers; `instances` lists every instance."""
     instance = rows[0] if rows else None
@@ -101,7 +139,10 @@ def status_row(report: StatusReport, rows: Sequence[ServerInstance], now: float)
         "start_time": started,
         "uptime_seconds": round(now - started, 3) if started is not None else None,
         "instances_up": instances_up(report),
-        "instances": [instance_row(i, by_id.get(i.instance_id), now) for i in report.instances],
+        "instances": [
+            instance_row(i, by_id.get(i.instance_id), now, (loads or {}).get((report.server_name, i.instance_id)))
+            for i in report.instances
+        ],
     }
 
 
@@ -114,11 +155,15 @@ def by_name(instances: Iterable[ServerInstance]) -> dict[str, list[ServerInstanc
 
 
 def status_rows(
-    reports: Iterable[StatusReport], instances: Iterable[ServerInstance], now: float | None = None
+    reports: Iterable[StatusReport],
+    instances: Iterable[ServerInstance],
+    now: float | None = None,
+    engine_loads: Iterable[EngineLoad] = (),
 ) -> list[dict[str, Any]]:
     moment = time.time() if now is None else now
     rows = by_name(instances)
-    return [status_row(r, rows.get(r.server_name, []), moment) for r in reports]
+    loads = loads_by_instance(engine_loads)
+    return [status_row(r, rows.get(r.server_name, []), moment, loads) for r in reports]
 
 
 def _instance_cells(instance: InstanceReport, now: float) -> list[str]:
@@ -134,11 +179,14 @@ def _instance_cells(instance: InstanceReport, now: float) -> list[str]:
     ]
 
 
-def _add_replicated(table: Table, report: StatusReport, server_type: str, now: float) -> None:
+def _add_replicated(table: Table, report: StatusReport, server_type: str, now: float, loads: Loads | None) -> None:
     """A server of several instances: its row says how many are up, then one row per instance under it."""
     up, total = instances_up(report), len(report.instances)
     style = "green" if up == total else "yellow" if up else "red"
-    table.add_row(report.server_name, server_type, report.url, f"[{style}]{up}/{total} up[/]", *["-"] * 5)
+    load_cells = ["-"] if loads is not None else []
+    table.add_row(
+        report.server_name, server_type, report.url, f"[{style}]{up}/{total} up[/]", *["-"] * 5, *load_cells
+    )
     for instance in report.instances:
         text = instance.status or PENDING
         shown = f"{text} (draining)" if instance.draining else text
@@ -149,18 +197,28 @@ def _add_replicated(table: Table, report: StatusReport, server_type: str, now: f
             instance.url,
             f"[{style}]{shown}[/]",
             *_instance_cells(instance, now),
+            *_load_cells(loads, report.server_name, instance.instance_id),
         )
 
 
-def _table(reports: Sequence[StatusReport], instances: Iterable[ServerInstance], now: float) -> Table:
+def _load_cells(loads: Loads | None, server_name: str, instance_id: str) -> list[str]:
+    """The ENGINE LOAD cell of an instance's row, when the table has that column (`loads` is not None)."""
+    if loads is None:
+        return []
+    return [engine_load_text(loads.get((server_name, instance_id)))]
+
+
+def _table(
+    reports: Sequence[StatusReport], instances: Iterable[ServerInstance], now: float, loads: Loads | None
+) -> Table:
     table = Table()
-    for column in TABLE_COLUMNS:
+    for column in (*TABLE_COLUMNS, ENGINE_LOAD_COLUMN) if loads is not None else TABLE_COLUMNS:
         table.add_column(column)
     rows = {name: found[0] for name, found in by_name(instances).items()}  # each server's config instance row
     for report in reports:
         instance = rows.get(report.server_name)
         if len(report.instances) > 1:
-            _add_replicated(table, report, instance.server_type if instance else "-", now)
+            _add_replicated(table, report, instance.server_type if instance else "-", now, loads)
             continue
         checked = report.checked_at
         text = status_text(report)
@@ -175,6 +233,7 @@ def _table(reports: Sequence[StatusReport], instances: Iterable[ServerInstance],
             f"{max(0.0, now - checked):.1f}s ago" if checked else "never",
             str(instance.pid) if instance is not None and instance.pid > 0 else "-",
             duration_text(now - started) if started else "-",
+            *_load_cells(loads, report.server_name, report.instances[0].instance_id if report.instances else ""),
         )
     return table
 
@@ -185,12 +244,15 @@ def format_status_table(
     *,
     now: float | None = None,
     color: bool = False,
+    engine_loads: Iterable[EngineLoad] = (),
 ) -> str:
     """The status table as text: one header line, one line per server (a server of several instances: a line of
     how many are up, then an indented line per instance); cells never empty ("-" instead), columns two spaces
-    apart, no trailing spaces. ANSI colours only when `color`."""
+    apart, no trailing spaces. ANSI colours only when `color`. With engines (`engine_loads` not empty) an
+    ENGINE LOAD column last: each engine instance's queue, running requests and KV-cache use."""
     moment = time.time() if now is None else now
-    return _table(reports, instances, moment).render(color=color)
+    loads = loads_by_instance(engine_loads) or None
+    return _table(reports, instances, moment, loads).render(color=color)
 
 
 def labels_text(labels: Mapping[str, str]) -> str:

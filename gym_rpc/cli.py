@@ -65,7 +65,7 @@ from gym_rpc.config import (
     url_host,
 )
 from gym_rpc.errors import ConfigError, ControlPlaneError, GymRpcError, HeadUnreachableError, UnknownServerError
-from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, InstanceReport, ServerInstance, StatusReport, WatchEvent
+from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, EngineLoad, InstanceReport, ServerInstance, StatusReport, WatchEvent
 
 if TYPE_CHECKING:
     from gym_rpc.server import HeadServer
@@ -688,16 +688,22 @@ def _not_up(reports: Sequence[StatusReport], exempt: Sequence[str] = ()) -> list
 
 
 def _print_statuses(
-    reports: Sequence[StatusReport], instances: Sequence[ServerInstance], output: str, exempt: Sequence[str]
+    reports: Sequence[StatusReport],
+    instances: Sequence[ServerInstance],
+    output: str,
+    exempt: Sequence[str],
+    engine_loads: Sequence[EngineLoad] = (),
 ) -> None:
     from gym_rpc._render import format_status_table, format_wide_table, render_rows, status_rows, summary_line
 
-    if output in ("table", "wide"):
-        draw = format_wide_table if output == "wide" else format_status_table
-        print(draw(reports, instances, color=sys.stdout.isatty()))
+    if output == "wide":
+        print(format_wide_table(reports, instances, color=sys.stdout.isatty()))
+        print(summary_line(reports, exempt))
+    elif output == "table":
+        print(format_status_table(reports, instances, color=sys.stdout.isatty(), engine_loads=engine_loads))
         print(summary_line(reports, exempt))
     else:
-        print(render_rows(status_rows(reports, instances), output))  # type: ignore[arg-type]
+        print(render_rows(status_rows(reports, instances, engine_loads=engine_loads), output))  # type: ignore[arg-type]
     sys.stdout.flush()
 
 
@@ -706,12 +712,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.watch:
         return _watch_status(client, args)
     instances = _instances(client)
-    reports = client.list_server_statuses().reports
+    snapshot = client.list_server_statuses()
+    reports = snapshot.reports
     _require_known(args.allow_down, reports, "--allow-down")
     _require_known(args.servers, reports, "status")
     if args.servers:
         reports = [r for r in reports if r.server_name in args.servers]
-    _print_statuses(reports, instances, args.output, args.allow_down)
+    _print_statuses(reports, instances, args.output, args.allow_down, snapshot.engine_loads)
     return EXIT_DOWN if _not_up(reports, args.allow_down) else EXIT_OK
 
 
@@ -751,14 +758,16 @@ def _watch_status(client: SyncControlClient, args: argparse.Namespace) -> int:
     for event in watch_events(client, heartbeat_seconds=heartbeat, max_wait=args.max_wait):
         if event.kind == "heartbeat" and not (table and terminal):
             continue  # piped output gets a drawing per change, not per second
-        reports, instances = client.list_server_statuses().reports, _instances(client)
+        snapshot, instances = client.list_server_statuses(), _instances(client)
+        reports, loads = snapshot.reports, snapshot.engine_loads
         if table:
             if terminal:
                 print("\x1b[H\x1b[2J", end="")
             print(f"revision {event.revision}")
-            _print_statuses(reports, instances, args.output, args.allow_down)
+            _print_statuses(reports, instances, args.output, args.allow_down, loads)
         else:
-            document = {"revision": event.revision, "kind": event.kind, "servers": status_rows(reports, instances)}
+            servers = status_rows(reports, instances, engine_loads=loads)
+            document = {"revision": event.revision, "kind": event.kind, "servers": servers}
             print(render_document(document, "jsonl" if args.output == "json" else args.output), flush=True)
             if args.output == "yaml":
                 print("---", flush=True)

@@ -11,7 +11,7 @@
   an unsampled rollout's calls share; `_call_paths`: where a call carries its rollout (path or header).
 * `_routed`, `_routing`, `_picker`, `_outliers`, `_instances`: picking one instance of a replicated server per
   call; `_follower`: each server's instances, followed from the head's watch in the background (`_cpu_budget`: its
-  share of the CPU).
+  share of the CPU); `_engine_loads`: the engines' load the head pushes, as a picker reads it.
 
 Nothing here imports `gym_rpc.server`: a worker never loads head code. Exports import on first use.
 """

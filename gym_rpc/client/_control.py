@@ -62,11 +62,17 @@ def _server_statuses(*, timeout: float | None = None) -> Call[pb.ListServerStatu
 
 
 def _watch(
-    start_revision: int = 0, *, heartbeat_seconds: float | None = None, timeout: float | None = None
+    start_revision: int = 0,
+    *,
+    heartbeat_seconds: float | None = None,
+    timeout: float | None = None,
+    engine_load: bool = False,
 ) -> Call[pb.WatchServerStatusesRequest]:
     """Stream events until the caller stops iterating (or `timeout`, when given, ends the stream). One stream:
-    it ends with an error when the head goes away; `StatusWatch` reconnects and resumes by itself."""
-    request = pb.WatchServerStatusesRequest(start_revision=start_revision)
+    it ends with an error when the head goes away; `StatusWatch` reconnects and resumes by itself. `engine_load`
+    also asks for "engine_load" events (the engines' load, a few a second at most; a head older than them sends
+    none)."""
+    request = pb.WatchServerStatusesRequest(start_revision=start_revision, include_engine_load=engine_load)
     if heartbeat_seconds is not None:
         request.heartbeat_interval.CopyFrom(convert.seconds_to_duration(heartbeat_seconds))
     return Call(request, timeout)

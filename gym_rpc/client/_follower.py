@@ -109,7 +109,11 @@ class InstanceFollower:
         budget = CpuBudget()  # made here: it reads this thread's CPU time
         while True:
             watch = StatusWatch(
-                client, start_revision=self.revision, heartbeat_seconds=HEARTBEAT_SECONDS, on_retry=self._retrying
+                client,
+                start_revision=self.revision,
+                heartbeat_seconds=HEARTBEAT_SECONDS,
+                on_retry=self._retrying,
+                engine_load=True,  # the engines' load too (gym_rpc.client._engine_loads)
             )
             async with contextlib.aclosing(watch.events()) as events:
                 async for event in events:
@@ -126,6 +130,11 @@ class InstanceFollower:
 
     def _apply(self, event: WatchEvent) -> bool:
         """Fold one event into what the follower knows and push it to every subscriber; False when none is left."""
+        if event.kind == "engine_load":  # the engines' load, no instance changed: to every client's routes
+            subscribers = list(self._subscribers)
+            for routing in subscribers:
+                routing.engine_loads.apply(event.engine_loads)
+            return bool(subscribers)
         with self._lock:
             subscribers = list(self._subscribers)
             if event.kind == "snapshot":

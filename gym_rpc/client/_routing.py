@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from gym_rpc.client._engine_loads import EngineLoadTable
 from gym_rpc.client._instances import (
     Instance,
     InstanceState,
@@ -492,7 +493,7 @@ class Routing:
     """A client's routes, by server name: made from the config (its static replicas), then kept current from the
     head's reports. `routes` holds only names with more than one instance (or a label selector)."""
 
-    __slots__ = ("__weakref__", "policy", "routes", "selectors", "skipped")
+    __slots__ = ("__weakref__", "engine_loads", "policy", "routes", "selectors", "skipped")
 
     def __init__(
         self,
@@ -504,6 +505,8 @@ class Routing:
         self.policy = policy
         self.selectors = dict(selectors)
         self.skipped = skipped  # names a launcher's override URL stands for: never routed
+        # The engines' load as the head reads it, pushed by the follower; a picker reads it (`.of(name, id)`).
+        self.engine_loads = EngineLoadTable()
         self.routes: dict[str, ServerRoute] = {}
         for name, entry in config.servers.items():
             states = config_states(entry)

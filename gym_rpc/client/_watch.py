@@ -47,9 +47,11 @@ class _Watch(Generic[Client]):
         until: float | None = None,
         retry: RetryPolicy = WATCH_RETRY_POLICY,
         on_retry: RetryCallback | None = None,
+        engine_load: bool = False,
     ) -> None:
         self._client: Client = client
         self._heartbeat_seconds = heartbeat_seconds
+        self._engine_load = engine_load  # also "engine_load" events (they change no revision)
         self.revision = start_revision
         self.reports: dict[str, StatusReport] = {}  # server name -> latest report, as of `revision`
         self._max_wait_seconds = max_wait_seconds
@@ -105,7 +107,10 @@ class SyncStatusWatch(_Watch[SyncControlClient]):
     def __iter__(self) -> Iterator[WatchEvent]:
         while True:
             stream = self._client.watch_server_statuses(
-                self.revision, heartbeat_seconds=self._heartbeat_seconds, timeout=self._stream_timeout()
+                self.revision,
+                heartbeat_seconds=self._heartbeat_seconds,
+                timeout=self._stream_timeout(),
+                engine_load=self._engine_load,
             )
             try:
                 for event in stream:
@@ -128,7 +133,10 @@ class StatusWatch(_Watch[ControlClient]):
         stream at once)."""
         while True:
             stream = self._client.watch_server_statuses(
-                self.revision, heartbeat_seconds=self._heartbeat_seconds, timeout=self._stream_timeout()
+                self.revision,
+                heartbeat_seconds=self._heartbeat_seconds,
+                timeout=self._stream_timeout(),
+                engine_load=self._engine_load,
             )
             try:
                 async for event in stream:

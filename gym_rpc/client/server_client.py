@@ -93,7 +93,7 @@ if TYPE_CHECKING:
     from gym_rpc.client._http_pools import HttpPools
     from gym_rpc.client._http_settings import HttpClientSettings
     from gym_rpc.client._routing import Routing
-    from gym_rpc.wire import ServerInstance
+    from gym_rpc.wire import EngineLoad, ServerInstance
 
 __all__ = [
     "NEMO_GYM_CONFIG_DICT_ENV_VAR_NAME",
@@ -676,6 +676,17 @@ class ServerClient(BaseModel):
         for routing in (self._routing, self._pending_routing and self._pending_routing[0]):
             if routing is not None:
                 routing.set_selector(server_name, selector, self._global_config)
+
+    def engine_loads(self, server_name: str) -> dict[str, EngineLoad]:
+        """instance id -> the load the head last read from each engine instance of `server_name` (an entry with
+        `session_affinity_header`) and pushed to this process: requests waiting and running, KV-cache use, and
+        its age. An instance whose load is unknown (never read, or older than ENGINE_LOAD_MAX_AGE_SECONDS) is
+        left out; a figure the engine does not report is None. Empty for other servers and for a client that does
+        not follow the head. No I/O."""
+        if server_name not in self._global_config.servers:
+            self._global_config.raise_unusable(server_name)
+            raise UnknownServerError(server_name, list(self._global_config.servers))
+        return self._routing_started().engine_loads.server(server_name)
 
     def follow_instances(self, follow: bool = True) -> None:
         """Follow the head's instances (its status watch, in the background) from now on, or (False) stop. A

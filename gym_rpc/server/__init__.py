@@ -6,7 +6,8 @@
   server's instances and the one report made from them; `_registry`: registered server instances
   (`_address_policy`: where they may be advertised); `_http_head`: NeMo Gym's HTTP head endpoints (and
   `_status_page`, `_page_feed`: the status page at /ui/ on its port); `_connect`: the
-  same service over the Connect protocol (head_server.connect_port).
+  same service over the Connect protocol (head_server.connect_port); `_engine_load`: the engines' load read from
+  their /metrics and pushed down the watches that ask.
 * `_security`: the token interceptor, TLS credentials and server bounds; `_tracing`: OpenTelemetry's server
   interceptor.
 

@@ -42,6 +42,7 @@ from gym_rpc.server._connection_limits import (
     grpc_connection_bound,
     raise_fd_soft_limit,
 )
+from gym_rpc.server._engine_load import EngineLoads, engine_targets
 from gym_rpc.server._health import HealthServicer
 from gym_rpc.server._host_check import bound_to_loopback
 from gym_rpc.server._http_head import HttpHead
@@ -184,6 +185,8 @@ class HeadServer:
             push_max_delay_seconds=options.push_max_delay_seconds,
         )
         self.registry = InstanceRegistry(lambda: self.config.servers)  # RegisterServerInstance's instances
+        # The engines' load from their /metrics (entries with session_affinity_header; none: nothing is read).
+        self.engine_loads = EngineLoads(lambda: engine_targets(self.config.servers, self._report_or_none))
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None  # plaintext health only (head_server.health_port)
         self.health_port: int | None = None
@@ -243,6 +246,13 @@ class HeadServer:
     @property
     def observed_servers(self) -> Mapping[str, ServerEntry]:
         return self.config.servers
+
+    def _report_or_none(self, name: str) -> StatusReport | None:
+        """The prober's report of `name`, None for a server it does not know (yet: a reload in progress)."""
+        try:
+            return self.prober.report(name)
+        except KeyError:
+            return None
 
     @property
     def observed_prober(self) -> StatusProber:
@@ -310,6 +320,7 @@ class HeadServer:
             health_server = build_health_server(self._health)
             self.health_port = ServerSecurity().add_port(health_server, self.host, security.health_port)
         await self.prober.start()  # before the first call can arrive: handlers read its reports
+        await self.engine_loads.start()
         self.registry.start_expiry(self.prober)
         await server.start()
         self._server = server
@@ -371,6 +382,7 @@ class HeadServer:
             await self._server.stop(self.options.shutdown_grace_seconds)
             self._server = None
         await self.registry.stop_expiry()
+        await self.engine_loads.stop()
         await self.prober.stop()  # after the last call: in-flight handlers still read and probe through it
         if self._health_server is not None:
             await self._health_server.stop(None)

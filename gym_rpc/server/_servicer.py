@@ -20,6 +20,7 @@ from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url, is
 from gym_rpc.errors import ConfigError, quoted
 from gym_rpc.server import _events as events
 from gym_rpc.server._address_policy import AddressPolicy
+from gym_rpc.server._engine_load import EngineLoads, LoadPush, engine_load_message
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import (
     MAX_LEASE_SECONDS,
@@ -58,6 +59,7 @@ class HeadState(Protocol):
     config: GlobalConfig
     prober: StatusProber
     registry: InstanceRegistry
+    engine_loads: EngineLoads
     pid: int
     start_time: float
 
@@ -151,7 +153,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
     ) -> pb.ListServerStatusesResponse:
         prober = self._head.prober
         return pb.ListServerStatusesResponse(
-            revision=prober.revision, reports=self._report_messages.of(prober.reports())
+            revision=prober.revision,
+            reports=self._report_messages.of(prober.reports()),
+            engine_loads=[convert.engine_load_to_pb(load) for load in self._head.engine_loads.loads()],
         )
 
     async def WatchServerStatuses(
@@ -179,12 +183,19 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             # sent, and those must follow it rather than be skipped.
             seen, snapshot = feed.snapshot(compacted=seen != 0)
             yield snapshot
+        # ENGINE_LOAD messages for a watch that asks (gym_rpc.server._engine_load): coalesced, a few a second.
+        push = LoadPush(self._head.engine_loads) if request.include_engine_load else None
+        wait = heartbeat if push is None else push.wait_seconds(heartbeat)
         while True:
             # The stream holds nothing but `seen` while it waits or lags: what it missed is merged when it asks.
             seen, message = feed.after(seen)
             if message is not None:
                 yield message
-            if not await self._head.prober.pushes.wait(seen, heartbeat):
+            if push is not None and (loads := push.due()) is not None:
+                yield engine_load_message(loads, seen, prober.config_version)
+            if not await self._head.prober.pushes.wait(seen, wait) and (
+                push is None or push.heartbeat_due(heartbeat)
+            ):
                 # The revision this stream has delivered: a resume from it misses nothing.
                 yield feed.heartbeat(seen)
 

@@ -130,6 +130,10 @@ class _WatchEventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WatchE
     """The reports that changed at this revision."""
     WATCH_EVENT_TYPE_HEARTBEAT: _WatchEventType.ValueType  # 3
     """Nothing changed; carries the current revision only."""
+    WATCH_EVENT_TYPE_ENGINE_LOAD: _WatchEventType.ValueType  # 4
+    """The engines' load (engine_loads, every engine instance), sent only to watches that ask for it; it changes no
+    revision and carries the current one.
+    """
 
 class WatchEventType(_WatchEventType, metaclass=_WatchEventTypeEnumTypeWrapper):
     """WatchEventType says what a watch message carries."""
@@ -142,6 +146,10 @@ WATCH_EVENT_TYPE_CHANGE: WatchEventType.ValueType  # 2
 """The reports that changed at this revision."""
 WATCH_EVENT_TYPE_HEARTBEAT: WatchEventType.ValueType  # 3
 """Nothing changed; carries the current revision only."""
+WATCH_EVENT_TYPE_ENGINE_LOAD: WatchEventType.ValueType  # 4
+"""The engines' load (engine_loads, every engine instance), sent only to watches that ask for it; it changes no
+revision and carries the current one.
+"""
 Global___WatchEventType: _TypeAlias = WatchEventType  # noqa: Y015
 
 @_typing.final
@@ -597,25 +605,92 @@ class ListServerStatusesResponse(_message.Message):
 
     REVISION_FIELD_NUMBER: _builtins.int
     REPORTS_FIELD_NUMBER: _builtins.int
+    ENGINE_LOADS_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """Watch revision these reports correspond to (see WatchServerStatuses)."""
     @_builtins.property
     def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServerStatusReport]:
         """One report per server, in the config's order."""
 
+    @_builtins.property
+    def engine_loads(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineLoad]:
+        """The load the head last read from each engine instance (entries with `session_affinity_header`), in the
+        config's order; none for other servers.
+        """
+
     def __init__(
         self,
         *,
         revision: _builtins.int = ...,
         reports: _abc.Iterable[Global___ServerStatusReport] | None = ...,
+        engine_loads: _abc.Iterable[Global___EngineLoad] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reports", b"reports", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_loads", b"engine_loads", "reports", b"reports", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListServerStatusesResponse: _TypeAlias = ListServerStatusesResponse  # noqa: Y015
+
+@_typing.final
+class EngineLoad(_message.Message):
+    """EngineLoad is what the head last read from one engine instance's Prometheus `/metrics` (vLLM's or SGLang's
+    names). A figure the engine did not report, or a read that failed, is unset: unknown, never zero.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVER_NAME_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    RUNNING_FIELD_NUMBER: _builtins.int
+    KV_CACHE_USAGE_FIELD_NUMBER: _builtins.int
+    AGE_FIELD_NUMBER: _builtins.int
+    server_name: _builtins.str
+    """The server's name in the global config."""
+    instance_id: _builtins.str
+    """The instance (InstanceReport.instance_id)."""
+    waiting: _builtins.float
+    """Requests queued, not yet running (vllm:num_requests_waiting, sglang:num_queue_reqs)."""
+    running: _builtins.float
+    """Requests running (vllm:num_requests_running, sglang:num_running_reqs)."""
+    kv_cache_usage: _builtins.float
+    """KV-cache use, 0 to 1 (vllm:kv_cache_usage_perc, sglang:token_usage)."""
+    @_builtins.property
+    def age(self) -> _duration_pb2.Duration:
+        """How long ago, when this message was sent, the figures were read; unset: never read. A reader takes a figure
+        older than its own bound as unknown.
+        """
+
+    def __init__(
+        self,
+        *,
+        server_name: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        waiting: _builtins.float | None = ...,
+        running: _builtins.float | None = ...,
+        kv_cache_usage: _builtins.float | None = ...,
+        age: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_kv_cache_usage", b"_kv_cache_usage", "_running", b"_running", "_waiting", b"_waiting", "age", b"age", "kv_cache_usage", b"kv_cache_usage", "running", b"running", "waiting", b"waiting"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kv_cache_usage", b"_kv_cache_usage", "_running", b"_running", "_waiting", b"_waiting", "age", b"age", "instance_id", b"instance_id", "kv_cache_usage", b"kv_cache_usage", "running", b"running", "server_name", b"server_name", "waiting", b"waiting"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__kv_cache_usage: _TypeAlias = _typing.Literal["kv_cache_usage"]  # noqa: Y015
+    _WhichOneofArgType__kv_cache_usage: _TypeAlias = _typing.Literal["_kv_cache_usage", b"_kv_cache_usage"]  # noqa: Y015
+    _WhichOneofReturnType__running: _TypeAlias = _typing.Literal["running"]  # noqa: Y015
+    _WhichOneofArgType__running: _TypeAlias = _typing.Literal["_running", b"_running"]  # noqa: Y015
+    _WhichOneofReturnType__waiting: _TypeAlias = _typing.Literal["waiting"]  # noqa: Y015
+    _WhichOneofArgType__waiting: _TypeAlias = _typing.Literal["_waiting", b"_waiting"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__kv_cache_usage) -> _WhichOneofReturnType__kv_cache_usage | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__running) -> _WhichOneofReturnType__running | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__waiting) -> _WhichOneofReturnType__waiting | None: ...
+
+Global___EngineLoad: _TypeAlias = EngineLoad  # noqa: Y015
 
 @_typing.final
 class WatchServerStatusesRequest(_message.Message):
@@ -625,10 +700,13 @@ class WatchServerStatusesRequest(_message.Message):
 
     START_REVISION_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _builtins.int
+    INCLUDE_ENGINE_LOAD_FIELD_NUMBER: _builtins.int
     start_revision: _builtins.int
     """Resume after this revision: 0 starts with a snapshot; a revision still in the head's history replays the
     changes after it; an older one gets a snapshot flagged `compacted`.
     """
+    include_engine_load: _builtins.bool
+    """Also send ENGINE_LOAD messages: the engines' load as the head reads it, coalesced (a few per second at most)."""
     @_builtins.property
     def heartbeat_interval(self) -> _duration_pb2.Duration:
         """How often to send a heartbeat when nothing changes; unset uses the head's default."""
@@ -638,10 +716,11 @@ class WatchServerStatusesRequest(_message.Message):
         *,
         start_revision: _builtins.int = ...,
         heartbeat_interval: _duration_pb2.Duration | None = ...,
+        include_engine_load: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval", "start_revision", b"start_revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval", "include_engine_load", b"include_engine_load", "start_revision", b"start_revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -658,6 +737,7 @@ class WatchServerStatusesResponse(_message.Message):
     REPORTS_FIELD_NUMBER: _builtins.int
     COMPACTED_FIELD_NUMBER: _builtins.int
     CONFIG_VERSION_FIELD_NUMBER: _builtins.int
+    ENGINE_LOADS_FIELD_NUMBER: _builtins.int
     type: Global___WatchEventType.ValueType
     """What this message carries."""
     revision: _builtins.int
@@ -673,6 +753,10 @@ class WatchServerStatusesResponse(_message.Message):
     def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServerStatusReport]:
         """All reports (SNAPSHOT) or the changed ones (CHANGE); empty for HEARTBEAT."""
 
+    @_builtins.property
+    def engine_loads(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineLoad]:
+        """Every engine instance's load (ENGINE_LOAD only)."""
+
     def __init__(
         self,
         *,
@@ -681,10 +765,11 @@ class WatchServerStatusesResponse(_message.Message):
         reports: _abc.Iterable[Global___ServerStatusReport] | None = ...,
         compacted: _builtins.bool = ...,
         config_version: _builtins.str = ...,
+        engine_loads: _abc.Iterable[Global___EngineLoad] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compacted", b"compacted", "config_version", b"config_version", "reports", b"reports", "revision", b"revision", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compacted", b"compacted", "config_version", b"config_version", "engine_loads", b"engine_loads", "reports", b"reports", "revision", b"revision", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -53,7 +53,9 @@ from gym_rpc.wire._paths import (
     trace_path_segment,
 )
 from gym_rpc.wire._status import (
+    ENGINE_LOAD_MAX_AGE_SECONDS,
     SERVER_STATUSES,
+    EngineLoad,
     InstanceOrigin,
     InstanceReport,
     RegistrationState,
@@ -94,6 +96,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AUTHORIZATION_METADATA_KEY",
     "CONTROL_METHOD_PREFIX",
+    "ENGINE_LOAD_MAX_AGE_SECONDS",
     "GYM_PREFIX_HEAD",
     "HEAD_ADDRESS_ENV_VAR",
     "HEALTH_METHOD_PREFIX",
@@ -121,6 +124,7 @@ __all__ = [
     "TRACEPARENT_PATTERN",
     "TRACEPARENT_RE",
     "TRACE_SEGMENT",
+    "EngineLoad",
     "GymPrefixes",
     "InstanceOrigin",
     "InstanceRegistration",

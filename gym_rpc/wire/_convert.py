@@ -26,6 +26,7 @@ from gym_rpc.config import (
 )
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire._status import (
+    EngineLoad,
     InstanceOrigin,
     InstanceReport,
     RegistrationState,
@@ -442,13 +443,43 @@ def status_response_from_pb(response: pb.GetServerStatusResponse) -> StatusRepor
 
 
 def snapshot_from_pb(response: pb.ListServerStatusesResponse) -> StatusSnapshot:
-    return StatusSnapshot(response.revision, [report_from_pb(r) for r in response.reports])
+    return StatusSnapshot(
+        response.revision,
+        [report_from_pb(r) for r in response.reports],
+        [engine_load_from_pb(load) for load in response.engine_loads],
+    )
+
+
+def engine_load_to_pb(load: EngineLoad) -> pb.EngineLoad:
+    """An unknown figure stays unset (proto3 `optional`), never 0."""
+    message = pb.EngineLoad(server_name=load.server_name, instance_id=load.instance_id)
+    if load.waiting is not None:
+        message.waiting = load.waiting
+    if load.running is not None:
+        message.running = load.running
+    if load.kv_cache_usage is not None:
+        message.kv_cache_usage = load.kv_cache_usage
+    if load.age_seconds is not None:
+        message.age.CopyFrom(seconds_to_duration(load.age_seconds))
+    return message
+
+
+def engine_load_from_pb(message: pb.EngineLoad) -> EngineLoad:
+    return EngineLoad(
+        server_name=message.server_name,
+        instance_id=message.instance_id,
+        waiting=message.waiting if message.HasField("waiting") else None,
+        running=message.running if message.HasField("running") else None,
+        kv_cache_usage=message.kv_cache_usage if message.HasField("kv_cache_usage") else None,
+        age_seconds=_seconds(message.age) if message.HasField("age") else None,
+    )
 
 
 _EVENT_KINDS = {
     pb.WATCH_EVENT_TYPE_SNAPSHOT: "snapshot",
     pb.WATCH_EVENT_TYPE_CHANGE: "change",
     pb.WATCH_EVENT_TYPE_HEARTBEAT: "heartbeat",
+    pb.WATCH_EVENT_TYPE_ENGINE_LOAD: "engine_load",
 }
 
 
@@ -459,6 +490,7 @@ def watch_event_from_pb(message: pb.WatchServerStatusesResponse) -> WatchEvent:
         reports=[report_from_pb(r) for r in message.reports],
         compacted=message.compacted,
         config_version=message.config_version,
+        engine_loads=[engine_load_from_pb(load) for load in message.engine_loads],
     )
 
 

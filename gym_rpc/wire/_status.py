@@ -55,20 +55,41 @@ class StatusReport:
     instances: tuple[InstanceReport, ...] = ()
 
 
+# A figure of an engine's load older than this is unknown, on the head (what it sends) and in clients (what they
+# picked by): an engine that stopped answering its /metrics is never taken for an idle one.
+ENGINE_LOAD_MAX_AGE_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the head last read from one engine instance's `/metrics` (an entry with `session_affinity_header`):
+    requests waiting and running, and KV-cache use (0 to 1). None is unknown (not reported, never read, or read
+    too long ago), never zero. `age_seconds` is how old the figures were when the head sent them."""
+
+    server_name: str
+    instance_id: str
+    waiting: float | None = None
+    running: float | None = None
+    kv_cache_usage: float | None = None
+    age_seconds: float | None = None  # None: never read
+
+
 @dataclass(frozen=True)
 class StatusSnapshot:
-    """Every server's latest report, current as of `revision`."""
+    """Every server's latest report, current as of `revision`, and each engine instance's load."""
 
     revision: int
     reports: list[StatusReport]
+    engine_loads: list[EngineLoad] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class WatchEvent:
-    """One message of a status watch: kind is "snapshot", "change" or "heartbeat"."""
+    """One message of a status watch: kind is "snapshot", "change", "heartbeat" or (asked for) "engine_load"."""
 
     kind: str
     revision: int
     reports: list[StatusReport]
     compacted: bool
     config_version: str = ""  # the head's config version when sent; a change means: fetch the config again
+    engine_loads: list[EngineLoad] = field(default_factory=list)  # "engine_load" only: every engine instance's

@@ -1,0 +1,276 @@
+"""The engines' load, read by the head from each engine instance's Prometheus `/metrics`.
+
+An entry with `session_affinity_header` is an OpenAI-compatible engine (or a router): beside its probes, the head
+reads every instance's `/metrics` every READ_INTERVAL_SECONDS, each read bounded by READ_TIMEOUT_SECONDS and
+MAX_METRICS_BYTES, and keeps three figures per instance, by vLLM's names or SGLang's:
+
+| figure           | vLLM                          | SGLang                    |
+| ---------------- | ----------------------------- | ------------------------- |
+| `waiting`        | `vllm:num_requests_waiting`   | `sglang:num_queue_reqs`   |
+| `running`        | `vllm:num_requests_running`   | `sglang:num_running_reqs` |
+| `kv_cache_usage` | `vllm:kv_cache_usage_perc`    | `sglang:token_usage`      |
+
+Several series of one name (an engine serving data-parallel ranks) add up for the counts and average for the
+cache use. A figure an engine does not report, a read that fails, and a figure older than MAX_AGE_SECONDS are
+unknown (None), never zero. A config without engine entries reads nothing and costs nothing.
+
+Watches that ask for it (`include_engine_load`) get the table as ENGINE_LOAD messages, coalesced: at most one per
+PUSH_INTERVAL_SECONDS per watcher, each carrying the latest figures (`LoadPush`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+
+from gym_rpc._tasks import cancel_and_wait
+from gym_rpc.config import ServerEntry
+from gym_rpc.v1 import control_plane_pb2 as pb
+from gym_rpc.wire import ENGINE_LOAD_MAX_AGE_SECONDS, EngineLoad, StatusReport, convert
+
+logger = logging.getLogger("gym_rpc.server.engine_load")
+
+READ_INTERVAL_SECONDS = 0.5
+READ_TIMEOUT_SECONDS = 1.0
+MAX_METRICS_BYTES = 4 * 1024 * 1024  # a vLLM /metrics is tens of kB; a body past this is not read on
+MAX_AGE_SECONDS = ENGINE_LOAD_MAX_AGE_SECONDS
+PUSH_INTERVAL_SECONDS = 0.25  # per watcher: at most four ENGINE_LOAD messages a second
+METRICS_PATH = "/metrics"
+
+# metric name -> the figure it gives
+ENGINE_METRICS: Mapping[str, str] = {
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+    "vllm:gpu_cache_usage_perc": "kv_cache_usage",  # vLLM before 0.10 named it so
+    "sglang:num_queue_reqs": "waiting",
+    "sglang:num_running_reqs": "running",
+    "sglang:token_usage": "kv_cache_usage",
+}
+_AVERAGED = frozenset({"kv_cache_usage"})
+
+
+def parse_engine_metrics(text: str) -> dict[str, float]:
+    """The figures a Prometheus text exposition gives (figure -> value), from the names in ENGINE_METRICS only;
+    a sample that is not a finite number (NaN, +Inf, garbage) is left out, so its figure stays unknown."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        brace = line.find("{")
+        if brace != -1:
+            name, rest = line[:brace], line[line.rfind("}") + 1 :]
+        else:
+            name, _, rest = line.partition(" ")
+        figure = ENGINE_METRICS.get(name.strip())
+        if figure is None:
+            continue
+        fields = rest.split()
+        if not fields:
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            continue
+        if not math.isfinite(value):
+            continue
+        sums[figure] = sums.get(figure, 0.0) + value
+        counts[figure] = counts.get(figure, 0) + 1
+    return {figure: total / counts[figure] if figure in _AVERAGED else total for figure, total in sums.items()}
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """One engine instance to read: its server, its instance id and base URL."""
+
+    server_name: str
+    instance_id: str
+    url: str
+
+
+@dataclass
+class _Reading:
+    figures: dict[str, float]
+    read_at: float | None  # monotonic; None: never read
+
+
+class EngineLoads:
+    """Every engine instance's latest figures. `version` rises with every read round that read anything, so a
+    watcher knows there is news; `loads()` gives the table as of now (ages computed, stale figures unknown)."""
+
+    def __init__(
+        self,
+        targets: Callable[[], Iterable[EngineTarget]],
+        *,
+        interval_seconds: float = READ_INTERVAL_SECONDS,
+        timeout_seconds: float = READ_TIMEOUT_SECONDS,
+        max_age_seconds: float = MAX_AGE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._targets = targets  # read every round: instances come and go (registrations, reloads)
+        self._interval = interval_seconds
+        self._timeout = timeout_seconds
+        self._max_age = max_age_seconds
+        self._clock = clock
+        self._readings: dict[tuple[str, str], _Reading] = {}
+        self._order: list[tuple[str, str]] = []
+        self.version = 0
+        self.reads = 0  # reads made (tests)
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._failing: set[tuple[str, str]] = set()
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="gym-rpc engine load")
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def loads(self) -> list[EngineLoad]:
+        """Every engine instance's load now, in the config's order; a figure older than the bound is unknown."""
+        now = self._clock()
+        table = []
+        for key in self._order:
+            reading = self._readings.get(key)
+            if reading is None:
+                continue
+            age = None if reading.read_at is None else max(0.0, now - reading.read_at)
+            fresh = age is not None and age <= self._max_age
+            figures = reading.figures if fresh else {}
+            table.append(
+                EngineLoad(
+                    server_name=key[0],
+                    instance_id=key[1],
+                    waiting=figures.get("waiting"),
+                    running=figures.get("running"),
+                    kv_cache_usage=figures.get("kv_cache_usage"),
+                    age_seconds=age,
+                )
+            )
+        return table
+
+    async def read_all(self) -> None:
+        """One round: every engine instance's /metrics, concurrently, each bounded."""
+        targets = list(self._targets())
+        keys = [(target.server_name, target.instance_id) for target in targets]
+        self._order = keys
+        self._readings = {key: self._readings.get(key) or _Reading({}, None) for key in keys}
+        if not targets:
+            return
+        if self._session is None:
+            self._session = aiohttp.ClientSession(trust_env=False, cookie_jar=aiohttp.DummyCookieJar())
+        results = await asyncio.gather(*(self._read(self._session, target) for target in targets))
+        if any(result is not None for result in results):
+            self.version += 1
+
+    async def _read(self, session: aiohttp.ClientSession, target: EngineTarget) -> dict[str, float] | None:
+        key = (target.server_name, target.instance_id)
+        self.reads += 1
+        try:
+            async with session.get(
+                target.url.rstrip("/") + METRICS_PATH, timeout=aiohttp.ClientTimeout(total=self._timeout)
+            ) as response:
+                if response.status != 200:
+                    raise ValueError(f"HTTP {response.status}")
+                body = await response.content.read(MAX_METRICS_BYTES)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # a down or slow engine: its figures age into unknown
+            if key not in self._failing:
+                self._failing.add(key)
+                logger.info(
+                    "cannot read the load of %s %s at %s%s (%s): its figures count as unknown after %g s",
+                    target.server_name,
+                    target.instance_id,
+                    target.url,
+                    METRICS_PATH,
+                    f"{type(error).__name__}: {error}".rstrip(": "),
+                    self._max_age,
+                )
+            return None
+        self._failing.discard(key)
+        figures = parse_engine_metrics(body.decode("utf-8", "replace"))
+        self._readings[key] = _Reading(figures, self._clock())
+        return figures
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):  # a round never ends the loop; each read logs its own failure
+                await self.read_all()
+            await asyncio.sleep(self._interval)
+
+
+class LoadPush:
+    """One watcher's ENGINE_LOAD messages: the latest table whenever it is news, at most one per
+    PUSH_INTERVAL_SECONDS (coalesced: a watcher gets the latest figures, never a backlog), and its heartbeats
+    only when it has been sent nothing for a heartbeat interval."""
+
+    def __init__(self, loads: EngineLoads, clock: Callable[[], float] = time.monotonic) -> None:
+        self._loads = loads
+        self._clock = clock
+        self._sent_version = -1
+        self._sent_at = clock()
+        self._pushed_at = -math.inf
+
+    def wait_seconds(self, heartbeat: float) -> float:
+        """How long the watch waits for a change before it looks at the load again."""
+        return min(heartbeat, PUSH_INTERVAL_SECONDS)
+
+    def due(self) -> list[EngineLoad] | None:
+        """The table to send now, or None (no news, or one was sent less than PUSH_INTERVAL_SECONDS ago)."""
+        now = self._clock()
+        if self._loads.version == self._sent_version or now - self._pushed_at < PUSH_INTERVAL_SECONDS:
+            return None
+        self._sent_version = self._loads.version
+        self._pushed_at = self._sent_at = now
+        return self._loads.loads()
+
+    def heartbeat_due(self, heartbeat: float) -> bool:
+        now = self._clock()
+        if now - self._sent_at < heartbeat:
+            return False
+        self._sent_at = now
+        return True
+
+
+def engine_load_message(
+    loads: list[EngineLoad], revision: int, config_version: str
+) -> pb.WatchServerStatusesResponse:
+    """The ENGINE_LOAD message of a watch at `revision`: the table, no revision of its own."""
+    return pb.WatchServerStatusesResponse(
+        type=pb.WATCH_EVENT_TYPE_ENGINE_LOAD,
+        revision=revision,
+        config_version=config_version,
+        engine_loads=[convert.engine_load_to_pb(load) for load in loads],
+    )
+
+
+def engine_targets(
+    servers: Mapping[str, ServerEntry], reports: Callable[[str], StatusReport | None]
+) -> list[EngineTarget]:
+    """The engine instances of `servers` (entries with a session affinity header): each instance the head's
+    report of the server lists (registered ones included), else the instances its config names."""
+    targets = []
+    for name, entry in servers.items():
+        if entry.session_affinity_header is None:
+            continue
+        report = reports(name)
+        if report is not None and report.instances:
+            pairs = [(instance.instance_id, instance.url) for instance in report.instances]
+        else:
+            pairs = [(address.instance_id, address.url) for address in entry.instances]
+        targets += [EngineTarget(name, instance_id, url) for instance_id, url in pairs]
+    return targets
