@@ -6,6 +6,7 @@ it serves and to whom, what it never sends, how a page resumes, and that a page 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ import yaml
 
 from gym_rpc.client import ControlClient
 from gym_rpc.server import HeadServer
-from gym_rpc.server._page_feed import TimelineEvent, report_events
+from gym_rpc.server._page_feed import PageFeed, TimelineEvent, report_events
 from gym_rpc.server._status_page import CONTENT_SECURITY_POLICY, MAX_PAGES_PER_CLIENT
 from gym_rpc.wire import InstanceReport, StatusReport
 from tests.cli_helpers import running_head
@@ -313,3 +314,39 @@ async def test_the_heads_cost_per_open_page(tmp_path: Path, session: aiohttp.Cli
     )
     assert min(received) > 0
     assert per_page < 0.05  # a sanity bound, five times the goal: the figure itself is printed above
+
+
+@dataclasses.dataclass(frozen=True)
+class _Load:
+    """An engine instance's load as the head reads it (gym_rpc.wire's EngineLoad has these fields)."""
+
+    server_name: str
+    instance_id: str
+    waiting: float | None
+    running: float | None
+    kv_cache_usage: float | None
+
+
+async def test_the_engines_load_is_shown_per_instance_when_the_head_reads_it(head_factory: Any) -> None:
+    port = closed_port()
+    head = await head_factory(document({"engine": server_entry(port), "tools": server_entry(closed_port())}))
+    instance = f"{LOOPBACK}:{port}"
+    loads = [_Load("engine", instance, 3.0, 5.0, 0.4213), _Load("engine", "10.0.0.9:1", None, None, None)]
+    feed = PageFeed(head, engine_loads=lambda: loads)
+    await feed.start()
+    try:
+        snapshot = json.loads(feed.snapshot()[1].decode().split("data: ", 1)[1])
+        engine, tools = snapshot["servers"]
+        assert engine["instances"][0]["engine"] == {"queue": 3.0, "running": 5.0, "kv": 0.421}
+        assert tools["instances"][0]["engine"] is None  # an instance the head reads no load of
+        heartbeat = json.loads(feed.heartbeat().decode().split("data: ", 1)[1])
+        assert heartbeat["engine"] == {"engine": [{"queue": 3.0, "running": 5.0, "kv": 0.421}]}
+    finally:
+        await feed.stop()
+    plain = PageFeed(head)
+    await plain.start()
+    try:
+        heartbeat = json.loads(plain.heartbeat().decode().split("data: ", 1)[1])
+        assert heartbeat["engine"] == {}
+    finally:
+        await plain.stop()

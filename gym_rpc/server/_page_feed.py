@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -66,7 +66,48 @@ def _seconds(value: float) -> float | None:
     return round(value, 3) if value > 0 else None
 
 
-def instance_json(instance: InstanceReport, in_flight: int | None) -> dict[str, Any]:
+class EngineLoadFigures(Protocol):
+    """One engine instance's load as the head read it from the engine's /metrics: requests waiting and running,
+    KV-cache use (0 to 1); None where unknown (gym_rpc.wire's EngineLoad has these)."""
+
+    @property
+    def server_name(self) -> str: ...
+    @property
+    def instance_id(self) -> str: ...
+    @property
+    def waiting(self) -> float | None: ...
+    @property
+    def running(self) -> float | None: ...
+    @property
+    def kv_cache_usage(self) -> float | None: ...
+
+
+EngineLoadSource = Callable[[], Iterable[EngineLoadFigures]]
+
+
+def engine_json(load: EngineLoadFigures | None) -> dict[str, Any] | None:
+    """What the page shows of an engine's load; None when the head reads none for the instance."""
+    if load is None:
+        return None
+    figures = {"queue": load.waiting, "running": load.running, "kv": load.kv_cache_usage}
+    return {key: round(value, 3) for key, value in figures.items() if value is not None} or None
+
+
+def engine_table(source: EngineLoadSource | None) -> dict[tuple[str, str], dict[str, Any]]:
+    """(server name, instance id) -> what the page shows of its engine's load, for every engine the head reads."""
+    if source is None:
+        return {}
+    table = {}
+    for load in source():
+        shown = engine_json(load)
+        if shown is not None:
+            table[(load.server_name, load.instance_id)] = shown
+    return table
+
+
+def instance_json(
+    instance: InstanceReport, in_flight: int | None, engine: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One instance as the page shows it. Text that came from a registration (labels) is sent as it is: the page
     puts it in the DOM as text, never as markup."""
     return {
@@ -84,24 +125,18 @@ def instance_json(instance: InstanceReport, in_flight: int | None) -> dict[str, 
         "pid": instance.pid or None,
         "started": _seconds(instance.start_time),
         "in_flight": in_flight,
-        "engine": engine_json(instance),
+        "engine": engine,
     }
 
 
-def engine_json(instance: InstanceReport) -> dict[str, Any] | None:
-    """The engine's load (queue, KV-cache use) once the head reads it from the engine; None until then. Read by
-    name, so a head whose reports carry no engine load yet shows none."""
-    load = getattr(instance, "engine", None)
-    if load is None:
-        return None
-    fields = getattr(load, "__dataclass_fields__", None)
-    if fields is None:
-        return None
-    return {name: getattr(load, name) for name in fields if isinstance(getattr(load, name), int | float | str)}
-
-
-def server_json(report: StatusReport, server_type: str, in_flight: Mapping[str, int]) -> dict[str, Any]:
+def server_json(
+    report: StatusReport,
+    server_type: str,
+    in_flight: Mapping[str, int],
+    engines: Mapping[tuple[str, str], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """One server: its name, type, status and how many of its instances answer, then every instance."""
+    name, engines = report.server_name, engines or {}
     instances = report.instances or (InstanceReport(instance_id=report.url, url=report.url, status=report.status),)
     return {
         "name": report.server_name,
@@ -110,7 +145,9 @@ def server_json(report: StatusReport, server_type: str, in_flight: Mapping[str, 
         "status": report.status,
         "up": sum(1 for i in instances if i.status == "success" and not i.draining),
         "total": len(instances),
-        "instances": [instance_json(i, in_flight.get(i.instance_id)) for i in instances],
+        "instances": [
+            instance_json(i, in_flight.get(i.instance_id), engines.get((name, i.instance_id))) for i in instances
+        ],
     }
 
 
@@ -223,9 +260,16 @@ class PageFeed:
     """The head's fleet as the page sees it, followed from the prober; start() at the head's start, stop() at its
     end. Pages wait with `wait_for_change` and take `frames_after`, `snapshot` and `heartbeat`: shared bytes."""
 
-    def __init__(self, head: PageSource, *, head_info: Callable[[], dict[str, Any]] = dict) -> None:
+    def __init__(
+        self,
+        head: PageSource,
+        *,
+        head_info: Callable[[], dict[str, Any]] = dict,
+        engine_loads: EngineLoadSource | None = None,
+    ) -> None:
         self._head = head
         self._head_info = head_info
+        self._engine_loads = engine_loads  # the engines' load the head reads, when it reads any
         self.revision = 0  # the prober revision the frames reach
         self.config_version = ""
         self._reports: dict[str, StatusReport] = {}
@@ -331,10 +375,12 @@ class PageFeed:
             self.frames_built += 1
             self._wake()
 
-    def _server_json(self, report: StatusReport) -> dict[str, Any]:
+    def _server_json(
+        self, report: StatusReport, engines: Mapping[tuple[str, str], dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         entry = self._head.config.servers.get(report.server_name)
         in_flight = self._head.registry.in_flight(report.server_name)
-        return server_json(report, entry.server_type if entry is not None else "", in_flight)
+        return server_json(report, entry.server_type if entry is not None else "", in_flight, engines)
 
     def _wake(self) -> None:
         waiting, self._next = self._next, None
@@ -365,7 +411,8 @@ class PageFeed:
         if self._snapshot is None or self._snapshot[0] != key:
             # The prober's reports as they are now (their last checks move on between revisions); a server
             # whose change the feed has not taken yet shows its new state here and again in the next change.
-            servers = [self._server_json(report) for report in self._head.prober.reports()]
+            engines = engine_table(self._engine_loads)
+            servers = [self._server_json(report, engines) for report in self._head.prober.reports()]
             data = {
                 "revision": self.revision,
                 "config_version": self.config_version,
@@ -387,6 +434,8 @@ class PageFeed:
             prober = self._head.prober
             checks: dict[str, list[float | None]] = {}
             in_flight: dict[str, list[int | None]] = {}
+            engines = engine_table(self._engine_loads)
+            engine: dict[str, list[dict[str, Any] | None]] = {}
             for name, report in self._reports.items():
                 try:
                     current = prober.report(name)
@@ -398,6 +447,15 @@ class PageFeed:
                 reported = self._head.registry.in_flight(name)
                 if reported:
                     in_flight[name] = [reported.get(iid) for iid in ids]
-            data = {"revision": self.revision, "now": round(now, 3), "ago": checks, "in_flight": in_flight}
+                loads = [engines.get((name, iid)) for iid in ids] if engines else []
+                if any(loads):
+                    engine[name] = loads
+            data = {
+                "revision": self.revision,
+                "now": round(now, 3),
+                "ago": checks,
+                "in_flight": in_flight,
+                "engine": engine,
+            }
             self._heartbeat = (key, sse_frame("heartbeat", data))
         return self._heartbeat[1]

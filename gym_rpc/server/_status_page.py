@@ -31,7 +31,7 @@ from typing import Any
 from aiohttp import web
 
 from gym_rpc._logging import RateLimitedLog
-from gym_rpc.server._page_feed import HEARTBEAT_SECONDS, PageFeed, PageSource
+from gym_rpc.server._page_feed import HEARTBEAT_SECONDS, EngineLoadSource, PageFeed, PageSource
 from gym_rpc.server._security import authenticate
 from gym_rpc.server._watch_slots import DEFAULT_STALL_SECONDS, WatchSlots
 
@@ -88,8 +88,9 @@ class StatusPage:
         max_pages: int = MAX_PAGES,
         max_pages_per_client: int = MAX_PAGES_PER_CLIENT,
         head_info: Any = dict,
+        engine_loads: EngineLoadSource | None = None,
     ) -> None:
-        self.feed = PageFeed(head, head_info=head_info)
+        self.feed = PageFeed(head, head_info=head_info, engine_loads=engine_loads)
         self._expected = token.encode() if token else None
         self.stall_seconds = stall_seconds
         self.slots = WatchSlots("status pages", max_pages, max_pages_per_client, instead="close another page")

@@ -205,9 +205,11 @@
       const server = state.servers.get(name);
       if (!server) continue;
       const flights = message.in_flight[name] || [];
+      const engines = (message.engine || {})[name] || [];
       server.instances.forEach((instance, i) => {
         instance.checked = ages[i] === null || ages[i] === undefined ? null : message.now - ages[i];
         instance.in_flight = flights[i] === undefined ? instance.in_flight : flights[i];
+        if (engines.length) instance.engine = engines[i] || null;
       });
     }
     for (const [name, group] of groups) {
@@ -297,8 +299,7 @@
       row.append(el("td", null, instance.started ? duration(now - instance.started) : "-"));
       row.append(el("td", "in-flight", instance.in_flight === null || instance.in_flight === undefined
         ? "-" : instance.in_flight));
-      const engine = instance.engine
-        ? Object.entries(instance.engine).map(([key, value]) => `${key} ${value}`).join(", ") : "-";
+      const engine = instance.engine ? engineText(instance.engine) : "-";
       row.append(el("td", "engine", engine));
       row.append(el("td", "muted", instance.origin || "-"));
       table.append(row);
@@ -308,6 +309,14 @@
     if (group.body) group.body.replaceWith(body);
     else group.details.append(body);
     group.body = body;
+  }
+
+  function engineText(load) {
+    const parts = [];
+    if (load.queue !== undefined) parts.push(`queue ${load.queue}`);
+    if (load.running !== undefined) parts.push(`running ${load.running}`);
+    if (load.kv !== undefined) parts.push(`KV ${Math.round(load.kv * 100)}%`);
+    return parts.join(", ") || "-";
   }
 
   function eventNode(event) {
