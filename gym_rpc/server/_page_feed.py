@@ -409,10 +409,18 @@ class PageFeed:
         """Everything at the current revision, and the revision: a page's first frame, and its catch-up."""
         key = (self.revision, int(time.monotonic() / SNAPSHOT_REUSE_SECONDS))
         if self._snapshot is None or self._snapshot[0] != key:
-            # The prober's reports as they are now (their last checks move on between revisions); a server
-            # whose change the feed has not taken yet shows its new state here and again in the next change.
+            # The reports at the feed's revision (what its change frames and heartbeats follow), with each
+            # instance's last check as the prober has it now: checks move on between revisions.
             engines = engine_table(self._engine_loads)
-            servers = [self._server_json(report, engines) for report in self._head.prober.reports()]
+            servers = [self._server_json(report, engines) for report in self._reports.values()]
+            prober = self._head.prober
+            for server in servers:
+                try:
+                    probed = {i.instance_id: i.checked_at for i in prober.report(server["name"]).instances}
+                except KeyError:
+                    continue
+                for instance in server["instances"]:
+                    instance["checked"] = _seconds(probed.get(instance["id"], 0.0)) or instance["checked"]
             data = {
                 "revision": self.revision,
                 "config_version": self.config_version,
