@@ -1560,7 +1560,9 @@ async def test_a_moved_config_instance_restarts_unprobed_and_its_process_stays_a
     prober = StatusProber(config["servers"], on_change=on_change)
     registry = InstanceRegistry(lambda: config["servers"])
     await prober.set_servers(config["servers"])
-    await registry.register(InstanceRegistration("a", 7, 0.0, LOOPBACK, 1001, LOOPBACK, registered_at=0.0))
+    await registry.register(
+        InstanceRegistration("a", 7, 0.0, LOOPBACK, 1001, LOOPBACK, registered_at=0.0, peer_host=LOOPBACK)
+    )
     await registry.update_prober(prober, ["a"])
     config["servers"] = GlobalConfig.from_document(document({"a": server_entry(1002)})).servers
     await registry.update_prober(prober)

@@ -57,6 +57,12 @@ class RegistrationSettings(BaseModel):
     # CIDRs ("10.0.0.0/8", "fd00::/8") and hostnames ("gpu7", "*.cluster.local"); empty: any address but the
     # link-local and cloud metadata ones, which are accepted only when listed here.
     allowed_networks: tuple[str, ...] = ()
+    # How much may be registered (gym_rpc.server._registration_limits): past a cap, RESOURCE_EXHAUSTED.
+    max_instances_per_server: StrictInt = Field(default=128, ge=1)  # registered instances of one server name
+    max_instances: StrictInt = Field(default=4096, ge=1)  # registered instances on the head, every name
+    max_instances_per_client: StrictInt = Field(default=256, ge=1)  # held from one client address
+    registrations_per_second: float = Field(default=20.0, gt=0, allow_inf_nan=False)  # per client; not renewals
+    registration_burst: StrictInt = Field(default=200, ge=1)  # registrations one client may make at once
 
     @field_validator("allowed_networks")
     @classmethod

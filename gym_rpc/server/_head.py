@@ -50,6 +50,7 @@ from gym_rpc.server._instances import serves
 from gym_rpc.server._metrics_http import MetricsServer
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._pushes import DEFAULT_MAX_DELAY_SECONDS, DEFAULT_QUIET_SECONDS, MAX_PUSH_DELAY_SECONDS
+from gym_rpc.server._registration_limits import RegistrationCaps, RegistrationLimits
 from gym_rpc.server._registry import InstanceRegistry
 from gym_rpc.server._security import (
     CONNECTION_IDLE_SECONDS,
@@ -288,6 +289,7 @@ class HeadServer:
             self.config.observability_enabled, service_name=self._service_name, telemetry_block=telemetry_block
         )
         setup_metrics(service_name=self._service_name, prometheus=True, telemetry_block=telemetry_block)
+        self.registry.limits = RegistrationLimits(RegistrationCaps.from_settings(own.registration))
         self.registrations_off = registration_refusal(self.host, security, self.options.open_registrations)
         if self.registrations_off is not None:
             logger.warning("%s", self.registrations_off)

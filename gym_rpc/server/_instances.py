@@ -133,25 +133,27 @@ def watched(report: StatusReport) -> tuple[object, ...]:
     times and failure details move with every probe and are no change; whether a probe's answer was a 5xx is one
     (a client's ejection of an instance ends on a probe answered below 500, never on a 5xx: gym_rpc.client's
     _outliers), its exact code is not."""
+    return (*watched_server(report), tuple(watched_instance(i) for i in report.instances))
+
+
+def watched_server(report: StatusReport) -> tuple[object, ...]:
+    """What watches follow of the report's own fields (`watched` without the instances)."""
+    return (report.status, report.registration, report.advertised_url)
+
+
+def watched_instance(i: InstanceReport) -> tuple[object, ...]:
+    """What watches follow of one instance."""
     return (
-        report.status,
-        report.registration,
-        report.advertised_url,
-        tuple(
-            (
-                i.instance_id,
-                i.url,
-                i.status,
-                i.http_status >= 500,
-                i.registration,
-                i.draining,
-                i.labels,
-                i.origin,
-                i.pid,
-                i.start_time,
-            )
-            for i in report.instances
-        ),
+        i.instance_id,
+        i.url,
+        i.status,
+        i.http_status >= 500,
+        i.registration,
+        i.draining,
+        i.labels,
+        i.origin,
+        i.pid,
+        i.start_time,
     )
 
 

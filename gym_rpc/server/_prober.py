@@ -32,7 +32,15 @@ from gym_rpc._tasks import cancel_and_wait, run_every
 from gym_rpc._version import __version__
 from gym_rpc.config import ServerEntry
 from gym_rpc.server import _events as events
-from gym_rpc.server._instances import InstanceTarget, server_report, targets_by_name, watched, with_probe
+from gym_rpc.server._instances import (
+    InstanceTarget,
+    server_report,
+    targets_by_name,
+    watched,
+    watched_instance,
+    watched_server,
+    with_probe,
+)
 from gym_rpc.server._pushes import DEFAULT_MAX_DELAY_SECONDS, DEFAULT_QUIET_SECONDS, Pushes
 from gym_rpc.wire import TRACEPARENT_HEADER, InstanceReport, ServerStatus, StatusReport
 
@@ -117,15 +125,25 @@ class _Server:
 
     targets: dict[str, InstanceTarget]
     instances: dict[str, InstanceReport]
-    report: StatusReport
+    composed: StatusReport  # the server's report as last made from its instances
     probed_at: dict[str, float] = field(default_factory=dict)
     in_status: dict[str, int] = field(default_factory=dict)  # probes in a row that gave the current status
+    # A probe that changed no status leaves the report to be made when it is next read: a probe costs O(1),
+    # not a walk over every instance of its server (a server of N instances would cost O(N^2) a round).
+    stale: bool = False
 
     @classmethod
     def of(cls, name: str, targets: Sequence[InstanceTarget]) -> _Server:
-        server = cls(targets={}, instances={}, report=StatusReport(server_name=name, status=None, url=""))
+        server = cls(targets={}, instances={}, composed=StatusReport(server_name=name, status=None, url=""))
         server.retarget(name, targets)
         return server
+
+    @property
+    def report(self) -> StatusReport:
+        """The server's report from its instances' latest results."""
+        if self.stale:
+            self.compose(self.composed.server_name)
+        return self.composed
 
     def retarget(self, name: str, targets: Sequence[InstanceTarget]) -> bool:
         """Follow the instances the registry gives; True when the server's report changed (an instance came, left,
@@ -140,12 +158,45 @@ class _Server:
             self.in_status.pop(instance_id, None)
         return self.compose(name)
 
-    def compose(self, name: str) -> bool:
-        """Make the server's report from its instances; True when what watches follow of it changed."""
+    def compose(self, name: str, changed: InstanceReport | None = None) -> bool:
+        """Make the server's report from its instances; True when what watches follow of it changed. `changed`:
+        the previous report of the one instance that changed (the others did not), so only it is compared."""
         report = server_report(name, tuple(self.instances.values()), self.config_target.advertised_url)
-        changed = watched(report) != watched(self.report)
-        self.report = report
-        return changed
+        if changed is None:
+            differs = watched(report) != watched(self.composed)
+        else:
+            now = self.instances.get(changed.instance_id)
+            differs = (
+                len(report.instances) != len(self.composed.instances)
+                or watched_server(report) != watched_server(self.composed)
+                or now is None
+                or watched_instance(now) != watched_instance(changed)
+            )
+        self.composed, self.stale = report, False
+        return differs
+
+    def retarget_one(self, name: str, target: InstanceTarget) -> bool:
+        """Follow one instance the registry changed or added (added last, as the registry orders them); True when
+        the server's report changed. O(1) but for making the report (a tuple of the instances)."""
+        instance_id = target.instance_id
+        old = self.instances.get(instance_id)
+        self.targets[instance_id] = target
+        self.instances[instance_id] = target.report(old)
+        if old is None:
+            return self.compose(name)
+        if old.url != target.url:
+            self.probed_at.pop(instance_id, None)
+            self.in_status.pop(instance_id, None)
+        return self.compose(name, old)
+
+    def drop(self, name: str, instance_id: str) -> bool:
+        """Forget one instance the registry removed; True when the server's report changed."""
+        if instance_id not in self.instances or len(self.instances) == 1:
+            return False
+        del self.targets[instance_id], self.instances[instance_id]
+        self.probed_at.pop(instance_id, None)
+        self.in_status.pop(instance_id, None)
+        return self.compose(name)
 
     @property
     def config_target(self) -> InstanceTarget:
@@ -245,6 +296,21 @@ class StatusProber:
         the prober does not have (not in the config) is ignored."""
         server = self._servers.get(name)
         if server is not None and server.retarget(name, targets):
+            self._record(server.report)
+            await self._notify(server.report, name)
+
+    async def set_instance(self, name: str, target: InstanceTarget) -> None:
+        """Follow one instance of a server (a registration changed or added it); a change of the server's report
+        is one revision. Costs what the one instance does, whatever the server's size."""
+        server = self._servers.get(name)
+        if server is not None and server.retarget_one(name, target):
+            self._record(server.report)
+            await self._notify(server.report, name)
+
+    async def drop_instance(self, name: str, instance_id: str) -> None:
+        """Forget one registered instance of a server (deregistered or expired)."""
+        server = self._servers.get(name)
+        if server is not None and server.drop(name, instance_id):
             self._record(server.report)
             await self._notify(server.report, name)
 
@@ -392,7 +458,9 @@ class StatusProber:
         in_a_row = server.in_status.get(instance_id, 0)
         server.in_status[instance_id] = in_a_row + 1 if previous.status == instance.status else 1
         events.probe_stored(name, previous, instance, in_a_row, len(server.instances))
-        if server.compose(name):
+        if watched_instance(previous) == watched_instance(instance):  # no change watches follow: made when read
+            server.stale = True
+        elif server.compose(name, previous):
             self._record(server.report)
             await self._notify(server.report, name)
         return instance

@@ -35,6 +35,7 @@ from gym_rpc.config import ServerEntry, connectable_host, is_wildcard_host, url_
 from gym_rpc.server import _events as events
 from gym_rpc.server._host_addresses import HostAddresses
 from gym_rpc.server._instances import InstanceTarget, config_targets
+from gym_rpc.server._registration_limits import RegistrationLimits
 from gym_rpc.wire import InstanceRegistration, RegistrationState
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,9 @@ logger = logging.getLogger(__name__)
 # Leases a registration may ask for: long enough to renew over a slow network, short enough to matter.
 MIN_LEASE_SECONDS = 0.5
 MAX_LEASE_SECONDS = 86400.0
+# The lease of a registration that asks for none: none lives forever, so a process gone without deregistering (or
+# a flood of registrations never renewed) leaves the head within this long.
+DEFAULT_LEASE_SECONDS = 300.0
 # How often the head looks for expired leases: an expiry is noticed at most this late.
 LEASE_SWEEP_SECONDS = 0.25
 
@@ -107,6 +111,10 @@ class StatusTargets(Protocol):
 
     async def set_instances(self, name: str, targets: Sequence[InstanceTarget]) -> None: ...
 
+    async def set_instance(self, name: str, target: InstanceTarget) -> None: ...
+
+    async def drop_instance(self, name: str, instance_id: str) -> None: ...
+
 
 # The ended-registration key of a wildcard-bound server's config instance, whose own id moves with its holder.
 _WILDCARD_SLOT = ""
@@ -137,6 +145,10 @@ class InstanceRegistry:
         self._lock = asyncio.Lock()  # one prober update at a time, each from the latest state
         self._sweeper: asyncio.Task[None] | None = None
         self._addresses = HostAddresses()
+        # name -> advertised id -> the key of the registration advertised there: a registration finds its
+        # instance in O(1), not by a walk over the server's instances.
+        self._by_address: dict[str, dict[str, str]] = {}
+        self.limits = RegistrationLimits()  # the caps and rate of head_server.registration (set at start)
 
     def __len__(self) -> int:
         return sum(len(registrations) for registrations in self._registrations.values())
@@ -182,9 +194,8 @@ class InstanceRegistry:
         held only from the address of the registration holding it."""
         name = registration.server_name
         registrations = self._registrations.setdefault(name, {})
-        instance_id = next(
-            (key for key, held in registrations.items() if held.advertised_id == registration.advertised_id), None
-        )
+        by_address = self._by_address.setdefault(name, {})
+        instance_id = by_address.get(registration.advertised_id)
         entry = self._servers().get(name)
         if instance_id is None:
             held_config = await self._config_instance_at(entry, registration) if entry is not None else None
@@ -194,9 +205,24 @@ class InstanceRegistry:
             refusal = await self._identity_refusal(entry, instance_id, previous, registration)
             if refusal is not None:
                 raise IdentityRefused(refusal)
+        kind = _kind(previous, registration)
+        limits, peer = self.limits, registration.peer_host
+        limited = None if kind == "renewed" else limits.rate_refusal(peer)
+        if limited is None and previous is None:
+            limited = limits.refusal(name, len(registrations), peer)
+        if limited is not None:
+            raise CapReached(limited)
         registrations[instance_id] = registration  # a key already there keeps its place: a restart stays in line
+        if previous is not None and by_address.get(previous.advertised_id) == instance_id:
+            del by_address[previous.advertised_id]
+        by_address[registration.advertised_id] = instance_id
+        if previous is None:
+            limits.added(peer)
+        elif previous.peer_host != peer:
+            limits.removed(previous.peer_host)
+            limits.added(peer)
         self._ended.get(name, {}).pop(instance_id, None)
-        return Registered(instance_id, _kind(previous, registration), previous)
+        return Registered(instance_id, kind, previous)
 
     def deregister(
         self,
@@ -249,6 +275,10 @@ class InstanceRegistry:
         entry = self._servers().get(name)
         held_config = entry is not None and key == self._config_holder(entry)
         registration = self._registrations[name].pop(key)
+        self.limits.removed(registration.peer_host)
+        by_address = self._by_address.get(name, {})
+        if by_address.get(registration.advertised_id) == key:
+            del by_address[registration.advertised_id]
         if entry is not None and (held_config or key in _config_ids(entry)):
             slot = _WILDCARD_SLOT if is_wildcard_host(entry.host) and key not in _config_ids(entry) else key
             self._ended.setdefault(name, {})[slot] = reason
@@ -375,6 +405,41 @@ class InstanceRegistry:
                 there = registrations.get(moved.advertised_id)
                 if there is None or there.registered_at < moved.registered_at:
                     registrations[moved.advertised_id] = moved
+                dropped = moved if registrations.get(moved.advertised_id) is not moved else there
+                if dropped is not None:
+                    self.limits.removed(dropped.peer_host)
+            self._by_address[name] = {r.advertised_id: k for k, r in registrations.items()}
+
+    async def update_instances(self, prober: StatusTargets, name: str, keys: Iterable[str]) -> None:
+        """Point the prober at the instances `keys` of server `name` as they are now (held, ended or gone): the
+        cost of those instances, not of the server's. A wildcard-bound config instance moves with its holder, so
+        such a server is given whole."""
+        async with self._lock:
+            entry = self._servers().get(name)
+            if entry is None:
+                return
+            if is_wildcard_host(entry.host):
+                await prober.set_instances(name, self.targets(entry))
+                return
+            for key in keys:
+                target = self._target_of(entry, key)
+                if target is None:
+                    await prober.drop_instance(name, key)
+                else:
+                    await prober.set_instance(name, target)
+
+    def _target_of(self, entry: ServerEntry, key: str) -> InstanceTarget | None:
+        """What `targets` gives for the instance `key` of a server not bound to a wildcard; None when it is no
+        instance (a registered one that went)."""
+        held = self._registrations.get(entry.name, {}).get(key)
+        config = next((t for t in config_targets(entry) if t.instance_id == key), None)
+        if config is not None:
+            return (
+                _held(config, held)
+                if held is not None
+                else dataclasses.replace(config, registration=self._ended.get(entry.name, {}).get(key))
+            )
+        return _held(InstanceTarget(key, held.advertised_url, "registered"), held) if held is not None else None
 
     async def update_prober(self, prober: StatusTargets, names: Iterable[str] | None = None) -> None:
         """Point the prober at the instances of the servers `names` (None: of every server, after a reload) as
@@ -388,6 +453,10 @@ class InstanceRegistry:
             for name in names:
                 if name in current:
                     await prober.set_instances(name, self.targets(current[name]))
+
+
+class CapReached(Exception):
+    """A registration past a cap or its client's rate (RESOURCE_EXHAUSTED, naming the setting)."""
 
 
 class IdentityRefused(Exception):

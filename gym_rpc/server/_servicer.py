@@ -23,8 +23,10 @@ from gym_rpc.server._address_policy import AddressPolicy
 from gym_rpc.server._engine_load import EngineLoads, LoadPush, engine_load_message
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import (
+    DEFAULT_LEASE_SECONDS,
     MAX_LEASE_SECONDS,
     MIN_LEASE_SECONDS,
+    CapReached,
     IdentityRefused,
     InstanceRegistry,
     advertised_host,
@@ -91,6 +93,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self._registrations_off = registrations_off  # why RegisterServerInstance is refused; None: taken
         # Who tried to take over an instance it does not hold: a line per 10 s at most, however hard it tries.
         self._identity_refusals = RateLimitedLog(logger)
+        self._cap_refusals = RateLimitedLog(logger)
         self._address_policy = address_policy if address_policy is not None else AddressPolicy()
         self._config_responses: dict[bool, tuple[str, pb.GetGlobalConfigResponse]] = {}
         self._report_messages = ReportMessages()  # each probe result converted once
@@ -241,6 +244,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         if request.pid < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pid must not be negative")
         await _require_valid_hosts(request, context)
+        lease = DEFAULT_LEASE_SECONDS  # every registration has a lease: none lives forever
         if request.HasField("lease_ttl"):
             lease = request.lease_ttl.ToNanoseconds() / 1e9
             if not MIN_LEASE_SECONDS <= lease <= MAX_LEASE_SECONDS:
@@ -258,7 +262,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {problem}")
         peer = peer_host(context.peer()) or ""
         registration = dataclasses.replace(
-            convert.registration_from_pb(request, host, time.monotonic()), peer_host=peer
+            convert.registration_from_pb(request, host, time.monotonic()), peer_host=peer, lease_ttl=lease
         )
         head = self._head
         conflict = head.registry.server_type_conflict(head.config.servers[name], registration)
@@ -266,6 +270,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, conflict)
         try:
             registered = await head.registry.register(registration, authenticated=caller_is_authenticated())
+        except CapReached as exc:
+            self._cap_refusals.log(f"refused the registration of {name} at {registration.advertised_url}: {exc}")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}: {exc}")
         except IdentityRefused as exc:
             self._identity_refusals.log(
                 f"refused the registration of {name} at {registration.advertised_url} (pid {registration.pid}) "
@@ -275,14 +282,13 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         if registered.kind == "renewed":  # nothing changed but the lease (and the calls in flight): not followed
             events.server_renewed(name, registration.pid, registration.advertised_url)
         else:
-            await head.registry.update_prober(head.prober, [name])
+            await head.registry.update_instances(head.prober, name, [registered.instance_id])
             instances = len(head.prober.report(name).instances)
             events.server_registered(name, registered.instance_id, registration, registered.previous, instances)
         response = pb.RegisterServerInstanceResponse(
             advertised_url=registration.advertised_url, instance_id=registered.instance_id
         )
-        if request.HasField("lease_ttl"):
-            response.lease_ttl.CopyFrom(request.lease_ttl)
+        response.lease_ttl.FromNanoseconds(round(lease * 1e9))
         return response
 
     async def DeregisterServerInstance(
@@ -310,7 +316,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             )
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         if removed:
-            await head.registry.update_prober(head.prober, [name])
+            await head.registry.update_instances(head.prober, name, [key for key, _ in removed])
             left = len(head.prober.report(name).instances)
             for instance_id, registration in removed:
                 events.server_deregistered(name, registration.pid, instance_id, left)
