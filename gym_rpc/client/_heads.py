@@ -26,8 +26,7 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
-from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -262,24 +261,27 @@ def head_for(address: str, security: ClientSecurity, timeout: float = DETECT_TIM
 # --- one call path per flavour, over the seam ---
 
 
-@dataclass(frozen=True)
-class _Step:
+class _Step(NamedTuple):
     """What `_unary_steps` asks its runner for: the call made at `head`, or (None) a look at the address."""
 
     head: Head | None
     call: Call[Any]
 
 
-def _unary_steps(
-    address: str, rpc: AnyRpc[Result], call: Call[Any], client_timeout: float
-) -> Generator[_Step, Any, Result]:
+def _unary_steps(transport: _Transport, rpc: AnyRpc[Result], call: Call[Any]) -> Generator[_Step, Any, Result]:
     """A unary call, with the look at the address and the one call made again after a second look (above); the
-    runner sends back each step's outcome (a look's: the head and the call) or throws its failure in."""
+    runner sends back each step's outcome (a look's: the head and the call) or throws its failure in. An address
+    this process knows needs no look."""
+    address, client_timeout = transport.address, transport.timeout_seconds
     remembered, started = remembered_head_protocol(address), time.monotonic()
     head: Head
     other: Head
     result: Result
-    head, call = yield _Step(None, call)
+    known = known_head_protocol(address, tls=transport.security.tls is not None)
+    if known is None:
+        head, call = yield _Step(None, call)
+    else:
+        head = transport.head_of(known)
     try:
         result = yield _Step(head, call)
         return result
@@ -330,9 +332,9 @@ class _Run(Generic[Result]):
             self.result = over.value
             return None
 
-    def make(self, step: Callable[[], Any]) -> None:
+    def make(self, step: Callable[..., Any], *args: Any) -> None:
         try:
-            self._outcome = (True, step())
+            self._outcome = (True, step(*args))
         except Exception as error:
             self._outcome = (False, error)
 
@@ -356,22 +358,34 @@ class _Transport:
         self.address = checked_head_address(address or default_head_address())
         self.timeout_seconds = timeout_seconds
         self.security = security if security is not None else client_security()
+        self._heads: dict[HeadProtocol, Head] = {}
 
     def head(self) -> Head:
         """The head at this client's address (looked at within the client's timeout if this process has not)."""
-        return head_for(self.address, self.security, self.timeout_seconds)
+        return self.head_of(
+            head_protocol(self.address, tls=self.security.tls is not None, timeout=self.timeout_seconds)
+        )
+
+    def head_of(self, protocol: HeadProtocol) -> Head:
+        """This client's head of `protocol` (`head_for`'s, kept: a call finds it without hashing the security)."""
+        head = self._heads.get(protocol)
+        if head is None:
+            head = self._heads[protocol] = _head(protocol, self.address, self.security)
+        return head
 
     def _look(self, rpc: AnyRpc[Any], call: Call[Any]) -> tuple[Head, Call[Any]]:
         """The head at the address, and the call with its deadline less the time the first look took (one
         connection, within the call's deadline: a slow head is still told apart)."""
-        if known_head_protocol(self.address, tls=self.security.tls is not None) is not None:
-            return self.head(), call
+        tls = self.security.tls is not None
+        known = known_head_protocol(self.address, tls=tls)
+        if known is not None:
+            return self.head_of(known), call
         deadline = rpc.deadline_for(call, self.timeout_seconds)
         started = time.monotonic()
-        head = head_for(self.address, self.security, deadline or DETECT_TIMEOUT_SECONDS)
+        protocol = head_protocol(self.address, tls=tls, timeout=deadline or DETECT_TIMEOUT_SECONDS)
         if deadline is not None:
             call = Call(call.request, max(deadline - (time.monotonic() - started), 0.001))
-        return head, call
+        return self.head_of(protocol), call
 
     async def _alook(self, rpc: AnyRpc[Any], call: Call[Any]) -> tuple[Head, Call[Any]]:
         """`_look` for the event loop: the first look at an address runs in a thread."""
@@ -384,9 +398,9 @@ class BlockingTransport(_Transport, BlockingCallPath):
     """The one blocking call path: the head seam's steps, each made blocking."""
 
     def unary(self, rpc: AnyRpc[Result], *args: Any, **kwargs: Any) -> Result:
-        run = _Run(_unary_steps(self.address, rpc, rpc.build(*args, **kwargs), self.timeout_seconds))
+        run = _Run(_unary_steps(self, rpc, rpc.build(*args, **kwargs)))
         while (step := run.next_step()) is not None:
-            run.make(functools.partial(self._make, rpc, step))
+            run.make(self._make, rpc, step)
         return run.result
 
     def _make(self, rpc: AnyRpc[Any], step: _Step) -> Any:
@@ -403,7 +417,7 @@ class AsyncTransport(_Transport, AsyncCallPath):
     """The one asyncio call path: the head seam's steps, each awaited."""
 
     async def unary(self, rpc: AnyRpc[Result], *args: Any, **kwargs: Any) -> Result:
-        run = _Run(_unary_steps(self.address, rpc, rpc.build(*args, **kwargs), self.timeout_seconds))
+        run = _Run(_unary_steps(self, rpc, rpc.build(*args, **kwargs)))
         while (step := run.next_step()) is not None:
             await run.amake(self._amake(rpc, step))
         return run.result
