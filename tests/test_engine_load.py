@@ -197,20 +197,40 @@ async def test_watches_that_ask_get_the_load_coalesced_and_others_never(head_fac
 
 def test_one_watchers_pushes_are_coalesced_to_the_latest_table() -> None:
     """LoadPush: news goes out at most once per push interval, as the latest table (never a backlog), and a
-    heartbeat only when the watcher has been sent nothing for a heartbeat interval."""
+    heartbeat only when the watcher has been sent nothing for a heartbeat interval. Without engines a watch
+    waits as it always did."""
     now = [0.0]
     reads = EngineLoads(lambda: [], clock=lambda: now[0])
     push = LoadPush(reads, clock=lambda: now[0])
-    assert push.due() is not None  # the first table at once (version 0 is news to a new watcher)
-    assert push.due() is None  # no news
+    assert not push.due()  # nothing read yet: nothing to send
+    assert push.wait_seconds(5.0) == 5.0  # no engine read: the heartbeat's wait, no more wake-ups
+    reads._order = [("policy", "a:1")]  # a round read one engine
+    reads.version = 1
+    assert push.wait_seconds(5.0) == PUSH_INTERVAL_SECONDS and push.wait_seconds(0.1) == 0.1
+    assert push.due() and not push.due()  # the table once, then no news
     reads.version += 3  # three read rounds before the watcher looks again: one message
-    assert push.due() is None  # but not within the push interval
+    assert not push.due()  # but not within the push interval
     now[0] += PUSH_INTERVAL_SECONDS
-    assert push.due() == [] and push.due() is None
+    assert push.due() and not push.due()
     assert not push.heartbeat_due(5.0)
     now[0] += 5.0
     assert push.heartbeat_due(5.0) and not push.heartbeat_due(5.0)
-    assert push.wait_seconds(5.0) == PUSH_INTERVAL_SECONDS and push.wait_seconds(0.1) == 0.1
+
+
+async def test_a_head_without_engines_sends_a_watch_that_asks_no_load_and_wakes_it_no_more(
+    head_factory, http_server
+) -> None:
+    head = await head_factory(document({"judge": server_entry(await http_server(), "resources_servers")}))
+    client = ControlClient(f"{LOOPBACK}:{head.port}")
+    seen = []
+    stream = client.watch_server_statuses(0, heartbeat_seconds=1.0, engine_load=True, timeout=2.5)
+    try:
+        async for event in stream:
+            seen.append(event.kind)
+    except Exception:  # the stream's deadline ends it
+        pass
+    assert "engine_load" not in seen
+    assert seen.count("heartbeat") <= 3  # one a second, not one per push interval
 
 
 def engines_port(head: HeadServer, index: int) -> int:

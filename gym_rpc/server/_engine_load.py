@@ -122,8 +122,9 @@ class EngineLoads:
         self._clock = clock
         self._readings: dict[tuple[str, str], _Reading] = {}
         self._order: list[tuple[str, str]] = []
-        self.version = 0
+        self.version = 0  # 0: nothing read yet
         self.reads = 0  # reads made (tests)
+        self._message: tuple[tuple[int, int, str], pb.WatchServerStatusesResponse] | None = None
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._failing: set[tuple[str, str]] = set()
@@ -162,10 +163,24 @@ class EngineLoads:
             )
         return table
 
+    @property
+    def engines(self) -> int:
+        """Engine instances read in the latest round (0: the config has none, and watches need not look)."""
+        return len(self._order)
+
+    def message(self, revision: int, config_version: str) -> pb.WatchServerStatusesResponse:
+        """The ENGINE_LOAD message of a watch at `revision`, built once per read round for every watcher there."""
+        key = (self.version, revision, config_version)
+        if self._message is None or self._message[0] != key:
+            self._message = (key, engine_load_message(self.loads(), revision, config_version))
+        return self._message[1]
+
     async def read_all(self) -> None:
         """One round: every engine instance's /metrics, concurrently, each bounded."""
         targets = list(self._targets())
         keys = [(target.server_name, target.instance_id) for target in targets]
+        if not targets and self._order:
+            self.version += 1  # the last engine left the config: watchers get the empty table once
         self._order = keys
         self._readings = {key: self._readings.get(key) or _Reading({}, None) for key in keys}
         if not targets:
@@ -221,22 +236,23 @@ class LoadPush:
     def __init__(self, loads: EngineLoads, clock: Callable[[], float] = time.monotonic) -> None:
         self._loads = loads
         self._clock = clock
-        self._sent_version = -1
+        self._sent_version = 0  # version 0: nothing read yet, nothing to send
         self._sent_at = clock()
         self._pushed_at = -math.inf
 
     def wait_seconds(self, heartbeat: float) -> float:
-        """How long the watch waits for a change before it looks at the load again."""
-        return min(heartbeat, PUSH_INTERVAL_SECONDS)
+        """How long the watch waits for a change before it looks at the load again: the push interval while the
+        head reads engines, else the heartbeat (a head without engines wakes its watchers no more than before)."""
+        return min(heartbeat, PUSH_INTERVAL_SECONDS) if self._loads.engines else heartbeat
 
-    def due(self) -> list[EngineLoad] | None:
-        """The table to send now, or None (no news, or one was sent less than PUSH_INTERVAL_SECONDS ago)."""
+    def due(self) -> bool:
+        """Whether to send the table now: there is news, and none was sent in the last PUSH_INTERVAL_SECONDS."""
         now = self._clock()
         if self._loads.version == self._sent_version or now - self._pushed_at < PUSH_INTERVAL_SECONDS:
-            return None
+            return False
         self._sent_version = self._loads.version
         self._pushed_at = self._sent_at = now
-        return self._loads.loads()
+        return True
 
     def heartbeat_due(self, heartbeat: float) -> bool:
         now = self._clock()

@@ -20,7 +20,7 @@ from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url, is
 from gym_rpc.errors import ConfigError, quoted
 from gym_rpc.server import _events as events
 from gym_rpc.server._address_policy import AddressPolicy
-from gym_rpc.server._engine_load import EngineLoads, LoadPush, engine_load_message
+from gym_rpc.server._engine_load import EngineLoads, LoadPush
 from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import (
     DEFAULT_LEASE_SECONDS,
@@ -194,8 +194,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             seen, message = feed.after(seen)
             if message is not None:
                 yield message
-            if push is not None and (loads := push.due()) is not None:
-                yield engine_load_message(loads, seen, prober.config_version)
+            if push is not None and push.due():
+                yield self._head.engine_loads.message(seen, prober.config_version)
             if not await self._head.prober.pushes.wait(seen, wait) and (
                 push is None or push.heartbeat_due(heartbeat)
             ):
