@@ -209,6 +209,13 @@ def _add_serving_flags(parser: argparse.ArgumentParser) -> None:
         help="serve GET /metrics (Prometheus text) alone on this port, 0 for a free one (it is on the HTTP head's "
         "port too)",
     )
+    parser.add_argument(
+        "--ui-port",
+        type=port_number,
+        metavar="PORT",
+        help="serve the status page (/ui/) alone on this port, 0 for a free one, without NeMo Gym's HTTP "
+        "endpoints (it is on the HTTP head's port too)",
+    )
     env_flag(
         parser,
         "--connect-port",
@@ -535,6 +542,7 @@ def cmd_head(args: argparse.Namespace) -> int:
         reflection=not args.no_reflection,
         http_port=args.http_port,
         metrics_port=args.metrics_port,
+        ui_port=args.ui_port,
         status_max_age_seconds=args.status_max_age,
         connect_port=args.connect_port,
         open_registrations=args.open_registrations,
@@ -566,6 +574,7 @@ def cmd_bridge(args: argparse.Namespace) -> int:
         head_server=own,
         http_port=args.http_port,
         metrics_port=args.metrics_port,
+        ui_port=args.ui_port,
         connect_port=args.connect_port,
         open_registrations=args.open_registrations,
         **_max_watches(args),
@@ -585,6 +594,7 @@ def _announce(kind: str, started: HeadServer, source: str) -> None:
         f"; NeMo Gym HTTP head on http://{host}:{started.http_port}" if started.http_port is not None else "",
         f"; plaintext health service on {host}:{started.health_port}" if started.health_port is not None else "",
         f"; metrics on http://{host}:{started.metrics_port}/metrics" if started.metrics_port is not None else "",
+        f"; status page on http://{host}:{started.ui_port}/ui/" if started.ui_port is not None else "",
         f"; Connect on {started.connect_url}" if started.connect_url is not None else "",
     ]
     guard = started.security.describe()

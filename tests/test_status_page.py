@@ -28,6 +28,7 @@ from gym_rpc.server._status_page import CONTENT_SECURITY_POLICY, MAX_PAGES_PER_C
 from gym_rpc.wire import InstanceReport, StatusReport
 from tests.cli_helpers import running_head
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.test_engine_load import engines_head
 
 TOKEN = "status-page-token-5678"
 PAGE_BYTES_GOAL = 150 * 1024
@@ -350,3 +351,50 @@ async def test_the_engines_load_is_shown_per_instance_when_the_head_reads_it(hea
         assert heartbeat["engine"] == {}
     finally:
         await plain.stop()
+
+
+async def test_the_page_alone_on_its_own_port(head_factory: Any, session: aiohttp.ClientSession) -> None:
+    """`--ui-port`: the page and its feed (the token still needed) without NeMo Gym's unauthenticated endpoints."""
+    head = await head_factory(
+        document(
+            {"m": server_entry(closed_port())}, head_server={"host": LOOPBACK, "port": 0, "auth_token": TOKEN}
+        ),
+        ui_port=0,
+    )
+    assert head.http_port is None and head.ui_port
+    base = f"http://{LOOPBACK}:{head.ui_port}"
+    async with session.get(f"{base}/", allow_redirects=False) as response:
+        assert response.status == 301 and response.headers["Location"] == "/ui/"
+    async with session.get(f"{base}/ui/") as response:
+        assert response.status == 200 and response.headers["Content-Security-Policy"] == CONTENT_SECURITY_POLICY
+    for path in ("/global_config_dict_yaml", "/server_instances", "/metrics"):
+        async with session.get(base + path) as response:
+            assert response.status == 404
+    async with session.get(f"{base}/ui/api/events") as response:
+        assert response.status == 401
+    async with session.get(f"{base}/ui/api/events", headers={"Authorization": f"Bearer {TOKEN}"}) as response:
+        [(kind, _)] = await read_events(response, 1)
+        assert kind == "snapshot"
+    async with session.get(f"{base}/ui/", headers={"Host": "evil.example"}) as response:
+        assert response.status == 403
+
+
+async def test_the_page_shows_the_load_the_head_reads_from_real_engines(
+    head_factory: Any, http_server: Any, session: aiohttp.ClientSession
+) -> None:
+    """Engines serving vLLM's and SGLang's /metrics (tests/test_engine_load.py): the head reads them and the page's
+    feed carries each instance's queue, running requests and KV-cache use."""
+    head, _ = await engines_head(head_factory, http_server, http_port=0)
+    deadline = time.monotonic() + 10
+    while True:
+        async with session.get(ui(head, "api/events")) as response:
+            [(_, snapshot)] = await read_events(response, 1)
+        policy = next(server for server in snapshot["servers"] if server["name"] == "policy")
+        loads = [instance["engine"] for instance in policy["instances"]]
+        if all(loads):
+            break
+        assert time.monotonic() < deadline, loads
+        await asyncio.sleep(0.1)
+    assert loads[0] == {"queue": 3, "running": 5, "kv": 0.42}
+    judge = next(server for server in snapshot["servers"] if server["name"] == "judge")
+    assert judge["instances"][0]["engine"] is None  # a Gym server: no engine read

@@ -63,7 +63,7 @@ from gym_rpc.server._security import (
 )
 from gym_rpc.server._servicer import ControlPlaneServicer, add_control_plane_service
 from gym_rpc.server._sources import ConfigSource, FileSource
-from gym_rpc.server._status_page import StatusPage
+from gym_rpc.server._status_page import PageServer, StatusPage
 from gym_rpc.server._tracing import server_interceptors
 from gym_rpc.server._watch_slots import DEFAULT_STALL_SECONDS
 from gym_rpc.telemetry import setup_tracing
@@ -95,6 +95,7 @@ class HeadOptions:
     max_concurrent_watches: int = DEFAULT_MAX_CONCURRENT_WATCHES  # more get RESOURCE_EXHAUSTED
     max_watches_per_peer: int = DEFAULT_MAX_WATCHES_PER_PEER  # per client IP address; more get RESOURCE_EXHAUSTED
     metrics_port: int | None = None  # GET /metrics alone on this port; None: only on the HTTP head (if any)
+    ui_port: int | None = None  # the status page alone on this port; None: only on the HTTP head (if any)
     status_max_age_seconds: float | None = None  # GetServerStatus freshness when unstated; None: half the interval
     handshake_timeout_seconds: float = HANDSHAKE_TIMEOUT_SECONDS  # a gRPC connection not set up by then is closed
     # A status or health watch whose reader takes no message for this long is dropped (its slot freed).
@@ -129,6 +130,7 @@ class HeadOptions:
         checked_port(self.port, "the head port (--port)")
         checked_port(self.http_port, "the HTTP head port (--http-port)")
         checked_port(self.metrics_port, "the metrics port (--metrics-port)")
+        checked_port(self.ui_port, "the status page port (--ui-port)")
         if min(self.watch_history_size, self.max_concurrent_watches, self.max_watches_per_peer) < 1:
             raise ConfigError(
                 "watch_history_size, max_concurrent_watches and max_watches_per_peer must be at least 1"
@@ -193,7 +195,8 @@ class HeadServer:
         self.health_port: int | None = None
         self.security = ServerSecurity()
         self._http_head: HttpHead | None = None
-        self.status_page: StatusPage | None = None  # /ui/ on the HTTP head's port, when it is served
+        self.status_page: StatusPage | None = None  # /ui/ on the HTTP head's port and/or --ui-port, when served
+        self._page_server: PageServer | None = None  # the page alone on --ui-port
         self.problem: str | None = None  # why ControlPlaneService calls are refused now (a source's upstream)
         self._connect: ConnectServer | None = None
         self._metrics_server: MetricsServer | None = None
@@ -231,6 +234,11 @@ class HeadServer:
         if self._connect is None:
             return None
         return f"{self._connect.scheme}://{url_host(self.host)}:{self._connect.port}"
+
+    @property
+    def ui_port(self) -> int | None:
+        """The port serving only the status page (--ui-port), None when not served."""
+        return self._page_server.port if self._page_server is not None else None
 
     @property
     def metrics_port(self) -> int | None:
@@ -334,8 +342,10 @@ class HeadServer:
         await self._set_serving(self.problem is None)
         try:
             await self.source.start(self)
-            if http_port is not None:
+            if http_port is not None or self.options.ui_port is not None:
                 self.status_page = self._status_page(security)
+                await self.status_page.start()
+            if http_port is not None:
                 http_head = HttpHead(self, self.status_page)
                 await http_head.start(self.host, http_port)
                 self._http_head = http_head
@@ -349,17 +359,23 @@ class HeadServer:
                 metrics_server = MetricsServer()
                 await metrics_server.start(self.host, self.options.metrics_port)
                 self._metrics_server = metrics_server
+            if self.options.ui_port is not None and self.status_page is not None:
+                page_server = PageServer(self.status_page)
+                await page_server.start(self.host, self.options.ui_port)
+                self._page_server = page_server
         except BaseException:
             await self.stop()  # a head that cannot serve all it was asked to serves nothing
             raise
         head_metrics.observe(self)
 
     def _status_page(self, security: ServerSecurity) -> StatusPage:
-        """The page at /ui/ of the HTTP head's port: guarded by the head's token, bounded as its watches are."""
+        """The page at /ui/ (the HTTP head's port, --ui-port): guarded by the head's token, bounded as its watches
+        are, showing the engines' load the head reads."""
         return StatusPage(
             self,
             token=security.token,
             stall_seconds=self.options.watch_stall_seconds,
+            engine_loads=self.engine_loads.loads,
             head_info=lambda: {
                 "address": self.address,
                 "pid": self.pid,
@@ -375,11 +391,18 @@ class HeadServer:
         for reload in (self._next_reload, self._running_reload):  # one waiting for a file to hold still, say
             await cancel_and_wait(reload)
         await self.source.stop()
-        extra_ports: tuple[_Stoppable | None, ...] = (self._connect, self._metrics_server, self._http_head)
+        if self.status_page is not None:
+            await self.status_page.stop()  # first: the HTTP ports wait for the page streams they still serve
+        extra_ports: tuple[_Stoppable | None, ...] = (
+            self._connect,
+            self._metrics_server,
+            self._http_head,
+            self._page_server,
+        )
         for extra in extra_ports:
             if extra is not None:
                 await extra.stop()
-        self._connect = self._metrics_server = self._http_head = None
+        self._connect = self._metrics_server = self._http_head = self._page_server = None
         if self._server is not None:
             await self._server.stop(self.options.shutdown_grace_seconds)
             self._server = None

@@ -80,7 +80,7 @@ class HttpHead(AppServer):
     def __init__(self, head: HeadState, page: StatusPage | None = None) -> None:
         super().__init__()
         self._head = head
-        self._page = page  # the status page at /ui/ (gym_rpc.server._status_page), when served
+        self._page = page  # the status page at /ui/ (gym_rpc.server._status_page; the head starts and stops it)
         self._yaml_body: tuple[str, bytes] | None = None  # (version, body): rendered once per config version
 
     def app(self) -> web.Application:
@@ -95,21 +95,6 @@ class HttpHead(AppServer):
         if self._page is not None:
             self._page.add_routes(app)
         return app
-
-    async def start(self, host: str, port: int) -> None:
-        if self._page is not None:
-            await self._page.start()
-        try:
-            await super().start(host, port)
-        except BaseException:
-            if self._page is not None:
-                await self._page.stop()
-            raise
-
-    async def stop(self) -> None:
-        if self._page is not None:
-            await self._page.stop()  # first: the port waits for the page streams it still serves
-        await super().stop()
 
     async def _liveness(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

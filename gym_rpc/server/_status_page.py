@@ -31,6 +31,7 @@ from typing import Any
 from aiohttp import web
 
 from gym_rpc._logging import RateLimitedLog
+from gym_rpc.server._metrics_http import AppServer
 from gym_rpc.server._page_feed import HEARTBEAT_SECONDS, EngineLoadSource, PageFeed, PageSource
 from gym_rpc.server._security import authenticate
 from gym_rpc.server._watch_slots import DEFAULT_STALL_SECONDS, WatchSlots
@@ -110,13 +111,13 @@ class StatusPage:
         await self.feed.stop()
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_get("/ui", self._to_page)
+        app.router.add_get("/ui", self.to_page)
         app.router.add_get(UI_PATH, self._asset_handler("index.html"))
         app.router.add_get("/ui/page.js", self._asset_handler("page.js"))
         app.router.add_get("/ui/page.css", self._asset_handler("page.css"))
         app.router.add_get(EVENTS_PATH, self._events)
 
-    async def _to_page(self, request: web.Request) -> web.Response:
+    async def to_page(self, request: web.Request) -> web.Response:
         raise web.HTTPMovedPermanently(UI_PATH, headers=SECURITY_HEADERS)
 
     def _asset_handler(self, name: str) -> Any:
@@ -210,6 +211,24 @@ def _bound_send_buffer(request: web.Request) -> None:
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+
+
+class PageServer(AppServer):
+    """The page alone on a port of its own (`--ui-port`): `/ui/` and its feed, `/` sending a browser there; none of
+    NeMo Gym's unauthenticated endpoints."""
+
+    what = "the status page"
+    setting = "--ui-port"
+
+    def __init__(self, page: StatusPage) -> None:
+        super().__init__()
+        self._page = page
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/", self._page.to_page)
+        self._page.add_routes(app)
+        return app
 
 
 def _resume_from(request: web.Request) -> int | None:
