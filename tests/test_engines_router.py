@@ -17,7 +17,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,8 +29,12 @@ from omegaconf import OmegaConf
 from gym_rpc.client._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient, rollout_context
 from gym_rpc.config import BaseServerConfig
+from gym_rpc.wire import TRACEPARENT_RE
 from tests.conftest import LOOPBACK, closed_port, document
 from tests.fake_engines import FakeEngine, engine_entry
+from tests.tracing_helpers import Traced, traced
+
+__all__ = ["traced"]  # a fixture: an SDK tracer for the test
 
 pytestmark = pytest.mark.process
 
@@ -142,7 +146,12 @@ async def rollout(client: ServerClient, rollout_id: str) -> list[tuple[int, str 
     return answers
 
 
-async def test_rollouts_through_vllm_router_reach_one_engine_each(http_server, tmp_path: Path) -> None:
+async def test_rollouts_through_vllm_router_reach_one_engine_each(
+    http_server, tmp_path: Path, traced: Callable[..., Traced]
+) -> None:
+    """Seen from both ends: each rollout's answers came from one engine, and each trace (one per rollout, its
+    `gym.rollout` span) reached one engine, its context in `traceparent` through the router."""
+    traced()
     engines = [FakeEngine("a"), FakeEngine("b")]
     urls = [f"http://{LOOPBACK}:{await http_server(engine.app())}" for engine in engines]
     async with running_router(urls, "consistent_hash", tmp_path / "router.log") as router:
@@ -157,6 +166,13 @@ async def test_rollouts_through_vllm_router_reach_one_engine_each(http_server, t
     every_path = [path for engine in engines for path in engine.paths()]
     assert sorted(set(every_path)) == ["/v1/chat/completions", "/v1/responses"]  # no /ng-rollout/, no /ng-trace/
     assert len(every_path) == ROLLOUTS * TURNS
+    engines_of_trace: dict[str, set[str]] = {}
+    for engine in engines:
+        for traceparent in engine.header_values("traceparent"):
+            assert traceparent is not None and TRACEPARENT_RE.fullmatch(traceparent)
+            engines_of_trace.setdefault(traceparent.split("-")[1], set()).add(engine.name)
+    assert len(engines_of_trace) == ROLLOUTS  # one trace per rollout, every call of it carrying its context
+    assert all(len(names) == 1 for names in engines_of_trace.values())
 
 
 async def test_without_the_key_the_router_passes_the_rollout_path_on_and_the_engine_answers_404(
