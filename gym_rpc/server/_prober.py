@@ -52,7 +52,14 @@ AIOHTTP_INSTRUMENTATION_MODULE = "opentelemetry.instrumentation.aiohttp_client"
 ChangeListener = Callable[[StatusReport | None, str], Awaitable[None]]
 
 
-def new_probe_session(max_connections: int = 100) -> aiohttp.ClientSession:
+# Probes in flight at once: per head (descriptors: gym_rpc.server._connection_limits.OTHER_FD_RESERVE keeps them),
+# and per server, so one server's mute instances (each holding its slot for the whole probe timeout) can take at
+# most its own share and never delay another server's probes.
+MAX_PROBES_IN_FLIGHT = 100
+PROBES_PER_SERVER = 8
+
+
+def new_probe_session(max_connections: int = MAX_PROBES_IN_FLIGHT) -> aiohttp.ClientSession:
     """A session for probes: a fresh connection per probe (a pooled one would hide a restarted or dead
     server behind a stale socket), no proxies, no cookies, and never traced by aiohttp's OpenTelemetry
     instrumentation (a span, and a sampled trace on the server, every probe round would bury real traces)."""
@@ -77,7 +84,8 @@ def unsampled_traceparent() -> str:
 
 
 async def probe(session: aiohttp.ClientSession, server_name: str, url: str, timeout: float) -> StatusReport:
-    """GET the server's base URL. Any HTTP answer, a 500 included, is success (as NeMo Gym does)."""
+    """GET the server's base URL. Any HTTP answer, a 500 or a redirect (never followed) included, is success (as
+    NeMo Gym does)."""
     started = time.monotonic()
     status: ServerStatus
     http_status = 0
@@ -85,6 +93,7 @@ async def probe(session: aiohttp.ClientSession, server_name: str, url: str, time
     try:
         async with session.get(
             url,
+            allow_redirects=False,  # a redirect is an answer: following it would probe an address no one allowed
             timeout=aiohttp.ClientTimeout(total=max(timeout, 0.001)),
             headers={TRACEPARENT_HEADER: unsampled_traceparent()},
         ) as response:
@@ -246,13 +255,17 @@ class StatusProber:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._pending_servers = servers
+        self._server_slots: dict[str, asyncio.Semaphore] = {}
+        self._slots = asyncio.Semaphore(MAX_PROBES_IN_FLIGHT)
         # What watchers are told, and when: changes close together are pushed as one (gym_rpc.server._pushes).
         self.pushes = Pushes(
             lambda: self.revision, quiet_seconds=push_quiet_seconds, max_delay_seconds=push_max_delay_seconds
         )
 
     async def start(self) -> None:
-        self._session = new_probe_session()
+        self._session = new_probe_session(MAX_PROBES_IN_FLIGHT)
+        self._slots = asyncio.Semaphore(MAX_PROBES_IN_FLIGHT)  # the connector never queues: a probe's timeout
+        # counts from when it holds its slots, so waiting for one is never a timeout
         if not self._servers:  # the registry may have given the instances already
             await self.set_servers(self._pending_servers)
         self._task = asyncio.create_task(self._run(), name="gym_rpc status prober")
@@ -437,11 +450,26 @@ class StatusProber:
         self, session: aiohttp.ClientSession, name: str, instance_id: str, url: str, timeout: float
     ) -> InstanceReport:
         try:
-            return await self._store(name, instance_id, await probe(session, name, url, timeout))
+            async with self._slots_of(name), self._slots:  # its server's share, then one of the head's
+                result = await probe(session, name, url, timeout)  # the timeout runs from here: slots held
+            return await self._store(name, instance_id, result)
         finally:
             current = self._in_flight.get((name, instance_id))
             if current is not None and current[1] is asyncio.current_task():
                 del self._in_flight[(name, instance_id)]
+
+    def _slots_of(self, name: str) -> asyncio.Semaphore:
+        """The server's probes in flight, at most PROBES_PER_SERVER: its mute instances hold its own slots, never
+        every slot of the head."""
+        slots = self._server_slots.get(name)
+        if slots is None:
+            if len(self._server_slots) > 2 * len(self._servers) + 16:  # servers that left: drop the idle ones
+                for gone in [
+                    n for n, sem in self._server_slots.items() if n not in self._servers and not sem.locked()
+                ]:
+                    del self._server_slots[gone]
+            slots = self._server_slots[name] = asyncio.Semaphore(PROBES_PER_SERVER)
+        return slots
 
     async def _run(self) -> None:
         await run_every(self.interval_seconds, self.probe_all, "status probe round", logger, now=True)
