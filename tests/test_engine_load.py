@@ -19,7 +19,8 @@ from gym_rpc.client._engine_loads import EngineLoadTable
 from gym_rpc.client._follower import close_instance_followers
 from gym_rpc.client._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient
-from gym_rpc.config import BaseServerConfig
+from gym_rpc.config import BaseServerConfig, GlobalConfig, ServerEntry
+from gym_rpc.errors import ConfigError
 from gym_rpc.server import HeadServer
 from gym_rpc.server._engine_load import (
     PUSH_INTERVAL_SECONDS,
@@ -160,6 +161,43 @@ async def test_list_server_statuses_carries_each_engine_instances_load(head_fact
     assert figures(loads) == {instances[0]: (3, 5, 0.42), instances[1]: (7, 2, 0.9)}
     assert all(0 <= (load.age_seconds or 0) <= 5 for load in loads)
     assert engines[0].scrapes >= 1 and engines[1].scrapes >= 1
+
+
+def test_engine_metrics_false_turns_the_reads_off_and_takes_booleans_only() -> None:
+    def entry_of(**keys: Any) -> ServerEntry:
+        return GlobalConfig.from_document(document({"policy": engine_entry(8000, **keys)})).servers["policy"]
+
+    assert entry_of().engine_metrics is True
+    assert entry_of(engine_metrics=None).engine_metrics is True
+    assert entry_of(engine_metrics=False).engine_metrics is False
+    with pytest.raises(ConfigError, match="server 'policy': engine_metrics must be true or false, not str 'no'"):
+        entry_of(engine_metrics="no")
+
+
+async def test_only_engine_entries_are_read_registered_instances_included(head_factory, http_server) -> None:
+    """A router marked `engine_metrics: false` is not read (vllm-router passes /metrics on to one of its engines);
+    an engine instance that registers with the head is read as the config's are."""
+    engine, router, registering = FakeEngine("e", dict(VLLM_METRICS)), FakeEngine("r"), FakeEngine("g")
+    engine_port, router_port = await http_server(engine.app()), await http_server(router.app())
+    registering.metrics = dict(SGLANG_METRICS)
+    registering_port = await http_server(registering.app())
+    doc = document(
+        {"policy": engine_entry(engine_port), "router": engine_entry(router_port, engine_metrics=False)}
+    )
+    head = await head_factory(doc)
+    client = ControlClient(f"{LOOPBACK}:{head.port}")
+    await client.register_server_instance("policy", listen_port=registering_port, listen_host=LOOPBACK, pid=4242)
+
+    async def read() -> list[EngineLoad] | None:
+        loads = (await client.list_server_statuses()).engine_loads
+        return loads if len(loads) == 2 and all(load.waiting is not None for load in loads) else None
+
+    loads = await until(read, "read of the config's engine and the registered one")
+    assert figures(loads) == {
+        f"{LOOPBACK}:{engine_port}": (3, 5, 0.42),
+        f"{LOOPBACK}:{registering_port}": (7, 2, 0.9),
+    }
+    assert router.scrapes == 0
 
 
 async def test_a_config_without_engines_reads_nothing(head_factory, http_server) -> None:

@@ -23,6 +23,9 @@ from typing import Any
 from gym_rpc.errors import ConfigError
 
 SESSION_AFFINITY_HEADER_KEY = "session_affinity_header"
+# `engine_metrics: false` on such an entry: the head does not read its /metrics (a router: vllm-router passes
+# `GET /metrics` on to one of its engines, whose figures are not the router's).
+ENGINE_METRICS_KEY = "engine_metrics"
 # vllm-router's `consistent_hash` policy keys on this header.
 DEFAULT_SESSION_AFFINITY_HEADER = "X-Session-ID"
 # RFC 9110 5.1: a field name is a token (letters, digits and `!#$%&'*+-.^_`|~`).
@@ -70,5 +73,18 @@ def session_affinity_header(server_name: str, value: Any) -> str | None:
         raise ConfigError(
             f"{where} {value!r} is a header the call itself sends; name another, such as "
             f"{DEFAULT_SESSION_AFFINITY_HEADER} (true)"
+        )
+    return value
+
+
+def engine_metrics(server_name: str, value: Any) -> bool:
+    """Whether the head reads the entry's `/metrics` (its `engine_metrics` value; absent or null: yes, for an entry
+    with a session affinity header). Anything but a boolean is a ConfigError naming the server."""
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"server {server_name!r}: {ENGINE_METRICS_KEY} must be true or false, not {type(value).__name__} "
+            f"{value!r}"
         )
     return value

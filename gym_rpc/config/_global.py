@@ -20,7 +20,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from gym_rpc.config._addresses import InstanceAddress, base_url
-from gym_rpc.config._affinity import SESSION_AFFINITY_HEADER_KEY, session_affinity_header
+from gym_rpc.config._affinity import (
+    ENGINE_METRICS_KEY,
+    SESSION_AFFINITY_HEADER_KEY,
+    engine_metrics,
+    session_affinity_header,
+)
 from gym_rpc.config._models import (
     DEFAULT_HEAD_HOST,
     DEFAULT_HEAD_PORT,
@@ -77,6 +82,7 @@ def _server_entry(name: str, node: Any) -> ServerEntry | None:
         config=dict(entry),
         replicas=replica_addresses(name, InstanceAddress(host, port, url), entry.get(REPLICAS_KEY)),
         session_affinity_header=session_affinity_header(name, entry.get(SESSION_AFFINITY_HEADER_KEY)),
+        engine_metrics=engine_metrics(name, entry.get(ENGINE_METRICS_KEY)),
     )
 
 
@@ -284,7 +290,7 @@ _GLOBAL_KEYS_READ_AT_ONCE = frozenset(
     }
 )
 # An entry's keys that say how it is called: one that cannot be resolved makes the server unusable, not the config.
-_ROUTING_KEYS = frozenset({"host", "port", SESSION_AFFINITY_HEADER_KEY})
+_ROUTING_KEYS = frozenset({"host", "port", SESSION_AFFINITY_HEADER_KEY, ENGINE_METRICS_KEY})
 
 
 def _servers_with_unresolved_address(unresolved: Mapping[str, str]) -> dict[str, str]:

@@ -173,6 +173,8 @@ class ServerEntry(BaseModel):
     # The header an engine or router takes the rollout's session key in (its `session_affinity_header` key,
     # gym_rpc.config._affinity); None: the key travels in the path (`/ng-rollout/<id>`), as for Gym servers.
     session_affinity_header: str | None = Field(default=None, repr=False)
+    # Whether the head reads this engine's /metrics (its `engine_metrics` key), with a session affinity header.
+    engine_metrics: bool = Field(default=True, repr=False)
 
     @property
     def instances(self) -> tuple[InstanceAddress, ...]:

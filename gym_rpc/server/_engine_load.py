@@ -277,11 +277,11 @@ def engine_load_message(
 def engine_targets(
     servers: Mapping[str, ServerEntry], reports: Callable[[str], StatusReport | None]
 ) -> list[EngineTarget]:
-    """The engine instances of `servers` (entries with a session affinity header): each instance the head's
-    report of the server lists (registered ones included), else the instances its config names."""
+    """The engine instances of `servers` (entries with a session affinity header, but not `engine_metrics: false`):
+    each instance the head's report of the server lists (registered ones included), else the config's."""
     targets = []
     for name, entry in servers.items():
-        if entry.session_affinity_header is None:
+        if entry.session_affinity_header is None or not entry.engine_metrics:
             continue
         report = reports(name)
         if report is not None and report.instances:
