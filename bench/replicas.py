@@ -47,6 +47,7 @@ from gym_rpc.client import ServerClient, close_http_sessions, rollout_context
 from gym_rpc.client._instances import Instance, InstanceState
 from gym_rpc.client._outliers import OutlierDetection
 from gym_rpc.client._picker import SLOTS, heaviest, stable_key
+from gym_rpc.client._prompt_key import prompt_key
 from gym_rpc.client._routing import RoutedCall, ServerRoute
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 
@@ -106,10 +107,16 @@ def start_replicas(
     return processes
 
 
+# The replicated server of the slow, kill and join rows: a resources server, whose calls of no rollout go by two
+# random choices. A model server's calls of one prompt (PAYLOAD, every time) would go by prefix-affine picking,
+# which the replicas-pick rows and bench/engines.py measure.
+SERVER_TYPE = "resources_servers"
+
+
 def replicated_client(ports: list[int], **global_keys: Any) -> ServerClient:
     """A client of a config listing the replicas statically (it follows no head)."""
     entry = {"host": LOOPBACK, "port": ports[0], "replicas": [f"{LOOPBACK}:{port}" for port in ports[1:]]}
-    doc = {"head_server": {"host": LOOPBACK, "port": 1}, NAME: {"responses_api_models": {"bench": entry}}}
+    doc = {"head_server": {"host": LOOPBACK, "port": 1}, NAME: {SERVER_TYPE: {"bench": entry}}}
     client = ServerClient._from_global_config(
         BaseServerConfig(host=LOOPBACK, port=1), GlobalConfig.from_document({**doc, **global_keys})
     )
@@ -153,10 +160,74 @@ class PlainRendezvousRoute(ServerRoute):
         return heaviest(slot, candidates)
 
 
-def _route(kind: type[ServerRoute], count: int) -> ServerRoute:
+def _route(kind: type[ServerRoute], count: int, affine: bool = False) -> ServerRoute:
     urls = [f"http://10.0.{i // 250}.{i % 250}:8000" for i in range(count)]
     states = [InstanceState(url.removeprefix("http://"), url, "success") for url in urls]
-    return kind(NAME, states, OutlierDetection())
+    return kind(NAME, states, OutlierDetection(), affine=affine)
+
+
+AFFINE_PROMPTS = 256  # prompts of the affine rows, each a GRPO group of 8 rollouts
+
+
+def affine_body(task: int, rollout: int, turn: int) -> dict[str, Any]:
+    """A Responses body as a GRPO rollout's turn sends it: a system prompt the run shares (about 1,000
+    characters), the task's text, then two items per turn before this one (the model's call, the tool's output)."""
+    task_text = f"Task {task}: " + "find the weather in the city named below and report. " * 8
+    items: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a careful agent. Use the tools; think step by step. " * 16},
+        {"role": "user", "content": task_text},
+    ]
+    for step in range(turn):
+        call_id = f"c{step}"
+        items.append({"type": "function_call", "call_id": call_id, "name": "get_weather", "arguments": "{}"})
+        items.append({"type": "function_call_output", "call_id": call_id, "output": f"rollout {rollout} #{step}"})
+    return {"model": "policy", "input": items}
+
+
+def affine_sides(plan: ReplicasPlan) -> dict[str, Callable[[int], object]]:
+    """A model server's route with no I/O (`affine`): the prompt read from the body (gym_rpc.client._prompt_key),
+    the prefix-affine pick (the rollout's last instance, else its prompt's preferred under the load bound), the
+    call counted in flight and its answer heard; among `pick_instances` instances, every prompt's preferred
+    instances ranked already (the state a run reaches), GRPO rollouts of `rollout_calls` turns, 8 per prompt, new
+    rollout ids in every block. `prompt`: reading the prompt alone."""
+    answer: Any = SimpleNamespace(status=200, headers={})
+    per_rollout = plan.rollout_calls
+    bodies = [[affine_body(task, 0, turn) for turn in range(per_rollout)] for task in range(AFFINE_PROMPTS)]
+    route = _route(ServerRoute, plan.pick_instances, affine=True)
+    blocks = itertools.count()
+    block = [0]
+
+    def work(index: int, route: ServerRoute = route) -> object:
+        if index == 0:
+            block[0] = next(blocks)  # each block's rollouts are new ones
+        rollout_index, turn = divmod(index, per_rollout)
+        task = rollout_index // 8 % AFFINE_PROMPTS
+        call = RoutedCall(route, f"{task}-{block[0]}.{rollout_index}", PATH, None, prompt_key(bodies[task][turn]))
+        call.answered(answer)
+        return call.instance.url + PATH
+
+    def prompt_only(index: int) -> object:
+        rollout_index, turn = divmod(index, per_rollout)
+        return prompt_key(bodies[rollout_index // 8 % AFFINE_PROMPTS][turn])
+
+    _us_per_call(AFFINE_PROMPTS * 8 * per_rollout, work)  # every prompt's preferred instances ranked
+    return {"affine": work, "prompt": prompt_only}
+
+
+def affine_row(plan: ReplicasPlan, best: dict[str, float]) -> Row:
+    return _absolute_row(
+        "replicas",
+        f"picking among {plan.pick_instances} instances of a model server, prefix-affine: GRPO turns (8 rollouts "
+        f"of each of {AFFINE_PROMPTS} prompts, {plan.rollout_calls} turns each, a system prompt of 1,000 "
+        f"characters), the prompt read from the body, the pick, the call counted and its answer heard (best of "
+        f"{plan.pick_blocks} interleaved blocks of {plan.pick_calls} calls, no I/O; reading the prompt alone: "
+        f"{best['prompt']:.2f} µs/call); against two random choices for a call of no rollout, in the same blocks",
+        f"{best['affine']:.2f} µs/call",
+        f"two random choices: {best['p2c']:.2f} µs/call",
+        best["affine"] < 5.0,
+        "< 5 µs",
+        best["p2c"] / best["affine"],
+    )
 
 
 def pick_rows(plan: ReplicasPlan) -> list[Row]:
@@ -207,6 +278,7 @@ def pick_rows(plan: ReplicasPlan) -> list[Row]:
         sides[f"steady {count}"] = rollouts(filled)
         sides[f"cold {count}"] = cold_block
         sides[f"plain {count}"] = rollouts(_route(PlainRendezvousRoute, count))
+    sides.update(affine_sides(plan))
     best = dict.fromkeys(sides, math.inf)
     for _ in range(plan.pick_blocks):
         for side, work in sides.items():
@@ -241,6 +313,7 @@ def pick_rows(plan: ReplicasPlan) -> list[Row]:
                 plain / remembered,
             )
         )
+    rows.append(affine_row(plan, best))
     return rows
 
 
@@ -614,7 +687,7 @@ async def join_rows(plan: ReplicasPlan) -> list[Row]:
     head_port = _free_port()
     doc = {
         "head_server": {"host": LOOPBACK, "port": head_port},
-        NAME: {"responses_api_models": {"bench": {"host": "0.0.0.0", "port": _free_port()}}},
+        NAME: {SERVER_TYPE: {"bench": {"host": "0.0.0.0", "port": _free_port()}}},
     }
     processes: list[ServerProcess] = []
     with tempfile.TemporaryDirectory() as directory:

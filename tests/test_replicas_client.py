@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,12 +33,13 @@ from gym_rpc.client._http import close_http_sessions
 from gym_rpc.client._instances import InstanceState
 from gym_rpc.client._outliers import OutlierDetection
 from gym_rpc.client._picker import SLOTS, heaviest, mix64, slot_of, stable_key, two_choices, weight
+from gym_rpc.client._prompt_key import prompt_key
 from gym_rpc.client._rollout import rollout_context
-from gym_rpc.client._routing import RoutedCall, ServerRoute
+from gym_rpc.client._routing import ENGINE_LOAD_READ_SECONDS, RoutedCall, ServerRoute
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.errors import NoHealthyInstanceError, RequestTimeoutError, ServerUnreachableError
-from gym_rpc.wire import InstanceReport, ServerStatus, StatusReport
+from gym_rpc.wire import EngineLoad, InstanceReport, ServerStatus, StatusReport
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 NAME = "policy"
@@ -119,8 +121,9 @@ def client_of(doc: dict[str, Any], head_port: int | None = None) -> ServerClient
 
 
 async def call(client: ServerClient, path: str = "/v1/responses", **kwargs: Any) -> int:
-    """One POST; the port of the instance that answered."""
-    async with await client.post(NAME, path, json={"input": "hi"}, **kwargs) as response:
+    """One POST; the port of the instance that answered. Its body holds no prompt a model server's route reads
+    (gym_rpc.client._prompt_key), so a call of no rollout goes by two random choices there too."""
+    async with await client.post(NAME, path, json={"query": "hi"}, **kwargs) as response:
         return int((await response.json())["instance"])
 
 
@@ -570,6 +573,140 @@ async def test_a_body_with_a_malformed_rollout_id_is_a_call_of_no_rollout(replic
     ):
         assert (await answered_at(client, "/seed_session", body))[0] in {replica.port for replica in fleet}
     assert route_of(client).pins == {}
+
+
+# --- prefix-affine picking (model servers) -----------------------------------------------------------------------
+
+SYSTEM = "You are a careful agent. " * 80  # a system prompt every prompt of the run shares (2,000 characters)
+
+
+def turn_body(task: int, turns: int = 0, rollout: int = 0) -> dict[str, Any]:
+    """A Responses API body of task `task`'s prompt, after `turns` turns of rollout `rollout` (each turn appends
+    the model's call and its tool's output, which differ per rollout)."""
+    items: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": [{"type": "input_text", "text": f"Task {task}: find the weather."}]},
+    ]
+    for turn in range(turns):
+        items.append({"type": "function_call", "call_id": f"c{turn}", "name": "get_weather", "arguments": "{}"})
+        items.append({"type": "function_call_output", "call_id": f"c{turn}", "output": f"r{rollout} t{turn}"})
+    return {"model": "m", "input": items}
+
+
+def test_a_prompt_key_is_one_for_a_groups_rollouts_and_their_turns_and_the_same_in_every_process() -> None:
+    keys = {prompt_key(turn_body(3, turns, rollout)) for turns in range(4) for rollout in range(8)}
+    assert len(keys) == 1 and None not in keys  # every turn of every rollout of task 3
+    assert len({prompt_key(turn_body(task)) for task in range(64)}) == 64  # the shared system prompt is not all
+    chat = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Task 1"}]}
+    assert prompt_key(chat) == prompt_key(
+        {"input": [{"role": "developer", "content": "S"}, *chat["messages"][1:]]}
+    )
+    assert prompt_key({"input": "hi"}) == zlib.crc32(b"hi")  # crc32 of UTF-8: no per-process hash seed
+    assert prompt_key({"input": "hi", "instructions": "S"}) == zlib.crc32(b"S\0hi")
+    grown = {prompt_key({"prompt": "P" * 2000 + "x" * turn}) for turn in range(3)}
+    assert len(grown) == 1  # a completions prompt grows with the turns: its head only
+    unreadable: list[Any] = [{"query": "hi"}, {"input": [{"type": "function_call_output"}]}, {"input": 7}, []]
+    for body in unreadable:
+        assert prompt_key(body) is None, body
+    odd = {"input": [{"role": "user", "content": [{"type": "input_text", "text": 7}, "x", {"text": "ok"}]}]}
+    assert prompt_key(odd) == zlib.crc32(b"\0ok")  # parts it cannot read are skipped, never raised on
+
+
+async def body_at(client: ServerClient, body: dict[str, Any], cookies: Any = None) -> int:
+    async with await client.post(NAME, "/v1/responses", json=body, cookies=cookies) as response:
+        return int((await response.json())["instance"])
+
+
+async def test_a_groups_rollouts_and_their_turns_go_to_one_model_instance_in_every_worker(replicas) -> None:
+    """GRPO: the rollouts of one prompt and each of their turns share the prompt's prefix. A model server's route
+    sends them all to the prompt's preferred instance (rendezvous hashing scattered them: one rollout id each),
+    the same in two workers that share nothing; different prompts spread over the instances."""
+    fleet = await replicas(4)
+    doc = replicated_doc([replica.port for replica in fleet])
+    workers = [client_of(doc), client_of(doc)]
+    where: dict[int, set[int]] = collections.defaultdict(set)
+    for task in range(16):
+        for rollout in range(8):
+            worker = workers[rollout % 2]
+            with rollout_context(f"{task}-{rollout}"):
+                for turns in range(3):
+                    where[task].add(await body_at(worker, turn_body(task, turns, rollout)))
+    assert all(len(ports) == 1 for ports in where.values()), where
+    assert len({ports.pop() for ports in where.values()}) == 4  # 16 prompts over all four
+    assert route_of(workers[0]).affine
+
+
+async def test_a_prompts_preferred_instance_under_load_sends_new_rollouts_to_its_next(replicas) -> None:
+    """Bounded load: while the prompt's preferred instance holds more calls than 1.5x the average (+1), a new
+    rollout of that prompt goes to its next preferred instance (the same for every such rollout), and its later
+    turns follow it there, even once the first is free again."""
+    fleet = await replicas(4)
+    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    first = await body_at(client, turn_body(5))
+    busy = next(replica for replica in fleet if replica.port == first)
+    busy.hold = asyncio.Event()
+    held = [asyncio.create_task(body_at(client, turn_body(5, 0, n))) for n in range(3)]
+    await wait_for(lambda: busy.calls == 4, 10)
+    moved = []
+    for n in range(3, 9):
+        with rollout_context(f"5-{n}"):
+            moved.append(await body_at(client, turn_body(5, 0, n)))
+    assert len(set(moved)) == 1 and moved[0] != first  # one next instance, not scattered
+    busy.hold.set()
+    assert [await task for task in held] == [first] * 3
+    next_port = moved[0]
+    with rollout_context("5-3"):  # a moved rollout's later turns stay where its first turn went
+        assert {await body_at(client, turn_body(5, turns, 3)) for turns in range(1, 4)} == {next_port}
+    assert (
+        sum(instance.in_flight for instance in route_of(client).instances) == route_of(client).in_flight_total == 0
+    )
+
+
+async def test_an_engine_reporting_a_long_queue_loses_new_rollouts_until_its_figure_is_unknown(replicas) -> None:
+    """The engines' load the head pushes (Routing.engine_loads) counts in the bound: a prompt's preferred instance
+    whose engine reports 50 waiting gets no new rollout of it (its next preferred does); once that figure is older
+    than the table's bound it is unknown, never zero, and the calls in flight stand alone again."""
+    fleet = await replicas(3)
+    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    preferred = await body_at(client, turn_body(9))
+    assert client._routing is not None
+    busy = EngineLoad(NAME, f"{LOOPBACK}:{preferred}", waiting=50, running=8, age_seconds=0.0)
+    client._routing.engine_loads.apply([busy])
+    await asyncio.sleep(ENGINE_LOAD_READ_SECONDS * 1.1)  # the route reads the table at most this often
+    elsewhere = {await body_at(client, turn_body(9)) for _ in range(6)}
+    assert len(elsewhere) == 1 and preferred not in elsewhere
+    stale = EngineLoad(NAME, f"{LOOPBACK}:{preferred}", waiting=50, running=8, age_seconds=60.0)
+    client._routing.engine_loads.apply([stale])
+    await asyncio.sleep(ENGINE_LOAD_READ_SECONDS * 1.1)
+    assert {await body_at(client, turn_body(9)) for _ in range(6)} == {preferred}
+
+
+async def test_a_model_rollouts_turns_follow_its_session_or_rollout_and_resources_servers_stay_exact(
+    replicas,
+) -> None:
+    """Without a readable prompt, a model call of a rollout is placed by two random choices and its later turns
+    follow it (its rollout id, or the model session the first answer opened: NeMo Gym's SimpleAgent sends that
+    cookie on every later turn). A resources server's route is not prefix-affine: the same prompt in its calls
+    changes nothing, rollouts are pinned by rendezvous as before."""
+    fleet = await replicas(3)
+    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    for n in range(8):
+        open_session(fleet, f"model-session-{n}")
+        first, cookies = await answered_at(client, "/v1/responses", {"query": n})
+        open_session(fleet, None)
+        assert {(await answered_at(client, "/v1/responses", {"query": n}, cookies))[0] for _ in range(3)} == {
+            first
+        }
+        with rollout_context(f"r-{n}"):
+            pinned = await body_at(client, {"query": n})
+            assert {await body_at(client, {"query": n}) for _ in range(3)} == {pinned}
+    resources = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
+    spread = set()
+    for n in range(24):
+        with rollout_context(f"rollout-{n}"):
+            spread.add(await body_at(resources, turn_body(1)))
+    assert len(spread) == 3  # one prompt, 24 rollouts: spread by their ids
+    assert not route_of(resources).affine
 
 
 # --- label selectors ---------------------------------------------------------------------------------------------

@@ -90,7 +90,9 @@ async def behind_a_head(
 
 
 async def call(client: ServerClient) -> int:
-    async with await client.post(NAME, "/v1/responses", json={"input": "hi"}) as response:
+    """A call of no rollout and no prompt (gym_rpc.client._prompt_key reads none in this body): two random
+    choices, on a model server too."""
+    async with await client.post(NAME, "/v1/responses", json={"query": "hi"}) as response:
         return int(orjson.loads(await response.read())["instance"])
 
 

@@ -9,9 +9,9 @@
   `_failures`, `_resend_log`: what a failed call does (budgets by kind and in time, the client-wide budget, one log
   line per server per interval); `_rollout`: the current rollout id; `_unsampled_headers`: the traceparent headers
   an unsampled rollout's calls share; `_call_paths`: where a call carries its rollout (path or header).
-* `_routed`, `_routing`, `_picker`, `_outliers`, `_instances`: picking one instance of a replicated server per
-  call; `_follower`: each server's instances, followed from the head's watch in the background (`_cpu_budget`: its
-  share of the CPU); `_engine_loads`: the engines' load the head pushes, as a picker reads it.
+* `_routed`, `_routing`, `_picker`, `_prompt_key`, `_outliers`, `_instances`: picking one instance of a replicated
+  server per call; `_follower`: each server's instances, followed from the head's watch in the background
+  (`_cpu_budget`: its share of the CPU); `_engine_loads`: the engines' load the head pushes, as a picker reads it.
 
 Nothing here imports `gym_rpc.server`: a worker never loads head code. Exports import on first use.
 """

@@ -54,6 +54,7 @@ class Instance:
         "ejected_until",
         "ejection_level",
         "ejections",
+        "engine_load",
         "http_status",
         "in_flight",
         "instance_id",
@@ -82,6 +83,9 @@ class Instance:
         self.registration: RegistrationState | None = None
         self.origin: InstanceOrigin | None = None
         self.in_flight = 0  # calls sent here whose answer (headers) has not come yet
+        # Requests the engine reports waiting and running (its /metrics, as the head reads and pushes them), for a
+        # model server's prefix-affine picking; 0 while unknown (the calls in flight then stand alone).
+        self.engine_load = 0
         self.picks = 0  # calls (and resends) sent here, for the worker metrics
         self.consecutive_failures = 0
         self.last_failure = ""

@@ -1,5 +1,7 @@
 """How a call picks one instance of a replicated server: rendezvous hashing for a rollout, two random choices by
-calls in flight for a call of no rollout. Pure functions over the route's candidates, no I/O.
+calls in flight for a call of no rollout, and for a model call its prompt's slot's order of preference
+(`top_choices`, the same rendezvous weights) taken under a bound on load. Pure functions over the route's
+candidates, no I/O.
 
 * **Rendezvous (highest random weight) hashing** (Thaler and Ravishankar, 1996): each instance gets a weight
   from hashing it with the rollout, and the rollout goes to the heaviest. Every worker ranks a rollout's
@@ -81,6 +83,13 @@ def heaviest(slot: int, candidates: Sequence[C]) -> C:
         if candidate_weight > best_weight:
             best, best_weight = candidate, candidate_weight
     return best
+
+
+def top_choices(slot: int, candidates: Sequence[C], count: int) -> tuple[C, ...]:
+    """The `count` heaviest candidates for `slot`, heaviest first: the slot's order of preference (its first is
+    `heaviest`'s)."""
+    ranked = sorted(candidates, key=lambda candidate: weight(slot, candidate.key), reverse=True)
+    return tuple(ranked[:count])
 
 
 def two_choices(candidates: Sequence[C]) -> C:

@@ -14,10 +14,10 @@ from gym_rpc.client._http import send
 from gym_rpc.client._http_tracing import traced_send
 from gym_rpc.client._metrics import metered_send
 from gym_rpc.client._nemo_gym import nemo_gym_rollout_id, rollout_id_from_run_body
+from gym_rpc.client._prompt_key import prompt_key
 from gym_rpc.client._resend_policy import RetryPolicy
 from gym_rpc.client._rollout import rollout_id_in_context
 from gym_rpc.client._routing import RoutedCall, ServerRoute, session_pin_key
-from gym_rpc.config import GlobalConfig
 from gym_rpc.metrics import METRICS
 from gym_rpc.telemetry import TRACING
 
@@ -26,25 +26,27 @@ if TYPE_CHECKING:
 
 
 def sticky_keys(
-    config: GlobalConfig, server_name: str, url_path: str, body: Any, kwargs: Mapping[str, Any]
-) -> tuple[str | None, str | None]:
+    route: ServerRoute, server_name: str, body: Any, kwargs: Mapping[str, Any]
+) -> tuple[str | None, str | None, int | None]:
     """What a call to a replicated server sticks by: its rollout (gym_rpc's context, NeMo Gym's, else the one its
     body names by NeMo Gym's rule: `_ng_rollout_id`, or `_ng_task_index`-`_ng_rollout_index`, as `/seed_session`
-    and `/verify` bodies do), and the NeMo Gym session its cookies carry for that server. (None, None): a call of
-    no rollout. A rollout's calls carry different ones (a tool call made where no rollout is bound carries only
-    the cookie): the route keeps them as aliases of one pin (gym_rpc.client._routing)."""
+    and `/verify` bodies do), the NeMo Gym session its cookies carry for that server, and for a model server's
+    route its prompt's number (gym_rpc.client._prompt_key). No rollout and no session: a call of no rollout. A
+    rollout's calls carry different ones (a tool call made where no rollout is bound carries only the cookie): the
+    route keeps them as aliases of one pin (gym_rpc.client._routing)."""
     rollout_id = rollout_id_in_context() or nemo_gym_rollout_id()
     if not rollout_id and isinstance(body, Mapping):
         try:
             rollout_id = rollout_id_from_run_body(body)
         except (ValueError, TypeError):  # a malformed `_ng_rollout_id` or `_ng_attempt_index`: no rollout here
             rollout_id = None
-    return rollout_id or None, session_pin_key(kwargs.get("cookies"), server_name)
+    session = session_pin_key(kwargs.get("cookies"), server_name)
+    return rollout_id or None, session, prompt_key(body) if route.affine else None
 
 
 async def send_routed(
     route: ServerRoute,
-    keys: tuple[str | None, str | None],
+    keys: tuple[str | None, str | None, int | None],
     session: aiohttp.ClientSession,
     method: str,
     server_name: str,
@@ -55,7 +57,7 @@ async def send_routed(
 ) -> aiohttp.ClientResponse:
     """`request` for a server with several instances: the call picks one, counts in flight there, moves on a
     refused connection (the resend loop asks `call.reroute`), and tells the route how it ended."""
-    call = RoutedCall(route, keys[0], url_path, keys[1])
+    call = RoutedCall(route, keys[0], url_path, keys[1], keys[2])
     base = call.instance.url
     timeout = kwargs.get("timeout")
     total = (timeout if isinstance(timeout, aiohttp.ClientTimeout) else session.timeout).total

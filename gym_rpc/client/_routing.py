@@ -11,6 +11,12 @@ call goes to, and where it goes next when that one fails.
   carrying two keys makes them one (the session's instance wins: it holds the session's state), an answer that
   opens a session pins it with the call's rollout, and moving the pin moves every key with it.
 * A call of no rollout goes to the less loaded of two random instances that take new work.
+* A model server's route (`responses_api_models`, `affine`) picks by prompt instead (`pick_affine`): a call goes
+  where its rollout's (or model session's) last turn went while that instance is not overloaded, else to the first
+  of its prompt's three preferred instances (the prompt's slot's rendezvous order: the same in every worker) whose
+  load stays under a bound, else by two random choices. Load is the calls in flight from this process, or what the
+  engine reports waiting and running when that is more (`engine_load`, 0 while unknown). See docs/replicas.md
+  (prefix-affine picking) for why.
 * A failed attempt counts against its instance (gym_rpc.client._outliers): refused, timed out, dropped, a 5xx, or
   a body that broke off once the caller read it; a refused connection, or any resent call of no rollout, moves to
   another instance not tried yet by that call.
@@ -50,9 +56,10 @@ from gym_rpc.client._outliers import (
     record_failure,
     succeeded,
 )
-from gym_rpc.client._picker import heaviest, slot_of, two_choices
+from gym_rpc.client._picker import SLOTS, heaviest, slot_of, top_choices, two_choices
 from gym_rpc.config import url_authority
 from gym_rpc.errors import NoHealthyInstanceError, ServerUnreachableError
+from gym_rpc.wire import MODEL_SERVER_TYPE
 
 if TYPE_CHECKING:
     from gym_rpc.config import GlobalConfig
@@ -68,6 +75,14 @@ _SESSION_PREFIX = "\0"
 _monotonic = time.monotonic
 _NEVER = math.inf  # refresh_at while no instance is ejected: picks then never read the clock
 _MAX_JOINS = 64
+# Prefix-affine picking (model servers). With `avg` = (the route's load + 1) / its candidates: a call follows its
+# rollout's last instance while that one's load < STICK_RATIO * avg + STICK_SLACK, and a new rollout takes the
+# first of its prompt's PREFERRED instances whose load < FRESH_RATIO * avg + FRESH_SLACK. Staying costs a queue;
+# moving costs the prefill of everything the engine held for the rollout: the bound to stay is the looser.
+PREFERRED = 3
+ENGINE_LOAD_READ_SECONDS = 0.1  # the head pushes at most 4 tables a second; a pick reads them at most 10 times
+FRESH_RATIO, FRESH_SLACK = 1.5, 1.0
+STICK_RATIO, STICK_SLACK = 2.0, 2.0
 
 Selector = Mapping[str, str]
 
@@ -121,15 +136,22 @@ class ServerRoute:
     """The instances of one server name and how calls are spread over them."""
 
     __slots__ = (
+        "affine",
         "by_id",
+        "engine_loads",
+        "engine_total",
         "generation",
+        "in_flight_total",
         "instances",
         "joins",
+        "loads_at",
         "lock",
         "name",
         "pins",
         "policy",
         "pool",
+        "preferred",
+        "preferred_pool",
         "refresh_at",
         "repins",
         "selector",
@@ -142,8 +164,20 @@ class ServerRoute:
         states: list[InstanceState],
         policy: OutlierDetection,
         selector: Selector | None = None,
+        affine: bool = False,
+        engine_loads: EngineLoadTable | None = None,
     ) -> None:
         self.name = name
+        self.affine = affine  # a model server's route: calls picked by prompt under a bound on load
+        self.in_flight_total = 0  # calls in flight over all its instances (kept with theirs, under `lock`)
+        # The engines' load the head pushes (gym_rpc.client._engine_loads), read into each instance's `engine_load`
+        # at most every ENGINE_LOAD_READ_SECONDS by a prefix-affine pick; `engine_total` is their sum.
+        self.engine_loads = engine_loads
+        self.engine_total = 0
+        self.loads_at = 0.0
+        # prompt slot -> its PREFERRED instances, for the pool they were ranked in (`preferred_pool`)
+        self.preferred: dict[int, tuple[Instance, ...]] = {}
+        self.preferred_pool: tuple[Instance, ...] = ()
         self.policy = policy
         self.selector = selector
         self.instances: tuple[Instance, ...] = ()
@@ -283,6 +317,11 @@ class ServerRoute:
         previous, pin.instance = pin.instance, chosen
         if self.pins.get(key) is not pin:
             self.pins_put(key, pin)
+        self._moved(previous, chosen, key, why)
+        return pin
+
+    def _moved(self, previous: Instance, chosen: Instance, key: str, why: str = "") -> None:
+        """A rollout left `previous`, an instance gone (or refusing): counted, and logged once per instance."""
         if previous is not chosen:
             self.repins += 1
             if not previous.repins_logged:
@@ -298,7 +337,81 @@ class ServerRoute:
                     _shown_key(key),
                     chosen.instance_id,
                 )
-        return pin
+
+    def pick_affine(
+        self, rollout: str | None, session: str | None, prompt: int | None
+    ) -> tuple[Instance, Pin | None]:
+        """A model call's instance, and the pin its rollout (or model session) keeps its turns on, if it has one:
+        the pin's instance while alive and under the bound to stay, else the first of its prompt's preferred
+        instances under the bound for new work (two random choices when none is, or the call has no prompt),
+        where the pin then moves."""
+        if self.refresh_at != _NEVER and _monotonic() >= self.refresh_at:
+            self.refresh()
+        candidates = self.pool
+        if not candidates:
+            raise self.no_instance()
+        if self.engine_loads is not None and _monotonic() >= self.loads_at:
+            self._read_engine_loads()
+        # An engine's figure counts this process's calls too, read a moment ago: the larger of the two counts.
+        average = (max(self.in_flight_total, self.engine_total) + 1) / len(candidates)
+        pins = self.pins
+        pin = None
+        if session is not None:
+            pin = pins.get(session)
+        if rollout is not None and (pin is None or not pin.instance.alive):
+            pin = pins.get(rollout)
+        if pin is not None:
+            last = pin.instance
+            if last.alive and max(last.in_flight, last.engine_load) < STICK_RATIO * average + STICK_SLACK:
+                if rollout is not None and session is not None:
+                    self._alias(pin, rollout, session)
+                return last, pin
+        if prompt is None:
+            chosen = two_choices(candidates)
+        else:
+            chosen = self._preferred_under(prompt % SLOTS, candidates, FRESH_RATIO * average + FRESH_SLACK)
+        if pin is None:
+            if rollout is None and session is None:
+                return chosen, None
+            pin = Pin(chosen)
+        else:  # the rollout's later turns follow (its aliases too); leaving a gone instance is a re-pin
+            previous, pin.instance = pin.instance, chosen
+            shown = rollout if rollout is not None else session
+            if not previous.alive and shown is not None:
+                self._moved(previous, chosen, shown)
+        self._alias(pin, rollout, session)
+        return chosen, pin
+
+    def _preferred_under(self, slot: int, candidates: tuple[Instance, ...], bound: float) -> Instance:
+        """The first of the slot's preferred instances whose load is under `bound`, else two random choices."""
+        if self.preferred_pool is not candidates:  # the pool changed: every slot is ranked again when next used
+            self.preferred, self.preferred_pool = {}, candidates
+        preferred = self.preferred.get(slot)
+        if preferred is None:
+            preferred = self.preferred[slot] = top_choices(slot, candidates, PREFERRED)
+        for instance in preferred:
+            if max(instance.in_flight, instance.engine_load) < bound:
+                return instance
+        return two_choices(candidates)
+
+    def _read_engine_loads(self) -> None:
+        """Each instance's engine load (requests waiting + running) from the table the head pushes; 0 where unknown
+        (no figure, or one older than the table's bound): the calls in flight then stand alone."""
+        table, name, total = self.engine_loads, self.name, 0
+        assert table is not None
+        for instance in self.instances:
+            load = table.of(name, instance.instance_id)
+            instance.engine_load = 0 if load is None else int((load.waiting or 0) + (load.running or 0))
+            total += instance.engine_load
+        self.engine_total = total
+        self.loads_at = _monotonic() + ENGINE_LOAD_READ_SECONDS
+
+    def _alias(self, pin: Pin, rollout: str | None, session: str | None) -> None:
+        pins = self.pins
+        if rollout is not None and pins.get(rollout) is not pin:
+            self.pins_put(rollout, pin)
+        if session is not None and pins.get(session) is not pin:
+            self.pins_put(session, pin)
 
     def slot_winner(self, slot: int, candidates: tuple[Instance, ...]) -> Instance:
         """The heaviest candidate for `slot`, remembered (`winners`): weighed against every candidate when none is
@@ -412,22 +525,34 @@ class RoutedCall:
 
     __slots__ = ("counted", "instance", "key", "path", "pin", "route", "session", "tried")
 
-    def __init__(self, route: ServerRoute, key: str | None, path: str, session: str | None = None) -> None:
+    def __init__(
+        self,
+        route: ServerRoute,
+        key: str | None,
+        path: str,
+        session: str | None = None,
+        prompt: int | None = None,
+    ) -> None:
         self.route = route
         self.key = key
         self.session = session
         self.path = path
         self.tried: tuple[Instance, ...] = ()
         self.counted = 0  # the attempts whose failure `reroute` counted: the call's end counts none twice
-        if key is None and session is None:
-            self.pin: Pin | None = None
-            self.instance = instance = route.pick(None)
+        self.pin: Pin | None
+        if route.affine:
+            instance, self.pin = route.pick_affine(key, session, prompt)
+        elif key is None and session is None:
+            self.pin = None
+            instance = route.pick(None)
         else:
             self.pin = pin = route.pin_of(key, session)
-            self.instance = instance = pin.instance
+            instance = pin.instance
+        self.instance = instance
         with route.lock:
             instance.in_flight += 1
             instance.picks += 1
+            route.in_flight_total += 1
 
     def reroute(self, error: BaseException) -> str:
         """The URL of the next attempt after `error` (the resend loop asks): another instance after a refused
@@ -446,7 +571,7 @@ class RoutedCall:
             with route.lock:
                 old.picks += 1
             return old.url + self.path
-        with route.lock:
+        with route.lock:  # the route's total stays: the call moves
             old.in_flight -= 1
             new.in_flight += 1
             new.picks += 1
@@ -459,6 +584,7 @@ class RoutedCall:
         instance = self.instance
         with self.route.lock:
             instance.in_flight -= 1
+            self.route.in_flight_total -= 1
         if response.status >= 500:
             self.route.failed_with(instance, f"HTTP {response.status}")
             return
@@ -480,6 +606,7 @@ class RoutedCall:
         (a call given up on after its failover was chosen: no attempt reached the new instance)."""
         with self.route.lock:
             self.instance.in_flight -= 1
+            self.route.in_flight_total -= 1
         attempts = getattr(error, "attempts", None)
         if attempts is None or attempts > self.counted:
             self.route.failed(self.instance, error)
@@ -493,7 +620,7 @@ class Routing:
     """A client's routes, by server name: made from the config (its static replicas), then kept current from the
     head's reports. `routes` holds only names with more than one instance (or a label selector)."""
 
-    __slots__ = ("__weakref__", "engine_loads", "policy", "routes", "selectors", "skipped")
+    __slots__ = ("__weakref__", "affine", "engine_loads", "policy", "routes", "selectors", "skipped")
 
     def __init__(
         self,
@@ -507,11 +634,15 @@ class Routing:
         self.skipped = skipped  # names a launcher's override URL stands for: never routed
         # The engines' load as the head reads it, pushed by the follower; a picker reads it (`.of(name, id)`).
         self.engine_loads = EngineLoadTable()
+        # model servers: their routes pick by prompt (prefix-affine); every other kind keeps exact stickiness
+        self.affine = frozenset(
+            name for name, entry in config.servers.items() if entry.server_type == MODEL_SERVER_TYPE
+        )
         self.routes: dict[str, ServerRoute] = {}
         for name, entry in config.servers.items():
             states = config_states(entry)
             if name not in skipped and (len(states) > 1 or name in self.selectors):
-                self.routes[name] = ServerRoute(name, states, policy, self.selectors.get(name))
+                self.routes[name] = self._route(name, states)
         ROUTINGS.add(self)
 
     def apply_reports(self, reports: Iterable[StatusReport]) -> None:
@@ -563,7 +694,12 @@ class Routing:
         if route is not None:
             route.update(states)
         elif len(states) > 1 or name in self.selectors:
-            self.routes[name] = ServerRoute(name, states, self.policy, self.selectors.get(name))
+            self.routes[name] = self._route(name, states)
+
+    def _route(self, name: str, states: list[InstanceState]) -> ServerRoute:
+        affine = name in self.affine
+        loads = self.engine_loads if affine else None
+        return ServerRoute(name, states, self.policy, self.selectors.get(name), affine, loads)
 
     def set_selector(self, name: str, selector: Selector | None, config: GlobalConfig) -> None:
         if selector is None:
@@ -576,7 +712,7 @@ class Routing:
         elif selector is not None and name not in self.skipped:
             entry = config.servers.get(name)
             states = config_states(entry) if entry is not None else []
-            self.routes[name] = ServerRoute(name, states, self.policy, selector)
+            self.routes[name] = self._route(name, states)
 
 
 def _state_of(instance: Instance) -> InstanceState:

@@ -812,7 +812,7 @@ class ServerClient(BaseModel):
             kwargs["data"] = plane.json_payload(body)
         config = plane.config
         if route is not None:
-            keys = plane.sticky_keys(config, server_name, url_path, body, kwargs)
+            keys = plane.sticky_keys(route, server_name, body, kwargs)
         if plane.path_rule is not None:  # decided once per client (gym_rpc.client._call_paths)
             url_path = plane.path_rule(config, server_name, url_path, body, kwargs)
         pools = plane.pools
