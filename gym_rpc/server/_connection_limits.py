@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.log import server_logger
 
 from gym_rpc._logging import RateLimitedLog
 from gym_rpc.errors import GymRpcError
@@ -270,10 +271,16 @@ class _CountedConnection(asyncio.Protocol):
 class BoundedSite:
     """An aiohttp app served on host:port through a BoundedListener: what `web.TCPSite` does, bounded."""
 
-    def __init__(self, app: web.Application) -> None:
+    def __init__(self, app: web.Application, request_log: logging.Logger | None = None) -> None:
+        """`request_log`: the logger aiohttp's request handler logs to (its own by default)."""
         self._listener = BoundedListener(connection_bound())
         app.middlewares.append(self._listener.mark_answered)
-        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=DEFAULT_KEEPALIVE_TIMEOUT_SECONDS)
+        self._runner = web.AppRunner(
+            app,
+            access_log=None,
+            keepalive_timeout=DEFAULT_KEEPALIVE_TIMEOUT_SECONDS,
+            logger=request_log if request_log is not None else server_logger,
+        )
 
     async def start(self, host: str, port: int, *, what: str, setting: str) -> int:
         """The port served. When host:port cannot be bound, a one-line GymRpcError saying `what` could not be

@@ -186,6 +186,7 @@ class _HeadInstruments:
     probe_duration: Histogram
     status_changes: Any
     rpc_duration: Histogram
+    bad_requests: Any
 
 
 @functools.cache
@@ -244,6 +245,11 @@ def _instruments() -> _HeadInstruments:
             "control-plane RPCs served, by method and status code (count: the _count series)",
             RPC_BUCKETS,
         ),
+        bad_requests=m.create_counter(
+            "gym.head.bad_requests",
+            unit="{request}",
+            description="requests to an HTTP-side port (the HTTP head, metrics) that did not parse, by port",
+        ),
     )
 
 
@@ -253,6 +259,11 @@ def probe_recorded(name: str, instance: InstanceReport) -> None:
     _instruments().probe_duration.record(
         instance.latency_seconds, {SERVER_NAME: name, SERVER_STATUS: instance.status}
     )
+
+
+def bad_request(port: str) -> None:
+    """A request to an HTTP-side port that did not parse (gym_rpc.server._quiet_http_log)."""
+    _instruments().bad_requests.add(1, {"gym.port": port})
 
 
 def status_changed(name: str, before: str, after: str) -> None:

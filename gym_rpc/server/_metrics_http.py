@@ -12,6 +12,7 @@ from aiohttp import web
 from gym_rpc.metrics import METRICS, PROMETHEUS_CONTENT_TYPE, prometheus_text
 from gym_rpc.server._connection_limits import BoundedSite
 from gym_rpc.server._host_check import bound_to_loopback, loopback_host_only
+from gym_rpc.server._quiet_http_log import QuietRequestLog
 
 METRICS_PATH = "/metrics"
 
@@ -32,6 +33,7 @@ class AppServer:
     taken, stop."""
 
     what = "an HTTP app"  # what the error says could not be served
+    port_name = "http"  # what the log and gym.head.bad_requests call the port
     setting = "port"  # what the error says to choose another of
 
     def __init__(self) -> None:
@@ -45,7 +47,7 @@ class AppServer:
         app = self.app()
         if bound_to_loopback(host):  # DNS rebinding: only loopback names (gym_rpc.server._host_check)
             app.middlewares.insert(0, loopback_host_only)
-        site = BoundedSite(app)
+        site = BoundedSite(app, QuietRequestLog(self.port_name))
         self.port = await site.start(host, port, what=self.what, setting=self.setting)
         self._site = site
 
@@ -60,6 +62,7 @@ class MetricsServer(AppServer):
 
     what = "/metrics"
     setting = "--metrics-port"
+    port_name = "metrics"
 
     def app(self) -> web.Application:
         app = web.Application()

@@ -1,0 +1,65 @@
+"""Quiet under bad input (issue 43, point 7), against a real `gym-rpc head`: 3,000 malformed requests (a bad
+Content-Length, a broken chunk, bytes that are no HTTP) to NeMo Gym's HTTP head port and the metrics port, from one
+client, each answered 400, log a line per port per window (no traceback, no ERROR) and are all counted in
+gym_head_bad_requests_total; the head serves on."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from tests.cli_helpers import running_head
+from tests.conftest import LOOPBACK, closed_port, server_entry
+from tests.test_metrics import HTTP_HEAD_PATTERN, METRICS_PATTERN, announced, scrape, value
+
+MALFORMED = (
+    b"GET / HTTP/1.1\r\nHost: localhost\r\nContent-Length: x\r\n\r\n",
+    b"POST / HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"GARBAGE\r\n\r\n",
+)
+PER_PORT = 1500
+
+
+def _status_of(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return int(response.status)
+
+
+async def _send(port: int, payload: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection(LOOPBACK, port)
+    try:
+        writer.write(payload)
+        await writer.drain()
+        return await reader.read(64)
+    finally:
+        writer.close()
+
+
+async def test_malformed_requests_are_counted_and_logged_once_per_window(tmp_path: Path) -> None:
+    path = tmp_path / "gym.yaml"
+    doc = {"head_server": {"host": LOOPBACK, "port": 0, "http_port": 0}, "policy": server_entry(closed_port())}
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    with running_head(path, "--metrics-port", "0") as head:
+        http = announced(head, HTTP_HEAD_PATTERN)
+        metrics = announced(head, METRICS_PATTERN)
+        ports = [int(http.rsplit(":", 1)[1]), int(metrics.rsplit(":", 1)[1].split("/", 1)[0])]
+        for port in ports:
+            for start in range(0, PER_PORT, 100):
+                answers = await asyncio.gather(
+                    *(_send(port, MALFORMED[i % len(MALFORMED)]) for i in range(start, start + 100))
+                )
+                assert all(answer.startswith(b"HTTP/1.") and b" 400 " in answer for answer in answers), answers[0]
+        samples = await asyncio.to_thread(scrape, metrics)
+        for name in ("http", "metrics"):
+            assert value(samples, "gym_head_bad_requests_total", gym_port=name) == PER_PORT
+        assert await asyncio.to_thread(_status_of, f"{http}/") == 200  # the head serves on
+        head.process.terminate()
+        head.process.wait(timeout=30)
+        log = head.stderr_text
+    lines = [line for line in log.splitlines() if "malformed request" in line]
+    assert len(lines) == 2 and {"http port" in lines[0], "http port" in lines[1]} == {True, False}, lines
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+    assert len(log) < 20_000  # 3,000 of aiohttp's tracebacks were 1.67 MB
