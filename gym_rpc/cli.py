@@ -59,9 +59,11 @@ from gym_rpc.client import (
 from gym_rpc.config import (
     HEAD_SERVER_KEY,
     GlobalConfig,
+    config_from_bytes,
     default_config_text,
     load_config_file,
     parse_config_text,
+    read_config_file,
     url_host,
 )
 from gym_rpc.errors import ConfigError, ControlPlaneError, GymRpcError, HeadUnreachableError, UnknownServerError
@@ -528,10 +530,12 @@ def _set_up_logging(args: argparse.Namespace) -> None:
 
 def cmd_head(args: argparse.Namespace) -> int:
     # The serving commands import the server layer when they run: `gym-rpc status` and friends start faster.
-    from gym_rpc.server import HeadOptions, HeadServer, run_head
+    from gym_rpc.server import FileSource, HeadOptions, HeadServer, run_head
 
+    loaded = None
     if args.config is not None:
-        config, source = load_config_file(args.config), str(args.config)
+        loaded = read_config_file(args.config)  # kept: a reload of these same bytes costs a hash, not a parse
+        config, source = config_from_bytes(loaded, args.config), str(args.config)
     else:
         config, source = GlobalConfig.from_document(parse_config_text(default_config_text())), "embedded default"
     options = HeadOptions(
@@ -548,7 +552,7 @@ def cmd_head(args: argparse.Namespace) -> int:
         open_registrations=args.open_registrations,
         **_max_watches(args),
     )
-    head = HeadServer(config, options, config_path=args.config)
+    head = HeadServer(config, options, source=FileSource(args.config, loaded))
 
     def announce(started: HeadServer) -> None:
         _announce("head", started, f"config: {source}, version {config.version}, {len(config.servers)} servers")

@@ -21,11 +21,13 @@ from gym_rpc.server._prober import StatusProber
 from gym_rpc.server._registry import InstanceRegistry
 from gym_rpc.server._security import ServerSecurity
 from gym_rpc.server._servicer import ControlPlaneServicer
+from gym_rpc.server._sources import FileSource
 
 __all__ = [
     "BridgeHead",
     "BridgeOptions",
     "ControlPlaneServicer",
+    "FileSource",
     "HeadOptions",
     "HeadServer",
     "HttpHead",

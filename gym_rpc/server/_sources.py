@@ -79,13 +79,17 @@ class ConfigSource(Protocol):
 class FileSource:
     """The head's config file; without a file (the embedded config) there is nothing to reload."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, loaded: bytes | None = None) -> None:
+        """`loaded`: the bytes of `path` the head's first config was made from, when the caller read them (then
+        even the first reload of the unchanged file costs a hash, not a parse)."""
         self.path = path
         self.name: Path | str = path if path is not None else "the embedded config"  # what logs call this source
         self.processes: Mapping[str, ReportedProcess] = {}
         self._lock = asyncio.Lock()
         # The digest of the bytes last loaded, and the refusal they got (None: they were served or unchanged).
         self._last: tuple[str, ConfigError | None] | None = None
+        if loaded is not None:
+            self._last = (hashlib.sha256(loaded).hexdigest(), None)
 
     def interceptors(self) -> Sequence[grpc.aio.ServerInterceptor[Any, Any]]:
         return ()
