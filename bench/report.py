@@ -257,7 +257,13 @@ def render(rows: Sequence[Row], elapsed_seconds: float, quick: bool) -> str:
         "",
         NOTES,
     ]
+    if ENGINES_PATH.exists():  # bench/engines.py's last run (`python -m bench.engines run --out bench/ENGINES.md`)
+        parts += ["", ENGINES_TITLE, "", ENGINES_PATH.read_text(encoding="utf-8").rstrip()]
     return "\n".join(parts)
+
+
+ENGINES_PATH = Path(__file__).resolve().parent / "ENGINES.md"
+ENGINES_TITLE = "## Engines: where model calls land (bench/engines.py, simulated engines, GRPO workload)"
 
 
 def write(path: Path, rows: Sequence[Row], elapsed_seconds: float, quick: bool) -> None:

@@ -1,0 +1,69 @@
+"""bench/engines.py's simulated engine, as real processes on loopback: its prefix cache counts what routing changes
+(a call whose prompt's full blocks an earlier call left in the cache prefills only the rest; another engine holds
+nothing of it), `/metrics` speaks vLLM's names, and `/reset` empties the cache between pickers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.engines import BLOCK_TOKENS, OUTPUT_TOKENS, SYSTEM_TOKENS, TASK_TOKENS, TOOL_TOKENS, turn_body
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def engines() -> Iterator[list[int]]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench.engines", "serve", "2", "-1"],
+        cwd=REPO_ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        yield json.loads(process.stdout.readline())["ports"]
+    finally:
+        assert process.stdin is not None
+        process.stdin.close()
+        process.wait(timeout=30)
+
+
+def call(port: int, path: str, body: dict[str, Any] | None = None) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    method = "GET" if body is None and path != "/reset" else "POST"
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data or b"", method=method)
+    if body is not None:
+        request.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        text = response.read().decode()
+    return json.loads(text) if path != "/metrics" else text
+
+
+def test_the_simulated_engine_prefills_only_what_its_cache_lacks(engines: list[int]) -> None:
+    first, other = engines
+    prompt = SYSTEM_TOKENS + TASK_TOKENS
+    call(first, "/v1/responses", turn_body(3, 0, 0))
+    assert call(first, "/stats") == {"prefill": prompt, "cached": 0, "calls": 1}
+    call(first, "/v1/responses", turn_body(3, 1, 1))  # rollout 1's second turn: the prompt's full blocks are held
+    held = prompt // BLOCK_TOKENS * BLOCK_TOKENS
+    stats = call(first, "/stats")
+    assert stats["cached"] == held and stats["calls"] == 2
+    assert (
+        stats["prefill"] == prompt + (prompt - held) + OUTPUT_TOKENS + TOOL_TOKENS
+    )  # the rest, the answer, the tool's output
+    call(other, "/v1/responses", turn_body(3, 1, 1))
+    assert call(other, "/stats")["cached"] == 0  # another engine holds nothing of it
+    metrics = call(first, "/metrics")
+    for name in ("vllm:num_requests_waiting 0", "vllm:num_requests_running 0", "vllm:kv_cache_usage_perc"):
+        assert name in metrics
+    call(first, "/reset")
+    assert call(first, "/stats") == {"prefill": 0, "cached": 0, "calls": 0}
