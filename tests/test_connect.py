@@ -220,7 +220,8 @@ async def test_errors_are_connect_json_with_code_names(head_factory: HeadFactory
 
 
 async def test_register_over_connect_advertises_the_callers_address(head_factory: HeadFactory, http) -> None:
-    """The servicer reads the caller's address (gRPC's peer) through the Connect context too."""
+    """The servicer reads the caller's address (gRPC's peer) through the Connect context too; a registration that
+    asks for no lease gets the head's default one (issue 43: "forever" is no default)."""
     head = await head_factory(document({"tools": server_entry(closed_port(), host="0.0.0.0")}), connect_port=0)
     status, answer = await call_json(
         http,
@@ -228,7 +229,10 @@ async def test_register_over_connect_advertises_the_callers_address(head_factory
         "RegisterServerInstance",
         {"serverName": "tools", "pid": 42, "listenHost": "0.0.0.0", "listenPort": 8123},
     )
-    assert (status, answer) == (200, {"advertisedUrl": "http://127.0.0.1:8123", "instanceId": "127.0.0.1:8123"})
+    assert (status, answer) == (
+        200,
+        {"advertisedUrl": "http://127.0.0.1:8123", "instanceId": "127.0.0.1:8123", "leaseTtl": "300s"},
+    )
 
 
 async def test_watch_stream_json_envelopes_then_end_of_stream(head_factory: HeadFactory, http) -> None:
