@@ -28,8 +28,10 @@ GROUPS_IN_FLIGHT groups at a time, all G rollouts of a group at once, each rollo
 * round robin: each worker cycles over the engines (raw aiohttp);
 * rendezvous: the rollout's engine by gym_rpc's rendezvous on its id (today's rule for resources servers, and
   what model servers had before prefix-affine picking);
-* default: gym_rpc's ServerClient with the engines as static replicas of a model server, the rollout bound
-  (`rollout_context`): prefix-affine picking under its load bound;
+* default: gym_rpc's prefix-affine picking (the route ServerClient makes for a model server of these instances:
+  `RoutedCall` with the prompt's number, the rollout's id), each call sent with raw aiohttp as the others are, so
+  the row differs from the others by where calls land only;
+* default (ServerClient): the same through `ServerClient.post` itself, the rollout bound (`rollout_context`);
 * oracle: every rollout of prompt p on engine p mod E.
 
 Figures: makespan, prefill tokens (and against the oracle's), cache hit rate (cached / prompt tokens), p99 turn
@@ -229,11 +231,17 @@ class _Engine:
 
 async def work(picker: str, ports: list[int], worker: int, workload: Workload) -> dict[str, Any]:
     from gym_rpc.client import ServerClient, close_http_sessions, rollout_context
+    from gym_rpc.client._instances import InstanceState
+    from gym_rpc.client._outliers import OutlierDetection
     from gym_rpc.client._picker import heaviest, slot_of
+    from gym_rpc.client._prompt_key import prompt_key
+    from gym_rpc.client._routing import RoutedCall, ServerRoute
     from gym_rpc.config import BaseServerConfig, GlobalConfig
 
     urls = [f"http://{LOOPBACK}:{port}" for port in ports]
     engines = [_Engine(url) for url in urls]
+    states = [InstanceState(url.removeprefix("http://"), url, "success") for url in urls]
+    route = ServerRoute(NAME, states, OutlierDetection(), affine=True)  # what ServerClient's route for them is
     cycle = itertools.cycle(urls)
     entry = {"host": LOOPBACK, "port": ports[0], "replicas": [f"{LOOPBACK}:{port}" for port in ports[1:]]}
     doc = {"head_server": {"host": LOOPBACK, "port": 1}, NAME: {"responses_api_models": {"sim": entry}}}
@@ -250,10 +258,19 @@ async def work(picker: str, ports: list[int], worker: int, workload: Workload) -
         async def turn(prompt: int, rollout: int, number: int) -> None:
             body = turn_body(prompt, rollout, number)
             started = time.monotonic()
-            if picker == "default":
+            if picker == "default (ServerClient)":
                 with rollout_context(f"{prompt}-{rollout}"):
                     async with await client.post(NAME, "/v1/responses", json=body) as response:
                         await response.read()
+            elif picker == "default":  # ServerClient's routing code, sent as the other pickers send
+                call = RoutedCall(route, f"{prompt}-{rollout}", "/v1/responses", None, prompt_key(body))
+                try:
+                    async with session.post(call.instance.url + "/v1/responses", json=body) as response:
+                        await response.read()
+                except BaseException as error:
+                    call.failed(error)
+                    raise
+                call.answered(response)
             else:
                 if picker == "round robin":
                     url = next(cycle)
@@ -354,7 +371,7 @@ def run_picker(picker: str, ports: list[int], workload: Workload) -> dict[str, A
     }
 
 
-PICKERS = ("round robin", "rendezvous", "default", "oracle")
+PICKERS = ("round robin", "rendezvous", "default", "default (ServerClient)", "oracle")
 
 
 def scenario(
@@ -419,7 +436,7 @@ def main() -> None:
     else:
         workload = Workload(args.prompts, args.group, args.turns)
         even = scenario(4, None, workload, PICKERS)
-        slow = scenario(8, 0, workload, ("rendezvous", "default", "oracle"))
+        slow = scenario(8, 0, workload, ("rendezvous", "default", "default (ServerClient)", "oracle"))
         shape = f"{workload.prompts} prompts x {workload.group} rollouts x {workload.turns} turns, 2 workers"
         report = "\n\n".join(
             [
