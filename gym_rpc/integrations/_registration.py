@@ -108,8 +108,9 @@ class ServerRegistration:
     head advertise the address it sees the registration come from. `advertise_host`: the host clients should
     dial, when the server knows better (NAT, several interfaces). `refresh_seconds`: how often to register again
     while serving (None: never), so a restarted head learns the address again. `lease_seconds`: how long the head
-    keeps the registration without a renewal; None: three refresh periods, at least 0.5 s (no expiry when not
-    refreshing); 0: no expiry. A process that dies without deregistering is dropped by the head about that late.
+    keeps the registration without a renewal; None: three refresh periods, at least 0.5 s (the head's default
+    lease when not refreshing: 300 s for `gym-rpc head`, where no registration lives forever); 0: the head's
+    default lease. A process that dies without deregistering is dropped by the head about that late.
 
     A server name may have several instances (replicas): each process registers at its own address, and one
     registering where an instance already is replaces it (a restart). `labels` (at most 16 short `key: value`
@@ -143,7 +144,7 @@ class ServerRegistration:
                 max(LEASE_REFRESHES * refresh_seconds, MIN_LEASE_SECONDS) if refresh_seconds is not None else 0.0
             )
         if not lease_seconds >= 0:
-            raise ValueError(f"lease_seconds must be >= 0 (0: no expiry), got {lease_seconds!r}")
+            raise ValueError(f"lease_seconds must be >= 0 (0: the head's default lease), got {lease_seconds!r}")
         if lease_seconds and refresh_seconds is not None and lease_seconds <= refresh_seconds:
             raise ValueError(
                 f"lease_seconds ({lease_seconds:g}) must be longer than refresh_seconds ({refresh_seconds:g}), "

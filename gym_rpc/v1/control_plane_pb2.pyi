@@ -1078,7 +1078,8 @@ class RegisterServerInstanceRequest(_message.Message):
     def lease_ttl(self) -> _duration_pb2.Duration:
         """Lease: the registration expires unless renewed (registered again) within this long, so a process that dies
         without deregistering (killed -9, its host lost) is dropped, reported as EXPIRED in status watches and in the
-        head's log, and its advertised address goes with it. Between 0.5 s and 1 day; unset: no expiry. The
+        head's log, and its advertised address goes with it. Between 0.5 s and 1 day; unset: the head's default (300 s
+        for gym-rpc head: no registration lives forever), answered in the response's lease_ttl. The
         registration helpers renew every refresh period and ask for three of them.
         """
 

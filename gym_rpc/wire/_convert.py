@@ -275,7 +275,7 @@ class InstanceRegistration:
     # The head's time.monotonic() when this registration (or its latest renewal) arrived: the lease runs from it,
     # so stepping the wall clock neither expires a live registration nor keeps a dead one. Never shown.
     registered_at: float
-    lease_ttl: float = 0.0  # seconds the registration lives without a renewal; 0: no expiry
+    lease_ttl: float = 0.0  # seconds the registration lives without a renewal; 0: no expiry (the head grants one)
     labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
     draining: bool = False  # the process is stopping: no new work for it
     server_type: str = ""  # the type it says it serves as; "" when not said
