@@ -18,7 +18,7 @@ from gym_rpc._environment import environment
 from gym_rpc.client._head_protocol import GRPC_TARGET_SCHEMES
 from gym_rpc.client._security import CLIENT_MESSAGE_OPTIONS, ClientTls
 from gym_rpc.client._tracing import aio_client_interceptors, traced_sync_channel
-from gym_rpc.config import DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT, parse_host_port, url_host
+from gym_rpc.config import DEFAULT_HEAD_HOST, DEFAULT_HEAD_PORT, parse_head_addresses, parse_host_port, url_host
 from gym_rpc.errors import ConfigError
 from gym_rpc.telemetry import tracing_enabled
 from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, SERVICE_NAME
@@ -73,14 +73,21 @@ def default_head_address() -> str:
 def checked_head_address(address: str) -> str:
     """`address` when it is HOST:PORT (or an explicit gRPC target such as `unix:PATH`); else a ConfigError saying
     what is expected. gRPC would take `http://h:1` for a host name and answer "Misformatted domain name", and
-    `h:99999` for some other port."""
+    `h:99999` for some other port. Several heads come comma-separated (`a:11000,b:11000`), each checked."""
     if address.startswith(GRPC_TARGET_SCHEMES):
         return address
+    if "," in address:  # several heads of one deployment (docs/multi-host.md, "Several heads")
+        return ",".join(parse_head_addresses(address, f"head addresses (--head or {HEAD_ADDRESS_ENV_VAR})"))
     what = f"head address (--head or {HEAD_ADDRESS_ENV_VAR})"
     _, port = parse_host_port(address, what)
     if not 0 < port < 65536:
         raise ConfigError(f"{what} {address!r}: the port must be in 1..65535")
     return address
+
+
+def split_head_addresses(address: str) -> tuple[str, ...]:
+    """The heads a checked address names: itself, or each of a comma-separated list."""
+    return tuple(address.split(",")) if "," in address else (address,)
 
 
 ChannelKey = tuple[str, ClientTls | None, bool]  # address, TLS, traced (gym_rpc.telemetry)

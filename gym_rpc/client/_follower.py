@@ -62,6 +62,8 @@ class InstanceFollower:
         self._reports: dict[str, StatusReport] = {}
         self.first_snapshot: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.revision = 0
+        # The head the last event came from (of several heads, the one followed): `revision` counts there.
+        self.source: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._outage_logged = False
@@ -88,10 +90,11 @@ class InstanceFollower:
     def _run(self) -> None:
         loop = self._loop = asyncio.new_event_loop()
         try:
-            if not head_for(self.address, self._security).pushes_instances:
+            client = ControlClient(self.address, security=self._security)
+            if not head_for(client.following(), self._security).pushes_instances:
                 logger.info("the head at %s is NeMo Gym's HTTP head: it has no instances to follow", self.address)
                 return
-            self._task = loop.create_task(self._follow())
+            self._task = loop.create_task(self._follow(client))
             loop.run_until_complete(self._task)
         except (asyncio.CancelledError, _NoClientsLeft):
             pass
@@ -104,13 +107,12 @@ class InstanceFollower:
             if not self.first_snapshot.done():
                 self.first_snapshot.set_result(None)
 
-    async def _follow(self) -> None:
-        client = ControlClient(self.address, security=self._security)
+    async def _follow(self, client: ControlClient) -> None:
         budget = CpuBudget()  # made here: it reads this thread's CPU time
         while True:
             watch = StatusWatch(
                 client,
-                start_revision=self.revision,
+                start_revision=self.revision if self.source in (None, client.following()) else 0,
                 heartbeat_seconds=HEARTBEAT_SECONDS,
                 on_retry=self._retrying,
                 engine_load=True,  # the engines' load too (gym_rpc.client._engine_loads)
@@ -119,6 +121,7 @@ class InstanceFollower:
                 async for event in events:
                     if not self._apply(event):
                         return
+                    self.source = watch.source
                     pause = budget.pause()
                     if pause > 0:
                         # Over its share of the CPU: the head pushes more than this process should spend on it.

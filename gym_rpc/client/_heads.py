@@ -22,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import time
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
-from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
+from typing import Any, ClassVar, Generic, NamedTuple, Self, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -36,6 +37,7 @@ from gym_rpc.client._channel import (
     aio_channel,
     checked_head_address,
     default_head_address,
+    split_head_addresses,
     sync_channel,
 )
 from gym_rpc.client._head_protocol import (
@@ -58,6 +60,13 @@ from gym_rpc.wire import HEALTH_SERVICE_NAME, SERVICE_NAME, status_code
 
 Result = TypeVar("Result")
 AnyRpc = Rpc[..., Any, Any, Result]
+
+logger = logging.getLogger("gym_rpc.client.heads")
+
+# Of several heads of one deployment (the address list, as given), the one this process follows: every client of
+# the list shares it, so after a failover every call goes straight to the head that answered, and the status
+# watch's followers reconnect there. It changes only when the head followed stops answering (no flapping back).
+_followed_heads: dict[tuple[str, ...], str] = {}
 
 
 class Head(ABC):
@@ -359,9 +368,73 @@ class _Transport:
         self.timeout_seconds = timeout_seconds
         self.security = security if security is not None else client_security()
         self._heads: dict[HeadProtocol, Head] = {}
+        # Several heads (`a:11000,b:11000`): one client of the same flavour per head, and calls fail over among
+        # them (`_failover_steps`). None with one head, whose call path is unchanged.
+        self.addresses = split_head_addresses(self.address)
+        self._members: dict[str, Self] | None = None
+        if len(self.addresses) > 1:
+            self._members = {one: self._one_head(one) for one in self.addresses}  # type: ignore[misc]  # Self in __init__
+
+    def _one_head(self, address: str) -> Self:
+        """A client like this one, of the head at `address` alone."""
+        return type(self)(address, timeout_seconds=self.timeout_seconds, security=self.security)
+
+    def following(self) -> str:
+        """The head calls go to now: the address, or of several heads the one this process follows (the first
+        until it fails to answer, then the next that did)."""
+        if self._members is None:
+            return self.address
+        return _followed_heads.get(self.addresses, self.addresses[0])
+
+    def skip(self, address: str) -> None:
+        """`address` went away: with several heads, follow the next one in the list (no-op with one head, or when
+        this process follows another already)."""
+        if self._members is not None and self.following() == address and address in self.addresses:
+            following = self.addresses[(self.addresses.index(address) + 1) % len(self.addresses)]
+            self._follow(following, f"the head at {address} is unreachable")
+
+    def _follow(self, address: str, why: str) -> None:
+        if _followed_heads.get(self.addresses, self.addresses[0]) != address:
+            _followed_heads[self.addresses] = address
+            logger.warning("%s: following the head at %s now", why, address)
+
+    def _member(self) -> Self:
+        """The client of the head followed now (several heads only)."""
+        assert self._members is not None
+        return self._members[self.following()]
+
+    def _failover_order(self) -> tuple[str, ...]:
+        """The heads to try, the one followed first, then the others in the list's order after it."""
+        at = self.addresses.index(self.following())
+        return self.addresses[at:] + self.addresses[:at]
+
+    def _failover_steps(
+        self, rpc: AnyRpc[Result], call: Call[Any]
+    ) -> Generator[tuple[Self, Call[Any]], Any, Result]:
+        """A unary call over several heads: at the head followed, and, when it is unreachable, at the next one
+        within what is left of the call's deadline (every control RPC may be made twice: they read state or are
+        idempotent, gym_rpc.client._channel). The head that answered is followed from then on."""
+        assert self._members is not None
+        order, started = self._failover_order(), time.monotonic()
+        deadline = rpc.deadline_for(call, self.timeout_seconds)
+        for attempt, address in enumerate(order):
+            this_call = call if attempt == 0 else _rest_of(rpc, call, self.timeout_seconds, started)
+            try:
+                result: Result = yield self._members[address], this_call
+            except HeadUnreachableError:
+                left = None if deadline is None else deadline - (time.monotonic() - started)
+                if attempt == len(order) - 1 or (left is not None and left <= 0):
+                    raise
+                continue
+            if attempt:
+                self._follow(address, f"the head at {order[0]} is unreachable")
+            return result
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def head(self) -> Head:
         """The head at this client's address (looked at within the client's timeout if this process has not)."""
+        if self._members is not None:
+            return self._member().head()
         return self.head_of(
             head_protocol(self.address, tls=self.security.tls is not None, timeout=self.timeout_seconds)
         )
@@ -398,10 +471,29 @@ class BlockingTransport(_Transport, BlockingCallPath):
     """The one blocking call path: the head seam's steps, each made blocking."""
 
     def unary(self, rpc: AnyRpc[Result], *args: Any, **kwargs: Any) -> Result:
-        run = _Run(_unary_steps(self, rpc, rpc.build(*args, **kwargs)))
+        if self._members is not None:
+            return self._failover(rpc, rpc.build(*args, **kwargs))
+        return self._unary(rpc, rpc.build(*args, **kwargs))
+
+    def _unary(self, rpc: AnyRpc[Result], call: Call[Any]) -> Result:
+        run = _Run(_unary_steps(self, rpc, call))
         while (step := run.next_step()) is not None:
             run.make(self._make, rpc, step)
         return run.result
+
+    def _failover(self, rpc: AnyRpc[Result], call: Call[Any]) -> Result:
+        steps = self._failover_steps(rpc, call)
+        member, this_call = next(steps)
+        while True:
+            try:
+                outcome = member._unary(rpc, this_call)
+            except HeadUnreachableError as error:
+                member, this_call = steps.throw(error)
+                continue
+            try:
+                steps.send(outcome)
+            except StopIteration as over:
+                return over.value  # type: ignore[no-any-return]
 
     def _make(self, rpc: AnyRpc[Any], step: _Step) -> Any:
         if step.head is None:
@@ -409,7 +501,9 @@ class BlockingTransport(_Transport, BlockingCallPath):
         return step.head.unary(rpc, step.call, self.timeout_seconds)
 
     def stream(self, rpc: AnyRpc[Result], *args: Any, **kwargs: Any) -> Generator[Result, None, None]:
-        head, call = self._look(rpc, rpc.build(*args, **kwargs))
+        """The stream from the head (of several, the one followed: `StatusWatch` moves on when it goes away)."""
+        at = self if self._members is None else self._member()
+        head, call = at._look(rpc, rpc.build(*args, **kwargs))
         yield from head.stream(rpc, call, self.timeout_seconds)
 
 
@@ -417,10 +511,29 @@ class AsyncTransport(_Transport, AsyncCallPath):
     """The one asyncio call path: the head seam's steps, each awaited."""
 
     async def unary(self, rpc: AnyRpc[Result], *args: Any, **kwargs: Any) -> Result:
-        run = _Run(_unary_steps(self, rpc, rpc.build(*args, **kwargs)))
+        if self._members is not None:
+            return await self._failover(rpc, rpc.build(*args, **kwargs))
+        return await self._unary(rpc, rpc.build(*args, **kwargs))
+
+    async def _unary(self, rpc: AnyRpc[Result], call: Call[Any]) -> Result:
+        run = _Run(_unary_steps(self, rpc, call))
         while (step := run.next_step()) is not None:
             await run.amake(self._amake(rpc, step))
         return run.result
+
+    async def _failover(self, rpc: AnyRpc[Result], call: Call[Any]) -> Result:
+        steps = self._failover_steps(rpc, call)
+        member, this_call = next(steps)
+        while True:
+            try:
+                outcome = await member._unary(rpc, this_call)
+            except HeadUnreachableError as error:
+                member, this_call = steps.throw(error)
+                continue
+            try:
+                steps.send(outcome)
+            except StopIteration as over:
+                return over.value  # type: ignore[no-any-return]
 
     async def _amake(self, rpc: AnyRpc[Any], step: _Step) -> Any:
         if step.head is None:
@@ -428,7 +541,8 @@ class AsyncTransport(_Transport, AsyncCallPath):
         return await step.head.aunary(rpc, step.call, self.timeout_seconds)
 
     async def stream(self, rpc: AnyRpc[Result], *args: Any, **kwargs: Any) -> AsyncGenerator[Result, None]:
-        head, call = await self._alook(rpc, rpc.build(*args, **kwargs))
+        at = self if self._members is None else self._member()  # of several heads, the one followed
+        head, call = await at._alook(rpc, rpc.build(*args, **kwargs))
         results = head.astream(rpc, call, self.timeout_seconds)
         try:
             async for result in results:

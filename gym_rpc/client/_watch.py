@@ -5,7 +5,9 @@ only consume events.
 The idea is etcd's Watcher (client/v3/watch.go): a watch is a view of the state that the client keeps current
 across broken streams, not a single stream. Reconnects back off exponentially with jitter and a cap (the shared
 `RetryPolicy`), and retry until the caller stops iterating or, when `max_wait_seconds` is given, until the head
-has been unreachable that long, or at `until` (a time.monotonic() value); then the last error is raised.
+has been unreachable that long, or at `until` (a time.monotonic() value); then the last error is raised. A
+client of several heads follows the next one when the head it watched goes away (gym_rpc.client._heads), and the
+watch starts there from that head's snapshot: revisions are each head's own.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class _Watch(Generic[Client]):
         self._on_retry = on_retry
         self._failures = 0
         self._outage_started: float | None = None
+        # The head whose revisions `revision` counts (of several heads, the one the client follows): revisions
+        # are each head's own, so a watch that moves to another head starts there from its snapshot.
+        self.source: str | None = None
 
     def _apply(self, event: WatchEvent) -> WatchEvent:
         """Fold one event into the view; any event means the head is back."""
@@ -71,13 +76,21 @@ class _Watch(Generic[Client]):
         self.revision = event.revision
         return event
 
+    def _start_revision(self) -> int:
+        """The revision to resume from at the head followed now: 0 (its snapshot) when that is another head."""
+        following = self._client.following()
+        if self.source is not None and following != self.source:
+            self.revision = 0
+        self.source = following
+        return self.revision
+
     def _stream_timeout(self) -> float | None:
         """What is left until `until`: a connected stream ends then too (DEADLINE_EXCEEDED, not retried)."""
         return None if self._until is None else max(0.001, self._until - time.monotonic())
 
     def _ended(self) -> HeadUnreachableError:
         """A stream the head ended without an error (it shut down gracefully): as good as gone."""
-        address = self._client.address
+        address = self.source or self._client.address
         message = f"head server at {address} ended the status watch"
         return HeadUnreachableError(message, address=address, code=grpc.StatusCode.UNAVAILABLE)
 
@@ -86,6 +99,8 @@ class _Watch(Generic[Client]):
         has lasted `max_wait_seconds`."""
         if error.code not in RETRYABLE_CODES:
             raise error
+        if self.source is not None:
+            self._client.skip(self.source)  # of several heads, the next one is tried (a no-op with one)
         now = time.monotonic()
         if self._outage_started is None:
             self._outage_started = now
@@ -107,7 +122,7 @@ class SyncStatusWatch(_Watch[SyncControlClient]):
     def __iter__(self) -> Iterator[WatchEvent]:
         while True:
             stream = self._client.watch_server_statuses(
-                self.revision,
+                self._start_revision(),
                 heartbeat_seconds=self._heartbeat_seconds,
                 timeout=self._stream_timeout(),
                 engine_load=self._engine_load,
@@ -133,7 +148,7 @@ class StatusWatch(_Watch[ControlClient]):
         stream at once)."""
         while True:
             stream = self._client.watch_server_statuses(
-                self.revision,
+                self._start_revision(),
                 heartbeat_seconds=self._heartbeat_seconds,
                 timeout=self._stream_timeout(),
                 engine_load=self._engine_load,

@@ -59,6 +59,7 @@ from gym_rpc.config import (
     connectable_host,
     is_wildcard_host,
     parse_config_text,
+    parse_head_addresses,
     parse_host_port,
     url_host,
 )
@@ -248,7 +249,12 @@ def _model_server_override(server_name: str) -> str | None:
 
 
 def _head_server_from_address(address: str) -> BaseServerConfig:
-    """HOST:PORT (IPv6 bracketed) as a head server config."""
+    """HOST:PORT (IPv6 bracketed) as a head server config; several (`a:11000,b:11000`) as the first one's, with
+    every one in `addresses` (docs/multi-host.md, "Several heads")."""
+    if "," in address:
+        addresses = parse_head_addresses(address, HEAD_ADDRESS_ENV_VAR)
+        host, port = parse_host_port(addresses[0], HEAD_ADDRESS_ENV_VAR)
+        return BaseServerConfig.model_validate({"host": host, "port": port, "addresses": list(addresses)})
     host, port = parse_host_port(address, HEAD_ADDRESS_ENV_VAR)
     return BaseServerConfig(host=host, port=port)
 
@@ -944,6 +950,11 @@ ServerClient.global_config_dict = _LazyDictConfigField()  # type: ignore[assignm
 
 
 def _head_address(head_server_config: BaseServerConfig) -> str:
+    """Where the client reaches the head: host and port, or every head the block's `addresses` lists, as
+    `a:11000,b:11000` (the control clients fail over among them)."""
+    addresses = (head_server_config.model_extra or {}).get("addresses")
+    if addresses:
+        return ",".join(parse_head_addresses(addresses, f"{HEAD_SERVER_KEY}.addresses"))
     return f"{url_host(connectable_host(head_server_config.host))}:{head_server_config.port}"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -47,6 +48,30 @@ def parse_host_port(text: str, what: str) -> tuple[str, int]:
     if not host or port is None:
         raise ConfigError(f"{what} {text!r}: expected HOST:PORT, e.g. 127.0.0.1:11000")
     return host, port
+
+
+def parse_head_addresses(value: str | Sequence[str], what: str) -> tuple[str, ...]:
+    """Every head of a deployment, in the order clients try them: "a:11000,b:11000" (GYM_RPC_HEAD, --head) or a
+    list of HOST:PORT (`head_server.addresses`). Each must be HOST:PORT with a port in 1..65535, none twice; `what`
+    names the setting in the error (empty: the caller names it). One address gives a tuple of one."""
+    prefix = f"{what}: " if what else ""
+    entries = value.split(",") if isinstance(value, str) else list(value)
+    if not entries or all(not str(entry).strip() for entry in entries):
+        raise ConfigError(f"{prefix}no head address; expected HOST:PORT, or several as a:11000,b:11000")
+    addresses: list[str] = []
+    for position, entry in enumerate(entries, 1):
+        if not isinstance(entry, str) or not entry.strip():
+            raise ConfigError(
+                f"{prefix}head address #{position} is empty or not a string; expected HOST:PORT[,HOST:PORT...]"
+            )
+        host, port = parse_host_port(entry, f"{prefix}head address #{position}")
+        if not 0 < port < 65536:
+            raise ConfigError(f"{prefix}head address #{position} {entry.strip()!r}: the port must be in 1..65535")
+        address = f"{url_host(host)}:{port}"
+        if address in addresses:
+            raise ConfigError(f"{prefix}head address {address!r} is listed twice")
+        addresses.append(address)
+    return tuple(addresses)
 
 
 def base_url(host: str, port: int) -> str:

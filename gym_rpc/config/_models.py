@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
-from gym_rpc.config._addresses import InstanceAddress
+from gym_rpc.config._addresses import InstanceAddress, parse_head_addresses
 from gym_rpc.config._redaction import REDACTED, is_secret_key, may_be_secret, redact_secrets
 from gym_rpc.config._validators import checked_network_or_host, validation_error_line
 from gym_rpc.errors import ConfigError
@@ -83,6 +83,18 @@ class HeadServerSettings(BaseModel):
     http_port: StrictInt | None = Field(default=None, ge=0, lt=65536)  # None: no HTTP head; 0: a free port
     connect_port: StrictInt | None = Field(default=None, ge=0, lt=65536)  # None: no Connect port; 0: a free port
     registration: RegistrationSettings = RegistrationSettings()
+    # Every head of the deployment, HOST:PORT each, in the order clients try them (docs/multi-host.md, "Several
+    # heads"); empty: the one head at host and port. A head binds its own host and port and reads none of these.
+    addresses: tuple[str, ...] = ()
+
+    @field_validator("addresses", mode="before")
+    @classmethod
+    def _check_addresses(cls, value: Any) -> tuple[str, ...]:
+        if value is None or (not isinstance(value, str) and not value):
+            return ()
+        if not isinstance(value, str | list | tuple):
+            raise ValueError("expected a list of HOST:PORT, e.g. [head-a:11000, head-b:11000]")
+        return parse_head_addresses(value, "")
 
 
 class ServerAddress(Protocol):

@@ -29,7 +29,7 @@ from aiohttp import web
 
 from gym_rpc._tasks import cancel_and_wait
 from gym_rpc.client import ServerClient, SyncControlClient, client_security, head_address
-from gym_rpc.config import BaseServerConfig, parse_host_port
+from gym_rpc.config import BaseServerConfig, parse_head_addresses, parse_host_port
 from gym_rpc.errors import GymRpcError
 from gym_rpc.integrations._draining import (
     DEFAULT_DRAIN_GRACE_SECONDS,
@@ -80,7 +80,10 @@ def _head_server(head: BaseServerConfig | str | None) -> BaseServerConfig:
     if isinstance(head, BaseServerConfig):
         return head
     if isinstance(head, str):
-        host, port = parse_host_port(head, "head address")
+        addresses = parse_head_addresses(head, "head address")
+        host, port = parse_host_port(addresses[0], "head address")
+        if len(addresses) > 1:
+            return BaseServerConfig.model_validate({"host": host, "port": port, "addresses": list(addresses)})
         return BaseServerConfig(host=host, port=port)
     return ServerClient.load_head_server_config()  # the injected config, GYM_RPC_HEAD, or the default
 
@@ -178,14 +181,24 @@ class ServerRegistration:
         # called cannot land after it: a cancelled task does not stop a thread.
         self._lock = threading.Lock()
         self._deregistered = False
+        # Every head of the deployment (head_server.addresses, or GYM_RPC_HEAD=a:11000,b:11000): the registration
+        # and each renewal go to each one, so every head knows every instance (docs/multi-host.md).
+        listed = (self.head.model_extra or {}).get("addresses")
+        self.head_addresses: tuple[str, ...] = (
+            parse_head_addresses(listed, "head_server.addresses")
+            if listed
+            else (head_address(self.head.host, self.head.port),)
+        )
+        self._instance_ids: dict[str, str] = {}  # head address -> the instance id that head answered
+        self._missed: set[str] = set()  # of several heads, those the last call did not reach (warned once)
 
     @property
     def head_address(self) -> str:
-        return head_address(self.head.host, self.head.port)
+        return ",".join(self.head_addresses)
 
-    def _control(self) -> SyncControlClient:
+    def _control(self, address: str) -> SyncControlClient:
         return SyncControlClient(
-            self.head_address, timeout_seconds=self.timeout_seconds, security=client_security(self.head)
+            address, timeout_seconds=self.timeout_seconds, security=client_security(self.head)
         )
 
     def register(self, *, quiet: bool = False) -> bool:
@@ -214,38 +227,56 @@ class ServerRegistration:
         }
 
     def _register(self, quiet: bool) -> bool:
+        """Register at every head (one after the other, each within the timeout); True when any took it."""
+        several = len(self.head_addresses) > 1
+        took = [
+            self._register_at(address, quiet or (several and address in self._missed))
+            for address in self.head_addresses
+        ]
+        return any(took)
+
+    def _register_at(self, address: str, quiet: bool) -> bool:
         try:
-            registered = self._control().register_instance(self.server_name, **self._where())
+            registered = self._control(address).register_instance(self.server_name, **self._where())
         except GymRpcError as exc:
+            self._missed.add(address)
             if not quiet:
                 logger.warning(
                     "%s: not registered with the head at %s (%s); serving anyway, but clients on other hosts "
                     "may not find it",
                     self.server_name,
-                    self.head_address,
+                    address,
                     exc,
                 )
             return False
-        self.advertised_url, self.instance_id = registered.advertised_url, registered.instance_id
+        if address in self._missed and len(self.head_addresses) > 1:
+            logger.warning("%s: registered with the head at %s again", self.server_name, address)
+        self._missed.discard(address)
+        self._instance_ids[address] = registered.instance_id
+        if self.advertised_url is None or address == self.head_addresses[0]:
+            self.advertised_url, self.instance_id = registered.advertised_url, registered.instance_id
         logger.info(
-            "%s: registered with the head at %s as %s", self.server_name, self.head_address, self.advertised_url
+            "%s: registered with the head at %s as %s", self.server_name, address, registered.advertised_url
         )
         return True
 
     def deregister(self) -> bool:
-        """Tell the head this process stops (blocking, bounded); False when it could not be told."""
+        """Tell every head this process stops (blocking, bounded); False when none could be told."""
         with self._lock:
             self._deregistered = True
             self.advertised_url = None
-            try:
-                return self._control().deregister_server_instance(
-                    self.server_name, pid=self.pid, instance_id=self.instance_id
-                )
-            except GymRpcError as exc:
-                logger.warning(
-                    "%s: could not deregister from the head at %s (%s)", self.server_name, self.head_address, exc
-                )
-                return False
+            told = [self._deregister_at(address) for address in self.head_addresses]
+            return any(told)
+
+    def _deregister_at(self, address: str) -> bool:
+        instance_id = self._instance_ids.get(address, self.instance_id)
+        try:
+            return self._control(address).deregister_server_instance(
+                self.server_name, pid=self.pid, instance_id=instance_id
+            )
+        except GymRpcError as exc:
+            logger.warning("%s: could not deregister from the head at %s (%s)", self.server_name, address, exc)
+            return False
 
     async def aregister(self) -> bool:
         """register() off the event loop, then keep registered every `refresh_seconds` until aderegister()."""
