@@ -248,10 +248,10 @@ async def main(modes: list[str], rollouts: int, concurrency: int) -> None:
 
 if __name__ == "__main__":
     os.environ.pop("NEMO_GYM_CONFIG_DICT", None)  # the config is handed to the client, or served by the head
-    # The three instances share this process's one event loop with the agent and its rollouts: on a loaded machine a
-    # probe of the head's can wait longer than its default 1 s for that loop, and the head would call every
-    # instance down (NoHealthyInstanceError). What is checked here is where calls land, not probing: the heads this
-    # harness starts (subprocesses, which read the variable) give a probe 30 s.
+    # The three instances share this process's one event loop with the agent and its rollouts: on a loaded machine
+    # a probe of the head's can wait longer than its default 1 s for that loop, and the head would call every
+    # instance down (NoHealthyInstanceError). What is checked here is where calls land, not probing: the heads
+    # this harness starts (subprocesses, which read the variable) give a probe 30 s.
     os.environ["GYM_RPC_PROBE_TIMEOUT"] = "30"
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--modes", default="static/off,static/on,registered/off,registered/on")
