@@ -26,7 +26,7 @@ from gym_rpc.client._heads import _followed_heads
 from gym_rpc.config import GlobalConfig
 from gym_rpc.errors import ConfigError, HeadUnreachableError
 from gym_rpc.integrations._registration import ServerRegistration
-from tests.cli_helpers import HeadProcess, running_head
+from tests.cli_helpers import HeadProcess, run_cli, running_head
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -251,3 +251,15 @@ async def test_an_in_process_head_stopped_moves_a_status_watch_to_the_other(head
     finally:
         await events.aclose()
         _followed_heads.clear()
+
+
+def test_the_cli_takes_several_heads_and_says_which_list_entry_is_bad(tmp_path: Path) -> None:
+    """`gym-rpc status` with the dead head first answers from the live one (exit 0); a bad list is exit 2."""
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(document({})), encoding="utf-8")
+    with running_head(config) as live:
+        dead = f"{LOOPBACK}:{closed_port()}"
+        result = run_cli(["status", "-o", "json"], env={"GYM_RPC_HEAD": f"{dead},{live.address}"})
+        assert result.returncode == 0, result.stderr
+    bad = run_cli(["status", "--head", f"{dead},{dead}"])
+    assert bad.returncode == 2 and "is listed twice" in bad.stderr, bad.stderr

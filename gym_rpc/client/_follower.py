@@ -3,7 +3,9 @@ routes: the xDS idea (endpoints pushed, never looked up per call).
 
 One follower per head per process: a daemon thread with an event loop of its own runs a `StatusWatch` (which
 reconnects and resumes from its last revision by itself) and hands every snapshot and change to the routes of the
-clients that subscribed (a head that turns out to be NeMo Gym's HTTP head has no watch: nothing to follow).
+clients that subscribed (a head that turns out to be NeMo Gym's HTTP head has no watch: nothing to follow). Of
+several heads (`a:11000,b:11000`) it follows the one the process follows, and takes the next one's snapshot when
+that one goes away.
 Workers' event loops never run any of it, and a call never waits on the head. It takes at most a tenth of a core
 over time (gym_rpc.client._cpu_budget): a head pushing a flood pauses it, and after a long pause it resumes from
 its revision, so it gets the latest state merged instead of every message that queued. The

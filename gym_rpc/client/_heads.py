@@ -15,6 +15,11 @@ finds the other protocol is the call made once more, with that head. The first a
 then (a head of one protocol serves no request of the other), so no call is made twice. That decision is written
 once (`_unary_steps`); the blocking and the asyncio client only run its steps (`BlockingTransport`,
 `AsyncTransport`).
+
+Several heads of one deployment (`a:11000,b:11000`, docs/multi-host.md "Several heads"): a client holds one client
+of its flavour per head and the process follows one head; a unary call that finds it unreachable is made at the
+next within its deadline (`_failover_steps`), and streams go to the head followed (`StatusWatch` moves on). With
+one head none of this runs.
 """
 
 from __future__ import annotations
