@@ -20,6 +20,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,7 @@ async def test_a_takeover_from_another_address_is_refused_and_logged(
         await owner.register_server_instance("policy", listen_port=port, listen_host=NODE, pid=pid)
 
     caplog.set_level(logging.WARNING, logger="gym_rpc.server._servicer")
+    started = time.monotonic()
     for _ in range(30):  # a replacement that drains the held replica, from another pid at its address
         message = await _refused(
             attacker.register_server_instance(
@@ -145,7 +147,8 @@ async def test_a_takeover_from_another_address_is_refused_and_logged(
     )
     assert "static replica" in message and f"({NODE})" in message
     refusals = [r for r in caplog.records if "refused the" in r.getMessage()]
-    assert 1 <= len(refusals) <= 2, [r.getMessage() for r in refusals]  # who tried, a line per 10 s
+    windows = 1 + int((time.monotonic() - started) // 10)  # 1 unless the machine is very loaded
+    assert 1 <= len(refusals) <= windows + 1, [r.getMessage() for r in refusals]  # who tried, a line per 10 s
     assert "from 127.0.0.1" in refusals[0].getMessage() and not any(r.exc_info for r in refusals)
 
     report = head.prober.report("policy")

@@ -6,11 +6,13 @@ gym_head_bad_requests_total; the head serves on."""
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.request
 from pathlib import Path
 
 import yaml
 
+from gym_rpc.server._quiet_http_log import BAD_REQUEST_WINDOW_SECONDS
 from tests.cli_helpers import running_head
 from tests.conftest import LOOPBACK, closed_port, server_entry
 from tests.test_metrics import HTTP_HEAD_PATTERN, METRICS_PATTERN, announced, scrape, value
@@ -46,12 +48,14 @@ async def test_malformed_requests_are_counted_and_logged_once_per_window(tmp_pat
         http = announced(head, HTTP_HEAD_PATTERN)
         metrics = announced(head, METRICS_PATTERN)
         ports = [int(http.rsplit(":", 1)[1]), int(metrics.rsplit(":", 1)[1].split("/", 1)[0])]
+        started = time.monotonic()
         for port in ports:
             for start in range(0, PER_PORT, 100):
                 answers = await asyncio.gather(
                     *(_send(port, MALFORMED[i % len(MALFORMED)]) for i in range(start, start + 100))
                 )
                 assert all(answer.startswith(b"HTTP/1.") and b" 400 " in answer for answer in answers), answers[0]
+        windows = 1 + int((time.monotonic() - started) // BAD_REQUEST_WINDOW_SECONDS)  # 1 unless very loaded
         samples = await asyncio.to_thread(scrape, metrics)
         for name in ("http", "metrics"):
             assert value(samples, "gym_head_bad_requests_total", gym_port=name) == PER_PORT
@@ -60,6 +64,7 @@ async def test_malformed_requests_are_counted_and_logged_once_per_window(tmp_pat
         head.process.wait(timeout=30)
         log = head.stderr_text
     lines = [line for line in log.splitlines() if "malformed request" in line]
-    assert len(lines) == 2 and {"http port" in lines[0], "http port" in lines[1]} == {True, False}, lines
+    for name in ("http port", "metrics port"):  # a line per port per window that had bad requests
+        assert 1 <= sum(name in line for line in lines) <= windows + 1, lines
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
     assert len(log) < 20_000  # 3,000 of aiohttp's tracebacks were 1.67 MB
