@@ -32,7 +32,9 @@ GROUPS_IN_FLIGHT groups at a time, all G rollouts of a group at once, each rollo
   `RoutedCall` with the prompt's number, the rollout's id), each call sent with raw aiohttp as the others are, so
   the row differs from the others by where calls land only;
 * default (ServerClient): the same through `ServerClient.post` itself, the rollout bound (`rollout_context`);
-* oracle: every rollout of prompt p on engine p mod E.
+* oracle: every rollout of prompt p on engine p mod E;
+* vllm-router consistent_hash and cache_aware: the real router (the dev extra's wheel) in front of the engines,
+  started afresh for each, every call sent to it with the rollout's id in `X-Session-ID`.
 
 Figures: makespan, prefill tokens (and against the oracle's), cache hit rate (cached / prompt tokens), p99 turn
 latency, calls per engine. A second scenario puts one of 8 engines at 4x the cost (prefill and decode).
@@ -46,9 +48,13 @@ import collections
 import itertools
 import json
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,6 +177,12 @@ class Engine:
         )
         return web.Response(text=text)
 
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "sim", "object": "model"}]})
+
     async def stats(self, request: web.Request) -> web.Response:
         counts = {"prefill": self.prefill_tokens, "cached": self.cached_tokens, "calls": self.calls}
         return web.json_response(counts)
@@ -183,6 +195,8 @@ class Engine:
         app = web.Application()
         app.router.add_post("/v1/responses", self.respond)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/health", self.health)  # what a router checks before it routes
+        app.router.add_get("/v1/models", self.models)
         app.router.add_get("/stats", self.stats)
         app.router.add_post("/reset", self.cold)
         return app
@@ -229,7 +243,7 @@ class _Engine:
         self.in_flight = 0
 
 
-async def work(picker: str, ports: list[int], worker: int, workload: Workload) -> dict[str, Any]:
+async def work(picker: str, ports: list[int], worker: int, workload: Workload, router: str = "") -> dict[str, Any]:
     from gym_rpc.client import ServerClient, close_http_sessions, rollout_context
     from gym_rpc.client._instances import InstanceState
     from gym_rpc.client._outliers import OutlierDetection
@@ -272,14 +286,18 @@ async def work(picker: str, ports: list[int], worker: int, workload: Workload) -
                     raise
                 call.answered(response)
             else:
-                if picker == "round robin":
+                headers = None
+                if picker.startswith("vllm-router"):  # the router picks; the rollout's id as its session key
+                    url, headers = router, {"X-Session-ID": f"{prompt}-{rollout}"}
+                elif picker == "round robin":
                     url = next(cycle)
                 elif picker == "rendezvous":
                     url = heaviest(slot_of(f"{prompt}-{rollout}"), engines).url
                 else:  # oracle
                     url = urls[prompt % len(urls)]
-                async with session.post(url + "/v1/responses", json=body) as response:
+                async with session.post(url + "/v1/responses", json=body, headers=headers) as response:
                     await response.read()
+                    assert response.status == 200, (picker, response.status)
             latencies.append(time.monotonic() - started)
 
         async def rollout(prompt: int, index: int) -> None:
@@ -325,7 +343,60 @@ async def _get(session: aiohttp.ClientSession, url: str) -> Any:
         return await response.json()
 
 
+def _router_binary() -> str | None:
+    beside = Path(sys.executable).parent / "vllm-router"
+    return str(beside) if beside.exists() else shutil.which("vllm-router")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def start_router(policy: str, ports: list[int]) -> tuple[subprocess.Popen[bytes], str]:
+    """A real `vllm-router` (the dev extra's wheel) in front of the engines, with `policy`, ready."""
+    binary = _router_binary()
+    assert binary is not None
+    port = _free_port()
+    command = [
+        binary, "--host", LOOPBACK, "--port", str(port),
+        "--prometheus-host", LOOPBACK, "--prometheus-port", str(_free_port()),
+        "--policy", policy, "--log-level", "warning",
+        "--worker-urls", *(f"http://{LOOPBACK}:{engine}" for engine in ports),
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    url = f"http://{LOOPBACK}:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"vllm-router exited {process.returncode}"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return process, url
+        except OSError:
+            pass
+        time.sleep(0.1)
+    process.kill()
+    raise RuntimeError("vllm-router did not become ready within 60 s")
+
+
 def run_picker(picker: str, ports: list[int], workload: Workload) -> dict[str, Any]:
+    router: subprocess.Popen[bytes] | None = None
+    router_url = ""
+    if picker.startswith("vllm-router"):
+        router, router_url = start_router(picker.split()[-1], ports)
+    try:
+        return _run_picker(picker, ports, workload, router_url)
+    finally:
+        if router is not None:
+            os.killpg(router.pid, signal.SIGKILL)
+            router.wait(30)
+
+
+def _run_picker(picker: str, ports: list[int], workload: Workload, router_url: str) -> dict[str, Any]:
     async def cold() -> None:
         async with aiohttp.ClientSession() as session:
             for port in ports:
@@ -335,7 +406,8 @@ def run_picker(picker: str, ports: list[int], workload: Workload) -> dict[str, A
     asyncio.run(cold())
     spec = json.dumps({"prompts": workload.prompts, "group": workload.group, "turns": workload.turns})
     workers = [
-        _spawn("work", picker, ",".join(map(str, ports)), str(index), spec) for index in range(workload.workers)
+        _spawn("work", picker, ",".join(map(str, ports)), str(index), spec, router_url)
+        for index in range(workload.workers)
     ]
     try:
         for worker in workers:
@@ -372,6 +444,7 @@ def run_picker(picker: str, ports: list[int], workload: Workload) -> dict[str, A
 
 
 PICKERS = ("round robin", "rendezvous", "default", "default (ServerClient)", "oracle")
+ROUTER_PICKERS = ("vllm-router consistent_hash", "vllm-router cache_aware")
 
 
 def scenario(
@@ -418,6 +491,7 @@ def main() -> None:
     work_args.add_argument("ports")
     work_args.add_argument("worker", type=int)
     work_args.add_argument("spec")
+    work_args.add_argument("router", nargs="?", default="")
     run_args = sub.add_parser("run")
     run_args.add_argument("--prompts", type=int, default=16)
     run_args.add_argument("--group", type=int, default=8)
@@ -432,10 +506,11 @@ def main() -> None:
         spec = json.loads(args.spec)
         workload = Workload(spec["prompts"], spec["group"], spec["turns"])
         ports = [int(port) for port in args.ports.split(",")]
-        print(json.dumps(asyncio.run(work(args.picker, ports, args.worker, workload))))
+        print(json.dumps(asyncio.run(work(args.picker, ports, args.worker, workload, args.router))))
     else:
         workload = Workload(args.prompts, args.group, args.turns)
-        even = scenario(4, None, workload, PICKERS)
+        routers = ROUTER_PICKERS if _router_binary() else ()  # the wheel is published for Linux x86_64 only
+        even = scenario(4, None, workload, (*PICKERS, *routers))
         slow = scenario(8, 0, workload, ("rendezvous", "default", "default (ServerClient)", "oracle"))
         shape = f"{workload.prompts} prompts x {workload.group} rollouts x {workload.turns} turns, 2 workers"
         report = "\n\n".join(
