@@ -244,10 +244,19 @@ async def test_an_in_process_head_stopped_moves_a_status_watch_to_the_other(head
     try:
         event = await asyncio.wait_for(anext(events), BOUND_SECONDS)
         assert event.kind == "snapshot" and watch.source == first.address
+        # Registrations only the second head has: the watch that moves there has them, from its snapshot.
+        only_second = ControlClient(second.address)
+        ports = [closed_port() for _ in range(3)]
+        for port in ports:
+            await only_second.register_server_instance(
+                "policy", listen_host=LOOPBACK, listen_port=port, pid=os.getpid(), lease_seconds=60
+            )
         await first.stop()
         while watch.source != second.address:
             event = await asyncio.wait_for(anext(events), BOUND_SECONDS)
         assert event.kind == "snapshot"
+        listed = {instance.url for instance in watch.reports["policy"].instances}
+        assert {f"http://{LOOPBACK}:{port}" for port in ports} <= listed, listed
     finally:
         await events.aclose()
         _followed_heads.clear()

@@ -63,7 +63,9 @@ class _Watch(Generic[Client]):
         self._failures = 0
         self._outage_started: float | None = None
         # The head whose revisions `revision` counts (of several heads, the one the client follows): revisions
-        # are each head's own, so a watch that moves to another head starts there from its snapshot.
+        # are each head's own, so a watch that moves to another head starts there from its snapshot. (A head
+        # answers another head's revision with a snapshot too, as long as its own counter, which starts at its
+        # start time in ms, has not passed that revision; starting from 0 does not depend on it.)
         self.source: str | None = None
 
     def _apply(self, event: WatchEvent) -> WatchEvent:
