@@ -24,9 +24,11 @@ from pydantic import BaseModel
 
 from bench.data_plane import PATH, PAYLOAD, SERVER_NAME, Block, compare, make_client, ours_post
 from bench.stats import Row, median, percentile, ratio_row
+from gym_rpc.client._failures import Backpressure
 from gym_rpc.client._http import close_http_sessions, json_payload
 from gym_rpc.client._resend import resend_after_failure
 from gym_rpc.client._resend_budget import new_call_count
+from gym_rpc.client._resend_policy import BACKPRESSURE_STATUSES
 from gym_rpc.client.server_client import ServerClient
 
 if TYPE_CHECKING:
@@ -69,9 +71,14 @@ class WithoutTrick(ServerClient):
         try:
             full_url, started = url + url_path, time.monotonic()
             try:
-                return await session.request(method, full_url, **kwargs)
+                response = await session.request(method, full_url, **kwargs)
             except BaseException as error:
                 failure = error
+            else:
+                status = response.status
+                if status < 429 or status not in BACKPRESSURE_STATUSES:
+                    return response
+                failure = Backpressure(response)
             return await resend_after_failure(
                 failure,
                 session,
@@ -130,9 +137,12 @@ def _figures(blocks: list[Block]) -> str:
     return f"{rps:.0f} req/s, {median([b.cpu_us_per_request for b in blocks]):.1f} µs CPU/req"
 
 
+_NO_IO_ANSWER = SimpleNamespace(status=200)  # what the client reads of an answer on its hot path
+
+
 class _NoIoSession:
-    async def request(self, method: str, url: str, **kwargs: Any) -> None:
-        return None
+    async def request(self, method: str, url: str, **kwargs: Any) -> Any:
+        return _NO_IO_ANSWER
 
 
 def _no_io(client: ServerClient) -> ServerClient:

@@ -233,7 +233,7 @@ def affine_row(plan: ReplicasPlan, best: dict[str, float]) -> Row:
 def pick_rows(plan: ReplicasPlan) -> list[Row]:
     """The route's work per call (pick, count in flight, hear the answer) with no I/O: calls of no rollout among
     `pick_instances` instances, and rollouts among 4, 16 and 64 with and without the remembered slot winners."""
-    answer: Any = SimpleNamespace(status=200, headers={})
+    answer: Any = SimpleNamespace(status=200, headers={}, connection=None)  # its body came with it
     per_rollout = plan.rollout_calls
     rollout_ids = (f"rollout-{n}" for n in itertools.count())
 

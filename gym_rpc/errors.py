@@ -255,7 +255,7 @@ class RequestTimeoutError(ResendsExhaustedError, TimeoutError):
         if limit == "deadline":
             what = (
                 f"{self._where()} got no answer within its deadline ({deadlines}); {attempts} attempt(s) in "
-                f"{self.elapsed_seconds:.1f} s"
+                f"{self.elapsed_seconds:.1f} s{f' ({detail})' if detail else ''}"
             )
         else:
             what = f"{self._story()}; its deadlines: {deadlines}"

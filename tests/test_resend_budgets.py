@@ -274,11 +274,12 @@ async def test_timeouts_are_resent_only_as_their_budget_allows(
 
 
 async def test_an_http_answer_is_never_resent(http_server: Callable[..., Any]) -> None:
+    """Any answer but a 429 or a 503 (tests/test_backpressure.py), a 5xx too, is the caller's at once."""
     seen: list[str] = []
 
     async def unavailable(request: web.Request) -> web.Response:
         seen.append(request.path)
-        return web.Response(status=503)
+        return web.Response(status=502)
 
     app = web.Application()
     app.router.add_post("/v1/responses", unavailable)
@@ -287,8 +288,8 @@ async def test_an_http_answer_is_never_resent(http_server: Callable[..., Any]) -
     async with aiohttp.ClientSession() as session:
         url = f"http://{LOOPBACK}:{port}/v1/responses"
         async with await send(session, "POST", url, policy(), True, {"data": b"{}"}, told) as response:
-            assert response.status == 503
-    assert seen == ["/v1/responses"] and told.resends == [] and told.outcome == (503, 1)
+            assert response.status == 502
+    assert seen == ["/v1/responses"] and told.resends == [] and told.outcome == (502, 1)
 
 
 # --- the deadline over the whole ---------------------------------------------------------------------------------
@@ -571,7 +572,7 @@ def test_retry_config_keeps_its_old_keys_and_gains_budgets_per_kind() -> None:
     legacy = HttpClientSettings.from_document(
         {"http_client": {"retry": {"attempts": 5, "dropped_after_write": {"attempts": 2}}}}
     ).retry
-    assert [legacy.budget(kind).attempts for kind in FailureKind] == [5, 5, 2, 1]
+    assert [legacy.budget(kind).attempts for kind in FailureKind] == [5, 5, 2, 1, 4]  # not a busy answer's
     assert legacy.refused.seconds == 30.0
     partial = HttpClientSettings.from_document({"http_client": {"retry": {"refused": {"seconds": 120}}}}).retry
     assert (partial.refused.attempts, partial.refused.seconds) == (100, 120.0)

@@ -9,8 +9,9 @@ Each kind has its own resend budget (`RetryPolicy`), because each says something
   have read it and acted on it, so only the caller (`_resend_after_disconnect`) may allow another attempt.
 * TIMEOUT: no connection within the connect timeout (nothing sent), a read that went silent (sent), or the call's
   own deadline (no time left for anything).
+* BACKPRESSURE: an answer of 429 or 503 (`Backpressure`, which carries it): the server did not act on the call.
 
-An HTTP answer, whatever its status, is never a failure here: it is the caller's.
+Any other HTTP answer, whatever its status, is never a failure here: it is the caller's.
 
 Why exception types and not aiohttp's TraceConfig hooks: `on_request_headers_sent` and `on_request_chunk_sent` fire
 *before* the bytes they announce are written (aiohttp >= 3.11 even holds the headers back to send them with the
@@ -22,6 +23,10 @@ our write was read), the drop counts as after written: the side on which a reque
 
 from __future__ import annotations
 
+import email.utils
+import math
+import time
+
 import aiohttp
 
 from gym_rpc.client._resend_policy import FailureKind
@@ -32,8 +37,36 @@ from gym_rpc.client._resend_policy import FailureKind
 _CLOSED_BEFORE_WRITE = "Cannot write to closing transport"
 
 
+class Backpressure(Exception):
+    """An answer of 429 or 503, carried through the resend loop as a failed attempt: when its budget allows no
+    other attempt, the caller gets `response` itself."""
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        super().__init__(f"HTTP {response.status}")
+        self.response = response
+
+
+def retry_after_seconds(response: aiohttp.ClientResponse) -> float | None:
+    """What the answer's Retry-After asks for (RFC 9110 10.2.3: seconds, or an HTTP date), or None when it has
+    none that reads; a date in the past is 0."""
+    value = response.headers.get("Retry-After")
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    seconds = when.timestamp() - time.time()
+    return max(seconds, 0.0) if math.isfinite(seconds) else None
+
+
 def failure_kind(error: BaseException) -> FailureKind | None:
     """The kind of `error`, or None for an error no resend can help (TLS, a bad URL, a cancellation...)."""
+    if isinstance(error, Backpressure):
+        return FailureKind.BACKPRESSURE
     if isinstance(error, aiohttp.ClientConnectorError):  # refused, unreachable, DNS: never connected
         return None if isinstance(error, aiohttp.ClientSSLError) else FailureKind.REFUSED
     if isinstance(error, TimeoutError):  # aiohttp's ServerTimeoutError is one too
@@ -63,4 +96,4 @@ def nothing_sent(kind: FailureKind, error: BaseException) -> bool:
     """Whether the failed attempt sent nothing the server could act on (so any call may be resent)."""
     if kind is FailureKind.TIMEOUT:
         return isinstance(error, aiohttp.ConnectionTimeoutError)
-    return kind is not FailureKind.DROPPED_AFTER_WRITE
+    return kind is not FailureKind.DROPPED_AFTER_WRITE  # a 429 or 503 said it did not act on it

@@ -25,10 +25,11 @@ from aiohttp.payload import BytesPayload
 
 from gym_rpc.client._aiohttp_instrumentation import instrumentation_active, note_instrumented_session
 from gym_rpc.client._aiohttp_instrumentation import trace_configs as instrumentation_trace_configs
+from gym_rpc.client._failures import Backpressure
 from gym_rpc.client._http_settings import HttpClientSettings
 from gym_rpc.client._resend import CallObserver, Reroute, resend_after_failure
 from gym_rpc.client._resend_budget import CallCount, new_call_count
-from gym_rpc.client._resend_policy import RetryPolicy
+from gym_rpc.client._resend_policy import BACKPRESSURE_STATUSES, RetryPolicy
 from gym_rpc.telemetry import instrumentation_failed
 
 if TYPE_CHECKING:
@@ -191,10 +192,10 @@ async def send(
     every attempt after the first, and of the answer or the error.
 
     A failure is refused, dropped before the request was written, dropped after (resent only when the caller
-    allows: `resend_after_disconnect`), or a timeout; anything else, an HTTP answer above all, is the caller's at
-    once. Given up, a call raises ServerUnreachableError, ServerDroppedError (an aiohttp ServerDisconnectedError
-    and ClientOSError too) or RequestTimeoutError, naming `server_name`, the URL, the kind, the attempts and the
-    time.
+    allows: `resend_after_disconnect`), a timeout, or an answer of 429 or 503 (resent within its own budget, else
+    the caller's); anything else, any other HTTP answer above all, is the caller's at once. Given up, a call
+    raises ServerUnreachableError, ServerDroppedError (an aiohttp ServerDisconnectedError and ClientOSError too)
+    or RequestTimeoutError, naming `server_name`, the URL, the kind, the attempts and the time.
     `reroute` (replicas) gives the URL of each resend, from the error that made it; by default it is `url`.
 
     The happy path is the request and one clock read (the start of the call's deadline); the rest runs only after
@@ -206,6 +207,21 @@ async def send(
     except BaseException as error:
         failure = error
     else:
+        status = response.status
+        if status >= 429 and status in BACKPRESSURE_STATUSES:  # busy: elsewhere, or after its Retry-After
+            return await resend_after_failure(
+                Backpressure(response),
+                session,
+                method,
+                url,
+                retry,
+                resend_after_disconnect,
+                kwargs,
+                observer,
+                server_name,
+                reroute,
+                started,
+            )
         if observer is not None:
             try:
                 observer.answered(response, 1)

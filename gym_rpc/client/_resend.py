@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import aiohttp
 
 from gym_rpc._aiohttp_errors import ServerDroppedError
-from gym_rpc.client._failures import failure_kind, is_deadline, nothing_sent
+from gym_rpc.client._failures import Backpressure, failure_kind, is_deadline, nothing_sent, retry_after_seconds
 from gym_rpc.client._resend_budget import RESEND_BUDGET
 from gym_rpc.client._resend_log import RESEND_LOG
-from gym_rpc.client._resend_policy import FailureKind, RetryPolicy
+from gym_rpc.client._resend_policy import BACKPRESSURE_STATUSES, FailureKind, RetryPolicy
 from gym_rpc.errors import RequestTimeoutError, ResendLimit, ResendsExhaustedError, ServerUnreachableError
 from gym_rpc.telemetry import instrumentation_failed
 
@@ -71,8 +71,9 @@ async def resend_after_failure(
     reroute: Reroute | None,
     started: float,
 ) -> aiohttp.ClientResponse:
-    """Resend the call whose first attempt, started at `started` (time.monotonic), failed with `error`: its answer,
-    or the error it ends with (told to `observer` either way)."""
+    """Resend the call whose first attempt, started at `started` (time.monotonic), failed with `error` (a
+    `Backpressure` for an answer of 429 or 503): its answer, or the error it ends with (told to `observer` either
+    way). A 429 or 503 that may not be resent (its budget, the deadline, the client's budget) is the answer."""
     call = _FailingCall(session, method, url, retry, kwargs, server_name, started)
     attempts = 1
     try:
@@ -81,7 +82,19 @@ async def resend_after_failure(
             if kind is None:
                 raise error
             failed_url = call.url
-            target = await call.next_attempt(error, kind, attempts, resend_after_disconnect, reroute)
+            busy = error.response if isinstance(error, Backpressure) else None
+            try:
+                target = await call.next_attempt(error, kind, attempts, resend_after_disconnect, reroute)
+            except ResendsExhaustedError:
+                if busy is None:
+                    raise
+                return _answer(busy, attempts, observer)  # the caller gets the 429 or 503 itself
+            except BaseException:
+                if busy is not None:
+                    busy.release()
+                raise
+            if busy is not None:
+                busy.release()  # resent: nobody reads this one
             RESEND_LOG.resent(server_name, failed_url, kind)
             attempts += 1
             if observer is not None:
@@ -97,15 +110,10 @@ async def resend_after_failure(
                 continue
             finally:
                 RESEND_BUDGET.resend_ended()
-            if observer is not None:
-                try:
-                    observer.answered(response, attempts)
-                except Exception as observer_error:
-                    instrumentation_failed(observer.kind, observer_error)
-                except BaseException:  # the caller never gets the response: released here
-                    response.close()
-                    raise
-            return response
+            if response.status in BACKPRESSURE_STATUSES:
+                error = Backpressure(response)
+                continue
+            return _answer(response, attempts, observer)
     except BaseException as final:
         if isinstance(final, ResendsExhaustedError):
             RESEND_LOG.gave_up(final)
@@ -115,6 +123,21 @@ async def resend_after_failure(
             except Exception as observer_error:
                 instrumentation_failed(observer.kind, observer_error)
         raise
+
+
+def _answer(
+    response: aiohttp.ClientResponse, attempts: int, observer: CallObserver | None
+) -> aiohttp.ClientResponse:
+    """`response`, the call's answer, told to `observer` first."""
+    if observer is not None:
+        try:
+            observer.answered(response, attempts)
+        except Exception as observer_error:
+            instrumentation_failed(observer.kind, observer_error)
+        except BaseException:  # the caller never gets the response: released here
+            response.close()
+            raise
+    return response
 
 
 class _FailingCall:
@@ -167,7 +190,11 @@ class _FailingCall:
         if self.failures[kind] >= budget.attempts:
             raise self.given_up(error, kind, attempts, "attempts")
         target = self.url if reroute is None else reroute(error)
-        pause = 0.0 if target not in self.tried_since_pause else self.retry.backoff_seconds(self.pauses + 1)
+        if target not in self.tried_since_pause:
+            pause = 0.0
+        else:
+            asked = retry_after_seconds(error.response) if isinstance(error, Backpressure) else None
+            pause = self.retry.backoff_seconds(self.pauses + 1) if asked is None else asked
         if now + pause > ends:
             raise self.given_up(error, kind, attempts, "time" if ends == kind_ends else "deadline")
         if self.deadline is not None and now + 2 * pause > self.deadline:
@@ -195,7 +222,7 @@ class _FailingCall:
             left = self.deadline - monotonic()
             if left <= 0 or left < pause:
                 raise self.given_up(error, kind, attempts, "deadline")
-            self.kwargs["timeout"] = _with_total(self.timeout, left)
+            self.kwargs["timeout"] = with_total(self.timeout, left)
         self.url = target
         return target
 
@@ -228,7 +255,7 @@ class _FailingCall:
         return given_up
 
 
-def _with_total(timeout: aiohttp.ClientTimeout, total: float) -> aiohttp.ClientTimeout:
+def with_total(timeout: aiohttp.ClientTimeout, total: float) -> aiohttp.ClientTimeout:
     """`timeout` with `total` seconds: a resend gets the time left of the call's deadline, no more."""
     return aiohttp.ClientTimeout(
         total=total,

@@ -12,6 +12,10 @@ flight), not one stream per call, however long each resend takes to fail on a lo
 again, calls end, new ones start, and the slots grow with their first attempts. A call whose own budget (its kind's
 time, its deadline) runs out while it waits fails at once, saying so.
 
+`ConcurrencyCap` is the same queue for another bound: a server entry's `max_concurrent_requests`, the calls of a
+client in flight to it at once (NeMo Gym #1208, for rate-limited judges); the calls beyond it wait in order, each
+within its deadline.
+
 Threads: clients on several event loops share a process and this one budget. Calls in flight are counted per
 event loop without a lock (a loop's calls start and end on its thread; a lock would cost the happy path), summed
 only when a resend asks for a slot; the first attempts in flight are those calls less the ones pausing (holding a
@@ -60,7 +64,7 @@ def calls_in_flight() -> int:
 class _Waiter:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[None]
-    budget: ClientBudget
+    budget: ClientBudget | None  # None: a waiter for a ConcurrencyCap's place
     granted: bool = False  # a slot was taken for it (under the lock)
     abandoned: bool = False  # it stopped waiting (under the lock)
 
@@ -150,7 +154,7 @@ class ResendBudget:
                 if waiter.abandoned:
                     waiters.popleft()
                     continue
-                if pool.held >= waiter.budget.slots(in_flight):
+                if waiter.budget is None or pool.held >= waiter.budget.slots(in_flight):
                     break
                 waiters.popleft()
                 pool.waiting -= 1
@@ -180,6 +184,73 @@ class ResendBudget:
     def resend_ended(self) -> None:
         with self._lock:
             self.resending -= 1
+
+
+@dataclass(eq=False)
+class ConcurrencyCap:
+    """A server's `max_concurrent_requests` for one client: at most `limit` of its calls in flight there at once
+    (from the instance's pick to the answer's headers, resends included); the rest wait, first come first served,
+    each at most until its deadline. Shared by the client's event loops (threads), like the resend budget."""
+
+    limit: int
+    in_flight: int = 0
+    waiting: int = 0
+    queued: int = 0  # calls that found every place taken and waited, for the log and the tests
+    _waiters: deque[_Waiter] = field(default_factory=deque)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    async def acquire(self, wait_seconds: float | None) -> bool:
+        """Take a place, waiting at most `wait_seconds` (None: as long as it takes) for one; False if none came."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            waiters = self._waiters
+            while waiters and waiters[0].abandoned:
+                waiters.popleft()
+            if not waiters and self.in_flight < self.limit:
+                self.in_flight += 1
+                return True
+            waiter = _Waiter(loop, loop.create_future(), None)
+            waiters.append(waiter)
+            self.waiting += 1
+            self.queued += 1
+        got_it = False
+        try:
+            if wait_seconds is None:
+                await waiter.future
+            else:
+                async with asyncio.timeout(max(wait_seconds, 0.0)):
+                    await waiter.future
+            got_it = True
+        except TimeoutError:
+            return False
+        finally:
+            if not got_it:  # timed out or cancelled: a place granted meanwhile goes to the next waiter
+                with self._lock:
+                    waiter.abandoned = True
+                    granted = waiter.granted
+                    if not granted:
+                        self.waiting -= 1
+                if granted:
+                    self.release()
+        return True
+
+    def release(self) -> None:
+        """Free a place, and hand it to the first waiter still waiting."""
+        with self._lock:
+            self.in_flight -= 1
+            waiters = self._waiters
+            while waiters and self.in_flight < self.limit:
+                waiter = waiters.popleft()
+                if waiter.abandoned:
+                    continue
+                self.waiting -= 1
+                try:
+                    waiter.loop.call_soon_threadsafe(_wake, waiter.future)
+                except RuntimeError:  # its loop is closed: nobody is waiting there any more
+                    waiter.abandoned = True
+                    continue
+                waiter.granted = True
+                self.in_flight += 1
 
 
 def _wake(future: asyncio.Future[None]) -> None:

@@ -20,6 +20,13 @@ class FailureKind(StrEnum):
     DROPPED_BEFORE_WRITE = "dropped_before_write"
     DROPPED_AFTER_WRITE = "dropped_after_write"
     TIMEOUT = "timeout"
+    # An answer of 429 or 503: the instance is busy, not broken, and did not act on the call. Resent elsewhere (a
+    # replicated server) or after its Retry-After; when its budget ends, the caller gets that answer, no error.
+    BACKPRESSURE = "backpressure"
+
+
+# The answers that say "busy, come back later" (RFC 6585 429 Too Many Requests, RFC 9110 503 Service Unavailable).
+BACKPRESSURE_STATUSES = frozenset({429, 503})
 
 
 class KindBudget(BaseModel):
@@ -43,6 +50,9 @@ KIND_DEFAULTS: Mapping[FailureKind, KindBudget] = {
     FailureKind.DROPPED_AFTER_WRITE: KindBudget(attempts=3, seconds=30.0),
     # A timeout has spent its time already, and resending to a server too slow to answer adds to its load.
     FailureKind.TIMEOUT: KindBudget(attempts=1, seconds=0.0),
+    # A busy server is asked again a few times, not millions (NeMo Gym #2527: a 429 storm of 6.17 million
+    # retries); a Retry-After beyond the time left is not waited for: the caller gets the 429 or 503 at once.
+    FailureKind.BACKPRESSURE: KindBudget(attempts=4, seconds=60.0),
 }
 # The kinds `retry.attempts` (the one budget before there were kinds) still sets, where a kind sets none itself.
 LEGACY_ATTEMPT_KINDS = (FailureKind.REFUSED, FailureKind.DROPPED_BEFORE_WRITE, FailureKind.DROPPED_AFTER_WRITE)
@@ -77,6 +87,7 @@ class RetryPolicy(BaseModel):
     dropped_before_write: KindBudget = KIND_DEFAULTS[FailureKind.DROPPED_BEFORE_WRITE]
     dropped_after_write: KindBudget = KIND_DEFAULTS[FailureKind.DROPPED_AFTER_WRITE]
     timeout: KindBudget = KIND_DEFAULTS[FailureKind.TIMEOUT]
+    backpressure: KindBudget = KIND_DEFAULTS[FailureKind.BACKPRESSURE]
     client_budget: ClientBudget = ClientBudget()
 
     @model_validator(mode="before")

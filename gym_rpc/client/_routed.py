@@ -15,9 +15,11 @@ from gym_rpc.client._http_tracing import traced_send
 from gym_rpc.client._metrics import metered_send
 from gym_rpc.client._nemo_gym import nemo_gym_rollout_id, rollout_id_from_run_body
 from gym_rpc.client._prompt_key import prompt_key
+from gym_rpc.client._resend import with_total
 from gym_rpc.client._resend_policy import RetryPolicy
 from gym_rpc.client._rollout import rollout_id_in_context
 from gym_rpc.client._routing import RoutedCall, ServerRoute, session_pin_key
+from gym_rpc.errors import RequestTimeoutError
 from gym_rpc.metrics import METRICS
 from gym_rpc.telemetry import TRACING
 
@@ -55,13 +57,57 @@ async def send_routed(
     resend_after_disconnect: bool,
     kwargs: _RequestOptions,
 ) -> aiohttp.ClientResponse:
-    """`request` for a server with several instances: the call picks one, counts in flight there, moves on a
-    refused connection (the resend loop asks `call.reroute`), and tells the route how it ended."""
+    """`request` for a server with a route (several instances, labels, or a cap on calls in flight): the call takes
+    a place under the cap (waiting within its deadline), picks an instance, counts in flight there, moves on a
+    refused connection or a busy answer (the resend loop asks `call.reroute`), and tells the route how it ended."""
+    started = monotonic()
+    given = kwargs.get("timeout")
+    timeout = given if isinstance(given, aiohttp.ClientTimeout) else session.timeout
+    total = timeout.total
+    deadline = started + total if total else None  # where a body still arriving is the instance's timeout
+    cap = route.cap
+    if cap is None:
+        return await _send(
+            route, keys, session, method, server_name, url_path, retry, resend_after_disconnect, kwargs, deadline
+        )
+    if not await cap.acquire(None if deadline is None else deadline - started):
+        raise RequestTimeoutError(
+            server_name,
+            method,
+            url_path,
+            total,
+            timeout.sock_connect,
+            attempts=0,
+            elapsed_seconds=monotonic() - started,
+            detail=(
+                f"it waited for one of the {cap.limit} calls in flight its max_concurrent_requests allows "
+                f"({cap.waiting} more waiting)"
+            ),
+        )
+    try:
+        if deadline is not None:  # the time left after its wait, if any, is the call's
+            kwargs["timeout"] = with_total(timeout, max(deadline - monotonic(), 0.001))
+        return await _send(
+            route, keys, session, method, server_name, url_path, retry, resend_after_disconnect, kwargs, deadline
+        )
+    finally:
+        cap.release()
+
+
+async def _send(
+    route: ServerRoute,
+    keys: tuple[str | None, str | None, int | None],
+    session: aiohttp.ClientSession,
+    method: str,
+    server_name: str,
+    url_path: str,
+    retry: RetryPolicy,
+    resend_after_disconnect: bool,
+    kwargs: _RequestOptions,
+    deadline: float | None,
+) -> aiohttp.ClientResponse:
     call = RoutedCall(route, keys[0], url_path, keys[1], keys[2])
     base = call.instance.url
-    timeout = kwargs.get("timeout")
-    total = (timeout if isinstance(timeout, aiohttp.ClientTimeout) else session.timeout).total
-    deadline = monotonic() + total if total else None  # where a body still arriving is the instance's timeout
     try:
         if TRACING.enabled or METRICS.enabled:
             observed = metered_send if METRICS.enabled else traced_send

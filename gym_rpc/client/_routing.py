@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from gym_rpc.client._engine_loads import EngineLoadTable
+from gym_rpc.client._failures import Backpressure
 from gym_rpc.client._instances import (
     Instance,
     InstanceState,
@@ -57,9 +58,10 @@ from gym_rpc.client._outliers import (
     succeeded,
 )
 from gym_rpc.client._picker import SLOTS, heaviest, slot_of, top_choices, two_choices
+from gym_rpc.client._resend_budget import ConcurrencyCap
 from gym_rpc.config import url_authority
 from gym_rpc.errors import NoHealthyInstanceError, ServerUnreachableError
-from gym_rpc.wire import MODEL_SERVER_TYPE
+from gym_rpc.wire import MODEL_SERVER_TYPE, RESOURCES_SERVER_TYPE
 
 if TYPE_CHECKING:
     from gym_rpc.config import GlobalConfig
@@ -138,6 +140,7 @@ class ServerRoute:
     __slots__ = (
         "affine",
         "by_id",
+        "cap",
         "engine_loads",
         "engine_total",
         "generation",
@@ -146,6 +149,7 @@ class ServerRoute:
         "joins",
         "loads_at",
         "lock",
+        "moves_rollouts",
         "name",
         "pins",
         "policy",
@@ -195,6 +199,10 @@ class ServerRoute:
         self.generation = 0
         self.refresh_at = 0.0  # time.monotonic() at which the pool must be made again (an ejection ends)
         self.lock = threading.Lock()  # for updates from the watch's thread against refreshes from calls
+        self.cap: ConcurrencyCap | None = None  # its `max_concurrent_requests` (gym_rpc.client._resend_budget)
+        # Whether a rollout's call that got a 429 or 503 may go to another instance (its pin kept): not for a
+        # resources server, whose rollouts keep state on their instance.
+        self.moves_rollouts = False
         self.update(states)
 
     def update(self, states: list[InstanceState]) -> None:
@@ -464,6 +472,8 @@ class ServerRoute:
         # NoHealthyInstanceError is the route's own word (a failover found nowhere to go), not the instance's.
         if isinstance(error, _INSTANCE_FAILURES) and not isinstance(error, NoHealthyInstanceError):
             self.failed_with(instance, _failure_text(error), _is_connect_failure(error))
+        elif isinstance(error, Backpressure) and error.response.status >= 500:  # a 503 is a 5xx; a 429 is busy
+            self.failed_with(instance, f"HTTP {error.response.status}")
 
     def failed_with(self, instance: Instance, reason: str, connect: bool = False) -> None:
         if record_failure(self.policy, self.name, instance, self.instances, reason, _monotonic(), connect):
@@ -561,7 +571,11 @@ class RoutedCall:
         route.failed(old, error)
         self.counted = len(self.tried) + 1
         self.tried += (old,)
-        if pin is None:
+        if isinstance(error, Backpressure) and pin is not None and not route.moves_rollouts:
+            with route.lock:  # a stateful rollout waits for its own instance (its Retry-After, else a backoff)
+                old.picks += 1
+            return old.url + self.path
+        if pin is None or isinstance(error, Backpressure):  # busy: another instance, the rollout's pin kept
             new = route.other(self.tried)
         elif _is_refused(error) or not old.alive:
             key = self.key if self.key is not None else self.session
@@ -620,7 +634,17 @@ class Routing:
     """A client's routes, by server name: made from the config (its static replicas), then kept current from the
     head's reports. `routes` holds only names with more than one instance (or a label selector)."""
 
-    __slots__ = ("__weakref__", "affine", "engine_loads", "policy", "routes", "selectors", "skipped")
+    __slots__ = (
+        "__weakref__",
+        "affine",
+        "caps",
+        "engine_loads",
+        "movable",
+        "policy",
+        "routes",
+        "selectors",
+        "skipped",
+    )
 
     def __init__(
         self,
@@ -639,9 +663,20 @@ class Routing:
             name for name, entry in config.servers.items() if entry.server_type == MODEL_SERVER_TYPE
         )
         self.routes: dict[str, ServerRoute] = {}
+        # Names with a cap on calls in flight get a route even with one instance (decided once per name: the
+        # one-instance path of the others stays as it was).
+        self.caps = {
+            name: entry.max_concurrent_requests
+            for name, entry in config.servers.items()
+            if entry.max_concurrent_requests is not None
+        }
+        # A rollout's busy call may move to another instance only where the config says it keeps no state there.
+        self.movable = frozenset(
+            name for name, entry in config.servers.items() if entry.server_type != RESOURCES_SERVER_TYPE
+        )
         for name, entry in config.servers.items():
             states = config_states(entry)
-            if name not in skipped and (len(states) > 1 or name in self.selectors):
+            if name not in skipped and (len(states) > 1 or name in self.selectors or name in self.caps):
                 self.routes[name] = self._route(name, states)
         ROUTINGS.add(self)
 
@@ -693,13 +728,17 @@ class Routing:
         route = self.routes.get(name)
         if route is not None:
             route.update(states)
-        elif len(states) > 1 or name in self.selectors:
+        elif len(states) > 1 or name in self.selectors or name in self.caps:
             self.routes[name] = self._route(name, states)
 
     def _route(self, name: str, states: list[InstanceState]) -> ServerRoute:
         affine = name in self.affine
         loads = self.engine_loads if affine else None
-        return ServerRoute(name, states, self.policy, self.selectors.get(name), affine, loads)
+        route = ServerRoute(name, states, self.policy, self.selectors.get(name), affine, loads)
+        limit = self.caps.get(name)
+        route.cap = None if limit is None else ConcurrencyCap(limit)
+        route.moves_rollouts = name in self.movable
+        return route
 
     def set_selector(self, name: str, selector: Selector | None, config: GlobalConfig) -> None:
         if selector is None:

@@ -37,6 +37,7 @@ from gym_rpc._environment import (
 )
 from gym_rpc._telemetry_switches import TELEMETRY_KEY
 from gym_rpc.client._nemo_gym import SESSION_ID_KEY, nemo_gym_rollout_id
+from gym_rpc.client._resend_policy import BACKPRESSURE_STATUSES
 from gym_rpc.client._rollout import (
     RolloutTarget,
     apply_rollout_prefix,
@@ -310,6 +311,7 @@ class _DataPlane:
     from what it copies and pickles)."""
 
     __slots__ = (
+        "backpressure",
         "base_urls",
         "call_span",
         "config",
@@ -327,7 +329,7 @@ class _DataPlane:
     def __init__(
         self, base_urls: dict[str, str], config: GlobalConfig, pools: HttpPools, routing: Routing | None
     ) -> None:
-        from gym_rpc.client import _call_paths, _http, _http_tracing, _metrics, _resend, _routed
+        from gym_rpc.client import _call_paths, _failures, _http, _http_tracing, _metrics, _resend, _routed
 
         self.base_urls = base_urls
         # Where calls carry their rollout (None: nowhere, no observability and no engine entry), decided once.
@@ -336,6 +338,7 @@ class _DataPlane:
         self.pools = pools
         self.routing = routing  # None until `request` has waited for the head's first list of instances
         self.resend_after_failure = _resend.resend_after_failure
+        self.backpressure = _failures.Backpressure
         self.json_payload = _http.json_payload
         self.send = _http.send
         self.call_span = _http_tracing.call_span
@@ -844,9 +847,14 @@ class ServerClient(BaseModel):
                 # no span (a child of an unsampled parent, its context in the headers): sent as untraced calls are
             started = time.monotonic()  # the start of the call's deadline, as in `_http.send`
             try:
-                return await session.request(method, full_url, **kwargs)
+                response = await session.request(method, full_url, **kwargs)
             except BaseException as error:
                 failure = error
+            else:
+                status = response.status
+                if status < 429 or status not in BACKPRESSURE_STATUSES:  # most answers: one int comparison
+                    return response
+                failure = plane.backpressure(response)  # busy: asked again after its Retry-After, within budget
             return await plane.resend_after_failure(
                 failure, session, method, full_url, retry, resend, kwargs, None, server_name, None, started
             )

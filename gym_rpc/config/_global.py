@@ -38,7 +38,7 @@ from gym_rpc.config._models import (
 from gym_rpc.config._parsing import MAX_CONFIG_BYTES, parse_config_document, resolved, resolved_leniently
 from gym_rpc.config._redaction import redact_secrets
 from gym_rpc.config._replicas import REPLICAS_KEY, replica_addresses
-from gym_rpc.config._validators import validation_error_line
+from gym_rpc.config._validators import MAX_CONCURRENT_REQUESTS_KEY, checked_concurrency_cap, validation_error_line
 from gym_rpc.errors import ConfigError, UnknownServerError
 
 
@@ -83,6 +83,7 @@ def _server_entry(name: str, node: Any) -> ServerEntry | None:
         replicas=replica_addresses(name, InstanceAddress(host, port, url), entry.get(REPLICAS_KEY)),
         session_affinity_header=session_affinity_header(name, entry.get(SESSION_AFFINITY_HEADER_KEY)),
         engine_metrics=engine_metrics(name, entry.get(ENGINE_METRICS_KEY)),
+        max_concurrent_requests=checked_concurrency_cap(name, entry.get(MAX_CONCURRENT_REQUESTS_KEY)),
     )
 
 

@@ -187,6 +187,9 @@ class ServerEntry(BaseModel):
     session_affinity_header: str | None = Field(default=None, repr=False)
     # Whether the head reads this engine's /metrics (its `engine_metrics` key), with a session affinity header.
     engine_metrics: bool = Field(default=True, repr=False)
+    # The calls in flight to it a client process allows at once (its `max_concurrent_requests` key, NeMo Gym
+    # #1208), the rest queued within their deadline; None: no cap.
+    max_concurrent_requests: int | None = Field(default=None, repr=False)
 
     @property
     def instances(self) -> tuple[InstanceAddress, ...]:

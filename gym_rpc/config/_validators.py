@@ -46,6 +46,22 @@ def checked_seconds(value: float, what: str, minimum: float = 0.0) -> float:
     return float(value)
 
 
+MAX_CONCURRENT_REQUESTS_KEY = "max_concurrent_requests"
+
+
+def checked_concurrency_cap(server_name: str, value: object) -> int | None:
+    """A server entry's `max_concurrent_requests` (NeMo Gym #1208: calls in flight to a rate-limited judge): None
+    when absent or null, else a positive integer; anything else is a ConfigError of one line naming the server."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"server {server_name!r}: {MAX_CONCURRENT_REQUESTS_KEY} must be a positive integer (the calls in "
+            f"flight to it per client process) or null, not {type(value).__name__} {str(value)[:40]!r}"
+        )
+    return value
+
+
 def checked_probe_interval(value: float) -> float:
     """The head's probe interval: positive, finite and no shorter than MIN_PROBE_INTERVAL_SECONDS."""
     return checked_seconds(value, "the probe interval (--probe-interval)", MIN_PROBE_INTERVAL_SECONDS)
