@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 DEMO_VENV := .venv-demo
 DEMO_STAMP := $(DEMO_VENV)/.installed
 
-.PHONY: install proto stubs release-contract lint test run demo bench bench-scale mutate clean nemo-gym-venv \
+.PHONY: install proto stubs release-contract lint test test-fast run demo bench bench-scale mutate clean nemo-gym-venv \
 	lowest-versions-venv
 
 install: $(STAMP) $(BUF)
@@ -64,8 +64,20 @@ nemo-gym-venv: $(STAMP)
 lowest-versions-venv: $(STAMP)
 	$(BIN)/python tools/lowest_versions_venv.py
 
+# The suite runs on parallel workers (pytest-xdist), each test module whole on one worker, so its module fixtures (a
+# PKI, a Go build, a wheel) are made once. More workers than the 2 cores: most tests wait on sockets, timers and
+# subprocesses. Tests marked `load` (floods, timings) then run alone, after the rest; either run failing fails.
+TEST_WORKERS ?= 4
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadscope
+
 test: lint nemo-gym-venv lowest-versions-venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not load"; parallel=$$?; \
+	$(BIN)/python -m pytest -q -m load; alone=$$?; \
+	if [ $$parallel -ne 0 ]; then exit $$parallel; fi; exit $$alone
+
+# The edit loop: in-process tests only (no test marked process, build or load; tests/support/tiers.py), no lint.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not process and not build and not load"
 
 run: $(STAMP)
 	$(BIN)/gym-rpc head
@@ -102,4 +114,4 @@ mutate: $(STAMP)
 	@tail -n 1 bench/MUTATION.md
 
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) .venv-nemo-gym .venv-lowest mutants node_modules build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DEMO_VENV) .venv-nemo-gym .venv-lowest .venv-*.lock mutants node_modules build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -24,6 +24,11 @@ from gym_rpc.client._channel import close_aio_channels, close_sync_channels
 from gym_rpc.client._follower import close_instance_followers
 from gym_rpc.config import GlobalConfig
 from gym_rpc.server._head import HeadOptions, HeadServer
+from tests.support.tiers import (  # noqa: F401  (hooks: the process/build/load markers, kept true)
+    pytest_collection_modifyitems,
+    pytest_runtest_protocol,
+    pytest_runtest_teardown,
+)
 
 LOOPBACK = "127.0.0.1"
 
@@ -189,6 +194,9 @@ async def head_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
 
     yield start
     await close_aio_channels()
+    if heads:
+        # A follower's watch still open would hold each head's stop for its whole shutdown grace (0.5 s).
+        await asyncio.to_thread(close_instance_followers)
     for head in heads:
         await head.stop()
 

@@ -13,6 +13,7 @@ interpreter change (a stamp holds their digest), so after the first build (a few
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import re
 import shutil
@@ -25,6 +26,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV_DIR = REPO_ROOT / ".venv-lowest"
 STAMP = VENV_DIR / ".stamp"
+LOCK = REPO_ROOT / ".venv-lowest.lock"  # git-ignored
 PYPROJECT = REPO_ROOT / "pyproject.toml"
 EXTRAS_AT_FLOOR = ("head",)  # the tests start heads in-process and as `gym-rpc head`
 TEST_TOOLS = (
@@ -77,7 +79,16 @@ def _digest() -> str:
 
 
 def build() -> Path:
-    """The venv's python, building the venv first unless its stamp says it is up to date."""
+    """The venv's python, building the venv first unless its stamp says it is up to date.
+
+    One build at a time: parallel test workers (pytest-xdist) may each ask for the venv, and the second must wait
+    for the first's stamp instead of deleting the venv it is building. The lock is a file beside the venv."""
+    with LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _build_unlocked()
+
+
+def _build_unlocked() -> Path:
     python = VENV_DIR / "bin" / "python"
     wanted = _digest()
     if python.exists() and STAMP.exists() and STAMP.read_text() == wanted:

@@ -12,6 +12,7 @@ prints `SKIP: <reason>` and exits 0: the test skips with it.
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
 import os
@@ -25,6 +26,7 @@ VENV_DIR = REPO_ROOT / ".venv-nemo-gym"
 REQUIREMENTS = REPO_ROOT / "tests" / "nemo_gym_compat" / "requirements.txt"
 STAMP = VENV_DIR / ".stamp"
 GYM_RPC_STAMP = VENV_DIR / ".stamp-gym-rpc"
+LOCK = REPO_ROOT / ".venv-nemo-gym.lock"  # git-ignored
 PYPROJECT = REPO_ROOT / "pyproject.toml"
 PYTHON_ENV_VAR = "NEMO_GYM_PYTHON"  # an interpreter to use instead of searching for one
 MINIMUM = (3, 13)
@@ -67,7 +69,16 @@ def _pip(venv_python: Path, *args: str) -> None:
 
 
 def build(python: str) -> Path:
-    """The venv's python, building the venv first unless its stamp says it is up to date."""
+    """The venv's python, building the venv first unless its stamp says it is up to date.
+
+    One build at a time: parallel test workers (pytest-xdist) may each ask for the venv, and the second must wait
+    for the first's stamp instead of deleting the venv it is building. The lock is a file beside the venv."""
+    with LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _build_unlocked(python)
+
+
+def _build_unlocked(python: str) -> Path:
     venv_python = VENV_DIR / "bin" / "python"
     wanted = _digest(REQUIREMENTS.read_bytes(), python.encode())
     if not (venv_python.exists() and STAMP.exists() and STAMP.read_text() == wanted):

@@ -1,0 +1,123 @@
+"""The suite's tiers stay true (tests/support/tiers.py): a test that starts a process unmarked fails, naming the
+marker; every name tests/tiers.txt lists exists; `make test-fast` selects what the markers leave."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.tiers import RECORD_ENV, TIERS, listed_tiers
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_CONFTEST = (
+    "from tests.support.tiers import pytest_collection_modifyitems, pytest_runtest_protocol, "
+    "pytest_runtest_teardown  # noqa: F401\n"
+)
+_TESTS = """
+import subprocess
+import sys
+
+import pytest
+
+
+def test_in_process():
+    assert sum(range(4)) == 6
+
+
+def test_starts_a_process_unmarked():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+@pytest.mark.process
+def test_starts_a_process_marked():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+@pytest.fixture(scope="module")
+def child():
+    return subprocess.run([sys.executable, "-c", "print(7)"], capture_output=True, text=True).stdout
+
+
+def test_a_module_fixture_starts_it(child):
+    assert child == "7\\n"
+"""
+
+
+def _run_suite(folder: Path, *args: str, record: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """pytest on a sample suite with the tiers hooks; `record`: GYM_RPC_RECORD_PROCESS_TESTS (else unset, even
+    when this run records)."""
+    env = {name: value for name, value in os.environ.items() if name != RECORD_ENV}
+    if record is not None:
+        env[RECORD_ENV] = str(record)
+    (folder / "conftest.py").write_text(_CONFTEST, encoding="utf-8")
+    (folder / "test_sample.py").write_text(_TESTS, encoding="utf-8")
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:xdist",
+        *args,
+        str(folder),
+    ]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env, check=False)
+
+
+@pytest.mark.process
+def test_a_test_that_starts_a_process_unmarked_fails_naming_the_marker(tmp_path: Path) -> None:
+    result = _run_suite(tmp_path, "--rootdir", str(tmp_path))
+    assert result.returncode == 1, result.stdout + result.stderr
+    errors = sorted(re.findall(r"^ERROR \S+::(\w+)", result.stdout, re.M))
+    # A module fixture's process counts for the first test that uses it.
+    assert errors == ["test_a_module_fixture_starts_it", "test_starts_a_process_unmarked"], result.stdout
+    assert "mark it @pytest.mark.process" in result.stdout
+    # Every call passes; the two unmarked ones then fail at teardown, where the hook sees what they started.
+    assert re.search(r"^4 passed, .*2 errors", result.stdout, re.M), result.stdout
+
+
+@pytest.mark.process
+def test_the_unmarked_ones_can_be_recorded_instead(tmp_path: Path) -> None:
+    record = tmp_path / "recorded.txt"
+    folder = tmp_path / "suite"
+    folder.mkdir()
+    result = _run_suite(folder, "--rootdir", str(folder), record=record)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(record.read_text().splitlines()) == [
+        "process test_sample.py::test_a_module_fixture_starts_it",
+        "process test_sample.py::test_starts_a_process_unmarked",
+    ]
+
+
+def test_every_module_and_test_tiers_txt_lists_exists() -> None:
+    listed = listed_tiers()
+    assert set(listed) == set(TIERS)
+    missing = []
+    for names in listed.values():
+        for name in names:
+            path, _, test = name.partition("::")
+            module = ROOT / path
+            if not module.is_file() or (
+                test and not re.search(rf"^(?:async )?def {test}\(", module.read_text(encoding="utf-8"), re.M)
+            ):
+                missing.append(name)
+    assert missing == []
+    assert listed["process"], "the tests that start processes are listed"
+
+
+def test_the_markers_are_registered_and_make_test_fast_leaves_them_out() -> None:
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    fast = re.search(r"^test-fast:.*\n((?:\t.*\n)+)", makefile, re.M)
+    assert fast is not None
+    assert '-m "not process and not build and not load"' in fast.group(1)
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    for tier in TIERS:
+        assert re.search(rf'^    "{tier}: ', pyproject, re.M), tier
