@@ -1,11 +1,12 @@
-"""Quiet under bad input (issue 43, point 7), against a real `gym-rpc head`: 3,000 malformed requests (a bad
-Content-Length, a broken chunk, bytes that are no HTTP) to NeMo Gym's HTTP head port and the metrics port, from one
-client, each answered 400, log a line per port per window (no traceback, no ERROR) and are all counted in
-gym_head_bad_requests_total; the head serves on."""
+"""Quiet under bad input (issue 43, point 7), against a real `gym-rpc head`: 4,500 malformed requests (a bad
+Content-Length, a broken chunk, bytes that are no HTTP) to NeMo Gym's HTTP head port, the metrics port and the
+Connect port, from one client, each answered 400, log a line per port per window (no traceback, no ERROR) and are
+all counted in gym_head_bad_requests_total; the head serves on."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import urllib.request
 from pathlib import Path
@@ -42,12 +43,21 @@ async def _send(port: int, payload: bytes) -> bytes:
 
 async def test_malformed_requests_are_counted_and_logged_once_per_window(tmp_path: Path) -> None:
     path = tmp_path / "gym.yaml"
-    doc = {"head_server": {"host": LOOPBACK, "port": 0, "http_port": 0}, "policy": server_entry(closed_port())}
+    doc = {
+        "head_server": {"host": LOOPBACK, "port": 0, "http_port": 0, "connect_port": 0},
+        "policy": server_entry(closed_port()),
+    }
     path.write_text(yaml.safe_dump(doc), encoding="utf-8")
     with running_head(path, "--metrics-port", "0") as head:
         http = announced(head, HTTP_HEAD_PATTERN)
         metrics = announced(head, METRICS_PATTERN)
-        ports = [int(http.rsplit(":", 1)[1]), int(metrics.rsplit(":", 1)[1].split("/", 1)[0])]
+        connect = re.search(r"Connect on (http://\S+?)(?:[;\s]|$)", head.banner)
+        assert connect, head.banner
+        ports = [
+            int(http.rsplit(":", 1)[1]),
+            int(metrics.rsplit(":", 1)[1].split("/", 1)[0]),
+            int(connect.group(1).rsplit(":", 1)[1]),
+        ]
         started = time.monotonic()
         for port in ports:
             for start in range(0, PER_PORT, 100):
@@ -57,14 +67,14 @@ async def test_malformed_requests_are_counted_and_logged_once_per_window(tmp_pat
                 assert all(answer.startswith(b"HTTP/1.") and b" 400 " in answer for answer in answers), answers[0]
         windows = 1 + int((time.monotonic() - started) // BAD_REQUEST_WINDOW_SECONDS)  # 1 unless very loaded
         samples = await asyncio.to_thread(scrape, metrics)
-        for name in ("http", "metrics"):
-            assert value(samples, "gym_head_bad_requests_total", gym_port=name) == PER_PORT
+        for name in ("http", "metrics", "connect"):
+            assert value(samples, "gym_head_bad_requests_total", gym_port=name) == PER_PORT, name
         assert await asyncio.to_thread(_status_of, f"{http}/") == 200  # the head serves on
         head.process.terminate()
         head.process.wait(timeout=30)
         log = head.stderr_text
-    lines = [line for line in log.splitlines() if "malformed request" in line]
-    for name in ("http port", "metrics port"):  # a line per port per window that had bad requests
+    lines = [line for line in log.splitlines() if "malformed request" in line or "connect port: " in line]
+    for name in ("http port", "metrics port", "connect port"):  # a line per port per window with bad requests
         assert 1 <= sum(name in line for line in lines) <= windows + 1, lines
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
     assert len(log) < 20_000  # 3,000 of aiohttp's tracebacks were 1.67 MB

@@ -41,6 +41,7 @@ from gym_rpc.server._connection_limits import DEFAULT_MAX_CONNECT_CONNECTIONS, B
 from gym_rpc.server._decode_budget import DecodeBudget
 from gym_rpc.server._host_check import LoopbackHostOnly, bound_to_loopback
 from gym_rpc.server._interceptors import Context
+from gym_rpc.server._quiet_http_log import UVICORN_LOGGER, QuietInvalidRequests
 from gym_rpc.server._security import UNAUTHENTICATED_MESSAGE, ServerSecurity, authenticate
 from gym_rpc.server._servicer import ControlPlaneServicer
 from gym_rpc.server._watch_slots import client_key
@@ -238,6 +239,7 @@ class ConnectServer:
         self._server: _EmbeddedUvicorn | None = None
         self._task: asyncio.Task[None] | None = None
         self.port = 0
+        self._quiet = QuietInvalidRequests()  # malformed requests counted, a line per window
 
     @property
     def scheme(self) -> str:
@@ -290,11 +292,13 @@ class ConnectServer:
                 error = exc
             raise GymRpcError(f"cannot serve Connect on {host}:{port}: {error}")
         self._server, self._task = server, task
+        logging.getLogger(UVICORN_LOGGER).addFilter(self._quiet)
 
     async def stop(self) -> None:
         server, task = self._server, self._task
         if server is None or task is None:
             return
+        logging.getLogger(UVICORN_LOGGER).removeFilter(self._quiet)
         self._server = self._task = None
         server.should_exit = True
         try:

@@ -79,3 +79,46 @@ def _what(exc_info: Any) -> str:
     if isinstance(exc_info, BaseException):
         return f"{type(exc_info).__name__}: {quoted(' '.join(str(exc_info).split()))}"
     return "not HTTP"
+
+
+UVICORN_LOGGER = "uvicorn.error"  # where uvicorn (the Connect port) says "Invalid HTTP request received."
+_UVICORN_INVALID = "Invalid HTTP request received."
+# A body that breaks off mid-chunk: uvicorn answers 400 itself, then the application's own error answer meets a
+# connection h11 already closed, and uvicorn logs that with a traceback. The client's mistake, not the head's.
+_UVICORN_APP_FAILURE = "Exception in ASGI application"
+_CLOSED_BY_PROTOCOL = "LocalProtocolError"
+
+
+def _answer_after_bad_body(record: logging.LogRecord) -> bool:
+    """Whether uvicorn's record is the traceback of an answer to a request whose body broke off (the request was
+    counted already, by uvicorn's "Invalid HTTP request received.")."""
+    error = record.exc_info[1] if record.exc_info else None
+    return record.getMessage().strip() == _UVICORN_APP_FAILURE and type(error).__name__ == _CLOSED_BY_PROTOCOL
+
+
+class QuietInvalidRequests(logging.Filter):
+    """A filter on uvicorn's logger while the Connect port serves: each "Invalid HTTP request received." (uvicorn
+    names no client) is counted in gym.head.bad_requests{gym.port=connect} and one line per
+    BAD_REQUEST_WINDOW_SECONDS passes, saying how many were not logged; the traceback uvicorn logs when the
+    application then answers a request whose body broke off is dropped. Every other line passes as it is."""
+
+    def __init__(self, port: str = "connect") -> None:
+        super().__init__()
+        self.port = port
+        self._last = -BAD_REQUEST_WINDOW_SECONDS
+        self._unlogged = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _answer_after_bad_body(record):
+            return False
+        if record.getMessage() != _UVICORN_INVALID:
+            return True
+        head_metrics.bad_request(self.port)
+        now = time.monotonic()
+        if now - self._last < BAD_REQUEST_WINDOW_SECONDS:
+            self._unlogged += 1
+            return False
+        more = f" ({self._unlogged} more in the last {BAD_REQUEST_WINDOW_SECONDS:g} s)" if self._unlogged else ""
+        record.msg, record.args, record.exc_info = f"{self.port} port: {_UVICORN_INVALID}{more}", None, None
+        self._last, self._unlogged = now, 0
+        return True
