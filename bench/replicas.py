@@ -190,7 +190,7 @@ def affine_sides(plan: ReplicasPlan) -> dict[str, Callable[[int], object]]:
     call counted in flight and its answer heard; among `pick_instances` instances, every prompt's preferred
     instances ranked already (the state a run reaches), GRPO rollouts of `rollout_calls` turns, 8 per prompt, new
     rollout ids in every block. `prompt`: reading the prompt alone."""
-    answer: Any = SimpleNamespace(status=200, headers={})
+    answer: Any = SimpleNamespace(status=200, headers={}, connection=None)  # its body came with it
     per_rollout = plan.rollout_calls
     bodies = [[affine_body(task, 0, turn) for turn in range(per_rollout)] for task in range(AFFINE_PROMPTS)]
     route = _route(ServerRoute, plan.pick_instances, affine=True)
