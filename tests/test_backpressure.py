@@ -38,11 +38,13 @@ class Busy:
         self.calls = 0
         self.in_flight = 0
         self.most_in_flight = 0
+        self.arrived = asyncio.Event()  # set by the first call that reaches it
         self.port = 0
         self._runner: web.AppRunner | None = None
 
     async def handle(self, request: web.Request) -> web.Response:
         self.calls += 1
+        self.arrived.set()
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
@@ -245,14 +247,14 @@ async def test_max_concurrent_requests_queues_the_calls_beyond_it(instances) -> 
 
 async def test_a_call_queued_past_its_deadline_fails_naming_the_cap(instances) -> None:
     (judge,) = await instances(1)
-    judge.hold = 1.0
+    judge.hold = 3.0
     client = client_of([judge.port], max_concurrent_requests=1)
     first = asyncio.create_task(call(client))
-    await asyncio.sleep(0.2)
-    started = time.monotonic()
+    async with asyncio.timeout(30):
+        await judge.arrived.wait()  # the first call holds the only place, at the judge
     with pytest.raises(RequestTimeoutError, match="max_concurrent_requests allows") as raised:
         await call(client, timeout=aiohttp.ClientTimeout(total=0.3))
-    assert time.monotonic() - started < 0.9  # at its deadline, not when the place freed
+    assert not first.done()  # it ended at its own deadline, not when the place freed
     assert raised.value.server_name == NAME and raised.value.attempts == 0
     assert await first == (200, judge.port)
     assert judge.calls == 1  # the queued call never reached the judge

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -44,6 +44,14 @@ def client_of(servers: dict[str, Any], **retry: Any) -> ServerClient:
     )
     client.follow_instances(False)
     return client
+
+
+async def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Polls `condition` every 10 ms; fails the test after `timeout` (generous: a loaded machine is slow)."""
+    ending = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < ending, "condition not met in time"
+        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -86,8 +94,7 @@ async def test_a_storm_against_one_refusing_server_does_not_delay_another_server
     alone, alone_outcomes = await a_blip(client, blip_port, 40)
     storm = [asyncio.create_task(client.post("storm", "/v1/responses", json={})) for _ in range(300)]
     try:
-        await asyncio.sleep(0.5)  # its calls refused, their resends holding every slot of its and queued
-        assert RESEND_BUDGET.waiting > 200
+        await until(lambda: RESEND_BUDGET.waiting > 200)  # refused, their resends holding its slots and queued
         stormy, stormy_outcomes = await a_blip(client, blip_port, 40)
         assert all(not task.done() for task in storm)  # the storm went on all along
     finally:
@@ -132,8 +139,7 @@ async def test_a_failover_to_an_untried_instance_never_waits_for_a_slot(closing)
     )
     holders = [asyncio.create_task(holders_client.post("policy", "/v1/responses", json={})) for _ in range(10)]
     try:
-        await asyncio.sleep(0.3)
-        assert RESEND_BUDGET.held == 1 and RESEND_BUDGET.waiting >= 5
+        await until(lambda: RESEND_BUDGET.held == 1 and RESEND_BUDGET.waiting >= 5)
         statuses = []
         for _ in range(20):
             async with await client.post("policy", "/v1/responses", json={}) as response:

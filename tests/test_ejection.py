@@ -183,17 +183,17 @@ async def test_a_wedged_instance_that_answers_its_probes_but_never_a_post_is_eje
     wedged.post = "wedge"
     doc = doc_of([wedged.port, healthy.port, flapping.port], consecutive_failures=2, base_ejection_seconds=60)
     client = await head_client(head_factory, doc, probe_interval_seconds=0.05, probe_timeout_seconds=0.5)
-    outcomes: collections.Counter[int | str] = collections.Counter([await call(client, total=0.3)])
+    outcomes: collections.Counter[int | str] = collections.Counter([await call(client, total=1.0)])
     instance = instance_at(client, wedged.port)
     while not instance.ejections and outcomes.total() < 100:
-        outcomes[await call(client, total=0.3)] += 1
+        outcomes[await call(client, total=1.0)] += 1
     assert instance.ejections == 1 and not instance.alive
     assert outcomes["timeout"] == 2  # two in a row eject it
     checked = instance.checked_at
     async with flapping_probes(flapping) as flaps:  # new reports, each with the wedged one's newer healthy probe
         after: collections.Counter[int | str] = collections.Counter()
         while flaps[0] < 3:
-            after[await call(client, total=0.3)] += 1
+            after[await call(client, total=1.0)] += 1
             await asyncio.sleep(0.01)
     assert instance.checked_at != checked and instance.status == "success"  # the client saw its probes since
     assert "timeout" not in after and set(after) <= {healthy.port, flapping.port}
@@ -210,7 +210,7 @@ async def test_an_instance_whose_bodies_break_off_after_the_headers_is_ejected(i
     instance = first_seen = None
     outcomes: collections.Counter[int | str] = collections.Counter()
     while outcomes.total() < 200:
-        outcomes[await call(client, total=0.3)] += 1
+        outcomes[await call(client, total=1.0)] += 1
         instance = instance_at(client, broken.port)
         first_seen = first_seen or instance
         if instance.ejections:
