@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -272,3 +273,29 @@ def test_the_cli_takes_several_heads_and_says_which_list_entry_is_bad(tmp_path: 
         assert result.returncode == 0, result.stderr
     bad = run_cli(["status", "--head", f"{dead},{dead}"])
     assert bad.returncode == 2 and "is listed twice" in bad.stderr, bad.stderr
+
+
+async def test_a_hung_head_delays_no_registration_at_the_others(head_factory) -> None:
+    """A head that accepts the connection and never answers holds its registration call for the whole timeout;
+    the live head has the registration before that call gives up (all heads are called at once)."""
+    live = await head_factory(document({"policy": server_entry(closed_port())}))
+    with socket.socket() as hung:  # listens (the kernel completes the handshake) and never reads a byte
+        hung.bind((LOOPBACK, 0))
+        hung.listen()
+        hung_address = f"{LOOPBACK}:{hung.getsockname()[1]}"
+        port = closed_port()
+        registration = ServerRegistration(
+            "policy", port, listen_host=LOOPBACK, head=f"{hung_address},{live.address}", timeout_seconds=5
+        )
+        url = f"http://{LOOPBACK}:{port}"
+        started = time.monotonic()
+        registering = asyncio.create_task(asyncio.to_thread(registration.register))
+        while url not in await asyncio.to_thread(registered_urls, live.address):
+            assert time.monotonic() - started < BOUND_SECONDS
+            await asyncio.sleep(0.05)
+        seen_after = time.monotonic() - started
+        assert await registering is True  # the live head took it; the hung one timed out
+        # Called one after the other, the live head could not have it before the hung head's 5 s timeout.
+        assert seen_after < registration.timeout_seconds, seen_after
+        assert registration._missed == {hung_address}
+        await asyncio.to_thread(registration.deregister)

@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypedDict
@@ -227,13 +228,12 @@ class ServerRegistration:
         }
 
     def _register(self, quiet: bool) -> bool:
-        """Register at every head (one after the other, each within the timeout); True when any took it."""
-        several = len(self.head_addresses) > 1
-        took = [
-            self._register_at(address, quiet or (several and address in self._missed))
-            for address in self.head_addresses
-        ]
-        return any(took)
+        """Register at every head, each within the timeout; True when any took it."""
+        if len(self.head_addresses) == 1:
+            return self._register_at(self.head_addresses[0], quiet)
+        return any(
+            _at_every_head(self.head_addresses, lambda at: self._register_at(at, quiet or at in self._missed))
+        )
 
     def _register_at(self, address: str, quiet: bool) -> bool:
         try:
@@ -265,8 +265,9 @@ class ServerRegistration:
         with self._lock:
             self._deregistered = True
             self.advertised_url = None
-            told = [self._deregister_at(address) for address in self.head_addresses]
-            return any(told)
+            if len(self.head_addresses) == 1:
+                return self._deregister_at(self.head_addresses[0])
+            return any(_at_every_head(self.head_addresses, self._deregister_at))
 
     def _deregister_at(self, address: str) -> bool:
         instance_id = self._instance_ids.get(address, self.instance_id)
@@ -364,6 +365,12 @@ def with_registration(
     """An ASGI app that registers with the head at lifespan startup and deregisters at shutdown; on SIGTERM, it
     drains first, then hands SIGTERM to the server's own handler (uvicorn's: its graceful stop)."""
     return ServerRegistration(server_name, port, drain_on_sigterm=drain_on_sigterm, **options).asgi(app)
+
+
+def _at_every_head(addresses: tuple[str, ...], call: Callable[[str], bool]) -> list[bool]:
+    """`call` made for every head at once, one thread each: a head that hangs delays none of the others."""
+    with ThreadPoolExecutor(len(addresses), thread_name_prefix="gym-rpc registration") as pool:
+        return list(pool.map(call, addresses))
 
 
 def _none_in_flight() -> int:
