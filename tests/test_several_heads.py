@@ -102,6 +102,7 @@ def two_heads(tmp_path: Path) -> Iterator[tuple[HeadProcess, HeadProcess, int]]:
     _followed_heads.clear()
 
 
+@pytest.mark.process
 async def test_a_kill_9_of_the_head_followed_fails_no_call_and_the_follower_moves_within_2_s(two_heads) -> None:
     first, second, _ = two_heads
     heads = f"{first.address},{second.address}"
@@ -263,6 +264,7 @@ async def test_an_in_process_head_stopped_moves_a_status_watch_to_the_other(head
         _followed_heads.clear()
 
 
+@pytest.mark.process
 def test_the_cli_takes_several_heads_and_says_which_list_entry_is_bad(tmp_path: Path) -> None:
     """`gym-rpc status` with the dead head first answers from the live one (exit 0); a bad list is exit 2."""
     config = tmp_path / "config.yaml"
