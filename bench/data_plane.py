@@ -172,6 +172,20 @@ class Comparison:
         self.by_pair.append(pair.ratios)
 
 
+async def one_round(
+    side_a: Callable[[], Awaitable[Block]], side_b: Callable[[], Awaitable[Block]], a_first: bool
+) -> tuple[float, list[Block], list[Block]]:
+    """One round of four blocks, ABBA (`a_first`) or BAAB: A's requests per second over B's, and the blocks."""
+    order = (side_a, side_b, side_b, side_a) if a_first else (side_b, side_a, side_a, side_b)
+    round_a: list[Block] = []
+    round_b: list[Block] = []
+    for side in order:
+        (round_a if side is side_a else round_b).append(await side())
+    # Equal requests per block: the ratio of requests per second is the inverse ratio of summed times.
+    ratio = sum(1 / b.requests_per_second for b in round_b) / sum(1 / b.requests_per_second for b in round_a)
+    return ratio, round_a, round_b
+
+
 async def abba_rounds(
     side_a: Callable[[], Awaitable[Block]], side_b: Callable[[], Awaitable[Block]], rounds: int
 ) -> tuple[list[float], list[Block], list[Block]]:
@@ -184,17 +198,10 @@ async def abba_rounds(
     blocks_a: list[Block] = []
     blocks_b: list[Block] = []
     for index in range(rounds):
-        order = (side_a, side_b, side_b, side_a) if index % 2 == 0 else (side_b, side_a, side_a, side_b)
-        round_a: list[Block] = []
-        round_b: list[Block] = []
-        for side in order:
-            (round_a if side is side_a else round_b).append(await side())
+        ratio, round_a, round_b = await one_round(side_a, side_b, index % 2 == 0)
+        ratios.append(ratio)
         blocks_a += round_a
         blocks_b += round_b
-        # Equal requests per block: the ratio of requests per second is the inverse ratio of summed times.
-        ratios.append(
-            sum(1 / b.requests_per_second for b in round_b) / sum(1 / b.requests_per_second for b in round_a)
-        )
     return ratios, blocks_a, blocks_b
 
 

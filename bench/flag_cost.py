@@ -9,6 +9,12 @@ export, and a full collection was paid by whichever block crossed its threshold.
 A switch is a per-process decision that never turns off again, so each side's process sets gym_rpc's flag for
 each block itself. `tracing_cost`, `tracing_sampled_cost` and `metrics_cost` say what "on" is; this module runs
 and reports them.
+
+A cost may have a peer: the same switch in the library a user would otherwise reach for (tracing's is
+`opentelemetry-instrumentation-aiohttp-client` on raw aiohttp, bench.tracing_peer). `run_against_peer` then keeps
+four processes (ours on and off, the peer's on and off) and interleaves the two comparisons round by round, so the
+same load hits both; its third row per concurrency is the median of the per-round quotients (our on/off ratio over
+the peer's), and a goal there says "costs no more than the peer".
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.data_plane import LIVE_HEAP_RECORDS, Block, Post, abba_rounds
+from bench.data_plane import LIVE_HEAP_RECORDS, Block, Post, abba_rounds, one_round
 from bench.servers import ServerProcess
 from bench.side_worker import SideWorker, rounds_per_pair, side_pair
 from bench.stats import Row, median, ratio_row, spread_text, table_lines
@@ -41,7 +47,9 @@ class FlagPlan:
 
 
 FULL_PLAN = FlagPlan()
-QUICK_PLAN = FlagPlan(requests=(30, 128), rounds=2, pairs=2, live_heap_records=10_000)
+# One pair of processes: the tracing rows start four per pair (ours and the peer's, on and off), and a quick run
+# only shows that every row runs and reports.
+QUICK_PLAN = FlagPlan(requests=(30, 128), rounds=2, pairs=1, live_heap_records=10_000)
 
 TimedBlock = Callable[[Post, int, int, bool], Awaitable[Block]]
 
@@ -56,7 +64,13 @@ class FlagCost:
     module: str  # the benchmark's module, as bench.side_worker imports it: "bench.tracing_cost"
     install: Callable[[], None]
     timed_block: TimedBlock
-    goals: Mapping[int, float] = field(default_factory=dict)  # concurrency -> minimum ratio
+    # concurrency -> minimum ratio: of on/off alone, or (run_against_peer) of ours over the peer's on/off
+    goals: Mapping[int, float] = field(default_factory=dict)
+    # The post each block makes, given the data server's port and whether the side is on (None: ServerClient.post
+    # with rollout prefixes on), and what to close at the end: a peer's own raw aiohttp session.
+    make_post: Callable[[int, bool], Post] | None = None
+    close: Callable[[], Awaitable[None]] | None = None
+    peer: FlagCost | None = None  # measured in the same rounds (run_against_peer); its module names it: "M:PEER"
 
 
 @contextmanager
@@ -106,7 +120,7 @@ async def interleaved(
     )
 
 
-def row_of(cost: FlagCost, rounds: Rounds, heap: str) -> Row:
+def row_of(cost: FlagCost, rounds: Rounds, heap: str, goal: float | None = None) -> Row:
     on_rps = median([b.requests_per_second for b in rounds.on])
     off_rps = median([b.requests_per_second for b in rounds.off])
     on_cpu = median([b.cpu_us_per_request for b in rounds.on])
@@ -120,11 +134,14 @@ def row_of(cost: FlagCost, rounds: Rounds, heap: str) -> Row:
         f"on: {on_rps:.0f} req/s, {on_cpu:.0f} µs CPU/req",
         f"off: {off_rps:.0f} req/s, {off_cpu:.0f} µs CPU/req",
         median(rounds.ratios),
-        cost.goals.get(rounds.concurrency),
+        goal,
     )
 
 
 async def run(cost: FlagCost, port: int, plan: FlagPlan) -> list[Row]:
+    """The cost's on/off rows; with a peer, `run_against_peer`'s."""
+    if cost.peer is not None:
+        return await run_against_peer(cost, cost.peer, port, plan)
     results = [Rounds(concurrency) for concurrency in plan.concurrencies]
     heap = ""
     for _ in range(plan.pairs):
@@ -132,7 +149,93 @@ async def run(cost: FlagCost, port: int, plan: FlagPlan) -> list[Row]:
             heap = on.heap
             for result, requests in zip(results, plan.requests, strict=True):
                 await interleaved(cost, on, off, result, requests, rounds_per_pair(plan.rounds, plan.pairs))
-    return [row_of(cost, result, heap) for result in results]
+    return [row_of(cost, result, heap, cost.goals.get(result.concurrency)) for result in results]
+
+
+async def against_peer_rounds(
+    sides: tuple[SideWorker, SideWorker, SideWorker, SideWorker],
+    ours: Rounds,
+    theirs: Rounds,
+    quotients: Rounds,
+    requests: int,
+    rounds: int,
+) -> None:
+    """`rounds` rounds, each one of ours (on against off) and one of the peer's, in turn first, each ABBA or BAAB
+    in turn (so all four orders come round): a burst of load hits both comparisons of a round. Each round's
+    quotient, our ratio over the peer's, goes to `quotients`."""
+    concurrency = ours.concurrency
+
+    def block(side: SideWorker) -> Callable[[], Awaitable[Block]]:
+        async def timed() -> Block:
+            return Block(*side.block(concurrency, requests))
+
+        return timed
+
+    on, off, peer_on, peer_off = (block(side) for side in sides)
+    for warm in (on, off, peer_on, peer_off):
+        await warm()
+    comparisons = ((ours, on, off), (theirs, peer_on, peer_off))
+    made: dict[int, list[float]] = {id(ours): [], id(theirs): [], id(quotients): []}  # this pair's ratios
+    for index in range(rounds):
+        ratio_of: dict[int, float] = {}
+        for result, side_on, side_off in comparisons if index % 2 == 0 else comparisons[::-1]:
+            ratio, on_blocks, off_blocks = await one_round(side_on, side_off, (index // 2) % 2 == 0)
+            result.ratios.append(ratio)
+            result.on += on_blocks
+            result.off += off_blocks
+            made[id(result)].append(ratio)
+            ratio_of[id(result)] = ratio
+        quotient = ratio_of[id(ours)] / ratio_of[id(theirs)]
+        quotients.ratios.append(quotient)
+        made[id(quotients)].append(quotient)
+    for result in (ours, theirs, quotients):
+        result.by_pair.append(made[id(result)])
+    print(
+        f"  c={concurrency}: ours/peer per-round quotients {' '.join(f'{r:.2f}' for r in made[id(quotients)])}",
+        file=sys.stderr,
+    )
+
+
+def quotient_row(cost: FlagCost, peer: FlagCost, ours: Rounds, theirs: Rounds, quotients: Rounds) -> Row:
+    """Our on/off ratio over the peer's, the median of the per-round quotients, against the cost's goal."""
+    spread = spread_text(quotients.ratios, quotients.by_pair)
+    return ratio_row(
+        cost.name,
+        f"{cost.measure}, over {peer.measure}, concurrency {quotients.concurrency} (median of per-round quotients "
+        f"of the two ratios, {spread})",
+        f"gym_rpc {cost.on_label}/off: {median(ours.ratios):.2f}",
+        f"peer {peer.on_label}/off: {median(theirs.ratios):.2f}",
+        median(quotients.ratios),
+        cost.goals.get(quotients.concurrency),
+    )
+
+
+async def run_against_peer(cost: FlagCost, peer: FlagCost, port: int, plan: FlagPlan) -> list[Row]:
+    """`run` of `cost` and of `peer` in the same rounds (four processes alive per pair: ours on and off, the
+    peer's on and off): each one's on/off row, then the quotient row that carries the goal."""
+    ours = [Rounds(concurrency) for concurrency in plan.concurrencies]
+    theirs = [Rounds(concurrency) for concurrency in plan.concurrencies]
+    quotients = [Rounds(concurrency) for concurrency in plan.concurrencies]
+    heap = ""
+    share = rounds_per_pair(plan.rounds, plan.pairs)
+    for _ in range(plan.pairs):
+        with (
+            side_pair(f"{cost.module}:on", f"{cost.module}:off", port, plan.live_heap_records) as mine,
+            side_pair(f"{peer.module}:on", f"{peer.module}:off", port, plan.live_heap_records) as peers,
+        ):
+            heap = mine[0].heap
+            for index, requests in enumerate(plan.requests):
+                await against_peer_rounds(
+                    (*mine, *peers), ours[index], theirs[index], quotients[index], requests, share
+                )
+    rows: list[Row] = []
+    for mine_rounds, peer_rounds, quotient_rounds in zip(ours, theirs, quotients, strict=True):
+        rows += [
+            row_of(cost, mine_rounds, heap),
+            row_of(peer, peer_rounds, heap),
+            quotient_row(cost, peer, mine_rounds, peer_rounds, quotient_rounds),
+        ]
+    return rows
 
 
 def main(cost: FlagCost, prog: str, doc: str | None, argv: list[str] | None = None) -> int:

@@ -10,7 +10,9 @@ side pays for exactly the collections its own objects cause. The parent still in
     python -m bench.side_worker ours|raw|MODULE:on|MODULE:off PORT HEAP_RECORDS
 
 `MODULE:on` and `MODULE:off` are the two sides of a switch's cost (bench.flag_cost: MODULE is the benchmark, as
-`bench.tracing_cost`): `ServerClient.post` with the switch on in every block, or off in every block.
+`bench.tracing_cost`, whose `COST` says what to run; `MODULE:NAME:on` names another of its costs, as
+`bench.tracing_peer:EVERY_CALL`): `ServerClient.post` (or the cost's own post) with the switch on in every block,
+or off in every block.
 
 prints `ready {"heap": ...}`, then answers each line `CONCURRENCY REQUESTS` on stdin with one JSON line: requests
 per second, client CPU µs per request, the collector's runs per 10k requests by generation. It ends with its input.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import json
 import select
@@ -116,16 +119,29 @@ def side_pair(side_a: str, side_b: str, port: int, heap_records: int) -> Iterato
             worker.close()
 
 
-def _switch_block(side: str, port: int) -> Callable[[int, int], Awaitable[Block]]:
-    """A block of `MODULE:on|off`: the switch's benchmark installs what "on" needs (an SDK provider, say) in this
-    process, as in a worker, and runs every block with the switch as the side says."""
+def _switch_block(
+    side: str, port: int
+) -> tuple[Callable[[int, int], Awaitable[Block]], Callable[[], Awaitable[None]]]:
+    """A block of `MODULE[:NAME]:on|off`, and what to close at the end: the switch's benchmark installs what "on"
+    needs (an SDK provider, say) in this process, as in a worker, and runs every block with the switch as the side
+    says."""
     from bench.data_plane import make_client, ours_post
 
-    module, _, state = side.rpartition(":")
-    cost = importlib.import_module(module).COST
+    target, _, state = side.rpartition(":")
+    module, _, name = target.partition(":")
+    cost = getattr(importlib.import_module(module), name or "COST")
+    on = state == "on"
     cost.install()
-    post = ours_post(make_client(port, observability_enabled=True))  # rollout prefixes on, as observed runs
-    return lambda concurrency, requests: cost.timed_block(post, requests, concurrency, state == "on")
+    if cost.make_post is not None:
+        post = cost.make_post(port, on)
+    else:
+        post = ours_post(make_client(port, observability_enabled=True))  # rollout prefixes on, as observed runs
+    timed_block = functools.partial(cost.timed_block, post)
+    return lambda concurrency, requests: timed_block(requests, concurrency, on), cost.close or _nothing
+
+
+async def _nothing() -> None:
+    return None
 
 
 async def _serve(side: str, port: int, heap_records: int) -> None:
@@ -134,6 +150,7 @@ async def _serve(side: str, port: int, heap_records: int) -> None:
 
     heap = rollout_buffers(heap_records)  # alive until the end: every full collection scans it
     session = raw_session() if side == "raw" else None
+    close: Callable[[], Awaitable[None]] = _nothing
     timed_block: Callable[[int, int], Awaitable[Block]]
     if side in SIDES:
         post = raw_post(session, f"http://127.0.0.1:{port}{PATH}") if session else ours_post(make_client(port))
@@ -141,7 +158,7 @@ async def _serve(side: str, port: int, heap_records: int) -> None:
         def timed_block(concurrency: int, requests: int) -> Awaitable[Block]:
             return run_block(post, requests, concurrency)
     else:
-        timed_block = _switch_block(side, port)
+        timed_block, close = _switch_block(side, port)
     print(READY + json.dumps({"heap": heap.describe()}), flush=True)
     loop = asyncio.get_running_loop()
     try:
@@ -153,6 +170,7 @@ async def _serve(side: str, port: int, heap_records: int) -> None:
     finally:
         if session is not None:
             await session.close()
+        await close()
         await close_http_sessions()
 
 

@@ -84,6 +84,11 @@ def check_ratio_table(stdout: str, report: str) -> None:
         "ServerClient.post's own work (no I/O)",
         "traced / untraced, every call recorded, concurrency 64",
         "1 rollout in 10 sampled",
+        "raw aiohttp instrumented / not (opentelemetry-instrumentation-aiohttp-client), every call recorded, "
+        "concurrency 64",
+        "raw aiohttp instrumented / not (opentelemetry-instrumentation-aiohttp-client), 1 rollout in 10 sampled "
+        "(rollouts of 8 calls), concurrency 64",
+        "(rollouts of 8 calls), over raw aiohttp instrumented / not",
         "with worker metrics / without",
         "picking among 64 instances",
         "p99 latency against round robin",
@@ -139,3 +144,61 @@ def test_every_pair_of_processes_makes_rounds_even_when_asked_for_fewer_than_pai
     from bench.side_worker import rounds_per_pair
 
     assert [rounds_per_pair(rounds, 4) for rounds in (80, 60, 40, 2, 1)] == [20, 15, 10, 1, 1]
+
+
+class _FixedSide:
+    """A side whose every block runs at `rps` requests per second (bench.side_worker.SideWorker's `block`)."""
+
+    def __init__(self, rps: float) -> None:
+        self.rps = rps
+
+    def block(self, concurrency: int, requests: int) -> tuple[float, float, tuple[float, ...]]:
+        return self.rps, 100.0, (0.0, 0.0, 0.0)
+
+
+def test_tracing_against_its_peer_divides_our_ratio_by_the_peers_round_by_round() -> None:
+    """Ours on/off 0.8 and the peer's 0.5: the quotient row reads 1.6 against its goal of 1 (met), and each
+    comparison keeps its own sides' blocks (a swap of ours and the peer's, or of on and off, fails this)."""
+    import asyncio
+
+    from bench.flag_cost import Rounds, against_peer_rounds, quotient_row
+    from bench.tracing_sampled_cost import COST
+
+    ours, theirs, quotients = Rounds(64), Rounds(64), Rounds(64)
+    sides = (_FixedSide(80.0), _FixedSide(100.0), _FixedSide(50.0), _FixedSide(100.0))
+    asyncio.run(against_peer_rounds(sides, ours, theirs, quotients, 512, 3))  # type: ignore[arg-type]
+    assert [round(r, 6) for r in ours.ratios] == [0.8] * 3
+    assert [round(r, 6) for r in theirs.ratios] == [0.5] * 3
+    assert [round(r, 6) for r in quotients.ratios] == [1.6] * 3
+    assert {b.requests_per_second for b in ours.on} == {80.0}
+    assert {b.requests_per_second for b in theirs.on} == {50.0}
+    assert [len(pair) for pair in quotients.by_pair] == [3]
+    assert COST.peer is not None
+    row = quotient_row(COST, COST.peer, ours, theirs, quotients)
+    assert (round(row.ratio, 6), row.goal_ratio, row.met) == (1.6, 1.0, True)
+    assert (row.ours, row.baseline) == ("gym_rpc traced/off: 0.80", "peer instrumented/off: 0.50")
+
+
+def test_the_hot_path_comparison_runs_the_shipped_call_and_reads_state_through_the_client() -> None:
+    """bench.hot_path's client without the trick runs ServerClient._call itself (a copy of it once skipped the
+    routing lookup and the switch checks the shipped one makes), on a data plane whose every function slot is the
+    shipped one's and whose state is read from the client's private attributes at each use."""
+    import asyncio
+
+    from bench.data_plane import PATH, PAYLOAD, SERVER_NAME
+    from bench.hot_path import WithoutTrick, _no_io, _PrivateReads, make_without
+    from gym_rpc.client.server_client import ServerClient, _DataPlane
+
+    assert "_call" not in vars(WithoutTrick) and "request" not in vars(WithoutTrick)
+    client = _no_io(make_without(1))
+
+    async def one_call() -> None:
+        await client.request(SERVER_NAME, PATH, "POST", json=PAYLOAD)
+
+    asyncio.run(one_call())
+    plane = client._data_plane
+    assert isinstance(plane, _PrivateReads) and isinstance(client, ServerClient)
+    assert plane.routing is client._routing and plane.routing is not None
+    assert plane.pools is client._http and plane.base_urls is client._server_base_urls
+    for name in _DataPlane.__slots__:
+        assert hasattr(plane, name), name
