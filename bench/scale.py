@@ -59,6 +59,14 @@ class ScalePlan:
     config_pairs: int = 40
     watch_rounds: int = 3  # each round: one death and one recovery
     poll_seconds: float = 3.0
+    storm_watchers: tuple[int, ...] = (500, 1000, 2000)
+    watcher_processes: int = 4  # the storm's watchers come from this many processes
+    storm_instances: int = 100  # registered instances the storm relabels
+    storm_changes: int = 500  # registrations that each change one instance, sent as fast as the head takes them
+    storm_rounds: int = 3
+    follower_instances: int = 2000  # each change of the flooding head relabels this many instances
+    follower_seconds: float = 3.0
+    follower_rounds: int = 3
 
 
 FULL = ScalePlan()
@@ -72,6 +80,14 @@ QUICK = ScalePlan(
     config_pairs=5,
     watch_rounds=1,
     poll_seconds=0.5,
+    storm_watchers=(4, 8),
+    watcher_processes=2,
+    storm_instances=5,
+    storm_changes=20,
+    storm_rounds=1,
+    follower_instances=50,
+    follower_seconds=0.5,
+    follower_rounds=1,
 )
 
 
@@ -454,6 +470,139 @@ async def measure_pollers(servers: Child, ports: list[int], plan: ScalePlan) -> 
     return rows
 
 
+# --- change storms ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StormRow:
+    watchers: int
+    coalesced: bool
+    storm_seconds: list[float] = field(default_factory=list)  # per round: first registration sent -> last answered
+    last_after_ms: list[float] = field(default_factory=list)  # per round: storm's end -> the last watcher current
+    messages: list[float] = field(default_factory=list)  # per round: the median watcher's messages
+    head_cpu_us: float = math.nan  # head CPU per watcher per message, above its idle rate
+    rss_kib_per_watcher: float = math.nan
+    missing: int = 0  # watchers never current within the bound
+
+
+async def _storm(address: str, ports: list[int], plan: ScalePlan, base: int) -> tuple[float, float]:
+    """`plan.storm_changes` registrations, 8 in flight at a time, each relabelling instance k % storm_instances
+    with step base + k; (started, ended) in time.time()."""
+    from gym_rpc.client import ControlClient
+
+    client = ControlClient(address, timeout_seconds=30)
+    instances = ports[10 : 10 + plan.storm_instances]
+    queue = iter(range(plan.storm_changes))
+
+    async def sender() -> None:
+        for k in queue:
+            await client.register_instance(
+                "server_0000",
+                listen_port=instances[k % len(instances)],
+                listen_host=LOOPBACK,
+                pid=100000 + k % len(instances),
+                labels={"step": str(base + k)},
+            )
+
+    started = time.time()
+    await asyncio.gather(*(sender() for _ in range(8)))
+    return started, time.time()
+
+
+async def measure_storms(ports: list[int], plan: ScalePlan) -> list[StormRow]:
+    rows: list[StormRow] = []
+    runs = [(w, True) for w in plan.storm_watchers] + [(plan.storm_watchers[0], False)]
+    for w, coalesced in runs:
+        options: dict[str, Any] = {"max_concurrent_watches": w + 100, "max_watches_per_peer": w + 100}
+        if not coalesced:
+            options["push_quiet_seconds"] = 0.0  # every change pushed on its own: the head before coalescing
+        with running_head(ports[:10], plan, **options) as head:
+            address = head.info["address"]
+            await asyncio.to_thread(wait_until_probed, address, 60)
+            await _storm(address, ports, plan, 0)  # the instances registered, before the watchers come
+            await asyncio.sleep(1.0)
+            row = StormRow(w, coalesced)
+            rss_before = rss_mib(head.pid)
+            share = w // plan.watcher_processes
+            counts = [share + (1 if i < w % plan.watcher_processes else 0) for i in range(plan.watcher_processes)]
+            children = await asyncio.gather(
+                *(asyncio.to_thread(Child, "watchers", address, str(n), ready_timeout=600) for n in counts if n)
+            )
+            try:
+                await asyncio.sleep(2.0)
+                row.rss_kib_per_watcher = (rss_mib(head.pid) - rss_before) * 1024 / w
+                idle, _ = await idle_cpu_rates(head.pid, plan.idle_seconds / 2)
+                cpu_before, started = cpu_seconds(head.pid), time.monotonic()
+                total_messages = 0.0
+                for round_index in range(plan.storm_rounds):
+                    base = (round_index + 1) * plan.storm_changes
+                    target = base + plan.storm_changes - 1
+                    for child in children:
+                        await asyncio.to_thread(child.ask, f"target {target}")
+                    storm_started, storm_ended = await _storm(address, ports, plan, base)
+                    answers = [await asyncio.to_thread(child.ask, "wait 120", 150) for child in children]
+                    print(f"    round {round_index}: {[a['missing'] for a in answers]} missing", file=sys.stderr)
+                    row.missing += sum(a["missing"] for a in answers)
+                    lasts = [a["last"] for a in answers if a["last"] is not None]
+                    row.storm_seconds.append(storm_ended - storm_started)
+                    row.last_after_ms.append((max(lasts) - storm_ended) * 1e3)
+                    per_watcher = [m for a in answers for m in a["messages"]]
+                    row.messages.append(median(per_watcher))
+                    total_messages += sum(per_watcher)
+                cpu = cpu_seconds(head.pid) - cpu_before - idle * (time.monotonic() - started)
+                row.head_cpu_us = cpu / max(total_messages, 1) * 1e6
+            finally:
+                for child in children:
+                    child.stop()
+            rows.append(row)
+            print(f"  storm W={w} coalesced={coalesced}: {row}", file=sys.stderr)
+    return rows
+
+
+# --- the follower under a flood ----------------------------------------------------------------------------------
+
+
+@dataclass
+class FollowerRow:
+    quiet: list[float] = field(default_factory=list)  # calls/s, the head silent after its snapshot
+    flooded: list[float] = field(default_factory=list)  # calls/s, the head flooding
+    # calls per CPU second of the worker's process (all its threads): what the flood costs the worker itself,
+    # apart from the CPU the flooding head takes from it on this one machine
+    quiet_per_cpu: list[float] = field(default_factory=list)
+    flooded_per_cpu: list[float] = field(default_factory=list)
+
+
+def measure_follower(ports: list[int], plan: ScalePlan) -> FollowerRow:
+    row = FollowerRow()
+    document = {
+        "head_server": {"host": LOOPBACK, "port": 0},
+        "policy_model": {"responses_api_models": {"bench": {"host": LOOPBACK, "port": ports[0]}}},
+        "flooded": {"resources_servers": {"bench": {"host": LOOPBACK, "port": 9}}},
+    }
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "flood.json"
+        path.write_text(json.dumps(document), encoding="utf-8")
+        for _ in range(plan.follower_rounds):
+            for mode, rates, per_cpu in (
+                ("quiet", row.quiet, row.quiet_per_cpu),
+                ("flood", row.flooded, row.flooded_per_cpu),
+            ):
+                head = Child("flood", str(path), str(plan.follower_instances), mode)
+                try:
+                    worker = Child("worker", f"{LOOPBACK}:{head.info['port']}")
+                    try:
+                        time.sleep(0.5)  # the flood is on
+                        answer = worker.ask(f"run {plan.follower_seconds}", timeout=plan.follower_seconds + 60)
+                        rates.append(answer["calls_per_second"])
+                        per_cpu.append(answer["calls_per_cpu_second"])
+                    finally:
+                        worker.stop()
+                finally:
+                    head.stop()
+    print(f"  follower: {row}", file=sys.stderr)
+    return row
+
+
 # --- report ------------------------------------------------------------------------------------------------------
 
 
@@ -478,6 +627,8 @@ def render(
     plan: ScalePlan,
     load: tuple[str, str],
     seconds: float,
+    storms: list[StormRow] | None = None,
+    follower: FollowerRow | None = None,
 ) -> str:
     lines = [
         "# Scale: one head's costs as servers, watchers and pollers grow",
@@ -569,6 +720,9 @@ def render(
             f"watchers' one process spends {largest.client_cpu_us:.0f} µs per watcher receiving ({client_ms:.0f} "
             "ms), both on this machine's two cores shared with the other sessions' load.",
         ]
+    spliced = _storm_lines(storms or [], plan) + _follower_lines(follower, plan)
+    if spliced:  # between markers, so `--only storms` can measure them again alone
+        lines += ["", STORMS_START, *spliced[1:], STORMS_END]
     lines += [
         "",
         f"## Pollers P on one server ({plan.poll_seconds:g} s closed loop each)",
@@ -589,7 +743,7 @@ def render(
             f"| {poll_row.pollers} | {poll_row.head_calls_per_second:.0f} | {head_per_window:.2f} | "
             f"{poll_row.direct_calls_per_second:.0f} | {direct_per_window:.0f} | {saved:.0f}x |"
         )
-    lines += _goals(servers, watchers, pollers)
+    lines += _goals(servers, watchers, pollers, storms or [], follower)
     refused = sum(r.head_refused for r in pollers)
     lines += [
         "",
@@ -599,9 +753,109 @@ def render(
     return "\n".join(lines)
 
 
-def _goals(servers: list[ServersRow], watchers: list[WatchRow], pollers: list[PollRow]) -> list[str]:
+def _storm_lines(storms: list[StormRow], plan: ScalePlan) -> list[str]:
+    if not storms:
+        return []
+    lines = [
+        "",
+        f"## Change storms: {plan.storm_changes} instance changes as fast as the head takes them",
+        "",
+        f"W watchers in {plan.watcher_processes} processes of their own; {plan.storm_instances} registered "
+        f"instances of one server, each registration relabelling one ({plan.storm_changes} registrations, 8 in "
+        f'flight); {plan.storm_rounds} storms per row, medians shown. "Last watcher current" is from the storm\'s '
+        "last registration answered to the last watcher holding its label (clocks of one machine). Head CPU is "
+        "above its idle rate, per watcher per message sent; RSS is the head's growth when the watchers connected. "
+        "The last row is the same head with coalescing off (`push_quiet_seconds=0`: every change pushed on its "
+        "own, as before).",
+        "",
+        "| W | pushes | storm took | last watcher current after the storm | messages per watcher per storm | "
+        "head CPU per watcher per message | head RSS per watcher | never current |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in storms:
+        lines.append(
+            f"| {row.watchers} | {'coalesced' if row.coalesced else 'one per change'} | "
+            f"{median(row.storm_seconds):.2f} s | {median(row.last_after_ms):.0f} ms | "
+            f"{median(row.messages):.0f} | {_above_idle(row.head_cpu_us)} | "
+            f"{row.rss_kib_per_watcher:.1f} KiB | {row.missing} |"
+        )
+    off = [r for r in storms if not r.coalesced]
+    on = [r for r in storms if r.coalesced and off and r.watchers == off[0].watchers]
+    if off and on:
+        lines += [
+            "",
+            f"At W = {on[0].watchers}, coalescing: "
+            f"{median(off[0].messages) / max(median(on[0].messages), 1):.0f}x fewer messages per watcher; "
+            "the last watcher current "
+            f"{median(off[0].last_after_ms) / max(median(on[0].last_after_ms), 1):.1f}x sooner after the storm.",
+        ]
+    return lines
+
+
+def _each(values: list[float]) -> str:
+    return ", ".join(f"{v:.0f}" for v in values)
+
+
+def _cpu_ratio(follower: FollowerRow) -> float:
+    return median(follower.flooded_per_cpu) / median(follower.quiet_per_cpu)
+
+
+def _follower_lines(follower: FollowerRow | None, plan: ScalePlan) -> list[str]:
+    if follower is None or not follower.quiet:
+        return []
+    ratio = median(follower.flooded) / median(follower.quiet)
+    return [
+        "",
+        "## A worker whose head floods it",
+        "",
+        "A rollout worker (a ServerClient in its own process, following its head's instances) calls one "
+        f"server back to back for {plan.follower_seconds:g} s. Its head (bench/flood_head.py) either sends a "
+        f"snapshot and then nothing, or changes of {plan.follower_instances} instances of another server as fast "
+        f"as it can write them; {plan.follower_rounds} rounds of each, alternated, each with fresh processes. "
+        "Calls per CPU second count every thread of the worker's process: what the flood costs the worker "
+        "itself, apart from the CPU the flooding head (on the same two cores here) takes from it.",
+        "",
+        "| head | calls/s (median) | each round | calls per CPU second of the worker (median) | each round |",
+        "| --- | --- | --- | --- | --- |",
+        f"| quiet | {median(follower.quiet):.0f} | {_each(follower.quiet)} | "
+        f"{median(follower.quiet_per_cpu):.0f} | {_each(follower.quiet_per_cpu)} |",
+        f"| flooding | {median(follower.flooded):.0f} | {_each(follower.flooded)} | "
+        f"{median(follower.flooded_per_cpu):.0f} | {_each(follower.flooded_per_cpu)} |",
+        "",
+        f"Flooded over quiet: calls/s {ratio:.2f}x, calls per CPU second {_cpu_ratio(follower):.2f}x.",
+    ]
+
+
+def _goals(
+    servers: list[ServersRow],
+    watchers: list[WatchRow],
+    pollers: list[PollRow],
+    storms: list[StormRow],
+    follower: FollowerRow | None,
+) -> list[str]:
     """The issue's goals, each with the figure that decides it."""
     rows: list[tuple[str, str, bool]] = []
+    coalesced = [r for r in storms if r.coalesced]
+    if coalesced:
+        storm = coalesced[-1]
+        last = median(storm.last_after_ms)
+        rows.append(
+            (
+                f"last watcher current within 1 s of a storm's end at W = {storm.watchers}",
+                f"{last:.0f} ms",
+                last <= 1000 and storm.missing == 0,
+            )
+        )
+        rss = storm.rss_kib_per_watcher
+        rows.append((f"head RSS <= 20 KB per watcher at W = {storm.watchers}", f"{rss:.1f} KiB", rss <= 20))
+        cpu = storm.head_cpu_us
+        rows.append(
+            (f"head CPU <= 10 µs per watcher per push at W = {storm.watchers}", _above_idle(cpu), cpu <= 10)
+        )
+    if follower is not None and follower.quiet:
+        ratio = _cpu_ratio(follower)
+        goal = "a flooding head costs a worker <= 10 % of its calls per CPU second"
+        rows.append((goal, f"{ratio:.2f}x", ratio >= 0.9))
     if watchers:
         largest = watchers[-1]
         p99 = percentile(largest.fanout_ms, 0.99)
@@ -627,10 +881,56 @@ def _goals(servers: list[ServersRow], watchers: list[WatchRow], pollers: list[Po
     return lines
 
 
+STORMS_START = "<!-- storms and follower: python -m bench.scale --only storms -->"
+STORMS_END = "<!-- end of storms and follower -->"
+
+
+def _read_if_there(path: Path) -> str:
+    return path.read_text(encoding="utf-8") if path.exists() else ""
+
+
+async def run_storms(plan: ScalePlan, out: Path | None) -> str:
+    """Only the change storms and the flooded follower (`--only storms`), spliced into the report at `out` between
+    its markers (the other sections stay as their last full run wrote them)."""
+    load_start, started = load_average(), time.monotonic()
+    servers = Child("servers", str(10 + plan.storm_instances))
+    try:
+        ports: list[int] = servers.info["ports"]
+        storm_rows = await measure_storms(ports, plan)
+        follower_row = await asyncio.to_thread(measure_follower, ports, plan)
+    finally:
+        servers.stop()
+        await close_aio_channels()
+    goals = _goals([], [], [], storm_rows, follower_row)[1:]
+    section = "\n".join(
+        [
+            STORMS_START,
+            *_storm_lines(storm_rows, plan)[1:],
+            *_follower_lines(follower_row, plan),
+            "",
+            f"(These two sections: `python -m bench.scale --only storms` in {time.monotonic() - started:.0f} s, "
+            f"load average {load_start} at the start and {load_average()} at the end.)",
+            "",
+            *[line.replace("## Goals", "### Goals of these two sections") for line in goals],
+            STORMS_END,
+        ]
+    )
+    if out is None:
+        return section
+    text = await asyncio.to_thread(_read_if_there, out)
+    if STORMS_START in text and STORMS_END in text:
+        head, rest = text.split(STORMS_START, 1)
+        text = head + section + rest.split(STORMS_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    await asyncio.to_thread(out.write_text, text, encoding="utf-8")
+    return section
+
+
 async def run(plan: ScalePlan, out: Path | None) -> str:
     load_start = load_average()
     started = time.monotonic()
-    servers = Child("servers", str(max(max(plan.servers), 10)))
+    servers = Child("servers", str(max(max(plan.servers), 10 + plan.storm_instances)))
     try:
         ports: list[int] = servers.info["ports"]
         print("servers:", file=sys.stderr)
@@ -639,6 +939,10 @@ async def run(plan: ScalePlan, out: Path | None) -> str:
         watch_rows = await measure_watchers(servers, ports, plan)
         print("pollers:", file=sys.stderr)
         poll_rows = await measure_pollers(servers, ports, plan)
+        print("storms:", file=sys.stderr)
+        storm_rows = await measure_storms(ports, plan)
+        print("follower:", file=sys.stderr)
+        follower_row = await asyncio.to_thread(measure_follower, ports, plan)
     finally:
         servers.stop()
         await close_aio_channels()
@@ -650,6 +954,8 @@ async def run(plan: ScalePlan, out: Path | None) -> str:
         plan,
         (load_start, load_average()),
         time.monotonic() - started,
+        storm_rows,
+        follower_row,
     )
     if out is not None:
         await asyncio.to_thread(out.write_text, text, encoding="utf-8")
@@ -660,6 +966,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, seconds; no file unless --out")
     parser.add_argument("--out", type=Path, help=f"where to write the report (default: {SCALE_PATH})")
+    parser.add_argument(
+        "--only",
+        choices=["storms"],
+        help="only the change storms and the flooded follower, spliced into the report",
+    )
     args = parser.parse_args()
     for name in (
         "http_proxy",
@@ -672,7 +983,8 @@ def main() -> None:
     ):
         os.environ.pop(name, None)
     out = args.out if args.out is not None or args.quick else SCALE_PATH
-    text = asyncio.run(run(QUICK if args.quick else FULL, out))
+    plan = QUICK if args.quick else FULL
+    text = asyncio.run(run_storms(plan, out) if args.only == "storms" else run(plan, out))
     print(text)
 
 

@@ -4,6 +4,13 @@
   receives. Commands on stdin, one per line, each answered with one JSON line: `stop I` closes listener I (its
   port then refuses, as a dead server's does), `start I` listens on its port again, `counts` returns every
   listener's request count.
+* `watchers ADDRESS COUNT`: COUNT status watches of the head at ADDRESS, over a connection per 100 streams, each
+  noting the highest `step` label any instance carried in what it received. Commands: `target STEP` (from now on,
+  each watch notes when it first holds STEP, and counts its messages), `wait TIMEOUT` (until every watch holds the
+  target: when the last one got there, and each watch's message count).
+* `flood CONFIG INSTANCES [quiet]`: bench/flood_head.py's hostile head (a flood of INSTANCES-instance changes).
+* `worker HEAD`: a rollout worker: a ServerClient loaded from the head at HEAD (so it follows the head's instances)
+  calling `policy_model`; `run SECONDS` calls it back to back for that long and answers the calls per second.
 * `head CONFIG OPTIONS`: a gym_rpc head serving the config document in the JSON file CONFIG, with HeadOptions
   from the JSON text OPTIONS, so its CPU and memory are its own (read from /proc by the bench).
 
@@ -20,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +97,126 @@ async def serve_listeners(count: int) -> None:
         if not line:  # the bench went away
             return
         print(json.dumps(await listeners.command(line)), flush=True)
+
+
+# --- many watches in one process --------------------------------------------------------------------------------
+
+
+class WatchProcess:
+    """COUNT raw status watches; each remembers the highest `step` label it has received."""
+
+    def __init__(self, address: str, count: int) -> None:
+        self.address, self.count = address, count
+        self.best = [-1] * count
+        self.messages = [0] * count
+        self.reached: list[float | None] = [None] * count
+        self.target: int | None = None
+        self.ready = 0
+        self.errors: list[str] = []
+
+    async def start(self) -> list[Any]:
+        import grpc
+
+        from gym_rpc.v1 import control_plane_pb2 as pb
+        from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
+
+        channels = [
+            grpc.aio.insecure_channel(self.address, options=[("grpc.enable_http_proxy", 0), ("bench.watchers", i)])
+            for i in range((self.count + 99) // 100)
+        ]
+        request = pb.WatchServerStatusesRequest()
+        request.heartbeat_interval.FromSeconds(60)
+
+        async def follow(index: int) -> None:
+            stub = pb_grpc.ControlPlaneServiceStub(channels[index // 100])
+            try:
+                first = True
+                async for message in stub.WatchServerStatuses(request):
+                    now = time.time()
+                    if first:
+                        self.ready += 1
+                        first = False
+                    self.messages[index] += 1
+                    for report in message.reports:
+                        for instance in report.instances:
+                            step = instance.labels.get("step")
+                            if step is not None and int(step) > self.best[index]:
+                                self.best[index] = int(step)
+                    target = self.target
+                    if target is not None and self.reached[index] is None and self.best[index] >= target:
+                        self.reached[index] = now
+            except grpc.aio.AioRpcError as error:
+                self.errors.append(f"{error.code().name}: {error.details()}")
+
+        return [asyncio.create_task(follow(i)) for i in range(self.count)]
+
+    async def command(self, line: str) -> Any:
+        verb, _, argument = line.strip().partition(" ")
+        if verb == "target":
+            self.target = int(argument)
+            self.messages = [0] * self.count
+            self.reached = [t if b >= self.target else None for t, b in zip(self.reached, self.best, strict=True)]
+            return {"ok": verb}
+        if verb == "wait":
+            deadline = time.monotonic() + float(argument)
+            while any(r is None for r in self.reached) and time.monotonic() < deadline:  # noqa: ASYNC110 (polled)
+                await asyncio.sleep(0.01)
+            reached = [r for r in self.reached if r is not None]
+            return {
+                "last": max(reached) if reached else None,
+                "missing": self.count - len(reached),
+                "messages": self.messages,
+                "errors": self.errors[:3],
+            }
+        raise ValueError(f"unknown command {line!r}")
+
+
+async def serve_watchers(address: str, count: int) -> None:
+    watchers = WatchProcess(address, count)
+    tasks = await watchers.start()
+    deadline = time.monotonic() + 300
+    while watchers.ready < count and not watchers.errors and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
+    if watchers.ready < count:
+        print(f"only {watchers.ready} of {count} watches started: {watchers.errors[:3]}", flush=True)
+        return
+    print(READY_PREFIX + json.dumps({"watchers": count}), flush=True)
+    loop = asyncio.get_running_loop()
+    while True:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line:
+            for task in tasks:
+                task.cancel()
+            return
+        print(json.dumps(await watchers.command(line)), flush=True)
+
+
+# --- a worker ----------------------------------------------------------------------------------------------------
+
+
+async def serve_worker(head: str) -> None:
+    from gym_rpc.client import ServerClient
+    from gym_rpc.config import BaseServerConfig
+
+    host, _, port = head.rpartition(":")
+    client = ServerClient.load_from_global_config(BaseServerConfig(host=host, port=int(port)))
+    response = await client.post("policy_model", "/v1/responses", json={})
+    assert response.status == 200, response.status
+    print(READY_PREFIX + json.dumps({"ok": True}), flush=True)
+    loop = asyncio.get_running_loop()
+    while True:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line:
+            await client.aclose()
+            return
+        seconds = float(line.split()[1])
+        calls, started, cpu = 0, time.monotonic(), time.process_time()
+        while time.monotonic() - started < seconds:
+            await client.post("policy_model", "/v1/responses", json={})
+            calls += 1
+        elapsed, cpu = time.monotonic() - started, time.process_time() - cpu
+        # process_time: every thread of the worker (its event loop, the follower, gRPC's own threads)
+        print(json.dumps({"calls_per_second": calls / elapsed, "calls_per_cpu_second": calls / cpu}), flush=True)
 
 
 # --- a head on its own -------------------------------------------------------------------------------------------
@@ -183,10 +311,19 @@ def main() -> None:
     if role == "servers":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         asyncio.run(serve_listeners(int(sys.argv[2])))
+    elif role == "flood":
+        from bench.flood_head import serve
+
+        document = json.loads(Path(sys.argv[2]).read_text(encoding="utf-8"))
+        asyncio.run(serve(document, int(sys.argv[3]), flood=sys.argv[4:] != ["quiet"]))
+    elif role == "worker":
+        asyncio.run(serve_worker(sys.argv[2]))
+    elif role == "watchers":
+        asyncio.run(serve_watchers(sys.argv[2], int(sys.argv[3])))
     elif role == "head":
         asyncio.run(serve_head(json.loads(Path(sys.argv[2]).read_text(encoding="utf-8")), sys.argv[3]))
     else:
-        raise SystemExit(f"unknown role {role!r}: servers K | head CONFIG OPTIONS")
+        raise SystemExit(f"unknown role {role!r}: servers K | watchers ADDRESS COUNT | flood | worker | head")
 
 
 if __name__ == "__main__":

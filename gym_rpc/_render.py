@@ -310,16 +310,20 @@ def format_wide_table(
 
 
 def summary_line(reports: Sequence[StatusReport], allowed_down: Iterable[str] = ()) -> str:
-    """`3/4 up`, then the servers that are not (`; down: gone (connection_error)`), exempted ones marked."""
+    """`3/4 up`, then the servers that are not (`; down: gone (connection_error)`), exempted ones marked, and those
+    the head has not probed yet (`; warming, not probed yet: new`)."""
     allowed = set(allowed_down)
     up = sum(1 for r in reports if is_up(r))
-    down = [r for r in reports if not is_up(r)]
+    down = [r for r in reports if not is_up(r) and r.status is not None]
+    pending = [r.server_name for r in reports if r.status is None]
     line = f"{up}/{len(reports)} up"
     if down:
         names = ", ".join(
             f"{r.server_name} ({status_text(r)}{', allowed' if r.server_name in allowed else ''})" for r in down
         )
         line += f"; down: {names}"
+    if pending:  # the head has not probed them yet (it just started, or they just came): warming, not down
+        line += f"; warming, not probed yet: {', '.join(pending)}"
     return line
 
 

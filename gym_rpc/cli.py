@@ -67,7 +67,15 @@ from gym_rpc.config import (
     url_host,
 )
 from gym_rpc.errors import ConfigError, ControlPlaneError, GymRpcError, HeadUnreachableError, UnknownServerError
-from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR, EngineLoad, InstanceReport, ServerInstance, StatusReport, WatchEvent
+from gym_rpc.wire import (
+    HEAD_ADDRESS_ENV_VAR,
+    EngineLoad,
+    InstanceReport,
+    ServerInstance,
+    StatusReport,
+    StatusSnapshot,
+    WatchEvent,
+)
 
 if TYPE_CHECKING:
     from gym_rpc.server import HeadServer
@@ -82,6 +90,7 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell shows for a command whose 
 
 DEFAULT_HEAD = "127.0.0.1:11000"
 DEFAULT_WAIT_TIMEOUT_SECONDS = 300.0
+WARM_UP_POLL_SECONDS = 0.1  # `status` asks a warming head again this often
 OUTPUT_FORMATS = ("table", "json", "jsonl", "yaml")
 STATUS_FORMATS = (*OUTPUT_FORMATS, "wide")  # wide: the table with labels and calls in flight, a line per instance
 CONFIG_FORMATS = ("yaml", "json", "jsonl")
@@ -725,15 +734,34 @@ def cmd_status(args: argparse.Namespace) -> int:
     client = _client(args)
     if args.watch:
         return _watch_status(client, args)
-    instances = _instances(client)
     snapshot = client.list_server_statuses()
     reports = snapshot.reports
     _require_known(args.allow_down, reports, "--allow-down")
     _require_known(args.servers, reports, "status")
     if args.servers:
         reports = [r for r in reports if r.server_name in args.servers]
+    snapshot, reports = _after_warm_up(client, snapshot, args.servers, time.monotonic() + args.timeout)
+    instances = _instances(client)
     _print_statuses(reports, instances, args.output, args.allow_down, snapshot.engine_loads)
     return EXIT_DOWN if _not_up(reports, args.allow_down) else EXIT_OK
+
+
+def _after_warm_up(
+    client: SyncControlClient, snapshot: StatusSnapshot, names: Sequence[str], deadline: float
+) -> tuple[StatusSnapshot, list[StatusReport]]:
+    """The head's statuses (those of `names`, or all) once it has probed every server among them: a head that just
+    started (or restarted) has not yet, and its servers are pending, not down. Asked again every
+    WARM_UP_POLL_SECONDS until `deadline`."""
+
+    def chosen(statuses: StatusSnapshot) -> list[StatusReport]:
+        return [r for r in statuses.reports if not names or r.server_name in names]
+
+    reports = chosen(snapshot)
+    while any(report.status is None for report in reports) and time.monotonic() < deadline:
+        time.sleep(WARM_UP_POLL_SECONDS)
+        snapshot = client.list_server_statuses()
+        reports = chosen(snapshot)
+    return snapshot, reports
 
 
 def watch_events(

@@ -1,6 +1,6 @@
 """The instance follower is bounded (issue 43, point 8): a head pushing a flood of big changes costs the worker's
 process at most a tenth of a core, and the worker's calls go on. The head is a real gRPC server in a process of
-its own (tests/flood_head.py) writing 2,000-instance changes as fast as it can; the worker is a real ServerClient
+its own (bench/flood_head.py) writing 2,000-instance changes as fast as it can; the worker is a real ServerClient
 in this process, calling a real aiohttp server."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def flood_head(tmp_path: Path, doc: dict, instances: int) -> Iterator[int]:
     path = tmp_path / "flood.json"
     path.write_text(json.dumps(doc), encoding="utf-8")
     process = subprocess.Popen(
-        [sys.executable, "-m", "tests.flood_head", str(path), str(instances)],
+        [sys.executable, "-m", "bench.flood_head", str(path), str(instances)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

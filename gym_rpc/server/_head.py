@@ -34,6 +34,7 @@ from gym_rpc.errors import ConfigError, GymRpcError
 from gym_rpc.metrics import metrics_disabled, setup_metrics
 from gym_rpc.server import _events as events
 from gym_rpc.server import _metrics as head_metrics
+from gym_rpc.server import _registrations_file as registrations_file
 from gym_rpc.server._address_policy import AddressPolicy
 from gym_rpc.server._bad_requests import DecodeGuardInterceptor
 from gym_rpc.server._connect import ConnectServer
@@ -112,6 +113,9 @@ class HeadOptions:
     # Status changes are pushed to watchers once nothing changed for this long, and never held longer than the max
     # (gym_rpc.server._pushes): a storm of changes reaches each watcher as a few merged messages.
     push_quiet_seconds: float = DEFAULT_QUIET_SECONDS
+    # Registrations survive a restart: kept in `<config>.registrations.json` beside a config file (none without
+    # one) and taken back at start (gym_rpc.server._registrations_file).
+    keep_registrations: bool = True
     push_max_delay_seconds: float = DEFAULT_MAX_DELAY_SECONDS
 
     def __post_init__(self) -> None:
@@ -201,6 +205,7 @@ class HeadServer:
         self._connect: ConnectServer | None = None
         self._metrics_server: MetricsServer | None = None
         self._servicer: ControlPlaneServicer | None = None
+        self._registrations_file: registrations_file.RegistrationsFile | None = None
         self._running_reload: asyncio.Task[bool] | None = None
         self._next_reload: asyncio.Task[bool] | None = None  # shared by every caller arriving while one runs
         self.registrations_off: str | None = None  # why registrations are refused (an open head), None: taken
@@ -329,6 +334,7 @@ class HeadServer:
             refuse_busy_port(self.host, security.health_port, "head_server.health_port")
             health_server = build_health_server(self._health)
             self.health_port = ServerSecurity().add_port(health_server, self.host, security.health_port)
+        await self._restore_registrations()  # before the prober starts: its first round probes them too
         await self.prober.start()  # before the first call can arrive: handlers read its reports
         await self.engine_loads.start()
         self.registry.start_expiry(self.prober)
@@ -408,10 +414,32 @@ class HeadServer:
             self._server = None
         await self.registry.stop_expiry()
         await self.engine_loads.stop()
+        if self._registrations_file is not None:
+            await self._registrations_file.stop()
+            self._registrations_file = None
         await self.prober.stop()  # after the last call: in-flight handlers still read and probe through it
         if self._health_server is not None:
             await self._health_server.stop(None)
             self._health_server = None
+
+    @property
+    def registrations_path(self) -> Path | None:
+        """Where registrations are kept across restarts (None: not kept: no config file, or turned off)."""
+        path = self.config_path
+        return registrations_file.beside(path) if path is not None and self.options.keep_registrations else None
+
+    async def _restore_registrations(self) -> None:
+        """Take back what the head before this one kept, and keep what changes from now on."""
+        path = self.registrations_path
+        if path is None:
+            return
+        restored = self.registry.restore(registrations_file.read(path))
+        if restored:
+            logger.info("took back %d registrations kept in %s (each with a fresh lease)", restored, path)
+            await self.registry.update_prober(self.prober)
+        self._registrations_file = registrations_file.RegistrationsFile(path, self.registry.entries)
+        self.registry.on_change = self._registrations_file.changed
+        self._registrations_file.start()
 
     async def reload(self) -> bool:
         """Load the config from the source now (SIGHUP, ReloadGlobalConfig); True when it changed. A bad config

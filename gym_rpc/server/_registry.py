@@ -149,6 +149,9 @@ class InstanceRegistry:
         # instance in O(1), not by a walk over the server's instances.
         self._by_address: dict[str, dict[str, str]] = {}
         self.limits = RegistrationLimits()  # the caps and rate of head_server.registration (set at start)
+        # Told of every change the prober follows (not of renewals): the head keeps registrations across a restart
+        # (gym_rpc.server._registrations_file).
+        self.on_change: Callable[[], None] = lambda: None
 
     def __len__(self) -> int:
         return sum(len(registrations) for registrations in self._registrations.values())
@@ -441,9 +444,30 @@ class InstanceRegistry:
             )
         return _held(InstanceTarget(key, held.advertised_url, "registered"), held) if held is not None else None
 
+    def entries(self) -> list[tuple[str, InstanceRegistration]]:
+        """Every registration with the id of the instance it holds, in the order they first registered."""
+        return [
+            (key, held) for registrations in self._registrations.values() for key, held in registrations.items()
+        ]
+
+    def restore(self, entries: Iterable[tuple[str, InstanceRegistration]]) -> int:
+        """Take back registrations an earlier head process held (gym_rpc.server._registrations_file), each at the
+        instance it held; those of servers the config no longer has are left out. How many were taken."""
+        servers = self._servers()
+        taken = 0
+        for instance_id, registration in entries:
+            name = registration.server_name
+            if name in servers and instance_id not in self._registrations.get(name, {}):
+                self._registrations.setdefault(name, {})[instance_id] = registration
+                self._by_address.setdefault(name, {})[registration.advertised_id] = instance_id
+                self.limits.added(registration.peer_host)
+                taken += 1
+        return taken
+
     async def update_prober(self, prober: StatusTargets, names: Iterable[str] | None = None) -> None:
         """Point the prober at the instances of the servers `names` (None: of every server, after a reload) as
         the config has them when the lock is held, so a registration racing a reload never leaves a stale URL."""
+        self.on_change()
         async with self._lock:
             current = self._servers()
             if names is None:

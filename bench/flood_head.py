@@ -1,8 +1,9 @@
-"""A hostile head for follower tests and the scale bench (`python -m tests.flood_head CONFIG_JSON INSTANCES`): a
-real grpc.aio server that answers GetGlobalConfig with the config document in the file CONFIG_JSON and, on every
-status watch, a snapshot and then changes as fast as it can write them, each relabelling INSTANCES instances of
-the server `flooded` (which the config names, and which no worker calls). It prints `READY {"port": N}` once it
-serves, and runs until its stdin closes."""
+"""A hostile head for the scale bench and tests/test_follower_bound.py (`python -m bench.flood_head CONFIG_JSON
+INSTANCES [quiet]`): a real grpc.aio server that answers GetGlobalConfig with the config document in the file
+CONFIG_JSON and, on every status watch, a snapshot and then changes as fast as it can write them, each relabelling
+INSTANCES instances of the server `flooded` (which the config names, and which no worker calls); `quiet` sends the
+snapshot alone (the same head without the flood, to compare with). It prints `READY {"port": N}` once it serves,
+and runs until its stdin closes."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def flood_message(
     return message.SerializeToString()
 
 
-async def serve(document: dict[str, Any], instances: int) -> None:
+async def serve(document: dict[str, Any], instances: int, flood: bool = True) -> None:
     config_answer = convert.global_config_to_pb(
         GlobalConfig.from_document(document), include_secrets=False
     ).SerializeToString()
@@ -58,6 +59,8 @@ async def serve(document: dict[str, Any], instances: int) -> None:
     async def watch(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         yield flood_message(1, instances, pb.WATCH_EVENT_TYPE_SNAPSHOT)
         index = 0
+        if not flood:
+            await asyncio.Event().wait()  # the quiet head: nothing more, ever
         while True:
             yield changes[index % 2]
             index += 1
@@ -76,4 +79,5 @@ async def serve(document: dict[str, Any], instances: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(serve(json.loads(Path(sys.argv[1]).read_text(encoding="utf-8")), int(sys.argv[2])))
+    document = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
+    asyncio.run(serve(document, int(sys.argv[2]), flood=sys.argv[3:] != ["quiet"]))
