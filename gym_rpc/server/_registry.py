@@ -417,6 +417,7 @@ class InstanceRegistry:
         """Point the prober at the instances `keys` of server `name` as they are now (held, ended or gone): the
         cost of those instances, not of the server's. A wildcard-bound config instance moves with its holder, so
         such a server is given whole."""
+        self.on_change()
         async with self._lock:
             entry = self._servers().get(name)
             if entry is None:
