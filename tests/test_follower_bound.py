@@ -24,9 +24,11 @@ from gym_rpc.client._follower import close_instance_followers
 from gym_rpc.config import BaseServerConfig
 from tests.conftest import LOOPBACK, document, server_entry
 
+pytestmark = pytest.mark.process
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 INSTANCES = 2000
-FLOOD_SECONDS = 4.0
+FLOOD_SECONDS = 8.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 

@@ -26,6 +26,8 @@ from gym_rpc.server import _registrations_file as registrations_file
 from tests.cli_helpers import run_cli, running_head
 from tests.conftest import LOOPBACK, document, server_entry
 
+pytestmark = pytest.mark.process
+
 NAME = "sessions"
 REPLICAS = 3
 ROLLOUTS = 40

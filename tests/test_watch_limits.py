@@ -109,6 +109,7 @@ def test_peer_address_drops_the_port(peer: str, address: str) -> None:
     assert peer_address(peer) == address
 
 
+@pytest.mark.process
 async def test_the_cli_sets_the_per_address_cap(tmp_path) -> None:
     """`gym-rpc head --max-watches-per-address N`: the N+1st watch from one address is refused naming N (before
     it, only the Python API could raise or lower that cap)."""
