@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import logging
 import time
@@ -359,6 +360,14 @@ class _Run(Generic[Result]):
             self._outcome = (False, error)
 
 
+@functools.cache
+def _raising(rpc: AnyRpc[Result]) -> AnyRpc[Result]:
+    """`rpc` without its `on_error`: its failure raised, so that several heads' failover sees it."""
+    twin = copy.copy(rpc)
+    twin.on_error = None
+    return twin
+
+
 class _Transport:
     """What both flavours share: the head's address, the default deadline, the token and TLS."""
 
@@ -487,6 +496,12 @@ class BlockingTransport(_Transport, BlockingCallPath):
         return run.result
 
     def _failover(self, rpc: AnyRpc[Result], call: Call[Any]) -> Result:
+        if rpc.on_error is not None:  # a row whose failure is a result: that result only once every head failed
+            try:
+                raising: AnyRpc[Result] = _raising(rpc)
+                return self._failover(raising, call)
+            except ControlPlaneError as error:
+                return rpc.on_error(error.code)
         steps = self._failover_steps(rpc, call)
         member, this_call = next(steps)
         while True:
@@ -527,6 +542,12 @@ class AsyncTransport(_Transport, AsyncCallPath):
         return run.result
 
     async def _failover(self, rpc: AnyRpc[Result], call: Call[Any]) -> Result:
+        if rpc.on_error is not None:  # a row whose failure is a result: that result only once every head failed
+            try:
+                raising: AnyRpc[Result] = _raising(rpc)
+                return await self._failover(raising, call)
+            except ControlPlaneError as error:
+                return rpc.on_error(error.code)
         steps = self._failover_steps(rpc, call)
         member, this_call = next(steps)
         while True:
