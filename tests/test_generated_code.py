@@ -16,7 +16,7 @@ PB2_ALLOWED_DIRS = (
     REPO_ROOT / "gym_rpc" / "v1",
     REPO_ROOT / "gym_rpc" / "wire",
     REPO_ROOT / "gym_rpc" / "client" / "_control.py",
-    REPO_ROOT / "gym_rpc" / "client" / "_rpc.py",  # the call path: stubs per channel
+    REPO_ROOT / "gym_rpc" / "client" / "_heads.py",  # the gRPC head: stubs per channel
     REPO_ROOT
     / "gym_rpc"
     / "client"
