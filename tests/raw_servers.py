@@ -26,6 +26,14 @@ async def start_ok_server(middlewares: Sequence[Any] = ()) -> tuple[web.AppRunne
     return runner, int(runner.addresses[0][1])
 
 
+def _content_length(head: bytes) -> int:
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
 async def start_dropping_server(drops: int | Callable[[int], bool]) -> tuple[asyncio.Server, int, list[int]]:
     """A raw HTTP server that reads and then drops the first `drops` connections without answering (or those whose
     number, from 1, `drops` picks), and answers 200 on the others. Returns the server, its port and a one-item list
@@ -36,7 +44,10 @@ async def start_dropping_server(drops: int | Callable[[int], bool]) -> tuple[asy
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections[0] += 1
         try:
-            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            # The whole request, body included, before the drop: a drop while the client still writes its body
+            # would be a drop *before* the request was written, a resend kind of its own (a 4th connection).
+            await asyncio.wait_for(reader.readexactly(_content_length(head)), 5)
             if not dropped(connections[0]):
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
                 await writer.drain()

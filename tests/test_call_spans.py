@@ -72,7 +72,7 @@ def header_of(span: ReadableSpan) -> str:
     ("parent", "path", "status_code"),
     [
         pytest.param("rollout", "/200", trace.StatusCode.UNSET, id="answered, under its rollout's span"),
-        pytest.param("rollout", "/503", trace.StatusCode.ERROR, id="a 5xx answer: an error"),
+        pytest.param("rollout", "/500", trace.StatusCode.ERROR, id="a 5xx answer: an error"),
         pytest.param("rollout", "/404", trace.StatusCode.ERROR, id="a 4xx answer: a client's error"),
         pytest.param("none", "/200", trace.StatusCode.UNSET, id="a root span"),
         pytest.param("remote", "/200", trace.StatusCode.UNSET, id="a remote parent with trace state"),
@@ -327,3 +327,17 @@ class FieldsOfItsOwn(W3CBaggagePropagator):
     @property
     def fields(self) -> set[str]:
         return {"x-trace"}
+
+
+async def test_a_503_answer_is_backpressure_resent_and_its_span_counts_the_resends(
+    traced: Callable[..., Traced], receiver: Receiver, client_of: Callable[[int], ServerClient]
+) -> None:
+    """A 503 from a server of one instance is backpressure (resent within http_client.retry.backpressure, 4
+    attempts by default): the one span of the call counts the resends and ends with the last answer, an error."""
+    made = traced()
+    client = client_of(receiver.port)
+    assert await under("rollout", lambda: post(client, "/503")) == 503
+    [span] = made.clients()
+    attributes = dict(span.attributes or {})
+    assert (attributes["http.request.resend_count"], attributes["http.response.status_code"]) == (3, 503)
+    assert span.status.status_code is trace.StatusCode.ERROR and len(receiver.requests) == 4
