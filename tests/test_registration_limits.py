@@ -82,8 +82,11 @@ async def test_each_cap_and_the_rate_name_their_setting(tmp_path: Path) -> None:
         ({"max_instances": 5}, "its cap (head_server.registration.max_instances)"),
         ({"registration_burst": 5, "registrations_per_second": 0.01}, "registrations_per_second"),
     ]
-    for caps, named in cases:
-        with running_head(_config(tmp_path, ports, **caps)) as head:
+    for number, (caps, named) in enumerate(cases):
+        # A folder per head: a head keeps its registrations beside its config, and the next would take them back.
+        folder = tmp_path / f"head-{number}"
+        folder.mkdir()
+        with running_head(_config(folder, ports, **caps)) as head:
             client = ControlClient(head.address)
             outcomes = [await _register(client, ("policy", "other")[i % 2], i) for i in range(6)]
             assert outcomes[:5] == ["OK"] * 5, (caps, outcomes)
