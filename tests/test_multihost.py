@@ -210,6 +210,7 @@ def test_worker_reaches_a_wildcard_server_on_another_host(hosts: TestHosts, tmp_
         "0.2",
         "--probe-timeout",
         "1",
+        "--open-registrations",  # a head beyond loopback without a token takes registrations only when told to
     )
     wait_for_line(head, "listening on")
     server = hosts.start("server", sys.executable, "-c", SERVER_SCRIPT, head_address, str(SERVER_PORT))
