@@ -184,13 +184,17 @@ async def test_kill_9_during_rollouts_moves_only_the_dead_replicas_rollouts(
     killed: list[int] = []
 
     def kill_once(done: int) -> None:
-        """From 60 rollouts on, kill the replica of a rollout in flight that has answered calls (and has more to
-        make): which replicas the rollouts in flight stick to depends on the ports, so a fixed victim sometimes
-        had none of them, and nothing was there to move."""
-        started = [number for number in in_flight if paths.get(number)]
+        """From 60 rollouts on, kill the replica of a rollout in flight that has answered calls and has two or more
+        to make: which replicas the rollouts in flight stick to depends on the ports, so a fixed victim sometimes
+        had none of them. The victim's call in flight may still be answered (its reply can be in the socket before
+        the kill), so only a second call is sure to find the replica dead; the wait for the death itself (a few ms,
+        the loop held) makes that second call come after it."""
+        started = [number for number in in_flight if 0 < len(paths.get(number, ())) <= per_rollout - 2]
         if done >= 60 and not killed and started:
             port = paths[started[0]][-1]
-            os.kill(processes[ports.index(port)].pid, signal.SIGKILL)
+            victim = processes[ports.index(port)].process
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(timeout=10)
             killed.append(port)
 
     failures = await run_calls(CALLS // per_rollout, 16, one_rollout, kill_once)
