@@ -23,7 +23,7 @@ import orjson
 
 from bench.data_plane import JSON_HEADERS, PAYLOAD, SERVER_NAME, make_client, raw_session
 from bench.stats import Row, median
-from gym_rpc.client._http import close_http_sessions
+from gym_rpc.client.data._http import close_http_sessions
 
 Call = Callable[[], Awaitable[None]]
 # The goal (DESIGN's performance targets): what ServerClient.post keeps alive beyond raw aiohttp's.

@@ -24,8 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from bench.servers import wait_until
 from bench.stats import Row, Samples, interleaved_latencies, ratio_row
-from gym_rpc.client._channel import close_sync_channels
-from gym_rpc.client._control import SyncControlClient
+from gym_rpc.client.control._channel import close_sync_channels
+from gym_rpc.client.control._clients import SyncControlClient
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 

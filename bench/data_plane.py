@@ -35,8 +35,8 @@ from omegaconf import OmegaConf
 from bench.servers import ServerProcess, pinned_apart
 from bench.side_worker import rounds_per_pair, side_pair
 from bench.stats import Row, interleaved_latencies, median, ratio_row, spread_text, table_lines
-from gym_rpc.client._http import json_payload
-from gym_rpc.client._http_settings import HttpClientSettings
+from gym_rpc.client.data._http import json_payload
+from gym_rpc.client.data._http_settings import HttpClientSettings
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 

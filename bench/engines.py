@@ -236,7 +236,7 @@ def turn_body(prompt: int, rollout: int, turns_before: int) -> dict[str, Any]:
 
 class _Engine:
     def __init__(self, url: str) -> None:
-        from gym_rpc.client._picker import stable_key
+        from gym_rpc.client.replicas._picker import stable_key
 
         self.url = url
         self.key = stable_key(url.removeprefix("http://"))
@@ -245,11 +245,11 @@ class _Engine:
 
 async def work(picker: str, ports: list[int], worker: int, workload: Workload, router: str = "") -> dict[str, Any]:
     from gym_rpc.client import ServerClient, close_http_sessions, rollout_context
-    from gym_rpc.client._instances import InstanceState
-    from gym_rpc.client._outliers import OutlierDetection
-    from gym_rpc.client._picker import heaviest, slot_of
-    from gym_rpc.client._prompt_key import prompt_key
-    from gym_rpc.client._routing import RoutedCall, ServerRoute
+    from gym_rpc.client.replicas._instance_state import InstanceState
+    from gym_rpc.client.replicas._outliers import OutlierDetection
+    from gym_rpc.client.replicas._picker import heaviest, slot_of
+    from gym_rpc.client.replicas._prompt_key import prompt_key
+    from gym_rpc.client.replicas._routing import RoutedCall, ServerRoute
     from gym_rpc.config import BaseServerConfig, GlobalConfig
 
     urls = [f"http://{LOOPBACK}:{port}" for port in ports]

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 from bench.data_plane import PATH, PAYLOAD, SERVER_NAME, Block, compare, make_client, ours_post
 from bench.stats import Row, median, percentile, ratio_row
-from gym_rpc.client._http import close_http_sessions
-from gym_rpc.client._resend_budget import new_call_count
+from gym_rpc.client.data._http import close_http_sessions
+from gym_rpc.client.resend._budget import new_call_count
 from gym_rpc.client.server_client import ServerClient, _DataPlane
 
 if TYPE_CHECKING:
-    from gym_rpc.client._http_pools import HttpPools
-    from gym_rpc.client._routing import Routing
+    from gym_rpc.client.data._http_pools import HttpPools
+    from gym_rpc.client.replicas._routing import Routing
     from gym_rpc.config import GlobalConfig
 
 NO_IO_CALLS = 2000  # per block

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 from bench.data_plane import SERVER_NAME, make_client
 from bench.stats import Row, Samples, fmt_ms
-from gym_rpc.client._channel import close_aio_channels
-from gym_rpc.client._control import ControlClient
-from gym_rpc.client._http import close_http_sessions
+from gym_rpc.client.control._channel import close_aio_channels
+from gym_rpc.client.control._clients import ControlClient
+from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient
 
 AREA = "isolation"

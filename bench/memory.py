@@ -37,7 +37,7 @@ def rss_mb(field: str = "VmRSS") -> float:
 async def in_flight_child(mode: str, port: int, requests: int, hold: float, connections: int) -> dict[str, Any]:
     """`requests` calls started at once against a server that holds each for `hold` seconds."""
     from bench.data_plane import PAYLOAD, SERVER_NAME, make_client, raw_session
-    from gym_rpc.client._http import close_http_sessions
+    from gym_rpc.client.data._http import close_http_sessions
 
     path = f"/slow?seconds={hold}"
     client = make_client(port, http_client={"max_connections": connections, "connect_timeout_seconds": 60})

@@ -13,7 +13,7 @@ import sys
 
 from bench import flag_cost
 from bench.data_plane import Block, Post, run_block
-from gym_rpc.client._rollout import rollout_context
+from gym_rpc.client.data._rollout import rollout_context
 from gym_rpc.metrics import METRICS, enable_client_metrics
 
 

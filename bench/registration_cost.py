@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from gym_rpc.client._control import ControlClient
+from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.config import GlobalConfig
 from gym_rpc.server import HeadOptions, HeadServer
 

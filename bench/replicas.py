@@ -44,11 +44,11 @@ from bench.data_plane import JSON_HEADERS, PAYLOAD, raw_session
 from bench.servers import LOOPBACK, REPO_ROOT, ServerProcess, terminate, wait_until
 from bench.stats import Row, median, percentile
 from gym_rpc.client import ServerClient, close_http_sessions, rollout_context
-from gym_rpc.client._instances import Instance, InstanceState
-from gym_rpc.client._outliers import OutlierDetection
-from gym_rpc.client._picker import SLOTS, heaviest, stable_key
-from gym_rpc.client._prompt_key import prompt_key
-from gym_rpc.client._routing import RoutedCall, ServerRoute
+from gym_rpc.client.replicas._instance_state import Instance, InstanceState
+from gym_rpc.client.replicas._outliers import OutlierDetection
+from gym_rpc.client.replicas._picker import SLOTS, heaviest, stable_key
+from gym_rpc.client.replicas._prompt_key import prompt_key
+from gym_rpc.client.replicas._routing import RoutedCall, ServerRoute
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 
 NAME = "policy_model"
@@ -185,11 +185,11 @@ def affine_body(task: int, rollout: int, turn: int) -> dict[str, Any]:
 
 
 def affine_sides(plan: ReplicasPlan) -> dict[str, Callable[[int], object]]:
-    """A model server's route with no I/O (`affine`): the prompt read from the body (gym_rpc.client._prompt_key),
-    the prefix-affine pick (the rollout's last instance, else its prompt's preferred under the load bound), the
-    call counted in flight and its answer heard; among `pick_instances` instances, every prompt's preferred
-    instances ranked already (the state a run reaches), GRPO rollouts of `rollout_calls` turns, 8 per prompt, new
-    rollout ids in every block. `prompt`: reading the prompt alone."""
+    """A model server's route with no I/O (`affine`): the prompt read from the body
+    (gym_rpc.client.replicas._prompt_key), the prefix-affine pick (the rollout's last instance, else its prompt's
+    preferred under the load bound), the call counted in flight and its answer heard; among `pick_instances`
+    instances, every prompt's preferred instances ranked already (the state a run reaches), GRPO rollouts of
+    `rollout_calls` turns, 8 per prompt, new rollout ids in every block. `prompt`: reading the prompt alone."""
     answer: Any = SimpleNamespace(status=200, headers={}, connection=None)  # its body came with it
     per_rollout = plan.rollout_calls
     bodies = [[affine_body(task, 0, turn) for turn in range(per_rollout)] for task in range(AFFINE_PROMPTS)]

@@ -38,7 +38,7 @@ import grpc
 from bench.scale_procs import Child
 from bench.stats import median, percentile
 from gym_rpc.client import SyncControlClient
-from gym_rpc.client._channel import close_aio_channels
+from gym_rpc.client.control._channel import close_aio_channels
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 

@@ -146,7 +146,7 @@ async def _nothing() -> None:
 
 async def _serve(side: str, port: int, heap_records: int) -> None:
     from bench.data_plane import PATH, make_client, ours_post, raw_post, raw_session, rollout_buffers, run_block
-    from gym_rpc.client._http import close_http_sessions
+    from gym_rpc.client.data._http import close_http_sessions
 
     heap = rollout_buffers(heap_records)  # alive until the end: every full collection scans it
     session = raw_session() if side == "raw" else None

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from bench import flag_cost, tracing_peer
 from bench.data_plane import Block, Post, run_block
-from gym_rpc.client._rollout import rollout_context
+from gym_rpc.client.data._rollout import rollout_context
 from gym_rpc.telemetry import TRACING, setup_tracing
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from bench import flag_cost, tracing_peer
 from bench.data_plane import Block, Post, run_block
 from bench.tracing_cost import NO_WORSE_THAN_THE_PEER, install_sdk_provider
-from gym_rpc.client._rollout import rollout_context
+from gym_rpc.client.data._rollout import rollout_context
 from gym_rpc.telemetry import TRACING
 
 SAMPLED_FRACTION = 0.1

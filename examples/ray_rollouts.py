@@ -28,9 +28,9 @@ from typing import Any
 import ray
 from aiohttp import web
 
+from gym_rpc.cli.demo import MODEL_SERVER, RESOURCES_SERVER, DemoStats, demo_config, model_app
 from gym_rpc.client import ServerClient, rollout_context
 from gym_rpc.config import BaseServerConfig, parse_host_port
-from gym_rpc.demo import MODEL_SERVER, RESOURCES_SERVER, DemoStats, demo_config, model_app
 from gym_rpc.integrations import ServerRegistration, TraceContextPathMiddleware
 from gym_rpc.server import HeadOptions, HeadServer
 

@@ -45,7 +45,7 @@ __getattr__ = lazy_exports(
         "GlobalConfig": "gym_rpc.config",
         "ServerEntry": "gym_rpc.config",
         "ServerClient": "gym_rpc.client.server_client",
-        "current_rollout_id": "gym_rpc.client._rollout",
-        "rollout_context": "gym_rpc.client._rollout",
+        "current_rollout_id": "gym_rpc.client",
+        "rollout_context": "gym_rpc.client",
     },
 )

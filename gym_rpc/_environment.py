@@ -24,7 +24,7 @@ NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR = "NEMO_GYM_MODEL_SERVER_NAME"
 # NeMo Gym's telemetry switches (gym_rpc._telemetry_switches): NEMO_GYM_OTEL_<KEY>, else NEMO_LENS_<KEY>.
 NEMO_GYM_TELEMETRY_KEYS = ("ENABLED", "TRACES_ENABLED", "METRICS_ENABLED", "EXPORTER")
 NEMO_GYM_TELEMETRY_PREFIXES = ("NEMO_GYM_OTEL", "NEMO_LENS")
-# The CLI's flag defaults (gym_rpc._cli_flags.env_flag parses them, naming a bad one).
+# The CLI's flag defaults (gym_rpc.cli._flags.env_flag parses them, naming a bad one).
 TIMEOUT_ENV_VAR = "GYM_RPC_TIMEOUT"
 OUTPUT_ENV_VAR = "GYM_RPC_OUTPUT"
 LOG_LEVEL_ENV_VAR = "GYM_RPC_LOG_LEVEL"

@@ -27,9 +27,9 @@ extra; `OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf` picks HTTP over the default g
 asks for it, and a console exporter for `OTEL_TRACES_EXPORTER=console`.
 
 This module holds the decision and what both sides share (the tracer, attribute names, SERVER spans); each side
-keeps its own instrumentation: `gym_rpc.client._tracing` (control channels), `gym_rpc.client._http_tracing`
-(data-plane calls), `gym_rpc.server._tracing` (the head's interceptor), `gym_rpc.integrations._middleware`
-(receiving servers).
+keeps its own instrumentation: `gym_rpc.client.tracing._grpc_interceptors` (control channels),
+`gym_rpc.client.data._call_spans` (data-plane calls), `gym_rpc.server._tracing` (the head's interceptor),
+`gym_rpc.integrations._middleware` (receiving servers).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ import yaml
 from aiohttp import web
 from hypothesis import settings
 
-from gym_rpc.client._channel import close_aio_channels, close_sync_channels
 from gym_rpc.client._follower import close_instance_followers
+from gym_rpc.client.control._channel import close_aio_channels, close_sync_channels
 from gym_rpc.config import GlobalConfig
 from gym_rpc.server._head import HeadOptions, HeadServer
 from tests.support.tiers import (  # noqa: F401  (hooks: the process/build/load markers, kept true)

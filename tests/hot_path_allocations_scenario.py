@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 from omegaconf import OmegaConf
 
-from gym_rpc.client._http import close_http_sessions, json_payload
+from gym_rpc.client.data._http import close_http_sessions, json_payload
 from gym_rpc.client.server_client import ServerClient, rollout_context
 from gym_rpc.config import BaseServerConfig
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
@@ -120,7 +120,7 @@ async def unsampled() -> int:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
-    from gym_rpc.client._http_tracing import trace_context_headers
+    from gym_rpc.client.data._call_spans import trace_context_headers
 
     trace.set_tracer_provider(TracerProvider(sampler=ParentBased(TraceIdRatioBased(0.0))))
     async with counted_client(observability_enabled=True) as (client, counter, url):

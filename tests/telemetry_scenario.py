@@ -30,11 +30,11 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
-from gym_rpc.client._channel import close_aio_channels, close_sync_channels
-from gym_rpc.client._control import ControlClient
-from gym_rpc.client._rollout import apply_rollout_prefix, current_rollout_id, rollout_context
-from gym_rpc.client._tracing import aio_client_interceptors
+from gym_rpc.client.control._channel import close_aio_channels, close_sync_channels
+from gym_rpc.client.control._clients import ControlClient
+from gym_rpc.client.data._rollout import apply_rollout_prefix, current_rollout_id, rollout_context
 from gym_rpc.client.server_client import ServerClient
+from gym_rpc.client.tracing._grpc_interceptors import aio_client_interceptors
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.integrations._middleware import Receive, Scope, Send, TraceContextPathMiddleware
 from gym_rpc.server._head import HeadOptions, HeadServer

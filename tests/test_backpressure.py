@@ -16,9 +16,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gym_rpc.client._http import close_http_sessions, send
-from gym_rpc.client._resend_policy import RetryPolicy
-from gym_rpc.client._rollout import rollout_context
+from gym_rpc.client.data._http import close_http_sessions, send
+from gym_rpc.client.data._rollout import rollout_context
+from gym_rpc.client.resend._policy import RetryPolicy
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.errors import ConfigError, RequestTimeoutError

@@ -19,9 +19,9 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omegaconf import OmegaConf
 
-from gym_rpc.client._channel import aio_channel, close_aio_channels
-from gym_rpc.client._control import ControlClient
-from gym_rpc.client._security import ClientSecurity
+from gym_rpc.client.control._channel import aio_channel, close_aio_channels
+from gym_rpc.client.control._clients import ControlClient
+from gym_rpc.client.control._credentials import ClientSecurity
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, BaseServerConfig
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError

@@ -17,7 +17,7 @@ import grpc
 import pytest
 import yaml
 
-from gym_rpc.client._control import SyncControlClient
+from gym_rpc.client.control._clients import SyncControlClient
 from tests.cli_helpers import HeadProcess, running_head
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 

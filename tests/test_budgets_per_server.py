@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 from omegaconf import OmegaConf
 
-from gym_rpc.client._http import close_http_sessions
-from gym_rpc.client._resend_budget import RESEND_BUDGET
+from gym_rpc.client.data._http import close_http_sessions
+from gym_rpc.client.resend._budget import RESEND_BUDGET
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 from tests.conftest import LOOPBACK, closed_port, document, server_entry

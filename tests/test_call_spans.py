@@ -1,4 +1,4 @@
-"""A traced `ServerClient` call is one CLIENT span made on OpenTelemetry's public API (client/_http_tracing.py),
+"""A traced `ServerClient` call is one CLIENT span made on OpenTelemetry's public API (client/data/_call_spans.py),
 exported through the SDK's BatchSpanProcessor to an in-memory exporter, against real aiohttp servers on loopback:
 its name, parent, attributes and status; its context in the request's headers, as the global propagator writes
 them; no span for a child of an unsampled parent; and `send`'s own coroutine, whichever way the span goes."""
@@ -19,10 +19,11 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from gym_rpc.client import _http_tracing, rollout_context
-from gym_rpc.client._http import send
-from gym_rpc.client._http_tracing import is_default_propagator, traced_send
-from gym_rpc.client._resend_policy import RetryPolicy
+from gym_rpc.client import rollout_context
+from gym_rpc.client.data import _call_spans as _http_tracing
+from gym_rpc.client.data._call_spans import is_default_propagator, traced_send
+from gym_rpc.client.data._http import send
+from gym_rpc.client.resend._policy import RetryPolicy
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.errors import ServerUnreachableError
 from tests.conftest import LOOPBACK, closed_port

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gym_rpc.client._control import SyncControlClient
+from gym_rpc.client.control._clients import SyncControlClient
 from gym_rpc.config import (
     DEFAULT_HEAD_HOST,
     DEFAULT_HEAD_PORT,

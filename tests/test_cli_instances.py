@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gym_rpc.client._control import SyncControlClient
+from gym_rpc.client.control._clients import SyncControlClient
 from tests.cli_helpers import LOOPBACK, run_cli, running_cli, running_head, threaded_http_server
 from tests.conftest import document, server_entry
 from tests.test_cli import write_config

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from gym_rpc import __version__
-from gym_rpc.client._control import SyncControlClient
+from gym_rpc.client.control._clients import SyncControlClient
 from tests.cli_helpers import (
     LOOPBACK,
     CliProcess,

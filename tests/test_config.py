@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gym_rpc.client._http_settings import HttpClientSettings
+from gym_rpc.client.data._http_settings import HttpClientSettings
 from gym_rpc.config import (
     DEFAULT_HEAD_HOST,
     DEFAULT_HEAD_PORT,

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 import yaml
 
-from gym_rpc.client._control import SyncControlClient
+from gym_rpc.client.control._clients import SyncControlClient
 from tests.cli_helpers import HeadProcess, running_head
 from tests.conftest import LOOPBACK, document
 

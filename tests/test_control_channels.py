@@ -11,8 +11,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from gym_rpc.client._channel import close_aio_channels
-from gym_rpc.client._control import ControlClient
+from gym_rpc.client.control._channel import close_aio_channels
+from gym_rpc.client.control._clients import ControlClient
 from tests.conftest import LOOPBACK, document
 
 

@@ -19,9 +19,9 @@ from aiohttp import web
 from omegaconf import OmegaConf
 from pydantic import BaseModel
 
-from gym_rpc.client import _http as http
-from gym_rpc.client._http import close_http_sessions
-from gym_rpc.client._http_settings import HttpClientSettings
+from gym_rpc.client.data import _http as http
+from gym_rpc.client.data._http import close_http_sessions
+from gym_rpc.client.data._http_settings import HttpClientSettings
 from gym_rpc.client.server_client import ServerClient, rollout_context
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import GymRpcError, ServerUnreachableError

@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 from omegaconf import OmegaConf
 
-from gym_rpc.client._http import close_http_sessions
-from gym_rpc.client._http_settings import HttpClientSettings
+from gym_rpc.client.data._http import close_http_sessions
+from gym_rpc.client.data._http_settings import HttpClientSettings
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import GymRpcError, RequestTimeoutError

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from gym_rpc._cli_flags import subcommands
 from gym_rpc.cli import build_parser
+from gym_rpc.cli._flags import subcommands
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = sorted(

@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gym_rpc.client._control import ControlClient
+from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.server._head import HeadServer
 from gym_rpc.wire import StatusReport
 from tests.conftest import closed_port, document, server_entry

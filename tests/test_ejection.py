@@ -18,9 +18,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gym_rpc.client._http import close_http_sessions
-from gym_rpc.client._instances import Instance
-from gym_rpc.client._routing import ServerRoute
+from gym_rpc.client.data._http import close_http_sessions
+from gym_rpc.client.replicas._instance_state import Instance
+from gym_rpc.client.replicas._routing import ServerRoute
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from tests.conftest import LOOPBACK, closed_port, document, server_entry

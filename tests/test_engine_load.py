@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from gym_rpc.client._control import ControlClient
-from gym_rpc.client._engine_loads import EngineLoadTable
 from gym_rpc.client._follower import close_instance_followers
-from gym_rpc.client._http import close_http_sessions
+from gym_rpc.client.control._clients import ControlClient
+from gym_rpc.client.data._http import close_http_sessions
+from gym_rpc.client.replicas._engine_load_table import EngineLoadTable
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig, ServerEntry
 from gym_rpc.errors import ConfigError

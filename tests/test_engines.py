@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from gym_rpc.client import _call_paths
-from gym_rpc.client._http import close_http_sessions
+from gym_rpc.client.data import _call_paths
+from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient, apply_rollout_prefix, rollout_context
 from gym_rpc.config import BaseServerConfig, GlobalConfig, config_from_bytes
 from gym_rpc.errors import ConfigError, InvalidRolloutIdError

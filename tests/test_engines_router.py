@@ -26,7 +26,7 @@ import aiohttp
 import pytest
 from omegaconf import OmegaConf
 
-from gym_rpc.client._http import close_http_sessions
+from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient, rollout_context
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.wire import TRACEPARENT_RE

@@ -33,15 +33,15 @@ from pydantic import BaseModel, ValidationError
 
 from gym_rpc import config as config_module
 from gym_rpc.client import ClientSecurity, ClientTls, ControlClient, SyncControlClient
-from gym_rpc.client import _metrics as client_metrics
-from gym_rpc.client._aiohttp_instrumentation import _ATTRIBUTES_KEY, _add_attributes
-from gym_rpc.client._http import LoopSessions, _sessions_by_loop, close_loop_sessions, loop_sessions, send
-from gym_rpc.client._http_settings import HttpClientSettings
-from gym_rpc.client._http_tracing import traced_send
-from gym_rpc.client._metrics import metered_send
-from gym_rpc.client._resend_policy import RetryPolicy
-from gym_rpc.client._rollout import apply_rollout_prefix
-from gym_rpc.client._watch import StatusWatch, SyncStatusWatch
+from gym_rpc.client.control._watch import StatusWatch, SyncStatusWatch
+from gym_rpc.client.data import _call_metrics as client_metrics
+from gym_rpc.client.data._call_metrics import metered_send
+from gym_rpc.client.data._call_spans import traced_send
+from gym_rpc.client.data._http import LoopSessions, _sessions_by_loop, close_loop_sessions, loop_sessions, send
+from gym_rpc.client.data._http_settings import HttpClientSettings
+from gym_rpc.client.data._rollout import apply_rollout_prefix
+from gym_rpc.client.resend._policy import RetryPolicy
+from gym_rpc.client.tracing._aiohttp_instrumentation import _ATTRIBUTES_KEY, _add_attributes
 from gym_rpc.config import (
     BaseServerConfig,
     GlobalConfig,

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from gym_rpc.client._control import ControlClient, SyncControlClient, WatchEvent
-from gym_rpc.client._http import close_http_sessions
+from gym_rpc.client.control._clients import ControlClient, SyncControlClient, WatchEvent
+from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.errors import (

@@ -23,7 +23,7 @@ from aiohttp import web
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gym_rpc.client._control import ControlClient
+from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.config import GlobalConfig, parse_config_text
 from gym_rpc.errors import ConfigError, InvalidRolloutIdError, MalformedGymPrefixError
 from gym_rpc.integrations._middleware import TraceContextPathMiddleware

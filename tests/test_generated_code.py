@@ -15,12 +15,9 @@ GENERATOR = REPO_ROOT / "tools" / "generate_python_stubs.py"
 PB2_ALLOWED_DIRS = (
     REPO_ROOT / "gym_rpc" / "v1",
     REPO_ROOT / "gym_rpc" / "wire",
-    REPO_ROOT / "gym_rpc" / "client" / "_control.py",
-    REPO_ROOT / "gym_rpc" / "client" / "_heads.py",  # the gRPC head: stubs per channel
-    REPO_ROOT
-    / "gym_rpc"
-    / "client"
-    / "_nemo_gym_control.py",  # the rows' answers from NeMo Gym's head read requests
+    REPO_ROOT / "gym_rpc" / "client" / "control" / "_clients.py",
+    REPO_ROOT / "gym_rpc" / "client" / "control" / "_heads.py",  # the gRPC head: stubs per channel
+    REPO_ROOT / "gym_rpc" / "client" / "nemo_gym" / "_head_answers.py",  # the rows' answers from NeMo Gym's head
     REPO_ROOT / "gym_rpc" / "server",
 )
 

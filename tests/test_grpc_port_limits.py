@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gym_rpc.client._control import SyncControlClient
+from gym_rpc.client.control._clients import SyncControlClient
 from gym_rpc.server._connection_limits import grpc_connection_bound
 from tests.cli_helpers import threaded_http_server
 from tests.conftest import closed_port, document, server_entry

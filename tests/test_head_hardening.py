@@ -16,8 +16,8 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gym_rpc.client._control import ControlClient, SyncControlClient
-from gym_rpc.client._security import ClientSecurity
+from gym_rpc.client.control._clients import ControlClient, SyncControlClient
+from gym_rpc.client.control._credentials import ClientSecurity
 from gym_rpc.errors import ConfigError, ControlPlaneError
 from gym_rpc.server._head import HeadServer
 from gym_rpc.wire import TOKEN_ENV_VAR

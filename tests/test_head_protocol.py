@@ -24,12 +24,12 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2_grpc
 
 from gym_rpc.client import SyncControlClient
-from gym_rpc.client._channel import CHANNEL_OPTIONS
-from gym_rpc.client._control import ControlClient
-from gym_rpc.client._heads import GrpcHead, Head, NemoGymHttpHead, head_for
-from gym_rpc.client._nemo_gym_head import NemoGymEndpoints
-from gym_rpc.client._security import ClientSecurity
-from gym_rpc.client._watch import StatusWatch
+from gym_rpc.client.control._channel import CHANNEL_OPTIONS
+from gym_rpc.client.control._clients import ControlClient
+from gym_rpc.client.control._credentials import ClientSecurity
+from gym_rpc.client.control._heads import GrpcHead, Head, NemoGymHttpHead, head_for
+from gym_rpc.client.control._watch import StatusWatch
+from gym_rpc.client.nemo_gym._head_endpoints import NemoGymEndpoints
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.errors import ControlPlaneError, HeadTimeoutError, HeadUnreachableError
 from gym_rpc.wire import SERVICE_NAME
@@ -133,7 +133,7 @@ def test_a_grpc_head_is_looked_at_once_and_logs_nothing(tmp_path: Path) -> None:
     with running_head(config, "--log-level", "debug") as head:
         script = (
             "from gym_rpc.client import SyncControlClient\n"
-            "from gym_rpc.client import _head_protocol as protocol\n"
+            "from gym_rpc.client.nemo_gym import _head_protocol as protocol\n"
             "looks = []\n"
             "detect = protocol.detect\n"
             "protocol.detect = lambda *args: looks.append(args) or detect(*args)\n"
@@ -321,8 +321,8 @@ async def test_an_answer_in_no_known_protocol_is_shown_escaped_and_short() -> No
 
 def test_every_rpc_has_an_answer_from_nemo_gyms_head_or_says_why_not() -> None:
     """Rows without an HTTP answer are exactly those NeMo Gym's head cannot give (they change the head)."""
-    from gym_rpc.client._control import ControlRpcs
-    from gym_rpc.client._rpc import Rpc
+    from gym_rpc.client.control._clients import ControlRpcs
+    from gym_rpc.client.control._rpc import Rpc
 
     rows = {name: row for name, row in vars(ControlRpcs).items() if isinstance(row, Rpc)}
     without = sorted(name for name, row in rows.items() if row.http is None)
@@ -374,9 +374,10 @@ async def test_a_grpc_head_where_an_http_head_was_answers_either_client(head_fac
 
 
 def test_only_the_seam_decides_the_head_protocol() -> None:
-    """Outside the seam (client/_heads.py) and the look itself (client/_head_protocol.py), no module of gym_rpc
-    asks which protocol a head speaks: the others ask the head what it offers. (NeMo Gym's endpoints name the
-    protocol of a broken answer in their error, client/_nemo_gym_head.py; that decides no call's way.)"""
+    """Outside the seam (client/control/_heads.py) and the look itself (client/nemo_gym/_head_protocol.py), no
+    module of gym_rpc asks which protocol a head speaks: the others ask the head what it offers. (NeMo Gym's
+    endpoints name the protocol of a broken answer in their error, client/nemo_gym/_head_endpoints.py; that decides
+    no call's way; client/nemo_gym/__init__.py exports the look to the seam.)"""
     package = Path(__file__).resolve().parent.parent / "gym_rpc"
     deciding = re.compile(r"\b(head_protocol|known_head_protocol|remembered_head_protocol|NEMO_GYM_HTTP|GRPC)\b")
     found = sorted(
@@ -384,4 +385,9 @@ def test_only_the_seam_decides_the_head_protocol() -> None:
         for path in package.rglob("*.py")
         if deciding.search(path.read_text(encoding="utf-8"))
     )
-    assert found == ["client/_head_protocol.py", "client/_heads.py", "client/_nemo_gym_head.py"]
+    assert found == [
+        "client/control/_heads.py",
+        "client/nemo_gym/__init__.py",
+        "client/nemo_gym/_head_endpoints.py",
+        "client/nemo_gym/_head_protocol.py",
+    ]

@@ -17,8 +17,8 @@ from aiohttp import web
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from gym_rpc.client._channel import aio_channel
-from gym_rpc.client._control import ControlClient, SyncControlClient
+from gym_rpc.client.control._channel import aio_channel
+from gym_rpc.client.control._clients import ControlClient, SyncControlClient
 from gym_rpc.config import REDACTED
 from gym_rpc.errors import ControlPlaneError, UnknownServerError
 from gym_rpc.server._head import HeadServer

@@ -16,7 +16,7 @@ import yaml
 from aiohttp import web
 from omegaconf import OmegaConf
 
-from gym_rpc.client._control import SyncControlClient
+from gym_rpc.client.control._clients import SyncControlClient
 from gym_rpc.config import REDACTED
 from gym_rpc.errors import GymRpcError
 from gym_rpc.server._head import HeadServer

@@ -29,8 +29,8 @@ import grpc
 import pytest
 from aiohttp import web
 
-from gym_rpc.client._control import ControlClient
-from gym_rpc.client._http import close_http_sessions
+from gym_rpc.client.control._clients import ControlClient
+from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import ControlPlaneError, NoHealthyInstanceError

@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gym_rpc.client._control import SyncControlClient
-from gym_rpc.client._security import ClientSecurity, ClientTls
+from gym_rpc.client.control._clients import SyncControlClient
+from gym_rpc.client.control._credentials import ClientSecurity, ClientTls
 from tests.cli_helpers import LOOPBACK, ThreadedHttpServer, running_head, threaded_http_server
 from tests.conftest import closed_port, server_entry
 from tests.test_security import Pki, pki, tls_block

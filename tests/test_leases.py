@@ -17,8 +17,8 @@ import grpc
 import pytest
 import yaml
 
-from gym_rpc.client._channel import CHANNEL_OPTIONS
-from gym_rpc.client._control import ControlClient, SyncControlClient, WatchEvent
+from gym_rpc.client.control._channel import CHANNEL_OPTIONS
+from gym_rpc.client.control._clients import ControlClient, SyncControlClient, WatchEvent
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import HeadUnreachableError
 from gym_rpc.integrations._registration import ServerRegistration

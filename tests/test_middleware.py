@@ -14,7 +14,7 @@ from aiohttp import ClientSession, web
 from aiohttp.typedefs import Handler
 from yarl import URL
 
-from gym_rpc.client._rollout import current_rollout_id
+from gym_rpc.client.data._rollout import current_rollout_id
 from gym_rpc.errors import MalformedGymPrefixError
 from gym_rpc.integrations._middleware import Message, Receive, Scope, Send, TraceContextPathMiddleware
 from gym_rpc.wire import rollout_path_prefix

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gym_rpc.client._control import ControlClient
+from gym_rpc.client.control._clients import ControlClient
 from tests.cli_helpers import HeadProcess, running_head, threaded_http_server
 from tests.conftest import closed_port, document, server_entry
 

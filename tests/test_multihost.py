@@ -46,10 +46,10 @@ web.run_app(app, host="0.0.0.0", port=int(sys.argv[2]), print=lambda *_: print("
 
 WORKER_SCRIPT = """
 import asyncio, json, sys
-from gym_rpc.client._rollout import rollout_context
+from gym_rpc.client.data._rollout import rollout_context
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, parse_host_port
-from gym_rpc.client._control import SyncControlClient
+from gym_rpc.client.control._clients import SyncControlClient
 
 mode, head = sys.argv[1], sys.argv[2]
 if mode == "instances":

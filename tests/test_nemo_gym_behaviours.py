@@ -27,8 +27,8 @@ from pydantic import BaseModel
 
 from gym_rpc import telemetry
 from gym_rpc.client import server_client
-from gym_rpc.client._http import close_http_sessions
-from gym_rpc.client._http_settings import HttpClientSettings
+from gym_rpc.client.data._http import close_http_sessions
+from gym_rpc.client.data._http_settings import HttpClientSettings
 from gym_rpc.client.server_client import (
     ServerClient,
     _connectable_client_host,

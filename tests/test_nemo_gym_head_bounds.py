@@ -22,8 +22,8 @@ import aiohttp
 import pytest
 import yaml
 
-from gym_rpc.client._nemo_gym_head import NemoGymEndpoints
-from gym_rpc.client._probe import MAX_PROBE_BODY_BYTES, ProbeResult, probe
+from gym_rpc.client.nemo_gym._head_endpoints import NemoGymEndpoints
+from gym_rpc.client.nemo_gym._probe import MAX_PROBE_BODY_BYTES, ProbeResult, probe
 from gym_rpc.errors import ControlPlaneError, HeadTimeoutError, UpstreamError
 from gym_rpc.server._bridge import MAX_UPSTREAM_ANSWER_BYTES, fetch_upstream
 from tests.cli_helpers import cli_start_seconds, run_cli

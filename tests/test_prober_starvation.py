@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gym_rpc.client._control import ControlClient
-from gym_rpc.client._http import close_http_sessions
+from gym_rpc.client.control._clients import ControlClient
+from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.server._prober import PROBES_PER_SERVER

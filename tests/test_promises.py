@@ -33,8 +33,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gym_rpc._version import __version__
 from gym_rpc.cli import build_parser
 from gym_rpc.client import ControlClient, SyncControlClient
-from gym_rpc.client._channel import close_aio_channels
-from gym_rpc.client._security import client_security
+from gym_rpc.client.control._channel import close_aio_channels
+from gym_rpc.client.control._credentials import client_security
 from gym_rpc.config import GlobalConfig, head_server_settings, load_config_file, redact_secrets
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError
 from gym_rpc.integrations import ServerRegistration

@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gym_rpc.client._http import close_http_sessions
-from gym_rpc.client._http_pools import HttpPools
-from gym_rpc.client._rollout import rollout_context
+from gym_rpc.cli.demo import MODEL_SERVER, RESOURCES_SERVER, DemoStats, model_app
+from gym_rpc.client.data._http import close_http_sessions
+from gym_rpc.client.data._http_pools import HttpPools
+from gym_rpc.client.data._rollout import rollout_context
 from gym_rpc.client.server_client import ServerClient, _PendingDictConfig
 from gym_rpc.config import BaseServerConfig, GlobalConfig
-from gym_rpc.demo import MODEL_SERVER, RESOURCES_SERVER, DemoStats, model_app
 from gym_rpc.integrations._registration import ServerRegistration
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 

@@ -19,8 +19,8 @@ import pytest
 import uvicorn
 from aiohttp import web
 
-from gym_rpc.client._control import ControlClient, SyncControlClient
-from gym_rpc.client._http import close_http_sessions
+from gym_rpc.client.control._clients import ControlClient, SyncControlClient
+from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.server_client import ADVERTISED_LOOKUP_TIMEOUT_SECONDS, ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.errors import ControlPlaneError, UnknownServerError

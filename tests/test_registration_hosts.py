@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yarl
 
-from gym_rpc.client._control import ControlClient
+from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.config import base_url
 from gym_rpc.errors import ControlPlaneError
 from gym_rpc.server._registry import is_valid_host

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from gym_rpc.client._control import ControlClient
+from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.errors import ControlPlaneError
 from gym_rpc.server._registry import DEFAULT_LEASE_SECONDS
 from gym_rpc.wire import MAX_LABEL_KEY_LENGTH, MAX_LABEL_VALUE_LENGTH, MAX_LABELS

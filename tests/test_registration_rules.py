@@ -12,7 +12,7 @@ import grpc
 import pytest
 import yaml
 
-from gym_rpc.client._control import ControlClient
+from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.config import head_server_settings
 from gym_rpc.errors import ConfigError, ControlPlaneError
 from gym_rpc.server._address_policy import AddressPolicy

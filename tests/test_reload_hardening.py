@@ -18,7 +18,7 @@ import grpc
 import pytest
 import yaml
 
-from gym_rpc.client._control import ControlClient
+from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.errors import ControlPlaneError
 from tests.cli_helpers import HeadProcess, run_cli, running_head
 from tests.conftest import closed_port, document, server_entry

@@ -10,7 +10,7 @@ import re
 import time
 from pathlib import Path
 
-from gym_rpc.client._control import SyncControlClient
+from gym_rpc.client.control._clients import SyncControlClient
 from tests.cli_helpers import LOOPBACK, run_cli, running_head, threaded_http_server
 from tests.conftest import closed_port, document, server_entry
 from tests.test_cli import TABLE_HEADER, write_config

@@ -28,14 +28,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gym_rpc.client._control import ControlClient
-from gym_rpc.client._http import close_http_sessions
-from gym_rpc.client._instances import InstanceState
-from gym_rpc.client._outliers import OutlierDetection
-from gym_rpc.client._picker import SLOTS, heaviest, mix64, slot_of, stable_key, two_choices, weight
-from gym_rpc.client._prompt_key import prompt_key
-from gym_rpc.client._rollout import rollout_context
-from gym_rpc.client._routing import ENGINE_LOAD_READ_SECONDS, RoutedCall, ServerRoute
+from gym_rpc.client.control._clients import ControlClient
+from gym_rpc.client.data._http import close_http_sessions
+from gym_rpc.client.data._rollout import rollout_context
+from gym_rpc.client.replicas._instance_state import InstanceState
+from gym_rpc.client.replicas._outliers import OutlierDetection
+from gym_rpc.client.replicas._picker import SLOTS, heaviest, mix64, slot_of, stable_key, two_choices, weight
+from gym_rpc.client.replicas._prompt_key import prompt_key
+from gym_rpc.client.replicas._routing import ENGINE_LOAD_READ_SECONDS, RoutedCall, ServerRoute
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.errors import NoHealthyInstanceError, RequestTimeoutError, ServerUnreachableError
@@ -122,7 +122,7 @@ def client_of(doc: dict[str, Any], head_port: int | None = None) -> ServerClient
 
 async def call(client: ServerClient, path: str = "/v1/responses", **kwargs: Any) -> int:
     """One POST; the port of the instance that answered. Its body holds no prompt a model server's route reads
-    (gym_rpc.client._prompt_key), so a call of no rollout goes by two random choices there too."""
+    (gym_rpc.client.replicas._prompt_key), so a call of no rollout goes by two random choices there too."""
     async with await client.post(NAME, path, json={"query": "hi"}, **kwargs) as response:
         return int((await response.json())["instance"])
 
@@ -137,9 +137,9 @@ def route_of(client: ServerClient) -> ServerRoute:
 
 def test_rendezvous_weights_are_the_same_in_every_process() -> None:
     """Workers on any interpreter (or a harness in another language) must rank a rollout's instances alike: keys
-    are blake2b, weights splitmix64's finalizer in plain 64-bit arithmetic (gym_rpc.client._picker's docstring),
-    never Python's `hash()`. Pinned values: a change of any breaks every deployment that mixes versions, so it
-    must show here. The first three are splitmix64's published outputs for seed 0."""
+    are blake2b, weights splitmix64's finalizer in plain 64-bit arithmetic (gym_rpc.client.replicas._picker's
+    docstring), never Python's `hash()`. Pinned values: a change of any breaks every deployment that mixes
+    versions, so it must show here. The first three are splitmix64's published outputs for seed 0."""
     golden = 0x9E3779B97F4A7C15
     assert [mix64(n * golden % 2**64) for n in (1, 2, 3)] == [
         0xE220A8397B1DCDAF,

@@ -18,9 +18,9 @@ import orjson
 import pytest
 
 from bench.servers import ServerProcess
-from gym_rpc.client._http import close_http_sessions
-from gym_rpc.client._instances import Instance
-from gym_rpc.client._rollout import rollout_context
+from gym_rpc.client.data._http import close_http_sessions
+from gym_rpc.client.data._rollout import rollout_context
+from gym_rpc.client.replicas._instance_state import Instance
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 from tests.conftest import LOOPBACK, document, server_entry
@@ -90,7 +90,7 @@ async def behind_a_head(
 
 
 async def call(client: ServerClient) -> int:
-    """A call of no rollout and no prompt (gym_rpc.client._prompt_key reads none in this body): two random
+    """A call of no rollout and no prompt (gym_rpc.client.replicas._prompt_key reads none in this body): two random
     choices, on a model server too."""
     async with await client.post(NAME, "/v1/responses", json={"query": "hi"}) as response:
         return int(orjson.loads(await response.read())["instance"])

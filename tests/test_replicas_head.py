@@ -15,8 +15,8 @@ from typing import Any
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gym_rpc.client._channel import aio_channel
-from gym_rpc.client._control import ControlClient
+from gym_rpc.client.control._channel import aio_channel
+from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.server._head import HeadServer
 from gym_rpc.server._instances import InstanceTarget, watched
 from gym_rpc.wire import InstanceOrigin, StatusReport

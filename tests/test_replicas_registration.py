@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import pytest
 
-from gym_rpc.client._control import ControlClient, WatchEvent
+from gym_rpc.client.control._clients import ControlClient, WatchEvent
 from gym_rpc.errors import ControlPlaneError
 from gym_rpc.integrations._registration import ServerRegistration
 from gym_rpc.server._head import HeadServer

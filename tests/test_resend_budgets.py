@@ -19,10 +19,10 @@ import pytest
 from aiohttp import web
 
 from gym_rpc.client import FailureKind, ServerDroppedError
-from gym_rpc.client._http import LoopSessions, send
-from gym_rpc.client._http_settings import HttpClientSettings
-from gym_rpc.client._resend_budget import RESEND_BUDGET, ResendBudget
-from gym_rpc.client._resend_policy import ClientBudget, RetryPolicy
+from gym_rpc.client.data._http import LoopSessions, send
+from gym_rpc.client.data._http_settings import HttpClientSettings
+from gym_rpc.client.resend._budget import RESEND_BUDGET, ResendBudget
+from gym_rpc.client.resend._policy import ClientBudget, RetryPolicy
 from gym_rpc.errors import (
     ConfigError,
     RequestTimeoutError,
@@ -326,7 +326,7 @@ async def test_a_pause_is_not_taken_when_the_resend_after_it_would_have_less_tim
     about 0.05 s, so the call ends at once, unreachable by its deadline. (A resend with a sliver of time ends on
     the deadline before it reaches the server: the call then ended as a timeout though the server had refused,
     CI's failure of the test above.)"""
-    monkeypatch.setattr("gym_rpc.client._resend_policy.random.uniform", lambda low, high: high)
+    monkeypatch.setattr("gym_rpc.client.resend._policy.random.uniform", lambda low, high: high)
     refused = f"http://{LOOPBACK}:{closed_port()}/v1/responses"
     retry = policy(initial_backoff_seconds=0.1, max_backoff_seconds=0.1)
     async with aiohttp.ClientSession() as session:
@@ -391,7 +391,7 @@ async def test_resends_out_at_the_server_never_widen_the_budget(
     load would let all 40 calls resend every 0.4 s (about 150)."""
     from omegaconf import OmegaConf
 
-    from gym_rpc.client._http import close_http_sessions
+    from gym_rpc.client.data._http import close_http_sessions
     from gym_rpc.client.server_client import ServerClient
     from gym_rpc.config import BaseServerConfig
     from tests.conftest import document, server_entry
@@ -548,7 +548,7 @@ async def test_a_dead_server_gets_one_log_line_per_interval_not_one_per_call(
     port = closed_port()
     url = f"http://{LOOPBACK}:{port}/v1/responses"
     retry = policy(refused={"seconds": 0.3})
-    caplog.set_level(logging.WARNING, logger="gym_rpc.client._resend_log")
+    caplog.set_level(logging.WARNING, logger="gym_rpc.client.resend._log")
     async with aiohttp.ClientSession() as session:
         outcomes = await asyncio.gather(
             *(send(session, "POST", url, retry, True, {}, server_name="gone") for _ in range(30)),
@@ -700,8 +700,8 @@ async def test_server_client_counts_its_calls_in_flight_for_the_budget_and_frees
     never leaves it counted, whether the call is answered, fails or is cancelled."""
     from omegaconf import OmegaConf
 
-    from gym_rpc.client._http import close_http_sessions
-    from gym_rpc.client._resend_budget import calls_in_flight
+    from gym_rpc.client.data._http import close_http_sessions
+    from gym_rpc.client.resend._budget import calls_in_flight
     from gym_rpc.client.server_client import ServerClient
     from gym_rpc.config import BaseServerConfig
     from tests.conftest import document, server_entry

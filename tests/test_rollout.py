@@ -14,8 +14,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Tracer
 
-from gym_rpc.client import _rollout as rollout_module
-from gym_rpc.client._rollout import (
+from gym_rpc.client.data import _rollout as rollout_module
+from gym_rpc.client.data._rollout import (
     _rollout_id,
     apply_rollout_prefix,
     current_rollout_id,

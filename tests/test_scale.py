@@ -11,7 +11,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from gym_rpc.client._control import ControlClient, SyncControlClient
+from gym_rpc.client.control._clients import ControlClient, SyncControlClient
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.server._head import HeadServer

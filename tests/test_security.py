@@ -29,8 +29,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omegaconf import OmegaConf
 
-from gym_rpc.client._control import ControlClient, SyncControlClient
-from gym_rpc.client._security import ClientSecurity, client_security
+from gym_rpc.client.control._clients import ControlClient, SyncControlClient
+from gym_rpc.client.control._credentials import ClientSecurity, client_security
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import REDACTED, BaseServerConfig, GlobalConfig
 from gym_rpc.errors import ConfigError, ControlPlaneError, HeadUnreachableError

@@ -19,8 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic import ValidationError
 
 from gym_rpc.client import server_client
-from gym_rpc.client._control import ControlClient
-from gym_rpc.client._http import close_http_sessions
+from gym_rpc.client.control._clients import ControlClient
+from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient, get_server_url
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import ConfigError, HeadUnreachableError, UnknownServerError

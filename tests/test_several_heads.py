@@ -21,9 +21,9 @@ import pytest
 import yaml
 
 from gym_rpc.client import ServerClient
-from gym_rpc.client._control import SyncControlClient
 from gym_rpc.client._follower import follower_for
-from gym_rpc.client._heads import _followed_heads
+from gym_rpc.client.control._clients import SyncControlClient
+from gym_rpc.client.control._heads import _followed_heads
 from gym_rpc.config import GlobalConfig
 from gym_rpc.errors import ConfigError, HeadUnreachableError
 from gym_rpc.integrations._registration import ServerRegistration
@@ -235,8 +235,8 @@ def test_head_server_addresses_and_gym_rpc_head_name_every_head(monkeypatch) -> 
 
 async def test_an_in_process_head_stopped_moves_a_status_watch_to_the_other(head_factory) -> None:
     """The status watch (not only the follower) reconnects to the other head, from that head's snapshot."""
-    from gym_rpc.client._control import ControlClient
-    from gym_rpc.client._watch import StatusWatch
+    from gym_rpc.client.control._clients import ControlClient
+    from gym_rpc.client.control._watch import StatusWatch
 
     doc = document({"policy": server_entry(closed_port())})
     first, second = await head_factory(doc), await head_factory(doc)

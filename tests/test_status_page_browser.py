@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gym_rpc.client._control import SyncControlClient
+from gym_rpc.client.control._clients import SyncControlClient
 from tests.browser import Page, chromium_path, headless_chromium
 from tests.cli_helpers import HeadProcess, cli_env, running_head
 from tests.conftest import LOOPBACK, closed_port, server_entry

@@ -24,7 +24,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from gym_rpc._telemetry_switches import effective_environment
-from gym_rpc.client._rollout import trace_context_path_segment
+from gym_rpc.client.data._rollout import trace_context_path_segment
 from gym_rpc.telemetry import decide_tracing, environment_choice
 from tests.conftest import LOOPBACK
 

@@ -20,10 +20,10 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.sampling import Sampler, SamplingResult
 
 from gym_rpc import telemetry
-from gym_rpc.client import _metrics as client_metrics
 from gym_rpc.client import rollout_context
-from gym_rpc.client._http import send
-from gym_rpc.client._resend_policy import RetryPolicy
+from gym_rpc.client.data import _call_metrics as client_metrics
+from gym_rpc.client.data._http import send
+from gym_rpc.client.resend._policy import RetryPolicy
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.errors import ServerUnreachableError
 from gym_rpc.integrations import TraceContextPathMiddleware
@@ -294,7 +294,7 @@ async def test_a_failing_tracer_never_fails_a_request_a_traced_server_answers(
 def test_the_first_config_fetchs_span_may_fail_the_client_may_not(
     traced: Callable[..., Traced], failure_log: Callable[[str], list[str]]
 ) -> None:
-    from gym_rpc.client import _tracing as client_tracing
+    from gym_rpc.client.tracing import _grpc_interceptors as client_tracing
 
     traced(failing_provider("on_end"))
     client_tracing.record_config_fetch_span(f"{LOOPBACK}:1", 1, 2)

@@ -1,7 +1,7 @@
 """The headers of calls under an unsampled parent are made once per OpenTelemetry context and shared
-(client/_unsampled_headers.py): the same read-only object for every call of a rollout its sampler dropped, what the
-global propagator writes, never the caller's headers, remade when the context or the propagator changes, and
-forgotten when the rollout ends. Real calls to a loopback aiohttp server, real SDK provider."""
+(client/tracing/_unsampled_headers.py): the same read-only object for every call of a rollout its sampler dropped,
+what the global propagator writes, never the caller's headers, remade when the context or the propagator changes,
+and forgotten when the rollout ends. Real calls to a loopback aiohttp server, real SDK provider."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 
-from gym_rpc.client import _unsampled_headers, rollout_context
-from gym_rpc.client._http_tracing import call_span
-from gym_rpc.client._unsampled_headers import known_headers
+from gym_rpc.client import rollout_context
+from gym_rpc.client.data._call_spans import call_span
 from gym_rpc.client.server_client import ServerClient
+from gym_rpc.client.tracing import _unsampled_headers
+from gym_rpc.client.tracing._unsampled_headers import known_headers
 from tests.test_call_spans import WritesNothing, post
 from tests.tracing_helpers import Receiver, Traced, client_of, receiver, traced
 

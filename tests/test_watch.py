@@ -11,7 +11,7 @@ from typing import cast
 import yaml
 from aiohttp import web
 
-from gym_rpc.client._control import ControlClient, WatchEvent
+from gym_rpc.client.control._clients import ControlClient, WatchEvent
 from gym_rpc.server._head import HeadServer
 from gym_rpc.server._servicer import ControlPlaneServicer
 from gym_rpc.v1 import control_plane_pb2 as pb

@@ -1,5 +1,6 @@
-"""The library's status watch (gym_rpc.client._watch) against real heads: it waits for a head, resumes across a
-restart, waits out RESOURCE_EXHAUSTED, gives up after max_wait, and raises what is not worth waiting out."""
+"""The library's status watch (gym_rpc.client.control._watch) against real heads: it waits for a head, resumes
+across a restart, waits out RESOURCE_EXHAUSTED, gives up after max_wait, and raises what is not worth waiting
+out."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from gym_rpc.client._control import ControlClient, SyncControlClient, WatchEvent
-from gym_rpc.client._resend_policy import RetryPolicy
-from gym_rpc.client._security import ClientSecurity
-from gym_rpc.client._watch import RETRYABLE_CODES, StatusWatch, SyncStatusWatch
+from gym_rpc.client.control._clients import ControlClient, SyncControlClient, WatchEvent
+from gym_rpc.client.control._credentials import ClientSecurity
+from gym_rpc.client.control._watch import RETRYABLE_CODES, StatusWatch, SyncStatusWatch
+from gym_rpc.client.resend._policy import RetryPolicy
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 

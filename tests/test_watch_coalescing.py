@@ -8,7 +8,7 @@ import math
 import os
 import time
 
-from gym_rpc.client._control import ControlClient
+from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.server._head import HeadServer
 from gym_rpc.wire import WatchEvent
 from tests.conftest import LOOPBACK, document, server_entry

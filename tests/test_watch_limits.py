@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from gym_rpc.client._control import ControlClient, WatchEvent
+from gym_rpc.client.control._clients import ControlClient, WatchEvent
 from gym_rpc.errors import ControlPlaneError, GymRpcError
 from gym_rpc.server._head import HeadServer
 from gym_rpc.server._watch_slots import WatchSlots, peer_address

@@ -17,7 +17,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gym_rpc import telemetry
-from gym_rpc.client import _http_tracing, _rollout
+from gym_rpc.client.data import _call_spans as _http_tracing
+from gym_rpc.client.data import _rollout
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.telemetry import TRACER_NAME, TRACING

@@ -25,16 +25,13 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
-from gym_rpc.client._channel import close_aio_channels
-from gym_rpc.client._control import ControlClient
 from gym_rpc.client._cpu_budget import CpuBudget
-from gym_rpc.client._heads import head_for
-from gym_rpc.client._watch import StatusWatch
+from gym_rpc.client.control import ControlClient, StatusWatch, close_aio_channels, head_for
 from gym_rpc.errors import ControlPlaneError
 
 if TYPE_CHECKING:
-    from gym_rpc.client._routing import Routing
-    from gym_rpc.client._security import ClientSecurity
+    from gym_rpc.client.control import ClientSecurity
+    from gym_rpc.client.replicas import Routing
     from gym_rpc.wire import StatusReport, WatchEvent
 
 logger = logging.getLogger("gym_rpc.client.replicas")
@@ -117,7 +114,7 @@ class InstanceFollower:
                 start_revision=self.revision if self.source in (None, client.following()) else 0,
                 heartbeat_seconds=HEARTBEAT_SECONDS,
                 on_retry=self._retrying,
-                engine_load=True,  # the engines' load too (gym_rpc.client._engine_loads)
+                engine_load=True,  # the engines' load too (gym_rpc.client.replicas._engine_load_table)
             )
             async with contextlib.aclosing(watch.events()) as events:
                 async for event in events:

@@ -1,7 +1,7 @@
 """ServerClient, which finds Gym servers through the head server and calls them, and server URLs.
 
 The control plane (config, status) goes to the head over gRPC with blocking calls that work with or without an
-event loop in the calling thread; the data plane goes to Gym servers over aiohttp (gym_rpc.client._http). The
+event loop in the calling thread; the data plane goes to Gym servers over aiohttp (gym_rpc.client.data._http). The
 typed GlobalConfig is built once per client, so no call walks the DictConfig. In an `ng_run` deployment the head
 is NeMo Gym's HTTP head: the client finds that out once per head address and then asks it as NeMo Gym's own
 client does (the config from its HTTP endpoint, statuses probed directly).
@@ -36,9 +36,8 @@ from gym_rpc._environment import (
     environment,
 )
 from gym_rpc._telemetry_switches import TELEMETRY_KEY
-from gym_rpc.client._nemo_gym import SESSION_ID_KEY, nemo_gym_rollout_id
-from gym_rpc.client._resend_policy import BACKPRESSURE_STATUSES
-from gym_rpc.client._rollout import (
+from gym_rpc.client.control import ClientSecurity, client_security
+from gym_rpc.client.data import (
     RolloutTarget,
     apply_rollout_prefix,
     current_rollout_id,
@@ -47,7 +46,8 @@ from gym_rpc.client._rollout import (
     rollout_id_in_context,
     trace_context_path_segment,
 )
-from gym_rpc.client._security import ClientSecurity, client_security
+from gym_rpc.client.nemo_gym import SESSION_ID_KEY, nemo_gym_rollout_id
+from gym_rpc.client.resend import BACKPRESSURE_STATUSES
 from gym_rpc.config import (
     DEFAULT_HEAD_HOST,
     DEFAULT_HEAD_PORT,
@@ -90,11 +90,10 @@ if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
     from omegaconf import DictConfig
 
-    from gym_rpc.client._control import SyncControlClient
     from gym_rpc.client._follower import InstanceFollower
-    from gym_rpc.client._http_pools import HttpPools
-    from gym_rpc.client._http_settings import HttpClientSettings
-    from gym_rpc.client._routing import Routing
+    from gym_rpc.client.control import SyncControlClient
+    from gym_rpc.client.data import HttpClientSettings, HttpPools
+    from gym_rpc.client.replicas import Routing
     from gym_rpc.wire import EngineLoad, ServerInstance
 
 __all__ = [
@@ -197,7 +196,7 @@ class _LazyDictConfigField:
 def _new_pools(settings: HttpClientSettings) -> HttpPools:
     """A client's own HttpPools. The data plane's settings (pydantic models) load with the first client made, not
     with this module."""
-    from gym_rpc.client._http_pools import HttpPools
+    from gym_rpc.client.data import HttpPools
 
     return HttpPools(settings)
 
@@ -329,22 +328,22 @@ class _DataPlane:
     def __init__(
         self, base_urls: dict[str, str], config: GlobalConfig, pools: HttpPools, routing: Routing | None
     ) -> None:
-        from gym_rpc.client import _call_paths, _failures, _http, _http_tracing, _metrics, _resend, _routed
+        from gym_rpc.client import data, resend
 
         self.base_urls = base_urls
         # Where calls carry their rollout (None: nowhere, no observability and no engine entry), decided once.
-        self.path_rule = _call_paths.path_rule(config)
+        self.path_rule = data.path_rule(config)
         self.config = config
         self.pools = pools
         self.routing = routing  # None until `request` has waited for the head's first list of instances
-        self.resend_after_failure = _resend.resend_after_failure
-        self.backpressure = _failures.Backpressure
-        self.json_payload = _http.json_payload
-        self.send = _http.send
-        self.call_span = _http_tracing.call_span
-        self.metered_send = _metrics.metered_send
-        self.send_routed = _routed.send_routed
-        self.sticky_keys = _routed.sticky_keys
+        self.resend_after_failure = resend.resend_after_failure
+        self.backpressure = resend.Backpressure
+        self.json_payload = data.json_payload
+        self.send = data.send
+        self.call_span = data.call_span
+        self.metered_send = data.metered_send
+        self.send_routed = data.send_routed
+        self.sticky_keys = data.sticky_keys
 
 
 class ServerClient(BaseModel):
@@ -371,8 +370,9 @@ class ServerClient(BaseModel):
     _asks_head: bool = PrivateAttr(default=True)
     # Token and TLS for calls to the head, read once (TLS files included) rather than per poll.
     _security: Optional[ClientSecurity] = PrivateAttr(default=None)  # noqa: UP045 (as the fields above)
-    # Routes to replicated servers (gym_rpc.client._routing), made on this process's first call: None until then,
-    # and again in a process that unpickled the client (its follower of the head is this process's own).
+    # Routes to replicated servers (gym_rpc.client.replicas._routing), made on this process's first call: None
+    # until then, and again in a process that unpickled the client (its follower of the head is this process's
+    # own).
     _routing: Optional[Routing] = PrivateAttr(default=None)  # noqa: UP045 (as the fields above)
     # The routes, and their follower of the head (gym_rpc.client._follower.InstanceFollower) or None, once made.
     _pending_routing: Optional[tuple[Routing, Any]] = PrivateAttr(default=None)  # noqa: UP045
@@ -401,7 +401,7 @@ class ServerClient(BaseModel):
                 raise ConfigError("global_config_dict must be a mapping")
             config = GlobalConfig.from_document({str(k): v for k, v in document.items()}, lenient=True)
         self._global_config = config
-        from gym_rpc.client._http_settings import HttpClientSettings
+        from gym_rpc.client.data import HttpClientSettings
 
         self._http = _new_pools(HttpClientSettings.from_document(config.document))
         _setup_telemetry(config)
@@ -503,7 +503,7 @@ class ServerClient(BaseModel):
         ended_ns = time.time_ns()
         client = cls._from_global_config(head, config)  # decides tracing with the config's observability_enabled
         if TRACING.enabled and not traced_already:
-            from gym_rpc.client._tracing import record_config_fetch_span  # tracing on only
+            from gym_rpc.client.tracing import record_config_fetch_span  # tracing on only
 
             record_config_fetch_span(control.address, started_ns, ended_ns)
         return client
@@ -732,7 +732,7 @@ class ServerClient(BaseModel):
             if pending is None:
                 config = self._global_config
                 skipped = frozenset(name for name in config.servers if _model_server_override(name) is not None)
-                from gym_rpc.client._routing import Routing  # with aiohttp: the data plane's, on first use
+                from gym_rpc.client.replicas import Routing  # with aiohttp: the data plane's, on first use
 
                 routing = Routing(config, self._http.settings.outlier_detection, self._label_selectors, skipped)
                 follower = None
@@ -822,7 +822,7 @@ class ServerClient(BaseModel):
         config = plane.config
         if route is not None:
             keys = plane.sticky_keys(route, server_name, body, kwargs)
-        if plane.path_rule is not None:  # decided once per client (gym_rpc.client._call_paths)
+        if plane.path_rule is not None:  # decided once per client (gym_rpc.client.data._call_paths)
             url_path = plane.path_rule(config, server_name, url_path, body, kwargs)
         pools = plane.pools
         sessions = pools.sessions()
@@ -919,7 +919,7 @@ class ServerClient(BaseModel):
         "timeout", anything else "unknown_error" (NeMo Gym's rule)."""
         entry = self._global_config.server(server_name)  # unknown: UnknownServerError, a KeyError
         url = self._server_base_urls.get(server_name) or entry.url
-        from gym_rpc.client._probe import probe  # http.client (and ssl) load with the first direct probe
+        from gym_rpc.client.nemo_gym import probe  # http.client (and ssl) load with the first direct probe
 
         return probe(url, max(deadline - time.monotonic(), _MIN_DIRECT_PROBE_SECONDS)).status
 
@@ -971,7 +971,7 @@ def _control_client(
 ) -> SyncControlClient:
     """A control client to the head, gRPC imported on first use: a worker whose config was injected
     (`NEMO_GYM_CONFIG_DICT`) and never asks the head never loads it, nor pays for it at import."""
-    from gym_rpc.client._control import SyncControlClient
+    from gym_rpc.client.control import SyncControlClient
 
     if timeout_seconds is None:
         return SyncControlClient(address, security=security)

@@ -1,7 +1,7 @@
 """TraceContextPathMiddleware: turn `/ng-rollout/<id>[/training-token-capture][/ng-trace/<tp>]` back into state.
 
 Clients Gym does not instrument (a harness in a sandbox, a third-party SDK) are handed base URLs that carry the
-rollout id and the trace context in the path (see `gym_rpc.client._rollout.apply_rollout_prefix`). A receiving
+rollout id and the trace context in the path (see `gym_rpc.client.data._rollout.apply_rollout_prefix`). A receiving
 server strips those leading segments so its routes see the plain path, hands the rollout id to the handler, and
 turns `/ng-trace/<traceparent>` back into the `traceparent` header. A malformed segment is answered with 400 and
 a short reason instead of being routed somewhere surprising.

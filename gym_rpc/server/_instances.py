@@ -77,7 +77,8 @@ def with_probe(instance: InstanceReport, probe: StatusReport) -> InstanceReport:
     )
 
 
-# Registrations that ended: clients send such an instance no work (gym_rpc.client._instances.GONE_REGISTRATIONS).
+# Registrations that ended: clients send such an instance no work
+# (gym_rpc.client.replicas._instance_state.GONE_REGISTRATIONS).
 GONE: frozenset[RegistrationState | None] = frozenset({"deregistered", "expired"})
 # The server's status when instances answer but none may be given work: what clients find there (no instance).
 NOT_SERVING_STATUS: ServerStatus = "unknown_error"

@@ -426,7 +426,8 @@ def registration_from_pb(
     )
 
 
-# --- responses, as the control clients return them (one converter per row of gym_rpc.client._control's table) ---
+# --- responses, as the control clients return them (one converter per row of gym_rpc.client.control._clients's
+# table) ---
 
 
 def head_config_from_pb(response: pb.GetHeadServerConfigResponse) -> BaseServerConfig:

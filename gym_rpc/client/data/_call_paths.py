@@ -1,0 +1,77 @@
+"""Where a data-plane call carries its rollout: in the path (`/ng-rollout/<id>`, Gym servers with observability on,
+NeMo Gym's rule) or, for an engine or router entry (`session_affinity_header`), in a header.
+
+`ServerClient` decides once per client which of the two functions below its calls run (`path_rule`): a config
+without engine entries keeps `observed_path`, exactly the rule it always had, at the cost it always had.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from gym_rpc.client.data._rollout import rollout_id_in_context
+from gym_rpc.client.nemo_gym import nemo_gym_rollout_id, rollout_id_from_run_body
+from gym_rpc.config import GlobalConfig
+from gym_rpc.wire import RESOURCES_SERVER_TYPE, encode_rollout_id, prefixed_path
+
+if TYPE_CHECKING:
+    from aiohttp.client import _RequestOptions
+
+# (config, server name, url path, json body, request options) -> the path to send; may add a header to the options.
+PathRule = Callable[[GlobalConfig, str, str, Any, "_RequestOptions"], str]
+
+
+def observed_path(
+    config: GlobalConfig, server_name: str, url_path: str, body: Any, kwargs: _RequestOptions
+) -> str:
+    """The rollout prefix rule with observability on, as NeMo Gym applies it: the id bound by gym_rpc's
+    `rollout_context`, else by NeMo Gym's own context (when NeMo Gym is loaded), else, for `/verify` on a resources
+    server, the one the body names (`_ng_rollout_id`, or `_ng_task_index`-`_ng_rollout_index`)."""
+    entry = config.servers.get(server_name)
+    if entry is None:  # a server known only from NEMO_GYM_MODEL_SERVER_BASE_URL: its URL carries the prefix
+        return url_path
+    rollout_id = rollout_id_in_context() or nemo_gym_rollout_id()
+    if not rollout_id and url_path == "/verify" and entry.server_type == RESOURCES_SERVER_TYPE:
+        rollout_id = rollout_id_from_run_body(body)
+    return prefixed_path(url_path, entry.server_type, rollout_id)
+
+
+def engine_aware_path(
+    config: GlobalConfig, server_name: str, url_path: str, body: Any, kwargs: _RequestOptions
+) -> str:
+    """The rule of a config with engine entries: a call to one keeps its path and carries the rollout id in the
+    entry's header (observability on or off: a router needs it to keep the rollout on one engine); any other call
+    follows `observed_path` while observability is on, and is left alone while it is off."""
+    entry = config.servers.get(server_name)
+    if entry is None:
+        return url_path
+    header = entry.session_affinity_header
+    if header is None:
+        if config.observability_enabled:
+            return observed_path(config, server_name, url_path, body, kwargs)
+        return url_path
+    rollout_id = rollout_id_in_context() or nemo_gym_rollout_id()
+    if rollout_id:
+        # the id by the one rule the path form holds it to: nothing but a plain id reaches a router's header
+        kwargs["headers"] = with_session_header(kwargs.get("headers"), header, encode_rollout_id(rollout_id))
+    return url_path
+
+
+def path_rule(config: GlobalConfig) -> PathRule | None:
+    """The rule a client's calls follow, decided once per client: None (no rule: no observability, no engine)."""
+    if any(entry.session_affinity_header is not None for entry in config.servers.values()):
+        return engine_aware_path
+    return observed_path if config.observability_enabled else None
+
+
+def with_session_header(given: Any, header: str, rollout_id: str) -> Any:
+    """The caller's headers plus `header: rollout_id`, in a copy (their mapping is never touched). A session key
+    the caller set under that name (in any case) is theirs and wins."""
+    if not given:
+        return {header: rollout_id}
+    from multidict import CIMultiDict  # aiohttp's, loaded with the data plane
+
+    headers: CIMultiDict[str] = CIMultiDict(given)
+    headers.setdefault(header, rollout_id)
+    return headers

@@ -1,0 +1,768 @@
+"""A client's routes to replicated servers: for each server name with more than one instance, which instance each
+call goes to, and where it goes next when that one fails.
+
+* A call of a rollout sticks to the rollout's instance: the first call pins it by rendezvous hashing over the
+  instances that take new work, and later calls go where the pin says while that instance is alive (not down by
+  the head's probe, not ejected, still listed), even if it drains or stops matching the worker's labels since: a
+  rollout in flight finishes where it started. When its instance is gone the rollout is pinned again (counted, and
+  logged once per instance it left).
+* A rollout may be known by several keys: its rollout id, and the NeMo Gym session its cookies carry (a tool call
+  made where no rollout is bound carries only the cookie). Every key of one rollout shares one `Pin`: a call
+  carrying two keys makes them one (the session's instance wins: it holds the session's state), an answer that
+  opens a session pins it with the call's rollout, and moving the pin moves every key with it.
+* A call of no rollout goes to the less loaded of two random instances that take new work.
+* A model server's route (`responses_api_models`, `affine`) picks by prompt instead (`pick_affine`): a call goes
+  where its rollout's (or model session's) last turn went while that instance is not overloaded, else to the first
+  of its prompt's three preferred instances (the prompt's slot's rendezvous order: the same in every worker) whose
+  load stays under a bound, else by two random choices. Load is the calls in flight from this process, or what the
+  engine reports waiting and running when that is more (`engine_load`, 0 while unknown). See docs/replicas.md
+  (prefix-affine picking) for why.
+* A failed attempt counts against its instance (gym_rpc.client.replicas._outliers): refused, timed out, dropped, a
+  5xx, or a body that broke off once the caller read it; a refused connection, or any resent call of no rollout,
+  moves to another instance not tried yet by that call.
+
+Names with one instance have no route: `ServerClient.request` takes its old path for them, at its old cost.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import math
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from gym_rpc.client.nemo_gym import session_key_from_cookies
+from gym_rpc.client.replicas._engine_load_table import EngineLoadTable
+from gym_rpc.client.replicas._instance_state import (
+    Instance,
+    InstanceState,
+    config_states,
+    distinct,
+    matches,
+    report_states,
+    selector_text,
+)
+from gym_rpc.client.replicas._outliers import (
+    OutlierDetection,
+    ejection_over,
+    end_ejection,
+    record_failure,
+    succeeded,
+)
+from gym_rpc.client.replicas._picker import SLOTS, heaviest, slot_of, top_choices, two_choices
+from gym_rpc.client.resend import Backpressure, ConcurrencyCap
+from gym_rpc.config import url_authority
+from gym_rpc.errors import NoHealthyInstanceError, ServerUnreachableError
+from gym_rpc.wire import MODEL_SERVER_TYPE, RESOURCES_SERVER_TYPE
+
+if TYPE_CHECKING:
+    from gym_rpc.config import GlobalConfig
+    from gym_rpc.wire import ServerInstance, StatusReport
+
+logger = logging.getLogger("gym_rpc.client.replicas")
+
+# Rollouts pinned per server, oldest forgotten first: a forgotten rollout is pinned again by the same rendezvous,
+# so the bound only matters for rollouts whose instance set changed while they ran.
+MAX_PINS = 65536
+# Keys of NeMo Gym sessions among the pins: never a rollout id (a rollout id cannot hold a NUL).
+_SESSION_PREFIX = "\0"
+_monotonic = time.monotonic
+_NEVER = math.inf  # refresh_at while no instance is ejected: picks then never read the clock
+_MAX_JOINS = 64
+# Prefix-affine picking (model servers). With `avg` = (the route's load + 1) / its candidates: a call follows its
+# rollout's last instance while that one's load < STICK_RATIO * avg + STICK_SLACK, and a new rollout takes the
+# first of its prompt's PREFERRED instances whose load < FRESH_RATIO * avg + FRESH_SLACK. Staying costs a queue;
+# moving costs the prefill of everything the engine held for the rollout: the bound to stay is the looser.
+PREFERRED = 3
+ENGINE_LOAD_READ_SECONDS = 0.1  # the head pushes at most 4 tables a second; a pick reads them at most 10 times
+FRESH_RATIO, FRESH_SLACK = 1.5, 1.0
+STICK_RATIO, STICK_SLACK = 2.0, 2.0
+
+Selector = Mapping[str, str]
+
+
+def _is_refused(error: BaseException) -> bool:
+    """A connection refused: nothing listens at the instance's address (it is gone, not slow)."""
+    return isinstance(error, aiohttp.ClientConnectorError) and isinstance(error.os_error, ConnectionRefusedError)
+
+
+def _failure_text(error: BaseException) -> str:
+    if _is_refused(error):
+        return "connection refused"
+    if isinstance(error, aiohttp.ClientConnectorError):
+        return f"cannot connect: {error.os_error.strerror or type(error.os_error).__name__}"
+    if isinstance(error, TimeoutError):
+        return "no answer in time"
+    return type(error).__name__
+
+
+def _is_connect_failure(error: BaseException) -> bool:
+    """Nothing took the connection (refused, unreachable, no connection in time): what the head's probe tests."""
+    return isinstance(
+        error, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError | ServerUnreachableError
+    )
+
+
+# Errors that say the instance failed the call (counted towards its ejection): it refused, dropped or never
+# answered (a timeout: a wedged instance answers its probes and nothing else). A cancelled call says nothing.
+_INSTANCE_FAILURES = (aiohttp.ClientConnectionError, ServerUnreachableError, TimeoutError)
+# What a body that did not arrive whole was cut off by, on the instance's side (a caller that let the answer go
+# leaves aiohttp's plain "Connection closed", which says nothing of the instance).
+_BODY_FAILURES = (
+    aiohttp.ClientPayloadError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+    aiohttp.ServerTimeoutError,
+)
+
+
+class Pin:
+    """Where one rollout's calls go, shared by every key the rollout is known by (its rollout id, its NeMo Gym
+    sessions): re-pinning it, when its instance is gone, moves them all at once."""
+
+    __slots__ = ("instance",)
+
+    def __init__(self, instance: Instance) -> None:
+        self.instance = instance
+
+
+class ServerRoute:
+    """The instances of one server name and how calls are spread over them."""
+
+    __slots__ = (
+        "affine",
+        "by_id",
+        "cap",
+        "engine_loads",
+        "engine_total",
+        "generation",
+        "in_flight_total",
+        "instances",
+        "joins",
+        "loads_at",
+        "lock",
+        "moves_rollouts",
+        "name",
+        "pins",
+        "policy",
+        "pool",
+        "preferred",
+        "preferred_pool",
+        "refresh_at",
+        "repins",
+        "selector",
+        "winners",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        states: list[InstanceState],
+        policy: OutlierDetection,
+        selector: Selector | None = None,
+        affine: bool = False,
+        engine_loads: EngineLoadTable | None = None,
+    ) -> None:
+        self.name = name
+        self.affine = affine  # a model server's route: calls picked by prompt under a bound on load
+        self.in_flight_total = 0  # calls in flight over all its instances (kept with theirs, under `lock`)
+        # The engines' load the head pushes (gym_rpc.client.replicas._engine_load_table), read into each instance's
+        # `engine_load` at most every ENGINE_LOAD_READ_SECONDS by a prefix-affine pick; `engine_total` is their
+        # sum.
+        self.engine_loads = engine_loads
+        self.engine_total = 0
+        self.loads_at = 0.0
+        # prompt slot -> its PREFERRED instances, for the pool they were ranked in (`preferred_pool`)
+        self.preferred: dict[int, tuple[Instance, ...]] = {}
+        self.preferred_pool: tuple[Instance, ...] = ()
+        self.policy = policy
+        self.selector = selector
+        self.instances: tuple[Instance, ...] = ()
+        self.by_id: dict[str, Instance] = {}
+        self.pins: dict[str, Pin] = {}  # rollout ids and session keys; aliases of one rollout share a Pin
+        self.repins = 0  # rollouts moved off an instance that was gone, for the worker metrics
+        self.pool: tuple[Instance, ...] = ()  # the instances that take new work (`candidate` set on each)
+        # slot -> (its heaviest candidate, the generation it was found in): kept across changes of the pool. A
+        # winner that left is found again among the candidates; one found before instances joined is weighed
+        # against those (`joins`: (generation, instance) of each instance that joined since), so after a change
+        # only the slots it concerns cost a rendezvous. It pays once a run has filled them: 1.35x at 4 instances,
+        # 2.3x at 16, 6.4x at 64 against plain rendezvous over the candidates (bench/replicas.py, replicas-pick).
+        self.winners: dict[int, tuple[Instance, int]] = {}
+        self.joins: list[tuple[int, Instance]] = []
+        self.generation = 0
+        self.refresh_at = 0.0  # time.monotonic() at which the pool must be made again (an ejection ends)
+        self.lock = threading.Lock()  # for updates from the watch's thread against refreshes from calls
+        self.cap: ConcurrencyCap | None = None  # its `max_concurrent_requests` (gym_rpc.client.resend._budget)
+        # Whether a rollout's call that got a 429 or 503 may go to another instance (its pin kept): not for a
+        # resources server, whose rollouts keep state on their instance.
+        self.moves_rollouts = False
+        self.update(states)
+
+    def update(self, states: list[InstanceState]) -> None:
+        """The instance set as the head (or the config) lists it now; each instance keeps the client's counts."""
+        with self.lock:
+            kept = []
+            for state in distinct(states):
+                instance = self.by_id.get(state.instance_id)
+                if instance is None:
+                    instance = Instance(state)
+                else:
+                    instance.apply(state)
+                kept.append(instance)
+            listed = {instance.instance_id for instance in kept}
+            for gone in self.instances:
+                if gone.instance_id not in listed:
+                    gone.alive = False  # rollouts pinned to it move at their next call
+            self.instances = tuple(kept)
+            self.by_id = {instance.instance_id: instance for instance in kept}
+            self._refresh(_monotonic())
+
+    def set_selector(self, selector: Selector | None) -> None:
+        with self.lock:
+            self.selector = selector
+            self._refresh(_monotonic())
+
+    def refresh(self) -> None:
+        with self.lock:
+            self._refresh(_monotonic())
+
+    def _refresh(self, now: float) -> None:
+        soonest = _NEVER
+        for instance in self.instances:
+            if instance.ejected_until:
+                why = ejection_over(instance, now)
+                if why is not None:
+                    end_ejection(self.name, instance, now, why)
+                else:
+                    soonest = min(soonest, instance.ejected_until)
+            instance.alive = not (instance.down or instance.ejected_until)
+            if instance.alive:
+                instance.repins_logged = False
+        selector = self.selector
+        candidates = tuple(
+            instance
+            for instance in self.instances
+            if instance.alive and not instance.draining and matches(instance.labels, selector)
+        )
+        if candidates != self.pool:
+            previous = set(self.pool)
+            joined = [instance for instance in candidates if instance not in previous]
+            for instance in self.pool:
+                instance.candidate = False
+            for instance in candidates:
+                instance.candidate = True
+            if joined:
+                self.generation += 1
+                if len(self.joins) + len(joined) > _MAX_JOINS:  # weighing them all costs more than starting over
+                    self.winners, self.joins = {}, []
+                else:
+                    self.joins = [*self.joins, *((self.generation, instance) for instance in joined)]
+            self.pool = candidates
+        self.refresh_at = soonest
+
+    # --- picking ---------------------------------------------------------------------------------------------
+
+    def pick(self, key: str | None) -> Instance:
+        """The instance for a call of rollout (or session) `key`, or of no rollout (None)."""
+        if key is None:
+            if self.refresh_at != _NEVER and _monotonic() >= self.refresh_at:
+                self.refresh()
+            candidates = self.pool
+            if not candidates:
+                raise self.no_instance()
+            return two_choices(candidates)
+        return self.pin_of(key, None).instance
+
+    def pin_of(self, rollout: str | None, session: str | None) -> Pin:
+        """The pin of a call known by its rollout key, its session key or both (one at least): the first alive pin
+        of the session, then of the rollout; else pinned by rendezvous on the rollout (the same in every worker),
+        else on the session. A call carrying both leaves them sharing that pin."""
+        if self.refresh_at != _NEVER and _monotonic() >= self.refresh_at:
+            self.refresh()
+        pins = self.pins
+        if session is None or rollout is None:
+            key = rollout if session is None else session
+            assert key is not None
+            pin = pins.get(key)
+            if pin is not None and pin.instance.alive:
+                return pin
+            return self.repin(key, pin, ())
+        by_session, by_rollout = pins.get(session), pins.get(rollout)
+        if by_session is not None and by_session.instance.alive:
+            pin = by_session
+        elif by_rollout is not None and by_rollout.instance.alive:
+            pin = by_rollout
+        else:  # neither alive: the rollout's rendezvous, moving a known pin (and its other aliases) along
+            pin = self.repin(rollout, by_rollout or by_session, ())
+        if by_session is not pin:
+            self.pins_put(session, pin)
+        if by_rollout is not pin:
+            self.pins_put(rollout, pin)
+        return pin
+
+    def repin(self, key: str, pin: Pin | None, tried: tuple[Instance, ...], why: str = "") -> Pin:
+        """Pin `key` by rendezvous over the instances that take new work (those not `tried` by the call, when any
+        remain): `pin` moved there (with every key sharing it), or a new pin. The instance it leaves, if any, is
+        counted and logged once."""
+        candidates = self.pool
+        if not candidates:
+            raise self.no_instance()
+        slot = slot_of(key)
+        untried = tuple(instance for instance in candidates if instance not in tried) if tried else ()
+        # Instances `tried` (and failed) by this call: the next heaviest, where the rollout goes once they are out.
+        chosen = heaviest(slot, untried) if untried else self.slot_winner(slot, candidates)
+        if pin is None:
+            pin = Pin(chosen)
+            self.pins_put(key, pin)
+            return pin
+        previous, pin.instance = pin.instance, chosen
+        if self.pins.get(key) is not pin:
+            self.pins_put(key, pin)
+        self._moved(previous, chosen, key, why)
+        return pin
+
+    def _moved(self, previous: Instance, chosen: Instance, key: str, why: str = "") -> None:
+        """A rollout left `previous`, an instance gone (or refusing): counted, and logged once per instance."""
+        if previous is not chosen:
+            self.repins += 1
+            if not previous.repins_logged:
+                previous.repins_logged = True
+                if not why:
+                    listed = previous.instance_id in self.by_id
+                    why = f"it is {previous.describe(_monotonic())}" if listed else "it is no longer listed"
+                logger.warning(
+                    "rollouts pinned to instance %s of %s move to other instances (%s); first: %s -> %s",
+                    previous.instance_id,
+                    self.name,
+                    why,
+                    _shown_key(key),
+                    chosen.instance_id,
+                )
+
+    def pick_affine(
+        self, rollout: str | None, session: str | None, prompt: int | None
+    ) -> tuple[Instance, Pin | None]:
+        """A model call's instance, and the pin its rollout (or model session) keeps its turns on, if it has one:
+        the pin's instance while alive and under the bound to stay, else the first of its prompt's preferred
+        instances under the bound for new work (two random choices when none is, or the call has no prompt),
+        where the pin then moves."""
+        if self.refresh_at != _NEVER and _monotonic() >= self.refresh_at:
+            self.refresh()
+        candidates = self.pool
+        if not candidates:
+            raise self.no_instance()
+        if self.engine_loads is not None and _monotonic() >= self.loads_at:
+            self._read_engine_loads()
+        # An engine's figure counts this process's calls too, read a moment ago: the larger of the two counts.
+        average = (max(self.in_flight_total, self.engine_total) + 1) / len(candidates)
+        pins = self.pins
+        pin = None
+        if session is not None:
+            pin = pins.get(session)
+        if rollout is not None and (pin is None or not pin.instance.alive):
+            pin = pins.get(rollout)
+        if pin is not None:
+            last = pin.instance
+            if last.alive and max(last.in_flight, last.engine_load) < STICK_RATIO * average + STICK_SLACK:
+                if rollout is not None and session is not None:
+                    self._alias(pin, rollout, session)
+                return last, pin
+        if prompt is None:
+            chosen = two_choices(candidates)
+        else:
+            chosen = self._preferred_under(prompt % SLOTS, candidates, FRESH_RATIO * average + FRESH_SLACK)
+        if pin is None:
+            if rollout is None and session is None:
+                return chosen, None
+            pin = Pin(chosen)
+        else:  # the rollout's later turns follow (its aliases too); leaving a gone instance is a re-pin
+            previous, pin.instance = pin.instance, chosen
+            shown = rollout if rollout is not None else session
+            if not previous.alive and shown is not None:
+                self._moved(previous, chosen, shown)
+        self._alias(pin, rollout, session)
+        return chosen, pin
+
+    def _preferred_under(self, slot: int, candidates: tuple[Instance, ...], bound: float) -> Instance:
+        """The first of the slot's preferred instances whose load is under `bound`, else two random choices."""
+        if self.preferred_pool is not candidates:  # the pool changed: every slot is ranked again when next used
+            self.preferred, self.preferred_pool = {}, candidates
+        preferred = self.preferred.get(slot)
+        if preferred is None:
+            preferred = self.preferred[slot] = top_choices(slot, candidates, PREFERRED)
+        for instance in preferred:
+            if max(instance.in_flight, instance.engine_load) < bound:
+                return instance
+        return two_choices(candidates)
+
+    def _read_engine_loads(self) -> None:
+        """Each instance's engine load (requests waiting + running) from the table the head pushes; 0 where unknown
+        (no figure, or one older than the table's bound): the calls in flight then stand alone."""
+        table, name, total = self.engine_loads, self.name, 0
+        assert table is not None
+        for instance in self.instances:
+            load = table.of(name, instance.instance_id)
+            instance.engine_load = 0 if load is None else int((load.waiting or 0) + (load.running or 0))
+            total += instance.engine_load
+        self.engine_total = total
+        self.loads_at = _monotonic() + ENGINE_LOAD_READ_SECONDS
+
+    def _alias(self, pin: Pin, rollout: str | None, session: str | None) -> None:
+        pins = self.pins
+        if rollout is not None and pins.get(rollout) is not pin:
+            self.pins_put(rollout, pin)
+        if session is not None and pins.get(session) is not pin:
+            self.pins_put(session, pin)
+
+    def slot_winner(self, slot: int, candidates: tuple[Instance, ...]) -> Instance:
+        """The heaviest candidate for `slot`, remembered (`winners`): weighed against every candidate when none is
+        remembered or the remembered one takes no new work now, else only against the candidates that joined since
+        it was found (an instance leaving changes no other slot's winner)."""
+        remembered = self.winners.get(slot)
+        if remembered is None or not remembered[0].candidate:
+            winner = heaviest(slot, candidates)
+        else:
+            winner, found_in = remembered
+            if found_in == self.generation:
+                return winner
+            joined = [instance for since, instance in self.joins if since > found_in and instance.candidate]
+            if joined:
+                winner = heaviest(slot, [winner, *joined])
+        self.winners[slot] = (winner, self.generation)
+        return winner
+
+    def other(self, tried: tuple[Instance, ...]) -> Instance:
+        """For a call of no rollout that failed: two choices among the instances it has not tried yet, else among
+        all that take new work (the resend bound still ends the call)."""
+        candidates = self.pool
+        untried = tuple(instance for instance in candidates if instance not in tried)
+        if untried or candidates:
+            return two_choices(untried or candidates)
+        raise self.no_instance()
+
+    def any_url(self, key: str | None) -> str:
+        """One URL for `_resolve_base_url`: the rollout's instance, else one that takes new work (no call is
+        counted)."""
+        if key is not None:
+            return self.pick(key).url
+        candidates = self.pool
+        if not candidates:
+            raise self.no_instance()
+        return min(candidates, key=lambda instance: instance.in_flight).url
+
+    def no_instance(self) -> NoHealthyInstanceError:
+        now = _monotonic()
+        why = ""
+        open_ones = [instance for instance in self.instances if instance.alive and not instance.draining]
+        if self.selector is not None and open_ones:
+            why = f"none matches the labels {selector_text(self.selector)}"
+        listed = [(instance.instance_id, instance.describe(now)) for instance in self.instances]
+        return NoHealthyInstanceError(self.name, listed, why)
+
+    # --- outcomes --------------------------------------------------------------------------------------------
+
+    def failed(self, instance: Instance, error: BaseException) -> None:
+        # NoHealthyInstanceError is the route's own word (a failover found nowhere to go), not the instance's.
+        if isinstance(error, _INSTANCE_FAILURES) and not isinstance(error, NoHealthyInstanceError):
+            self.failed_with(instance, _failure_text(error), _is_connect_failure(error))
+        elif isinstance(error, Backpressure) and error.response.status >= 500:  # a 503 is a 5xx; a 429 is busy
+            self.failed_with(instance, f"HTTP {error.response.status}")
+
+    def failed_with(self, instance: Instance, reason: str, connect: bool = False) -> None:
+        if record_failure(self.policy, self.name, instance, self.instances, reason, _monotonic(), connect):
+            self.refresh()
+
+    def succeeded(self, instance: Instance) -> None:
+        succeeded(self.name, instance)
+
+    def body_ended(self, instance: Instance, response: aiohttp.ClientResponse, deadline: float | None) -> None:
+        """The answer's connection was let go (aiohttp's connection callback): a body read whole is a success; one
+        cut off by the instance (a reset, a broken chunk, a silent socket) or still arriving at the call's
+        deadline is a failure; one the caller let go early says nothing."""
+        content = response.content
+        if content.is_eof():
+            self.succeeded(instance)
+            return
+        error = content.exception()
+        if isinstance(error, _BODY_FAILURES):
+            self.failed_with(instance, f"its answer's body broke off ({type(error).__name__})")
+        elif deadline is not None and _monotonic() >= deadline:
+            self.failed_with(instance, "its answer's body did not arrive in time")
+
+    def learn_session(self, response: aiohttp.ClientResponse, instance: Instance, pin: Pin | None) -> None:
+        """Pin the NeMo Gym session the answer opened (a session cookie named for this server in its Set-Cookie)
+        to the instance that opened it, with the call's rollout (`pin`, when it is there), so the session's later
+        calls, which carry the cookie, go there, whatever else they carry."""
+        session = session_key_from_cookies(response.cookies, self.name)
+        if session is not None:
+            self.pins_put(
+                _SESSION_PREFIX + session, pin if pin is not None and pin.instance is instance else Pin(instance)
+            )
+
+    def pins_put(self, key: str, pin: Pin) -> None:
+        """Pin `key`; past MAX_PINS the older half is forgotten at once (popping a dict's first key one at a time
+        costs a scan over every key popped before it)."""
+        pins = self.pins
+        if len(pins) >= MAX_PINS and key not in pins:
+            pins = self.pins = dict(itertools.islice(pins.items(), MAX_PINS // 2, None))
+        pins[key] = pin
+
+
+def _shown_key(key: str) -> str:
+    return f"session {key[1:]}" if key.startswith(_SESSION_PREFIX) else f"rollout {key}"
+
+
+def session_pin_key(cookies: Any, server_name: str) -> str | None:
+    """The pin key of the NeMo Gym session a call's cookies carry for this server, if any."""
+    session = session_key_from_cookies(cookies, server_name)
+    return None if session is None else _SESSION_PREFIX + session
+
+
+class RoutedCall:
+    """One call to a replicated server: the instance it is at, counted in flight there until it ends. `key` is
+    its rollout's, `session` the NeMo Gym session its cookies carry; with neither, it is a call of no rollout.
+
+    The counts change under the route's lock: one client may serve the event loops of several threads, and
+    `+= 1` from two of them at once could lose one (a count off for good skews every later two-choices pick).
+    Only replicated calls come here; a server of one instance takes no lock."""
+
+    __slots__ = ("counted", "instance", "key", "path", "pin", "route", "session", "tried")
+
+    def __init__(
+        self,
+        route: ServerRoute,
+        key: str | None,
+        path: str,
+        session: str | None = None,
+        prompt: int | None = None,
+    ) -> None:
+        self.route = route
+        self.key = key
+        self.session = session
+        self.path = path
+        self.tried: tuple[Instance, ...] = ()
+        self.counted = 0  # the attempts whose failure `reroute` counted: the call's end counts none twice
+        self.pin: Pin | None
+        if route.affine:
+            instance, self.pin = route.pick_affine(key, session, prompt)
+        elif key is None and session is None:
+            self.pin = None
+            instance = route.pick(None)
+        else:
+            self.pin = pin = route.pin_of(key, session)
+            instance = pin.instance
+        self.instance = instance
+        with route.lock:
+            instance.in_flight += 1
+            instance.picks += 1
+            route.in_flight_total += 1
+
+    def reroute(self, error: BaseException) -> str:
+        """The URL of the next attempt after `error` (the resend loop asks): another instance after a refused
+        connection, or for a call of no rollout; the same one for a rollout whose instance is still alive."""
+        route, old, pin = self.route, self.instance, self.pin
+        route.failed(old, error)
+        self.counted = len(self.tried) + 1
+        self.tried += (old,)
+        if isinstance(error, Backpressure) and pin is not None and not route.moves_rollouts:
+            with route.lock:  # a stateful rollout waits for its own instance (its Retry-After, else a backoff)
+                old.picks += 1
+            return old.url + self.path
+        if pin is None or isinstance(error, Backpressure):  # busy: another instance, the rollout's pin kept
+            new = route.other(self.tried)
+        elif _is_refused(error) or not old.alive:
+            key = self.key if self.key is not None else self.session
+            assert key is not None
+            new = route.repin(key, pin, self.tried, _failure_text(error)).instance
+        else:  # a dropped call of a rollout whose instance lives: resent there
+            with route.lock:
+                old.picks += 1
+            return old.url + self.path
+        with route.lock:  # the route's total stays: the call moves
+            old.in_flight -= 1
+            new.in_flight += 1
+            new.picks += 1
+        self.instance = new
+        return new.url + self.path
+
+    def answered(self, response: aiohttp.ClientResponse, deadline: float | None = None) -> None:
+        """The answer's headers came: a 5xx is a failure; any other answer succeeds once its body is read whole
+        (told by its connection's release: `ServerRoute.body_ended`), or at once when it came whole already."""
+        instance = self.instance
+        with self.route.lock:
+            instance.in_flight -= 1
+            self.route.in_flight_total -= 1
+        if response.status >= 500:
+            self.route.failed_with(instance, f"HTTP {response.status}")
+            return
+        connection = response.connection
+        if connection is None:  # no body, or all of it read with the headers: the connection is free already
+            self.route.succeeded(instance)
+        else:
+            connection.add_callback(functools.partial(self.route.body_ended, instance, response, deadline))
+        # A call that carried no session may have opened one (a NeMo Gym server sets its cookie on every answer;
+        # a call carrying one keeps it): pinned with the call's rollout.
+        if self.session is None and "Set-Cookie" in response.headers:
+            try:
+                self.route.learn_session(response, instance, self.pin)
+            except Exception:  # a malformed cookie must not fail an answered call
+                logger.debug("cannot read the session cookie of an answer", exc_info=True)
+
+    def failed(self, error: BaseException) -> None:
+        """The call ended in `error`: counted against its instance unless `reroute` counted that attempt already
+        (a call given up on after its failover was chosen: no attempt reached the new instance)."""
+        with self.route.lock:
+            self.instance.in_flight -= 1
+            self.route.in_flight_total -= 1
+        attempts = getattr(error, "attempts", None)
+        if attempts is None or attempts > self.counted:
+            self.route.failed(self.instance, error)
+
+
+# Every live Routing of the process, for the worker metrics' per-instance counts.
+ROUTINGS: weakref.WeakSet[Routing] = weakref.WeakSet()
+
+
+class Routing:
+    """A client's routes, by server name: made from the config (its static replicas), then kept current from the
+    head's reports. `routes` holds only names with more than one instance (or a label selector)."""
+
+    __slots__ = (
+        "__weakref__",
+        "affine",
+        "caps",
+        "engine_loads",
+        "movable",
+        "policy",
+        "routes",
+        "selectors",
+        "skipped",
+    )
+
+    def __init__(
+        self,
+        config: GlobalConfig,
+        policy: OutlierDetection,
+        selectors: Mapping[str, Selector],
+        skipped: frozenset[str] = frozenset(),
+    ) -> None:
+        self.policy = policy
+        self.selectors = dict(selectors)
+        self.skipped = skipped  # names a launcher's override URL stands for: never routed
+        # The engines' load as the head reads it, pushed by the follower; a picker reads it (`.of(name, id)`).
+        self.engine_loads = EngineLoadTable()
+        # model servers: their routes pick by prompt (prefix-affine); every other kind keeps exact stickiness
+        self.affine = frozenset(
+            name for name, entry in config.servers.items() if entry.server_type == MODEL_SERVER_TYPE
+        )
+        self.routes: dict[str, ServerRoute] = {}
+        # Names with a cap on calls in flight get a route even with one instance (decided once per name: the
+        # one-instance path of the others stays as it was).
+        self.caps = {
+            name: entry.max_concurrent_requests
+            for name, entry in config.servers.items()
+            if entry.max_concurrent_requests is not None
+        }
+        # A rollout's busy call may move to another instance only where the config says it keeps no state there.
+        self.movable = frozenset(
+            name for name, entry in config.servers.items() if entry.server_type != RESOURCES_SERVER_TYPE
+        )
+        for name, entry in config.servers.items():
+            states = config_states(entry)
+            if name not in skipped and (len(states) > 1 or name in self.selectors or name in self.caps):
+                self.routes[name] = self._route(name, states)
+        ROUTINGS.add(self)
+
+    def apply_reports(self, reports: Iterable[StatusReport]) -> None:
+        """The head's latest reports (a snapshot or changes): each server's instances as the head lists them."""
+        for report in reports:
+            if report.instances:
+                self._set(report.server_name, report_states(report))
+            else:  # a head older than replicas: the report is the one instance it knows (the config's)
+                route = self.routes.get(report.server_name)
+                if route is not None and route.instances:
+                    first = route.instances[0]
+                    route.update(
+                        [
+                            InstanceState(
+                                first.instance_id,
+                                first.url,
+                                report.status,
+                                report.checked_at,
+                                http_status=report.http_status,
+                            ),
+                            *(_state_of(instance) for instance in route.instances[1:]),
+                        ]
+                    )
+
+    def apply_rows(self, rows: Iterable[ServerInstance]) -> None:
+        """ListServerInstances rows (one per instance of every server), as `lookup_registered_servers` has them."""
+        by_name: dict[str, list[InstanceState]] = {}
+        for row in rows:
+            if not row.instance_id:
+                continue  # the head's own row, or a head older than replicas (one instance per server)
+            url = row.advertised_url or row.url
+            by_name.setdefault(row.name, []).append(
+                InstanceState(
+                    row.instance_id or url_authority(url),
+                    url,
+                    row.status,
+                    draining=row.draining,
+                    labels=row.labels,
+                    origin=row.origin,
+                )
+            )
+        for name, states in by_name.items():
+            self._set(name, states)
+
+    def _set(self, name: str, states: list[InstanceState]) -> None:
+        if name in self.skipped:
+            return
+        route = self.routes.get(name)
+        if route is not None:
+            route.update(states)
+        elif len(states) > 1 or name in self.selectors or name in self.caps:
+            self.routes[name] = self._route(name, states)
+
+    def _route(self, name: str, states: list[InstanceState]) -> ServerRoute:
+        affine = name in self.affine
+        loads = self.engine_loads if affine else None
+        route = ServerRoute(name, states, self.policy, self.selectors.get(name), affine, loads)
+        limit = self.caps.get(name)
+        route.cap = None if limit is None else ConcurrencyCap(limit)
+        route.moves_rollouts = name in self.movable
+        return route
+
+    def set_selector(self, name: str, selector: Selector | None, config: GlobalConfig) -> None:
+        if selector is None:
+            self.selectors.pop(name, None)
+        else:
+            self.selectors[name] = selector
+        route = self.routes.get(name)
+        if route is not None:
+            route.set_selector(selector)
+        elif selector is not None and name not in self.skipped:
+            entry = config.servers.get(name)
+            states = config_states(entry) if entry is not None else []
+            self.routes[name] = self._route(name, states)
+
+
+def _state_of(instance: Instance) -> InstanceState:
+    return InstanceState(
+        instance.instance_id,
+        instance.url,
+        instance.status,
+        instance.checked_at,
+        instance.draining,
+        None,
+        instance.registration,
+        instance.origin,
+        instance.http_status,
+    )
