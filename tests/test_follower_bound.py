@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 
 from gym_rpc.client import ServerClient
-from gym_rpc.client._cpu_budget import DEFAULT_BURST_SECONDS, DEFAULT_SHARE
-from gym_rpc.client._follower import close_instance_followers
+from gym_rpc.client._follower import DEFAULT_BURST_SECONDS, DEFAULT_SHARE, close_instance_followers
 from gym_rpc.config import BaseServerConfig
 from tests.conftest import LOOPBACK, document, server_entry
 

@@ -7,7 +7,7 @@ clients that subscribed (a head that turns out to be NeMo Gym's HTTP head has no
 several heads (`a:11000,b:11000`) it follows the one the process follows, and takes the next one's snapshot when
 that one goes away.
 Workers' event loops never run any of it, and a call never waits on the head. It takes at most a tenth of a core
-over time (gym_rpc.client._cpu_budget): a head pushing a flood pauses it, and after a long pause it resumes from
+over time (`CpuBudget`, below): a head pushing a flood pauses it, and after a long pause it resumes from
 its revision, so it gets the latest state merged instead of every message that queued. The
 follower stops when its last client is gone (it looks at each event and each reconnect, and the watch asks for a
 heartbeat, so it looks at least that often), at `close_instance_followers()`, and at interpreter exit.
@@ -22,10 +22,10 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING
 
-from gym_rpc.client._cpu_budget import CpuBudget
 from gym_rpc.client.control import ControlClient, StatusWatch, close_aio_channels, head_for
 from gym_rpc.errors import ControlPlaneError
 
@@ -40,10 +40,46 @@ logger = logging.getLogger("gym_rpc.client.replicas")
 # client is gone.
 HEARTBEAT_SECONDS = 5.0
 _STOP_JOIN_SECONDS = 2.0
-# A follower over its CPU share pauses (gym_rpc.client._cpu_budget), at most this long at a time; after a pause
+# A follower over its CPU share pauses (`CpuBudget`), at most this long at a time; after a pause
 # this long it resumes the watch from its revision instead of reading what queued meanwhile (the head merges it).
 MAX_PAUSE_SECONDS = 5.0
 RESUME_AFTER_PAUSE_SECONDS = 1.0
+
+
+# A background thread's share of the CPU: how long it must pause so its work costs the process at most `share` of
+# one core over time. The follower runs in the worker's own process: every message it converts and applies holds
+# the interpreter the worker's event loop needs. A head pushing a flood (a refit relabelling every instance, a
+# misbehaving or hostile head) would otherwise take the worker's data plane with it. A token bucket over the
+# thread's own CPU time (`time.thread_time`): work beyond the share is paid back by pausing, and a short burst (the
+# first snapshot, an occasional big change) is not delayed at all.
+DEFAULT_SHARE = 0.1  # a tenth of one core: the worker keeps at least 90 % of its rate
+DEFAULT_BURST_SECONDS = 0.1  # CPU seconds spent at once after a quiet spell without pausing
+
+
+class CpuBudget:
+    """Call `pause()` after each piece of work, then sleep what it says (0: go on at once)."""
+
+    def __init__(self, share: float = DEFAULT_SHARE, burst_seconds: float = DEFAULT_BURST_SECONDS) -> None:
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        self.share = share
+        self.burst_seconds = burst_seconds
+        self._cpu = time.thread_time()
+        self._wall = time.monotonic()
+        self._debt = -burst_seconds  # CPU seconds used beyond the share (negative: what may still be spent)
+        self.paused_seconds = 0.0  # pauses asked for so far (tests and metrics read it)
+
+    def pause(self) -> float:
+        """Seconds to pause now so that this thread's CPU stays within the share (0.0 when it is)."""
+        cpu, wall = time.thread_time(), time.monotonic()
+        self._debt += (cpu - self._cpu) - (wall - self._wall) * self.share
+        self._cpu, self._wall = cpu, wall
+        self._debt = max(self._debt, -self.burst_seconds)
+        if self._debt <= 0:
+            return 0.0
+        pause = self._debt / self.share
+        self.paused_seconds += pause
+        return pause
 
 
 class _NoClientsLeft(Exception):
