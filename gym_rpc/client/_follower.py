@@ -11,6 +11,9 @@ over time (`CpuBudget`, below): a head pushing a flood pauses it, and after a lo
 its revision, so it gets the latest state merged instead of every message that queued. The
 follower stops when its last client is gone (it looks at each event and each reconnect, and the watch asks for a
 heartbeat, so it looks at least that often), at `close_instance_followers()`, and at interpreter exit.
+A snapshot after the first (a head restarted, or another head of the list) that leaves out instances the follower
+knew does not drop them at once: they are kept for a grace while the fresh head relearns them
+(gym_rpc.client._relearn_grace), so their rollouts stay where they are.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
+from gym_rpc.client._relearn_grace import RelearnGrace
 from gym_rpc.client.control import ControlClient, StatusWatch, close_aio_channels, head_for
 from gym_rpc.errors import ControlPlaneError
 
@@ -102,6 +106,8 @@ class InstanceFollower:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._outage_logged = False
+        self._grace = RelearnGrace()
+        self._expiry: asyncio.TimerHandle | None = None  # pushes the view without the kept instances run out
         self._thread = threading.Thread(target=self._run, name=f"gym-rpc instances of {address}", daemon=True)
 
     @property
@@ -173,11 +179,18 @@ class InstanceFollower:
             for routing in subscribers:
                 routing.engine_loads.apply(event.engine_loads)
             return bool(subscribers)
+        now = time.monotonic()
         with self._lock:
             subscribers = list(self._subscribers)
+            reports = self._expired(now)
             if event.kind == "snapshot":
+                replaced = self._reports  # a view to replace: instances the snapshot leaves out are kept a while
+                merged = self._grace.snapshot(replaced, event.reports, now) if replaced else event.reports
                 self._reports = {}
-            self._reports.update((report.server_name, report) for report in event.reports)
+                self._log_kept(merged, event.reports)
+            else:
+                merged = self._grace.merged(event.reports, now) if self._grace else event.reports
+            self._reports.update((report.server_name, report) for report in merged)
             self.revision = event.revision
         if not subscribers:
             return False
@@ -185,10 +198,52 @@ class InstanceFollower:
             self._outage_logged = False
             logger.info("following the instances of the head at %s again", self.address)
         for routing in subscribers:
-            routing.apply_reports(event.reports)
+            routing.apply_reports([*reports, *merged])
         if event.kind == "snapshot" and not self.first_snapshot.done():
             self.first_snapshot.set_result(None)
+        self._expire_later()
         return True
+
+    def _expired(self, now: float) -> list[StatusReport]:
+        """The view without the kept instances whose grace ran out (held: self._lock)."""
+        if not self._grace:
+            return []
+        reports = self._grace.expired(self._reports, now)
+        self._reports.update((report.server_name, report) for report in reports)
+        return reports
+
+    def _expire_later(self) -> None:
+        """Push the view again when the earliest kept instance's grace runs out (in the follower's loop)."""
+        when = self._grace.next_expiry()
+        if when is None or self._expiry is not None:
+            return  # nothing kept, or a timer already due no later (graces only start later)
+        self._expiry = asyncio.get_running_loop().call_later(max(0.0, when - time.monotonic()), self._expire)
+
+    def _expire(self) -> None:
+        self._expiry = None
+        with self._lock:
+            subscribers = list(self._subscribers)
+            reports = self._expired(time.monotonic())
+        if reports:
+            logger.info(
+                "the head at %s has not listed again, within %g s, instances it had: dropped them",
+                self.address,
+                self._grace.grace_seconds,
+            )
+        for routing in subscribers:
+            routing.apply_reports(reports)
+        self._expire_later()
+
+    def _log_kept(self, merged: list[StatusReport], listed: list[StatusReport]) -> None:
+        kept = sum(len(report.instances) for report in merged) - sum(len(report.instances) for report in listed)
+        if kept > 0:
+            logger.info(
+                "the head at %s does not list %d instances it had (a fresh head, relearning its registrations): "
+                "kept for up to %g s meanwhile",
+                self.address,
+                kept,
+                self._grace.grace_seconds,
+            )
 
     def _retrying(self, error: ControlPlaneError, pause: float) -> None:
         if not self._subscribers:

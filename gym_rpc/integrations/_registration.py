@@ -16,6 +16,7 @@ it no new work, its calls in flight finish (within `drain_grace_seconds`), then 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -26,12 +27,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypedDict
 
+import grpc
 from aiohttp import web
 
 from gym_rpc._tasks import cancel_and_wait
-from gym_rpc.client import ServerClient, SyncControlClient, client_security, head_address
+from gym_rpc.client import ControlClient, ServerClient, SyncControlClient, client_security, head_address
 from gym_rpc.config import BaseServerConfig, parse_head_addresses, parse_host_port
-from gym_rpc.errors import GymRpcError
+from gym_rpc.errors import ControlPlaneError, GymRpcError
 from gym_rpc.integrations._draining import (
     DEFAULT_DRAIN_GRACE_SECONDS,
     InFlight,
@@ -51,6 +53,10 @@ REGISTRATION_TIMEOUT_SECONDS = 2.0
 DEFAULT_REFRESH_SECONDS = 10.0
 LEASE_REFRESHES = 3
 MIN_LEASE_SECONDS = 0.5  # the shortest lease a head grants
+# While registered, a process follows each head's health watch (a stream that sends only when the head's own
+# status changes): when it breaks and a new one answers, the head restarted or came back, and the process registers
+# there again at once instead of at its next renewal. Reconnects back off from 0.2 s to at most this.
+HEAD_WATCH_MAX_BACKOFF_SECONDS = 2.0
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -142,6 +148,7 @@ class ServerRegistration:
         in_flight: Callable[[], int] | None = None,
         drain_on_sigterm: bool = False,
         drain_grace_seconds: float = DEFAULT_DRAIN_GRACE_SECONDS,
+        follow_head: bool = True,
     ) -> None:
         if lease_seconds is None:
             lease_seconds = (
@@ -178,6 +185,9 @@ class ServerRegistration:
         self.advertised_url: str | None = None  # set while registered
         self.instance_id = ""  # the instance the head says this registration holds, once it has answered
         self._refresher: asyncio.Task[None] | None = None
+        self.follow_head = follow_head
+        self._head_watches: list[asyncio.Task[None]] = []
+        self.reregistered = 0  # registrations made because a head was seen to be new (tests read it)
         # Register and deregister never overlap, and a refresh still running in its thread when deregister() is
         # called cannot land after it: a cancelled task does not stop a thread.
         self._lock = threading.Lock()
@@ -212,6 +222,14 @@ class ServerRegistration:
         """Register again, unless deregister() came first."""
         with self._lock:
             return False if self._deregistered else self._register(quiet)
+
+    def _refresh_at(self, address: str) -> bool:
+        """Register again at one head (it is new), unless deregister() came first."""
+        with self._lock:
+            if self._deregistered:
+                return False
+            self.reregistered += 1
+            return self._register_at(address, False)
 
     def _where(self) -> _Registered:
         return {
@@ -284,11 +302,48 @@ class ServerRegistration:
         registered = await asyncio.to_thread(self.register)
         if self.refresh_seconds is not None and self._refresher is None:
             self._refresher = asyncio.create_task(self._keep_registered(self.refresh_seconds))
+        if self.follow_head and not self._head_watches:
+            self._head_watches = [asyncio.create_task(self._follow_head(at)) for at in self.head_addresses]
         return registered
 
-    async def aderegister(self) -> bool:
+    async def _stop_following(self) -> None:
         await cancel_and_wait(self._refresher)
         self._refresher = None
+        watches, self._head_watches = self._head_watches, []
+        for watch in watches:
+            await cancel_and_wait(watch)
+
+    async def _follow_head(self, address: str) -> None:
+        """Register at `address` again whenever a health watch of it answers after the last one broke (or before
+        the head ever took this registration); ends on an error not worth waiting out (a head without the health
+        service, one that refuses the watch), leaving it to the renewals."""
+        client = ControlClient(address, security=client_security(self.head))
+        fresh = address in self._missed  # the head did not take the registration: register as soon as it answers
+        failures = 0
+        while True:
+            try:
+                async with contextlib.aclosing(client.watch_head_health()) as statuses:
+                    async for _ in statuses:
+                        failures = 0
+                        if fresh:
+                            fresh = False
+                            logger.info("%s: the head at %s is new (restarted or back)", self.server_name, address)
+                            await asyncio.to_thread(self._refresh_at, address)
+            except ControlPlaneError as error:
+                if error.code != grpc.StatusCode.UNAVAILABLE:
+                    logger.info(
+                        "%s: not following the head at %s (%s); a restart of it is learned at the next renewal",
+                        self.server_name,
+                        address,
+                        error.code.name,
+                    )
+                    return
+            fresh = True
+            failures += 1
+            await asyncio.sleep(min(HEAD_WATCH_MAX_BACKOFF_SECONDS, 0.1 * 2**failures))
+
+    async def aderegister(self) -> bool:
+        await self._stop_following()
         if self.draining and self._deregistered:
             return False  # a drain deregistered already
         return await asyncio.to_thread(self.deregister)
@@ -308,8 +363,7 @@ class ServerRegistration:
         left = await wait_until_drained(self.in_flight, self.drain_grace_seconds, hurry or asyncio.Event())
         if left:
             logger.warning("%s: deregistering with %d calls still in flight", self.server_name, left)
-        await cancel_and_wait(self._refresher)
-        self._refresher = None
+        await self._stop_following()
         return await asyncio.to_thread(self.deregister)
 
     async def _keep_registered(self, interval: float) -> None:

@@ -147,6 +147,12 @@ def _head_health(*, timeout: float | None = None) -> Call[health_pb2.HealthCheck
     return Call(health_pb2.HealthCheckRequest(service=""), timeout)
 
 
+def _head_health_watch() -> Call[health_pb2.HealthCheckRequest]:
+    """The head's own status as it changes (`Watch("")`): a stream that ends when the head goes away, so one that
+    answers after another ended is a head that restarted or came back (registering servers register again then)."""
+    return Call(health_pb2.HealthCheckRequest(service=""), None)
+
+
 # --- response converters ---
 
 
@@ -212,6 +218,9 @@ class ControlRpcs:
         service=HEALTH_SERVICE_NAME,
         on_error=_health_error,
         http=nemo_gym.head_health,
+    )
+    watch_head_health = StreamRpc(
+        "Watch", _head_health_watch, _health_status, service=HEALTH_SERVICE_NAME, deadline=None
     )
 
 
