@@ -28,8 +28,8 @@ asks for it, and a console exporter for `OTEL_TRACES_EXPORTER=console`.
 
 This module holds the decision and what both sides share (the tracer, attribute names, SERVER spans); each side
 keeps its own instrumentation: `gym_rpc.client.tracing._grpc_interceptors` (control channels),
-`gym_rpc.client.data._call_spans` (data-plane calls), `gym_rpc.server._tracing` (the head's interceptor),
-`gym_rpc.integrations._middleware` (receiving servers).
+`gym_rpc.client.data._call_spans` (data-plane calls), `gym_rpc.server.observability._grpc_tracing` (the head's
+interceptor), `gym_rpc.integrations._middleware` (receiving servers).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from gym_rpc.config import ServerEntry
-from gym_rpc.server._instances import InstanceTarget, config_targets
+from gym_rpc.server.fleet._server_instances import InstanceTarget, config_targets
 from gym_rpc.wire import RegistrationState
 
 

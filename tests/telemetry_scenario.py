@@ -38,7 +38,7 @@ from gym_rpc.client.tracing._grpc_interceptors import aio_client_interceptors
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.integrations._middleware import Receive, Scope, Send, TraceContextPathMiddleware
 from gym_rpc.server._head import HeadOptions, HeadServer
-from gym_rpc.server._tracing import server_interceptors
+from gym_rpc.server.observability._grpc_tracing import server_interceptors
 from gym_rpc.telemetry import server_span, set_response_status, tracing_enabled
 
 LOOPBACK = "127.0.0.1"

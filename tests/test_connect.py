@@ -25,9 +25,9 @@ from google.rpc import error_details_pb2
 
 from gym_rpc.errors import GymRpcError
 from gym_rpc.server import HeadServer, ServerSecurity
-from gym_rpc.server._connect import SERVICE, ConnectServer, endpoints
-from gym_rpc.server._security import UNAUTHENTICATED_MESSAGE
-from gym_rpc.server._servicer import ControlPlaneServicer
+from gym_rpc.server.http._connect import SERVICE, ConnectServer, endpoints
+from gym_rpc.server.security._auth import UNAUTHENTICATED_MESSAGE
+from gym_rpc.server.service._servicer import ControlPlaneServicer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from tests.cli_helpers import running_head
 from tests.conftest import LOOPBACK, closed_port, document, server_entry

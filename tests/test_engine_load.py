@@ -22,7 +22,7 @@ from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig, ServerEntry
 from gym_rpc.errors import ConfigError
 from gym_rpc.server import HeadServer
-from gym_rpc.server._engine_load import (
+from gym_rpc.server.fleet._engine_load import (
     PUSH_INTERVAL_SECONDS,
     EngineLoads,
     EngineTarget,

@@ -64,9 +64,9 @@ from gym_rpc.errors import (
     ServerUnreachableError,
 )
 from gym_rpc.server._head import HeadOptions
-from gym_rpc.server._prober import Changes, StatusProber, new_probe_session, probe, unsampled_traceparent
-from gym_rpc.server._registry import InstanceRegistry
-from gym_rpc.server._security import (
+from gym_rpc.server.fleet._prober import Changes, StatusProber, new_probe_session, probe, unsampled_traceparent
+from gym_rpc.server.registry._registry import InstanceRegistry
+from gym_rpc.server.security._auth import (
     ServerSecurity,
     _bearer_token,
     check_tls_files,

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from gym_rpc.client.control._clients import SyncControlClient
-from gym_rpc.server._connection_limits import grpc_connection_bound
+from gym_rpc.server.security._connection_limits import grpc_connection_bound
 from tests.cli_helpers import threaded_http_server
 from tests.conftest import closed_port, document, server_entry
 from tests.test_http_port_limits import FD_LIMIT, head_with_fd_limit, many_fds

@@ -23,7 +23,7 @@ from gym_rpc.client._follower import _followers, close_instance_followers
 from gym_rpc.client.server_client import rollout_context
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.integrations import ServerRegistration, register_aiohttp_app
-from gym_rpc.server import _registrations_file as registrations_file
+from gym_rpc.server.registry import registrations_file
 from tests.cli_helpers import run_cli, running_head
 from tests.conftest import LOOPBACK, document, server_entry
 

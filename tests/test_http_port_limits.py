@@ -23,7 +23,7 @@ from aiohttp import web
 
 from gym_rpc._logging import RateLimitedLog
 from gym_rpc.client.control._clients import SyncControlClient
-from gym_rpc.server._connection_limits import BoundedListener, connection_bound
+from gym_rpc.server.security._connection_limits import BoundedListener, connection_bound
 from tests.cli_helpers import STARTUP_SECONDS, cli_command, cli_env
 from tests.test_security import Pki, pki
 

@@ -36,7 +36,7 @@ KNOWN_ELSEWHERE = {
 }
 # gym_rpc's own objects whose private names aiohttp happens to use too.
 OWN_NAMES = {
-    ("server/_connection_limits.py", "_closed"),  # BoundedListener._closed
+    ("server/security/_connection_limits.py", "_closed"),  # BoundedListener._closed
 }
 
 

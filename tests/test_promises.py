@@ -38,9 +38,9 @@ from gym_rpc.client.control._credentials import client_security
 from gym_rpc.config import GlobalConfig, head_server_settings, load_config_file, redact_secrets
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError
 from gym_rpc.integrations import ServerRegistration
-from gym_rpc.server import _connect as connect_server
-from gym_rpc.server import _security as server_security
 from gym_rpc.server._head import HeadOptions, HeadServer
+from gym_rpc.server.http import _connect as connect_server
+from gym_rpc.server.security import _auth as server_security
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import MAX_RESPONSE_BYTES, SERVICE_NAME
 from tests.cli_helpers import cli_env, cli_start_seconds, run_cli, running_cli, running_head

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from gym_rpc.server._quiet_http_log import BAD_REQUEST_WINDOW_SECONDS
+from gym_rpc.server.observability._quiet_http_log import BAD_REQUEST_WINDOW_SECONDS
 from tests.cli_helpers import running_head
 from tests.conftest import LOOPBACK, closed_port, server_entry
 from tests.test_metrics import HTTP_HEAD_PATTERN, METRICS_PATTERN, announced, scrape, value

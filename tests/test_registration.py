@@ -32,7 +32,7 @@ from gym_rpc.integrations._registration import (
     with_registration,
 )
 from gym_rpc.server._head import HeadServer
-from gym_rpc.server._registry import advertised_host, is_valid_host, peer_host
+from gym_rpc.server.registry._registry import advertised_host, is_valid_host, peer_host
 from tests.conftest import LOOPBACK, LoopStallDetector, closed_port, document, server_entry
 
 TOKEN = "registration-token"

@@ -9,7 +9,7 @@ import yarl
 from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.config import base_url
 from gym_rpc.errors import ControlPlaneError
-from gym_rpc.server._registry import is_valid_host
+from gym_rpc.server.registry._registry import is_valid_host
 from tests.conftest import document, server_entry
 
 

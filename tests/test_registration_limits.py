@@ -16,7 +16,7 @@ import yaml
 
 from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.errors import ControlPlaneError
-from gym_rpc.server._registry import DEFAULT_LEASE_SECONDS
+from gym_rpc.server.registry._registry import DEFAULT_LEASE_SECONDS
 from gym_rpc.wire import MAX_LABEL_KEY_LENGTH, MAX_LABEL_VALUE_LENGTH, MAX_LABELS
 from tests.cli_helpers import run_cli, running_head, threaded_http_server
 from tests.conftest import LOOPBACK, closed_port, document, server_entry

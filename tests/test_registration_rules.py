@@ -15,7 +15,7 @@ import yaml
 from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.config import head_server_settings
 from gym_rpc.errors import ConfigError, ControlPlaneError
-from gym_rpc.server._address_policy import AddressPolicy
+from gym_rpc.server.security._address_policy import AddressPolicy
 from tests.cli_helpers import run_cli, running_head
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
 

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gym_rpc.client.control._channel import aio_channel
 from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.server._head import HeadServer
-from gym_rpc.server._instances import InstanceTarget, watched
+from gym_rpc.server.fleet._server_instances import InstanceTarget, watched
 from gym_rpc.wire import InstanceOrigin, StatusReport
 from tests.cli_helpers import running_head, threaded_http_server
 from tests.conftest import LOOPBACK, closed_port, document, server_entry

@@ -16,7 +16,7 @@ from google.protobuf.message_factory import GetMessageClass
 
 from gym_rpc.client.control._clients import ControlClient, ControlRpcs, SyncControlClient
 from gym_rpc.client.control._rpc import Rpc, StreamRpc
-from gym_rpc.server._servicer import ControlPlaneServicer
+from gym_rpc.server.service._servicer import ControlPlaneServicer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import HEALTH_SERVICE_NAME, SERVICE_NAME

@@ -35,7 +35,7 @@ from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import REDACTED, BaseServerConfig, GlobalConfig
 from gym_rpc.errors import ConfigError, ControlPlaneError, HeadUnreachableError
 from gym_rpc.server._head import HeadOptions, HeadServer
-from gym_rpc.server._security import UNAUTHENTICATED_MESSAGE, ServerSecurity
+from gym_rpc.server.security._auth import UNAUTHENTICATED_MESSAGE, ServerSecurity
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import SERVICE_NAME, TLS_CA_ENV_VAR, TLS_CERT_ENV_VAR, TLS_KEY_ENV_VAR, TOKEN_ENV_VAR
 from tests.cli_helpers import LISTENING_PATTERN, STARTUP_SECONDS, run_cli, running_cli

@@ -1,6 +1,6 @@
-"""The status page's HTTP side (gym_rpc.server._status_page, _page_feed) on a real head with its HTTP port: what
-it serves and to whom, what it never sends, how a page resumes, and that a page that stops reading holds nothing
-(issue 42). The page in a browser: tests/test_status_page_browser.py.
+"""The status page's HTTP side (gym_rpc.server.http._status_page, _page_feed) on a real head with its HTTP port:
+what it serves and to whom, what it never sends, how a page resumes, and that a page that stops reading holds
+nothing (issue 42). The page in a browser: tests/test_status_page_browser.py.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import yaml
 
 from gym_rpc.client import ControlClient
 from gym_rpc.server import HeadServer
-from gym_rpc.server._page_feed import PageFeed, TimelineEvent, report_events
-from gym_rpc.server._status_page import CONTENT_SECURITY_POLICY, MAX_PAGES_PER_CLIENT
+from gym_rpc.server.http._page_feed import PageFeed, TimelineEvent, report_events
+from gym_rpc.server.http._status_page import CONTENT_SECURITY_POLICY, MAX_PAGES_PER_CLIENT
 from gym_rpc.wire import InstanceReport, StatusReport
 from tests.cli_helpers import running_head
 from tests.conftest import LOOPBACK, closed_port, document, server_entry

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from gym_rpc.client.control._clients import ControlClient, WatchEvent
 from gym_rpc.server._head import HeadServer
-from gym_rpc.server._servicer import ControlPlaneServicer
+from gym_rpc.server.service._servicer import ControlPlaneServicer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import ServerStatus
 from gym_rpc.wire._convert import seconds_to_duration

@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator
 from typing import cast
 
 from gym_rpc.client.control._clients import ControlClient
-from gym_rpc.server._servicer import ControlPlaneServicer
+from gym_rpc.server.service._servicer import ControlPlaneServicer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import RegistrationState
 from gym_rpc.wire._convert import seconds_to_duration

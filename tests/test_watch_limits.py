@@ -16,7 +16,7 @@ import pytest
 from gym_rpc.client.control._clients import ControlClient, WatchEvent
 from gym_rpc.errors import ControlPlaneError, GymRpcError
 from gym_rpc.server._head import HeadServer
-from gym_rpc.server._watch_slots import WatchSlots, peer_address
+from gym_rpc.server.security._watch_slots import WatchSlots, peer_address
 from tests.cli_helpers import STARTUP_SECONDS, running_cli, running_head
 from tests.conftest import document
 

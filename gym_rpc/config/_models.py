@@ -50,14 +50,15 @@ class HeadTlsConfig(BaseModel):
 
 
 class RegistrationSettings(BaseModel):
-    """`head_server.registration`: what a registering server may advertise (gym_rpc.server._address_policy)."""
+    """`head_server.registration`: what a registering server may advertise
+    (gym_rpc.server.security._address_policy)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # CIDRs ("10.0.0.0/8", "fd00::/8") and hostnames ("gpu7", "*.cluster.local"); empty: any address but the
     # link-local and cloud metadata ones, which are accepted only when listed here.
     allowed_networks: tuple[str, ...] = ()
-    # How much may be registered (gym_rpc.server._registration_limits): past a cap, RESOURCE_EXHAUSTED.
+    # How much may be registered (gym_rpc.server.registry._limits): past a cap, RESOURCE_EXHAUSTED.
     max_instances_per_server: StrictInt = Field(default=128, ge=1)  # registered instances of one server name
     max_instances: StrictInt = Field(default=4096, ge=1)  # registered instances on the head, every name
     max_instances_per_client: StrictInt = Field(default=256, ge=1)  # held from one client address

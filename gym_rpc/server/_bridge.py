@@ -33,9 +33,8 @@ from gym_rpc.config import (
 )
 from gym_rpc.errors import ConfigError, UpstreamError
 from gym_rpc.server._head import HeadOptions, HeadServer
-from gym_rpc.server._interceptors import Handler, HandlerInterceptor, ServerInterceptor
-from gym_rpc.server._security import aborting_handler
 from gym_rpc.server._sources import ConfigTarget
+from gym_rpc.server.security import Handler, HandlerInterceptor, ServerInterceptor, aborting_handler
 from gym_rpc.wire import SERVICE_NAME, ReportedProcess
 
 logger = logging.getLogger(__name__)

@@ -32,41 +32,43 @@ from gym_rpc.config import (
 )
 from gym_rpc.errors import ConfigError, GymRpcError
 from gym_rpc.metrics import metrics_disabled, setup_metrics
-from gym_rpc.server import _events as events
-from gym_rpc.server import _metrics as head_metrics
-from gym_rpc.server import _registrations_file as registrations_file
-from gym_rpc.server._address_policy import AddressPolicy
-from gym_rpc.server._bad_requests import DecodeGuardInterceptor
-from gym_rpc.server._connect import ConnectServer
-from gym_rpc.server._connection_limits import (
-    DEFAULT_MAX_GRPC_CONNECTIONS,
-    grpc_connection_bound,
-    raise_fd_soft_limit,
+from gym_rpc.server._sources import ConfigSource, FileSource
+from gym_rpc.server.fleet import (
+    DEFAULT_MAX_DELAY_SECONDS,
+    DEFAULT_QUIET_SECONDS,
+    MAX_PUSH_DELAY_SECONDS,
+    EngineLoads,
+    StatusProber,
+    engine_targets,
+    serves,
 )
-from gym_rpc.server._engine_load import EngineLoads, engine_targets
-from gym_rpc.server._health import HealthServicer
-from gym_rpc.server._host_check import bound_to_loopback
-from gym_rpc.server._http_head import HttpHead
-from gym_rpc.server._instances import serves
-from gym_rpc.server._metrics_http import MetricsServer
-from gym_rpc.server._prober import StatusProber
-from gym_rpc.server._pushes import DEFAULT_MAX_DELAY_SECONDS, DEFAULT_QUIET_SECONDS, MAX_PUSH_DELAY_SECONDS
-from gym_rpc.server._registration_limits import RegistrationCaps, RegistrationLimits
-from gym_rpc.server._registry import InstanceRegistry
-from gym_rpc.server._security import (
+from gym_rpc.server.fleet import events as events
+from gym_rpc.server.http import ConnectServer, HttpHead, PageServer, StatusPage
+from gym_rpc.server.observability import MetricsServer, server_interceptors
+from gym_rpc.server.observability import head_metrics as head_metrics
+from gym_rpc.server.registry import InstanceRegistry, RegistrationCaps, RegistrationLimits
+from gym_rpc.server.registry import registrations_file as registrations_file
+from gym_rpc.server.security import (
     CONNECTION_IDLE_SECONDS,
     DEFAULT_MAX_CONCURRENT_WATCHES,
+    DEFAULT_MAX_GRPC_CONNECTIONS,
     DEFAULT_MAX_WATCHES_PER_PEER,
+    DEFAULT_STALL_SECONDS,
     HANDSHAKE_TIMEOUT_SECONDS,
+    AddressPolicy,
     ServerSecurity,
+    bound_to_loopback,
     build_health_server,
+    grpc_connection_bound,
+    raise_fd_soft_limit,
     server_options,
 )
-from gym_rpc.server._servicer import ControlPlaneServicer, add_control_plane_service
-from gym_rpc.server._sources import ConfigSource, FileSource
-from gym_rpc.server._status_page import PageServer, StatusPage
-from gym_rpc.server._tracing import server_interceptors
-from gym_rpc.server._watch_slots import DEFAULT_STALL_SECONDS
+from gym_rpc.server.service import (
+    ControlPlaneServicer,
+    DecodeGuardInterceptor,
+    HealthServicer,
+    add_control_plane_service,
+)
 from gym_rpc.telemetry import setup_tracing
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import ReportedProcess, StatusReport
@@ -111,10 +113,10 @@ class HeadOptions:
     # head refuses RegisterServerInstance and DeregisterServerInstance (SECURITY.md, "No open head").
     open_registrations: bool = False
     # Status changes are pushed to watchers once nothing changed for this long, and never held longer than the max
-    # (gym_rpc.server._pushes): a storm of changes reaches each watcher as a few merged messages.
+    # (gym_rpc.server.fleet._pushes): a storm of changes reaches each watcher as a few merged messages.
     push_quiet_seconds: float = DEFAULT_QUIET_SECONDS
     # Registrations survive a restart: kept in `<config>.registrations.json` beside a config file (none without
-    # one) and taken back at start (gym_rpc.server._registrations_file).
+    # one) and taken back at start (gym_rpc.server.registry.registrations_file).
     keep_registrations: bool = True
     push_max_delay_seconds: float = DEFAULT_MAX_DELAY_SECONDS
 
@@ -256,7 +258,7 @@ class HeadServer:
         endpoints answer 503 before)."""
         return self._server is not None and self.problem is None and self.prober.rounds > 0
 
-    # What the head's gauges read (gym_rpc.server._metrics.ObservedHead).
+    # What the head's gauges read (gym_rpc.server.observability.head_metrics.ObservedHead).
     @property
     def observed_servers(self) -> Mapping[str, ServerEntry]:
         return self.config.servers
@@ -643,7 +645,7 @@ async def run_head(head: ServableT, on_started: Callable[[ServableT], None]) -> 
     def reload_in_background() -> None:
         async def reload() -> None:
             try:
-                await head.reload()  # logs its outcome (gym_rpc.server._events)
+                await head.reload()  # logs its outcome (gym_rpc.server.fleet.events)
             except ConfigError:
                 pass  # logged by the reload itself; the old config stays
             except Exception:

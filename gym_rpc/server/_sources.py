@@ -24,7 +24,7 @@ import grpc
 
 from gym_rpc.config import GlobalConfig, config_from_bytes, read_config_file
 from gym_rpc.errors import ConfigError
-from gym_rpc.server._security import ServerSecurity
+from gym_rpc.server.security import ServerSecurity
 from gym_rpc.wire import ReportedProcess
 
 logger = logging.getLogger(__name__)

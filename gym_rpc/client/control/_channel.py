@@ -2,7 +2,7 @@
 caller.
 
 This is the reserved control pool: a dedicated HTTP/2 connection that data-plane traffic never shares. The bearer
-token is not part of a channel: clients send it as call metadata (gym_rpc.server._security).
+token is not part of a channel: clients send it as call metadata (gym_rpc.server.security._auth).
 """
 
 from __future__ import annotations

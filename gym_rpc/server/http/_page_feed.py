@@ -1,4 +1,4 @@
-"""What the status page (gym_rpc.server._status_page) is sent: the fleet as JSON, its changes as server-sent
+"""What the status page (gym_rpc.server.http._status_page) is sent: the fleet as JSON, its changes as server-sent
 events, and a timeline of what happened, all made from the head's own change feed (the prober's revisions, which
 status watches carry too).
 
@@ -26,10 +26,10 @@ from typing import Any, Protocol
 
 from gym_rpc._tasks import cancel_and_wait
 from gym_rpc.config import GlobalConfig
-from gym_rpc.server._prober import StatusProber
+from gym_rpc.server.fleet import StatusProber
 from gym_rpc.wire import InstanceReport, StatusReport
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("gym_rpc.server._page_feed")  # its name from before the move
 
 HEARTBEAT_SECONDS = 2.0  # a page hears from the head at least this often (last checks, calls in flight)
 SNAPSHOT_REUSE_SECONDS = 1.0  # a snapshot at one revision is rebuilt at most this often (its last checks move)

@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-from gym_rpc.server._prober import StatusProber
+from gym_rpc.server.fleet._prober import StatusProber
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import StatusReport, convert
 

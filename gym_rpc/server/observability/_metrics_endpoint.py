@@ -10,9 +10,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from gym_rpc.metrics import METRICS, PROMETHEUS_CONTENT_TYPE, prometheus_text
-from gym_rpc.server._connection_limits import BoundedSite
-from gym_rpc.server._host_check import bound_to_loopback, loopback_host_only
-from gym_rpc.server._quiet_http_log import QuietRequestLog
+from gym_rpc.server.observability._quiet_http_log import QuietRequestLog
+from gym_rpc.server.security import BoundedSite, bound_to_loopback, loopback_host_only
 
 METRICS_PATH = "/metrics"
 
@@ -29,8 +28,8 @@ async def metrics_handler(request: web.Request) -> web.Response:
 
 class AppServer:
     """An aiohttp app alone on one port (the HTTP head, the metrics port), with bounded connections
-    (gym_rpc.server._connection_limits): start, a one-line error naming the setting to change when the port is
-    taken, stop."""
+    (gym_rpc.server.security._connection_limits): start, a one-line error naming the setting to change when the
+    port is taken, stop."""
 
     what = "an HTTP app"  # what the error says could not be served
     port_name = "http"  # what the log and gym.head.bad_requests call the port
@@ -45,7 +44,7 @@ class AppServer:
 
     async def start(self, host: str, port: int) -> None:
         app = self.app()
-        if bound_to_loopback(host):  # DNS rebinding: only loopback names (gym_rpc.server._host_check)
+        if bound_to_loopback(host):  # DNS rebinding: only loopback names (gym_rpc.server.security._host_check)
             app.middlewares.insert(0, loopback_host_only)
         site = BoundedSite(app, QuietRequestLog(self.port_name))
         self.port = await site.start(host, port, what=self.what, setting=self.setting)

@@ -35,8 +35,8 @@ from gym_rpc.config import (
     url_host,
 )
 from gym_rpc.errors import ConfigError, GymRpcError
-from gym_rpc.server._connection_limits import HEALTH_PORT_CONNECTIONS
-from gym_rpc.server._interceptors import Context, Handler, HandlerInterceptor, ServerInterceptor
+from gym_rpc.server.security._connection_limits import HEALTH_PORT_CONNECTIONS
+from gym_rpc.server.security._interceptors import Context, Handler, HandlerInterceptor, ServerInterceptor
 from gym_rpc.wire import (
     AUTHORIZATION_METADATA_KEY,
     HEALTH_METHOD_PREFIX,
@@ -45,7 +45,7 @@ from gym_rpc.wire import (
     TOKEN_ENV_VAR,
 )
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("gym_rpc.server._security")  # its name from before the move
 
 _BEARER_SCHEME = "bearer"
 MAX_CONCURRENT_STREAMS = 128  # per connection

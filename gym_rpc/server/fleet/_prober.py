@@ -9,9 +9,9 @@ background or on demand, goes through one in-flight task per instance that concu
 younger than the freshness window is served from the cache. So a thousand pollers of one server cost each of its
 instances at most one probe per window, not a thousand.
 
-A server's instances (gym_rpc.server._instances) are given by the registry (`set_targets`): any change to one of
-them (added, removed, its status, registration, draining flag or labels) is a change of the server's report, one
-revision. Freshness is judged on time.monotonic(), never on the shown `checked_at`.
+A server's instances (gym_rpc.server.fleet._server_instances) are given by the registry (`set_targets`): any change
+to one of them (added, removed, its status, registration, draining flag or labels) is a change of the server's
+report, one revision. Freshness is judged on time.monotonic(), never on the shown `checked_at`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ import aiohttp
 from gym_rpc._tasks import cancel_and_wait, run_every
 from gym_rpc._version import __version__
 from gym_rpc.config import ServerEntry
-from gym_rpc.server import _events as events
-from gym_rpc.server._instances import (
+from gym_rpc.server.fleet import events as events
+from gym_rpc.server.fleet._pushes import DEFAULT_MAX_DELAY_SECONDS, DEFAULT_QUIET_SECONDS, Pushes
+from gym_rpc.server.fleet._server_instances import (
     InstanceTarget,
     server_report,
     targets_by_name,
@@ -41,10 +42,9 @@ from gym_rpc.server._instances import (
     watched_server,
     with_probe,
 )
-from gym_rpc.server._pushes import DEFAULT_MAX_DELAY_SECONDS, DEFAULT_QUIET_SECONDS, Pushes
 from gym_rpc.wire import TRACEPARENT_HEADER, InstanceReport, ServerStatus, StatusReport
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("gym_rpc.server._prober")  # its name from before the move
 
 PROBE_USER_AGENT = f"gym-rpc-probe/{__version__}"
 AIOHTTP_INSTRUMENTATION_MODULE = "opentelemetry.instrumentation.aiohttp_client"
@@ -52,9 +52,9 @@ AIOHTTP_INSTRUMENTATION_MODULE = "opentelemetry.instrumentation.aiohttp_client"
 ChangeListener = Callable[[StatusReport | None, str], Awaitable[None]]
 
 
-# Probes in flight at once: per head (descriptors: gym_rpc.server._connection_limits.OTHER_FD_RESERVE keeps them),
-# and per server, so one server's mute instances (each holding its slot for the whole probe timeout) can take at
-# most its own share and never delay another server's probes.
+# Probes in flight at once: per head (descriptors: gym_rpc.server.security._connection_limits.OTHER_FD_RESERVE
+# keeps them), and per server, so one server's mute instances (each holding its slot for the whole probe timeout)
+# can take at most its own share and never delay another server's probes.
 MAX_PROBES_IN_FLIGHT = 100
 PROBES_PER_SERVER = 8
 
@@ -257,7 +257,8 @@ class StatusProber:
         self._pending_servers = servers
         self._server_slots: dict[str, asyncio.Semaphore] = {}
         self._slots = asyncio.Semaphore(MAX_PROBES_IN_FLIGHT)
-        # What watchers are told, and when: changes close together are pushed as one (gym_rpc.server._pushes).
+        # What watchers are told, and when: changes close together are pushed as one
+        # (gym_rpc.server.fleet._pushes).
         self.pushes = Pushes(
             lambda: self.revision, quiet_seconds=push_quiet_seconds, max_delay_seconds=push_max_delay_seconds
         )

@@ -23,9 +23,9 @@ from urllib.parse import unquote
 import grpc
 
 from gym_rpc._logging import RateLimitedLog
-from gym_rpc.server._host_check import ip_literal
+from gym_rpc.server.security._host_check import ip_literal
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("gym_rpc.server._watch_slots")  # its name from before the move
 
 DEFAULT_STALL_SECONDS = 10.0  # a stream write blocked this long drops the stream (HeadOptions.watch_stall_seconds)
 LOOPBACK_PEER = "loopback"

@@ -37,17 +37,24 @@ from protobuf.wkt import Any as ConnectAny  # connectrpc's protobuf runtime, not
 
 from gym_rpc._logging import RateLimitedLog
 from gym_rpc.errors import GymRpcError
-from gym_rpc.server._connection_limits import DEFAULT_MAX_CONNECT_CONNECTIONS, BoundedListener, connection_bound
-from gym_rpc.server._decode_budget import DecodeBudget
-from gym_rpc.server._host_check import LoopbackHostOnly, bound_to_loopback
-from gym_rpc.server._interceptors import Context
-from gym_rpc.server._quiet_http_log import UVICORN_LOGGER, QuietInvalidRequests
-from gym_rpc.server._security import UNAUTHENTICATED_MESSAGE, ServerSecurity, authenticate
-from gym_rpc.server._servicer import ControlPlaneServicer
-from gym_rpc.server._watch_slots import client_key
+from gym_rpc.server.http._decode_budget import DecodeBudget
+from gym_rpc.server.observability import UVICORN_LOGGER, QuietInvalidRequests
+from gym_rpc.server.security import (
+    DEFAULT_MAX_CONNECT_CONNECTIONS,
+    UNAUTHENTICATED_MESSAGE,
+    BoundedListener,
+    Context,
+    LoopbackHostOnly,
+    ServerSecurity,
+    authenticate,
+    bound_to_loopback,
+    client_key,
+    connection_bound,
+)
+from gym_rpc.server.service import ControlPlaneServicer
 from gym_rpc.v1 import control_plane_pb2 as pb
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("gym_rpc.server._connect")  # its name from before the move
 
 CONNECT_PORT_KEY = "connect_port"
 STATUS_DETAILS_KEY = "grpc-status-details-bin"  # gRPC's trailer for google.rpc.Status details (grpcio-status)
@@ -247,7 +254,7 @@ class ConnectServer:
 
     def _config(self, host: str) -> uvicorn.Config:
         tls = self._security.tls
-        # DNS rebinding: a loopback-bound port answers only loopback names (gym_rpc.server._host_check).
+        # DNS rebinding: a loopback-bound port answers only loopback names (gym_rpc.server.security._host_check).
         application: Any = LoopbackHostOnly(self._application) if bound_to_loopback(host) else self._application
         return uvicorn.Config(
             application,

@@ -4,8 +4,8 @@ per head and per client address, and a rate of registrations per client address,
 setting; renewals (nothing changed but the lease) are never rate-limited, and instances already held never count
 twice.
 
-Every loopback address is one client (gym_rpc.server._watch_slots.client_key), as for watches: a local process
-cannot take a share per address it binds.
+Every loopback address is one client (gym_rpc.server.security._watch_slots.client_key), as for watches: a local
+process cannot take a share per address it binds.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from gym_rpc.config import HEAD_SERVER_KEY, RegistrationSettings
-from gym_rpc.server._watch_slots import client_key
+from gym_rpc.server.security import client_key
 
 _SETTING = f"{HEAD_SERVER_KEY}.registration"
 MAX_TRACKED_CLIENTS = 4096  # rate buckets kept at once; full ones are forgotten first

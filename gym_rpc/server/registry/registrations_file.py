@@ -28,7 +28,7 @@ from typing import Any
 
 from gym_rpc.wire import InstanceRegistration
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("gym_rpc.server._registrations_file")  # its name from before the move
 
 FORMAT = "gym-rpc registrations v1"
 SUFFIX = ".registrations.json"

@@ -23,11 +23,11 @@ import yaml
 from aiohttp import web
 
 from gym_rpc.config import HEAD_SERVER_KEY, GlobalConfig, redact_secrets
-from gym_rpc.server._metrics_http import METRICS_PATH, AppServer, metrics_handler
-from gym_rpc.server._servicer import HeadState
-from gym_rpc.server._status_page import StatusPage
+from gym_rpc.server.http._status_page import StatusPage
+from gym_rpc.server.observability import METRICS_PATH, AppServer, metrics_handler
+from gym_rpc.server.service import HeadState
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("gym_rpc.server._http_head")  # its name from before the move
 
 HTTP_PORT_KEY = "http_port"
 LIVENESS_PATHS = ("/", "/livez")
@@ -80,7 +80,9 @@ class HttpHead(AppServer):
     def __init__(self, head: HeadState, page: StatusPage | None = None) -> None:
         super().__init__()
         self._head = head
-        self._page = page  # the status page at /ui/ (gym_rpc.server._status_page; the head starts and stops it)
+        self._page = (
+            page  # the status page at /ui/ (gym_rpc.server.http._status_page; the head starts and stops it)
+        )
         self._yaml_body: tuple[str, bytes] | None = None  # (version, body): rendered once per config version
 
     def app(self) -> web.Application:

@@ -16,9 +16,9 @@ from typing import Any
 
 import grpc
 
-from gym_rpc.server._interceptors import Context, Handler, HandlerInterceptor
+from gym_rpc.server.security import Context, Handler, HandlerInterceptor
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("gym_rpc.server._bad_requests")  # its name from before the move
 
 
 @dataclass(frozen=True)

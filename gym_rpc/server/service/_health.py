@@ -5,9 +5,9 @@ that stops reading (HTTP/2 window 0) blocks every `set()`: the prober that mirro
 shutdown that reports NOT_SERVING. Here the table of statuses is the only shared state: `set()` changes it and
 wakes each watcher of that service (an Event each, its latest-value slot: a watcher always sends the status the
 table holds when it gets to write, so it never queues more than one), and awaits nothing. Each Watch writes on its
-own, bounded by the stall limit (gym_rpc.server._watch_slots); Watch is open to everyone (probes carry no token),
-so watches are capped per client address and in total, as status watches are. It also answers `List`, which grpc's
-servicer leaves UNIMPLEMENTED.
+own, bounded by the stall limit (gym_rpc.server.security._watch_slots); Watch is open to everyone (probes carry no
+token), so watches are capped per client address and in total, as status watches are. It also answers `List`, which
+grpc's servicer leaves UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gym_rpc.errors import quoted
-from gym_rpc.server._watch_slots import DEFAULT_STALL_SECONDS, WatchSlots, peer_address, write_all_or_drop
+from gym_rpc.server.security import DEFAULT_STALL_SECONDS, WatchSlots, peer_address, write_all_or_drop
 
 MAX_LISTED_SERVICES = 10_000  # the proto lets a server refuse a list too long to send (RESOURCE_EXHAUSTED)
-DEFAULT_MAX_HEALTH_WATCHES = 16384  # per head (as status watches: gym_rpc.server._security)
+DEFAULT_MAX_HEALTH_WATCHES = 16384  # per head (as status watches: gym_rpc.server.security._auth)
 DEFAULT_MAX_HEALTH_WATCHES_PER_PEER = 1024  # per client address
 
 ServingStatus = Any  # health_pb2.HealthCheckResponse.ServingStatus (an int enum)

@@ -16,9 +16,9 @@ import time
 from typing import Any
 
 from gym_rpc.errors import quoted
-from gym_rpc.server import _metrics as head_metrics
+from gym_rpc.server.observability import head_metrics as head_metrics
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("gym_rpc.server._quiet_http_log")  # its name from before the move
 
 BAD_REQUEST_WINDOW_SECONDS = 10.0
 MAX_LINES_PER_WINDOW = 20  # all clients together: many addresses cannot flood the log either

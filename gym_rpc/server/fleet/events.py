@@ -1,8 +1,9 @@
 """What the head tells its operators about, in one place: status changes, reloads, registrations.
 
 Each event is one log line (the text an operator greps for, plus `extra` fields that `--log-format json` keeps as
-keys) and, where it counts something, a metric (gym_rpc.server._metrics). The prober, the servicer and the head
-call these functions instead of logging themselves, so every event has one wording and one level.
+keys) and, where it counts something, a metric (gym_rpc.server.observability.head_metrics). The prober, the
+servicer and the head call these functions instead of logging themselves, so every event has one wording and one
+level.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import logging
 import time
 from pathlib import Path
 
-from gym_rpc.server import _metrics as metrics
-from gym_rpc.server._instances import instance_label
+from gym_rpc.server.fleet._server_instances import instance_label
+from gym_rpc.server.observability import head_metrics as metrics
 from gym_rpc.wire import InstanceRegistration, InstanceReport
 
 logger = logging.getLogger("gym_rpc.head")

@@ -13,8 +13,8 @@ that process goes, the next registered instance takes its place, or the instance
 
 A registration may carry a lease (like an etcd lease or a Consul TTL check): unless renewed in time it expires,
 so a process killed without deregistering does not stay advertised. The registry finds expiries, reports them
-through gym_rpc.server._events (with every other head event), and tells the prober (hence status watches). Only
-the process that made a registration removes it (its pid, at its instance).
+through gym_rpc.server.fleet.events (with every other head event), and tells the prober (hence status watches).
+Only the process that made a registration removes it (its pid, at its instance).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from typing import Literal, Protocol
 from urllib.parse import unquote
 
 from gym_rpc.config import ServerEntry, connectable_host, is_wildcard_host, url_authority
-from gym_rpc.server import _events as events
-from gym_rpc.server._host_addresses import HostAddresses
-from gym_rpc.server._instances import InstanceTarget, config_targets
-from gym_rpc.server._registration_limits import RegistrationLimits
+from gym_rpc.server.fleet import InstanceTarget, config_targets
+from gym_rpc.server.fleet import events as events
+from gym_rpc.server.registry._host_addresses import HostAddresses
+from gym_rpc.server.registry._limits import RegistrationLimits
 from gym_rpc.wire import InstanceRegistration, RegistrationState
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("gym_rpc.server._registry")  # its name from before the move
 
 # Leases a registration may ask for: long enough to renew over a slow network, short enough to matter.
 MIN_LEASE_SECONDS = 0.5
@@ -150,7 +150,7 @@ class InstanceRegistry:
         self._by_address: dict[str, dict[str, str]] = {}
         self.limits = RegistrationLimits()  # the caps and rate of head_server.registration (set at start)
         # Told of every change the prober follows (not of renewals): the head keeps registrations across a restart
-        # (gym_rpc.server._registrations_file).
+        # (gym_rpc.server.registry.registrations_file).
         self.on_change: Callable[[], None] = lambda: None
 
     def __len__(self) -> int:
@@ -452,8 +452,8 @@ class InstanceRegistry:
         ]
 
     def restore(self, entries: Iterable[tuple[str, InstanceRegistration]]) -> int:
-        """Take back registrations an earlier head process held (gym_rpc.server._registrations_file), each at the
-        instance it held; those of servers the config no longer has are left out. How many were taken."""
+        """Take back registrations an earlier head process held (gym_rpc.server.registry.registrations_file), each
+        at the instance it held; those of servers the config no longer has are left out. How many were taken."""
         servers = self._servers()
         taken = 0
         for instance_id, registration in entries:

@@ -262,7 +262,7 @@ def probe_recorded(name: str, instance: InstanceReport) -> None:
 
 
 def bad_request(port: str) -> None:
-    """A request to an HTTP-side port that did not parse (gym_rpc.server._quiet_http_log)."""
+    """A request to an HTTP-side port that did not parse (gym_rpc.server.observability._quiet_http_log)."""
     _instruments().bad_requests.add(1, {"gym.port": port})
 
 

@@ -5,7 +5,7 @@ and never later than `max_delay_seconds` after the first change it holds, howeve
 change after a quiet spell (nothing pushed for `quiet_seconds`) goes out at once, so a lone change (an instance
 dies) costs no delay. A storm of a thousand changes in a second thus reaches each watcher as a few merged messages,
 the last one `quiet_seconds` after the storm ends, and every watcher waiting on the same pushed revision gets the
-same message (gym_rpc.server._watch_feed builds and encodes it once).
+same message (gym_rpc.server.fleet._watch_feed builds and encodes it once).
 
 The prober tells `Pushes` of every revision it makes (`changed`, in its event loop, synchronously); watchers wait
 on `wait` and read `revision`, the last revision pushed. Timers are the loop's own (`call_later`), so nothing is

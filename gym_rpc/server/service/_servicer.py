@@ -18,11 +18,9 @@ import grpc
 from gym_rpc._logging import RateLimitedLog
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url, is_wildcard_host
 from gym_rpc.errors import ConfigError, quoted
-from gym_rpc.server import _events as events
-from gym_rpc.server._address_policy import AddressPolicy
-from gym_rpc.server._engine_load import EngineLoads, LoadPush
-from gym_rpc.server._prober import StatusProber
-from gym_rpc.server._registry import (
+from gym_rpc.server.fleet import EngineLoads, LoadPush, ReportMessages, StatusProber, WatchFeed
+from gym_rpc.server.fleet import events as events
+from gym_rpc.server.registry import (
     DEFAULT_LEASE_SECONDS,
     MAX_LEASE_SECONDS,
     MIN_LEASE_SECONDS,
@@ -33,18 +31,21 @@ from gym_rpc.server._registry import (
     is_valid_host,
     peer_host,
 )
-from gym_rpc.server._security import (
+from gym_rpc.server.security import (
     DEFAULT_MAX_CONCURRENT_WATCHES,
     DEFAULT_MAX_WATCHES_PER_PEER,
+    DEFAULT_STALL_SECONDS,
+    AddressPolicy,
+    WatchSlots,
     caller_is_authenticated,
+    peer_address,
+    write_all_or_drop,
 )
-from gym_rpc.server._watch_feed import ReportMessages, WatchFeed
-from gym_rpc.server._watch_slots import DEFAULT_STALL_SECONDS, WatchSlots, peer_address, write_all_or_drop
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import ReportedProcess, StatusReport, convert, label_problem, unknown_server_status
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("gym_rpc.server._servicer")  # its name from before the move
 
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 MIN_HEARTBEAT_SECONDS = 0.05
@@ -186,7 +187,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             # sent, and those must follow it rather than be skipped.
             seen, snapshot = feed.snapshot(compacted=seen != 0)
             yield snapshot
-        # ENGINE_LOAD messages for a watch that asks (gym_rpc.server._engine_load): coalesced, a few a second.
+        # ENGINE_LOAD messages for a watch that asks (gym_rpc.server.fleet._engine_load): coalesced, a few a
+        # second.
         push = LoadPush(self._head.engine_loads) if request.include_engine_load else None
         wait = heartbeat if push is None else push.wait_seconds(heartbeat)
         while True:
@@ -386,7 +388,8 @@ def _bounded_writes(
     stream: Callable[[Any, Context], AsyncIterator[Any]], stall_seconds: float
 ) -> Callable[[Any, Context], Awaitable[None]]:
     """A gRPC server-streaming handler that writes what `stream` yields, each write bounded by `stall_seconds`: a
-    reader that stops reading ends its own stream (gym_rpc.server._watch_slots) instead of holding it forever."""
+    reader that stops reading ends its own stream (gym_rpc.server.security._watch_slots) instead of holding it
+    forever."""
 
     async def handler(request: Any, context: Context) -> None:
         await write_all_or_drop(context, stream(request, context), stall_seconds)

@@ -33,7 +33,7 @@ from aiohttp.log import server_logger
 from gym_rpc._logging import RateLimitedLog
 from gym_rpc.errors import GymRpcError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("gym_rpc.server._connection_limits")  # its name from before the move
 
 DEFAULT_MAX_HTTP_CONNECTIONS = 256
 DEFAULT_MAX_CONNECT_CONNECTIONS = 1024  # the Connect port: each open watch holds one

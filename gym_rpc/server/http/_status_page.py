@@ -5,18 +5,18 @@
   They hold no fleet data, so they are served to anyone who may reach the port.
 * `/ui/api/events` is the data, as server-sent events read by `fetch` (which, unlike `EventSource`, can send the
   token in a header rather than in a URL that logs keep): a snapshot, then a frame per revision of the head's
-  change feed, a heartbeat every couple of seconds (gym_rpc.server._page_feed). A reconnect says the revision it
-  had (`Last-Event-ID`, or `?since=`) and is sent what it missed, or a fresh snapshot.
+  change feed, a heartbeat every couple of seconds (gym_rpc.server.http._page_feed). A reconnect says the revision
+  it had (`Last-Event-ID`, or `?since=`) and is sent what it missed, or a fresh snapshot.
 * With a token configured (`head_server.auth_token` or GYM_RPC_TOKEN), the data needs `Authorization: Bearer
   <token>`, compared in constant time as the gRPC port compares it; the page asks for the token once and keeps it
   in the tab's sessionStorage. No config value is ever sent, whatever the caller: names, types, instance
   addresses, statuses, labels, pids and calls in flight only.
 * Every response carries a strict Content-Security-Policy (scripts, styles and fetches from the head only, no
   inline script or style, no frames, no forms) and the head's Host check applies (the app's first middleware on a
-  loopback-bound port: gym_rpc.server._host_check).
+  loopback-bound port: gym_rpc.server.security._host_check).
 * A page that stops reading holds nothing of the head: each write is bounded by the watch stall limit (as a gRPC
   watch's is), after which its connection is closed; open streams are counted per client address and in total
-  (gym_rpc.server._watch_slots), past which a page is told to retry later (429).
+  (gym_rpc.server.security._watch_slots), past which a page is told to retry later (429).
 """
 
 from __future__ import annotations
@@ -31,12 +31,11 @@ from typing import Any
 from aiohttp import web
 
 from gym_rpc._logging import RateLimitedLog
-from gym_rpc.server._metrics_http import AppServer
-from gym_rpc.server._page_feed import HEARTBEAT_SECONDS, EngineLoadSource, PageFeed, PageSource
-from gym_rpc.server._security import authenticate
-from gym_rpc.server._watch_slots import DEFAULT_STALL_SECONDS, WatchSlots
+from gym_rpc.server.http._page_feed import HEARTBEAT_SECONDS, EngineLoadSource, PageFeed, PageSource
+from gym_rpc.server.observability import AppServer
+from gym_rpc.server.security import DEFAULT_STALL_SECONDS, WatchSlots, authenticate
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("gym_rpc.server._status_page")  # its name from before the move
 
 UI_PATH = "/ui/"
 EVENTS_PATH = "/ui/api/events"
