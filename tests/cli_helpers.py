@@ -25,7 +25,8 @@ from aiohttp import web
 from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR
 
 LOOPBACK = "127.0.0.1"
-STARTUP_SECONDS = 15.0  # generous: two noisy cores, cold interpreter
+STARTUP_SECONDS = 60.0  # a hang guard: a cold interpreter imports ~1 CPU s, and at a load average of 17 on two
+# cores the make test of 40ae97b saw heads not listening within 15 s
 LISTENING_PATTERN = re.compile(r"listening on (\S+)")
 
 

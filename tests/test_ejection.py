@@ -218,7 +218,9 @@ async def test_an_instance_whose_bodies_break_off_after_the_headers_is_ejected(i
     assert instance is not None and first_seen is instance
     assert instance.ejections == 1, outcomes
     failure = "ClientPayloadError" if fault == "reset" else "timeout"
-    assert outcomes[failure] == 5 and set(outcomes) == {failure, healthy.port}
+    # the healthy instance may get no call before the ejection: the picks are random (1 run in 32 had 5 broken ones
+    # in a row)
+    assert outcomes[failure] == 5 and set(outcomes) <= {failure, healthy.port}
     assert "body" in instance.last_failure
     after = collections.Counter([await call(client) for _ in range(20)])
     assert after == {healthy.port: 20}

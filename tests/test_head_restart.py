@@ -224,11 +224,13 @@ async def test_a_head_restarted_without_its_file_moves_no_rollout_and_its_server
 
 
 async def test_status_reports_a_warming_head_as_warming_then_waits_for_its_first_probes(head_factory, http_server):
-    """A head that has not probed a server yet (it just started: here its first probe is held 5 s) has it pending:
-    `gym-rpc status` says the head is warming, not that the server is down, and given time waits for the probe."""
+    """A head that has not probed a server yet (it just started: here its first probe is held until the first
+    status has run) has it pending: `gym-rpc status` says the head is warming, not that the server is down, and
+    given time waits for the probe. (A probe held a fixed 5 s was answered before a loaded machine's CLI started.)"""
+    quick_done = asyncio.Event()
 
     async def slow(request: web.Request) -> web.Response:
-        await asyncio.sleep(5.0)
+        await quick_done.wait()
         return web.json_response({"status": "ok"})
 
     app = web.Application()
@@ -236,9 +238,12 @@ async def test_status_reports_a_warming_head_as_warming_then_waits_for_its_first
     head = await head_factory(
         document({NAME: server_entry(await http_server(app), "resources_servers")}),
         probe_interval_seconds=3600.0,
-        probe_timeout_seconds=30.0,
+        probe_timeout_seconds=3600.0,
     )
-    quick = await asyncio.to_thread(run_cli, ["status", "--head", head.address, "--timeout", "1"])
+    try:
+        quick = await asyncio.to_thread(run_cli, ["status", "--head", head.address, "--timeout", "1"], timeout=60)
+    finally:
+        quick_done.set()
     assert quick.returncode == 1, quick.stdout
     assert f"warming, not probed yet: {NAME}" in quick.stdout and "down:" not in quick.stdout, quick.stdout
 

@@ -39,6 +39,8 @@ RAY_TIME_BUDGET = 120  # starting Ray and three actor processes on a loaded 2-co
 RAY_ENVIRONMENT = {
     "RAY_USAGE_STATS_ENABLED": "0",  # no usage report
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # "no cluster": node IP 127.0.0.1, not the interface's address
+    # Ray's own wait for its GCS to start (default 30 s) ran out with the suite beside it on two cores
+    "RAY_gcs_server_port_wait_time_s": "120",
 }
 
 
@@ -209,7 +211,9 @@ async def test_ray_rollouts_spread_over_replica_actors_and_survive_one_killed(
         },
         observability_enabled=True,
     )
-    head = await head_factory(doc, probe_interval_seconds=0.25)
+    # probes of 5 s: at a load average of 17 the actors answered the default 0.5 s probes too late, and the head
+    # called both live replicas timed out (NoHealthyInstanceError in the workers)
+    head = await head_factory(doc, probe_interval_seconds=0.25, probe_timeout_seconds=5.0)
     head_server = BaseServerConfig(host=LOOPBACK, port=head.port)
     registration = ServerRegistration(MODEL_SERVER, model_port, head=head_server, refresh_seconds=None)
     assert await registration.aregister()
