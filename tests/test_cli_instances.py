@@ -83,8 +83,8 @@ def test_wait_for_n_instances_with_a_label(tmp_path: Path) -> None:
             wait_for_instances(head.address, 2)
             args = ["wait", "policy_model", "--head", head.address, "--timeout", "30"]
             with running_cli([*args, "--instances", "2", "--label", "weights_version=42"]) as waiting:
-                # 1 of 2 so far: it says so and waits (a sleep of 1 s here let a loaded machine's CLI start only after
-                # the second registration, so the "1/2" line never came)
+                # 1 of 2 so far: it says so and waits (a sleep of 1 s here let a loaded machine's CLI start only
+                # after the second registration, so the "1/2" line never came)
                 waiting.wait_for_stderr("policy_model (1/2 instances up with weights_version=42)", 60)
                 assert waiting.process.poll() is None, waiting.stderr_text
                 registered_at = time.monotonic()

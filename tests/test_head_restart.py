@@ -226,7 +226,8 @@ async def test_a_head_restarted_without_its_file_moves_no_rollout_and_its_server
 async def test_status_reports_a_warming_head_as_warming_then_waits_for_its_first_probes(head_factory, http_server):
     """A head that has not probed a server yet (it just started: here its first probe is held until the first
     status has run) has it pending: `gym-rpc status` says the head is warming, not that the server is down, and
-    given time waits for the probe. (A probe held a fixed 5 s was answered before a loaded machine's CLI started.)"""
+    given time waits for the probe. (A probe held a fixed 5 s was answered before a loaded machine's CLI
+    started.)"""
     quick_done = asyncio.Event()
 
     async def slow(request: web.Request) -> web.Response:
