@@ -23,6 +23,7 @@ from bench import (
     isolation,
     memory,
     metrics_cost,
+    relay_cost,
     replicas,
     report,
     tracing_cost,
@@ -32,7 +33,17 @@ from bench.servers import ServerProcess, pinned_apart
 from bench.stats import Row, table_lines
 
 RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
-SECTIONS = ("data", "hotpath", "tracing", "metrics", "control", "isolation", "memory", *replicas.SECTIONS)
+SECTIONS = (
+    "data",
+    "hotpath",
+    "tracing",
+    "metrics",
+    "control",
+    "relay",
+    "isolation",
+    "memory",
+    *replicas.SECTIONS,
+)
 # Loopback only: no proxy may divert a request, and no parent's config may stand in for the heads measured here.
 _ENV_TO_DROP = ("http_proxy", "https_proxy", "all_proxy", "NEMO_GYM_CONFIG_DICT", "GYM_RPC_HEAD")
 
@@ -45,6 +56,7 @@ class Plan:
     isolation: isolation.IsolationPlan
     memory: memory.MemoryPlan
     replicas: replicas.ReplicasPlan
+    relay: relay_cost.RelayPlan
     head_probe_interval: float
     head_probe_timeout: float
     quick: bool = False
@@ -57,6 +69,7 @@ FULL = Plan(
     isolation.IsolationPlan(),
     memory.MemoryPlan(),
     replicas.ReplicasPlan(),
+    relay_cost.RelayPlan(),
     head_probe_interval=2.0,
     head_probe_timeout=1.0,
 )
@@ -67,6 +80,7 @@ QUICK = Plan(
     isolation.QUICK_ISOLATION,
     memory.QUICK_MEMORY,
     replicas.QUICK_REPLICAS,
+    relay_cost.QUICK_RELAY,
     head_probe_interval=0.5,
     head_probe_timeout=0.2,
     quick=True,
@@ -130,6 +144,9 @@ def run(plan: Plan, sections: set[str]) -> list[Row]:
                     head = f"127.0.0.1:{control.info['head_a']}"
                     name = str(control.info["names_a"][0])
                     rows += asyncio.run(isolation.run(data_port, head, name, plan.isolation))
+        if "relay" in sections:
+            _progress("control plane: the per-address relay on the gRPC port, with and without")
+            rows += relay_cost.rows(plan.relay)
         if "memory" in sections:
             _progress("memory")
             rows += memory.import_rows(plan.memory)

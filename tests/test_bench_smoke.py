@@ -80,6 +80,7 @@ def check_ratio_table(stdout: str, report: str) -> None:
         "RSS after `import gym_rpc.client.server_client`",
         "config fetch",
         "ListServerStatuses",
+        "per-address relay: GetServerStatus calls/s",
         "with vs without its speed trick (its data-plane state cached in one plain attribute), concurrency 1",
         "ServerClient.post's own work (no I/O)",
         "traced / untraced, every call recorded, concurrency 64",

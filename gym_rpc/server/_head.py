@@ -51,16 +51,22 @@ from gym_rpc.server.registry import registrations_file as registrations_file
 from gym_rpc.server.security import (
     CONNECTION_IDLE_SECONDS,
     DEFAULT_MAX_CONCURRENT_WATCHES,
+    DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
     DEFAULT_MAX_GRPC_CONNECTIONS,
     DEFAULT_MAX_WATCHES_PER_PEER,
     DEFAULT_STALL_SECONDS,
+    DESCRIPTORS_PER_CONNECTION,
     HANDSHAKE_TIMEOUT_SECONDS,
+    UPSTREAM_HOST,
     AddressPolicy,
+    GrpcRelay,
+    PeerMap,
     ServerSecurity,
     bound_to_loopback,
     build_health_server,
     grpc_connection_bound,
     raise_fd_soft_limit,
+    relay_source_available,
     server_options,
 )
 from gym_rpc.server.service import (
@@ -106,6 +112,12 @@ class HeadOptions:
     # gRPC connections at once (fewer when the descriptor limit is low: grpc_connection_bound); more are closed.
     max_connections: int = DEFAULT_MAX_GRPC_CONNECTIONS
     connection_idle_seconds: float = CONNECTION_IDLE_SECONDS  # a gRPC connection without a call this long closes
+    # gRPC connections from one client address at once (every loopback address one client), at most a quarter of
+    # max_connections; more are closed at once. Enforced by the relay (gym_rpc.server._grpc_relay).
+    max_connections_per_address: int = DEFAULT_MAX_CONNECTIONS_PER_ADDRESS
+    # The relay in front of grpc that bounds connections per address: None (the default) runs it when the head is
+    # bound beyond loopback and the system allows (Linux), True insists on it, False never runs it.
+    connection_relay: bool | None = None
     # Instances exported one by one in gym.instance.* metrics (0, the default: none, so metrics name no address);
     # past it they are counted, not named.
     instance_series: int = head_metrics.DEFAULT_INSTANCE_SERIES
@@ -146,8 +158,8 @@ class HeadOptions:
                 f"instance_series (--instance-series) must be between 0 (no per-instance metrics) and "
                 f"{head_metrics.MAX_INSTANCE_SERIES}"
             )
-        if self.max_connections < 1:
-            raise ConfigError("max_connections must be at least 1")
+        if self.max_connections < 1 or self.max_connections_per_address < 1:
+            raise ConfigError("max_connections and max_connections_per_address must be at least 1")
 
 
 class HeadServer:
@@ -176,12 +188,15 @@ class HeadServer:
         self.pid = os.getpid()
         self.start_time = time.time()
         self.port = 0
+        self.peers = PeerMap()  # the real caller of each connection the relay makes to grpc
+        self.relay: GrpcRelay | None = None  # the per-address bound in front of grpc, when it runs
         # Health watches are open to everyone (no token): capped per client and in total as status watches are,
         # in a pool of their own.
         self._health = HealthServicer(
             max_watches=options.max_concurrent_watches,
             max_watches_per_peer=options.max_watches_per_peer,
             stall_seconds=options.watch_stall_seconds,
+            peers=self.peers,
         )
         self.prober = StatusProber(
             config.servers,
@@ -315,7 +330,11 @@ class HeadServer:
             max_watches_per_peer=self.options.max_watches_per_peer,
             address_policy=AddressPolicy(own.registration.allowed_networks),
             watch_stall_seconds=self.options.watch_stall_seconds,
+            peers=self.peers,
         )
+        relay = self._relay_wanted()
+        per_connection = DESCRIPTORS_PER_CONNECTION if relay else 1
+        max_connections = grpc_connection_bound(self.options.max_connections, per_connection)
         server = build_control_server(
             servicer,
             self._health,
@@ -323,14 +342,27 @@ class HeadServer:
             interceptors=self.source.interceptors(),
             security=security,
             options=server_options(
-                max_connections=grpc_connection_bound(self.options.max_connections),
+                max_connections=max_connections,
                 handshake_timeout_seconds=self.options.handshake_timeout_seconds,
                 connection_idle_seconds=self.options.connection_idle_seconds,
             ),
         )
         port = self.options.port if self.options.port is not None else self._own_config.head_server.port
         refuse_busy_port(self.host, port, "--port or head_server.port")
-        self.port = security.add_port(server, self.host, port)
+        if relay:
+            self.relay = GrpcRelay(
+                self.peers,
+                max_connections=max_connections,
+                max_per_address=self.options.max_connections_per_address,
+            )
+            try:
+                self.port = self.relay.listen(self.host.strip("[]"), port)
+            except OSError as exc:
+                self.relay = None
+                raise GymRpcError(f"cannot listen on {url_host(self.host)}:{port}: {exc.strerror or exc}") from exc
+            upstream_port = security.add_port(server, UPSTREAM_HOST, 0)
+        else:
+            self.port = security.add_port(server, self.host, port)
         health_server = None
         if security.health_port is not None:  # bound before anything starts: a busy port starts nothing
             refuse_busy_port(self.host, security.health_port, "head_server.health_port")
@@ -342,6 +374,8 @@ class HeadServer:
         self.registry.start_expiry(self.prober)
         await server.start()
         self._server = server
+        if self.relay is not None:
+            self.relay.start(upstream_port)
         if health_server is not None:
             await health_server.start()
             self._health_server = health_server
@@ -375,6 +409,24 @@ class HeadServer:
             await self.stop()  # a head that cannot serve all it was asked to serves nothing
             raise
         head_metrics.observe(self)
+
+    def _relay_wanted(self) -> bool:
+        """Whether the gRPC port is served through the per-address relay (HeadOptions.connection_relay)."""
+        wanted = self.options.connection_relay
+        if wanted is False or (wanted is None and bound_to_loopback(self.host)):
+            return False  # on loopback every caller is one client: the total bound is the per-address one
+        if relay_source_available():
+            return True
+        if wanted:
+            raise GymRpcError(
+                "HeadOptions.connection_relay needs 127.77.0.1 on the loopback interface (Linux has all of "
+                "127.0.0.0/8 there; elsewhere add that alias), or connection_relay=None"
+            )
+        logger.warning(
+            "gRPC connections are bounded in total only: the per-address bound needs 127.77.0.1 on the loopback "
+            "interface (add that alias to bound them per client address)"
+        )
+        return False
 
     def _status_page(self, security: ServerSecurity) -> StatusPage:
         """The page at /ui/ (the HTTP head's port, --ui-port): guarded by the head's token, bounded as its watches
@@ -411,9 +463,14 @@ class HeadServer:
             if extra is not None:
                 await extra.stop()
         self._connect = self._metrics_server = self._http_head = self._page_server = None
+        if self.relay is not None:
+            self.relay.close()  # no new connections; open ones finish their calls within the grace
         if self._server is not None:
             await self._server.stop(self.options.shutdown_grace_seconds)
             self._server = None
+        if self.relay is not None:
+            await self.relay.stop()
+            self.relay = None
         await self.registry.stop_expiry()
         await self.engine_loads.stop()
         if self._registrations_file is not None:

@@ -1,5 +1,6 @@
 """What the head lets in, and how much of it: the token and TLS (`_auth`), one base for its interceptors, bounds
-on connections and slow clients, loopback-only Host names, what a registration may advertise, watch slots per
+on connections and slow clients, connections per client address on the gRPC port (`_grpc_relay`), loopback-only
+Host names, what a registration may advertise, watch slots per
 client and in total.
 
 Imports nothing else of the server. Exports import on first use."""
@@ -32,6 +33,14 @@ if TYPE_CHECKING:
         grpc_connection_bound,
         raise_fd_soft_limit,
     )
+    from gym_rpc.server.security._grpc_relay import (
+        DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
+        DESCRIPTORS_PER_CONNECTION,
+        UPSTREAM_HOST,
+        GrpcRelay,
+        PeerMap,
+        relay_source_available,
+    )
     from gym_rpc.server.security._host_check import LoopbackHostOnly, bound_to_loopback, loopback_host_only
     from gym_rpc.server.security._interceptors import Context, Handler, HandlerInterceptor, ServerInterceptor
     from gym_rpc.server.security._watch_slots import (
@@ -57,6 +66,12 @@ _EXPORTS = {
     "Context": "gym_rpc.server.security._interceptors",
     "DEFAULT_MAX_CONCURRENT_WATCHES": "gym_rpc.server.security._auth",
     "DEFAULT_MAX_CONNECT_CONNECTIONS": "gym_rpc.server.security._connection_limits",
+    "DEFAULT_MAX_CONNECTIONS_PER_ADDRESS": "gym_rpc.server.security._grpc_relay",
+    "DESCRIPTORS_PER_CONNECTION": "gym_rpc.server.security._grpc_relay",
+    "GrpcRelay": "gym_rpc.server.security._grpc_relay",
+    "PeerMap": "gym_rpc.server.security._grpc_relay",
+    "relay_source_available": "gym_rpc.server.security._grpc_relay",
+    "UPSTREAM_HOST": "gym_rpc.server.security._grpc_relay",
     "DEFAULT_MAX_GRPC_CONNECTIONS": "gym_rpc.server.security._connection_limits",
     "DEFAULT_MAX_WATCHES_PER_PEER": "gym_rpc.server.security._auth",
     "DEFAULT_STALL_SECONDS": "gym_rpc.server.security._watch_slots",
@@ -78,19 +93,24 @@ _EXPORTS = {
 __all__ = [
     "CONNECTION_IDLE_SECONDS",
     "DEFAULT_MAX_CONCURRENT_WATCHES",
+    "DEFAULT_MAX_CONNECTIONS_PER_ADDRESS",
     "DEFAULT_MAX_CONNECT_CONNECTIONS",
     "DEFAULT_MAX_GRPC_CONNECTIONS",
     "DEFAULT_MAX_WATCHES_PER_PEER",
     "DEFAULT_STALL_SECONDS",
+    "DESCRIPTORS_PER_CONNECTION",
     "HANDSHAKE_TIMEOUT_SECONDS",
     "UNAUTHENTICATED_MESSAGE",
+    "UPSTREAM_HOST",
     "AddressPolicy",
     "BoundedListener",
     "BoundedSite",
     "Context",
+    "GrpcRelay",
     "Handler",
     "HandlerInterceptor",
     "LoopbackHostOnly",
+    "PeerMap",
     "ServerInterceptor",
     "ServerSecurity",
     "WatchSlots",
@@ -105,6 +125,7 @@ __all__ = [
     "loopback_host_only",
     "peer_address",
     "raise_fd_soft_limit",
+    "relay_source_available",
     "server_options",
     "write_all_or_drop",
 ]

@@ -71,16 +71,20 @@ def connection_bound(max_connections: int = DEFAULT_MAX_HTTP_CONNECTIONS) -> int
     return max(MIN_HTTP_CONNECTIONS, min(max_connections, (soft - FD_RESERVE) // HTTP_PORTS))
 
 
-def grpc_connection_bound(max_connections: int = DEFAULT_MAX_GRPC_CONNECTIONS) -> int:
+def grpc_connection_bound(
+    max_connections: int = DEFAULT_MAX_GRPC_CONNECTIONS, descriptors_per_connection: int = 1
+) -> int:
     """`max_connections` for the gRPC port, lowered so that with it and every HTTP-side port full, OTHER_FD_RESERVE
-    descriptors of the soft limit stay free (1024 descriptors: 258 gRPC connections)."""
+    descriptors of the soft limit stay free (1024 descriptors: 258 gRPC connections; 86 when each costs three,
+    behind the per-address relay, gym_rpc.server._grpc_relay)."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
         return max_connections
     http_side = 2 * connection_bound(DEFAULT_MAX_HTTP_CONNECTIONS) + connection_bound(
         DEFAULT_MAX_CONNECT_CONNECTIONS
     )
-    return max(MIN_GRPC_CONNECTIONS, min(max_connections, soft - http_side - OTHER_FD_RESERVE))
+    free = (soft - http_side - OTHER_FD_RESERVE) // descriptors_per_connection
+    return max(MIN_GRPC_CONNECTIONS, min(max_connections, free))
 
 
 class BoundedListener:

@@ -102,7 +102,7 @@ STALLED_DETAILS = "dropped: this stream's reader took no message for {seconds:g}
 
 
 async def write_all_or_drop(
-    context: grpc.aio.ServicerContext[Any, Any], messages: AsyncIterator[Any], stall_seconds: float
+    context: grpc.aio.ServicerContext[Any, Any], messages: AsyncIterator[Any], stall_seconds: float, peer: str
 ) -> None:
     """Write every message of `messages` to a gRPC stream, each write bounded by `stall_seconds`.
 
@@ -110,7 +110,7 @@ async def write_all_or_drop(
     (its client reconnects and resumes), and one that went away mid-write ends it as well: either is logged at
     most once an interval, without a traceback. The initial metadata goes first and on its own: headers are not
     flow-controlled, so the only write a stalled reader can hold up is a message, which a final status may
-    follow."""
+    follow. `peer`: the caller's peer string, for the log (`PeerMap.caller`)."""
     await context.send_initial_metadata(())
     async with contextlib.aclosing(messages) as stream:  # type: ignore[type-var]
         async for message in stream:
@@ -118,8 +118,7 @@ async def write_all_or_drop(
                 await asyncio.wait_for(context.write(message), stall_seconds)
             except TimeoutError:
                 _dropped.log(
-                    f"dropped a stream to {peer_address(context.peer())}: its reader took nothing for "
-                    f"{stall_seconds:g} s"
+                    f"dropped a stream to {peer_address(peer)}: its reader took nothing for {stall_seconds:g} s"
                 )
                 await _end(context, STALLED_DETAILS.format(seconds=stall_seconds))
                 return

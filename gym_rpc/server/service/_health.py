@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gym_rpc.errors import quoted
-from gym_rpc.server.security import DEFAULT_STALL_SECONDS, WatchSlots, peer_address, write_all_or_drop
+from gym_rpc.server.security import DEFAULT_STALL_SECONDS, PeerMap, WatchSlots, peer_address, write_all_or_drop
 
 MAX_LISTED_SERVICES = 10_000  # the proto lets a server refuse a list too long to send (RESOURCE_EXHAUSTED)
 DEFAULT_MAX_HEALTH_WATCHES = 16384  # per head (as status watches: gym_rpc.server.security._auth)
@@ -42,12 +42,14 @@ class HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
         max_watches: int = DEFAULT_MAX_HEALTH_WATCHES,
         max_watches_per_peer: int = DEFAULT_MAX_HEALTH_WATCHES_PER_PEER,
         stall_seconds: float = DEFAULT_STALL_SECONDS,
+        peers: PeerMap | None = None,
     ) -> None:
         self._statuses: dict[str, ServingStatus] = {"": _SERVING}
         self._watchers: dict[str, set[asyncio.Event]] = {}  # service -> each watcher's "changed" slot
         self._shutting_down = False
         self.slots = WatchSlots("health watches", max_watches, max_watches_per_peer, instead="poll Check")
         self.stall_seconds = stall_seconds
+        self.peers = peers if peers is not None else PeerMap()  # who is behind a relayed connection
 
     async def set(self, service: str, status: ServingStatus) -> None:
         """Serve `status` for `service` from now on (ignored once shutting down). Never waits: it only tells each
@@ -78,12 +80,13 @@ class HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: Context) -> None:
         """The service's status now, then each change (intermediate ones may be skipped: the latest is sent)."""
-        address = peer_address(context.peer())
+        peer = self.peers.caller(context)
+        address = peer_address(peer)
         refusal = self.slots.refusal(address)
         if refusal is not None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
         with self.slots.held(address):
-            await write_all_or_drop(context, self._changes(request.service), self.stall_seconds)
+            await write_all_or_drop(context, self._changes(request.service), self.stall_seconds, peer)
 
     async def _changes(self, service: str) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         """The service's status now and after each change; a change made while the last one was being written

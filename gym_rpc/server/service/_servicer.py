@@ -36,6 +36,7 @@ from gym_rpc.server.security import (
     DEFAULT_MAX_WATCHES_PER_PEER,
     DEFAULT_STALL_SECONDS,
     AddressPolicy,
+    PeerMap,
     WatchSlots,
     caller_is_authenticated,
     peer_address,
@@ -89,8 +90,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         address_policy: AddressPolicy | None = None,
         watch_stall_seconds: float = DEFAULT_STALL_SECONDS,
         registrations_off: str | None = None,
+        peers: PeerMap | None = None,
     ) -> None:
         self._head = head
+        self.peers = peers if peers is not None else PeerMap()  # who is behind a relayed connection
         self._registrations_off = registrations_off  # why RegisterServerInstance is refused; None: taken
         # Who tried to take over an instance it does not hold: a line per 10 s at most, however hard it tries.
         self._identity_refusals = RateLimitedLog(logger)
@@ -165,7 +168,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
     async def WatchServerStatuses(
         self, request: pb.WatchServerStatusesRequest, context: Context
     ) -> AsyncIterator[pb.WatchServerStatusesResponse]:
-        address = peer_address(context.peer())
+        address = peer_address(self.peers.caller(context))
         refusal = self.watch_slots.refusal(address)
         if refusal is not None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
@@ -255,14 +258,15 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
                     f"lease_ttl must be between {MIN_LEASE_SECONDS:g} s and {MAX_LEASE_SECONDS:g} s, "
                     f"got {lease:g} s",
                 )
-        host = advertised_host(request.listen_host, request.advertise_host, context.peer())
+        caller = self.peers.caller(context)
+        host = advertised_host(request.listen_host, request.advertise_host, caller)
         refusal = self._address_policy.refusal(host)
         if refusal is not None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{name}: advertised host {refusal}")
         problem = label_problem(request.labels)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {problem}")
-        peer = peer_host(context.peer()) or ""
+        peer = peer_host(caller) or ""
         registration = dataclasses.replace(
             convert.registration_from_pb(request, host, time.monotonic()), peer_host=peer, lease_ttl=lease
         )
@@ -306,7 +310,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
                 "registration made without a pid ends with its lease or when another replaces it)",
             )
         head = self._head
-        peer = peer_host(context.peer()) or ""
+        peer = peer_host(self.peers.caller(context)) or ""
         try:
             removed = head.registry.deregister(
                 name, request.pid, request.instance_id, peer_host=peer, authenticated=caller_is_authenticated()
@@ -385,14 +389,14 @@ def _config_response(config: GlobalConfig, include_secrets: bool) -> pb.GetGloba
 
 
 def _bounded_writes(
-    stream: Callable[[Any, Context], AsyncIterator[Any]], stall_seconds: float
+    stream: Callable[[Any, Context], AsyncIterator[Any]], stall_seconds: float, peers: PeerMap
 ) -> Callable[[Any, Context], Awaitable[None]]:
     """A gRPC server-streaming handler that writes what `stream` yields, each write bounded by `stall_seconds`: a
     reader that stops reading ends its own stream (gym_rpc.server.security._watch_slots) instead of holding it
     forever."""
 
     async def handler(request: Any, context: Context) -> None:
-        await write_all_or_drop(context, stream(request, context), stall_seconds)
+        await write_all_or_drop(context, stream(request, context), stall_seconds, peers.caller(context))
 
     return handler
 
@@ -416,7 +420,7 @@ def add_control_plane_service(servicer: ControlPlaneServicer, server: grpc.aio.S
             else grpc.unary_unary_rpc_method_handler
         )
         handler = (
-            _bounded_writes(servicer.WatchServerStatuses, servicer.watch_stall_seconds)
+            _bounded_writes(servicer.WatchServerStatuses, servicer.watch_stall_seconds, servicer.peers)
             if method.name == "WatchServerStatuses"
             else getattr(servicer, method.name)
         )
