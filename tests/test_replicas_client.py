@@ -33,7 +33,7 @@ from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.data._rollout import rollout_context
 from gym_rpc.client.replicas._instance_state import InstanceState
 from gym_rpc.client.replicas._outliers import OutlierDetection
-from gym_rpc.client.replicas._picker import SLOTS, heaviest, mix64, slot_of, stable_key, two_choices, weight
+from gym_rpc.client.replicas._picker import SLOTS, heaviest, mix64, slot_of, stable_key, top_choices, two_choices, weight
 from gym_rpc.client.replicas._prompt_key import prompt_key
 from gym_rpc.client.replicas._routing import ENGINE_LOAD_READ_SECONDS, RoutedCall, ServerRoute
 from gym_rpc.client.server_client import ServerClient
@@ -55,6 +55,7 @@ class Replica:
         self.paths: list[str] = []
         self.status = 200
         self.hold: asyncio.Event | None = None  # while set to an unset event, calls wait for it
+        self.delay = 0.0  # seconds each call waits before its answer (a slow engine)
         self.set_cookie: str | None = None  # a NeMo Gym session cookie to set on each answer
         self.arrived = asyncio.Event()  # set by every call that reaches it
         self.port = 0
@@ -67,6 +68,8 @@ class Replica:
         await request.read()
         if self.hold is not None:
             await self.hold.wait()
+        if self.delay:
+            await asyncio.sleep(self.delay)
         response = web.json_response({"instance": self.port}, status=self.status)
         if self.set_cookie is not None:
             response.set_cookie(f"SimpleServer___{NAME}", self.set_cookie)
@@ -636,27 +639,69 @@ async def test_a_groups_rollouts_and_their_turns_go_to_one_model_instance_in_eve
     assert route_of(workers[0]).affine
 
 
+def task_preferring(client: ServerClient, port: int, skip: int = 0) -> int:
+    """A task whose prompt's first preferred instance (its slot's rendezvous order) is the one at `port`; the
+    `skip`-th such task from 1,000 on."""
+    route = route_of(client)
+    for task in range(1000, 100000):
+        key = prompt_key(turn_body(task))
+        assert key is not None
+        if top_choices(key % SLOTS, route.pool, 1)[0].instance_id == f"{LOOPBACK}:{port}":
+            if skip == 0:
+                return task
+            skip -= 1
+    raise AssertionError("no such task")
+
+
+async def test_a_groups_rollouts_arriving_together_stay_on_one_instance(replicas) -> None:
+    """GRPO dispatches a group's rollouts at once: they all go to the prompt's instance, which holds its prefix,
+    whatever their own number there (the old bound counted them and split the group from its 4th rollout on, so
+    each part prefilled the prompt again)."""
+    fleet = await replicas(4)
+    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    for replica in fleet:
+        replica.hold = asyncio.Event()
+    rollouts = []
+    for n in range(8):
+        with rollout_context(f"5-{n}"):
+            rollouts.append(asyncio.create_task(body_at(client, turn_body(5, 0, n))))
+    try:
+        await wait_for(lambda: sum(replica.calls for replica in fleet) == 8, 10)
+        assert sorted(replica.calls for replica in fleet) == [0, 0, 0, 8]
+    finally:
+        for replica in fleet:
+            replica.hold.set()
+    assert len({await task for task in rollouts}) == 1
+    route = route_of(client)
+    assert sum(instance.in_flight for instance in route.instances) == route.in_flight_total == 0
+    assert all(group.calls == 0 for group in route.groups.values())
+
+
 async def test_a_prompts_preferred_instance_under_load_sends_new_rollouts_to_its_next(replicas) -> None:
-    """Bounded load: while the prompt's preferred instance holds more calls than 1.5x the average (+1), a new
-    rollout of that prompt goes to its next preferred instance (the same for every such rollout), and its later
-    turns follow it there, even once the first is free again."""
+    """Bounded load: while the prompt's preferred instance holds other prompts' calls past the bound to stay (2x
+    the average + 2), a new rollout of that prompt goes to its next preferred instance (the same for every such
+    rollout: the group moves there), and its later turns follow it there, even once the first is free again."""
     fleet = await replicas(4)
     client = client_of(replicated_doc([replica.port for replica in fleet]))
     first = await body_at(client, turn_body(5))
     busy = next(replica for replica in fleet if replica.port == first)
+    other = task_preferring(client, first)
     busy.hold = asyncio.Event()
-    held = [asyncio.create_task(body_at(client, turn_body(5, 0, n))) for n in range(3)]
-    await wait_for(lambda: busy.calls == 4, 10)
-    moved = []
-    for n in range(3, 9):
-        with rollout_context(f"5-{n}"):
-            moved.append(await body_at(client, turn_body(5, 0, n)))
-    assert len(set(moved)) == 1 and moved[0] != first  # one next instance, not scattered
-    busy.hold.set()
-    assert [await task for task in held] == [first] * 3
+    held = [asyncio.create_task(body_at(client, turn_body(other, 0, n))) for n in range(8)]
+    try:
+        await wait_for(lambda: busy.calls == 9, 10)
+        moved = []
+        for n in range(3, 9):
+            with rollout_context(f"5-{n}"):
+                moved.append(await body_at(client, turn_body(5, 0, n)))
+        assert len(set(moved)) == 1 and moved[0] != first  # one next instance, not scattered
+    finally:
+        busy.hold.set()
+    assert [await task for task in held] == [first] * 8
     next_port = moved[0]
     with rollout_context("5-3"):  # a moved rollout's later turns stay where its first turn went
         assert {await body_at(client, turn_body(5, turns, 3)) for turns in range(1, 4)} == {next_port}
+    assert {await body_at(client, turn_body(5, 0, 20))} == {next_port}  # and the group's new rollouts too
     assert (
         sum(instance.in_flight for instance in route_of(client).instances) == route_of(client).in_flight_total == 0
     )
@@ -664,8 +709,9 @@ async def test_a_prompts_preferred_instance_under_load_sends_new_rollouts_to_its
 
 async def test_an_engine_reporting_a_long_queue_loses_new_rollouts_until_its_figure_is_unknown(replicas) -> None:
     """The engines' load the head pushes (Routing.engine_loads) counts in the bound: a prompt's preferred instance
-    whose engine reports 50 waiting gets no new rollout of it (its next preferred does); once that figure is older
-    than the table's bound it is unknown, never zero, and the calls in flight stand alone again."""
+    whose engine reports 50 waiting gets no new rollout of it (the group moves to its next preferred instance);
+    once that figure is older than the table's bound it is unknown, never zero, and the calls in flight stand
+    alone again: a new prompt that prefers the instance goes there."""
     fleet = await replicas(3)
     client = client_of(replicated_doc([replica.port for replica in fleet]))
     preferred = await body_at(client, turn_body(9))
@@ -675,10 +721,38 @@ async def test_an_engine_reporting_a_long_queue_loses_new_rollouts_until_its_fig
     await asyncio.sleep(ENGINE_LOAD_READ_SECONDS * 1.1)  # the route reads the table at most this often
     elsewhere = {await body_at(client, turn_body(9)) for _ in range(6)}
     assert len(elsewhere) == 1 and preferred not in elsewhere
+    fresh = task_preferring(client, preferred)
+    assert await body_at(client, turn_body(fresh)) != preferred  # a new prompt too, while the figure holds
     stale = EngineLoad(NAME, f"{LOOPBACK}:{preferred}", waiting=50, running=8, age_seconds=60.0)
     client._routing.engine_loads.apply([stale])
     await asyncio.sleep(ENGINE_LOAD_READ_SECONDS * 1.1)
-    assert {await body_at(client, turn_body(9)) for _ in range(6)} == {preferred}
+    again = task_preferring(client, preferred, skip=1)
+    assert {await body_at(client, turn_body(again)) for _ in range(6)} == {preferred}
+
+
+async def test_a_slow_instance_gets_no_new_group_and_its_rollouts_move(replicas) -> None:
+    """An instance whose answers take over 2.5x the median instance's (an engine 4x slower, or one with a long
+    queue) takes no new group while the others can, and a rollout placed there moves at its next turn; the
+    calls in flight from this process alone would not show it (it holds no more calls than the others)."""
+    fleet = await replicas(3)
+    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    await call(client)  # the route is made at the first call
+    slow = fleet[0]
+    slow.delay = 1.0
+    warm = [task_preferring(client, replica.port) for replica in fleet]
+    placed = {}
+    for task in warm:  # one group on each instance, answered: each instance's latency is known
+        with rollout_context(f"{task}-0"):
+            placed[task] = await body_at(client, turn_body(task, 0, 0))
+    assert placed[warm[0]] == slow.port
+    await asyncio.sleep(ENGINE_LOAD_READ_SECONDS * 1.1)
+    new = [task_preferring(client, slow.port, skip) for skip in range(1, 7)]
+    landed = await asyncio.gather(*(body_at(client, turn_body(task)) for task in new))
+    assert slow.port not in landed  # each prefers the slow instance: they go to their next preferred
+    with rollout_context(f"{warm[0]}-0"):  # the rollout on the slow instance moves, and stays where it moved
+        moved = {await body_at(client, turn_body(warm[0], turns, 0)) for turns in range(1, 3)}
+    assert len(moved) == 1 and slow.port not in moved
+    assert route_of(client).by_id[f"{LOOPBACK}:{slow.port}"].slow
 
 
 async def test_a_model_rollouts_turns_follow_its_session_or_rollout_and_resources_servers_stay_exact(

@@ -62,11 +62,16 @@ class Instance:
         "labels",
         "last_ejection_ended",
         "last_failure",
+        "latency",
+        "latency_at",
         "on_probation",
         "origin",
+        "own_peak",
+        "own_peak_at",
         "picks",
         "registration",
         "repins_logged",
+        "slow",
         "status",
         "url",
     )
@@ -83,9 +88,17 @@ class Instance:
         self.registration: RegistrationState | None = None
         self.origin: InstanceOrigin | None = None
         self.in_flight = 0  # calls sent here whose answer (headers) has not come yet
-        # Requests the engine reports waiting and running (its /metrics, as the head reads and pushes them), for a
-        # model server's prefix-affine picking; 0 while unknown (the calls in flight then stand alone).
+        # Requests the engine reports waiting and running (its /metrics, as the head reads and pushes them) beyond
+        # this process's own calls there (the most it had lately, `own_peak`), for a model server's prefix-affine
+        # picking; 0 while unknown (the calls in flight then stand alone).
         self.engine_load = 0
+        self.own_peak = 0
+        self.own_peak_at = 0.0
+        # A model server's calls' time to their answers' headers as this process saw them (an EWMA; 0.0: none yet),
+        # when the last came, and whether that makes it slow against the others (prefix-affine picking).
+        self.latency = 0.0
+        self.latency_at = 0.0
+        self.slow = False
         self.picks = 0  # calls (and resends) sent here, for the worker metrics
         self.consecutive_failures = 0
         self.last_failure = ""

@@ -12,11 +12,14 @@ call goes to, and where it goes next when that one fails.
   opens a session pins it with the call's rollout, and moving the pin moves every key with it.
 * A call of no rollout goes to the less loaded of two random instances that take new work.
 * A model server's route (`responses_api_models`, `affine`) picks by prompt instead (`pick_affine`): a call goes
-  where its rollout's (or model session's) last turn went while that instance is not overloaded, else to the first
-  of its prompt's three preferred instances (the prompt's slot's rendezvous order: the same in every worker) whose
-  load stays under a bound, else by two random choices. Load is the calls in flight from this process, or what the
-  engine reports waiting and running when that is more (`engine_load`, 0 while unknown). See docs/replicas.md
-  (prefix-affine picking) for why.
+  where its rollout's (or model session's) last turn went while that instance is not overloaded, else where its
+  prompt's group went (`Group`: a GRPO group's rollouts share the prompt's prefix, so they stay together), else to
+  the least loaded of its prompt's eight preferred instances (the prompt's slot's rendezvous order: the same in
+  every worker) while under a bound, else by two random choices. Load is the calls in flight from this process
+  plus the other workers' calls the engine reports (`engine_load`: its waiting and running less this process's
+  own calls there lately, 0 while unknown), less the calls of the call's own group there: a group's own burst
+  never splits it. An instance whose answers take SLOW_RATIO times the median instance's (`slow`) takes no new
+  group and keeps no rollout while another can take them. See docs/replicas.md (prefix-affine picking) for why.
 * A failed attempt counts against its instance (gym_rpc.client.replicas._outliers): refused, timed out, dropped, a
   5xx, or a body that broke off once the caller read it; a refused connection, or any resent call of no rollout,
   moves to another instance not tried yet by that call.
@@ -77,13 +80,27 @@ _monotonic = time.monotonic
 _NEVER = math.inf  # refresh_at while no instance is ejected: picks then never read the clock
 _MAX_JOINS = 64
 # Prefix-affine picking (model servers). With `avg` = (the route's load + 1) / its candidates: a call follows its
-# rollout's last instance while that one's load < STICK_RATIO * avg + STICK_SLACK, and a new rollout takes the
-# first of its prompt's PREFERRED instances whose load < FRESH_RATIO * avg + FRESH_SLACK. Staying costs a queue;
-# moving costs the prefill of everything the engine held for the rollout: the bound to stay is the looser.
-PREFERRED = 3
+# rollout's last instance (or its group's) while that one's load < STICK_RATIO * avg + STICK_SLACK, and a new
+# group takes the least loaded of its prompt's PREFERRED instances if that load < FRESH_RATIO * avg + FRESH_SLACK.
+# Staying costs a queue; moving costs the prefill of everything the engine held for it: the bound to stay is the
+# looser.
+PREFERRED = 8
 ENGINE_LOAD_READ_SECONDS = 0.1  # the head pushes at most 4 tables a second; a pick reads them at most 10 times
 FRESH_RATIO, FRESH_SLACK = 1.5, 1.0
 STICK_RATIO, STICK_SLACK = 2.0, 2.0
+# Groups (prompt numbers) remembered per route, oldest forgotten first: a forgotten group is placed afresh.
+MAX_GROUPS = 16384
+# An instance is slow while its answers' latency (an EWMA, weight LATENCY_WEIGHT per answer) is over SLOW_RATIO
+# times the median over the instances that answered lately, and over it by SLOW_MARGIN_SECONDS at least (a few
+# milliseconds' jitter is no slowness): a slow engine (or one with a long queue) gets no new group. A figure with
+# no answer for SLOW_FORGET_SECONDS is forgotten, so a slow instance is tried again.
+SLOW_RATIO = 2.5
+SLOW_MARGIN_SECONDS = 0.1
+LATENCY_WEIGHT = 0.25
+SLOW_FORGET_SECONDS = 30.0
+# How far back this process's own calls at an instance are taken off its engine's figure: the head reads each
+# engine every 0.5 s and pushes at most every 0.25 s, so a figure is up to about a second old when read here.
+OWN_PEAK_SECONDS = 1.0
 
 Selector = Mapping[str, str]
 
@@ -133,6 +150,17 @@ class Pin:
         self.instance = instance
 
 
+class Group:
+    """Where one prompt's rollouts (a GRPO group) go, and how many of its calls are in flight there from this
+    process: those are not counted against the instance when the group's next rollout is placed."""
+
+    __slots__ = ("calls", "instance")
+
+    def __init__(self, instance: Instance) -> None:
+        self.instance = instance
+        self.calls = 0
+
+
 class ServerRoute:
     """The instances of one server name and how calls are spread over them."""
 
@@ -143,6 +171,7 @@ class ServerRoute:
         "engine_loads",
         "engine_total",
         "generation",
+        "groups",
         "in_flight_total",
         "instances",
         "joins",
@@ -182,6 +211,7 @@ class ServerRoute:
         # prompt slot -> its PREFERRED instances, for the pool they were ranked in (`preferred_pool`)
         self.preferred: dict[int, tuple[Instance, ...]] = {}
         self.preferred_pool: tuple[Instance, ...] = ()
+        self.groups: dict[int, Group] = {}  # prompt number -> where its group goes
         self.policy = policy
         self.selector = selector
         self.instances: tuple[Instance, ...] = ()
@@ -348,20 +378,22 @@ class ServerRoute:
 
     def pick_affine(
         self, rollout: str | None, session: str | None, prompt: int | None
-    ) -> tuple[Instance, Pin | None]:
-        """A model call's instance, and the pin its rollout (or model session) keeps its turns on, if it has one:
-        the pin's instance while alive and under the bound to stay, else the first of its prompt's preferred
-        instances under the bound for new work (two random choices when none is, or the call has no prompt),
-        where the pin then moves."""
+    ) -> tuple[Instance, Pin | None, Group | None]:
+        """A model call's instance, the pin its rollout (or model session) keeps its turns on, if it has one, and
+        its prompt's group when the call goes where the group is: the pin's instance while alive, not slow and
+        under the bound to stay; else the group's instance under the same bound; else the least loaded of its
+        prompt's preferred instances under the bound for new work (two random choices when none is, or the call
+        has no prompt), where the pin and the group then move."""
         if self.refresh_at != _NEVER and _monotonic() >= self.refresh_at:
             self.refresh()
         candidates = self.pool
         if not candidates:
             raise self.no_instance()
-        if self.engine_loads is not None and _monotonic() >= self.loads_at:
-            self._read_engine_loads()
-        # An engine's figure counts this process's calls too, read a moment ago: the larger of the two counts.
-        average = (max(self.in_flight_total, self.engine_total) + 1) / len(candidates)
+        if _monotonic() >= self.loads_at:
+            self._read_loads()
+        average = (self.in_flight_total + self.engine_total + 1) / len(candidates)
+        stay = STICK_RATIO * average + STICK_SLACK
+        group = None if prompt is None else self.groups.get(prompt)
         pins = self.pins
         pin = None
         if session is not None:
@@ -370,17 +402,25 @@ class ServerRoute:
             pin = pins.get(rollout)
         if pin is not None:
             last = pin.instance
-            if last.alive and max(last.in_flight, last.engine_load) < STICK_RATIO * average + STICK_SLACK:
+            if last.alive and not last.slow and _load_beside(last, group) < stay:
                 if rollout is not None and session is not None:
                     self._alias(pin, rollout, session)
-                return last, pin
+                return last, pin, group if group is not None and group.instance is last else None
         if prompt is None:
-            chosen = two_choices(candidates)
+            chosen = _two_fast_choices(candidates)
         else:
-            chosen = self._preferred_under(prompt % SLOTS, candidates, FRESH_RATIO * average + FRESH_SLACK)
+            fresh = FRESH_RATIO * average + FRESH_SLACK
+            if group is None:
+                chosen = self._preferred_under(prompt % SLOTS, candidates, fresh, None)
+            else:
+                chosen = group.instance
+                if not chosen.candidate or chosen.slow or _load_beside(chosen, group) >= stay:
+                    chosen = self._preferred_under(prompt % SLOTS, candidates, fresh, group)
+            if group is None or group.instance is not chosen:
+                group = self._group_at(prompt, chosen)
         if pin is None:
             if rollout is None and session is None:
-                return chosen, None
+                return chosen, None, group
             pin = Pin(chosen)
         else:  # the rollout's later turns follow (its aliases too); leaving a gone instance is a re-pin
             previous, pin.instance = pin.instance, chosen
@@ -388,31 +428,75 @@ class ServerRoute:
             if not previous.alive and shown is not None:
                 self._moved(previous, chosen, shown)
         self._alias(pin, rollout, session)
-        return chosen, pin
+        return chosen, pin, group
 
-    def _preferred_under(self, slot: int, candidates: tuple[Instance, ...], bound: float) -> Instance:
-        """The first of the slot's preferred instances whose load is under `bound`, else two random choices."""
+    def _group_at(self, prompt: int, instance: Instance) -> Group:
+        """The prompt's group, now going to `instance`: a new one (its calls elsewhere are not counted there)."""
+        groups = self.groups
+        if len(groups) >= MAX_GROUPS and prompt not in groups:
+            groups = self.groups = dict(itertools.islice(groups.items(), MAX_GROUPS // 2, None))
+        groups[prompt] = group = Group(instance)
+        return group
+
+    def _preferred_under(
+        self, slot: int, candidates: tuple[Instance, ...], bound: float, group: Group | None
+    ) -> Instance:
+        """The least loaded (beside the group's own calls) of the slot's preferred instances that are not slow,
+        the first preferred on a tie, while its load is under `bound`; else two random choices among the
+        instances that are not slow. Of d choices the least loaded spreads whole groups evenly (Mitzenmacher),
+        and every worker has the same d to choose from."""
         if self.preferred_pool is not candidates:  # the pool changed: every slot is ranked again when next used
             self.preferred, self.preferred_pool = {}, candidates
         preferred = self.preferred.get(slot)
         if preferred is None:
             preferred = self.preferred[slot] = top_choices(slot, candidates, PREFERRED)
+        best, least = None, bound
         for instance in preferred:
-            if max(instance.in_flight, instance.engine_load) < bound:
-                return instance
-        return two_choices(candidates)
+            if not instance.slow:
+                load = _load_beside(instance, group)
+                if load < least:
+                    best, least = instance, load
+        return best if best is not None else _two_fast_choices(candidates)
 
-    def _read_engine_loads(self) -> None:
-        """Each instance's engine load (requests waiting + running) from the table the head pushes; 0 where unknown
-        (no figure, or one older than the table's bound): the calls in flight then stand alone."""
+    def _read_loads(self) -> None:
+        """Each instance's engine load (requests waiting + running) from the table the head pushes, 0 where unknown
+        (no figure, or one older than the table's bound: the calls in flight then stand alone); and which instances
+        are slow: answering in over SLOW_RATIO times the median instance's latency, with two answering at least."""
+        now = _monotonic()
         table, name, total = self.engine_loads, self.name, 0
-        assert table is not None
+        latencies = []
         for instance in self.instances:
-            load = table.of(name, instance.instance_id)
-            instance.engine_load = 0 if load is None else int((load.waiting or 0) + (load.running or 0))
-            total += instance.engine_load
+            if table is not None:
+                load = table.of(name, instance.instance_id)
+                # The figure, read up to a second ago, counts this process's calls of then too: those are taken
+                # off as the most this process had there within OWN_PEAK_SECONDS (never counted twice).
+                own = instance.in_flight
+                if own >= instance.own_peak or now - instance.own_peak_at > OWN_PEAK_SECONDS:
+                    instance.own_peak, instance.own_peak_at = own, now
+                figure = 0 if load is None else int((load.waiting or 0) + (load.running or 0))
+                instance.engine_load = figure - instance.own_peak if figure > instance.own_peak else 0
+                total += instance.engine_load
+            if instance.latency and now - instance.latency_at > SLOW_FORGET_SECONDS:
+                instance.latency = 0.0  # no answer lately: forgotten, so a slow instance gets a try again
+            if instance.latency:
+                latencies.append(instance.latency)
         self.engine_total = total
-        self.loads_at = _monotonic() + ENGINE_LOAD_READ_SECONDS
+        if len(latencies) >= 2:
+            latencies.sort()
+            median = latencies[(len(latencies) - 1) // 2]
+            bound = max(SLOW_RATIO * median, median + SLOW_MARGIN_SECONDS)
+            for instance in self.instances:
+                instance.slow = instance.latency > bound
+        else:
+            for instance in self.instances:
+                instance.slow = False
+        self.loads_at = now + ENGINE_LOAD_READ_SECONDS
+
+    def answered_in(self, instance: Instance, seconds: float) -> None:
+        """A model call's answer (its headers) came after `seconds`: the instance's latency figure."""
+        previous = instance.latency
+        instance.latency = seconds if not previous else previous + LATENCY_WEIGHT * (seconds - previous)
+        instance.latency_at = _monotonic()
 
     def _alias(self, pin: Pin, rollout: str | None, session: str | None) -> None:
         pins = self.pins
@@ -515,6 +599,21 @@ class ServerRoute:
         pins[key] = pin
 
 
+def _load_beside(instance: Instance, group: Group | None) -> int:
+    """The instance's load (this process's calls in flight, and the other workers' its engine reports) beside
+    the group's own calls there: a GRPO group's rollouts arriving together never push it off its own instance."""
+    load = instance.in_flight + instance.engine_load
+    if group is not None and group.instance is instance:
+        return load - group.calls
+    return load
+
+
+def _two_fast_choices(candidates: tuple[Instance, ...]) -> Instance:
+    """Two random choices among the candidates that are not slow (among all when every one is)."""
+    fast = tuple(instance for instance in candidates if not instance.slow)
+    return two_choices(fast if fast and len(fast) < len(candidates) else candidates)
+
+
 def _shown_key(key: str) -> str:
     return f"session {key[1:]}" if key.startswith(_SESSION_PREFIX) else f"rollout {key}"
 
@@ -533,7 +632,7 @@ class RoutedCall:
     `+= 1` from two of them at once could lose one (a count off for good skews every later two-choices pick).
     Only replicated calls come here; a server of one instance takes no lock."""
 
-    __slots__ = ("counted", "instance", "key", "path", "pin", "route", "session", "tried")
+    __slots__ = ("counted", "group", "instance", "key", "path", "pin", "route", "session", "started", "tried")
 
     def __init__(
         self,
@@ -550,8 +649,11 @@ class RoutedCall:
         self.tried: tuple[Instance, ...] = ()
         self.counted = 0  # the attempts whose failure `reroute` counted: the call's end counts none twice
         self.pin: Pin | None
+        self.group: Group | None = None  # a model call's group, while the call is at the group's instance
+        self.started = 0.0  # when a model call was placed (its answer's latency counts for its instance)
         if route.affine:
-            instance, self.pin = route.pick_affine(key, session, prompt)
+            instance, self.pin, group = route.pick_affine(key, session, prompt)
+            self.group, self.started = group, _monotonic()
         elif key is None and session is None:
             self.pin = None
             instance = route.pick(None)
@@ -563,6 +665,8 @@ class RoutedCall:
             instance.in_flight += 1
             instance.picks += 1
             route.in_flight_total += 1
+            if self.group is not None:
+                self.group.calls += 1
 
     def reroute(self, error: BaseException) -> str:
         """The URL of the next attempt after `error` (the resend loop asks): another instance after a refused
@@ -589,7 +693,12 @@ class RoutedCall:
             old.in_flight -= 1
             new.in_flight += 1
             new.picks += 1
+            if self.group is not None:  # no longer at its group's instance
+                self.group.calls -= 1
+                self.group = None
         self.instance = new
+        if self.started:  # the latency figure is the new instance's
+            self.started = _monotonic()
         return new.url + self.path
 
     def answered(self, response: aiohttp.ClientResponse, deadline: float | None = None) -> None:
@@ -599,9 +708,14 @@ class RoutedCall:
         with self.route.lock:
             instance.in_flight -= 1
             self.route.in_flight_total -= 1
+            if self.group is not None:
+                self.group.calls -= 1
+                self.group = None
         if response.status >= 500:
             self.route.failed_with(instance, f"HTTP {response.status}")
             return
+        if self.started and response.status < 400:  # an answer, not a refusal (a 429 comes back fast)
+            self.route.answered_in(instance, _monotonic() - self.started)
         connection = response.connection
         if connection is None:  # no body, or all of it read with the headers: the connection is free already
             self.route.succeeded(instance)
@@ -621,6 +735,9 @@ class RoutedCall:
         with self.route.lock:
             self.instance.in_flight -= 1
             self.route.in_flight_total -= 1
+            if self.group is not None:
+                self.group.calls -= 1
+                self.group = None
         attempts = getattr(error, "attempts", None)
         if attempts is None or attempts > self.counted:
             self.route.failed(self.instance, error)
