@@ -33,7 +33,16 @@ from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.data._rollout import rollout_context
 from gym_rpc.client.replicas._instance_state import InstanceState
 from gym_rpc.client.replicas._outliers import OutlierDetection
-from gym_rpc.client.replicas._picker import SLOTS, heaviest, mix64, slot_of, stable_key, top_choices, two_choices, weight
+from gym_rpc.client.replicas._picker import (
+    SLOTS,
+    heaviest,
+    mix64,
+    slot_of,
+    stable_key,
+    top_choices,
+    two_choices,
+    weight,
+)
 from gym_rpc.client.replicas._prompt_key import prompt_key
 from gym_rpc.client.replicas._routing import ENGINE_LOAD_READ_SECONDS, RoutedCall, ServerRoute
 from gym_rpc.client.server_client import ServerClient
