@@ -44,6 +44,8 @@ SECTIONS = (
     "memory",
     *replicas.SECTIONS,
 )
+# Left out of `--quick` unless asked for (`--only`): tests/test_bench_smoke.py runs each of these on its own.
+QUICK_LEAVES_OUT = {"relay"}
 # Loopback only: no proxy may divert a request, and no parent's config may stand in for the heads measured here.
 _ENV_TO_DROP = ("http_proxy", "https_proxy", "all_proxy", "NEMO_GYM_CONFIG_DICT", "GYM_RPC_HEAD")
 
@@ -164,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help=f"comma-separated subset of {','.join(SECTIONS)}")
     args = parser.parse_args(argv)
     sections = set(args.only.split(",")) if args.only else set(SECTIONS)
+    if args.quick and not args.only:
+        sections -= QUICK_LEAVES_OUT
     if not sections <= set(SECTIONS):
         parser.error(f"--only takes {','.join(SECTIONS)}")
     _clean_environment()

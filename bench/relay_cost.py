@@ -52,7 +52,7 @@ class RelayPlan:
     changes: int = 12
 
 
-QUICK_RELAY = RelayPlan(rounds=1, calls=200, concurrency=8, watchers=16, channels=2, changes=3)
+QUICK_RELAY = RelayPlan(rounds=1, calls=50, concurrency=4, watchers=4, channels=2, changes=1)
 
 
 def head_cpu_seconds(pid: int) -> float:
@@ -62,9 +62,12 @@ def head_cpu_seconds(pid: int) -> float:
 
 
 class SideHead:
-    """A head in a process of its own (`python -m bench.relay_cost head --relay on|off`)."""
+    """A head in a process of its own (`python -m bench.relay_cost head --relay on|off`); `ready()` waits for it
+    (both sides start at once)."""
 
     def __init__(self, relay: bool) -> None:
+        self.relay = relay
+        self.port = 0
         self.process = subprocess.Popen(
             [sys.executable, "-m", "bench.relay_cost", "head", "--relay", "on" if relay else "off"],
             stdin=subprocess.PIPE,
@@ -72,12 +75,15 @@ class SideHead:
             text=True,
             cwd=REPO_ROOT,
         )
+
+    def ready(self) -> SideHead:
         assert self.process.stdout is not None
         line = self.process.stdout.readline()
         if not line.startswith(READY):
             self.stop()
-            raise RuntimeError(f"the {'relayed' if relay else 'direct'} bench head did not start: {line!r}")
+            raise RuntimeError(f"the {'relayed' if self.relay else 'direct'} bench head did not start: {line!r}")
         self.port = int(json.loads(line[len(READY) :])["port"])
+        return self
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -175,6 +181,12 @@ async def measure(plan: RelayPlan) -> dict[str, float]:
     """Medians over rounds of the per-round quotients relay/direct (sides taken in turn, ABBA) of calls/s and
     fan-out time; the head CPU quotients over all rounds (CPU is counted in clock ticks)."""
     direct, relayed = SideHead(relay=False), SideHead(relay=True)
+    try:
+        direct.ready(), relayed.ready()
+    except BaseException:
+        direct.stop()
+        relayed.stop()
+        raise
     calls: list[float] = []
     fanouts: list[float] = []
     direct_calls: list[float] = []

@@ -80,7 +80,6 @@ def check_ratio_table(stdout: str, report: str) -> None:
         "RSS after `import gym_rpc.client.server_client`",
         "config fetch",
         "ListServerStatuses",
-        "per-address relay: GetServerStatus calls/s",
         "with vs without its speed trick (its data-plane state cached in one plain attribute), concurrency 1",
         "ServerClient.post's own work (no I/O)",
         "traced / untraced, every call recorded, concurrency 64",
@@ -203,3 +202,29 @@ def test_the_hot_path_comparison_runs_the_shipped_call_and_reads_state_through_t
     assert plane.pools is client._http and plane.base_urls is client._server_base_urls
     for name in _DataPlane.__slots__:
         assert hasattr(plane, name), name
+
+
+@pytest.mark.timeout(180 + 30)
+def test_the_relay_bench_prints_its_rows(tmp_path: Path) -> None:
+    """`python -m bench --only relay` (left out of `--quick`'s whole run, which is long enough): its four rows."""
+    with quick_runs_of(tmp_path, ["bench", "--quick", "--only", "relay"]) as run:
+        code = run.wait(timeout=180)
+    assert code == 0, (tmp_path / "run.err").read_text(encoding="utf-8")[-3000:]
+    stdout = (tmp_path / "run.out").read_text(encoding="utf-8")
+    rows = [line for line in stdout.splitlines() if "per-address relay:" in line]
+    assert len(rows) == 4, stdout
+    for measure in ("GetServerStatus calls/s", "head CPU per GetServerStatus call", "watch fan-out"):
+        assert any(measure in row for row in rows), measure
+
+
+@contextlib.contextmanager
+def quick_runs_of(tmp_path: Path, module_and_args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
+    """`python -m MODULE ARGS...`, stdout and stderr into files; killed at exit if still running."""
+    with (tmp_path / "run.out").open("wb") as out, (tmp_path / "run.err").open("wb") as err:
+        run = subprocess.Popen([sys.executable, "-m", *module_and_args], cwd=REPO_ROOT, stdout=out, stderr=err)
+    try:
+        yield run
+    finally:
+        if run.poll() is None:
+            run.kill()
+        run.wait(timeout=10)
