@@ -1,10 +1,11 @@
-"""Does the speed trick of `ServerClient.request` pay? Its `_data_plane`: what the hot path reads on every call
-(the base URLs, the typed config, the routes, the pools, the send functions) in one plain object, a
-`functools.cached_property` of the client, so a call makes one ordinary attribute read. The shipped client
-against the same client whose state is read from its private attributes at each use, as `self._x` reads it (each
-read misses the instance and goes through pydantic's BaseModel.__getattr__), all else alike: both run the shipped
-`_call` itself (its routing lookup, rollout prefix rule, metrics and tracing checks), so the comparison cannot
-drift from what ships (it once did: a copy of `_call` that skipped the routing lookup and later the checks).
+"""Does the speed trick of `ServerClient.request` pay? Its data plane (gym_rpc.client._data_plane.DataPlane) holds
+what every call reads (the base URLs, the typed config, the routes, the pools) as plain attributes of one object,
+made on the client's first call, so a call reads them as ordinary attributes. The shipped client against the same
+client whose data plane reads that state from the client's private attributes at each use, as `self._x` reads it
+(each read misses the instance and goes through pydantic's BaseModel.__getattr__), all else alike: both run the
+shipped `DataPlane.call` itself (its routing lookup, rollout prefix rule, metrics and tracing checks), so the
+comparison cannot drift from what ships (it once did: a copy of the call that skipped the routing lookup and later
+the checks).
 
 Two figures. Against the real data server (interleaved rounds, bench/data_plane.py's `compare`): the median of
 the per-round ratios shipped / without requests per second, with each side's CPU per request; on two shared cores
@@ -20,13 +21,14 @@ from __future__ import annotations
 import functools
 import time
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from bench.data_plane import PATH, PAYLOAD, SERVER_NAME, Block, compare, make_client, ours_post
 from bench.stats import Row, median, percentile, ratio_row
+from gym_rpc.client.data import DataPlane
 from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.resend._budget import new_call_count
-from gym_rpc.client.server_client import ServerClient, _DataPlane
+from gym_rpc.client.server_client import ServerClient, _bind_direct_calls
 
 if TYPE_CHECKING:
     from gym_rpc.client.data._http_pools import HttpPools
@@ -37,50 +39,64 @@ NO_IO_CALLS = 2000  # per block
 NO_IO_BLOCKS = 30  # per side, interleaved; the best block is the figure
 
 
-class _PrivateReads:
-    """The shipped `_DataPlane` without its trick: the same functions and once-made decisions (the path rule), but
-    the client's state (`base_urls`, `config`, `pools`, `routing`) read from the client's private attributes at
-    each use, as `self._x` would read it (pydantic's BaseModel.__getattr__, as each read misses the instance). A
-    property per read is all it adds to `self._x`, a few tens of ns."""
+class PrivateReads(DataPlane):
+    """The shipped DataPlane without its trick: the same `call` and once-made decisions (the path rule), but the
+    client's state (`base_urls`, `config`, `pools`, `routing`) read from the client's private attributes at each
+    use, as `self._x` would read it (pydantic's BaseModel.__getattr__, as each read misses the instance). A
+    property per read is all it adds to `self._x`, a few tens of ns. What the shipped `__init__` stores there is
+    dropped: the client keeps it already."""
 
-    def __init__(self, client: ServerClient, shipped: _DataPlane) -> None:
+    __slots__ = ("_client",)
+
+    def __init__(self, client: ServerClient) -> None:
         self._client = client
-        for name in _DataPlane.__slots__:
-            if name not in _STATE:
-                setattr(self, name, getattr(shipped, name))
+        super().__init__(client._endpoints, client._http)
 
     @property
     def base_urls(self) -> dict[str, str]:
         return self._client._server_base_urls
 
+    @base_urls.setter
+    def base_urls(self, value: dict[str, str]) -> None:
+        pass
+
     @property
     def config(self) -> GlobalConfig:
         return self._client._global_config
+
+    @config.setter
+    def config(self, value: GlobalConfig) -> None:
+        pass
 
     @property
     def pools(self) -> HttpPools:
         return self._client._http
 
+    @pools.setter
+    def pools(self, value: HttpPools) -> None:
+        pass
+
     @property
     def routing(self) -> Routing | None:
-        return self._client._routing
+        return self._client._endpoints.routing
 
     @routing.setter
     def routing(self, routing: Routing | None) -> None:
-        """`_call` stores what `_ready_routing` made, which the client already keeps in its `_routing`."""
+        """`call` stores what the endpoints made, which they already keep in their `routing`."""
 
 
-_STATE = frozenset(name for name, value in vars(_PrivateReads).items() if isinstance(value, property))
+STATE = frozenset(name for name, value in vars(PrivateReads).items() if isinstance(value, property))
 
 
 class WithoutTrick(ServerClient):
-    """The shipped client, whose `_call` runs as shipped (routing lookup, prefix rule, switches and all) on a
-    `_PrivateReads` in place of its `_data_plane`: the only difference is where the state is read from."""
+    """The shipped client, whose `DataPlane.call` runs as shipped (routing lookup, prefix rule, switches and all)
+    on a `PrivateReads`: the only difference is where the state is read from."""
 
     @functools.cached_property
-    def _data_plane(self) -> _DataPlane:
-        shipped = super()._data_plane  # binds post and get, as the shipped one does
-        return cast(_DataPlane, _PrivateReads(self, shipped))
+    def _data_plane(self) -> DataPlane:
+        plane = PrivateReads(self)
+        _bind_direct_calls(self, plane)  # as the shipped one does
+        return plane
 
 
 def make_without(port: int) -> WithoutTrick:

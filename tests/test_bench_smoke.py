@@ -180,16 +180,18 @@ def test_tracing_against_its_peer_divides_our_ratio_by_the_peers_round_by_round(
 
 
 def test_the_hot_path_comparison_runs_the_shipped_call_and_reads_state_through_the_client() -> None:
-    """bench.hot_path's client without the trick runs ServerClient._call itself (a copy of it once skipped the
-    routing lookup and the switch checks the shipped one makes), on a data plane whose every function slot is the
-    shipped one's and whose state is read from the client's private attributes at each use."""
+    """bench.hot_path's client without the trick runs the shipped DataPlane.call itself (a copy of it once skipped
+    the routing lookup and the switch checks the shipped one makes), on a data plane whose state is read from the
+    client's private attributes at each use."""
     import asyncio
 
     from bench.data_plane import PATH, PAYLOAD, SERVER_NAME
-    from bench.hot_path import WithoutTrick, _no_io, _PrivateReads, make_without
-    from gym_rpc.client.server_client import ServerClient, _DataPlane
+    from bench.hot_path import STATE, PrivateReads, WithoutTrick, _no_io, make_without
+    from gym_rpc.client.data import DataPlane
+    from gym_rpc.client.server_client import ServerClient
 
-    assert "_call" not in vars(WithoutTrick) and "request" not in vars(WithoutTrick)
+    assert "request" not in vars(WithoutTrick) and "call" not in vars(PrivateReads)
+    assert {"base_urls", "config", "pools", "routing"} == STATE
     client = _no_io(make_without(1))
 
     async def one_call() -> None:
@@ -197,11 +199,10 @@ def test_the_hot_path_comparison_runs_the_shipped_call_and_reads_state_through_t
 
     asyncio.run(one_call())
     plane = client._data_plane
-    assert isinstance(plane, _PrivateReads) and isinstance(client, ServerClient)
-    assert plane.routing is client._routing and plane.routing is not None
+    assert isinstance(plane, PrivateReads) and isinstance(plane, DataPlane) and isinstance(client, ServerClient)
+    assert plane.routing is client._endpoints.routing and plane.routing is not None
     assert plane.pools is client._http and plane.base_urls is client._server_base_urls
-    for name in _DataPlane.__slots__:
-        assert hasattr(plane, name), name
+    assert plane.config is client._global_config
 
 
 @pytest.mark.timeout(180 + 30)

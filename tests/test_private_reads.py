@@ -176,13 +176,38 @@ def test_the_scan_leaves_public_and_own_names_alone(source: str) -> None:
     assert list(private_reads(ast.parse(source))) == []
 
 
+def _pydantic_internals(tree: ast.Module) -> Iterator[int]:
+    """Lines that name one of pydantic's own stores of a model's insides (`__pydantic_private__`,
+    `__pydantic_fields_set__`, ...) as an attribute or as a key (`state["__pydantic_private__"]`)."""
+    for node in ast.walk(tree):
+        name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "value", None)
+        if (
+            isinstance(name, str)
+            and name.startswith("__pydantic_")
+            and isinstance(node, ast.Attribute | ast.Constant)
+        ):
+            yield node.lineno
+
+
 def test_no_gym_rpc_module_reads_pydantics_private_store() -> None:
-    """`__pydantic_private__` is pydantic's own store of a model's private attributes: the client reads them as
-    attributes (`self._x`), and its hot path from its own cached `_data_plane` (bench/hot_path.py says why)."""
+    """`__pydantic_private__` is pydantic's own store of a model's private attributes, and the pickled state's
+    keys are pydantic's too: the client reads its attributes as attributes (`self._x`), its hot path from its own
+    data plane (bench/hot_path.py says why), and pickles as what it is made from (`ServerClient.__reduce__`)."""
     found = [
-        str(path.relative_to(PACKAGE))
+        f"{path.relative_to(PACKAGE)}:{line}"
         for path, tree in _sources(PACKAGE)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute) and node.attr == "__pydantic_private__"
+        for line in _pydantic_internals(tree)
     ]
     assert found == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "private = self.__pydantic_private__",
+        "state['__pydantic_private__'] = private",
+        "fields = state.get('__pydantic_fields_set__')",
+    ],
+)
+def test_the_pydantic_scan_finds_its_stores_read_either_way(source: str) -> None:
+    assert list(_pydantic_internals(ast.parse(source)))

@@ -25,10 +25,11 @@ import pytest
 from aiohttp import web
 
 from gym_rpc.cli.demo import MODEL_SERVER, RESOURCES_SERVER, DemoStats, model_app
+from gym_rpc.client._dict_config import PendingDictConfig
 from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.data._http_pools import HttpPools
 from gym_rpc.client.data._rollout import rollout_context
-from gym_rpc.client.server_client import ServerClient, _PendingDictConfig
+from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.integrations._registration import ServerRegistration
 from tests.conftest import LOOPBACK, closed_port, document, server_entry
@@ -73,7 +74,7 @@ async def test_pickle_keeps_config_and_caches_and_drops_live_sessions() -> None:
     )
     client = client_for(doc)
     client._resolve_base_url("policy")
-    client._advertised_urls = {"tools": "http://10.0.0.9:8200"}
+    client._endpoints.advertised_urls = {"tools": "http://10.0.0.9:8200"}
     assert client.checkpoint_enabled() is True
     sessions = client._http.sessions()  # live aiohttp sessions of this loop: not picklable themselves
     assert client._data_plane.pools is client._http  # what the hot path reads, gathered: it holds the live pools
@@ -82,11 +83,11 @@ async def test_pickle_keeps_config_and_caches_and_drops_live_sessions() -> None:
             pickle.dumps(sessions)
         restored = pickle.loads(pickle.dumps(client))
         assert restored._server_base_urls == {"policy": "http://127.0.0.1:8000"}
-        assert restored._advertised_urls == {"tools": "http://10.0.0.9:8200"}
+        assert restored._endpoints.advertised_urls == {"tools": "http://10.0.0.9:8200"}
         assert restored._checkpoint_enabled is True
         assert restored._global_config == client._global_config
         assert restored.head_server_config == client.head_server_config
-        assert isinstance(restored.__dict__["global_config_dict"], _PendingDictConfig)  # still built lazily
+        assert isinstance(restored.__dict__["global_config_dict"], PendingDictConfig)  # still built lazily
         assert (
             restored.global_config_dict["policy"]["responses_api_models"]["responses_api_models_impl"]["port"]
             == 8000
@@ -95,7 +96,7 @@ async def test_pickle_keeps_config_and_caches_and_drops_live_sessions() -> None:
         assert restored._http.settings.max_connections == 7
         assert restored._http._last is None  # reconnects on first use
         assert restored._data_plane.pools is restored._http  # its own, never the sender's
-        assert vars(restored)["post"].args[0] is restored  # its direct calls too
+        assert vars(restored)["post"].args[0] is restored._data_plane  # its direct calls too
         assert not sessions.data.closed  # the original keeps its sessions
         assert restored._resolve_base_url("tools") == "http://10.0.0.9:8200"  # the cache travelled
     finally:
@@ -112,7 +113,9 @@ async def test_copies_get_their_own_pools() -> None:
         for clone in (shallow, deep):
             assert clone._http is not client._http and clone._http._last is None
             assert clone._data_plane.pools is clone._http  # what its calls read is its own
-            assert vars(clone)["post"].args[0] is clone and vars(clone)["get"].args[0] is clone  # its direct calls
+            assert (
+                vars(clone)["post"].args[0] is vars(clone)["get"].args[0] is clone._data_plane
+            )  # its direct calls
             assert clone._data_plane.base_urls is clone._server_base_urls
             assert clone._http.settings == client._http.settings
             assert clone._resolve_base_url("policy") == "http://127.0.0.1:8000"

@@ -20,8 +20,9 @@ import uvicorn
 from aiohttp import web
 
 from gym_rpc.client.control._clients import ControlClient, SyncControlClient
+from gym_rpc.client.control._head_view import ADVERTISED_LOOKUP_TIMEOUT_SECONDS
 from gym_rpc.client.data._http import close_http_sessions
-from gym_rpc.client.server_client import ADVERTISED_LOOKUP_TIMEOUT_SECONDS, ServerClient
+from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.errors import ControlPlaneError, UnknownServerError
 from gym_rpc.integrations._registration import (
@@ -249,7 +250,7 @@ async def test_server_client_dials_the_registered_address(head_factory, http_ser
         response = await asyncio.wait_for(client.post("policy", "/v1/responses", json={}), 5)
         assert response.status == 200
         response.release()
-        assert client._advertised_urls == {
+        assert client._endpoints.advertised_urls == {
             "policy": f"http://127.0.0.1:{policy_port}",
             "tools": f"http://127.0.0.1:{tools_port}",
         }
@@ -267,7 +268,7 @@ async def test_a_server_registering_after_the_first_lookup_is_found_later(
 ):
     """The loopback stand-in of an unregistered wildcard server is not cached: once the retry interval passes,
     the client asks the head again and dials the registered address from then on."""
-    import gym_rpc.client.server_client as server_client_module
+    import gym_rpc.client._endpoints as endpoints_module
 
     port = await http_server()
     head = await head_factory(wildcard_doc(policy=closed_port()))
@@ -276,7 +277,7 @@ async def test_a_server_registering_after_the_first_lookup_is_found_later(
     assert await client._aresolve_base_url("policy") == loopback  # not registered yet
     await ControlClient(head.address).register_server_instance("policy", listen_port=port)
     assert await client._aresolve_base_url("policy") == loopback  # within the retry interval: not asked again
-    monkeypatch.setattr(server_client_module, "ADVERTISED_RETRY_SECONDS", 0.0)
+    monkeypatch.setattr(endpoints_module, "ADVERTISED_RETRY_SECONDS", 0.0)
     with caplog.at_level(logging.WARNING, logger="gym_rpc.client.server_client"):
         assert await client._aresolve_base_url("policy") == f"http://127.0.0.1:{port}"
     assert client._server_base_urls["policy"] == f"http://127.0.0.1:{port}"  # found: cached for good
@@ -291,13 +292,13 @@ async def test_no_lookup_blocks_the_event_loop_that_serves_the_head(
     """Wildcard-bound servers looked up from the loop, with every lookup always due: the head's answers arrive
     (it is served by this very loop, so a control call made on the loop could only time out) and the loop never
     stalls for anything near a lookup's deadline."""
-    import gym_rpc.client.server_client as server_client_module
+    import gym_rpc.client._endpoints as endpoints_module
 
     policy_port = await http_server()
     head = await head_factory(wildcard_doc(policy=closed_port(), idle=closed_port()))
     await ControlClient(head.address).register_server_instance("policy", listen_port=policy_port)
     client = await asyncio.to_thread(ServerClient.load_from_global_config, head_config(head))
-    monkeypatch.setattr(server_client_module, "ADVERTISED_RETRY_SECONDS", 0.0)
+    monkeypatch.setattr(endpoints_module, "ADVERTISED_RETRY_SECONDS", 0.0)
     try:
         with caplog.at_level(logging.WARNING, logger="gym_rpc.client.server_client"):
             async with LoopStallDetector() as loop_watch:
@@ -321,7 +322,7 @@ async def test_server_client_falls_back_to_loopback_when_the_head_cannot_say(cap
         assert await client._aresolve_base_url("policy") == "http://127.0.0.1:8000"
     assert time.monotonic() - started < 5  # bounded by ADVERTISED_LOOKUP_TIMEOUT_SECONDS and gRPC's retries
     assert "dialling them on loopback" in caplog.text
-    assert client._advertised_urls == {}
+    assert client._endpoints.advertised_urls == {}
 
 
 # --- the helpers -----------------------------------------------------------------------------------------------

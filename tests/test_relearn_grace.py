@@ -84,7 +84,7 @@ async def test_a_follower_keeps_what_a_fresh_head_does_not_list_then_drops_it_wh
     client.follow_instances(True)
     try:
         deadline = time.monotonic() + 30
-        routing = await client._ready_routing()  # subscribed to the process's follower of the head
+        routing = await client._endpoints.ready_routing()  # subscribed to the process's follower of the head
 
         def instance_ids() -> list[str]:
             route = routing.routes.get(NAME)

@@ -880,7 +880,8 @@ async def test_a_pickled_client_makes_its_own_routes_and_keeps_its_labels(replic
     client = client_of(replicated_doc([replica.port for replica in fleet]))
     client.require_labels(NAME, {"weights_version": "1"})
     restored: ServerClient = pickle.loads(pickle.dumps(client))
-    assert restored._routing is None and restored._label_selectors == {NAME: {"weights_version": "1"}}
+    assert restored._endpoints.routing is None
+    assert restored._endpoints.selectors == {NAME: {"weights_version": "1"}}
     with pytest.raises(NoHealthyInstanceError, match="weights_version=1"):
         await call(restored)  # its routes carry the selector (no instance reports labels here)
 

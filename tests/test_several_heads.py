@@ -124,7 +124,7 @@ async def test_a_kill_9_of_the_head_followed_fails_no_call_and_the_follower_move
         host, port = first.address.rsplit(":", 1)
         head_server = {"host": host, "port": int(port), "addresses": [first.address, second.address]}
         client = await asyncio.to_thread(ServerClient.load_from_global_config, head_server)
-        follower = follower_for(heads, client._head_security())
+        follower = follower_for(heads, client._head.security)
         answered: list[str] = []
         failures: list[BaseException] = []
 

@@ -19,12 +19,19 @@ if TYPE_CHECKING:
     )
     from gym_rpc.client.control._clients import ControlClient, StatusSnapshot, SyncControlClient
     from gym_rpc.client.control._credentials import ClientSecurity, ClientTls, client_security
+    from gym_rpc.client.control._head_view import (
+        HeadView,
+        configured_head_server,
+        injected_config,
+        injected_head_server,
+    )
     from gym_rpc.client.control._heads import head_for
     from gym_rpc.client.control._watch import StatusWatch, SyncStatusWatch
 
 _EXPORTS = {
     "checked_head_address": "gym_rpc.client.control._channel",
     "client_security": "gym_rpc.client.control._credentials",
+    "configured_head_server": "gym_rpc.client.control._head_view",
     "ClientSecurity": "gym_rpc.client.control._credentials",
     "ClientTls": "gym_rpc.client.control._credentials",
     "close_aio_channels": "gym_rpc.client.control._channel",
@@ -34,6 +41,9 @@ _EXPORTS = {
     "DEFAULT_TIMEOUT_SECONDS": "gym_rpc.client.control._channel",
     "head_address": "gym_rpc.client.control._channel",
     "head_for": "gym_rpc.client.control._heads",
+    "HeadView": "gym_rpc.client.control._head_view",
+    "injected_config": "gym_rpc.client.control._head_view",
+    "injected_head_server": "gym_rpc.client.control._head_view",
     "StatusSnapshot": "gym_rpc.client.control._clients",
     "StatusWatch": "gym_rpc.client.control._watch",
     "SyncControlClient": "gym_rpc.client.control._clients",
@@ -44,6 +54,7 @@ __all__ = [
     "ClientSecurity",
     "ClientTls",
     "ControlClient",
+    "HeadView",
     "StatusSnapshot",
     "StatusWatch",
     "SyncControlClient",
@@ -52,8 +63,11 @@ __all__ = [
     "client_security",
     "close_aio_channels",
     "close_sync_channels",
+    "configured_head_server",
     "default_head_address",
     "head_address",
     "head_for",
+    "injected_config",
+    "injected_head_server",
 ]
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from gym_rpc.client.data._http import close_http_sessions, json_payload, send
     from gym_rpc.client.data._http_pools import HttpPools
     from gym_rpc.client.data._http_settings import HttpClientSettings
+    from gym_rpc.client.data._pipeline import DataPlane
     from gym_rpc.client.data._rollout import (
         RolloutTarget,
         apply_rollout_prefix,
@@ -31,6 +32,7 @@ _EXPORTS = {
     "call_span": "gym_rpc.client.data._call_spans",
     "close_http_sessions": "gym_rpc.client.data._http",
     "current_rollout_id": "gym_rpc.client.data._rollout",
+    "DataPlane": "gym_rpc.client.data._pipeline",
     "HttpClientSettings": "gym_rpc.client.data._http_settings",
     "HttpPools": "gym_rpc.client.data._http_pools",
     "json_payload": "gym_rpc.client.data._http",
@@ -46,6 +48,7 @@ _EXPORTS = {
     "trace_context_path_segment": "gym_rpc.client.data._rollout",
 }
 __all__ = [
+    "DataPlane",
     "HttpClientSettings",
     "HttpPools",
     "RolloutTarget",
