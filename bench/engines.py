@@ -351,7 +351,7 @@ async def work(
         BaseServerConfig(host=LOOPBACK, port=head_port or 1), GlobalConfig.from_document(engines_doc(ports, 1))
     )
     client.follow_instances(bool(head_port))
-    loads = client._routing_started().engine_loads  # the engines' load, as the head pushes it to this process
+    loads = client._endpoints.routing_started().engine_loads  # the engines' load, pushed by the head
     states = [InstanceState(url.removeprefix("http://"), url, "success") for url in urls]
     route = ServerRoute(NAME, states, OutlierDetection(), affine=True, engine_loads=loads if head_port else None)
     if head_port:  # every engine's load known before the run starts
