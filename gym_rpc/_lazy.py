@@ -24,3 +24,11 @@ def lazy_exports(package: str, exports: Mapping[str, str]) -> Callable[[str], An
         return value
 
     return __getattr__
+
+
+def lazy_modules(package: str, modules: Mapping[str, str]) -> Callable[[str], Any]:
+    """`lazy_exports` for a package whose exports are all its own: `modules` maps each private module's name (as
+    `_module`) to the public names it defines, separated by spaces."""
+    return lazy_exports(
+        package, {name: f"{package}.{module}" for module, names in modules.items() for name in names.split()}
+    )

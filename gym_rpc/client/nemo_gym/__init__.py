@@ -5,93 +5,48 @@ Imports nothing else of the client: both planes use it. Exports import on first 
 
 from typing import TYPE_CHECKING
 
-from gym_rpc._lazy import lazy_exports
+from gym_rpc._lazy import lazy_modules
 
 if TYPE_CHECKING:
-    from gym_rpc.client.nemo_gym._correlation import (
-        SESSION_ID_KEY,
-        nemo_gym_rollout_id,
-        rollout_id_from_run_body,
-        session_key_from_cookies,
-    )
-    from gym_rpc.client.nemo_gym._head_answers import (
-        assistant_message_header,
-        global_config,
-        global_config_if_changed,
-        head_health,
-        head_server_config,
-        server_instances,
-        server_status,
-        server_statuses,
-        unimplemented,
-        watch,
-    )
-    from gym_rpc.client.nemo_gym._head_endpoints import NemoGymEndpoints
-    from gym_rpc.client.nemo_gym._head_protocol import (
-        DETECT_TIMEOUT_SECONDS,
-        GRPC,
-        GRPC_TARGET_SCHEMES,
-        NEMO_GYM_HTTP,
-        HeadProtocol,
-        forget_head_protocol,
-        head_protocol,
-        known_head_protocol,
-        remembered_head_protocol,
-    )
-    from gym_rpc.client.nemo_gym._probe import probe
+    from gym_rpc.client.nemo_gym._correlation import SESSION_ID_KEY as SESSION_ID_KEY
+    from gym_rpc.client.nemo_gym._correlation import nemo_gym_rollout_id as nemo_gym_rollout_id
+    from gym_rpc.client.nemo_gym._correlation import rollout_id_from_run_body as rollout_id_from_run_body
+    from gym_rpc.client.nemo_gym._correlation import session_key_from_cookies as session_key_from_cookies
+    from gym_rpc.client.nemo_gym._head_answers import assistant_message_header as assistant_message_header
+    from gym_rpc.client.nemo_gym._head_answers import global_config as global_config
+    from gym_rpc.client.nemo_gym._head_answers import global_config_if_changed as global_config_if_changed
+    from gym_rpc.client.nemo_gym._head_answers import head_health as head_health
+    from gym_rpc.client.nemo_gym._head_answers import head_server_config as head_server_config
+    from gym_rpc.client.nemo_gym._head_answers import server_instances as server_instances
+    from gym_rpc.client.nemo_gym._head_answers import server_status as server_status
+    from gym_rpc.client.nemo_gym._head_answers import server_statuses as server_statuses
+    from gym_rpc.client.nemo_gym._head_answers import unimplemented as unimplemented
+    from gym_rpc.client.nemo_gym._head_answers import watch as watch
+    from gym_rpc.client.nemo_gym._head_endpoints import NemoGymEndpoints as NemoGymEndpoints
+    from gym_rpc.client.nemo_gym._head_protocol import DETECT_TIMEOUT_SECONDS as DETECT_TIMEOUT_SECONDS
+    from gym_rpc.client.nemo_gym._head_protocol import GRPC as GRPC
+    from gym_rpc.client.nemo_gym._head_protocol import GRPC_TARGET_SCHEMES as GRPC_TARGET_SCHEMES
+    from gym_rpc.client.nemo_gym._head_protocol import NEMO_GYM_HTTP as NEMO_GYM_HTTP
+    from gym_rpc.client.nemo_gym._head_protocol import HeadProtocol as HeadProtocol
+    from gym_rpc.client.nemo_gym._head_protocol import forget_head_protocol as forget_head_protocol
+    from gym_rpc.client.nemo_gym._head_protocol import head_protocol as head_protocol
+    from gym_rpc.client.nemo_gym._head_protocol import known_head_protocol as known_head_protocol
+    from gym_rpc.client.nemo_gym._head_protocol import remembered_head_protocol as remembered_head_protocol
+    from gym_rpc.client.nemo_gym._probe import probe as probe
 
-_EXPORTS = {
-    "assistant_message_header": "gym_rpc.client.nemo_gym._head_answers",
-    "DETECT_TIMEOUT_SECONDS": "gym_rpc.client.nemo_gym._head_protocol",
-    "forget_head_protocol": "gym_rpc.client.nemo_gym._head_protocol",
-    "global_config": "gym_rpc.client.nemo_gym._head_answers",
-    "global_config_if_changed": "gym_rpc.client.nemo_gym._head_answers",
-    "GRPC": "gym_rpc.client.nemo_gym._head_protocol",
-    "GRPC_TARGET_SCHEMES": "gym_rpc.client.nemo_gym._head_protocol",
-    "head_health": "gym_rpc.client.nemo_gym._head_answers",
-    "head_protocol": "gym_rpc.client.nemo_gym._head_protocol",
-    "head_server_config": "gym_rpc.client.nemo_gym._head_answers",
-    "HeadProtocol": "gym_rpc.client.nemo_gym._head_protocol",
-    "known_head_protocol": "gym_rpc.client.nemo_gym._head_protocol",
-    "NEMO_GYM_HTTP": "gym_rpc.client.nemo_gym._head_protocol",
-    "nemo_gym_rollout_id": "gym_rpc.client.nemo_gym._correlation",
-    "NemoGymEndpoints": "gym_rpc.client.nemo_gym._head_endpoints",
-    "probe": "gym_rpc.client.nemo_gym._probe",
-    "remembered_head_protocol": "gym_rpc.client.nemo_gym._head_protocol",
-    "rollout_id_from_run_body": "gym_rpc.client.nemo_gym._correlation",
-    "server_instances": "gym_rpc.client.nemo_gym._head_answers",
-    "server_status": "gym_rpc.client.nemo_gym._head_answers",
-    "server_statuses": "gym_rpc.client.nemo_gym._head_answers",
-    "SESSION_ID_KEY": "gym_rpc.client.nemo_gym._correlation",
-    "session_key_from_cookies": "gym_rpc.client.nemo_gym._correlation",
-    "unimplemented": "gym_rpc.client.nemo_gym._head_answers",
-    "watch": "gym_rpc.client.nemo_gym._head_answers",
-}
-__all__ = [
-    "DETECT_TIMEOUT_SECONDS",
-    "GRPC",
-    "GRPC_TARGET_SCHEMES",
-    "NEMO_GYM_HTTP",
-    "SESSION_ID_KEY",
-    "HeadProtocol",
-    "NemoGymEndpoints",
-    "assistant_message_header",
-    "forget_head_protocol",
-    "global_config",
-    "global_config_if_changed",
-    "head_health",
-    "head_protocol",
-    "head_server_config",
-    "known_head_protocol",
-    "nemo_gym_rollout_id",
-    "probe",
-    "remembered_head_protocol",
-    "rollout_id_from_run_body",
-    "server_instances",
-    "server_status",
-    "server_statuses",
-    "session_key_from_cookies",
-    "unimplemented",
-    "watch",
-]
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__getattr__ = lazy_modules(
+    __name__,
+    {
+        "_correlation": "nemo_gym_rollout_id rollout_id_from_run_body SESSION_ID_KEY session_key_from_cookies",
+        "_head_answers": (
+            "assistant_message_header global_config global_config_if_changed head_health head_server_config "
+            "server_instances server_status server_statuses unimplemented watch"
+        ),
+        "_head_endpoints": "NemoGymEndpoints",
+        "_head_protocol": (
+            "DETECT_TIMEOUT_SECONDS forget_head_protocol GRPC GRPC_TARGET_SCHEMES head_protocol HeadProtocol "
+            "known_head_protocol NEMO_GYM_HTTP remembered_head_protocol"
+        ),
+        "_probe": "probe",
+    },
+)

@@ -5,32 +5,24 @@ No aiohttp and no grpc of its own; the data plane sends what it picks. Exports i
 
 from typing import TYPE_CHECKING
 
-from gym_rpc._lazy import lazy_exports
+from gym_rpc._lazy import lazy_modules
 
 if TYPE_CHECKING:
-    from gym_rpc.client.replicas._instance_state import Instance
-    from gym_rpc.client.replicas._outliers import OutlierDetection
-    from gym_rpc.client.replicas._prompt_key import prompt_key
-    from gym_rpc.client.replicas._routing import ROUTINGS, RoutedCall, Routing, ServerRoute, session_pin_key
+    from gym_rpc.client.replicas._instance_state import Instance as Instance
+    from gym_rpc.client.replicas._outliers import OutlierDetection as OutlierDetection
+    from gym_rpc.client.replicas._prompt_key import prompt_key as prompt_key
+    from gym_rpc.client.replicas._routing import ROUTINGS as ROUTINGS
+    from gym_rpc.client.replicas._routing import RoutedCall as RoutedCall
+    from gym_rpc.client.replicas._routing import Routing as Routing
+    from gym_rpc.client.replicas._routing import ServerRoute as ServerRoute
+    from gym_rpc.client.replicas._routing import session_pin_key as session_pin_key
 
-_EXPORTS = {
-    "Instance": "gym_rpc.client.replicas._instance_state",
-    "OutlierDetection": "gym_rpc.client.replicas._outliers",
-    "prompt_key": "gym_rpc.client.replicas._prompt_key",
-    "RoutedCall": "gym_rpc.client.replicas._routing",
-    "Routing": "gym_rpc.client.replicas._routing",
-    "ROUTINGS": "gym_rpc.client.replicas._routing",
-    "ServerRoute": "gym_rpc.client.replicas._routing",
-    "session_pin_key": "gym_rpc.client.replicas._routing",
-}
-__all__ = [
-    "ROUTINGS",
-    "Instance",
-    "OutlierDetection",
-    "RoutedCall",
-    "Routing",
-    "ServerRoute",
-    "prompt_key",
-    "session_pin_key",
-]
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__getattr__ = lazy_modules(
+    __name__,
+    {
+        "_instance_state": "Instance",
+        "_outliers": "OutlierDetection",
+        "_prompt_key": "prompt_key",
+        "_routing": "RoutedCall Routing ROUTINGS ServerRoute session_pin_key",
+    },
+)

@@ -5,48 +5,29 @@ Imports nothing else of the client. Exports import on first use."""
 
 from typing import TYPE_CHECKING
 
-from gym_rpc._lazy import lazy_exports
+from gym_rpc._lazy import lazy_modules
 
 if TYPE_CHECKING:
-    from gym_rpc.client.resend._budget import CallCount, ConcurrencyCap, new_call_count
-    from gym_rpc.client.resend._failures import Backpressure
-    from gym_rpc.client.resend._policy import (
-        BACKPRESSURE_STATUSES,
-        ClientBudget,
-        FailureKind,
-        KindBudget,
-        RetryPolicy,
-    )
-    from gym_rpc.client.resend._resend import CallObserver, Reroute, resend_after_failure, with_total
+    from gym_rpc.client.resend._budget import CallCount as CallCount
+    from gym_rpc.client.resend._budget import ConcurrencyCap as ConcurrencyCap
+    from gym_rpc.client.resend._budget import new_call_count as new_call_count
+    from gym_rpc.client.resend._failures import Backpressure as Backpressure
+    from gym_rpc.client.resend._policy import BACKPRESSURE_STATUSES as BACKPRESSURE_STATUSES
+    from gym_rpc.client.resend._policy import ClientBudget as ClientBudget
+    from gym_rpc.client.resend._policy import FailureKind as FailureKind
+    from gym_rpc.client.resend._policy import KindBudget as KindBudget
+    from gym_rpc.client.resend._policy import RetryPolicy as RetryPolicy
+    from gym_rpc.client.resend._resend import CallObserver as CallObserver
+    from gym_rpc.client.resend._resend import Reroute as Reroute
+    from gym_rpc.client.resend._resend import resend_after_failure as resend_after_failure
+    from gym_rpc.client.resend._resend import with_total as with_total
 
-_EXPORTS = {
-    "Backpressure": "gym_rpc.client.resend._failures",
-    "BACKPRESSURE_STATUSES": "gym_rpc.client.resend._policy",
-    "CallCount": "gym_rpc.client.resend._budget",
-    "CallObserver": "gym_rpc.client.resend._resend",
-    "ClientBudget": "gym_rpc.client.resend._policy",
-    "ConcurrencyCap": "gym_rpc.client.resend._budget",
-    "FailureKind": "gym_rpc.client.resend._policy",
-    "KindBudget": "gym_rpc.client.resend._policy",
-    "new_call_count": "gym_rpc.client.resend._budget",
-    "Reroute": "gym_rpc.client.resend._resend",
-    "resend_after_failure": "gym_rpc.client.resend._resend",
-    "RetryPolicy": "gym_rpc.client.resend._policy",
-    "with_total": "gym_rpc.client.resend._resend",
-}
-__all__ = [
-    "BACKPRESSURE_STATUSES",
-    "Backpressure",
-    "CallCount",
-    "CallObserver",
-    "ClientBudget",
-    "ConcurrencyCap",
-    "FailureKind",
-    "KindBudget",
-    "Reroute",
-    "RetryPolicy",
-    "new_call_count",
-    "resend_after_failure",
-    "with_total",
-]
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__getattr__ = lazy_modules(
+    __name__,
+    {
+        "_budget": "CallCount ConcurrencyCap new_call_count",
+        "_failures": "Backpressure",
+        "_policy": "BACKPRESSURE_STATUSES ClientBudget FailureKind KindBudget RetryPolicy",
+        "_resend": "CallObserver Reroute resend_after_failure with_total",
+    },
+)
