@@ -645,6 +645,10 @@ def pick_cost(instances: int = 64, blocks: int = 15, per_block: int = 2000) -> d
 
 # --- the report ------------------------------------------------------------------------------------------------
 
+# bench/ENGINES.md: a hand-written head (the constants, their sources, the workload), this line, then the last
+# run's tables, which `run --out` rewrites.
+MARKER = "<!-- python -m bench.engines run --out bench/ENGINES.md writes what follows -->"
+
 
 def _range(values: list[float], form: str = "{:.2f}x") -> str:
     middle = statistics.median(values)
@@ -749,8 +753,11 @@ def main() -> None:
         )
     report = "\n\n".join(parts)
     print(report)
-    if args.out:
-        Path(args.out).write_text(report + "\n", encoding="utf-8")
+    if args.out:  # the file's hand-written head (the constants' sources) is kept, up to the marker
+        out = Path(args.out)
+        old = out.read_text(encoding="utf-8") if out.exists() else ""
+        head = old[: old.index(MARKER) + len(MARKER)] if MARKER in old else MARKER
+        out.write_text(f"{head}\n\n{report}\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -166,6 +166,7 @@ class ServerRoute:
 
     __slots__ = (
         "affine",
+        "any_slow",
         "by_id",
         "cap",
         "engine_loads",
@@ -212,6 +213,7 @@ class ServerRoute:
         self.preferred: dict[int, tuple[Instance, ...]] = {}
         self.preferred_pool: tuple[Instance, ...] = ()
         self.groups: dict[int, Group] = {}  # prompt number -> where its group goes
+        self.any_slow = False  # whether an instance is `slow` now (the picks then leave it out)
         self.policy = policy
         self.selector = selector
         self.instances: tuple[Instance, ...] = ()
@@ -407,7 +409,7 @@ class ServerRoute:
                     self._alias(pin, rollout, session)
                 return last, pin, group if group is not None and group.instance is last else None
         if prompt is None:
-            chosen = _two_fast_choices(candidates)
+            chosen = _two_fast_choices(candidates) if self.any_slow else two_choices(candidates)
         else:
             fresh = FRESH_RATIO * average + FRESH_SLACK
             if group is None:
@@ -456,7 +458,9 @@ class ServerRoute:
                 load = _load_beside(instance, group)
                 if load < least:
                     best, least = instance, load
-        return best if best is not None else _two_fast_choices(candidates)
+        if best is not None:
+            return best
+        return _two_fast_choices(candidates) if self.any_slow else two_choices(candidates)
 
     def _read_loads(self) -> None:
         """Each instance's engine load (requests waiting + running) from the table the head pushes, 0 where unknown
@@ -485,11 +489,15 @@ class ServerRoute:
             latencies.sort()
             median = latencies[(len(latencies) - 1) // 2]
             bound = max(SLOW_RATIO * median, median + SLOW_MARGIN_SECONDS)
+            any_slow = False
             for instance in self.instances:
                 instance.slow = instance.latency > bound
+                any_slow = any_slow or instance.slow
+            self.any_slow = any_slow
         else:
             for instance in self.instances:
                 instance.slow = False
+            self.any_slow = False
         self.loads_at = now + ENGINE_LOAD_READ_SECONDS
 
     def answered_in(self, instance: Instance, seconds: float) -> None:
