@@ -9,14 +9,12 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench.engines import BLOCK_TOKENS, OUTPUT_TOKENS, SYSTEM_TOKENS, TASK_TOKENS, TOOL_TOKENS, turn_body
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.support import REPO_ROOT
 
 
 @pytest.fixture

@@ -22,8 +22,9 @@ from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.errors import UnknownServerError
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
-from tests.cli_helpers import running_head
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.cli import running_head
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 HUGE = "x" * (4 * 1024 * 1024 - 1024)  # just inside the head's 4 MiB request bound
 ANSWER_BOUND = 4096  # bytes of details and trailers an error may come back with

@@ -18,8 +18,9 @@ import pytest
 import yaml
 
 from gym_rpc.client.control._clients import SyncControlClient
-from tests.cli_helpers import HeadProcess, running_head
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.cli import HeadProcess, running_head
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 RPC = "/gym_rpc.v1.ControlPlaneService/"
 REBOUND = "evil.example"  # the page's own name, resolving to 127.0.0.1 once rebound

@@ -18,7 +18,8 @@ from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.resend._budget import RESEND_BUDGET
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 
 async def answering(port: int) -> web.AppRunner:

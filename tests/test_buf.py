@@ -13,10 +13,11 @@ import yaml
 
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import SERVICE_NAME
-from tests.cli_helpers import LOOPBACK, HeadProcess, running_head
-from tests.conftest import closed_port, server_entry
+from tests.support import REPO_ROOT
+from tests.support.cli import HeadProcess, running_head
+from tests.support.documents import server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 BUF = REPO_ROOT / "node_modules" / ".bin" / "buf"
 BUF_SECONDS = 30.0
 

@@ -26,21 +26,12 @@ from gym_rpc.client.data._http import send
 from gym_rpc.client.resend._policy import RetryPolicy
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.errors import ServerUnreachableError
-from tests.conftest import LOOPBACK, closed_port
-from tests.raw_servers import start_dropping_server
-from tests.tracing_helpers import Receiver, Traced, client_for, client_of, receiver, traced
-
-__all__ = ["client_of", "receiver", "traced"]  # fixtures
+from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.servers import start_dropping_server
+from tests.support.tracing import Receiver, Traced, WritesNothing, client_for, post
 
 REMOTE_TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 UNSAMPLED_PARENT = trace.SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, False)
-
-
-async def post(client: ServerClient, path: str, headers: dict[str, str] | None = None) -> int:
-    response = await client.post("policy_model", path, json={}, headers=headers)
-    async with response:
-        await response.read()
-    return response.status
 
 
 def under(parent: str, call: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
@@ -210,13 +201,6 @@ async def test_baggage_goes_out_with_the_propagator(
     [span] = made.clients()
     [request] = receiver.requests
     assert (request.headers["traceparent"], request.headers["baggage"]) == (header_of(span), "user=u-1")
-
-
-class WritesNothing(TraceContextTextMapPropagator):
-    """A propagator of its own (not the default one) that carries nothing."""
-
-    def inject(self, carrier: Any, context: Any = None, setter: Any = None) -> None:
-        pass
 
 
 async def test_a_propagator_set_between_calls_is_the_one_the_next_call_uses(

@@ -26,9 +26,9 @@ from gym_rpc.config import (
     default_config_text,
 )
 from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR
-from tests.cli_helpers import (
-    LOOPBACK,
+from tests.support.cli import (
     STARTUP_SECONDS,
+    TABLE_HEADER,
     CliProcess,
     HeadProcess,
     ThreadedHttpServer,
@@ -38,19 +38,14 @@ from tests.cli_helpers import (
     running_head,
     threaded_http_server,
 )
-from tests.conftest import closed_port, server_entry
+from tests.support.documents import server_entry, write_config
+from tests.support.loopback import LOOPBACK, closed_port
 
-TABLE_HEADER = ["NAME", "TYPE", "URL", "STATUS", "HTTP", "LATENCY", "LAST CHECKED", "PID", "UPTIME"]
 SECRET = "sk-do-not-print-me"
 WAIT_SECONDS = 10.0
 # On top of a deadline and the command's start measured beside it (cli_start_seconds): that start varying
 # between two runs on a loaded 2-core machine, and the command's own work after its call.
 CLI_SLACK_SECONDS = 4.0
-
-
-def write_config(path: Path, doc: dict[str, Any]) -> Path:
-    path.write_text(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True), encoding="utf-8")
-    return path
 
 
 def head_port(head: HeadProcess) -> int:

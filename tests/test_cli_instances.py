@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 
 from gym_rpc.client.control._clients import SyncControlClient
-from tests.cli_helpers import LOOPBACK, run_cli, running_cli, running_head, threaded_http_server
-from tests.conftest import document, server_entry
-from tests.test_cli import write_config
-from tests.test_replicas_cli import wait_for_instances
+from tests.support.cli import run_cli, running_cli, running_head, threaded_http_server, wait_for_instances
+from tests.support.documents import document, server_entry, write_config
+from tests.support.loopback import LOOPBACK
 
 pytestmark = pytest.mark.process
 

@@ -20,8 +20,7 @@ import yaml
 
 from gym_rpc import __version__
 from gym_rpc.client.control._clients import SyncControlClient
-from tests.cli_helpers import (
-    LOOPBACK,
+from tests.support.cli import (
     CliProcess,
     HeadProcess,
     ThreadedHttpServer,
@@ -30,7 +29,8 @@ from tests.cli_helpers import (
     running_head,
     threaded_http_server,
 )
-from tests.conftest import closed_port, server_entry
+from tests.support.documents import server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 WAIT_SECONDS = 15.0
 

@@ -15,9 +15,10 @@ import yaml
 
 from gym_rpc.client import ClientSecurity, SyncControlClient
 from gym_rpc.errors import HeadTimeoutError
-from tests.cli_helpers import HeadProcess, cli_command, cli_env, run_cli, running_head, threaded_http_server
-from tests.conftest import LOOPBACK, closed_port, server_entry
-from tests.test_security import Pki, make_pki
+from tests.support.cli import HeadProcess, cli_command, cli_env, run_cli, running_head, threaded_http_server
+from tests.support.documents import server_entry
+from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.security import Pki, make_pki
 
 TOKEN = "scripting-test-token-0123456789"
 

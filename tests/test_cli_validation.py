@@ -11,8 +11,8 @@ import pytest
 from gym_rpc.config import checked_port, checked_seconds
 from gym_rpc.errors import ConfigError
 from gym_rpc.server._head import HeadOptions
-from tests.cli_helpers import run_cli
-from tests.conftest import LOOPBACK
+from tests.support.cli import run_cli
+from tests.support.loopback import LOOPBACK
 
 
 def assert_one_line(result: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:

@@ -25,13 +25,9 @@ from gym_rpc.config import (
     redact_secrets,
 )
 from gym_rpc.errors import ConfigError
-from tests.cli_helpers import cli_command, cli_env
+from tests.support.cli import cli_command, cli_env
+from tests.support.documents import BILLION_LAUGHS
 
-# 9 levels of 9 aliases: 9**9 = 387 million strings once expanded, from 350 bytes of text.
-BILLION_LAUGHS = "".join(
-    f"l{level}: &l{level} [{', '.join([f'*l{level - 1}'] * 9) if level else ', '.join(['lol'] * 9)}]\n"
-    for level in range(9)
-)
 PEAK_MEMORY_LIMIT_KIB = 400 * 1024  # a head that expands the document passes this within a second
 
 

@@ -29,12 +29,11 @@ from gym_rpc.server.http._connect import SERVICE, ConnectServer, endpoints
 from gym_rpc.server.security._auth import UNAUTHENTICATED_MESSAGE
 from gym_rpc.server.service._servicer import ControlPlaneServicer
 from gym_rpc.v1 import control_plane_pb2 as pb
-from tests.cli_helpers import running_head
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
-from tests.test_bridge import BridgeFactory, NemoHeadFactory, bridge_factory, nemo_head, upstream_document
-from tests.test_security import API_KEY, Pki, pki, tls_block
-
-__all__ = ["bridge_factory", "nemo_head", "pki"]  # fixtures shared with the bridge and security tests
+from tests.support.bridge import BridgeFactory, NemoHeadFactory, upstream_document
+from tests.support.cli import running_head
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.security import API_KEY, Pki, tls_block
 
 PREFIX = "/gym_rpc.v1.ControlPlaneService"
 TOKEN = "connect-token-8a7b"

@@ -24,8 +24,9 @@ import grpc
 import yaml
 
 from gym_rpc.client.control._clients import SyncControlClient
-from tests.cli_helpers import HeadProcess, running_head
-from tests.conftest import LOOPBACK, document
+from tests.support.cli import HeadProcess, running_head
+from tests.support.documents import document
+from tests.support.loopback import LOOPBACK
 
 TOKEN = "tok-connect-hardening-3f9a1c"
 METHOD = "/gym_rpc.v1.ControlPlaneService/GetServerStatus"

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 
 from gym_rpc.client.control._channel import close_aio_channels
 from gym_rpc.client.control._clients import ControlClient
-from tests.conftest import LOOPBACK, document
+from tests.support.documents import document
+from tests.support.loopback import LOOPBACK
 
 
 class CountingProxy:

@@ -25,8 +25,9 @@ from gym_rpc.client.data._http_settings import HttpClientSettings
 from gym_rpc.client.server_client import ServerClient, rollout_context
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import GymRpcError, ServerUnreachableError
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
-from tests.raw_servers import start_dropping_server
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.servers import start_dropping_server
 
 FAST_RETRY = {"retry": {"initial_backoff_seconds": 0.01, "max_backoff_seconds": 0.05}}
 

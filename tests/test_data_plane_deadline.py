@@ -17,7 +17,8 @@ from gym_rpc.client.data._http_settings import HttpClientSettings
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import GymRpcError, RequestTimeoutError
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 
 @pytest.fixture

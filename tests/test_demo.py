@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 
-from tests.cli_helpers import CliProcess, run_cli
+from tests.support.cli import CliProcess, run_cli
 
 
 def test_demo_runs_rollouts_end_to_end_and_exits_cleanly():

@@ -7,44 +7,16 @@ calls in flight, which ListServerInstances shows.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import sys
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
-import aiohttp
 import pytest
 
 from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.server._head import HeadServer
 from gym_rpc.wire import StatusReport
-from tests.conftest import closed_port, document, server_entry
-from tests.test_replicas_head import wait_for_report
-from tests.test_replicas_registration import next_report
-from tests.test_watch import watching
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-AIOHTTP_SERVER = """
-import asyncio, sys
-from aiohttp import web
-from gym_rpc.integrations import register_aiohttp_app
-
-async def answer(request):
-    await asyncio.sleep(float(request.query.get("seconds", "0")))
-    return web.Response(text="done")
-
-head, port, grace = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-app = web.Application()
-app.router.add_route("*", "/{tail:.*}", answer)
-register_aiohttp_app(
-    app, "policy", port, head=head, listen_host="127.0.0.1", refresh_seconds=0.3, lease_seconds=3.0,
-    drain_grace_seconds=grace,
-)
-web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, shutdown_timeout=15)
-"""
+from tests.support.heads import next_report, watching
+from tests.support.processes import AIOHTTP_SERVER
 
 UVICORN_SERVER = """
 import asyncio, sys
@@ -72,65 +44,6 @@ wrapped = with_registration(
 )
 uvicorn.run(wrapped, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=15)
 """
-
-
-class ReplicaProcess:
-    """A server process registering `policy` at its own port; killed at the end if it has not exited."""
-
-    def __init__(self, process: asyncio.subprocess.Process, port: int) -> None:
-        self.process = process
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-
-    def call(self, seconds: float) -> asyncio.Task[tuple[int, float]]:
-        """A call that takes `seconds` on the server: (HTTP status, when it finished)."""
-
-        async def call() -> tuple[int, float]:
-            async with (
-                aiohttp.ClientSession() as session,
-                session.get(
-                    f"{self.url}/work?seconds={seconds}", timeout=aiohttp.ClientTimeout(total=30)
-                ) as answer,
-            ):
-                await answer.read()
-                return answer.status, time.monotonic()
-
-        return asyncio.create_task(call())
-
-
-@pytest.fixture
-async def replica(head_factory, http_server) -> AsyncIterator:
-    """Factory: a head serving `policy` (its config instance a live in-process server), then a server process
-    (`script`) registered as a second instance and up. Yields (head, process)."""
-    started: list[ReplicaProcess] = []
-
-    async def start(script: str, grace: float) -> tuple[HeadServer, ReplicaProcess]:
-        head = await head_factory(document({"policy": server_entry(await http_server())}))
-        port = closed_port()
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            script,
-            head.address,
-            str(port),
-            str(grace),
-            cwd=REPO_ROOT,
-            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-        )
-        started.append(ReplicaProcess(process, port))
-        await wait_for_report(
-            head,
-            lambda r: [(i.status, i.origin) for i in r.instances][1:] == [("success", "registered")],
-            "the server process registered and up",
-            timeout=60,
-        )
-        return head, started[-1]
-
-    yield start
-    for replica_process in started:
-        if replica_process.process.returncode is None:
-            replica_process.process.kill()
-        await asyncio.wait_for(replica_process.process.wait(), 10)
 
 
 def draining_of(report: StatusReport) -> list[bool]:

@@ -23,7 +23,8 @@ from gym_rpc.client.replicas._instance_state import Instance
 from gym_rpc.client.replicas._routing import ServerRoute
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 NAME = "policy"
 

@@ -30,12 +30,11 @@ from gym_rpc.server.fleet._engine_load import (
     parse_engine_metrics,
 )
 from gym_rpc.wire import EngineLoad
-from tests.cli_helpers import run_cli
-from tests.conftest import LOOPBACK, document, server_entry
-from tests.fake_engines import FakeEngine, engine_entry
+from tests.support.cli import run_cli
+from tests.support.documents import document, server_entry
+from tests.support.engines import SGLANG_METRICS, VLLM_METRICS, FakeEngine, engine_entry, engines_head
+from tests.support.loopback import LOOPBACK
 
-VLLM_METRICS = {"vllm:num_requests_waiting": 3, "vllm:num_requests_running": 5, "vllm:kv_cache_usage_perc": 0.42}
-SGLANG_METRICS = {"sglang:num_queue_reqs": 7, "sglang:num_running_reqs": 2, "sglang:token_usage": 0.9}
 WAIT_SECONDS = 15.0  # a read every 0.5 s: this bounds a wait for one on a loaded machine
 
 
@@ -117,20 +116,6 @@ async def test_an_engine_that_is_gone_keeps_its_figures_only_until_the_bound(htt
 
 
 # --- the head ----------------------------------------------------------------------------------------------------
-
-
-async def engines_head(head_factory, http_server, **options: Any) -> tuple[HeadServer, list[FakeEngine]]:
-    """A head serving one engine entry of two instances (vLLM's names, SGLang's) and a Gym server."""
-    vllm, sglang = FakeEngine("vllm", dict(VLLM_METRICS)), FakeEngine("sglang", dict(SGLANG_METRICS))
-    ports = [await http_server(vllm.app()), await http_server(sglang.app())]
-    gym = await http_server()
-    doc = document(
-        {
-            "policy": engine_entry(ports[0], replicas=[f"{LOOPBACK}:{ports[1]}"]),
-            "judge": server_entry(gym, "resources_servers"),
-        }
-    )
-    return await head_factory(doc, **options), [vllm, sglang]
 
 
 async def until(check: Callable[[], Awaitable[Any]], what: str) -> Any:

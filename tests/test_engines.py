@@ -19,12 +19,10 @@ from gym_rpc.client.server_client import ServerClient, apply_rollout_prefix, rol
 from gym_rpc.config import BaseServerConfig, GlobalConfig, config_from_bytes
 from gym_rpc.errors import ConfigError, InvalidRolloutIdError
 from gym_rpc.wire import TRACEPARENT_RE
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
-from tests.fake_engines import FakeEngine, engine_entry
-from tests.test_nemo_gym_behaviours import nemo_gym_path
-from tests.tracing_helpers import Traced, traced
-
-__all__ = ["nemo_gym_path", "traced"]  # fixtures: NeMo Gym's rollout context (a stand-in), an SDK tracer
+from tests.support.documents import document, server_entry
+from tests.support.engines import FakeEngine, engine_entry
+from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.tracing import Traced
 
 
 @pytest.fixture(autouse=True)

@@ -30,11 +30,10 @@ from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient, rollout_context
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.wire import TRACEPARENT_RE
-from tests.conftest import LOOPBACK, closed_port, document
-from tests.fake_engines import FakeEngine, engine_entry
-from tests.tracing_helpers import Traced, traced
-
-__all__ = ["traced"]  # a fixture: an SDK tracer for the test
+from tests.support.documents import document
+from tests.support.engines import FakeEngine, engine_entry
+from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.tracing import Traced
 
 pytestmark = pytest.mark.process
 

@@ -77,10 +77,11 @@ from gym_rpc.telemetry import TRACING
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import InstanceRegistration, StatusReport, WatchEvent
 from gym_rpc.wire._paths import _first_segment, encode_rollout_id, rollout_path_prefix, split_gym_prefixes
-from tests.conftest import LOOPBACK, closed_port, document, server_entry, tcp_keepalive_options
-from tests.prober_helpers import registered_as
-from tests.raw_servers import start_dropping_server
-from tests.test_security import make_pki
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port, tcp_keepalive_options
+from tests.support.prober import registered_as
+from tests.support.security import make_pki
+from tests.support.servers import start_dropping_server
 
 
 def test_server_config_repr_redacts_only_secret_keys() -> None:

@@ -32,8 +32,9 @@ from gym_rpc.errors import (
 from gym_rpc.server._head import HeadOptions, HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import MAX_REQUEST_BYTES, SERVICE_NAME
-from tests.cli_helpers import STARTUP_SECONDS, running_cli, running_head, threaded_http_server
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.cli import STARTUP_SECONDS, running_cli, running_head, threaded_http_server
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 T = TypeVar("T")
 RECOVERY_SECONDS = 15.0

@@ -21,11 +21,12 @@ import pytest
 from gym_rpc.client import ServerClient
 from gym_rpc.client._follower import DEFAULT_BURST_SECONDS, DEFAULT_SHARE, close_instance_followers
 from gym_rpc.config import BaseServerConfig
-from tests.conftest import LOOPBACK, document, server_entry
+from tests.support import REPO_ROOT
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK
 
 pytestmark = pytest.mark.process
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 INSTANCES = 2000
 FLOOD_SECONDS = 8.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

@@ -32,7 +32,8 @@ from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import TRACEPARENT_RE, encode_rollout_id, prefixed_path, rollout_path_prefix
 from gym_rpc.wire._paths import split_gym_prefixes
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 # At least these many examples; the `fuzz` profile (tests/conftest.py) raises both for a long local run.
 # Whether the examples are derandomised comes from the profile too (these settings do not override it).

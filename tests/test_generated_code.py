@@ -7,7 +7,8 @@ import re
 from pathlib import Path
 from types import ModuleType
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.support import REPO_ROOT
+
 GENERATED_DIR = REPO_ROOT / "gym_rpc" / "v1"
 GENERATOR = REPO_ROOT / "tools" / "generate_python_stubs.py"
 # Hand-written modules that may import generated messages: the conversion layer and its callers.

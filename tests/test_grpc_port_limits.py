@@ -18,11 +18,10 @@ import yaml
 
 from gym_rpc.client.control._clients import SyncControlClient
 from gym_rpc.server.security._connection_limits import grpc_connection_bound
-from tests.cli_helpers import threaded_http_server
-from tests.conftest import closed_port, document, server_entry
-from tests.test_http_port_limits import FD_LIMIT, head_with_fd_limit, many_fds
-
-__all__ = ["many_fds"]
+from tests.support.cli import threaded_http_server
+from tests.support.documents import document, server_entry
+from tests.support.fd_limits import FD_LIMIT, head_with_fd_limit
+from tests.support.loopback import closed_port
 
 ATTACK_CONNECTIONS = 1100
 GRPC_BOUND_AT_1024 = 258  # 1024 - 3 * 170 (the HTTP-side ports, all open here) - 256 (OTHER_FD_RESERVE)

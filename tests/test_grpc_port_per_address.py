@@ -25,10 +25,10 @@ from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.client.control._credentials import client_security
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError
 from gym_rpc.server.security._grpc_relay import PeerMap, per_address_bound
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
-from tests.test_instance_identity import _add_address, _interface_up
-from tests.test_open_head import needs_namespace
-from tests.test_security import make_pki, tls_block
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.namespaces import add_address, interface_up, needs_namespace
+from tests.support.security import make_pki, tls_block
 
 IN_NAMESPACE = "GYM_RPC_TEST_PER_ADDRESS_NETNS"
 NODE = "10.43.0.1"  # another client address, on the namespace's loopback interface
@@ -106,9 +106,9 @@ async def _settled(flood: list[socket.socket], held: int) -> None:
 
 @pytest.mark.skipif(os.environ.get(IN_NAMESPACE) != "1", reason="runs inside a network namespace of its own")
 async def test_the_flood_inside_a_namespace(head_factory: Any) -> None:
-    _interface_up(b"lo")
-    _add_address(b"lo:1", NODE)
-    _interface_up(b"lo:1")
+    interface_up(b"lo")
+    add_address(b"lo:1", NODE)
+    interface_up(b"lo:1")
     doc = document({"policy": server_entry(closed_port())})
     head = await head_factory(
         doc,

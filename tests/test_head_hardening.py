@@ -21,9 +21,9 @@ from gym_rpc.client.control._credentials import ClientSecurity
 from gym_rpc.errors import ConfigError, ControlPlaneError
 from gym_rpc.server._head import HeadServer
 from gym_rpc.wire import TOKEN_ENV_VAR
-from tests.cli_helpers import STARTUP_SECONDS, run_cli, running_head
-from tests.conftest import LOOPBACK, document, server_entry
-from tests.test_config_limits import BILLION_LAUGHS
+from tests.support.cli import STARTUP_SECONDS, run_cli, running_head
+from tests.support.documents import BILLION_LAUGHS, document, server_entry
+from tests.support.loopback import LOOPBACK
 
 TOKEN = "tok-9d1e-hardening-never-printed"
 SERVICE = "/gym_rpc.v1.ControlPlaneService/"

@@ -33,8 +33,9 @@ from gym_rpc.client.nemo_gym._head_endpoints import NemoGymEndpoints
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.errors import ControlPlaneError, HeadTimeoutError, HeadUnreachableError
 from gym_rpc.wire import SERVICE_NAME
-from tests.cli_helpers import running_head
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.cli import running_head
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 
 def _nemo_gym_like_head(config: dict, seen: list[str], root_delay_seconds: float = 0.0) -> web.Application:

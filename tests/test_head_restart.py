@@ -24,8 +24,9 @@ from gym_rpc.client.server_client import rollout_context
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.integrations import ServerRegistration, register_aiohttp_app
 from gym_rpc.server.registry import registrations_file
-from tests.cli_helpers import run_cli, running_head
-from tests.conftest import LOOPBACK, document, server_entry
+from tests.support.cli import run_cli, running_head
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK
 
 pytestmark = pytest.mark.process
 

@@ -12,47 +12,25 @@ from typing import Any
 
 import grpc
 import pytest
-import yaml
 from aiohttp import web
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from gym_rpc.client.control._channel import aio_channel
 from gym_rpc.client.control._clients import ControlClient, SyncControlClient
 from gym_rpc.config import REDACTED
 from gym_rpc.errors import ControlPlaneError, UnknownServerError
 from gym_rpc.server._head import HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
-from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
-from gym_rpc.wire import SERVER_STATUSES, StatusReport
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from gym_rpc.wire import SERVER_STATUSES
+from tests.support.documents import document, server_entry
+from tests.support.heads import raw_stub, rewrite_config, wait_until_probed
+from tests.support.loopback import LOOPBACK, closed_port
 
 # --- helpers ---------------------------------------------------------------------------------------------------
 
 
-def raw_stub(head: HeadServer) -> pb_grpc.ControlPlaneServiceAsyncStub:
-    """The generated stub, to see exactly what goes over the wire (codes, details, raw JSON)."""
-    return pb_grpc.ControlPlaneServiceStub(aio_channel(head.address))
-
-
-async def wait_until_probed(head: HeadServer, deadline_seconds: float = 5.0) -> list[StatusReport]:
-    """Poll the head's own cache until every server has a probe result (bounded)."""
-    deadline = time.monotonic() + deadline_seconds
-    while True:
-        reports = head.prober.reports()
-        if all(r.status is not None for r in reports):
-            return reports
-        assert time.monotonic() < deadline, f"servers never probed: {reports}"
-        await asyncio.sleep(0.02)
-
-
 async def answer_500(request: web.Request) -> web.Response:
     return web.Response(status=500, text="boom")
-
-
-def rewrite_config(head: HeadServer, doc: dict[str, Any]) -> None:
-    assert head.config_path is not None
-    head.config_path.write_text(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True), encoding="utf-8")
 
 
 # --- config ----------------------------------------------------------------------------------------------------

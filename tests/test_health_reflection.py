@@ -14,8 +14,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gym_rpc.server._head import HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
-from tests.conftest import closed_port, document, server_entry
-from tests.test_watch import start_stoppable_server
+from tests.support.documents import document, server_entry
+from tests.support.loopback import closed_port
+from tests.support.servers import start_stoppable_server
 
 SERVICE = "gym_rpc.v1.ControlPlaneService"
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -1,5 +1,6 @@
 """A bound on what `ServerClient.post` keeps alive on its way to aiohttp, counted exactly in a fresh interpreter
-(tests/hot_path_allocations_scenario.py says how): it fails when a change adds objects to the data-plane hot path.
+(tests/support/scenarios/hot_path_allocations.py says how): it fails when a change adds objects to the data-plane
+hot path.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tests.support.scenarios import script
+
 # What ServerClient.post holds at aiohttp's request start beyond the same request made on the session directly.
 # Lower it when a change removes objects; a change that needs more must show in bench/ that they pay.
 MAX_EXTRA_OBJECTS = 2  # the `_call` coroutine (`client.post` is it: _DirectCall) and its kwargs dict
@@ -21,7 +24,7 @@ MAX_EXTRA_OBJECTS_UNSAMPLED = 2
 
 
 def counted(*args: str) -> dict[str, Any]:
-    scenario = Path(__file__).with_name("hot_path_allocations_scenario.py")
+    scenario = script("hot_path_allocations")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_OTEL_", "NEMO_LENS_"))}
     env["PYTHONPATH"] = str(Path(__file__).parent.parent)
     completed = subprocess.run(

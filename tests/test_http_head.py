@@ -20,8 +20,9 @@ from gym_rpc.client.control._clients import SyncControlClient
 from gym_rpc.config import REDACTED
 from gym_rpc.errors import GymRpcError
 from gym_rpc.server._head import HeadServer
-from tests.cli_helpers import STARTUP_SECONDS, running_cli
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.cli import STARTUP_SECONDS, running_cli
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 HTTP_TIMEOUT = 5.0
 BANNER = re.compile(r"listening on (\S+) .*NeMo Gym HTTP head on (http://\S+)")

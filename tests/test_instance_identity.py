@@ -13,11 +13,8 @@ and the attacker calls the head from 127.0.0.1. Where no such namespace is allow
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 import os
-import socket
-import struct
 import subprocess
 import sys
 import time
@@ -34,25 +31,14 @@ from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import ControlPlaneError, NoHealthyInstanceError
-from tests.cli_helpers import run_cli
-from tests.conftest import LOOPBACK, document, server_entry
-from tests.test_open_head import needs_namespace
+from tests.support.cli import run_cli
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK
+from tests.support.namespaces import add_address, interface_up, needs_namespace
 
 IN_NAMESPACE = "GYM_RPC_TEST_IN_NETNS"
 NODE = "10.43.0.1"  # the namespace's "other machine": an address of its loopback interface
 ATTACKER_PID = 999
-
-
-def _interface_up(name: bytes) -> None:
-    with socket.socket() as s:  # SIOCGIFFLAGS, SIOCSIFFLAGS
-        flags = struct.unpack("16sh", fcntl.ioctl(s, 0x8913, struct.pack("16sh", name, 0)))[1]
-        fcntl.ioctl(s, 0x8914, struct.pack("16sh", name, flags | 1))
-
-
-def _add_address(name: bytes, ip: str) -> None:
-    with socket.socket() as s:  # SIOCSIFADDR
-        address = struct.pack("HH4s8x", socket.AF_INET, 0, socket.inet_aton(ip))
-        fcntl.ioctl(s, 0x8916, struct.pack("16s16s", name, address))
 
 
 @needs_namespace
@@ -116,9 +102,9 @@ async def _refused(call: Awaitable[Any]) -> str:
 async def test_a_takeover_from_another_address_is_refused_and_logged(
     node_servers: Callable[[], Awaitable[int]], head_factory: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    _interface_up(b"lo")
-    _add_address(b"lo:1", NODE)
-    _interface_up(b"lo:1")
+    interface_up(b"lo")
+    add_address(b"lo:1", NODE)
+    interface_up(b"lo:1")
     own, replica, unheld = [await node_servers() for _ in range(3)]
     doc = document({"policy": server_entry(own, host=NODE, replicas=[f"{NODE}:{replica}", f"{NODE}:{unheld}"])})
     head = await head_factory(doc, host="0.0.0.0", open_registrations=True)

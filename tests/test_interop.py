@@ -30,13 +30,12 @@ import yaml
 
 from gym_rpc.client.control._clients import SyncControlClient
 from gym_rpc.client.control._credentials import ClientSecurity, ClientTls
-from tests.cli_helpers import LOOPBACK, ThreadedHttpServer, running_head, threaded_http_server
-from tests.conftest import closed_port, server_entry
-from tests.test_security import Pki, pki, tls_block
+from tests.support import REPO_ROOT
+from tests.support.cli import ThreadedHttpServer, running_head, threaded_http_server
+from tests.support.documents import server_entry
+from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.security import Pki, tls_block
 
-__all__ = ["pki"]  # the module-scoped certificate fixture, shared with the security tests
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 OTHER_LANGUAGES_PAGE = REPO_ROOT / "docs" / "other-languages.md"  # the programs it shows are the ones run here
 NODE_BIN = REPO_ROOT / "node_modules" / ".bin"
 BUF = NODE_BIN / "buf"

@@ -11,14 +11,11 @@ import importlib
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import closed_port
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
+from tests.support import REPO_ROOT
+from tests.support.loopback import closed_port
 
 # What `import gym_rpc.client.server_client` leaves for later (README's import time): gRPC, protobuf and the
 # control client load on the first call to the head; aiohttp, asyncio and the data plane's settings with the first

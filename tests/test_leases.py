@@ -23,11 +23,12 @@ from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import HeadUnreachableError
 from gym_rpc.integrations._registration import ServerRegistration
 from gym_rpc.v1 import control_plane_pb2 as pb
-from tests.cli_helpers import running_head
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
-from tests.test_head_rpc import raw_stub
+from tests.support import REPO_ROOT
+from tests.support.cli import running_head
+from tests.support.documents import document, server_entry
+from tests.support.heads import raw_stub
+from tests.support.loopback import LOOPBACK, closed_port
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 RECONNECT_BACKOFF_SECONDS = int(dict(CHANNEL_OPTIONS)["grpc.max_reconnect_backoff_ms"]) / 1000  # 2 s
 
 SERVER_SCRIPT = """

@@ -11,13 +11,13 @@ import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 from packaging.version import Version
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.support import REPO_ROOT
+
 BUILDER = REPO_ROOT / "tools" / "lowest_versions_venv.py"
 LISTED = REPO_ROOT / "tests" / "lowest_versions.txt"
 BUILD_TIMEOUT_SECONDS = 900  # a first build on a fresh machine downloads the old releases

@@ -5,62 +5,27 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from gym_rpc.client.control._clients import SyncControlClient
-from tests.cli_helpers import LOOPBACK, HeadProcess, running_head, threaded_http_server
-from tests.conftest import closed_port, server_entry
-
-WAIT_SECONDS = 15.0
-HTTP_HEAD_PATTERN = re.compile(r"NeMo Gym HTTP head on (http://\S+?)[;\s]")
-METRICS_PATTERN = re.compile(r"metrics on (http://\S+/metrics)")
-
-
-def write_config(path: Path, servers: dict[str, object], **head: object) -> Path:
-    doc = {"head_server": {"host": LOOPBACK, "port": 0, **head}, **servers}
-    path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
-    return path
-
-
-def announced(head: HeadProcess, pattern: re.Pattern[str]) -> str:
-    """A URL the head's banner line announced."""
-    match = pattern.search(head.banner + " ")
-    assert match, head.banner
-    return match.group(1)
-
-
-def scrape(url: str) -> list[Sample]:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-        text = response.read().decode()
-    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
-
-
-def value(samples: list[Sample], name: str, **labels: str) -> float | None:
-    """The one sample `name` whose labels include `labels`, None when there is none."""
-    found = [s for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
-    assert len(found) <= 1, found
-    return found[0].value if found else None
-
-
-def eventually(url: str, check: Callable[[list[Sample]], bool], what: str) -> list[Sample]:
-    deadline = time.monotonic() + WAIT_SECONDS
-    while True:
-        samples = scrape(url)
-        if check(samples):
-            return samples
-        assert time.monotonic() < deadline, f"/metrics never showed {what} within {WAIT_SECONDS}s"
-        time.sleep(0.1)
+from tests.support.cli import running_head, threaded_http_server
+from tests.support.documents import server_entry
+from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.metrics import (
+    HTTP_HEAD_PATTERN,
+    METRICS_PATTERN,
+    announced,
+    eventually,
+    value,
+    write_config,
+)
 
 
 def changes(samples: list[Sample], **labels: str) -> float:

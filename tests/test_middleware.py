@@ -19,7 +19,7 @@ from gym_rpc.errors import MalformedGymPrefixError
 from gym_rpc.integrations._middleware import Message, Receive, Scope, Send, TraceContextPathMiddleware
 from gym_rpc.wire import rollout_path_prefix
 from gym_rpc.wire._paths import GymPrefixes, split_gym_prefixes
-from tests.conftest import LOOPBACK
+from tests.support.loopback import LOOPBACK
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 SPAN_ID = "00f067aa0ba902b7"

@@ -15,10 +15,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.cli_helpers import STARTUP_SECONDS, cli_env
-from tests.conftest import LOOPBACK
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.support import REPO_ROOT
+from tests.support.cli import STARTUP_SECONDS, cli_env
+from tests.support.loopback import LOOPBACK
 
 SERVER_SCRIPT = """
 import asyncio, logging, pathlib, sys

@@ -20,8 +20,9 @@ import pytest
 import yaml
 
 from gym_rpc.client.control._clients import ControlClient
-from tests.cli_helpers import HeadProcess, running_head, threaded_http_server
-from tests.conftest import closed_port, document, server_entry
+from tests.support.cli import HeadProcess, running_head, threaded_http_server
+from tests.support.documents import document, server_entry
+from tests.support.loopback import closed_port
 
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 HOUR = 3600.0

@@ -23,11 +23,12 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support import REPO_ROOT
+
 HEAD_IP, SERVER_IP, WORKER_IP = "10.231.0.1", "10.231.0.2", "10.231.0.3"
 PREFIX_LENGTH = 24
 HEAD_PORT, SERVER_PORT = 11000, 8000
 READY_TIMEOUT_SECONDS = 20
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 SERVER_SCRIPT = """
 import sys

@@ -41,7 +41,8 @@ from gym_rpc.client.server_client import (
 )
 from gym_rpc.config import BaseServerConfig, ServerConfigLike
 from gym_rpc.errors import ConfigError, ControlPlaneError, HeadUnreachableError, UnknownServerError
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 CONFIG_ENV = "NEMO_GYM_CONFIG_DICT"
 MODEL_URL_ENV, MODEL_NAME_ENV = "NEMO_GYM_MODEL_SERVER_BASE_URL", "NEMO_GYM_MODEL_SERVER_NAME"
@@ -155,34 +156,6 @@ def test_a_head_config_without_host_or_port_is_a_clear_error(config: Any, missin
 
 
 # --- NeMo Gym's rollout context and the /verify body rule ---
-
-STAND_IN = """
-    # A stand-in for NeMo Gym's module (the real one runs in tests/test_nemo_gym_compat.py): the same public API.
-    from contextlib import contextmanager
-    from contextvars import ContextVar
-
-    _ROLLOUT_ID = ContextVar("nemo_gym_rollout_id", default=None)
-
-    def current_rollout_id():
-        return _ROLLOUT_ID.get()
-
-    @contextmanager
-    def rollout_context(rollout_id):
-        token = _ROLLOUT_ID.set(rollout_id)
-        try:
-            yield
-        finally:
-            _ROLLOUT_ID.reset(token)
-"""
-
-
-@pytest.fixture
-def nemo_gym_path(tmp_path: Path) -> Path:
-    package = tmp_path / "nemo_gym"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "rollout_correlation.py").write_text(textwrap.dedent(STAND_IN))
-    return tmp_path
 
 
 def observed_doc(resources_port: int, model_port: int, observability: bool = True) -> dict[str, Any]:

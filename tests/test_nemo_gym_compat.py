@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.support import REPO_ROOT
+from tests.support.nemo_gym import BUILD_TIMEOUT_SECONDS
+
 HARNESS = REPO_ROOT / "tests" / "nemo_gym_compat" / "harness.py"
 RESTART_HARNESS = REPO_ROOT / "tests" / "nemo_gym_compat" / "restart.py"
 STICKY_HARNESS = REPO_ROOT / "tests" / "nemo_gym_compat" / "sticky.py"
 STICKY_TIMEOUT_SECONDS = 240  # four modes of 96 rollouts: 15-35 s on a 2-core machine, idle to loaded
 RESTART_TIMEOUT_SECONDS = 600  # three modes, each starting NeMo Gym's servers afresh, on a loaded 2-core machine
-VENV_BUILDER = REPO_ROOT / "tools" / "nemo_gym_venv.py"
-BUILD_TIMEOUT_SECONDS = 900  # a first build on a fresh machine downloads a few hundred MB
 HARNESS_TIMEOUT_SECONDS = 240
 
 # What NeMo Gym's own client makes every server see for rollouts (task 0, rollout 0), (0, 1), (1, 0): each rollout
@@ -56,20 +54,6 @@ def expected_seen(observability: str) -> dict[str, list[list[Any]]]:
         "counter": paths(RESOURCES_PATHS[observability], [False, True, True]),
         "agent": paths(AGENT_PATHS[observability], [False, True]),
     }
-
-
-@pytest.fixture(scope="module")
-def nemo_gym_python() -> str:
-    """The NeMo Gym venv's python, built on first use (`make test` builds it before pytest runs)."""
-    built = subprocess.run(
-        [sys.executable, str(VENV_BUILDER)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_SECONDS
-    )
-    assert built.returncode == 0, f"building the NeMo Gym venv failed:\n{built.stderr[-4000:]}"
-    last = built.stdout.strip().splitlines()[-1]
-    if last.startswith("SKIP:"):
-        print(last)
-        pytest.skip(last)
-    return last
 
 
 def run_harness(command: list[str], timeout_seconds: float) -> dict[str, Any]:

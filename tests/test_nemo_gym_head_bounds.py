@@ -26,8 +26,9 @@ from gym_rpc.client.nemo_gym._head_endpoints import NemoGymEndpoints
 from gym_rpc.client.nemo_gym._probe import MAX_PROBE_BODY_BYTES, ProbeResult, probe
 from gym_rpc.errors import ControlPlaneError, HeadTimeoutError, UpstreamError
 from gym_rpc.server._bridge import MAX_UPSTREAM_ANSWER_BYTES, fetch_upstream
-from tests.cli_helpers import cli_start_seconds, run_cli
-from tests.conftest import LOOPBACK, server_entry
+from tests.support.cli import cli_start_seconds, run_cli
+from tests.support.documents import server_entry
+from tests.support.loopback import LOOPBACK
 
 DRIP_EVERY_SECONDS = 0.2
 DRIP_SECONDS = 20.0  # far past every deadline below: the old code waited it out

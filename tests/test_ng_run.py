@@ -24,13 +24,12 @@ import yaml
 from gym_rpc.client import ControlClient, SyncControlClient, SyncStatusWatch
 from gym_rpc.client.server_client import ServerClient, rollout_context
 from gym_rpc.errors import ControlPlaneError
-from tests.cli_helpers import ThreadedHttpServer, cli_env, run_cli, threaded_http_server
-from tests.conftest import LOOPBACK, closed_port, server_entry
-from tests.test_nemo_gym_compat import BUILD_TIMEOUT_SECONDS, nemo_gym_python
+from tests.support import REPO_ROOT
+from tests.support.cli import ThreadedHttpServer, cli_env, run_cli, threaded_http_server
+from tests.support.documents import server_entry
+from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.nemo_gym import BUILD_TIMEOUT_SECONDS
 
-__all__ = ["nemo_gym_python"]  # the venv fixture, shared with the drop-in test
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 HEAD_RUNNER = REPO_ROOT / "tests" / "nemo_gym_compat" / "nemo_gym_head.py"
 POLL_RATIO = REPO_ROOT / "tests" / "nemo_gym_compat" / "poll_ratio.py"
 START_SECONDS = 60.0

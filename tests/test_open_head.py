@@ -11,7 +11,6 @@ no such namespace, those tests are skipped (the loopback one still runs).
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +20,10 @@ import yaml
 
 from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.errors import UnknownServerError
-from tests.cli_helpers import running_head
-from tests.conftest import closed_port, document, server_entry
+from tests.support.cli import running_head
+from tests.support.documents import document, server_entry
+from tests.support.loopback import closed_port
+from tests.support.namespaces import needs_namespace
 
 # Run inside the namespace: bring its loopback up (no iproute2 needed), start `gym-rpc head` on 0.0.0.0, read its
 # banner, try a registration and a deregistration, print what happened as one JSON line, stop the head.
@@ -59,18 +60,6 @@ finally:
     _, log = head.communicate(timeout=30)
     print(json.dumps({"log": log}), flush=True)
 """
-
-
-def _namespaces_allowed() -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    try:
-        return subprocess.run(["unshare", "-rn", "true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-needs_namespace = pytest.mark.skipif(not _namespaces_allowed(), reason="no unprivileged network namespaces here")
 
 
 def _config(tmp_path: Path) -> Path:

@@ -21,10 +21,11 @@ from types import ModuleType
 import pytest
 import yaml
 
-from tests.cli_helpers import LISTENING_PATTERN, ThreadedHttpServer, running_head, threaded_http_server
-from tests.conftest import LOOPBACK, closed_port, server_entry
+from tests.support import REPO_ROOT
+from tests.support.cli import LISTENING_PATTERN, ThreadedHttpServer, running_head, threaded_http_server
+from tests.support.documents import server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 FOOTPRINT = REPO_ROOT / "tools" / "install_footprint.py"
 INSTALL_TIMEOUT_SECONDS = 900
 MAX_BASE_PACKAGES = 30

@@ -18,7 +18,8 @@ from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.server.fleet._prober import PROBES_PER_SERVER
-from tests.conftest import LOOPBACK, document, server_entry
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK
 
 MUTE = 150
 

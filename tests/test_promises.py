@@ -43,8 +43,9 @@ from gym_rpc.server.http import _connect as connect_server
 from gym_rpc.server.security import _auth as server_security
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import MAX_RESPONSE_BYTES, SERVICE_NAME
-from tests.cli_helpers import cli_env, cli_start_seconds, run_cli, running_cli, running_head
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.cli import cli_env, cli_start_seconds, run_cli, running_cli, running_head
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 SLACK_SECONDS = 5.0  # on top of a promised figure, for a loaded 2-core machine
 TOKEN = "promise-token-0123456789"

@@ -14,9 +14,10 @@ from pathlib import Path
 import yaml
 
 from gym_rpc.server.observability._quiet_http_log import BAD_REQUEST_WINDOW_SECONDS
-from tests.cli_helpers import running_head
-from tests.conftest import LOOPBACK, closed_port, server_entry
-from tests.test_metrics import HTTP_HEAD_PATTERN, METRICS_PATTERN, announced, scrape, value
+from tests.support.cli import running_head
+from tests.support.documents import server_entry
+from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.metrics import HTTP_HEAD_PATTERN, METRICS_PATTERN, announced, scrape, value
 
 MALFORMED = (
     b"GET / HTTP/1.1\r\nHost: localhost\r\nContent-Length: x\r\n\r\n",

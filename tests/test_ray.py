@@ -17,7 +17,6 @@ import pickle
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -32,9 +31,10 @@ from gym_rpc.client.data._rollout import rollout_context
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.integrations._registration import ServerRegistration
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support import REPO_ROOT
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO_ROOT / "examples" / "ray_rollouts.py"
 RAY_TIME_BUDGET = 120  # starting Ray and three actor processes on a loaded 2-core machine: a hang guard only
 RAY_ENVIRONMENT = {

@@ -34,7 +34,9 @@ from gym_rpc.integrations._registration import (
 )
 from gym_rpc.server._head import HeadServer
 from gym_rpc.server.registry._registry import advertised_host, is_valid_host, peer_host
-from tests.conftest import LOOPBACK, LoopStallDetector, closed_port, document, server_entry
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.waiting import LoopStallDetector
 
 TOKEN = "registration-token"
 

@@ -10,7 +10,7 @@ from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.config import base_url
 from gym_rpc.errors import ControlPlaneError
 from gym_rpc.server.registry._registry import is_valid_host
-from tests.conftest import document, server_entry
+from tests.support.documents import document, server_entry
 
 
 @pytest.mark.parametrize("host", ["999.1.1.1", "1.2.3", "256.0.0.1", "10.0.0.5.7", "node.123"])

@@ -18,8 +18,9 @@ from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.errors import ControlPlaneError
 from gym_rpc.server.registry._registry import DEFAULT_LEASE_SECONDS
 from gym_rpc.wire import MAX_LABEL_KEY_LENGTH, MAX_LABEL_VALUE_LENGTH, MAX_LABELS
-from tests.cli_helpers import run_cli, running_head, threaded_http_server
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.cli import run_cli, running_head, threaded_http_server
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 LARGEST_LABELS = {
     f"{i:02d}".ljust(MAX_LABEL_KEY_LENGTH, "k"): "v" * MAX_LABEL_VALUE_LENGTH for i in range(MAX_LABELS)

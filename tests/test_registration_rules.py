@@ -16,8 +16,9 @@ from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.config import head_server_settings
 from gym_rpc.errors import ConfigError, ControlPlaneError
 from gym_rpc.server.security._address_policy import AddressPolicy
-from tests.cli_helpers import run_cli, running_head
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.cli import run_cli, running_head
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 METADATA_HOSTS = [
     "169.254.169.254",

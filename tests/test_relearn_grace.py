@@ -13,7 +13,8 @@ from gym_rpc.client import ControlClient, ServerClient, _relearn_grace
 from gym_rpc.client._relearn_grace import RelearnGrace
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.wire import InstanceReport, StatusReport
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 NAME = "sessions"
 

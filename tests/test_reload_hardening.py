@@ -20,8 +20,9 @@ import yaml
 
 from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.errors import ControlPlaneError
-from tests.cli_helpers import HeadProcess, run_cli, running_head
-from tests.conftest import closed_port, document, server_entry
+from tests.support.cli import HeadProcess, run_cli, running_head
+from tests.support.documents import document, server_entry
+from tests.support.loopback import closed_port
 
 EMPTY_FILES = {
     "empty": "",

@@ -7,25 +7,12 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 from gym_rpc.client.control._clients import SyncControlClient
-from tests.cli_helpers import LOOPBACK, run_cli, running_head, threaded_http_server
-from tests.conftest import closed_port, document, server_entry
-from tests.test_cli import TABLE_HEADER, write_config
-
-
-def wait_for_instances(address: str, probed: int) -> None:
-    """Until `probed` instances of `policy_model` have a probe result (bounded)."""
-    client = SyncControlClient(address, timeout_seconds=2.0)
-    deadline = time.monotonic() + 10
-    while True:
-        (report,) = [r for r in client.list_server_statuses().reports if r.server_name == "policy_model"]
-        if sum(1 for i in report.instances if i.status is not None) >= probed:
-            return
-        assert time.monotonic() < deadline, report
-        time.sleep(0.05)
+from tests.support.cli import TABLE_HEADER, run_cli, running_head, threaded_http_server, wait_for_instances
+from tests.support.documents import document, server_entry, write_config
+from tests.support.loopback import LOOPBACK, closed_port
 
 
 def test_status_shows_the_replicas_under_their_name(tmp_path: Path) -> None:

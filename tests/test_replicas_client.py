@@ -49,7 +49,9 @@ from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.errors import NoHealthyInstanceError, RequestTimeoutError, ServerUnreachableError
 from gym_rpc.wire import EngineLoad, InstanceReport, ServerStatus, StatusReport
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.scenarios import script
 
 NAME = "policy"
 REPLICAS_LOGGER = "gym_rpc.client.replicas"
@@ -1009,7 +1011,7 @@ async def test_the_heads_view_of_each_instance_reaches_the_client_within_a_secon
 @pytest.mark.parametrize("mode", ["metered", "traced"])
 def test_worker_metrics_count_picks_calls_in_flight_ejections_and_repins_per_instance(mode: str) -> None:
     """Metered calls (and traced ones: the span's way passes the failover on) fail over and are counted alike."""
-    scenario = Path(__file__).with_name("replicas_metrics_scenario.py")
+    scenario = script("replicas_metrics")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_OTEL_", "NEMO_LENS_"))}
     env["PYTHONPATH"] = str(Path(__file__).parent.parent)
     completed = subprocess.run(

@@ -23,9 +23,10 @@ from gym_rpc.client.data._rollout import rollout_context
 from gym_rpc.client.replicas._instance_state import Instance
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
-from tests.conftest import LOOPBACK, document, server_entry
-from tests.test_draining import AIOHTTP_SERVER, replica  # noqa: F401 (replica: a fixture)
-from tests.test_head_rpc import rewrite_config
+from tests.support.documents import document, server_entry
+from tests.support.heads import rewrite_config
+from tests.support.loopback import LOOPBACK
+from tests.support.processes import AIOHTTP_SERVER, replica  # noqa: F401 (replica: a fixture)
 
 NAME = "policy"
 CALLS = 800

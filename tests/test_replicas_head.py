@@ -8,24 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from gym_rpc.client.control._channel import aio_channel
 from gym_rpc.client.control._clients import ControlClient
-from gym_rpc.server._head import HeadServer
 from gym_rpc.server.fleet._server_instances import InstanceTarget, watched
 from gym_rpc.wire import InstanceOrigin, StatusReport
-from tests.cli_helpers import running_head, threaded_http_server
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
-from tests.test_head_rpc import rewrite_config
-from tests.test_metrics import METRICS_PATTERN, announced, eventually, value, write_config
-from tests.test_scale import CountingServer
-from tests.test_watch import read_until, start_stoppable_server, watching
+from tests.support.cli import running_head, threaded_http_server
+from tests.support.documents import document, server_entry
+from tests.support.heads import authority, health_of, read_until, rewrite_config, wait_for_report, watching
+from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.metrics import METRICS_PATTERN, announced, eventually, value, write_config
+from tests.support.servers import CountingServer, start_stoppable_server
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -37,28 +33,8 @@ def replicated(port: int, *replica_ports: int, **extra: Any) -> dict[str, Any]:
     return document({"policy": server_entry(port, replicas=replicas)}, **extra)
 
 
-def authority(port: int) -> str:
-    return f"{LOOPBACK}:{port}"
-
-
-async def wait_for_report(
-    head: HeadServer, holds: Callable[[StatusReport], bool], what: str, timeout: float = 10.0
-) -> StatusReport:
-    """The head's report of `policy` once `holds` accepts it (bounded)."""
-    deadline = time.monotonic() + timeout
-    while not holds(report := head.prober.report("policy")):
-        assert time.monotonic() < deadline, f"never {what}: {report}"
-        await asyncio.sleep(0.02)
-    return report
-
-
 def statuses(report: StatusReport) -> list[tuple[str, str | None]]:
     return [(i.instance_id, i.status) for i in report.instances]
-
-
-async def health_of(head: HeadServer, service: str) -> int:
-    stub = health_pb2_grpc.HealthStub(aio_channel(head.address))
-    return int((await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)).status)
 
 
 async def test_static_replicas_are_instances_each_probed_on_its_own(head_factory, http_server) -> None:

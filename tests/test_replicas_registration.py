@@ -12,24 +12,27 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncGenerator
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from gym_rpc.client.control._clients import ControlClient, WatchEvent
+from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.errors import ControlPlaneError
 from gym_rpc.integrations._registration import ServerRegistration
 from gym_rpc.server._head import HeadServer
 from gym_rpc.wire import StatusReport
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
-from tests.test_head_rpc import rewrite_config
-from tests.test_replicas_head import authority, health_of, wait_for_report
-from tests.test_watch import read_until, watching
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.support import REPO_ROOT
+from tests.support.documents import document, server_entry
+from tests.support.heads import (
+    authority,
+    health_of,
+    next_report,
+    rewrite_config,
+    wait_for_report,
+    watching,
+)
+from tests.support.loopback import LOOPBACK, closed_port
 
 # A replica process: an aiohttp server on the given port that registers `policy` with the head, renewing every
 # 0.3 s on a 1 s lease, as the registration helper does.
@@ -248,13 +251,6 @@ async def test_a_draining_registration_marks_its_instance_and_undrains_when_it_s
     assert await health_of(head, "policy") == 2  # NOT_SERVING: the one that answers gets no new work
     await register(head, replica, 9)  # it changed its mind (a cancelled shutdown)
     assert [i.draining for i in head.prober.report("policy").instances] == [False, False]
-
-
-async def next_report(events: AsyncGenerator[WatchEvent, None], timeout: float = 10.0) -> tuple[int, StatusReport]:
-    """The next CHANGE of `policy` (its revision and report), skipping heartbeats."""
-    seen = await read_until(events, lambda e: e.kind == "change" and bool(e.reports), timeout)
-    (report,) = seen[-1].reports
-    return seen[-1].revision, report
 
 
 async def test_a_replica_killed_9_is_marked_down_by_its_probe_then_dropped_by_its_lease(head_factory, http_server):

@@ -29,7 +29,7 @@ from gym_rpc.errors import (
     ResendsExhaustedError,
     ServerUnreachableError,
 )
-from tests.conftest import LOOPBACK, closed_port, tcp_keepalive_options
+from tests.support.loopback import LOOPBACK, closed_port, tcp_keepalive_options
 
 FAST = {"initial_backoff_seconds": 0.01, "max_backoff_seconds": 0.05}
 
@@ -394,7 +394,7 @@ async def test_resends_out_at_the_server_never_widen_the_budget(
     from gym_rpc.client.data._http import close_http_sessions
     from gym_rpc.client.server_client import ServerClient
     from gym_rpc.config import BaseServerConfig
-    from tests.conftest import document, server_entry
+    from tests.support.documents import document, server_entry
 
     server = counting(lambda _: "drop soon")
     retry = {
@@ -704,7 +704,7 @@ async def test_server_client_counts_its_calls_in_flight_for_the_budget_and_frees
     from gym_rpc.client.resend._budget import calls_in_flight
     from gym_rpc.client.server_client import ServerClient
     from gym_rpc.config import BaseServerConfig
-    from tests.conftest import document, server_entry
+    from tests.support.documents import document, server_entry
 
     held = counting(lambda _: "hold")
     answering = counting(lambda _: "answer")

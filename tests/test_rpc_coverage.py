@@ -20,7 +20,7 @@ from gym_rpc.server.service._servicer import ControlPlaneServicer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import HEALTH_SERVICE_NAME, SERVICE_NAME
-from tests.conftest import document
+from tests.support.documents import document
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ControlPlaneService"]
 METHODS: list[MethodDescriptor] = list(SERVICE.methods)

@@ -9,34 +9,16 @@ import time
 import grpc
 import pytest
 import yaml
-from aiohttp import web
 
 from gym_rpc.client.control._clients import ControlClient, SyncControlClient
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.server._head import HeadServer
 from gym_rpc.v1 import control_plane_pb2 as pb
-from tests.conftest import LOOPBACK, document, server_entry
-from tests.test_head_rpc import raw_stub, wait_until_probed
-
-
-class CountingServer:
-    """An aiohttp server that counts the requests it receives and, while `hold` is clear, does not answer."""
-
-    def __init__(self) -> None:
-        self.requests = 0
-        self.hold = asyncio.Event()
-        self.hold.set()
-
-    async def handle(self, request: web.Request) -> web.Response:
-        self.requests += 1
-        await asyncio.wait_for(self.hold.wait(), 30)
-        return web.Response(text="ok")
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        return app
+from tests.support.documents import document, server_entry
+from tests.support.heads import raw_stub, wait_until_probed
+from tests.support.loopback import LOOPBACK
+from tests.support.servers import CountingServer
 
 
 async def wait_for(condition: object, what: str, timeout: float = 10.0) -> None:

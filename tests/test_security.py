@@ -7,25 +7,18 @@ certificate, and an unrelated CA that must not be trusted).
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import json
 import logging
 import os
 import subprocess
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import grpc
 import pytest
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omegaconf import OmegaConf
 
@@ -38,102 +31,21 @@ from gym_rpc.server._head import HeadOptions, HeadServer
 from gym_rpc.server.security._auth import UNAUTHENTICATED_MESSAGE, ServerSecurity
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import SERVICE_NAME, TLS_CA_ENV_VAR, TLS_CERT_ENV_VAR, TLS_KEY_ENV_VAR, TOKEN_ENV_VAR
-from tests.cli_helpers import LISTENING_PATTERN, STARTUP_SECONDS, run_cli, running_cli
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.cli import LISTENING_PATTERN, STARTUP_SECONDS, run_cli, running_cli
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.security import (
+    API_KEY,
+    Pki,
+    tls_block,
+    tls_client,
+)
 
 TOKEN = "tok-3f9c2a-never-printed"
-API_KEY = "sk-live-never-leaked"
 FAST = 2.0
 
 
 # --- throwaway certificates ---
-
-
-@dataclass(frozen=True)
-class Pki:
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
-    other_ca: Path  # trusts nothing above
-
-
-def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-
-
-def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> Path:
-    path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return path
-
-
-def _write_cert(path: Path, cert: x509.Certificate) -> Path:
-    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return path
-
-
-def _certificate(
-    subject: str,
-    key: ec.EllipticCurvePrivateKey,
-    issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None,
-    *,
-    ca: bool = False,
-    server: bool = False,
-) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.UTC)
-    issuer_name, issuer_key = issuer or (_name(subject), key)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(subject))
-        .issuer_name(issuer_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if server:
-        names: list[x509.GeneralName] = [
-            x509.DNSName("localhost"),
-            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-            x509.IPAddress(ipaddress.ip_address("::1")),
-        ]
-        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
-        builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-    elif not ca:
-        builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-def make_pki(folder: Path) -> Pki:
-    """A CA, a server and a client certificate it signed, and an unrelated CA, written to `folder`."""
-    ca_key, other_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_cert = _certificate("gym-rpc test CA", ca_key, None, ca=True)
-    server_key, client_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    issuer = (ca_cert.subject, ca_key)
-    return Pki(
-        ca=_write_cert(folder / "ca.pem", ca_cert),
-        server_cert=_write_cert(folder / "server.pem", _certificate("head", server_key, issuer, server=True)),
-        server_key=_write_key(folder / "server.key", server_key),
-        client_cert=_write_cert(folder / "client.pem", _certificate("worker", client_key, issuer)),
-        client_key=_write_key(folder / "client.key", client_key),
-        other_ca=_write_cert(folder / "other.pem", _certificate("unrelated CA", other_key, None, ca=True)),
-    )
-
-
-def tls_block(pki: Pki, *, mutual: bool = False) -> dict[str, str]:
-    block = {"cert_file": str(pki.server_cert), "key_file": str(pki.server_key)}
-    return {**block, "client_ca_file": str(pki.ca)} if mutual else block
 
 
 def secured_doc(port: int, **head_keys: Any) -> dict[str, Any]:
@@ -384,22 +296,12 @@ async def test_no_log_line_carries_a_secret(head_factory, http_server, caplog) -
 # --- TLS and mutual TLS ---
 
 
-def _tls_client(
-    pki: Pki, ca: Path | None = None, *, cert: bool = False, token: str | None = None
-) -> ClientSecurity:
-    tls: dict[str, str] = {"ca_file": str(ca or pki.ca)}
-    if cert:
-        tls.update(client_cert_file=str(pki.client_cert), client_key_file=str(pki.client_key))
-    block: dict[str, Any] = {"host": LOOPBACK, "port": 1, "tls": tls}
-    return client_security(block, token=token)
-
-
 async def test_tls_head_serves_clients_that_trust_its_ca(head_factory, http_server, pki) -> None:
     head = await head_factory(secured_doc(await http_server(), tls=tls_block(pki)))
     assert head.security.describe() == "TLS, no token"
-    trusted = ControlClient(head.address, security=_tls_client(pki), timeout_seconds=FAST)
+    trusted = ControlClient(head.address, security=tls_client(pki), timeout_seconds=FAST)
     assert (await trusted.get_head_server_config()).port == head.port
-    for stranger in (ClientSecurity(), _tls_client(pki, pki.other_ca)):
+    for stranger in (ClientSecurity(), tls_client(pki, pki.other_ca)):
         with pytest.raises(HeadUnreachableError) as caught:
             await ControlClient(head.address, security=stranger, timeout_seconds=FAST).get_head_server_config()
         assert head.address in str(caught.value)
@@ -410,10 +312,10 @@ async def test_mutual_tls_needs_a_client_certificate_from_the_ca(head_factory, p
         document({}, head_server={"host": LOOPBACK, "port": 0, "tls": tls_block(pki, mutual=True)})
     )
     assert head.security.describe() == "mutual TLS, no token"
-    with_cert = ControlClient(head.address, security=_tls_client(pki, cert=True), timeout_seconds=FAST)
+    with_cert = ControlClient(head.address, security=tls_client(pki, cert=True), timeout_seconds=FAST)
     assert (await with_cert.list_server_statuses()).reports == []
     with pytest.raises(HeadUnreachableError):
-        await ControlClient(head.address, security=_tls_client(pki), timeout_seconds=FAST).list_server_statuses()
+        await ControlClient(head.address, security=tls_client(pki), timeout_seconds=FAST).list_server_statuses()
 
 
 async def test_tls_and_client_certificate_from_the_environment(head_factory, pki, monkeypatch) -> None:
@@ -461,7 +363,7 @@ async def test_garbage_on_the_tls_port_leaves_the_head_serving(head_factory, pki
         writer.write(payload)
         await writer.drain()
         held.append((reader, writer))
-    client = ControlClient(head.address, security=_tls_client(pki), timeout_seconds=FAST)
+    client = ControlClient(head.address, security=tls_client(pki), timeout_seconds=FAST)
     assert (await client.list_server_statuses()).reports == []
     for reader, _ in held[1:3]:  # not TLS at all: the head hangs up (read() returns only at end of stream)
         await asyncio.wait_for(reader.read(), 5.0)

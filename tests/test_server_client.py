@@ -25,7 +25,8 @@ from gym_rpc.client.server_client import ServerClient, get_server_url
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import ConfigError, HeadUnreachableError, UnknownServerError
 from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 CONFIG_ENV = "NEMO_GYM_CONFIG_DICT"
 SLACK_SECONDS = 3.0  # on top of a deadline, for a loaded 2-core machine

@@ -27,10 +27,11 @@ from gym_rpc.client.control._heads import _followed_heads
 from gym_rpc.config import GlobalConfig
 from gym_rpc.errors import ConfigError, HeadUnreachableError
 from gym_rpc.integrations._registration import ServerRegistration
-from tests.cli_helpers import HeadProcess, run_cli, running_head
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support import REPO_ROOT
+from tests.support.cli import HeadProcess, run_cli, running_head
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 FOLLOWER_MOVES_WITHIN_SECONDS = 2.0  # issue 40: followers move to the other head within 2 s
 BOUND_SECONDS = 30.0  # any wait for something that must happen
 
@@ -88,7 +89,7 @@ def wait_until(check: object, what: str, seconds: float = BOUND_SECONDS) -> None
 def two_heads(tmp_path: Path) -> Iterator[tuple[HeadProcess, HeadProcess, int]]:
     """Two head processes serving one config whose `policy` is a live aiohttp server in this process's thread
     (its config instance); yields both heads and that server's port."""
-    from tests.cli_helpers import ThreadedHttpServer
+    from tests.support.cli import ThreadedHttpServer
 
     config_server = ThreadedHttpServer()
     config_server.start()

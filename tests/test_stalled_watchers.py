@@ -1,6 +1,6 @@
 """A client that stops reading blocks nothing but itself (issue 26, points 1 and 6), against a real `gym-rpc head`.
 
-The attacker is a raw HTTP/2 client (tests/stalled_clients.py) that opens `grpc.health.v1.Health/Watch` and
+The attacker is a raw HTTP/2 client (tests/support/stalled_clients.py) that opens `grpc.health.v1.Health/Watch` and
 `WatchServerStatuses` streams with a receive window of 0 and never grants any: each first write of the head to them
 waits for good. With those open the prober keeps probing on time, calls answer, a reload works and SIGTERM stops
 the head; past `--watch-stall` such a stream is dropped and its slot freed; health watches are capped per client
@@ -23,9 +23,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.v1 import control_plane_pb2 as pb
-from tests.cli_helpers import HeadProcess, running_head, threaded_http_server
-from tests.conftest import closed_port, document, server_entry
-from tests.stalled_clients import StalledHttp2Client
+from tests.support.cli import HeadProcess, running_head, threaded_http_server
+from tests.support.documents import document, server_entry
+from tests.support.loopback import closed_port
+from tests.support.stalled_clients import StalledHttp2Client
 
 HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
 STATUS_WATCH = "/gym_rpc.v1.ControlPlaneService/WatchServerStatuses"

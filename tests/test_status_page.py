@@ -26,9 +26,10 @@ from gym_rpc.server import HeadServer
 from gym_rpc.server.http._page_feed import PageFeed, TimelineEvent, report_events
 from gym_rpc.server.http._status_page import CONTENT_SECURITY_POLICY, MAX_PAGES_PER_CLIENT
 from gym_rpc.wire import InstanceReport, StatusReport
-from tests.cli_helpers import running_head
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
-from tests.test_engine_load import engines_head
+from tests.support.cli import running_head
+from tests.support.documents import document, server_entry
+from tests.support.engines import engines_head
+from tests.support.loopback import LOOPBACK, closed_port
 
 TOKEN = "status-page-token-5678"
 PAGE_BYTES_GOAL = 150 * 1024

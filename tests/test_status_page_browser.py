@@ -1,5 +1,6 @@
-"""The status page in a real headless browser (Debian's chromium over its DevTools protocol: tests/browser.py),
-against a real `gym-rpc head` and real server processes registering with it (tests/registering_server.py).
+"""The status page in a real headless browser (Debian's chromium over its DevTools protocol:
+tests/support/browser.py), against a real `gym-rpc head` and real server processes registering with it
+(tests/support/scenarios/registering_server.py).
 
 What an operator sees: an instance killed with kill -9 turns down within the probe interval plus 1 s; a new
 registration appears, a relabel shows, a hostile label stays text; the page says when it lost the head and
@@ -27,9 +28,11 @@ import pytest
 import yaml
 
 from gym_rpc.client.control._clients import SyncControlClient
-from tests.browser import Page, chromium_path, headless_chromium
-from tests.cli_helpers import HeadProcess, cli_env, running_head
-from tests.conftest import LOOPBACK, closed_port, server_entry
+from tests.support.browser import Page, chromium_path, headless_chromium
+from tests.support.cli import HeadProcess, cli_env, running_head
+from tests.support.documents import server_entry
+from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.scenarios import script
 
 pytestmark = [
     pytest.mark.process,
@@ -37,7 +40,7 @@ pytestmark = [
     pytest.mark.timeout(120),
 ]
 
-REGISTERING_SERVER = Path(__file__).with_name("registering_server.py")
+REGISTERING_SERVER = script("registering_server")
 PROBE_INTERVAL = 1.0
 HTTP_PORT = re.compile(r"NeMo Gym HTTP head on http://\S+:(\d+)")
 HOSTILE = '<script>window.pwned=1</script><img src=x onerror="window.pwned=2">'

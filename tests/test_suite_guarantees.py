@@ -19,7 +19,8 @@ import grpc
 import pytest
 from hypothesis import settings
 
-from tests.conftest import LOOPBACK, closed_port, let_children_take_sigint
+from tests.support.cli import let_children_take_sigint
+from tests.support.loopback import LOOPBACK, closed_port
 
 
 def test_a_closed_port_refuses_connections_at_once() -> None:

@@ -2,8 +2,8 @@
 receiving servers, and nothing at all when tracing is off.
 
 OpenTelemetry allows one global TracerProvider per process and the tracing decision is per process too, so every
-traced scenario runs in a fresh interpreter (tests/telemetry_scenario.py) that prints its finished spans as JSON;
-the pure decision rule and the untraced hot path are checked here in-process.
+traced scenario runs in a fresh interpreter (tests/support/scenarios/telemetry.py) that prints its finished spans
+as JSON; the pure decision rule and the untraced hot path are checked here in-process.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tracemalloc
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -26,9 +25,10 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from gym_rpc._telemetry_switches import effective_environment
 from gym_rpc.client.data._rollout import trace_context_path_segment
 from gym_rpc.telemetry import decide_tracing, environment_choice
-from tests.conftest import LOOPBACK
+from tests.support.loopback import LOOPBACK
+from tests.support.scenarios import script
 
-SCENARIO = Path(__file__).with_name("telemetry_scenario.py")
+SCENARIO = script("telemetry")
 ROLLOUT_ID = "rollout-7"
 CONTROL_SERVICE = "gym_rpc.v1.ControlPlaneService"
 SCENARIO_TIMEOUT_SECONDS = 30

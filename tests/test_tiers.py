@@ -1,8 +1,10 @@
 """The suite's tiers stay true (tests/support/tiers.py): a test that starts a process unmarked fails, naming the
-marker; every name tests/tiers.txt lists exists; `make test-fast` selects what the markers leave."""
+marker; every name tests/tiers.txt lists exists; `make test-fast` selects what the markers leave. And the suite's
+shape: no module of tests/ imports a test module or a conftest (what two modules share lives in tests/support)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -121,3 +123,56 @@ def test_the_markers_are_registered_and_make_test_fast_leaves_them_out() -> None
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     for tier in TIERS:
         assert re.search(rf'^    "{tier}: ', pyproject, re.M), tier
+
+
+def _is_test_module(module: str) -> bool:
+    return any(part.startswith("test_") or part == "conftest" for part in module.split("."))
+
+
+def _imported_test_modules(source: str) -> list[str]:
+    """The test modules (`test_*`) and conftests a module's source imports, as written (relative ones included)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            modules = (
+                [base] if _is_test_module(base) else [f"{base.rstrip('.')}.{alias.name}" for alias in node.names]
+            )
+        else:
+            continue
+        found += [module for module in modules if _is_test_module(module) and module not in found]
+    return found
+
+
+def test_the_import_finder_sees_every_way_of_importing_a_test_module() -> None:
+    """The finder below catches what it checks (a finder that saw nothing would make the next test pass)."""
+    source = """
+import tests.test_watch
+from tests.test_cli import write_config
+from tests import test_security
+from .test_metrics import scrape
+from tests.conftest import closed_port
+from tests.support.heads import watching
+import pytest
+"""
+    assert _imported_test_modules(source) == [
+        "tests.test_watch",
+        "tests.test_cli",
+        "tests.test_security",
+        ".test_metrics",
+        "tests.conftest",
+    ]
+
+
+def test_no_module_of_the_suite_imports_a_test_module() -> None:
+    """Each test module reads as a specification on its own: what two of them share (servers, heads, the CLI, the
+    PKI, waiting) lives in tests/support, and fixtures in tests/conftest.py, never in another test module."""
+    importing = {
+        str(path.relative_to(ROOT)): imported
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        if (imported := _imported_test_modules(path.read_text(encoding="utf-8")))
+    }
+    assert len(list((ROOT / "tests").rglob("test_*.py"))) > 90  # the walk found the suite
+    assert importing == {}

@@ -28,10 +28,8 @@ from gym_rpc.client.server_client import ServerClient
 from gym_rpc.errors import ServerUnreachableError
 from gym_rpc.integrations import TraceContextPathMiddleware
 from gym_rpc.metrics import METRICS
-from tests.conftest import LOOPBACK, closed_port
-from tests.tracing_helpers import Receiver, Traced, client_of, receiver, traced
-
-__all__ = ["client_of", "receiver", "traced"]  # fixtures
+from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.tracing import Receiver, Traced
 
 CALLS = 5
 

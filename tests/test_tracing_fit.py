@@ -1,6 +1,6 @@
 """Tracing that fits NeMo Gym's OpenTelemetry set-ups, with the SDK's in-memory exporter in fresh interpreters
-(tests/tracing_fit_scenario.py): no double CLIENT spans under aiohttp's instrumentation, no traces from probes,
-one trace per rollout with `rollout_context(id, span=True)`, and the first config fetch traced."""
+(tests/support/scenarios/tracing_fit.py): no double CLIENT spans under aiohttp's instrumentation, no traces from
+probes, one trace per rollout with `rollout_context(id, span=True)`, and the first config fetch traced."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from typing import Any
 
 import yaml
 
-from tests.cli_helpers import LOOPBACK, running_head
+from tests.support.cli import running_head
+from tests.support.loopback import LOOPBACK
+from tests.support.scenarios import script
 
-SCENARIO = Path(__file__).with_name("tracing_fit_scenario.py")
+SCENARIO = script("tracing_fit")
 REPO = Path(__file__).parent.parent
 
 

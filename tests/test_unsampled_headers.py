@@ -20,13 +20,10 @@ from gym_rpc.client.data._call_spans import call_span
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.client.tracing import _unsampled_headers
 from gym_rpc.client.tracing._unsampled_headers import known_headers
-from tests.test_call_spans import WritesNothing, post
-from tests.tracing_helpers import Receiver, Traced, client_of, receiver, traced
+from tests.support.tracing import Receiver, Traced, WritesNothing, post
 
 if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
-
-__all__ = ["client_of", "receiver", "traced"]  # fixtures
 
 DROPPED = ParentBased(ALWAYS_OFF)  # every rollout's span unsampled, as 9 in 10 are at a ratio of 0.1
 

@@ -3,71 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator
 from typing import cast
 
 import yaml
-from aiohttp import web
 
 from gym_rpc.client.control._clients import ControlClient, WatchEvent
-from gym_rpc.server._head import HeadServer
 from gym_rpc.server.service._servicer import ControlPlaneServicer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import ServerStatus
 from gym_rpc.wire._convert import seconds_to_duration
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.documents import document, server_entry
+from tests.support.heads import next_event, read_until, wait_for_status, watching
+from tests.support.loopback import closed_port
+from tests.support.servers import start_stoppable_server
 
 PROBE_INTERVAL = 0.1
 # Scheduling slack on a loaded machine, on top of the one probe interval a change may take to be seen.
 SLACK_SECONDS = 1.5
-
-
-async def ok(request: web.Request) -> web.Response:
-    return web.Response(text="ok")
-
-
-async def start_stoppable_server() -> tuple[web.AppRunner, int]:
-    """An aiohttp server the test itself stops (the shared http_server fixture keeps its servers to the end)."""
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", ok)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, LOOPBACK, 0).start()
-    return runner, int(runner.addresses[0][1])
-
-
-@contextlib.asynccontextmanager
-async def watching(
-    client: ControlClient, start_revision: int = 0, *, heartbeat_seconds: float
-) -> AsyncIterator[AsyncGenerator[WatchEvent, None]]:
-    """A status watch that is closed (and its stream cancelled) when the block ends, however it ends."""
-    events = client.watch_server_statuses(start_revision, heartbeat_seconds=heartbeat_seconds)
-    try:
-        yield events
-    finally:
-        await events.aclose()
-
-
-async def next_event(events: AsyncIterator[WatchEvent], timeout: float = 5.0) -> WatchEvent:
-    return await asyncio.wait_for(anext(events), timeout)
-
-
-async def read_until(
-    events: AsyncIterator[WatchEvent], done: Callable[[WatchEvent], bool], timeout: float = 5.0
-) -> list[WatchEvent]:
-    """Every event up to and including the first one `done` accepts; fails after `timeout`."""
-    seen: list[WatchEvent] = []
-    deadline = time.monotonic() + timeout
-    while not seen or not done(seen[-1]):
-        remaining = deadline - time.monotonic()
-        try:
-            assert remaining > 0
-            seen.append(await next_event(events, remaining))
-        except (AssertionError, TimeoutError):
-            raise AssertionError(f"no matching event within {timeout}s; saw {seen}") from None
-    return seen
 
 
 def reports_status(event: WatchEvent, name: str, status: ServerStatus) -> bool:
@@ -83,13 +37,6 @@ def assert_revisions_rise(events: list[WatchEvent]) -> None:
         else:
             assert event.revision > latest, events
         latest = event.revision
-
-
-async def wait_for_status(head: HeadServer, name: str, status: ServerStatus, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while head.prober.report(name).status != status:
-        assert time.monotonic() < deadline, f"{name} never became {status}: {head.prober.report(name)}"
-        await asyncio.sleep(0.02)
 
 
 async def test_snapshot_first_then_a_change_when_a_server_stops(head_factory):

@@ -16,7 +16,8 @@ from gym_rpc.client.control._credentials import ClientSecurity
 from gym_rpc.client.control._watch import RETRYABLE_CODES, StatusWatch, SyncStatusWatch
 from gym_rpc.client.resend._policy import RetryPolicy
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 FAST_RETRY = RetryPolicy(initial_backoff_seconds=0.05, max_backoff_seconds=0.2)
 WAIT_SECONDS = 10.0  # generous: a loaded machine, and the head restarts in between

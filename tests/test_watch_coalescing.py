@@ -11,7 +11,8 @@ import time
 from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.server._head import HeadServer
 from gym_rpc.wire import WatchEvent
-from tests.conftest import LOOPBACK, document, server_entry
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK
 
 NAME = "policy_model"
 WATCHERS = 20

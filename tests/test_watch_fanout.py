@@ -12,9 +12,10 @@ from gym_rpc.server.service._servicer import ControlPlaneServicer
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import RegistrationState
 from gym_rpc.wire._convert import seconds_to_duration
-from tests.conftest import document, server_entry
-from tests.prober_helpers import registered_as
-from tests.test_watch import start_stoppable_server, wait_for_status
+from tests.support.documents import document, server_entry
+from tests.support.heads import wait_for_status
+from tests.support.prober import registered_as
+from tests.support.servers import start_stoppable_server
 
 WATCHERS = 40
 

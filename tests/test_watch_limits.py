@@ -17,8 +17,8 @@ from gym_rpc.client.control._clients import ControlClient, WatchEvent
 from gym_rpc.errors import ControlPlaneError, GymRpcError
 from gym_rpc.server._head import HeadServer
 from gym_rpc.server.security._watch_slots import WatchSlots, peer_address
-from tests.cli_helpers import STARTUP_SECONDS, running_cli, running_head
-from tests.conftest import document
+from tests.support.cli import STARTUP_SECONDS, running_cli, running_head
+from tests.support.documents import document
 
 
 def watch_stream(client: ControlClient) -> AsyncGenerator[WatchEvent, None]:

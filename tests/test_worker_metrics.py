@@ -1,5 +1,6 @@
-"""ServerClient's metrics against real loopback servers, in fresh interpreters (tests/worker_metrics_scenario.py):
-requests, resends and give-ups counted when metrics are on; nothing recorded when they are off."""
+"""ServerClient's metrics against real loopback servers, in fresh interpreters
+(tests/support/scenarios/worker_metrics.py): requests, resends and give-ups counted when metrics are on; nothing
+recorded when they are off."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SCENARIO = Path(__file__).with_name("worker_metrics_scenario.py")
+from tests.support.scenarios import script
+
+SCENARIO = script("worker_metrics")
 REPO = Path(__file__).parent.parent
 POST = {"http.request.method": "POST"}
 
 
 def run_scenario(mode: str, **otel: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_OTEL_", "NEMO_LENS_"))}
-    env.update(otel, PYTHONPATH=str(REPO))  # the scenario imports tests.raw_servers
+    env.update(otel, PYTHONPATH=str(REPO))  # the scenario imports tests.support.servers
     completed = subprocess.run(
         [sys.executable, str(SCENARIO), mode], env=env, capture_output=True, text=True, timeout=60, check=False
     )

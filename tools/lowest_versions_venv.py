@@ -36,7 +36,7 @@ TEST_TOOLS = (
     "hypothesis",
     "cryptography",
     "requests",
-    "opentelemetry-instrumentation-aiohttp-client",  # tests/tracing_fit_scenario.py
+    "opentelemetry-instrumentation-aiohttp-client",  # tests/support/scenarios/tracing_fit.py
     "opentelemetry-proto",  # tests/test_telemetry.py: a collector on loopback (its OTLP export tests skip here)
 )
 _FLOOR = re.compile(r"^(?P<name>[A-Za-z0-9._-]+)\s*>=\s*(?P<version>[^,;\s]+)")

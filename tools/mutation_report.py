@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = ROOT / "mutants"
 NOTES = ROOT / "tools" / "mutation_notes.toml"
 DEBUG_LOG = MUTANTS / "mutmut-debug.log"  # `log_to_file`: one "Completed NAME: exit=N (Ss)" line per mutant run
-KILLS = MUTANTS / "mutmut-kills.jsonl"  # tests/mutation_selection.py: the tests that failed, per mutant
+KILLS = MUTANTS / "mutmut-kills.jsonl"  # tests/support/mutation_selection.py: the tests that failed, per mutant
 
 # mutmut's exit codes (mutmut.stats.status_by_exit_code), kept here so this script needs no mutmut import.
 STATUS_BY_EXIT_CODE: dict[int | None, str] = {
@@ -136,7 +136,7 @@ def main() -> None:
         "`make mutate` (mutmut, configured in `[tool.mutmut]` of pyproject.toml) mutates the security,",
         "redaction and config-validation, rollout-prefix, watch and data-plane retry modules. mypy (strict,",
         "as in `make lint`) checks every mutant first: one it rejects could never pass `make test` and is",
-        "not run (column mypy). Each other mutant runs the tests of the selection (tests/mutation_selection.py)",
+        "not run (column mypy). Each other mutant runs the selection's tests (tests/support/mutation_selection)",
         "that executed the mutated function, fastest first, stopping at the first failure. Killed: a test",
         "failed. Survived: every test passed (each one is explained below). No tests: no test of the selection",
         "runs that function (listed below). Timeout: a test hung past 4 x (the tests' recorded time + 5 s).",

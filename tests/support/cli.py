@@ -22,12 +22,25 @@ from typing import IO
 
 from aiohttp import web
 
+from gym_rpc.client.control._clients import SyncControlClient
 from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR
+from tests.support.loopback import LOOPBACK
 
-LOOPBACK = "127.0.0.1"
 STARTUP_SECONDS = 60.0  # a hang guard: a cold interpreter imports ~1 CPU s, and at a load average of 17 on two
 # cores the make test of 40ae97b saw heads not listening within 15 s
 LISTENING_PATTERN = re.compile(r"listening on (\S+)")
+
+
+def let_children_take_sigint() -> None:
+    """Give this process Python's own SIGINT handler when SIGINT was inherited ignored.
+
+    A suite started with SIGINT ignored (a bare `cmd &` in a shell without job control: SigIgn 0x6) would pass the
+    ignore on to every subprocess it starts, and a `gym-rpc status --watch` that ignores Ctrl-C never ends when a
+    test sends it SIGINT. A handler (unlike an ignore) is reset to the default by exec, so every child starts as
+    from a terminal, whatever way the suite was launched.
+    """
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def cli_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -261,3 +274,18 @@ def threaded_http_server(status: int = 200, port: int = 0) -> Iterator[ThreadedH
         yield server
     finally:
         server.stop()
+
+
+TABLE_HEADER = ["NAME", "TYPE", "URL", "STATUS", "HTTP", "LATENCY", "LAST CHECKED", "PID", "UPTIME"]
+
+
+def wait_for_instances(address: str, probed: int) -> None:
+    """Until `probed` instances of `policy_model` have a probe result (bounded)."""
+    client = SyncControlClient(address, timeout_seconds=2.0)
+    deadline = time.monotonic() + 10
+    while True:
+        (report,) = [r for r in client.list_server_statuses().reports if r.server_name == "policy_model"]
+        if sum(1 for i in report.instances if i.status is not None) >= probed:
+            return
+        assert time.monotonic() < deadline, report
+        time.sleep(0.05)

@@ -2,7 +2,7 @@
 ServerClient posts to real loopback servers, one that answers, one that drops the first connection, and a closed
 port; prints the metrics an in-memory reader collected, as JSON.
 
-`python tests/worker_metrics_scenario.py app` installs the application's MeterProvider and calls
+`python tests/support/scenarios/worker_metrics.py app` installs the application's MeterProvider and calls
 `enable_client_metrics()`; `env` relies on OTEL_METRICS_EXPORTER (the test sets it), so gym_rpc installs the
 provider; `off` installs a provider but never enables client metrics; `prometheus` exposes them through
 prometheus_client and reports the names a scrape shows; `app-traced` is `app` with the SDK's TracerProvider and
@@ -19,7 +19,7 @@ import socket
 import sys
 from typing import Any
 
-from tests.raw_servers import start_dropping_server, start_ok_server
+from tests.support.servers import start_dropping_server, start_ok_server
 
 LOOPBACK = "127.0.0.1"
 OK_CALLS = 5

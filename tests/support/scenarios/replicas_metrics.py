@@ -1,8 +1,8 @@
 """Run by tests/test_replicas_client.py in a fresh interpreter (the MeterProvider is set once per process): a
 ServerClient of an injected config with three static replicas of one server, one of them refusing, makes calls of
 no rollout and of rollouts; prints the per-instance worker metrics an in-memory reader collected, as JSON on the
-line starting "RESULT ". `python tests/replicas_metrics_scenario.py traced` traces the calls too (the SDK's
-TracerProvider, observability on), and reports the CLIENT spans.
+line starting "RESULT ". `python tests/support/scenarios/replicas_metrics.py traced` traces the calls too (the
+SDK's TracerProvider, observability on), and reports the CLIENT spans.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import socket
 import sys
 from typing import Any
 
-from tests.raw_servers import start_ok_server
-from tests.worker_metrics_scenario import collected
+from tests.support.scenarios.worker_metrics import collected
+from tests.support.servers import start_ok_server
 
 LOOPBACK = "127.0.0.1"
 CALLS = 30

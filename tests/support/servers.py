@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
-LOOPBACK = "127.0.0.1"
+from tests.support.loopback import LOOPBACK
 
 
 async def _ok(request: web.Request) -> web.Response:
@@ -58,3 +58,36 @@ async def start_dropping_server(drops: int | Callable[[int], bool]) -> tuple[asy
 
     server = await asyncio.start_server(handle, LOOPBACK, 0)
     return server, int(server.sockets[0].getsockname()[1]), connections
+
+
+async def start_stoppable_server() -> tuple[web.AppRunner, int]:
+    """An aiohttp server the test itself stops (the shared http_server fixture keeps its servers to the end)."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", ok)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, LOOPBACK, 0).start()
+    return runner, int(runner.addresses[0][1])
+
+
+class CountingServer:
+    """An aiohttp server that counts the requests it receives and, while `hold` is clear, does not answer."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.hold = asyncio.Event()
+        self.hold.set()
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        await asyncio.wait_for(self.hold.wait(), 30)
+        return web.Response(text="ok")
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        return app
+
+
+async def ok(request: web.Request) -> web.Response:
+    return web.Response(text="ok")

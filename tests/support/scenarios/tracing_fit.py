@@ -22,8 +22,8 @@ from typing import Any
 
 from aiohttp import web
 
-from tests.raw_servers import start_dropping_server, start_ok_server
-from tests.telemetry_scenario import install_app_provider, span_json
+from tests.support.scenarios.telemetry import install_app_provider, span_json
+from tests.support.servers import start_dropping_server, start_ok_server
 
 LOOPBACK = "127.0.0.1"
 

@@ -1,5 +1,5 @@
 """One worker's rollout through real parts, run in a fresh process so that each scenario gets its own global
-TracerProvider and its own tracing decision (`python tests/telemetry_scenario.py SCENARIO`, used by
+TracerProvider and its own tracing decision (`python tests/support/scenarios/telemetry.py SCENARIO`, used by
 tests/test_telemetry.py). Prints one JSON object: the spans recorded, what the receiving servers saw, and which
 OpenTelemetry modules got imported.
 

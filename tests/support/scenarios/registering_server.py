@@ -1,7 +1,7 @@
 """A real server process that registers with a head (tests of the status page): an aiohttp app on a port,
 registered through gym_rpc.integrations with labels, renewing every 0.5 s.
 
-    python tests/registering_server.py NAME HEAD_ADDRESS PORT LABELS_JSON [RELABEL_JSON]
+    python tests/support/scenarios/registering_server.py NAME HEAD_ADDRESS PORT LABELS_JSON [RELABEL_JSON]
 
 On SIGUSR1 it takes RELABEL_JSON as its labels and registers again at once (a relabel, as a refit would).
 Prints `serving PORT` once registered.

@@ -9,6 +9,10 @@ from typing import Any
 
 from aiohttp import web
 
+from gym_rpc.server import HeadServer
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK
+
 MODEL_NAME = "fake-model"
 
 
@@ -84,3 +88,23 @@ def engine_entry(port: int, affinity: Any = True, **extra: Any) -> dict[str, Any
     if affinity is not None:
         entry["session_affinity_header"] = affinity
     return {"responses_api_models": {"vllm": entry}}
+
+
+async def engines_head(head_factory, http_server, **options: Any) -> tuple[HeadServer, list[FakeEngine]]:
+    """A head serving one engine entry of two instances (vLLM's names, SGLang's) and a Gym server."""
+    vllm, sglang = FakeEngine("vllm", dict(VLLM_METRICS)), FakeEngine("sglang", dict(SGLANG_METRICS))
+    ports = [await http_server(vllm.app()), await http_server(sglang.app())]
+    gym = await http_server()
+    doc = document(
+        {
+            "policy": engine_entry(ports[0], replicas=[f"{LOOPBACK}:{ports[1]}"]),
+            "judge": server_entry(gym, "resources_servers"),
+        }
+    )
+    return await head_factory(doc, **options), [vllm, sglang]
+
+
+VLLM_METRICS = {"vllm:num_requests_waiting": 3, "vllm:num_requests_running": 5, "vllm:kv_cache_usage_perc": 0.42}
+
+
+SGLANG_METRICS = {"sglang:num_queue_reqs": 7, "sglang:num_running_reqs": 2, "sglang:token_usage": 0.9}

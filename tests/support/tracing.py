@@ -15,6 +15,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from gym_rpc import telemetry
 from gym_rpc.client.data import _call_spans as _http_tracing
@@ -22,7 +23,8 @@ from gym_rpc.client.data import _rollout
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.telemetry import TRACER_NAME, TRACING
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 
 @dataclass
@@ -128,3 +130,17 @@ async def client_of() -> AsyncIterator[Callable[[int], ServerClient]]:
     yield make
     for client in made:
         await client.aclose()
+
+
+async def post(client: ServerClient, path: str, headers: dict[str, str] | None = None) -> int:
+    response = await client.post("policy_model", path, json={}, headers=headers)
+    async with response:
+        await response.read()
+    return response.status
+
+
+class WritesNothing(TraceContextTextMapPropagator):
+    """A propagator of its own (not the default one) that carries nothing."""
+
+    def inject(self, carrier: Any, context: Any = None, setter: Any = None) -> None:
+        pass

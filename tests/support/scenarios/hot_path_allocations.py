@@ -33,7 +33,8 @@ from omegaconf import OmegaConf
 from gym_rpc.client.data._http import close_http_sessions, json_payload
 from gym_rpc.client.server_client import ServerClient, rollout_context
 from gym_rpc.config import BaseServerConfig
-from tests.conftest import LOOPBACK, closed_port, document, server_entry
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
 
 BODY: dict[str, Any] = {"model": "policy", "input": [{"role": "user", "content": "What is 6 * 7?"}]}
 
