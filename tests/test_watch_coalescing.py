@@ -64,7 +64,11 @@ async def _events_until(stream: object, last_step: str, timeout: float) -> list[
 
 async def test_a_storm_of_changes_reaches_each_watcher_as_a_few_merged_messages(head_factory, http_server):
     replica = await http_server()
-    head: HeadServer = await head_factory(document({NAME: server_entry(await http_server())}))
+    # a quiet time of 0.5 s, not the default 50 ms: at a load average of 13 the storm's own registrations had gaps
+    # longer than 50 ms, each of which let a push out (14 messages where 7 were the bound)
+    head: HeadServer = await head_factory(
+        document({NAME: server_entry(await http_server())}), push_quiet_seconds=0.5, push_max_delay_seconds=1.0
+    )
     client = ControlClient(head.address)
     streams = [client.watch_server_statuses(heartbeat_seconds=60) for _ in range(WATCHERS)]
     try:
