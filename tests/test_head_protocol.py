@@ -321,8 +321,8 @@ async def test_an_answer_in_no_known_protocol_is_shown_escaped_and_short() -> No
 
 
 def test_every_rpc_has_an_answer_from_nemo_gyms_head_or_says_why_not() -> None:
-    """Rows without an HTTP answer are exactly those NeMo Gym's head cannot give: they change the head, or (the head
-    health watch, which only registering servers use, and NeMo Gym's head takes no registrations) stream."""
+    """Rows without an HTTP answer are exactly those NeMo Gym's head cannot give: they change the head, or (the
+    head health watch, which only registering servers use, and NeMo Gym's head takes no registrations) stream."""
     from gym_rpc.client.control._clients import ControlRpcs
     from gym_rpc.client.control._rpc import Rpc
 
