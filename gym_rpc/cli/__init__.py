@@ -2,7 +2,7 @@
 
 * `_commands`: the parser and every subcommand, the exit codes (docs/cli.md).
 * `demo`: the end-to-end demo (`gym-rpc demo`, `make demo`); its servers are public for examples.
-* `_render`: the status table and the JSON rows both print; `_text_table`: the plain text table it is drawn with.
+* `_render`: the status table and the JSON rows both print, and the plain text table it is drawn with.
 * `_flags`: flags whose default comes from a variable; one-line usage errors.
 
 Importing this package imports the commands (a good part of a second; `gym_rpc.__main__` catches Ctrl-C around it).
