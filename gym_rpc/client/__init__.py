@@ -2,8 +2,10 @@
 
 * `server_client`: `ServerClient` (control plane over gRPC, data plane over aiohttp), the public API page; it
   joins the families below.
-* `_follower`: each server's instances, followed from the head's watch in the background (its share of the CPU):
-  where the control plane and the replicas meet.
+* `_endpoints`: a client's name -> URL or route (advertised lookups, override, routes, the follower, selectors);
+  `_dict_config`: `global_config_dict`, built on first read.
+* `_follower`: each server's instances, followed from the head's watch in the background (its share of the CPU;
+  `_relearn_grace`: instances a fresh head has not relearned yet): where the control plane and the replicas meet.
 * `data`: the data plane, a call to a Gym server: the aiohttp sessions and `send` (imported on the first call), its
   span and metrics, a replicated server's routed send, the rollout a call carries.
 * `control`: the head view: the control-plane clients made from one RPC table, the seam that picks the gRPC head
@@ -13,8 +15,8 @@
 * `tracing`: OpenTelemetry's hooks under both planes; `nemo_gym`: NeMo Gym's HTTP head and rollout correlation.
 
 `make lint` keeps the families apart: the data plane never imports the control plane, the control plane never the
-replicas; the follower and `ServerClient` join them. Nothing here imports `gym_rpc.server`: a worker never loads
-head code. Exports import on first use.
+replicas; the follower, the endpoints (`_endpoints`) and `ServerClient` join them. Nothing here imports
+`gym_rpc.server`: a worker never loads head code. Exports import on first use.
 """
 
 from typing import TYPE_CHECKING
