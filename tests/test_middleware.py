@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -450,3 +452,44 @@ async def test_asgi_root_path_is_kept_in_front_of_the_stripped_path():
     assert rewritten["raw_path"] == b"/api/v1/x%2Fy"
     assert rewritten["state"]["rollout_id"] == "r-1"
     assert scope["path"] == "/api/ng-rollout/r-1/v1/x/y"  # the caller's scope is not mutated
+
+
+_FRESH_PROCESS = """
+import asyncio, json, urllib.request, warnings
+from aiohttp import web
+from gym_rpc.integrations import TraceContextPathMiddleware
+
+warnings.simplefilter("error")  # any warning at all is an exception, in the handler too
+
+async def handler(request):
+    return web.json_response({"rollout_id": request["rollout_id"], "token_capture": request["token_capture"]})
+
+async def main():
+    app = web.Application(middlewares=[TraceContextPathMiddleware.aiohttp()])
+    app.router.add_post("/v1/responses", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    answers = []
+    for _ in range(2):
+        url = f"http://127.0.0.1:{port}/ng-rollout/r1/training-token-capture/v1/responses"
+        request = urllib.request.Request(url, data=b"{}", method="POST")
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(request, timeout=10).read())
+        answers.append(json.loads(body))
+    await runner.cleanup()
+    print(json.dumps(answers))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.process
+def test_the_prefix_values_are_stored_without_a_warning_in_a_fresh_process() -> None:
+    """aiohttp >= 3.14 warns once per process for each str key stored in a request (it prefers RequestKey); the
+    documented keys are str, so the middleware's first store silences that one warning. In a process where every
+    warning is an error, the first requests are answered with both values."""
+    done = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout) == [{"rollout_id": "r1", "token_capture": True}] * 2

@@ -4,9 +4,14 @@ object: gym_rpc lives on their public APIs, so that an upgrade of any can change
 Read from the source (Python's `ast`): an attribute starting with one underscore is refused on any name bound to
 one of their modules (`metrics._internal`, `argparse._SubParsersAction`), and, on any other object but `self` and
 `cls`, when one of them has a private name of that spelling (`parser._actions`, `session._trace_configs`,
-`tracer._span_limits`, `propagator._propagators`), and so for `getattr`, `hasattr`, `setattr` and `delattr` with
-such a name as a literal. The few hits that are gym_rpc's own objects are listed (OWN_NAMES), as are the ones left
-in another's module (KNOWN_ELSEWHERE): both lists must match exactly what is found.
+`tracer._span_limits`, `propagator._propagators`, `request._match_info`), and so for `getattr`, `hasattr`,
+`setattr` and `delattr` with such a name as a literal, for `object.__setattr__(request, "_state", ...)` and its
+kin, and for `request.__dict__["_state"]` and `vars(request)["_state"]`. pydantic's own stores of a model
+(`__pydantic_private__`, `__pydantic_fields_set__`, ...: any `__pydantic_*__` but the documented
+`__pydantic_init_subclass__` hook) are refused as attributes and as string literals (the keys of a pickled
+model's state). The few hits that are gym_rpc's own objects are listed (OWN_NAMES), as are the ones left in
+another's module (KNOWN_ELSEWHERE): both lists must match exactly what is found (but PENDING_ELSEWHERE, which
+another piece of work is removing).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,13 +33,24 @@ NAMED_BY_THE_LEAD = {
     "_span_processors", "_active_span_processor", "_batch_processor", "_tracer_config", "_tracer_metrics",
     "_span_limits", "_RUNTIME_CONTEXT",
 }  # fmt: skip
-# aiohttp internals the receiving servers' middleware still rewrites a request with (aiohttp has no public way to
-# re-route one): integrations/_middleware.py, owned by the head's hardening work; this list may only shrink.
+# aiohttp internals the receiving servers' middleware still rewrites a request with, as aiohttp has no public way
+# to re-route one: the route the stripped path resolves to (`_match_info`: Request.clone copies the old one, and
+# aiohttp's own normalize_path_middleware assigns a resolved clone's the same way), and the raw path of the one
+# edge yarl cannot spell (`_message`: a path left starting with "//"). integrations/_middleware.py says why at
+# each; this list may only shrink.
 KNOWN_ELSEWHERE = {
-    ("integrations/_middleware.py", "_state"),
     ("integrations/_middleware.py", "_message"),
     ("integrations/_middleware.py", "_match_info"),
 }
+# Being removed by other work under way; each may be gone already (then drop it here).
+PENDING_ELSEWHERE = {
+    # ServerClient.__getstate__/__setstate__ read and write pydantic's pickled-state key: the pickling rework of
+    # issue 41 point 1 (helper `callpath`) makes it "head config + typed config + settings + selectors".
+    ("client/server_client.py", "__pydantic_private__"),
+}
+PYDANTIC_STORE = re.compile(r"__pydantic_\w+__")
+PYDANTIC_HOOKS = {"__pydantic_init_subclass__"}  # documented: a model class may define it
+DUNDER_ATTRIBUTE_CALLS = {"__setattr__", "__getattribute__", "__getattr__", "__delattr__"}
 # gym_rpc's own objects whose private names aiohttp happens to use too.
 OWN_NAMES = {
     ("server/security/_connection_limits.py", "_closed"),  # BoundedListener._closed
@@ -101,11 +118,46 @@ def _dependency_bindings(tree: ast.Module) -> set[str]:
     return bound
 
 
+def _pydantic_store(name: object) -> bool:
+    return isinstance(name, str) and bool(PYDANTIC_STORE.fullmatch(name)) and name not in PYDANTIC_HOOKS
+
+
+def _literal(node: ast.AST) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _dict_of(node: ast.AST) -> bool:
+    """`x.__dict__` or `vars(x)`: an object's attributes as a mapping."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "__dict__"
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars"
+
+
 def private_reads(tree: ast.Module) -> Iterator[tuple[int, str]]:
     """(line, name) of each access to a dependency's private attribute in one module."""
     theirs = dependency_private_names()
     bound = _dependency_bindings(tree)
     for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _pydantic_store(node.attr):
+            yield node.lineno, node.attr
+            continue
+        if isinstance(node, ast.Constant) and _pydantic_store(node.value):
+            yield node.lineno, str(node.value)
+            continue
+        if isinstance(node, ast.Subscript) and _dict_of(node.value):
+            key = _literal(node.slice)
+            if key is not None and _is_private(key) and key in theirs:
+                yield node.lineno, key
+            continue
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in DUNDER_ATTRIBUTE_CALLS
+        ):
+            names = [_literal(argument) for argument in node.args[:2]]
+            for name in names:
+                if name is not None and _is_private(name) and name in theirs:
+                    yield node.lineno, name
         if isinstance(node, ast.Attribute) and _is_private(node.attr):
             owner = node.value
             if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
@@ -134,14 +186,15 @@ def gym_rpc_private_reads() -> set[tuple[str, int, str]]:
     return found
 
 
-def test_no_gym_rpc_module_reads_a_private_attribute_of_opentelemetry_or_aiohttp() -> None:
+def test_no_gym_rpc_module_reads_a_private_attribute_of_opentelemetry_aiohttp_argparse_or_pydantic() -> None:
     found = gym_rpc_private_reads()
-    listed = KNOWN_ELSEWHERE | OWN_NAMES
+    listed = KNOWN_ELSEWHERE | OWN_NAMES | PENDING_ELSEWHERE
     unexpected = sorted(read for read in found if (read[0], read[2]) not in listed)
     assert unexpected == [], "private reads of a dependency (use its public API): " + ", ".join(
         f"gym_rpc/{path}:{line} {name}" for path, line, name in unexpected
     )
-    assert {(path, name) for path, _, name in found} == listed  # a listed one gone: drop it from its list
+    gone = listed - {(path, name) for path, _, name in found}
+    assert gone <= PENDING_ELSEWHERE, gone  # a listed one gone: drop it from its list
 
 
 @pytest.mark.parametrize(
@@ -157,6 +210,20 @@ def test_no_gym_rpc_module_reads_a_private_attribute_of_opentelemetry_or_aiohttp
         "processor._batch_processor.emit(span)",
         "import argparse\nfound = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]",
         "text = formatter._get_help_string(action)",
+        # what the middleware wrote before it stored the prefix values through the request's mapping
+        "rerouted._state['rollout_id'] = rollout_id",
+        "clone._match_info = match_info",
+        "clone._message = clone._message._replace(path=rest)",
+        # the same by other spellings
+        "object.__setattr__(clone, '_match_info', match_info)",
+        "clone.__setattr__('_match_info', match_info)",
+        "state = request.__dict__['_state']",
+        "vars(parser)['_actions'].clear()",
+        # pydantic's stores of a model, as attributes and as the keys of its pickled state
+        "private = state['__pydantic_private__']",
+        "state['__pydantic_fields_set__'] = set()",
+        "extra = model.__pydantic_extra__",
+        "value = getattr(model, '__pydantic_private__')",
     ],
 )
 def test_the_scan_finds_what_the_old_span_path_read(source: str) -> None:
@@ -170,6 +237,11 @@ def test_the_scan_finds_what_the_old_span_path_read(source: str) -> None:
         "configs = session.trace_configs",
         "value = private['_global_config']",
         "name = module.__name__",
+        "request['rollout_id'] = rollout_id",
+        "clone = request.clone(rel_url=url, headers=headers)",
+        "class Model(BaseModel):\n    @classmethod\n    def __pydantic_init_subclass__(cls, **kw): ...",
+        "def __get_pydantic_core_schema__(cls, source, handler): ...",
+        "value = vars(options)['timeout']",
     ],
 )
 def test_the_scan_leaves_public_and_own_names_alone(source: str) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import Any
@@ -75,10 +76,7 @@ async def _aiohttp_middleware(request: web.Request, handler: Handler) -> web.Str
             return await _traced_aiohttp(request, request, handler, None)
         return await handler(request)
     rerouted = await _rerouted_request(request, prefixes)
-    # Written to the request's storage directly: `request[...] = ` with a str key makes aiohttp >= 3.14 warn
-    # (it prefers RequestKey), yet the documented keys are plain strings, as handlers written for Gym expect.
-    rerouted._state[ROLLOUT_ID_KEY] = prefixes.rollout_id
-    rerouted._state[TOKEN_CAPTURE_KEY] = prefixes.token_capture
+    _store_prefixes(rerouted, prefixes)
     with rollout_context(prefixes.rollout_id):
         if tracing_enabled():
             return await _traced_aiohttp(request, rerouted, _inner_chain(rerouted), prefixes.rollout_id)
@@ -86,6 +84,25 @@ async def _aiohttp_middleware(request: web.Request, handler: Handler) -> web.Str
 
 
 _apps_checked: weakref.WeakSet[web.Application] = weakref.WeakSet()
+_keys_stored = False  # whether the documented str keys were stored once (aiohttp warns once per str key)
+
+
+def _store_prefixes(request: web.Request, prefixes: GymPrefixes) -> None:
+    """`request["rollout_id"]` and `request["token_capture"]`, through the request's public mapping.
+
+    The documented keys are plain strings, as handlers written for Gym read them; aiohttp >= 3.14 prefers
+    `web.RequestKey` and warns once per process for each str key it is given, which the first store silences (a
+    warning the user cannot act on). Every later store is a plain item assignment."""
+    global _keys_stored
+    if _keys_stored:
+        request[ROLLOUT_ID_KEY] = prefixes.rollout_id
+        request[TOKEN_CAPTURE_KEY] = prefixes.token_capture
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", web.NotAppKeyWarning)
+        request[ROLLOUT_ID_KEY] = prefixes.rollout_id
+        request[TOKEN_CAPTURE_KEY] = prefixes.token_capture
+    _keys_stored = True
 
 
 def _check_outermost(app: web.Application) -> None:
@@ -140,15 +157,20 @@ async def _rerouted_request(request: web.Request, prefixes: GymPrefixes) -> web.
     if prefixes.traceparent is not None:
         headers[TRACEPARENT_HEADER] = prefixes.traceparent  # replaces every existing value
     clone = request.clone(rel_url=rel_url, headers=headers)
-    # clone() sets raw_path to str(rel_url), which yarl writes with two extra slashes when the path starts with
-    # "//" (an empty authority): keep raw_path what was actually left after the prefix.
-    query = request.rel_url.raw_query_string
-    clone._message = clone._message._replace(path=prefixes.rest + (f"?{query}" if query else ""))
+    if prefixes.rest.startswith("//"):
+        # clone() sets raw_path to str(rel_url), which yarl writes with two extra slashes when the path starts
+        # with "//" (an empty authority), and no public way takes a raw path: keep raw_path what was actually left
+        # after the prefix. Only this edge (an empty segment after the prefix, which no Gym client sends).
+        query = request.rel_url.raw_query_string
+        clone._message = clone._message._replace(path=prefixes.rest + (f"?{query}" if query else ""))
     root = request.app
     match_info = await root.router.resolve(clone)
     match_info.add_app(root)  # what Application._handle does: sub-app resolution already added the sub-app
     match_info.freeze()
-    clone._match_info = match_info  # aiohttp has no public setter; Request.clone itself assigns it this way
+    # aiohttp has no public way to give a request its route (Request.clone copies the old one; aiohttp's own
+    # normalize_path_middleware assigns a resolved clone's the same way), so the handler sees the stripped
+    # route's match_info, app and config_dict only through this.
+    clone._match_info = match_info
     return clone
 
 
