@@ -11,6 +11,7 @@ the real caller: the watch shares, and the address a wildcard server registers a
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -200,3 +201,57 @@ async def test_tls_and_client_certificates_pass_through_the_relay(head_factory: 
     with pytest.raises(HeadUnreachableError):
         await refused.list_server_statuses()
     assert head.relay.open >= 1
+
+
+_CLI_IN_NAMESPACE = r"""
+import fcntl, json, re, socket, struct, subprocess, sys, time
+
+with socket.socket() as s:  # SIOCGIFFLAGS, SIOCSIFFLAGS: lo up
+    flags = struct.unpack("16sh", fcntl.ioctl(s, 0x8913, struct.pack("16sh", b"lo", 0)))[1]
+    fcntl.ioctl(s, 0x8914, struct.pack("16sh", b"lo", flags | 1))
+config, preface = sys.argv[1], bytes.fromhex(sys.argv[2])
+head = subprocess.Popen(
+    [sys.executable, "-m", "gym_rpc", "head", "--config", config, "--host", "0.0.0.0", "--port", "0",
+     "--max-connections-per-address", "2"],
+    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+)
+try:
+    port = int(re.search(r"listening on [^ ]*:(\d+)", head.stdout.readline()).group(1))
+    sockets = []
+    for _ in range(3):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(preface)
+        sockets.append(sock)
+    closed = []
+    for sock in sockets:  # the third is closed at once; the first two get grpc's SETTINGS and stay open
+        sock.settimeout(1.0)
+        try:
+            while sock.recv(65536):
+                pass
+            closed.append(True)
+        except TimeoutError:
+            closed.append(False)
+        except OSError:
+            closed.append(True)
+    print(json.dumps({"closed": closed}), flush=True)
+finally:
+    head.terminate()
+    head.communicate(timeout=30)
+"""
+
+
+@pytest.mark.process
+@needs_namespace
+def test_the_cli_sets_the_per_address_bound(tmp_path: Path) -> None:
+    """`gym-rpc head --host 0.0.0.0 --max-connections-per-address 2` (in a namespace of its own): a third
+    connection from one address is closed at once, the two before it stay open."""
+    config = tmp_path / "head.yaml"
+    config.write_text("head_server: {host: 127.0.0.1, port: 0}\n", encoding="utf-8")
+    done = subprocess.run(
+        ["unshare", "-rn", sys.executable, "-c", _CLI_IN_NAMESPACE, str(config), PREFACE.hex()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"closed": [False, False, True]}

@@ -250,6 +250,13 @@ def _add_serving_flags(parser: argparse.ArgumentParser) -> None:
         "watches have a pool of the same size); more get RESOURCE_EXHAUSTED (none: 1024)",
     )
     parser.add_argument(
+        "--max-connections-per-address",
+        type=_positive_int,
+        metavar="N",
+        help="gRPC connections one client IP address may hold at once on a head bound beyond loopback (every "
+        "loopback address counts as one; at most a quarter of the total); more are closed at once (none: 1024)",
+    )
+    parser.add_argument(
         "--instance-series",
         type=_non_negative_int,
         metavar="N",
@@ -621,6 +628,7 @@ def _max_watches(args: argparse.Namespace) -> dict[str, Any]:
     given = {
         "max_concurrent_watches": args.max_watches,
         "max_watches_per_peer": args.max_watches_per_address,
+        "max_connections_per_address": args.max_connections_per_address,
         "watch_stall_seconds": args.watch_stall,
         "connection_idle_seconds": args.connection_idle,
         "instance_series": args.instance_series,

@@ -194,7 +194,7 @@ class GrpcRelay:
                 self._refusals.log(
                     f"closed a gRPC connection from {peer_address(real)}: that client holds "
                     f"{self._per_client[client]} connections, the most one client address may "
-                    f"(HeadOptions.max_connections_per_address)"
+                    f"(--max-connections-per-address)"
                 )
                 continue
             self._per_client[client] += 1
