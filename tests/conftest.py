@@ -36,6 +36,7 @@ pytest_plugins = [
     "tests.support.fd_limits",
     "tests.support.nemo_gym",
     "tests.support.processes",
+    "tests.support.replicas",
     "tests.support.security",
     "tests.support.tracing",
 ]

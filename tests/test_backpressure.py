@@ -8,15 +8,15 @@ beyond it, each within its deadline."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
-from gym_rpc.client.data._http import close_http_sessions, send
+from gym_rpc.client.data._http import send
 from gym_rpc.client.data._rollout import rollout_context
 from gym_rpc.client.resend._policy import RetryPolicy
 from gym_rpc.client.server_client import ServerClient
@@ -24,71 +24,15 @@ from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.errors import ConfigError, RequestTimeoutError
 from tests.support.documents import document, server_entry
 from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.replicas import ReplicaServer
 
 NAME = "judge"
 
 
-class Busy:
-    """One instance: answers `answers` in turn (a status, and a Retry-After or None), then 200s; counts its calls
-    and the most it had in flight at once; each call takes `hold` seconds."""
-
-    def __init__(self) -> None:
-        self.answers: list[tuple[int, str | None]] = []
-        self.always: tuple[int, str | None] | None = None  # every call answered so
-        self.hold = 0.0
-        self.calls = 0
-        self.in_flight = 0
-        self.most_in_flight = 0
-        self.arrived = asyncio.Event()  # set by the first call that reaches it
-        self.port = 0
-        self._runner: web.AppRunner | None = None
-
-    async def handle(self, request: web.Request) -> web.Response:
-        self.calls += 1
-        self.arrived.set()
-        self.in_flight += 1
-        self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        try:
-            await request.read()
-            if self.hold:
-                await asyncio.sleep(self.hold)
-            status, retry_after = self.always or (self.answers.pop(0) if self.answers else (200, None))
-            headers = {"Retry-After": retry_after} if retry_after is not None else {}
-            return web.json_response({"port": self.port}, status=status, headers=headers)
-        finally:
-            self.in_flight -= 1
-
-    async def start(self) -> int:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await runner.setup()
-        site = web.TCPSite(runner, LOOPBACK, 0)
-        await site.start()
-        self._runner = runner
-        self.port = int(runner.addresses[0][1])
-        return self.port
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-
 @pytest.fixture
-async def instances() -> AsyncIterator[Callable[[int], Awaitable[list[Busy]]]]:
-    started: list[Busy] = []
-
-    async def start(count: int) -> list[Busy]:
-        made = [Busy() for _ in range(count)]
-        for instance in made:
-            await instance.start()
-        started.extend(made)
-        return made
-
-    yield start
-    await close_http_sessions()
-    for instance in started:
-        await instance.stop()
+def instances(replica_servers) -> Callable[[int], Awaitable[list[ReplicaServer]]]:
+    """Replica servers that stop at once (a call still held is cut)."""
+    return functools.partial(replica_servers, shutdown_timeout=0.1)
 
 
 def client_of(
@@ -110,7 +54,7 @@ def client_of(
 async def call(client: ServerClient, **kwargs: Any) -> tuple[int, int]:
     """One POST: (its status, the port that answered)."""
     async with await client.post(NAME, "/v1/responses", json={}, **kwargs) as response:
-        return response.status, int((await response.json())["port"])
+        return response.status, int((await response.json())["instance"])
 
 
 # --- a replicated server: to another instance --------------------------------------------------------------------
@@ -214,7 +158,7 @@ async def test_a_retry_after_beyond_the_budget_gives_the_caller_the_answer_at_on
     started = time.monotonic()
     async with await client.post(NAME, "/v1/responses", json={}) as response:
         assert response.status == 429 and response.headers["Retry-After"] == "3600"
-        assert (await response.json())["port"] == busy.port  # the answer itself, readable
+        assert (await response.json())["instance"] == busy.port  # the answer itself, readable
     assert time.monotonic() - started < 5
 
 
@@ -236,7 +180,7 @@ async def test_max_concurrent_requests_queues_the_calls_beyond_it(instances) -> 
     """A judge allowing 2 calls at once: 12 calls at once reach it 2 at a time, in order, and every one is
     answered. Before, the key was ignored and all 12 arrived together."""
     (judge,) = await instances(1)
-    judge.hold = 0.05
+    judge.delay = 0.05
     client = client_of([judge.port], "resources_servers", max_concurrent_requests=2)
     answers = await asyncio.gather(*(call(client) for _ in range(12)))
     assert answers == [(200, judge.port)] * 12
@@ -248,7 +192,7 @@ async def test_max_concurrent_requests_queues_the_calls_beyond_it(instances) -> 
 
 async def test_a_call_queued_past_its_deadline_fails_naming_the_cap(instances) -> None:
     (judge,) = await instances(1)
-    judge.hold = 3.0
+    judge.delay = 3.0
     client = client_of([judge.port], max_concurrent_requests=1)
     first = asyncio.create_task(call(client))
     async with asyncio.timeout(30):

@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,6 +34,7 @@ from tests.support.cli import STARTUP_SECONDS, run_cli, running_cli
 from tests.support.documents import document, server_entry
 from tests.support.loopback import LOOPBACK, closed_port
 from tests.support.security import Pki, tls_block, tls_client
+from tests.support.waiting import eventually
 
 T = TypeVar("T")
 CALL_TIMEOUT = 2.0
@@ -52,17 +52,6 @@ def as_served_by(bridge: BridgeHead, doc: dict[str, Any]) -> dict[str, Any]:
             "responses_api_models": {"responses_api_models_impl": {**policy, "api_key": "<redacted>"}}
         },
     }
-
-
-async def eventually(probe: Callable[[], Awaitable[T]], accept: Callable[[T], bool], timeout: float = 8.0) -> T:
-    """Call `probe` until `accept` takes its result, within `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = await probe()
-        if accept(result):
-            return result
-        assert time.monotonic() < deadline, f"last result not accepted: {result!r}"
-        await asyncio.sleep(0.05)
 
 
 async def refusal(client: ControlClient) -> str:
@@ -112,6 +101,7 @@ async def test_bridge_probes_servers_itself_and_lists_upstream_processes(nemo_he
             {r.server_name: r.status for r in s.reports}
             == {"policy_model": "success", "simple_agent": "connection_error"}
         ),
+        within=8.0,
     )
     instances = {i.name: i for i in await client.list_server_instances()}
 
@@ -135,7 +125,7 @@ async def test_upstream_down_is_unavailable_naming_it_then_recovers_on_restart(n
     version = (await client.get_global_config()).version
 
     await upstream.stop()
-    message = await eventually(lambda: refusal(client), bool)
+    message = await eventually(lambda: refusal(client), bool, within=8.0)
 
     assert f"NeMo Gym head at {upstream.url} is unavailable" in message
     with pytest.raises(HeadUnreachableError, match=re.escape(upstream.url)):
@@ -146,7 +136,7 @@ async def test_upstream_down_is_unavailable_naming_it_then_recovers_on_restart(n
     assert await health_status(bridge) == health_pb2.HealthCheckResponse.NOT_SERVING
 
     await upstream.start(upstream.port)  # the same head back on the same port
-    await eventually(lambda: refusal(client), lambda m: m == "")
+    await eventually(lambda: refusal(client), lambda m: m == "", within=8.0)
 
     assert (await client.get_global_config()).version == version
     assert await health_status(bridge) == health_pb2.HealthCheckResponse.SERVING
@@ -164,7 +154,7 @@ async def test_before_the_first_fetch_every_call_is_unavailable_not_a_crash(nemo
         await client.get_server_status("policy_model", timeout=CALL_TIMEOUT)
 
     upstream = await nemo_head(upstream_document(closed_port(), closed_port()), port=port)
-    await eventually(lambda: refusal(client), lambda m: m == "")
+    await eventually(lambda: refusal(client), lambda m: m == "", within=8.0)
 
     assert (await client.get_global_config()).document == as_served_by(bridge, upstream.doc)
 
@@ -177,13 +167,14 @@ async def test_a_changed_upstream_config_gives_a_new_version(nemo_head, bridge_f
     extra_port = await http_server()
 
     upstream.doc = {**upstream.doc, "example_resources": server_entry(extra_port, "resources_servers")}
-    after = await eventually(client.get_global_config, lambda c: c.version != before.version)
+    after = await eventually(client.get_global_config, lambda c: c.version != before.version, within=8.0)
 
     assert "example_resources" in after.servers
     assert after.document == as_served_by(bridge, upstream.doc)
     await eventually(
         lambda: client.get_server_status("example_resources", timeout=CALL_TIMEOUT),
         lambda r: r.status == "success",
+        within=8.0,
     )
 
 
@@ -288,7 +279,7 @@ async def test_cli_bridge_serves_gym_rpc_status_and_names_a_down_upstream(nemo_h
             assert result.returncode == 0, result.stderr
             return {row["name"]: row["status"] for row in json.loads(result.stdout)}
 
-        rows = await eventually(status_rows, lambda r: r.get("policy_model") == "success")
+        rows = await eventually(status_rows, lambda r: r.get("policy_model") == "success", within=8.0)
         assert rows["simple_agent"] == "connection_error"
 
         await upstream.stop()
@@ -378,7 +369,7 @@ async def test_sighup_makes_the_bridge_fetch_at_once(nemo_head, http_server):
 
         bridge.process.send_signal(signal.SIGHUP)
 
-        after = await eventually(client.get_global_config, lambda c: c.version != before.version)
+        after = await eventually(client.get_global_config, lambda c: c.version != before.version, within=8.0)
         assert list(after.servers) == ["policy_model", "simple_agent", "example_resources"]
         bridge.process.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(bridge.wait, 10) == 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -20,6 +20,7 @@ from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 from tests.support.documents import document, server_entry
 from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.waiting import eventually
 
 
 async def answering(port: int) -> web.AppRunner:
@@ -45,14 +46,6 @@ def client_of(servers: dict[str, Any], **retry: Any) -> ServerClient:
     )
     client.follow_instances(False)
     return client
-
-
-async def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
-    """Polls `condition` every 10 ms; fails the test after `timeout` (generous: a loaded machine is slow)."""
-    ending = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < ending, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -95,7 +88,9 @@ async def test_a_storm_against_one_refusing_server_does_not_delay_another_server
     alone, alone_outcomes = await a_blip(client, blip_port, 40)
     storm = [asyncio.create_task(client.post("storm", "/v1/responses", json={})) for _ in range(300)]
     try:
-        await until(lambda: RESEND_BUDGET.waiting > 200)  # refused, their resends holding its slots and queued
+        await eventually(
+            lambda: RESEND_BUDGET.waiting > 200, within=30.0, every=0.01
+        )  # refused, their resends holding its slots and queued
         stormy, stormy_outcomes = await a_blip(client, blip_port, 40)
         assert all(not task.done() for task in storm)  # the storm went on all along
     finally:
@@ -140,7 +135,7 @@ async def test_a_failover_to_an_untried_instance_never_waits_for_a_slot(closing)
     )
     holders = [asyncio.create_task(holders_client.post("policy", "/v1/responses", json={})) for _ in range(10)]
     try:
-        await until(lambda: RESEND_BUDGET.held == 1 and RESEND_BUDGET.waiting >= 5)
+        await eventually(lambda: RESEND_BUDGET.held == 1 and RESEND_BUDGET.waiting >= 5, within=30.0, every=0.01)
         statuses = []
         for _ in range(20):
             async with await client.post("policy", "/v1/responses", json={}) as response:

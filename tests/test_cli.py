@@ -37,6 +37,7 @@ from tests.support.cli import (
     running_cli,
     running_head,
     threaded_http_server,
+    wait_until_probed_by,
 )
 from tests.support.documents import server_entry, write_config
 from tests.support.loopback import LOOPBACK, closed_port
@@ -50,15 +51,6 @@ CLI_SLACK_SECONDS = 4.0
 
 def head_port(head: HeadProcess) -> int:
     return int(head.address.rsplit(":", 1)[1])
-
-
-def wait_until_probed(address: str) -> None:
-    """Block until the head has probed every server once, so status output is settled."""
-    client = SyncControlClient(address, timeout_seconds=2.0)
-    deadline = time.monotonic() + WAIT_SECONDS
-    while any(report.status is None for report in client.list_server_statuses().reports):
-        assert time.monotonic() < deadline, f"head at {address} did not probe every server in {WAIT_SECONDS}s"
-        time.sleep(0.05)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str, code: int = 1) -> str:
@@ -99,7 +91,7 @@ def mixed_doc(data_servers: tuple[ThreadedHttpServer, ThreadedHttpServer]) -> di
 def mixed_head(tmp_path_factory: pytest.TempPathFactory, mixed_doc: dict[str, Any]) -> Iterator[HeadProcess]:
     path = write_config(tmp_path_factory.mktemp("mixed") / "config.yaml", mixed_doc)
     with running_head(path) as head:
-        wait_until_probed(head.address)
+        wait_until_probed_by(head.address, within=WAIT_SECONDS)
         yield head
 
 

@@ -28,6 +28,7 @@ from tests.support.cli import (
     running_cli,
     running_head,
     threaded_http_server,
+    wait_until_probed_by,
 )
 from tests.support.documents import server_entry
 from tests.support.loopback import LOOPBACK, closed_port
@@ -39,14 +40,6 @@ def write_config(path: Path, servers: dict[str, Any]) -> Path:
     doc = {"head_server": {"host": LOOPBACK, "port": 0}, **servers}
     path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
     return path
-
-
-def wait_until_probed(address: str) -> None:
-    client = SyncControlClient(address, timeout_seconds=2.0)
-    deadline = time.monotonic() + WAIT_SECONDS
-    while any(report.status is None for report in client.list_server_statuses().reports):
-        assert time.monotonic() < deadline, f"head at {address} did not probe every server in {WAIT_SECONDS}s"
-        time.sleep(0.05)
 
 
 def one_line(stderr: str) -> str:
@@ -69,7 +62,7 @@ def up_and_down_head(
     """A head with one server up ("live") and one down ("gone", a held closed port)."""
     servers = {"live": server_entry(live_server.port), "gone": server_entry(closed_port(), "resources_servers")}
     with running_head(write_config(tmp_path_factory.mktemp("mixed") / "config.yaml", servers)) as head:
-        wait_until_probed(head.address)
+        wait_until_probed_by(head.address, within=WAIT_SECONDS)
         yield head
 
 
@@ -80,7 +73,7 @@ def all_up_head(
     with running_head(
         write_config(tmp_path_factory.mktemp("up") / "config.yaml", {"live": server_entry(live_server.port)})
     ) as head:
-        wait_until_probed(head.address)
+        wait_until_probed_by(head.address, within=WAIT_SECONDS)
         yield head
 
 
@@ -159,7 +152,7 @@ def test_registered_servers_show_pid_and_uptime(tmp_path: Path, live_server: Thr
         client.register_server_instance(
             "live", pid=4242, start_time=started, listen_host=LOOPBACK, listen_port=live_server.port
         )
-        wait_until_probed(head.address)
+        wait_until_probed_by(head.address, within=WAIT_SECONDS)
         table = run_cli(["status", "--head", head.address])
         rows = json.loads(run_cli(["status", "--head", head.address, "-o", "json"]).stdout)
     header, row = (re.split(r"\s{2,}", line) for line in table.stdout.splitlines()[:2])
@@ -317,7 +310,7 @@ def test_watch_rows_carry_the_latest_probe_of_servers_that_did_not_change(tmp_pa
             running_head(write_config(tmp_path / "config.yaml", servers)) as head,
             running_cli(["status", "--head", head.address, "--watch", "-o", "jsonl"]) as watcher,
         ):
-            wait_until_probed(head.address)
+            wait_until_probed_by(head.address, within=WAIT_SECONDS)
             first = json.loads(watcher.read_line(WAIT_SECONDS))
             while {row["status"] for row in first["servers"]} != {"success"}:
                 first = json.loads(watcher.read_line(WAIT_SECONDS))
@@ -401,7 +394,7 @@ def test_watch_table_on_a_terminal_redraws_with_fresh_last_checked(tmp_path: Pat
     with threaded_http_server() as steady:
         config = write_config(tmp_path / "config.yaml", {"steady": server_entry(steady.port)})
         with running_head(config) as head:
-            wait_until_probed(head.address)
+            wait_until_probed_by(head.address, within=WAIT_SECONDS)
             primary, secondary = pty.openpty()
             args = ["status", "--head", head.address, "--watch"]
             output = b""

@@ -10,94 +10,30 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import time
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
-from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.replicas._instance_state import Instance
 from gym_rpc.client.replicas._routing import ServerRoute
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from tests.support.documents import document, server_entry
 from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.replicas import ReplicaServer
+from tests.support.waiting import eventually
 
 NAME = "policy"
 
 
-class FaultyInstance:
-    """One instance whose answers a test sets: `post` ("ok", "wedge": never answers, "reset": headers then a reset,
-    "silent": headers then a body that never comes) and `probe_status`, the code `GET /` gets (None: `GET /` hangs,
-    as a probe of a wedged process would)."""
-
-    def __init__(self) -> None:
-        self.post = "ok"
-        self.post_status = 200
-        self.probe_status: int | None = 200
-        self.posts = 0
-        self.port = 0
-        self._runner: web.AppRunner | None = None
-
-    async def handle_get(self, request: web.Request) -> web.StreamResponse:
-        status = self.probe_status
-        if status is None:
-            await asyncio.sleep(3600)
-            status = 504
-        return web.json_response({"instance": self.port}, status=status)
-
-    async def handle_post(self, request: web.Request) -> web.StreamResponse:
-        self.posts += 1
-        await request.read()
-        if self.post == "wedge":
-            await asyncio.sleep(3600)
-        if self.post in ("reset", "silent"):
-            response = web.StreamResponse(headers={"Content-Length": "1000"})
-            await response.prepare(request)
-            await response.write(b"{" * 10)
-            if self.post == "reset":
-                assert request.transport is not None
-                request.transport.abort()
-            else:
-                await asyncio.sleep(3600)
-            return response
-        return web.json_response({"instance": self.port}, status=self.post_status)
-
-    async def start(self, port: int = 0) -> int:
-        app = web.Application()
-        app.router.add_get("/{tail:.*}", self.handle_get)
-        app.router.add_post("/{tail:.*}", self.handle_post)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await runner.setup()
-        await web.TCPSite(runner, LOOPBACK, port, reuse_address=True).start()
-        self._runner = runner
-        self.port = int(runner.addresses[0][1])
-        return self.port
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-
 @pytest.fixture
-async def instances() -> AsyncIterator[Callable[[int], Awaitable[list[FaultyInstance]]]]:
-    started: list[FaultyInstance] = []
-
-    async def start(count: int) -> list[FaultyInstance]:
-        made = [FaultyInstance() for _ in range(count)]
-        for instance in made:
-            await instance.start()
-        started.extend(made)
-        return made
-
-    yield start
-    await close_http_sessions()
-    for instance in started:
-        await instance.stop()
+def instances(replica_servers) -> Callable[[int], Awaitable[list[ReplicaServer]]]:
+    """Replica servers whose probes (GET) are answered apart from the calls, as `probe_status` says, and that
+    stop at once (a wedged call is cut)."""
+    return functools.partial(replica_servers, probes_apart=True, shutdown_timeout=0.1)
 
 
 def doc_of(ports: list[int], **outliers: Any) -> dict[str, Any]:
@@ -145,15 +81,8 @@ async def call(client: ServerClient, total: float = 5.0) -> int | str:
         return type(error).__name__
 
 
-async def wait_for(condition: Callable[[], bool], timeout: float) -> None:
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 @contextlib.asynccontextmanager
-async def flapping_probes(flapping: FaultyInstance) -> AsyncIterator[list[int]]:
+async def flapping_probes(flapping: ReplicaServer) -> AsyncIterator[list[int]]:
     """The instance's probes time out, then answer, turn by turn every 0.8 s (its POSTs answer all along): each
     turn a new report of its server. Yields the count of turns so far."""
     flaps = [0]
@@ -181,7 +110,7 @@ async def test_a_wedged_instance_that_answers_its_probes_but_never_a_post_is_eje
     """Its probes (GET /) answer 200 all along; its POSTs never answer. Timeouts eject it, and the head's healthy
     probes of it (a GET / is no evidence about its POSTs) do not bring it back while its ejection lasts."""
     wedged, healthy, flapping = await instances(3)
-    wedged.post = "wedge"
+    wedged.fault = "wedge"
     doc = doc_of([wedged.port, healthy.port, flapping.port], consecutive_failures=2, base_ejection_seconds=60)
     client = await head_client(head_factory, doc, probe_interval_seconds=0.05, probe_timeout_seconds=0.5)
     outcomes: collections.Counter[int | str] = collections.Counter([await call(client, total=1.0)])
@@ -206,7 +135,7 @@ async def test_an_instance_whose_bodies_break_off_after_the_headers_is_ejected(i
     """A 200 whose body the instance resets, or leaves silent until the call's deadline, is a failure once the
     caller reads it; five in a row eject the instance, and every call after that is whole."""
     broken, healthy = await instances(2)
-    broken.post = fault
+    broken.fault = fault
     client = client_of(doc_of([broken.port, healthy.port], base_ejection_seconds=60))
     instance = first_seen = None
     outcomes: collections.Counter[int | str] = collections.Counter()
@@ -229,7 +158,7 @@ async def test_an_instance_whose_bodies_break_off_after_the_headers_is_ejected(i
 
 async def test_a_caller_letting_an_answer_go_before_its_body_ended_says_nothing_of_the_instance(instances) -> None:
     silent, other = await instances(2)
-    silent.post = "silent"
+    silent.fault = "silent"
     client = client_of(doc_of([silent.port, other.port], consecutive_failures=1))
     released = 0
     while released < 10:
@@ -251,13 +180,13 @@ async def test_an_instance_back_from_an_ejection_is_ejected_again_at_its_first_f
     client = client_of(doc_of([failing.port, healthy.port], consecutive_failures=3, base_ejection_seconds=0.3))
     await call(client)
     instance = instance_at(client, failing.port)
-    failing.post_status = 500
+    failing.status = 500
 
     async def until_it_is_called() -> int | str:
-        posts = failing.posts
+        posts = failing.calls
         while True:
             outcome = await call(client)
-            if failing.posts > posts:
+            if failing.calls > posts:
                 return outcome
 
     for _ in range(3):
@@ -266,11 +195,11 @@ async def test_an_instance_back_from_an_ejection_is_ejected_again_at_its_first_f
     await asyncio.sleep(0.35)  # its ejection ends: on probation
     assert await until_it_is_called() == "HTTP 500"
     assert instance.ejections == 2 and not instance.alive  # its first failure on probation: ejected again
-    failing.post_status = 200
+    failing.status = 200
     await asyncio.sleep(0.65)  # the second ejection is twice as long
     assert await until_it_is_called() == failing.port  # the probation call succeeds: probation over
     assert not instance.on_probation
-    failing.post_status = 500
+    failing.status = 500
     assert await until_it_is_called() == "HTTP 500"
     assert instance.ejections == 2 and instance.alive  # one failure again, after a success: counted, not ejected
 
@@ -283,7 +212,7 @@ async def test_a_report_changed_by_another_instance_does_not_end_an_ejection(ins
     instance's probes flap every 0.8 s, each flap a new report of the server carrying the failing one's newer
     probe. Before, each new report brought it back (a probe's 500 was a success), and 5xx reached callers again."""
     failing, healthy, flapping = await instances(3)
-    failing.post_status = failing.probe_status = 500
+    failing.status = failing.probe_status = 500
     ports = [failing.port, healthy.port, flapping.port]
     client = await head_client(
         head_factory,
@@ -316,12 +245,14 @@ async def test_a_probe_that_got_a_5xx_does_not_end_an_ejection_for_refused_conne
     await gone.stop()
     while not instance.ejections:
         assert await call(client) == healthy.port  # refused: failed over
-    await wait_for(lambda: instance.down, 10)  # the head's probe finds it refused too
+    await eventually(lambda: instance.down, within=10, every=0.01)  # the head's probe finds it refused too
     gone.probe_status = 503
     await gone.start(port)  # back, but its probes get a 503
-    await wait_for(lambda: instance.status == "success" and instance.http_status == 503, 10)
+    await eventually(lambda: instance.status == "success" and instance.http_status == 503, within=10, every=0.01)
     await asyncio.sleep(0.3)  # several more probes: each a 503
     assert not instance.alive and instance.ejected_until
     gone.probe_status = 200
-    await wait_for(lambda: instance.alive, 10)  # a probe that connected and got a 200: back, on probation
+    await eventually(
+        lambda: instance.alive, within=10, every=0.01
+    )  # a probe that connected and got a 200: back, on probation
     assert instance.on_probation and instance.ejections == 1

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -34,6 +33,7 @@ from tests.support.cli import run_cli
 from tests.support.documents import document, server_entry
 from tests.support.engines import SGLANG_METRICS, VLLM_METRICS, FakeEngine, engine_entry, engines_head
 from tests.support.loopback import LOOPBACK
+from tests.support.waiting import eventually
 
 WAIT_SECONDS = 15.0  # a read every 0.5 s: this bounds a wait for one on a loaded machine
 
@@ -118,16 +118,6 @@ async def test_an_engine_that_is_gone_keeps_its_figures_only_until_the_bound(htt
 # --- the head ----------------------------------------------------------------------------------------------------
 
 
-async def until(check: Callable[[], Awaitable[Any]], what: str) -> Any:
-    deadline = time.monotonic() + WAIT_SECONDS
-    while True:
-        found = await check()
-        if found:
-            return found
-        assert time.monotonic() < deadline, f"no {what} within {WAIT_SECONDS} s"
-        await asyncio.sleep(0.05)
-
-
 def figures(loads: list[EngineLoad]) -> dict[str, tuple[float | None, float | None, float | None]]:
     return {load.instance_id: (load.waiting, load.running, load.kv_cache_usage) for load in loads}
 
@@ -137,11 +127,15 @@ async def test_list_server_statuses_carries_each_engine_instances_load(head_fact
     client = ControlClient(f"{LOOPBACK}:{head.port}")
     instances = [instance.instance_id for instance in head.config.servers["policy"].instances]
 
-    async def read() -> list[EngineLoad] | None:
-        loads = (await client.list_server_statuses()).engine_loads
-        return loads if all(load.age_seconds is not None for load in loads) else None
+    async def read() -> list[EngineLoad]:
+        return (await client.list_server_statuses()).engine_loads
 
-    loads = await until(read, "read of both engines")
+    loads = await eventually(
+        read,
+        lambda loads: bool(loads) and all(load.age_seconds is not None for load in loads),
+        within=WAIT_SECONDS,
+        what="read of both engines",
+    )
     assert {load.server_name for load in loads} == {"policy"}  # the Gym server's /metrics is never read
     assert figures(loads) == {instances[0]: (3, 5, 0.42), instances[1]: (7, 2, 0.9)}
     assert all(0 <= (load.age_seconds or 0) <= 5 for load in loads)
@@ -173,11 +167,15 @@ async def test_only_engine_entries_are_read_registered_instances_included(head_f
     client = ControlClient(f"{LOOPBACK}:{head.port}")
     await client.register_server_instance("policy", listen_port=registering_port, listen_host=LOOPBACK, pid=4242)
 
-    async def read() -> list[EngineLoad] | None:
-        loads = (await client.list_server_statuses()).engine_loads
-        return loads if len(loads) == 2 and all(load.waiting is not None for load in loads) else None
+    async def read() -> list[EngineLoad]:
+        return (await client.list_server_statuses()).engine_loads
 
-    loads = await until(read, "read of the config's engine and the registered one")
+    loads = await eventually(
+        read,
+        lambda loads: len(loads) == 2 and all(load.waiting is not None for load in loads),
+        within=WAIT_SECONDS,
+        what="read of the config's engine and the registered one",
+    )
     assert figures(loads) == {
         f"{LOOPBACK}:{engine_port}": (3, 5, 0.42),
         f"{LOOPBACK}:{registering_port}": (7, 2, 0.9),
@@ -268,18 +266,19 @@ async def test_a_client_following_the_head_knows_each_engines_load_and_its_chang
     try:
         ids = [instance.instance_id for instance in head.config.servers["policy"].instances]
 
-        async def known() -> dict[str, EngineLoad] | None:
-            loads = client.engine_loads("policy")
-            return loads if len(loads) == 2 else None
-
-        loads = await until(known, "load pushed to the client")
+        loads = await eventually(
+            lambda: client.engine_loads("policy"),
+            lambda loads: len(loads) == 2,
+            within=WAIT_SECONDS,
+            what="load pushed to the client",
+        )
         assert figures(list(loads.values())) == {ids[0]: (3, 5, 0.42), ids[1]: (7, 2, 0.9)}
         engines[0].metrics["vllm:num_requests_waiting"] = 40
 
         async def changed() -> bool:
             return client.engine_loads("policy")[ids[0]].waiting == 40
 
-        await until(changed, "the new queue length")
+        await eventually(changed, within=WAIT_SECONDS, what="the new queue length")
         assert client.engine_loads("judge") == {}
         with pytest.raises(KeyError):
             client.engine_loads("nope")
@@ -321,7 +320,7 @@ async def test_gym_rpc_status_shows_each_engines_queue_and_cache_use(head_factor
         loads = (await client.list_server_statuses()).engine_loads
         return len(loads) == 2 and all(load.waiting is not None for load in loads)
 
-    await until(read, "read of both engines")
+    await eventually(read, within=WAIT_SECONDS, what="read of both engines")
     table, as_json = await asyncio.gather(
         asyncio.to_thread(run_cli, ["status", "--head", address], timeout=60),
         asyncio.to_thread(run_cli, ["status", "--head", address, "-o", "json"], timeout=60),

@@ -8,7 +8,7 @@ import json
 import re
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,25 +35,10 @@ from gym_rpc.wire import MAX_REQUEST_BYTES, SERVICE_NAME
 from tests.support.cli import STARTUP_SECONDS, running_cli, running_head, threaded_http_server
 from tests.support.documents import document, server_entry
 from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.waiting import eventually_blocking
 
 T = TypeVar("T")
 RECOVERY_SECONDS = 15.0
-
-
-def eventually(probe: Callable[[], T], accept: Callable[[T], bool], timeout: float = RECOVERY_SECONDS) -> T:
-    """Call `probe` until `accept` takes its result (errors count as not yet); fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            result = probe()
-            if accept(result):
-                return result
-            last = result
-        except (ControlPlaneError, OSError) as error:
-            last = error
-        time.sleep(0.1)
-    raise AssertionError(f"no acceptable result within {timeout}s; last: {last!r}")
 
 
 # --- the head killed and restarted ---
@@ -68,7 +53,13 @@ def test_restarted_head_is_picked_up_without_restarting_clients(tmp_path: Path) 
             address = first.address
             control = SyncControlClient(address, timeout_seconds=2.0)
             client = ServerClient.load_from_global_config(BaseServerConfig(host=LOOPBACK, port=port))
-            eventually(lambda: client.poll_for_status("live"), lambda status: status == "success")
+            eventually_blocking(
+                lambda: client.poll_for_status("live"),
+                lambda status: status == "success",
+                within=RECOVERY_SECONDS,
+                every=0.1,
+                ignoring=(ControlPlaneError, OSError),
+            )
             with running_cli(["status", "--watch", "--json", "--head", address]) as watch:
                 assert json.loads(watch.read_line(STARTUP_SECONDS))["kind"] == "snapshot"
 
@@ -83,11 +74,21 @@ def test_restarted_head_is_picked_up_without_restarting_clients(tmp_path: Path) 
 
                 with running_head(path, "--port", str(port)) as second:
                     assert second.address == address  # the port could be bound again at once
-                    instances = eventually(
-                        control.list_server_instances, lambda rows: rows[0].pid == second.process.pid
+                    instances = eventually_blocking(
+                        control.list_server_instances,
+                        lambda rows: rows[0].pid == second.process.pid,
+                        within=RECOVERY_SECONDS,
+                        every=0.1,
+                        ignoring=(ControlPlaneError, OSError),
                     )
                     assert [row.name for row in instances] == ["head_server", "live"]
-                    eventually(lambda: client.poll_for_status("live"), lambda status: status == "success")
+                    eventually_blocking(
+                        lambda: client.poll_for_status("live"),
+                        lambda status: status == "success",
+                        within=RECOVERY_SECONDS,
+                        every=0.1,
+                        ignoring=(ControlPlaneError, OSError),
+                    )
                     assert client.poll_for_status("head_server") == "success"
                     # The watch resumes by itself, with a fresh snapshot from the new head.
                     resumed = watch.wait_for_line(re.compile(r'"kind": "snapshot"'), RECOVERY_SECONDS)

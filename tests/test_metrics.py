@@ -22,7 +22,7 @@ from tests.support.metrics import (
     HTTP_HEAD_PATTERN,
     METRICS_PATTERN,
     announced,
-    eventually,
+    scrape_until,
     value,
     write_config,
 )
@@ -44,12 +44,12 @@ def test_up_gauge_follows_a_server_killed_and_restarted(tmp_path: Path) -> None:
         with running_head(config) as head:
             url = announced(head, HTTP_HEAD_PATTERN) + "/metrics"
             labels = {"gym_server_name": "policy_model", "gym_server_type": "responses_api_models"}
-            up = eventually(url, lambda s: value(s, "gym_server_up", **labels) == 1.0, "policy_model up")
+            up = scrape_until(url, lambda s: value(s, "gym_server_up", **labels) == 1.0, "policy_model up")
             left_success = changes(up, gym_server_name="policy_model", gym_status_from="success")
 
             server.stop()
             refused = {"gym_server_name": "policy_model", "gym_status_to": "connection_error"}
-            down = eventually(
+            down = scrape_until(
                 url,
                 lambda s: value(s, "gym_server_up", **labels) == 0.0 and changes(s, **refused) > 0,
                 "policy_model down, refusing connections",
@@ -65,7 +65,7 @@ def test_up_gauge_follows_a_server_killed_and_restarted(tmp_path: Path) -> None:
             assert failed_probes is not None and failed_probes >= 1.0
 
             with threaded_http_server(200, port=port):
-                eventually(url, lambda s: value(s, "gym_server_up", **labels) == 1.0, "policy_model up again")
+                scrape_until(url, lambda s: value(s, "gym_server_up", **labels) == 1.0, "policy_model up again")
 
 
 def test_head_gauges_and_rpc_counts(tmp_path: Path) -> None:
@@ -80,7 +80,7 @@ def test_head_gauges_and_rpc_counts(tmp_path: Path) -> None:
             client.register_server_instance("live", pid=77, listen_host=LOOPBACK, listen_port=server.port)
             events = client.watch_server_statuses(heartbeat_seconds=0.1)
             next(events)  # the snapshot: the watch is open
-            samples = eventually(url, lambda s: value(s, "gym_head_watchers") == 1.0, "one watcher")
+            samples = scrape_until(url, lambda s: value(s, "gym_head_watchers") == 1.0, "one watcher")
             assert value(samples, "gym_head_registrations") == 1.0
             revision = value(samples, "gym_head_revision")
             assert revision is not None and revision > 1_700_000_000_000  # starts at the wall clock in ms
@@ -93,11 +93,11 @@ def test_head_gauges_and_rpc_counts(tmp_path: Path) -> None:
             )
             assert listed == 3.0
             events.close()  # ends the watch
-            eventually(url, lambda s: value(s, "gym_head_watchers") == 0.0, "no watcher")
+            scrape_until(url, lambda s: value(s, "gym_head_watchers") == 0.0, "no watcher")
             unknown = SyncControlClient(head.address, timeout_seconds=5.0)
             with pytest.raises(Exception, match="nosuch"):
                 unknown.get_server_status("nosuch")
-            not_found = eventually(
+            not_found = scrape_until(
                 url,
                 lambda s: (
                     value(s, "rpc_server_call_duration_seconds_count", rpc_method="GetServerStatus") is not None
@@ -178,7 +178,9 @@ def test_per_instance_series_follow_each_instance_up_to_the_cap(tmp_path: Path) 
                     samples, "gym_instance_up", gym_server_name="policy_model", gym_server_instance_id=instance
                 )
 
-            samples = eventually(url, lambda s: up(s, ids[1]) == 1 and up(s, ids[2]) == 0, "the instances probed")
+            samples = scrape_until(
+                url, lambda s: up(s, ids[1]) == 1 and up(s, ids[2]) == 0, "the instances probed"
+            )
             assert up(samples, ids[0]) == 1
             assert (
                 len([s for s in samples if s.name == "gym_instance_up"]) == 3
@@ -188,6 +190,6 @@ def test_per_instance_series_follow_each_instance_up_to_the_cap(tmp_path: Path) 
             assert in_flight == 6
             assert value(samples, "gym_instance_in_flight", gym_server_instance_id=ids[0]) is None  # none reported
             second.stop()
-            samples = eventually(url, lambda s: up(s, ids[1]) == 0, "the stopped replica down")
+            samples = scrape_until(url, lambda s: up(s, ids[1]) == 0, "the stopped replica down")
             assert value(samples, "gym_instance_downs_total", gym_server_instance_id=ids[1]) == 1
             assert value(samples, "gym_instance_downs_total", gym_server_instance_id=ids[0]) == 0

@@ -36,7 +36,7 @@ from gym_rpc.server._head import HeadServer
 from gym_rpc.server.registry._registry import advertised_host, is_valid_host, peer_host
 from tests.support.documents import document, server_entry
 from tests.support.loopback import LOOPBACK, closed_port
-from tests.support.waiting import LoopStallDetector
+from tests.support.waiting import LoopStallDetector, eventually
 
 TOKEN = "registration-token"
 
@@ -59,14 +59,6 @@ def registration(head: HeadServer, name: str, port: int, **options: Any) -> Serv
 
 async def instances(head: HeadServer) -> dict[str, Any]:
     return {i.name: i for i in await ControlClient(head.address).list_server_instances()}
-
-
-async def wait_for(predicate: Any, deadline_seconds: float = 5.0) -> None:
-    """Poll an async predicate until it holds (bounded)."""
-    deadline = time.monotonic() + deadline_seconds
-    while not await predicate():
-        assert time.monotonic() < deadline, "condition never held"
-        await asyncio.sleep(0.02)
 
 
 async def answer_ok(request: web.Request) -> web.Response:
@@ -209,7 +201,7 @@ async def test_the_head_probes_the_advertised_address(head_factory, http_server)
         reports = (await control.list_server_statuses()).reports
         return [(r.url, r.status) for r in reports] == [(f"http://127.0.0.1:{port}", "success")]
 
-    await wait_for(listed_at_advertised_url)
+    await eventually(listed_at_advertised_url, within=5.0, every=0.02)
     assert await control.deregister_server_instance("policy", pid=4343)
     assert (await control.get_server_status("policy")).url == f"http://127.0.0.1:{config_port}"
 
@@ -387,7 +379,7 @@ async def test_refresh_registers_again_after_the_head_forgot(head_factory) -> No
         async def registered_again() -> bool:
             return head.registry.get("policy") is not None
 
-        await wait_for(registered_again)
+        await eventually(registered_again, within=5.0, every=0.02)
     assert head.registry.get("policy") is None
 
 
@@ -404,7 +396,7 @@ async def drive_lifespan(app: Any) -> list[str]:
 
     await inbox.put({"type": "lifespan.startup"})
     task = asyncio.create_task(app({"type": "lifespan", "asgi": {"version": "3.0"}}, receive, send))
-    await wait_for(lambda: _true_when(sent, "lifespan.startup.complete"))
+    await eventually(lambda: _true_when(sent, "lifespan.startup.complete"), within=5.0, every=0.02)
     sent.append("<running>")
     await inbox.put({"type": "lifespan.shutdown"})
     await asyncio.wait_for(task, 5)
@@ -486,7 +478,7 @@ async def test_asgi_app_under_uvicorn(head_factory) -> None:
         async def up() -> bool:
             return server.started and (await instances(head))["policy"].advertised_url != ""
 
-        await wait_for(up)
+        await eventually(up, within=5.0, every=0.02)
         assert (await ControlClient(head.address).get_server_status("policy")).status == "success"
     finally:
         server.should_exit = True

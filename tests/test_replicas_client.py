@@ -19,17 +19,15 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from gym_rpc.client.control._clients import ControlClient
-from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.data._rollout import rollout_context
 from gym_rpc.client.replicas._instance_state import InstanceState
 from gym_rpc.client.replicas._outliers import OutlierDetection
@@ -51,73 +49,13 @@ from gym_rpc.errors import NoHealthyInstanceError, RequestTimeoutError, ServerUn
 from gym_rpc.wire import EngineLoad, InstanceReport, ServerStatus, StatusReport
 from tests.support.documents import document, server_entry
 from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.replicas import ReplicaServer
 from tests.support.scenarios import script
+from tests.support.waiting import eventually
 
 NAME = "policy"
+SESSION_COOKIE = f"SimpleServer___{NAME}"  # NeMo Gym's session cookie of this server
 REPLICAS_LOGGER = "gym_rpc.client.replicas"
-
-
-class Replica:
-    """One instance: answers `{"instance": <its port>}`, counts its calls; can hold calls, answer 5xx, stop, and
-    start again on the same port."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.paths: list[str] = []
-        self.status = 200
-        self.hold: asyncio.Event | None = None  # while set to an unset event, calls wait for it
-        self.delay = 0.0  # seconds each call waits before its answer (a slow engine)
-        self.set_cookie: str | None = None  # a NeMo Gym session cookie to set on each answer
-        self.arrived = asyncio.Event()  # set by every call that reaches it
-        self.port = 0
-        self._runner: web.AppRunner | None = None
-
-    async def handle(self, request: web.Request) -> web.Response:
-        self.calls += 1
-        self.arrived.set()
-        self.paths.append(request.raw_path)
-        await request.read()
-        if self.hold is not None:
-            await self.hold.wait()
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        response = web.json_response({"instance": self.port}, status=self.status)
-        if self.set_cookie is not None:
-            response.set_cookie(f"SimpleServer___{NAME}", self.set_cookie)
-        return response
-
-    async def start(self, port: int = 0) -> int:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, LOOPBACK, port, reuse_address=True)
-        await site.start()
-        self._runner = runner
-        self.port = int(runner.addresses[0][1])
-        return self.port
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-
-@pytest.fixture
-async def replicas() -> AsyncIterator[Callable[[int], Awaitable[list[Replica]]]]:
-    started: list[Replica] = []
-
-    async def start(count: int) -> list[Replica]:
-        made = [Replica() for _ in range(count)]
-        for replica in made:
-            await replica.start()
-        started.extend(made)
-        return made
-
-    yield start
-    await close_http_sessions()
-    for replica in started:
-        await replica.stop()
 
 
 def replicated_doc(ports: list[int], server_type: str = "responses_api_models", **global_keys: Any) -> dict:
@@ -241,8 +179,8 @@ def test_calls_in_flight_are_counted_under_the_routes_lock() -> None:
 # --- one instance: nothing changes -------------------------------------------------------------------------------
 
 
-async def test_a_server_with_one_instance_has_no_route_and_its_url_is_cached_as_before(replicas) -> None:
-    (replica,) = await replicas(1)
+async def test_a_server_with_one_instance_has_no_route_and_its_url_is_cached_as_before(replica_servers) -> None:
+    (replica,) = await replica_servers(1)
     client = client_of(document({NAME: server_entry(replica.port)}))
     assert await call(client) == replica.port
     assert client._routing is not None and client._routing.routes == {}
@@ -252,9 +190,9 @@ async def test_a_server_with_one_instance_has_no_route_and_its_url_is_cached_as_
 # --- calls of no rollout -----------------------------------------------------------------------------------------
 
 
-async def test_calls_of_no_rollout_leave_an_instance_whose_calls_pile_up(replicas) -> None:
+async def test_calls_of_no_rollout_leave_an_instance_whose_calls_pile_up(replica_servers) -> None:
     """Two random choices by calls in flight: once the stuck instance holds one call, no pair ever prefers it."""
-    stuck, *others = await replicas(3)
+    stuck, *others = await replica_servers(3)
     stuck.hold = asyncio.Event()
     client = client_of(replicated_doc([stuck.port, *(replica.port for replica in others)]))
     held: list[asyncio.Task[int]] = []
@@ -276,9 +214,9 @@ async def test_calls_of_no_rollout_leave_an_instance_whose_calls_pile_up(replica
     assert [instance.in_flight for instance in route_of(client).instances] == [0, 0, 0]
 
 
-async def test_a_refused_instance_costs_no_call_and_is_ejected_then_returns(replicas, caplog) -> None:
+async def test_a_refused_instance_costs_no_call_and_is_ejected_then_returns(replica_servers, caplog) -> None:
     caplog.set_level(logging.INFO, REPLICAS_LOGGER)
-    gone, *others = await replicas(4)
+    gone, *others = await replica_servers(4)
     port = gone.port
     doc = replicated_doc(
         [replica.port for replica in (gone, *others)],
@@ -310,8 +248,8 @@ async def test_a_refused_instance_costs_no_call_and_is_ejected_then_returns(repl
     assert len(returned) == 1 and f"{LOOPBACK}:{port} of {NAME}" in returned[0]
 
 
-async def test_never_more_than_half_of_the_instances_are_ejected(replicas) -> None:
-    *dead, alive = await replicas(4)
+async def test_never_more_than_half_of_the_instances_are_ejected(replica_servers) -> None:
+    *dead, alive = await replica_servers(4)
     client = client_of(replicated_doc([replica.port for replica in (*dead, alive)]))
     for replica in dead:
         await replica.stop()
@@ -325,8 +263,8 @@ async def test_never_more_than_half_of_the_instances_are_ejected(replicas) -> No
     assert outcomes[alive.port] >= 95
 
 
-async def test_5xx_answers_count_towards_ejection_and_reach_the_caller(replicas) -> None:
-    failing, healthy = await replicas(2)
+async def test_5xx_answers_count_towards_ejection_and_reach_the_caller(replica_servers) -> None:
+    failing, healthy = await replica_servers(2)
     failing.status = 500
     client = client_of(replicated_doc([failing.port, healthy.port]))
     statuses: collections.Counter[int] = collections.Counter()
@@ -337,11 +275,11 @@ async def test_5xx_answers_count_towards_ejection_and_reach_the_caller(replicas)
     assert route_of(client).by_id[f"{LOOPBACK}:{failing.port}"].ejections == 1
 
 
-async def test_every_way_a_call_ends_releases_its_count_in_flight(replicas) -> None:
+async def test_every_way_a_call_ends_releases_its_count_in_flight(replica_servers) -> None:
     """The count in flight per instance (what two choices weighs) comes back to 0 whatever ends a call: an answer,
     a 5xx, a deadline, a cancelled caller, a dropped connection it may not resend, a refused one that fails over,
     and none left to fail over to. A count left behind would steer calls away from a healthy instance forever."""
-    held, failing = await replicas(2)
+    held, failing = await replica_servers(2)
     dropping = socket.socket()
     dropping.bind((LOOPBACK, 0))
     dropping.listen(8)
@@ -414,9 +352,9 @@ async def test_every_way_a_call_ends_releases_its_count_in_flight(replicas) -> N
 # --- rollouts ----------------------------------------------------------------------------------------------------
 
 
-async def test_rollouts_stick_and_only_the_gone_instances_rollouts_move(replicas, caplog) -> None:
+async def test_rollouts_stick_and_only_the_gone_instances_rollouts_move(replica_servers, caplog) -> None:
     caplog.set_level(logging.INFO, REPLICAS_LOGGER)
-    fleet = await replicas(4)
+    fleet = await replica_servers(4)
     client = client_of(replicated_doc([replica.port for replica in fleet]))
     where: dict[str, int] = {}
     for n in range(40):
@@ -438,8 +376,8 @@ async def test_rollouts_stick_and_only_the_gone_instances_rollouts_move(replicas
     assert len(lines) == 1 and f"{LOOPBACK}:{gone.port} of {NAME}" in lines[0]  # logged once, not per rollout
 
 
-async def test_a_rollout_on_a_resources_server_sticks_by_its_verify_body(replicas) -> None:
-    fleet = await replicas(3)
+async def test_a_rollout_on_a_resources_server_sticks_by_its_verify_body(replica_servers) -> None:
+    fleet = await replica_servers(3)
     client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
     body = {"_ng_task_index": 7, "_ng_rollout_index": 2}
     seen = set()
@@ -456,22 +394,22 @@ def session_cookie(session_id: str) -> str:
     return f"{payload}.{int(time.time())}.c2lnbmF0dXJl"
 
 
-async def test_a_nemo_gym_session_stays_with_the_instance_that_opened_it(replicas) -> None:
+async def test_a_nemo_gym_session_stays_with_the_instance_that_opened_it(replica_servers) -> None:
     """No rollout bound: the first call (seed_session) opens the session where two random choices send it; the
     answer's session cookie pins the session there, and every later call carrying it follows."""
-    fleet = await replicas(4)
+    fleet = await replica_servers(4)
     client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
     for n in range(12):
         for replica in fleet:
-            replica.set_cookie = session_cookie(f"session-{n}")
+            replica.cookie = (SESSION_COOKIE, session_cookie(f"session-{n}"))
         async with await client.post(NAME, "/seed_session", json={}) as response:
             opened_at = (await response.json())["instance"]
             cookies = response.cookies
         for replica in fleet:
-            replica.set_cookie = None
+            replica.cookie = None
         for _ in range(3):
             assert await call(client, "/execute", cookies=cookies) == opened_at
-        resigned = {f"SimpleServer___{NAME}": session_cookie(f"session-{n}")}  # a new timestamp, one session
+        resigned = {SESSION_COOKIE: session_cookie(f"session-{n}")}  # a new timestamp, one session
         assert await call(client, "/verify", cookies=resigned) == opened_at
 
 
@@ -483,18 +421,18 @@ async def answered_at(
         return int((await response.json())["instance"]), response.cookies
 
 
-def open_session(fleet: list[Replica], session_id: str | None) -> None:
+def open_session(fleet: list[ReplicaServer], session_id: str | None) -> None:
     """Every replica answers with this NeMo Gym session's cookie (None: with none), as a NeMo Gym server sets it
     on every answer."""
     for replica in fleet:
-        replica.set_cookie = None if session_id is None else session_cookie(session_id)
+        replica.cookie = None if session_id is None else (SESSION_COOKIE, session_cookie(session_id))
 
 
-async def test_a_session_opened_by_a_call_of_a_rollout_is_pinned_with_the_rollout(replicas) -> None:
+async def test_a_session_opened_by_a_call_of_a_rollout_is_pinned_with_the_rollout(replica_servers) -> None:
     """Observability on: NeMo Gym binds the rollout around /run, so /seed_session carries the rollout id; the tool
     calls, made where no rollout is bound, carry only the session cookie the /seed_session answer set. They must
     reach the rollout's instance (issue 39: they hashed away by the cookie, as the session was never pinned)."""
-    fleet = await replicas(4)
+    fleet = await replica_servers(4)
     client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
     for n in range(12):
         open_session(fleet, f"session-{n}")
@@ -506,12 +444,12 @@ async def test_a_session_opened_by_a_call_of_a_rollout_is_pinned_with_the_rollou
             assert (await answered_at(client, "/verify", cookies=cookies))[0] == opened_at
 
 
-async def test_the_rollout_a_verify_body_names_joins_its_sessions_instance(replicas) -> None:
+async def test_the_rollout_a_verify_body_names_joins_its_sessions_instance(replica_servers) -> None:
     """Observability off, no rollout bound anywhere, and /seed_session's body naming none: the session is opened
     where two random choices send it. /verify names its rollout in its body and carries the cookie: it goes to the
     session's instance (issue 39: it hashed away by the body's rollout id), and from then on a call known by the
     rollout id alone goes there too."""
-    fleet = await replicas(4)
+    fleet = await replica_servers(4)
     client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
     for n in range(12):
         open_session(fleet, f"session-{n}")
@@ -522,11 +460,11 @@ async def test_the_rollout_a_verify_body_names_joins_its_sessions_instance(repli
         assert (await answered_at(client, "/verify", body))[0] == opened_at
 
 
-async def test_a_seed_session_body_pins_its_rollout_alike_in_every_worker(replicas) -> None:
+async def test_a_seed_session_body_pins_its_rollout_alike_in_every_worker(replica_servers) -> None:
     """/seed_session's body names the rollout (`_ng_task_index`-`_ng_rollout_index`): with no rollout bound, it is
     pinned by rendezvous on that id, so two workers that never shared a pin send it to the same instance, and the
     session it opens is pinned with it."""
-    fleet = await replicas(4)
+    fleet = await replica_servers(4)
     doc = replicated_doc([replica.port for replica in fleet], "resources_servers")
     first, second = client_of(doc), client_of(doc)
     for n in range(16):
@@ -539,10 +477,10 @@ async def test_a_seed_session_body_pins_its_rollout_alike_in_every_worker(replic
     assert pins["1-2"] is pins["\0session-6"]  # one pin: the rollout id and its session are aliases
 
 
-async def test_a_rollouts_keys_move_together_when_its_instance_is_gone(replicas) -> None:
+async def test_a_rollouts_keys_move_together_when_its_instance_is_gone(replica_servers) -> None:
     """The rollout id and the session share one pin: when the instance is gone, a call known by the session alone
     moves the pin, and a later call known by the rollout alone follows it (not a rendezvous of its own)."""
-    fleet = await replicas(3)
+    fleet = await replica_servers(3)
     client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
     for n in range(6):
         open_session(fleet, f"session-{n}")
@@ -558,10 +496,10 @@ async def test_a_rollouts_keys_move_together_when_its_instance_is_gone(replicas)
     assert route_of(client).repins == 6
 
 
-async def test_a_session_wins_over_the_rollout_pinned_elsewhere(replicas) -> None:
+async def test_a_session_wins_over_the_rollout_pinned_elsewhere(replica_servers) -> None:
     """A call carrying a rollout id pinned to one instance and a session opened on another goes to the session's
     (its state is there), and the rollout id follows it from then on."""
-    fleet = await replicas(4)
+    fleet = await replica_servers(4)
     client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
     with rollout_context("rollout-7"):
         pinned_at = (await answered_at(client, "/step"))[0]
@@ -577,9 +515,9 @@ async def test_a_session_wins_over_the_rollout_pinned_elsewhere(replicas) -> Non
         assert (await answered_at(client, "/step"))[0] == opened_at
 
 
-async def test_a_body_with_a_malformed_rollout_id_is_a_call_of_no_rollout(replicas) -> None:
+async def test_a_body_with_a_malformed_rollout_id_is_a_call_of_no_rollout(replica_servers) -> None:
     """Observability off, the body rule finds no usable id: the call is sent (two random choices), not failed."""
-    fleet = await replicas(2)
+    fleet = await replica_servers(2)
     client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
     for body in (
         {"_ng_rollout_id": "../etc"},
@@ -631,11 +569,11 @@ async def body_at(client: ServerClient, body: dict[str, Any], cookies: Any = Non
         return int((await response.json())["instance"])
 
 
-async def test_a_groups_rollouts_and_their_turns_go_to_one_model_instance_in_every_worker(replicas) -> None:
+async def test_a_groups_rollouts_and_their_turns_go_to_one_model_instance_in_every_worker(replica_servers) -> None:
     """GRPO: the rollouts of one prompt and each of their turns share the prompt's prefix. A model server's route
     sends them all to the prompt's preferred instance (rendezvous hashing scattered them: one rollout id each),
     the same in two workers that share nothing; different prompts spread over the instances."""
-    fleet = await replicas(4)
+    fleet = await replica_servers(4)
     doc = replicated_doc([replica.port for replica in fleet])
     workers = [client_of(doc), client_of(doc)]
     where: dict[int, set[int]] = collections.defaultdict(set)
@@ -664,11 +602,11 @@ def task_preferring(client: ServerClient, port: int, skip: int = 0) -> int:
     raise AssertionError("no such task")
 
 
-async def test_a_groups_rollouts_arriving_together_stay_on_one_instance(replicas) -> None:
+async def test_a_groups_rollouts_arriving_together_stay_on_one_instance(replica_servers) -> None:
     """GRPO dispatches a group's rollouts at once: they all go to the prompt's instance, which holds its prefix,
     whatever their own number there (the old bound counted them and split the group from its 4th rollout on, so
     each part prefilled the prompt again)."""
-    fleet = await replicas(4)
+    fleet = await replica_servers(4)
     client = client_of(replicated_doc([replica.port for replica in fleet]))
     for replica in fleet:
         replica.hold = asyncio.Event()
@@ -677,7 +615,7 @@ async def test_a_groups_rollouts_arriving_together_stay_on_one_instance(replicas
         with rollout_context(f"5-{n}"):
             rollouts.append(asyncio.create_task(body_at(client, turn_body(5, 0, n))))
     try:
-        await wait_for(lambda: sum(replica.calls for replica in fleet) == 8, 10)
+        await eventually(lambda: sum(replica.calls for replica in fleet) == 8, within=10, every=0.005)
         assert sorted(replica.calls for replica in fleet) == [0, 0, 0, 8]
     finally:
         for replica in fleet:
@@ -688,11 +626,11 @@ async def test_a_groups_rollouts_arriving_together_stay_on_one_instance(replicas
     assert all(group.calls == 0 for group in route.groups.values())
 
 
-async def test_a_prompts_preferred_instance_under_load_sends_new_rollouts_to_its_next(replicas) -> None:
+async def test_a_prompts_preferred_instance_under_load_sends_new_rollouts_to_its_next(replica_servers) -> None:
     """Bounded load: while the prompt's preferred instance holds other prompts' calls past the bound to stay (2x
     the average + 2), a new rollout of that prompt goes to its next preferred instance (the same for every such
     rollout: the group moves there), and its later turns follow it there, even once the first is free again."""
-    fleet = await replicas(4)
+    fleet = await replica_servers(4)
     client = client_of(replicated_doc([replica.port for replica in fleet]))
     first = await body_at(client, turn_body(5))
     busy = next(replica for replica in fleet if replica.port == first)
@@ -700,7 +638,7 @@ async def test_a_prompts_preferred_instance_under_load_sends_new_rollouts_to_its
     busy.hold = asyncio.Event()
     held = [asyncio.create_task(body_at(client, turn_body(other, 0, n))) for n in range(8)]
     try:
-        await wait_for(lambda: busy.calls == 9, 10)
+        await eventually(lambda: busy.calls == 9, within=10, every=0.005)
         moved = []
         for n in range(3, 9):
             with rollout_context(f"5-{n}"):
@@ -718,12 +656,14 @@ async def test_a_prompts_preferred_instance_under_load_sends_new_rollouts_to_its
     )
 
 
-async def test_an_engine_reporting_a_long_queue_loses_new_rollouts_until_its_figure_is_unknown(replicas) -> None:
+async def test_an_engine_reporting_a_long_queue_loses_new_rollouts_until_its_figure_is_unknown(
+    replica_servers,
+) -> None:
     """The engines' load the head pushes (Routing.engine_loads) counts in the bound: a prompt's preferred instance
     whose engine reports 50 waiting gets no new rollout of it (the group moves to its next preferred instance);
     once that figure is older than the table's bound it is unknown, never zero, and the calls in flight stand
     alone again: a new prompt that prefers the instance goes there."""
-    fleet = await replicas(3)
+    fleet = await replica_servers(3)
     client = client_of(replicated_doc([replica.port for replica in fleet]))
     preferred = await body_at(client, turn_body(9))
     assert client._routing is not None
@@ -741,11 +681,11 @@ async def test_an_engine_reporting_a_long_queue_loses_new_rollouts_until_its_fig
     assert {await body_at(client, turn_body(again)) for _ in range(6)} == {preferred}
 
 
-async def test_a_slow_instance_gets_no_new_group_and_its_rollouts_move(replicas) -> None:
+async def test_a_slow_instance_gets_no_new_group_and_its_rollouts_move(replica_servers) -> None:
     """An instance whose answers take over 2.5x the median instance's (an engine 4x slower, or one with a long
     queue) takes no new group while the others can, and a rollout placed there moves at its next turn; the
     calls in flight from this process alone would not show it (it holds no more calls than the others)."""
-    fleet = await replicas(3)
+    fleet = await replica_servers(3)
     client = client_of(replicated_doc([replica.port for replica in fleet]))
     await call(client)  # the route is made at the first call
     slow = fleet[0]
@@ -767,13 +707,13 @@ async def test_a_slow_instance_gets_no_new_group_and_its_rollouts_move(replicas)
 
 
 async def test_a_model_rollouts_turns_follow_its_session_or_rollout_and_resources_servers_stay_exact(
-    replicas,
+    replica_servers,
 ) -> None:
     """Without a readable prompt, a model call of a rollout is placed by two random choices and its later turns
     follow it (its rollout id, or the model session the first answer opened: NeMo Gym's SimpleAgent sends that
     cookie on every later turn). A resources server's route is not prefix-affine: the same prompt in its calls
     changes nothing, rollouts are pinned by rendezvous as before."""
-    fleet = await replicas(3)
+    fleet = await replica_servers(3)
     client = client_of(replicated_doc([replica.port for replica in fleet]))
     for n in range(8):
         open_session(fleet, f"model-session-{n}")
@@ -807,9 +747,9 @@ def labelled(ports: list[int], versions: list[str]) -> StatusReport:
 
 
 async def test_labels_send_new_rollouts_to_matching_instances_while_pinned_ones_finish_where_they_are(
-    replicas,
+    replica_servers,
 ) -> None:
-    fleet = await replicas(4)
+    fleet = await replica_servers(4)
     ports = [replica.port for replica in fleet]
     client = client_of(replicated_doc(ports))
     await call(client)
@@ -843,8 +783,8 @@ async def test_labels_send_new_rollouts_to_matching_instances_while_pinned_ones_
         client.require_labels(NAME, {"weights_version": 43})  # type: ignore[dict-item]
 
 
-async def test_no_healthy_instance_fails_at_once_naming_each_instances_last_status(replicas) -> None:
-    fleet = await replicas(2)
+async def test_no_healthy_instance_fails_at_once_naming_each_instances_last_status(replica_servers) -> None:
+    fleet = await replica_servers(2)
     ports = [replica.port for replica in fleet]
     client = client_of(replicated_doc(ports))
     await call(client)
@@ -866,8 +806,8 @@ async def test_no_healthy_instance_fails_at_once_naming_each_instances_last_stat
 # --- the seed API's meaning --------------------------------------------------------------------------------------
 
 
-async def test_resolve_base_url_is_the_rollouts_instance_else_a_healthy_one(replicas) -> None:
-    fleet = await replicas(3)
+async def test_resolve_base_url_is_the_rollouts_instance_else_a_healthy_one(replica_servers) -> None:
+    fleet = await replica_servers(3)
     ports = [replica.port for replica in fleet]
     client = client_of(replicated_doc(ports))
     with rollout_context("r-1"):
@@ -877,8 +817,8 @@ async def test_resolve_base_url_is_the_rollouts_instance_else_a_healthy_one(repl
     assert client._server_base_urls == {}  # the cache of one-instance servers only
 
 
-async def test_a_pickled_client_makes_its_own_routes_and_keeps_its_labels(replicas) -> None:
-    fleet = await replicas(2)
+async def test_a_pickled_client_makes_its_own_routes_and_keeps_its_labels(replica_servers) -> None:
+    fleet = await replica_servers(2)
     client = client_of(replicated_doc([replica.port for replica in fleet]))
     client.require_labels(NAME, {"weights_version": "1"})
     restored: ServerClient = pickle.loads(pickle.dumps(client))
@@ -888,11 +828,11 @@ async def test_a_pickled_client_makes_its_own_routes_and_keeps_its_labels(replic
         await call(restored)  # its routes carry the selector (no instance reports labels here)
 
 
-async def test_an_injected_config_client_never_asks_the_head_for_instances(replicas, monkeypatch) -> None:
+async def test_an_injected_config_client_never_asks_the_head_for_instances(replica_servers, monkeypatch) -> None:
     """SECURITY.md: a client of an injected NEMO_GYM_CONFIG_DICT routes over its config's static replicas without
     following the head; the head's port is a listening socket nobody accepts on, so any attempt to ask it would
     leave a connection in its backlog. follow_instances() is the opt-in, and then it does connect."""
-    fleet = await replicas(2)
+    fleet = await replica_servers(2)
     with socket.create_server((LOOPBACK, 0)) as head_listener:
         head_listener.setblocking(False)
         doc = replicated_doc([replica.port for replica in fleet])
@@ -904,16 +844,16 @@ async def test_an_injected_config_client_never_asks_the_head_for_instances(repli
         with pytest.raises(BlockingIOError):
             head_listener.accept()  # nothing ever connected to the head
         client.follow_instances()
-        await wait_for(lambda: _accepts(head_listener), 10)  # the follower's channel knocks
+        await eventually(lambda: _accepts(head_listener), within=10, every=0.005)  # the follower's channel knocks
 
 
 async def test_a_wildcard_server_registered_at_two_addresses_is_routed_over_both(
-    replicas, head_factory, monkeypatch
+    replica_servers, head_factory, monkeypatch
 ) -> None:
     """lookup_registered_servers() puts every instance the head lists into the client's routes: a wildcard-bound
     server whose processes registered at two addresses is routed over both, never dialled at whichever row came
     last, and is not cached in `_server_base_urls` (which only servers of one instance use)."""
-    fleet = await replicas(2)
+    fleet = await replica_servers(2)
     head = await head_factory(document({NAME: server_entry(closed_port(), host="0.0.0.0")}))
     control = ControlClient(head.address)
     for pid, replica in enumerate(fleet, start=101):
@@ -949,13 +889,13 @@ async def drop_everything(listener: socket.socket) -> None:
             connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
 
 
-async def test_a_connection_reset_while_the_call_is_in_flight_moves_a_call_of_no_rollout(replicas) -> None:
+async def test_a_connection_reset_while_the_call_is_in_flight_moves_a_call_of_no_rollout(replica_servers) -> None:
     """Killed mid-call: the call in flight is resent elsewhere (it was written, and the caller allows resends)."""
     dropping = socket.socket()
     dropping.bind((LOOPBACK, 0))
     dropping.listen(8)
     dropping.setblocking(False)
-    (healthy,) = await replicas(1)
+    (healthy,) = await replica_servers(1)
     client = client_of(replicated_doc([dropping.getsockname()[1], healthy.port]))
 
     dropper = asyncio.create_task(drop_everything(dropping))
@@ -970,19 +910,12 @@ async def test_a_connection_reset_while_the_call_is_in_flight_moves_a_call_of_no
 # --- followed from a real head -----------------------------------------------------------------------------------
 
 
-async def wait_for(condition: Callable[[], bool], timeout: float) -> float:
-    """Seconds until `condition()` held (polled every 5 ms); fails the test after `timeout`."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout, "condition not met in time"
-        await asyncio.sleep(0.005)
-    return time.monotonic() - started
-
-
-async def test_the_heads_view_of_each_instance_reaches_the_client_within_a_second(replicas, head_factory) -> None:
+async def test_the_heads_view_of_each_instance_reaches_the_client_within_a_second(
+    replica_servers, head_factory
+) -> None:
     """The head probes every instance and pushes each change on its watch; the client follows it in the background
     (no call asks the head) and stops calling an instance the head found dead before any call of its fails."""
-    fleet = await replicas(3)
+    fleet = await replica_servers(3)
     ports = [replica.port for replica in fleet]
     head = await head_factory(replicated_doc(ports), probe_interval_seconds=0.1)
     client = await asyncio.to_thread(
@@ -990,10 +923,14 @@ async def test_the_heads_view_of_each_instance_reaches_the_client_within_a_secon
     )
     await call(client)
     route = route_of(client)
-    await wait_for(lambda: all(instance.status == "success" for instance in route.instances), 5)
+    await eventually(
+        lambda: all(instance.status == "success" for instance in route.instances), within=5, every=0.005
+    )
     gone = fleet[0]
     await gone.stop()
-    known_after = await wait_for(lambda: route.by_id[f"{LOOPBACK}:{gone.port}"].down, 10)
+    waited_from = time.monotonic()
+    await eventually(lambda: route.by_id[f"{LOOPBACK}:{gone.port}"].down, within=10, every=0.005)
+    known_after = time.monotonic() - waited_from
     assert known_after < 1.0 + 0.1 * 10  # the head's probe interval, then the push (generous on a loaded machine)
     instance = route.by_id[f"{LOOPBACK}:{gone.port}"]
     assert not instance.alive and instance.consecutive_failures == 0  # known from the head, not from failed calls
@@ -1001,7 +938,7 @@ async def test_the_heads_view_of_each_instance_reaches_the_client_within_a_secon
     answered = collections.Counter([await call(client) for _ in range(30)])
     assert gone.port not in answered and instance.picks == picks
     await gone.start(gone.port)  # back: the head's next probe says so, and calls go there again
-    await wait_for(lambda: instance.alive, 10)
+    await eventually(lambda: instance.alive, within=10, every=0.005)
     assert gone.port in collections.Counter([await call(client) for _ in range(60)])
 
 

@@ -27,6 +27,7 @@ from tests.support.documents import document, server_entry
 from tests.support.heads import rewrite_config
 from tests.support.loopback import LOOPBACK
 from tests.support.processes import AIOHTTP_SERVER, replica  # noqa: F401 (replica: a fixture)
+from tests.support.waiting import eventually
 
 NAME = "policy"
 CALLS = 800
@@ -264,10 +265,10 @@ async def test_sigterm_drains_a_registered_replica_new_work_leaves_it_and_its_pi
     on_it = [rollout for rollout, port in pinned.items() if port == server.port]
     assert on_it and len(on_it) < len(pinned)  # rendezvous spread them over both instances
     held = asyncio.create_task(port_of(on_it[0], seconds=6.0))  # keeps it draining (the helper waits for it)
-    await wait_until(lambda: draining.in_flight == 1, 10)
+    await eventually(lambda: draining.in_flight == 1, within=10, every=0.01)
 
     server.process.send_signal(signal.SIGTERM)
-    await wait_until(lambda: draining.draining, 10)
+    await eventually(lambda: draining.draining, within=10, every=0.01)
     assert not held.done()
     fresh = [await port_of(f"after-{n}") for n in range(30)] + [await port_of(None) for _ in range(30)]
     assert server.port not in fresh  # no new work
@@ -276,13 +277,6 @@ async def test_sigterm_drains_a_registered_replica_new_work_leaves_it_and_its_pi
 
     assert await held == server.port  # its call in flight finished
     assert await asyncio.wait_for(server.process.wait(), 30) in (0, -signal.SIGTERM)
-    await wait_until(lambda: draining.instance_id not in route.by_id, 10)
+    await eventually(lambda: draining.instance_id not in route.by_id, within=10, every=0.01)
     moved = [await port_of(rollout) for rollout in on_it]
     assert server.port not in moved and route.repins == len(on_it)
-
-
-async def wait_until(condition: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)

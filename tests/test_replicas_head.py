@@ -20,7 +20,7 @@ from tests.support.cli import running_head, threaded_http_server
 from tests.support.documents import document, server_entry
 from tests.support.heads import authority, health_of, read_until, rewrite_config, wait_for_report, watching
 from tests.support.loopback import LOOPBACK, closed_port
-from tests.support.metrics import METRICS_PATTERN, announced, eventually, value, write_config
+from tests.support.metrics import METRICS_PATTERN, announced, scrape_until, value, write_config
 from tests.support.servers import CountingServer, start_stoppable_server
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -223,7 +223,7 @@ def test_the_heads_metrics_count_instances_by_state(tmp_path) -> None:
         config = write_config(tmp_path / "gym.yaml", {"policy": server_entry(server.port, replicas=replicas)})
         with running_head(config, "--metrics-port", "0") as head:
             url = announced(head, METRICS_PATTERN)
-            samples = eventually(
+            samples = scrape_until(
                 url,
                 lambda s: value(s, "gym_server_instances", gym_instance_state="pending") == 0.0,
                 "both instances probed",

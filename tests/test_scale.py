@@ -19,14 +19,7 @@ from tests.support.documents import document, server_entry
 from tests.support.heads import raw_stub, wait_until_probed
 from tests.support.loopback import LOOPBACK
 from tests.support.servers import CountingServer
-
-
-async def wait_for(condition: object, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not callable(condition) or not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
+from tests.support.waiting import eventually
 
 # --- single-flight probing and freshness -------------------------------------------------------------------------
 
@@ -44,7 +37,12 @@ async def test_concurrent_pollers_share_one_probe(head_factory, http_server):
     pollers = [
         asyncio.create_task(client.get_server_status("model", max_age_seconds=0, timeout=20)) for _ in range(50)
     ]
-    await wait_for(lambda: head.prober.probes_joined >= 49, "49 pollers to join the first one's probe")
+    await eventually(
+        lambda: head.prober.probes_joined >= 49,
+        every=0.01,
+        within=10.0,
+        what="49 pollers to join the first one's probe",
+    )
     assert head.prober.waiting_on_probe("model")
     server.hold.set()
     reports = await asyncio.gather(*pollers)
@@ -100,7 +98,9 @@ async def test_a_short_deadline_is_not_held_by_a_longer_shared_probe(head_factor
     client = ControlClient(head.address)
     server.hold.clear()
     patient = asyncio.create_task(client.get_server_status("model", max_age_seconds=0, timeout=20))
-    await wait_for(lambda: head.prober.waiting_on_probe("model"), "the patient caller's probe")
+    await eventually(
+        lambda: head.prober.waiting_on_probe("model"), every=0.01, within=10.0, what="the patient caller's probe"
+    )
 
     started = time.monotonic()
     hurried = await client.get_server_status("model", max_age_seconds=0, timeout=1.0)

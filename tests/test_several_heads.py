@@ -31,6 +31,7 @@ from tests.support import REPO_ROOT
 from tests.support.cli import HeadProcess, run_cli, running_head
 from tests.support.documents import document, server_entry
 from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.waiting import eventually_blocking
 
 FOLLOWER_MOVES_WITHIN_SECONDS = 2.0  # issue 40: followers move to the other head within 2 s
 BOUND_SECONDS = 30.0  # any wait for something that must happen
@@ -78,13 +79,6 @@ def registered_urls(address: str) -> set[str]:
     return {row.advertised_url for row in rows if row.name == "policy" and row.origin == "registered"}
 
 
-def wait_until(check: object, what: str, seconds: float = BOUND_SECONDS) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"not within {seconds} s: {what}"
-        time.sleep(0.05)
-
-
 @pytest.fixture
 def two_heads(tmp_path: Path) -> Iterator[tuple[HeadProcess, HeadProcess, int]]:
     """Two head processes serving one config whose `policy` is a live aiohttp server in this process's thread
@@ -113,13 +107,17 @@ async def test_a_kill_9_of_the_head_followed_fails_no_call_and_the_follower_move
         url = f"http://{LOOPBACK}:{replica_port}"
         # A registration reaches both heads.
         await asyncio.to_thread(
-            wait_until,
+            eventually_blocking,
             lambda: url in registered_urls(first.address) or first_replica.poll() is not None,
-            "registered at the first",
+            within=BOUND_SECONDS,
+            what="registered at the first",
         )
         assert first_replica.poll() is None, "the replica exited"
         await asyncio.to_thread(
-            wait_until, lambda: url in registered_urls(second.address), "registered at the 2nd"
+            eventually_blocking,
+            lambda: url in registered_urls(second.address),
+            within=BOUND_SECONDS,
+            what="registered at the 2nd",
         )
 
         host, port = first.address.rsplit(":", 1)

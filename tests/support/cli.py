@@ -25,6 +25,7 @@ from aiohttp import web
 from gym_rpc.client.control._clients import SyncControlClient
 from gym_rpc.wire import HEAD_ADDRESS_ENV_VAR
 from tests.support.loopback import LOOPBACK
+from tests.support.waiting import eventually_blocking
 
 STARTUP_SECONDS = 60.0  # a hang guard: a cold interpreter imports ~1 CPU s, and at a load average of 17 on two
 # cores the make test of 40ae97b saw heads not listening within 15 s
@@ -289,3 +290,14 @@ def wait_for_instances(address: str, probed: int) -> None:
             return
         assert time.monotonic() < deadline, report
         time.sleep(0.05)
+
+
+def wait_until_probed_by(address: str, within: float) -> None:
+    """Block until the head at `address` has probed every server once, so status output is settled."""
+    client = SyncControlClient(address, timeout_seconds=2.0)
+    eventually_blocking(
+        lambda: client.list_server_statuses().reports,
+        lambda reports: all(report.status is not None for report in reports),
+        within=within,
+        what=f"head at {address} probing every server",
+    )

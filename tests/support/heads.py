@@ -18,6 +18,7 @@ from gym_rpc.server._head import HeadServer
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import ServerStatus, StatusReport
 from tests.support.loopback import LOOPBACK
+from tests.support.waiting import eventually
 
 
 @contextlib.asynccontextmanager
@@ -61,14 +62,14 @@ def raw_stub(head: HeadServer) -> pb_grpc.ControlPlaneServiceAsyncStub:
 
 
 async def wait_until_probed(head: HeadServer, deadline_seconds: float = 5.0) -> list[StatusReport]:
-    """Poll the head's own cache until every server has a probe result (bounded)."""
-    deadline = time.monotonic() + deadline_seconds
-    while True:
-        reports = head.prober.reports()
-        if all(r.status is not None for r in reports):
-            return reports
-        assert time.monotonic() < deadline, f"servers never probed: {reports}"
-        await asyncio.sleep(0.02)
+    """The head's own cache once every server has a probe result (bounded)."""
+    return await eventually(
+        head.prober.reports,
+        lambda reports: all(r.status is not None for r in reports),
+        within=deadline_seconds,
+        what="every server probed",
+        every=0.02,
+    )
 
 
 def rewrite_config(head: HeadServer, doc: dict[str, Any]) -> None:

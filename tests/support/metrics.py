@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -15,8 +14,11 @@ from prometheus_client.samples import Sample
 
 from tests.support.cli import HeadProcess
 from tests.support.loopback import LOOPBACK
+from tests.support.waiting import eventually_blocking
 
 HTTP_HEAD_PATTERN = re.compile(r"NeMo Gym HTTP head on (http://\S+?)[;\s]")
+
+WAIT_SECONDS = 15.0
 
 
 METRICS_PATTERN = re.compile(r"metrics on (http://\S+/metrics)")
@@ -49,14 +51,8 @@ def value(samples: list[Sample], name: str, **labels: str) -> float | None:
     return found[0].value if found else None
 
 
-def eventually(url: str, check: Callable[[list[Sample]], bool], what: str) -> list[Sample]:
-    deadline = time.monotonic() + WAIT_SECONDS
-    while True:
-        samples = scrape(url)
-        if check(samples):
-            return samples
-        assert time.monotonic() < deadline, f"/metrics never showed {what} within {WAIT_SECONDS}s"
-        time.sleep(0.1)
-
-
-WAIT_SECONDS = 15.0
+def scrape_until(url: str, check: Callable[[list[Sample]], bool], what: str) -> list[Sample]:
+    """The samples of the first scrape `check` takes (every 0.1 s, within WAIT_SECONDS)."""
+    return eventually_blocking(
+        lambda: scrape(url), check, within=WAIT_SECONDS, what=f"/metrics showing {what}", every=0.1
+    )
