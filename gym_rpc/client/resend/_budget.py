@@ -29,6 +29,7 @@ import asyncio
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gym_rpc.client.resend._policy import ClientBudget
@@ -121,25 +122,13 @@ class ResendBudget:
             waiters.append(waiter)
             pool.waiting += 1
             self.waiting += 1
-        got_it = False
-        try:
-            async with asyncio.timeout(max(wait_seconds, 0.0)):
-                await waiter.future
-            got_it = True
-        except TimeoutError:
-            return False
-        finally:
-            if not got_it:  # timed out or cancelled: a slot granted meanwhile goes to the next waiter
-                with self._lock:
-                    waiter.abandoned = True
-                    granted = waiter.granted
-                    if not granted:
-                        pool.waiting -= 1
-                        self.waiting -= 1
-                        self._forget_if_idle(server_name, pool)
-                if granted:
-                    self.release(server_name)
-        return True
+
+        def withdraw() -> None:
+            pool.waiting -= 1
+            self.waiting -= 1
+            self._forget_if_idle(server_name, pool)
+
+        return await _granted(waiter, wait_seconds, self._lock, withdraw, lambda: self.release(server_name))
 
     def release(self, server_name: str = "") -> None:
         """Free a slot of `server_name`'s, and hand as many as the budget now allows to its waiters, in order."""
@@ -159,14 +148,9 @@ class ResendBudget:
                 waiters.popleft()
                 pool.waiting -= 1
                 self.waiting -= 1
-                try:
-                    waiter.loop.call_soon_threadsafe(_wake, waiter.future)
-                except RuntimeError:  # its loop is closed: nobody is waiting there any more
-                    waiter.abandoned = True
-                    continue
-                waiter.granted = True
-                pool.held += 1
-                self.held += 1
+                if _handed_over(waiter):
+                    pool.held += 1
+                    self.held += 1
             self._forget_if_idle(server_name, pool)
 
     def _forget_if_idle(self, server_name: str, pool: _Pool) -> None:
@@ -213,26 +197,10 @@ class ConcurrencyCap:
             waiters.append(waiter)
             self.waiting += 1
             self.queued += 1
-        got_it = False
-        try:
-            if wait_seconds is None:
-                await waiter.future
-            else:
-                async with asyncio.timeout(max(wait_seconds, 0.0)):
-                    await waiter.future
-            got_it = True
-        except TimeoutError:
-            return False
-        finally:
-            if not got_it:  # timed out or cancelled: a place granted meanwhile goes to the next waiter
-                with self._lock:
-                    waiter.abandoned = True
-                    granted = waiter.granted
-                    if not granted:
-                        self.waiting -= 1
-                if granted:
-                    self.release()
-        return True
+        return await _granted(waiter, wait_seconds, self._lock, self._withdraw, self.release)
+
+    def _withdraw(self) -> None:
+        self.waiting -= 1
 
     def release(self) -> None:
         """Free a place, and hand it to the first waiter still waiting."""
@@ -244,13 +212,52 @@ class ConcurrencyCap:
                 if waiter.abandoned:
                     continue
                 self.waiting -= 1
-                try:
-                    waiter.loop.call_soon_threadsafe(_wake, waiter.future)
-                except RuntimeError:  # its loop is closed: nobody is waiting there any more
-                    waiter.abandoned = True
-                    continue
-                waiter.granted = True
-                self.in_flight += 1
+                if _handed_over(waiter):
+                    self.in_flight += 1
+
+
+async def _granted(
+    waiter: _Waiter,
+    wait_seconds: float | None,
+    lock: threading.Lock,
+    withdraw: Callable[[], None],
+    give_back: Callable[[], None],
+) -> bool:
+    """Wait at most `wait_seconds` (None: as long as it takes) for `waiter`'s slot or place; False if none came.
+    Timed out or cancelled, it gives up under `lock`: `withdraw` undoes its count as a waiter, or, when one was
+    granted meanwhile, `give_back` (outside the lock) hands that one to the next waiter."""
+    got_it = False
+    try:
+        if wait_seconds is None:
+            await waiter.future
+        else:
+            async with asyncio.timeout(max(wait_seconds, 0.0)):
+                await waiter.future
+        got_it = True
+    except TimeoutError:
+        return False
+    finally:
+        if not got_it:
+            with lock:
+                waiter.abandoned = True
+                granted = waiter.granted
+                if not granted:
+                    withdraw()
+            if granted:
+                give_back()
+    return True
+
+
+def _handed_over(waiter: _Waiter) -> bool:
+    """Wake `waiter` with the slot or place it waited for (under the lock, taken off its queue); False when its
+    loop is closed: nobody is waiting there any more."""
+    try:
+        waiter.loop.call_soon_threadsafe(_wake, waiter.future)
+    except RuntimeError:
+        waiter.abandoned = True
+        return False
+    waiter.granted = True
+    return True
 
 
 def _wake(future: asyncio.Future[None]) -> None:

@@ -36,6 +36,7 @@ from google.rpc import status_pb2
 from protobuf.wkt import Any as ConnectAny  # connectrpc's protobuf runtime, not google.protobuf's
 
 from gym_rpc._logging import RateLimitedLog
+from gym_rpc._tasks import cancel_and_wait
 from gym_rpc.errors import GymRpcError
 from gym_rpc.server.http._decode_budget import DecodeBudget
 from gym_rpc.server.observability import UVICORN_LOGGER, QuietInvalidRequests
@@ -312,6 +313,4 @@ class ConnectServer:
             await asyncio.wait_for(asyncio.shield(task), self._grace + 5.0)
         except TimeoutError:
             server.force_exit = True
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)

@@ -20,7 +20,6 @@ Only the process that made a registration removes it (its pid, at its instance).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import ipaddress
 import logging
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 from urllib.parse import unquote
 
+from gym_rpc._tasks import cancel_and_wait
 from gym_rpc.config import ServerEntry, connectable_host, is_wildcard_host, url_authority
 from gym_rpc.server.fleet import InstanceTarget, config_targets
 from gym_rpc.server.fleet import events as events
@@ -293,11 +293,8 @@ class InstanceRegistry:
             self._sweeper = asyncio.create_task(self._expire_leases_forever(prober), name="gym_rpc lease expiry")
 
     async def stop_expiry(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-            self._sweeper = None
+        await cancel_and_wait(self._sweeper)
+        self._sweeper = None
 
     async def _expire_leases_forever(self, prober: StatusTargets, interval: float = LEASE_SWEEP_SECONDS) -> None:
         """Every `interval`, drop expired registrations and tell the prober which instances went."""

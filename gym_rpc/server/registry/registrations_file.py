@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from gym_rpc._tasks import cancel_and_wait
 from gym_rpc.wire import InstanceRegistration
 
 logger = logging.getLogger("gym_rpc.server._registrations_file")  # its name from before the move
@@ -139,11 +140,8 @@ class RegistrationsFile:
 
     async def stop(self) -> None:
         """Stop the writer, writing what changed last (a clean stop keeps everything)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._dirty.is_set():
             self._write()
 
