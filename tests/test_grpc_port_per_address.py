@@ -255,3 +255,31 @@ def test_the_cli_sets_the_per_address_bound(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == {"closed": [False, False, True]}
+
+
+async def test_connections_that_come_and_go_leave_nothing_held(head_factory: Any) -> None:
+    """200 connections through the relay (each closed at once, reset, or after the preface) and calls on fresh
+    channels: once they are gone, the relay holds no connection and no count (with a share of 10 per address, a
+    count left behind by each would lock the address out), and the next client is served."""
+    doc = document({"policy": server_entry(closed_port())})
+    head = await head_factory(doc, connection_relay=True, max_connections=MAX_CONNECTIONS)
+    assert head.relay is not None
+
+    def churn() -> None:
+        for index in range(200):
+            sock = socket.create_connection((LOOPBACK, head.port), timeout=10)
+            if index % 3 == 1:
+                sock.sendall(PREFACE)
+            elif index % 3 == 2:  # a reset rather than a close
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            sock.close()
+
+    await asyncio.to_thread(churn)
+    for _ in range(600):  # each pair ends at its transports' connection_lost
+        if head.relay.open == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert head.relay.open == 0, head.relay.open
+    for _ in range(3):
+        client = ControlClient(f"{LOOPBACK}:{head.port}", timeout_seconds=10.0)
+        assert await client.head_status() == "success"
