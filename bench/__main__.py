@@ -109,6 +109,7 @@ def data_plane_rows(plan: Plan, sections: set[str], data_port: int) -> list[Row]
         rows += asyncio.run(data_plane.run(data_port, plan.data))
         _progress("data plane: objects a call keeps alive")
         rows += asyncio.run(allocations.run(data_port, plan.allocations))
+        rows += [asyncio.run(allocations.inline_first_attempt_row(data_port, plan.allocations))]
     if "hotpath" in sections:
         _progress("hot path: the speed trick of ServerClient.request")
         hot = plan.data

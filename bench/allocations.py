@@ -21,9 +21,11 @@ from dataclasses import dataclass
 
 import orjson
 
-from bench.data_plane import JSON_HEADERS, PAYLOAD, SERVER_NAME, make_client, raw_session
+from bench.data_plane import JSON_HEADERS, PAYLOAD, POOL, SERVER_NAME, make_client, raw_session
 from bench.stats import Row, median
-from gym_rpc.client.data._http import close_http_sessions
+from gym_rpc.client.data._http import Call as OneCall
+from gym_rpc.client.data._http import close_http_sessions, json_payload, send
+from gym_rpc.client.resend import BACKPRESSURE_STATUSES
 
 Call = Callable[[], Awaitable[None]]
 # The goal (DESIGN's performance targets): what ServerClient.post keeps alive beyond raw aiohttp's.
@@ -117,3 +119,48 @@ async def run(port: int, plan: AllocationPlan) -> list[Row]:
             extra <= MAX_EXTRA_OBJECTS,
         )
     ]
+
+
+async def inline_first_attempt_row(port: int, plan: AllocationPlan) -> Row:
+    """Does the pipeline's one trick pay? A call nobody observes, to a server of one instance, makes its first
+    attempt inline in `DataPlane.call` (gym_rpc.client.data._pipeline): no `Call` and no coroutine of `send`'s
+    until a failure. Here the two shapes on one raw session, counted alike: that first attempt as the pipeline
+    writes it, against the same call as one `Call` through the shipped `send`."""
+    session = raw_session()
+    url = f"http://127.0.0.1:{port}/slow?seconds={plan.hold_seconds:g}"
+    retry = POOL.retry
+
+    async def inline() -> None:
+        kwargs = {"data": json_payload(PAYLOAD)}
+        response = await session.request("POST", url, **kwargs)  # type: ignore[arg-type]
+        if response.status >= 429 and response.status in BACKPRESSURE_STATUSES:
+            raise RuntimeError("the data server was busy")
+        async with response:
+            orjson.loads(await response.read())
+
+    async def through_send() -> None:
+        kwargs = {"data": json_payload(PAYLOAD)}
+        call = OneCall(session, "POST", url, kwargs, retry, server=SERVER_NAME)  # type: ignore[arg-type]
+        async with await send(call) as response:
+            orjson.loads(await response.read())
+
+    inline_held: list[Held] = []
+    send_held: list[Held] = []
+    try:
+        for index in range(plan.repeats):
+            for side in (inline, through_send) if index % 2 == 0 else (through_send, inline):
+                held = await held_per_call(side, plan.calls, plan.hold_seconds)
+                (inline_held if side is inline else send_held).append(held)
+    finally:
+        await session.close()
+    mine = median([h.objects for h in inline_held])
+    theirs = median([h.objects for h in send_held])
+    return Row(
+        "data plane",
+        f"objects a call keeps alive while it waits, the pipeline's first attempt inline (DataPlane.call) vs one "
+        f"Call through send, {plan.calls} in flight, counted (median of {plan.repeats}; ratio: through send / "
+        f"inline; {theirs - mine:+.1f} objects per call saved)",
+        f"inline: {mine:.1f} objects tracked by the GC per call",
+        f"through send(Call): {theirs:.1f} objects per call",
+        theirs / mine,
+    )

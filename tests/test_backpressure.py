@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gym_rpc.client.data._http import send
+from gym_rpc.client.data._http import Call, send
 from gym_rpc.client.data._rollout import rollout_context
 from gym_rpc.client.resend._policy import RetryPolicy
 from gym_rpc.client.server_client import ServerClient
@@ -98,7 +98,16 @@ async def test_a_busy_answer_is_counted_as_a_backpressure_resend(instances) -> N
     async with aiohttp.ClientSession() as session:
         url = f"http://{LOOPBACK}:{busy.port}/v1/responses"
         response = await send(
-            session, "POST", url, RetryPolicy(), True, {"data": b"{}"}, Told(), lambda error: next(urls)
+            Call(
+                session,
+                "POST",
+                url,
+                {"data": b"{}"},
+                RetryPolicy(),
+                resend=True,
+                observer=Told(),
+                reroute=lambda error: next(urls),
+            )
         )
         async with response:
             assert response.status == 200

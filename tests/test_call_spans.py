@@ -21,8 +21,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from gym_rpc.client import rollout_context
 from gym_rpc.client.data import _call_spans as _http_tracing
-from gym_rpc.client.data._call_spans import is_default_propagator, traced_send
-from gym_rpc.client.data._http import send
+from gym_rpc.client.data._call_spans import is_default_propagator
+from gym_rpc.client.data._http import Call, send
+from gym_rpc.client.data._observers import observer_for
 from gym_rpc.client.resend._policy import RetryPolicy
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.errors import ServerUnreachableError
@@ -238,8 +239,8 @@ async def test_a_call_keeps_the_callers_headers_and_puts_its_traceparent_in_plac
 async def test_a_traced_call_is_sends_own_coroutine(
     traced: Callable[..., Traced], receiver: Receiver, unsampled: bool
 ) -> None:
-    """traced_send returns `send`'s coroutine itself: a coroutine of ours between the caller and aiohttp would cost
-    every resumption of every traced call."""
+    """A traced call is `send`'s coroutine itself, its span chosen beforehand (`observer_for`, no coroutine): a
+    coroutine of ours between the caller and aiohttp would cost every resumption of every traced call."""
     made = traced()
     retry = RetryPolicy(attempts=1)
     parent = trace.NonRecordingSpan(UNSAMPLED_PARENT) if unsampled else trace.INVALID_SPAN
@@ -247,7 +248,10 @@ async def test_a_traced_call_is_sends_own_coroutine(
     try:
         async with aiohttp.ClientSession() as session:
             url = receiver.base_url + "/200"
-            coroutine = traced_send(session, "POST", receiver.base_url, url, retry, True, {"data": b"{}"}, "srv")
+            call = Call(session, "POST", url, {"data": b"{}"}, retry, server="srv")
+            call.observer = observer_for(call, receiver.base_url)
+            assert (call.observer is None) is unsampled
+            coroutine = send(call)
             assert inspect.iscoroutine(coroutine) and coroutine.cr_code is send.__code__
             async with await coroutine as response:
                 assert response.status == 200

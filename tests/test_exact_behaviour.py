@@ -35,10 +35,17 @@ from gym_rpc import config as config_module
 from gym_rpc.client import ClientSecurity, ClientTls, ControlClient, SyncControlClient
 from gym_rpc.client.control._watch import StatusWatch, SyncStatusWatch
 from gym_rpc.client.data import _call_metrics as client_metrics
-from gym_rpc.client.data._call_metrics import metered_send
-from gym_rpc.client.data._call_spans import traced_send
-from gym_rpc.client.data._http import LoopSessions, _sessions_by_loop, close_loop_sessions, loop_sessions, send
+from gym_rpc.client.data._call_spans import ObserverPair, call_span
+from gym_rpc.client.data._http import (
+    Call,
+    LoopSessions,
+    _sessions_by_loop,
+    close_loop_sessions,
+    loop_sessions,
+    send,
+)
 from gym_rpc.client.data._http_settings import HttpClientSettings
+from gym_rpc.client.data._observers import observer_for
 from gym_rpc.client.data._rollout import apply_rollout_prefix
 from gym_rpc.client.resend._policy import RetryPolicy
 from gym_rpc.client.tracing._aiohttp_instrumentation import _ATTRIBUTES_KEY, _add_attributes
@@ -63,6 +70,7 @@ from gym_rpc.errors import (
     MalformedGymPrefixError,
     ServerUnreachableError,
 )
+from gym_rpc.metrics import METRICS
 from gym_rpc.server._head import HeadOptions
 from gym_rpc.server.fleet._prober import Changes, StatusProber, new_probe_session, probe, unsampled_traceparent
 from gym_rpc.server.registry._registry import InstanceRegistry
@@ -201,7 +209,9 @@ async def test_a_resent_request_carries_the_same_body_and_each_resend_is_counted
     policy = RetryPolicy(attempts=3, initial_backoff_seconds=0.01, max_backoff_seconds=0.02)
     try:
         async with aiohttp.ClientSession() as session:
-            response = await send(session, "POST", url, policy, True, {"json": {"a": 1}}, observer)
+            response = await send(
+                Call(session, "POST", url, {"json": {"a": 1}}, policy, resend=True, observer=observer)
+            )
             async with response:
                 assert await response.read() == b'{"a": 1}'
     finally:
@@ -243,7 +253,9 @@ async def test_send_tells_its_observer_each_resend_then_the_answer_or_error_with
     try:
         async with aiohttp.ClientSession() as session:
             url = f"http://{LOOPBACK}:{port}/v1/responses"
-            async with await send(session, "POST", url, policy, True, {"data": b"{}"}, answered) as response:
+            async with await send(
+                Call(session, "POST", url, {"data": b"{}"}, policy, resend=True, observer=answered)
+            ) as response:
                 assert response.status == 200
             assert answered.told == [("resent", 2, "dropped_after_write"), ("answered", response, 2)]
             assert connections == [2]
@@ -251,7 +263,7 @@ async def test_send_tells_its_observer_each_resend_then_the_answer_or_error_with
             failed = RecordingObserver()
             refused = f"http://{LOOPBACK}:{closed_port()}/v1/responses"
             with pytest.raises(ServerUnreachableError) as caught:
-                await send(session, "POST", refused, policy, True, {"data": b"{}"}, failed)
+                await send(Call(session, "POST", refused, {"data": b"{}"}, policy, resend=True, observer=failed))
     finally:
         server.close()
         await server.wait_closed()
@@ -266,7 +278,7 @@ async def test_a_refused_server_is_named_with_the_operating_systems_reason() -> 
     url = f"http://{LOOPBACK}:{port}/x"
     async with aiohttp.ClientSession() as session:
         with pytest.raises(ServerUnreachableError) as caught:
-            await send(session, "GET", url, RetryPolicy(attempts=1), True, {}, server_name="model")
+            await send(Call(session, "GET", url, {}, RetryPolicy(attempts=1), server="model", resend=True))
     assert re.fullmatch(
         re.escape(f"GET {url} (server 'model'): refused or unreachable, given up after 1 attempt(s) in ")
         + r"\d+\.\d s "
@@ -746,9 +758,9 @@ async def test_sessions_carry_our_trace_config_while_aiohttps_instrumentation_is
 
 
 async def test_a_call_on_an_instrumented_session_tells_the_other_observer_everything() -> None:
-    """traced_send on a session aiohttp's instrumentation traces: the call's attributes (the resend count among
+    """A traced call on a session aiohttp's instrumentation traces: the call's attributes (the resend count among
     them) go to the instrumentation's span through `trace_request_ctx`, and the other observer (the worker
-    metrics') hears each resend and the answer as from any traced call."""
+    metrics', first in the pair `observer_for` makes) hears each resend and the answer as from any traced call."""
     server, port, connections = await start_dropping_server(drops=1)
     base = f"http://{LOOPBACK}:{port}"
     policy = RetryPolicy(attempts=2, initial_backoff_seconds=0.01, max_backoff_seconds=0.02)
@@ -756,8 +768,13 @@ async def test_a_call_on_an_instrumented_session_tells_the_other_observer_everyt
     traced = sessions_made_while_instrumented()
     kwargs: Any = {"data": b"{}"}
     try:
-        response = await traced_send(
-            traced.data, "POST", base, f"{base}/v1/x", policy, True, kwargs, "srv", observer
+        call = Call(traced.data, "POST", f"{base}/v1/x", kwargs, policy, server="srv")
+        span = call_span(call, base)
+        assert span is not None
+        response = await send(
+            Call(
+                traced.data, "POST", call.url, kwargs, policy, server="srv", observer=ObserverPair(observer, span)
+            )
         )
         async with response:
             assert response.status == 200
@@ -1088,17 +1105,20 @@ def test_a_lenient_document_that_is_no_mapping_or_no_json_gets_one_exact_line() 
 async def test_a_metered_call_is_sends_own_coroutine_to_its_url_and_in_flight_until_it_ends(
     monkeypatch: pytest.MonkeyPatch, traced: bool
 ) -> None:
-    """metered_send (worker metrics on), traced or not: send's own coroutine (no coroutine of ours between the
-    caller and aiohttp), to its URL under the caller's resend rule, counted in flight from its making until its
-    answer or its error."""
+    """A metered call (worker metrics on), traced or not: its observers chosen beforehand (`observer_for`, no
+    coroutine), then `send`'s own coroutine (none of ours between the caller and aiohttp), to its URL under the
+    caller's resend rule, counted in flight from its observer's making until its answer or its error."""
     monkeypatch.setattr(TRACING, "enabled", traced)
+    monkeypatch.setattr(METRICS, "enabled", True)
     server, port, connections = await start_dropping_server(drops=1)
     base = f"http://{LOOPBACK}:{port}"
     policy = RetryPolicy(attempts=2, initial_backoff_seconds=0.01, max_backoff_seconds=0.02)
     in_flight = client_metrics._in_flight
     try:
         async with aiohttp.ClientSession() as session:
-            sending = metered_send(session, "POST", base, f"{base}/v1/x", policy, True, {"data": b"{}"}, "srv")
+            call = Call(session, "POST", f"{base}/v1/x", {"data": b"{}"}, policy, server="srv")
+            call.observer = observer_for(call, base)
+            sending = send(call)
             assert inspect.iscoroutine(sending) and sending.cr_code is send.__code__
             assert in_flight[("srv", "POST")] == 1
             async with await sending as response:
@@ -1106,7 +1126,9 @@ async def test_a_metered_call_is_sends_own_coroutine_to_its_url_and_in_flight_un
             assert (connections, in_flight[("srv", "POST")]) == ([2], 0)
             connections[0] = 0
             with pytest.raises(aiohttp.ServerDisconnectedError):
-                await metered_send(session, "POST", base, f"{base}/v1/x", policy, False, {"data": b"{}"}, "srv")
+                call = Call(session, "POST", f"{base}/v1/x", {"data": b"{}"}, policy, server="srv", resend=False)
+                call.observer = observer_for(call, base)
+                await send(call)
             assert (connections, in_flight[("srv", "POST")]) == ([1], 0)
     finally:
         server.close()

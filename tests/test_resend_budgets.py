@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from gym_rpc.client import FailureKind, ServerDroppedError
-from gym_rpc.client.data._http import LoopSessions, send
+from gym_rpc.client.data._http import Call, LoopSessions, send
 from gym_rpc.client.data._http_settings import HttpClientSettings
 from gym_rpc.client.resend._budget import RESEND_BUDGET, ResendBudget
 from gym_rpc.client.resend._policy import ClientBudget, RetryPolicy
@@ -153,7 +153,7 @@ async def test_a_refused_call_rides_out_a_restart_and_is_resent_even_without_res
     told = Told()
     async with aiohttp.ClientSession() as session:
         url = f"http://{LOOPBACK}:{port}/v1/responses"
-        response = await send(session, "POST", url, policy(), False, {"data": b"{}"}, told)
+        response = await send(Call(session, "POST", url, {"data": b"{}"}, policy(), resend=False, observer=told))
         async with response:
             assert response.status == 200
     await later
@@ -183,7 +183,7 @@ async def test_a_drop_before_the_request_was_written_is_resent_even_without_rese
     told = Told()
     async with aiohttp.ClientSession(trace_configs=[hooks]) as session:
         url = f"http://{LOOPBACK}:{port}/x"
-        async with await send(session, "GET", url, policy(), False, {}, told) as response:
+        async with await send(Call(session, "GET", url, {}, policy(), resend=False, observer=told)) as response:
             assert response.status == 200
     assert told.resends == [(2, "dropped_before_write")] and told.outcome == (200, 2)
     assert (server.connections, server.requests) == (2, 1)
@@ -199,10 +199,10 @@ async def test_a_drop_after_the_request_was_written_is_resent_only_when_allowed(
     url = f"http://{LOOPBACK}:{port}/v1/responses"
     async with aiohttp.ClientSession() as session:
         with pytest.raises(ServerDroppedError) as once:
-            await send(session, "POST", url, policy(), False, {"data": b"{}"}, server_name="model")
+            await send(Call(session, "POST", url, {"data": b"{}"}, policy(), server="model", resend=False))
         assert server.requests == 1
         with pytest.raises(aiohttp.ServerDisconnectedError) as bounded:  # what callers caught before
-            await send(session, "POST", url, policy(), True, {"data": b"{}"}, server_name="model")
+            await send(Call(session, "POST", url, {"data": b"{}"}, policy(), server="model", resend=True))
     assert server.requests == 1 + 3
     assert (once.value.kind, once.value.limit, once.value.attempts) == ("dropped_after_write", "no resend", 1)
     assert isinstance(bounded.value, ServerDroppedError)
@@ -257,14 +257,14 @@ async def test_timeouts_are_resent_only_as_their_budget_allows(
     async with aiohttp.ClientSession() as session:
         url = f"http://{LOOPBACK}:{full_backlog}/"
         with pytest.raises(RequestTimeoutError) as by_default:
-            await send(session, "GET", url, policy(), True, connect_timeout())
+            await send(Call(session, "GET", url, connect_timeout(), policy(), resend=True))
         with pytest.raises(RequestTimeoutError) as connect_resent:
-            await send(session, "GET", url, resend_one, False, connect_timeout())
+            await send(Call(session, "GET", url, connect_timeout(), resend_one, resend=False))
         with pytest.raises(RequestTimeoutError) as read_not_resent:
-            await send(session, "POST", mute_url, resend_one, False, read_timeout())
+            await send(Call(session, "POST", mute_url, read_timeout(), resend_one, resend=False))
         assert mute.requests == 1
         with pytest.raises(RequestTimeoutError) as read_resent:
-            await send(session, "POST", mute_url, resend_one, True, read_timeout())
+            await send(Call(session, "POST", mute_url, read_timeout(), resend_one, resend=True))
         assert mute.requests == 1 + 2
     assert (by_default.value.attempts, by_default.value.limit) == (1, "attempts")
     assert (connect_resent.value.attempts, connect_resent.value.limit) == (2, "attempts")
@@ -287,7 +287,9 @@ async def test_an_http_answer_is_never_resent(http_server: Callable[..., Any]) -
     told = Told()
     async with aiohttp.ClientSession() as session:
         url = f"http://{LOOPBACK}:{port}/v1/responses"
-        async with await send(session, "POST", url, policy(), True, {"data": b"{}"}, told) as response:
+        async with await send(
+            Call(session, "POST", url, {"data": b"{}"}, policy(), resend=True, observer=told)
+        ) as response:
             assert response.status == 502
     assert seen == ["/v1/responses"] and told.resends == [] and told.outcome == (502, 1)
 
@@ -306,11 +308,13 @@ async def test_the_calls_deadline_bounds_its_resends(counting: Callable[[Callabl
         started = time.monotonic()
         with pytest.raises(ServerUnreachableError) as unreachable:
             timeout = aiohttp.ClientTimeout(total=0.5)
-            await send(session, "POST", refused, policy(), True, {"timeout": timeout})
+            await send(Call(session, "POST", refused, {"timeout": timeout}, policy(), resend=True))
         refused_for = time.monotonic() - started
         started = time.monotonic()
         with pytest.raises(RequestTimeoutError) as timed_out:
-            await send(session, "POST", held, policy(), True, {"timeout": aiohttp.ClientTimeout(total=2)})
+            await send(
+                Call(session, "POST", held, {"timeout": aiohttp.ClientTimeout(total=2)}, policy(), resend=True)
+            )
         held_for = time.monotonic() - started
     assert unreachable.value.limit == "deadline" and unreachable.value.attempts > 1
     assert refused_for < 0.5 + 2.0  # not the refused budget's 30 s
@@ -331,7 +335,9 @@ async def test_a_pause_is_not_taken_when_the_resend_after_it_would_have_less_tim
     retry = policy(initial_backoff_seconds=0.1, max_backoff_seconds=0.1)
     async with aiohttp.ClientSession() as session:
         with pytest.raises(ServerUnreachableError) as unreachable:
-            await send(session, "POST", refused, retry, True, {"timeout": aiohttp.ClientTimeout(total=0.15)})
+            await send(
+                Call(session, "POST", refused, {"timeout": aiohttp.ClientTimeout(total=0.15)}, retry, resend=True)
+            )
     assert (unreachable.value.limit, unreachable.value.attempts) == ("deadline", 1)
 
 
@@ -353,7 +359,7 @@ async def _resends_seen_by_a_dead_server(
     )
     async with aiohttp.ClientSession() as session:
         outcomes = await asyncio.gather(
-            *(send(session, "POST", url, retry, True, {"data": b"{}"}) for _ in range(calls)),
+            *(send(Call(session, "POST", url, {"data": b"{}"}, retry, resend=True)) for _ in range(calls)),
             return_exceptions=True,
         )
     assert all(isinstance(outcome, BaseException) for outcome in outcomes)
@@ -478,14 +484,16 @@ async def test_the_reroute_hook_tries_other_instances_at_once_and_pauses_when_al
     async with aiohttp.ClientSession() as session:
         started = time.monotonic()
         response = await send(
-            session,
-            "POST",
-            down_a,
-            policy(**slow_pauses),
-            True,
-            {"data": b"{}"},
-            told,
-            to_the_live_one,
+            Call(
+                session,
+                "POST",
+                down_a,
+                {"data": b"{}"},
+                policy(**slow_pauses),
+                resend=True,
+                observer=told,
+                reroute=to_the_live_one,
+            )
         )
         async with response:
             assert response.status == 200
@@ -499,7 +507,11 @@ async def test_the_reroute_hook_tries_other_instances_at_once_and_pauses_when_al
             return urls[len(tried) % 2]
 
         with pytest.raises(ServerUnreachableError) as caught:
-            await send(session, "POST", down_a, policy(refused={"seconds": 0.5}), True, {}, None, round_robin)
+            await send(
+                Call(
+                    session, "POST", down_a, {}, policy(refused={"seconds": 0.5}), resend=True, reroute=round_robin
+                )
+            )
     [refused] = asked
     assert isinstance(refused, aiohttp.ClientConnectorError) and told.outcome == (200, 2)
     assert failed_over_in < 1.0  # a pause would have been at least 1 s
@@ -533,13 +545,17 @@ async def test_an_observer_that_raises_never_fails_the_call(
     steady = counting(lambda _: "answer")
     steady_url = f"http://{LOOPBACK}:{await steady.start()}/v1/responses"
     async with aiohttp.ClientSession() as session:
-        async with await send(session, "POST", steady_url, policy(), True, {}, Raising()) as response:
+        async with await send(
+            Call(session, "POST", steady_url, {}, policy(), resend=True, observer=Raising())
+        ) as response:
             assert response.status == 200  # the first attempt answered (observer raised at answered)
-        async with await send(session, "POST", flaky_url, policy(), True, {}, Raising()) as response:
+        async with await send(
+            Call(session, "POST", flaky_url, {}, policy(), resend=True, observer=Raising())
+        ) as response:
             assert response.status == 200  # resent (observer raised at resent) and answered (raised again)
         refused = f"http://{LOOPBACK}:{closed_port()}/"
         with pytest.raises(ServerUnreachableError):
-            await send(session, "GET", refused, RetryPolicy(attempts=1), True, {}, Raising())
+            await send(Call(session, "GET", refused, {}, RetryPolicy(attempts=1), resend=True, observer=Raising()))
 
 
 async def test_a_dead_server_gets_one_log_line_per_interval_not_one_per_call(
@@ -551,7 +567,7 @@ async def test_a_dead_server_gets_one_log_line_per_interval_not_one_per_call(
     caplog.set_level(logging.WARNING, logger="gym_rpc.client.resend._log")
     async with aiohttp.ClientSession() as session:
         outcomes = await asyncio.gather(
-            *(send(session, "POST", url, retry, True, {}, server_name="gone") for _ in range(30)),
+            *(send(Call(session, "POST", url, {}, retry, server="gone", resend=True)) for _ in range(30)),
             return_exceptions=True,
         )
     assert all(isinstance(outcome, ServerUnreachableError) for outcome in outcomes)
@@ -662,7 +678,7 @@ async def test_by_default_a_server_that_never_returns_fails_the_call_within_a_mi
     async with aiohttp.ClientSession() as session:
         started = time.monotonic()
         with pytest.raises(ServerUnreachableError) as caught:
-            await send(session, "POST", url, RetryPolicy(), True, {"data": b"{}"}, server_name="gone")
+            await send(Call(session, "POST", url, {"data": b"{}"}, RetryPolicy(), server="gone", resend=True))
         took = time.monotonic() - started
     assert 30.0 - 2.0 <= took < 60.0  # the last pause (at most 2 s) may not fit in the 30 s
     assert (caught.value.kind, caught.value.limit, caught.value.server_name) == ("refused", "time", "gone")

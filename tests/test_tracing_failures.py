@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.sampling import Sampler, SamplingResult
 from gym_rpc import telemetry
 from gym_rpc.client import rollout_context
 from gym_rpc.client.data import _call_metrics as client_metrics
-from gym_rpc.client.data._http import send
+from gym_rpc.client.data._http import Call, send
 from gym_rpc.client.resend._policy import RetryPolicy
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.errors import ServerUnreachableError
@@ -259,7 +259,17 @@ async def test_an_observer_that_raises_a_base_exception_leaves_no_response_unrel
     observer = CancelledAtTheAnswer()
     async with aiohttp.ClientSession() as session:
         with pytest.raises(asyncio.CancelledError):
-            await send(session, "POST", receiver.base_url + "/200", RetryPolicy(attempts=1), True, {}, observer)
+            await send(
+                Call(
+                    session,
+                    "POST",
+                    receiver.base_url + "/200",
+                    {},
+                    RetryPolicy(attempts=1),
+                    resend=True,
+                    observer=observer,
+                )
+            )
     [response] = observer.responses
     assert response.closed
 

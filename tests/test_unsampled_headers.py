@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 
 from gym_rpc.client import rollout_context
 from gym_rpc.client.data._call_spans import call_span
+from gym_rpc.client.resend import Call, RetryPolicy
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.client.tracing import _unsampled_headers
 from gym_rpc.client.tracing._unsampled_headers import known_headers
@@ -38,7 +39,8 @@ async def headers_of_a_call(session: aiohttp.ClientSession) -> Any:
     """What a traced call of no headers of its own under the current context puts in its request's headers (no
     span: None returned)."""
     kwargs: _RequestOptions = {}
-    assert call_span(session, "POST", "http://127.0.0.1:1", "http://127.0.0.1:1/v1/responses", kwargs, "m") is None
+    call = Call(session, "POST", "http://127.0.0.1:1/v1/responses", kwargs, RetryPolicy(), server="m")
+    assert call_span(call, "http://127.0.0.1:1") is None
     return kwargs["headers"]
 
 

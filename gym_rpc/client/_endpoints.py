@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from gym_rpc._environment import environment
 from gym_rpc.client.control import HeadView
-from gym_rpc.client.data import RolloutTarget, apply_rollout_prefix, rollout_headers, rollout_id_in_context
-from gym_rpc.client.nemo_gym import nemo_gym_rollout_id
+from gym_rpc.client.data import RolloutTarget, apply_rollout_prefix, call_rollout, rollout_headers
 from gym_rpc.config import GlobalConfig, is_wildcard_host
 from gym_rpc.errors import UnknownServerError
 
@@ -132,7 +131,7 @@ class Endpoints:
         route = routing.routes.get(server_name)
         if route is None:
             return None
-        return route.any_url(rollout_id_in_context() or nemo_gym_rollout_id() or None)
+        return route.any_url(call_rollout())
 
     def _resolve_with(self, server_name: str, advertised_urls: Callable[[], dict[str, str]]) -> str:
         url = self.base_urls.get(server_name)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from gym_rpc._lazy import lazy_modules
 
 if TYPE_CHECKING:
-    from gym_rpc.client.data._call_metrics import metered_send as metered_send
+    from gym_rpc.client.data._call_paths import call_rollout as call_rollout
     from gym_rpc.client.data._call_paths import path_rule as path_rule
     from gym_rpc.client.data._call_spans import call_span as call_span
     from gym_rpc.client.data._http import close_http_sessions as close_http_sessions
@@ -31,8 +31,7 @@ if TYPE_CHECKING:
 __getattr__ = lazy_modules(
     __name__,
     {
-        "_call_metrics": "metered_send",
-        "_call_paths": "path_rule",
+        "_call_paths": "call_rollout path_rule",
         "_call_spans": "call_span",
         "_http": "close_http_sessions json_payload send",
         "_http_pools": "HttpPools",

@@ -15,23 +15,19 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Meter, Observation
 
-from gym_rpc.client.data._call_spans import traced_send
-from gym_rpc.client.data._http import Reroute, send
 from gym_rpc.client.replicas import ROUTINGS
-from gym_rpc.client.resend import RetryPolicy
 from gym_rpc.errors import ResendsExhaustedError, ServerUnreachableError
 from gym_rpc.metrics import meter, seconds_histogram
-from gym_rpc.telemetry import TRACING, instrumentation_failed
+from gym_rpc.telemetry import instrumentation_failed
 
 if TYPE_CHECKING:
     import aiohttp
-    from aiohttp.client import _RequestOptions
 
     from gym_rpc.client.replicas import Instance
 
@@ -206,47 +202,11 @@ class MeteredCall:
         )
 
 
-def metered_send(
-    session: aiohttp.ClientSession,
-    method: str,
-    base_url: str,
-    url: str,
-    retry: RetryPolicy,
-    resend_after_disconnect: bool,
-    kwargs: _RequestOptions,
-    server_name: str,
-    reroute: Reroute | None = None,
-) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
-    """`send` (`traced_send` when tracing is on, same parameters) with the call metered: its own coroutine, which
-    must be awaited at once, as the call is counted in flight from here. Metrics that fail to start (an
-    instrument that cannot be made) leave the call unmetered, and logged."""
-    metered: MeteredCall | None
+def metered_call(server_name: str, method: str) -> MeteredCall | None:
+    """The observer of a metered call, counted in flight from here: the call must be sent at once. Metrics that
+    fail to start (an instrument that cannot be made) leave the call unmetered, and logged."""
     try:
-        metered = MeteredCall(server_name, method)
+        return MeteredCall(server_name, method)
     except Exception as error:
         instrumentation_failed(MeteredCall.kind, error)
-        metered = None
-    if not TRACING.enabled:
-        return send(
-            session,
-            method,
-            url,
-            retry,
-            resend_after_disconnect,
-            kwargs,
-            metered,
-            reroute,
-            server_name=server_name,
-        )
-    return traced_send(
-        session,
-        method,
-        base_url,
-        url,
-        retry,
-        resend_after_disconnect,
-        kwargs,
-        server_name,
-        metered,
-        reroute,
-    )
+        return None

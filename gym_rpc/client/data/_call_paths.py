@@ -18,27 +18,36 @@ from gym_rpc.wire import RESOURCES_SERVER_TYPE, encode_rollout_id, prefixed_path
 if TYPE_CHECKING:
     from aiohttp.client import _RequestOptions
 
-# (config, server name, url path, json body, request options) -> the path to send; may add a header to the options.
-PathRule = Callable[[GlobalConfig, str, str, Any, "_RequestOptions"], str]
+# (config, server name, url path, the call's rollout key, json body, request options) -> the path to send; may
+# add a header to the options.
+PathRule = Callable[[GlobalConfig, str, str, str | None, Any, "_RequestOptions"], str]
+
+
+def call_rollout() -> str | None:
+    """Which rollout the call being made belongs to, by its context: gym_rpc's `rollout_context`, else NeMo Gym's
+    own (when NeMo Gym is loaded); None for none. Worked out once per call (the pipeline's), then handed to the
+    path rule, the routing keys and the span; a body's own rollout (`_ng_rollout_id`) is each rule's to read."""
+    return rollout_id_in_context() or nemo_gym_rollout_id() or None
 
 
 def observed_path(
-    config: GlobalConfig, server_name: str, url_path: str, body: Any, kwargs: _RequestOptions
+    config: GlobalConfig, server_name: str, url_path: str, rollout: str | None, body: Any, kwargs: _RequestOptions
 ) -> str:
-    """The rollout prefix rule with observability on, as NeMo Gym applies it: the id bound by gym_rpc's
-    `rollout_context`, else by NeMo Gym's own context (when NeMo Gym is loaded), else, for `/verify` on a resources
-    server, the one the body names (`_ng_rollout_id`, or `_ng_task_index`-`_ng_rollout_index`)."""
+    """The rollout prefix rule with observability on, as NeMo Gym applies it: the call's rollout (`rollout`, the id
+    bound by gym_rpc's `rollout_context`, else by NeMo Gym's own context when NeMo Gym is loaded), else, for
+    `/verify` on a resources server, the one the body names (`_ng_rollout_id`, or
+    `_ng_task_index`-`_ng_rollout_index`; a malformed one is a ValueError naming the key)."""
     entry = config.servers.get(server_name)
     if entry is None:  # a server known only from NEMO_GYM_MODEL_SERVER_BASE_URL: its URL carries the prefix
         return url_path
-    rollout_id = rollout_id_in_context() or nemo_gym_rollout_id()
+    rollout_id = rollout
     if not rollout_id and url_path == "/verify" and entry.server_type == RESOURCES_SERVER_TYPE:
         rollout_id = rollout_id_from_run_body(body)
     return prefixed_path(url_path, entry.server_type, rollout_id)
 
 
 def engine_aware_path(
-    config: GlobalConfig, server_name: str, url_path: str, body: Any, kwargs: _RequestOptions
+    config: GlobalConfig, server_name: str, url_path: str, rollout: str | None, body: Any, kwargs: _RequestOptions
 ) -> str:
     """The rule of a config with engine entries: a call to one keeps its path and carries the rollout id in the
     entry's header (observability on or off: a router needs it to keep the rollout on one engine); any other call
@@ -49,12 +58,11 @@ def engine_aware_path(
     header = entry.session_affinity_header
     if header is None:
         if config.observability_enabled:
-            return observed_path(config, server_name, url_path, body, kwargs)
+            return observed_path(config, server_name, url_path, rollout, body, kwargs)
         return url_path
-    rollout_id = rollout_id_in_context() or nemo_gym_rollout_id()
-    if rollout_id:
+    if rollout:
         # the id by the one rule the path form holds it to: nothing but a plain id reaches a router's header
-        kwargs["headers"] = with_session_header(kwargs.get("headers"), header, encode_rollout_id(rollout_id))
+        kwargs["headers"] = with_session_header(kwargs.get("headers"), header, encode_rollout_id(rollout))
     return url_path
 
 

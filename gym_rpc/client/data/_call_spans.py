@@ -22,7 +22,7 @@ in the `traceparent` header.
 from __future__ import annotations
 
 import functools
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -34,9 +34,7 @@ from opentelemetry.context import Context
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.propagators.textmap import TextMapPropagator
 
-from gym_rpc.client.data._http import CallObserver, Reroute, send
-from gym_rpc.client.data._rollout import rollout_id_in_context
-from gym_rpc.client.resend import RetryPolicy
+from gym_rpc.client.resend import Call, CallObserver
 from gym_rpc.client.tracing import known_headers, remember_headers, session_instrumented
 from gym_rpc.client.tracing import request_context as instrumentation_request_context
 from gym_rpc.telemetry import (
@@ -123,16 +121,9 @@ def trace_context_headers(
     return headers
 
 
-def call_span(
-    session: aiohttp.ClientSession,
-    method: str,
-    base_url: str,
-    url: str,
-    kwargs: _RequestOptions,
-    server_name: str,
-) -> CallObserver | None:
-    """The observer of a traced call to `url` (under `base_url`, the server's): its CLIENT span, started, whose
-    context goes out in the `traceparent` header (put in `kwargs`); a resent call carries
+def call_span(call: Call, base_url: str) -> CallObserver | None:
+    """The observer of a traced call (to `call.url`, under `base_url`, the server's): its CLIENT span, started,
+    whose context goes out in the `traceparent` header (put in `call.kwargs`); a resent call carries
     `http.request.resend_count` (the number of attempts after the first). None for a call that records no span: it
     is sent as an untraced call is, with no observer. That is a child of an unsampled parent, which carries that
     parent's context on (in headers made once per context when the caller gave none:
@@ -141,8 +132,9 @@ def call_span(
     logged.
 
     One function, not two, because most calls under sampling take its first return: a rollout's later calls."""
-    if session_instrumented(session):
-        return _InstrumentedCall(kwargs, server_name, rollout_id_in_context())
+    kwargs = call.kwargs
+    if session_instrumented(call.session):
+        return _InstrumentedCall(kwargs, call.server, call.rollout)
     span: trace.Span | None = None
     try:
         current = otel_context.get_current()
@@ -156,10 +148,10 @@ def call_span(
             headers = trace_context_headers(given, parent, current, textmap)
             kwargs["headers"] = headers if given else remember_headers(current, textmap, CIMultiDictProxy(headers))
             return None
-        attributes = {**_static_attributes(method, base_url, server_name), URL_FULL: url}
-        rollout_id = rollout_id_in_context()
-        if rollout_id is not None:
-            attributes[ROLLOUT_ID_ATTRIBUTE] = rollout_id
+        method = call.method
+        attributes = {**_static_attributes(method, base_url, call.server), URL_FULL: call.url}
+        if call.rollout is not None:
+            attributes[ROLLOUT_ID_ATTRIBUTE] = call.rollout
         span = tracer().start_span(span_name(method), context=current, kind=_CLIENT, attributes=attributes)
         kwargs["headers"] = trace_context_headers(given, span.get_span_context(), current, textmap)
         if span.is_recording():
@@ -170,36 +162,6 @@ def call_span(
     return None
 
 
-def traced_send(
-    session: aiohttp.ClientSession,
-    method: str,
-    base_url: str,
-    url: str,
-    retry: RetryPolicy,
-    resend_after_disconnect: bool,
-    kwargs: _RequestOptions,
-    server_name: str,
-    also: CallObserver | None = None,
-    reroute: Reroute | None = None,
-) -> Coroutine[Any, Any, aiohttp.ClientResponse]:
-    """`send(session, method, url, ...)` with the call's span (`call_span`), `also` (the worker metrics') told
-    everything too, before the span. It returns `send`'s own coroutine, the span told of the outcome from inside
-    it (a CallObserver): a coroutine of ours between the caller and aiohttp would cost every resumption of the
-    call. It must be awaited at once (as metered_send and send_routed do)."""
-    observer = call_span(session, method, base_url, url, kwargs, server_name)
-    return send(
-        session,
-        method,
-        url,
-        retry,
-        resend_after_disconnect,
-        kwargs,
-        also if observer is None else _with(also, observer),
-        reroute,
-        server_name=server_name,
-    )
-
-
 def _end_quietly(span: trace.Span | None) -> None:
     """End a span whose call goes on untraced; what that raises is logged."""
     if span is None:
@@ -208,10 +170,6 @@ def _end_quietly(span: trace.Span | None) -> None:
         span.end()
     except Exception as error:
         instrumentation_failed(TRACING, error)
-
-
-def _with(also: CallObserver | None, observer: CallObserver) -> CallObserver:
-    return observer if also is None else ObserverPair(also, observer)
 
 
 class ObserverPair:

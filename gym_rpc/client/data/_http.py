@@ -28,10 +28,10 @@ from gym_rpc.client.data._http_settings import HttpClientSettings
 from gym_rpc.client.resend import (
     BACKPRESSURE_STATUSES,
     Backpressure,
+    Call,
     CallCount,
     CallObserver,
     Reroute,
-    RetryPolicy,
     new_call_count,
     resend_after_failure,
 )
@@ -40,9 +40,10 @@ from gym_rpc.client.tracing import trace_configs as instrumentation_trace_config
 from gym_rpc.telemetry import instrumentation_failed
 
 if TYPE_CHECKING:
-    from aiohttp.client import _RequestOptions
+    pass
 
 __all__ = [
+    "Call",
     "CallObserver",
     "LoopSessions",
     "Reroute",
@@ -183,52 +184,30 @@ async def close_http_sessions() -> None:
         await sessions.close()
 
 
-async def send(
-    session: aiohttp.ClientSession,
-    method: str,
-    url: str,
-    retry: RetryPolicy,
-    resend_after_disconnect: bool,
-    kwargs: _RequestOptions,
-    observer: CallObserver | None = None,
-    reroute: Reroute | None = None,
-    *,
-    server_name: str = "",
-) -> aiohttp.ClientResponse:
-    """One request, resent within `retry`'s budgets when it fails (gym_rpc.client.resend._resend); `observer` is
-    told of every attempt after the first, and of the answer or the error.
+async def send(call: Call) -> aiohttp.ClientResponse:
+    """Make `call`: one request, resent within `call.retry`'s budgets when it fails (gym_rpc.client.resend); its
+    observer is told of every attempt after the first, and of the answer or the error.
 
-    A failure is refused, dropped before the request was written, dropped after (resent only when the caller
-    allows: `resend_after_disconnect`), a timeout, or an answer of 429 or 503 (resent within its own budget, else
-    the caller's); anything else, any other HTTP answer above all, is the caller's at once. Given up, a call
-    raises ServerUnreachableError, ServerDroppedError (an aiohttp ServerDisconnectedError and ClientOSError too)
-    or RequestTimeoutError, naming `server_name`, the URL, the kind, the attempts and the time.
-    `reroute` (replicas) gives the URL of each resend, from the error that made it; by default it is `url`.
+    A failure is refused, dropped before the request was written, dropped after (resent only when the call allows:
+    `call.resend`), a timeout, or an answer of 429 or 503 (resent within its own budget, else the caller's);
+    anything else, any other HTTP answer above all, is the caller's at once. Given up, a call raises
+    ServerUnreachableError, ServerDroppedError (an aiohttp ServerDisconnectedError and ClientOSError too) or
+    RequestTimeoutError, naming the server, the URL, the kind, the attempts and the time. `call.reroute`
+    (replicas) gives the URL of each resend, from the error that made it; by default it is `call.url`.
 
     The happy path is the request and one clock read (the start of the call's deadline); the rest runs only after
     a failure.
     """
-    started = monotonic()
+    call.started = monotonic()
     try:
-        response = await session.request(method, url, **kwargs)
+        response = await call.session.request(call.method, call.url, **call.kwargs)
     except BaseException as error:
         failure = error
     else:
         status = response.status
         if status >= 429 and status in BACKPRESSURE_STATUSES:  # busy: elsewhere, or after its Retry-After
-            return await resend_after_failure(
-                Backpressure(response),
-                session,
-                method,
-                url,
-                retry,
-                resend_after_disconnect,
-                kwargs,
-                observer,
-                server_name,
-                reroute,
-                started,
-            )
+            return await resend_after_failure(call, Backpressure(response))
+        observer = call.observer
         if observer is not None:
             try:
                 observer.answered(response, 1)
@@ -238,16 +217,4 @@ async def send(
                 response.close()
                 raise
         return response
-    return await resend_after_failure(
-        failure,
-        session,
-        method,
-        url,
-        retry,
-        resend_after_disconnect,
-        kwargs,
-        observer,
-        server_name,
-        reroute,
-        started,
-    )
+    return await resend_after_failure(call, failure)

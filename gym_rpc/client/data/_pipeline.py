@@ -13,12 +13,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from pydantic import BaseModel
 
-from gym_rpc.client.data._call_metrics import metered_send
-from gym_rpc.client.data._call_paths import path_rule
-from gym_rpc.client.data._call_spans import call_span
+from gym_rpc.client.data._call_paths import call_rollout, path_rule
 from gym_rpc.client.data._http import json_payload, send
+from gym_rpc.client.data._observers import observer_for
 from gym_rpc.client.data._routed_send import send_routed, sticky_keys
-from gym_rpc.client.resend import BACKPRESSURE_STATUSES, Backpressure, resend_after_failure
+from gym_rpc.client.resend import BACKPRESSURE_STATUSES, Backpressure, Call, resend_after_failure
 from gym_rpc.metrics import METRICS
 from gym_rpc.telemetry import TRACING
 
@@ -70,14 +69,17 @@ class DataPlane:
         _resend_after_disconnect: bool = True,
         **kwargs: Unpack[_RequestOptions],
     ) -> aiohttp.ClientResponse:
-        """The hot path of `request`, `post` and `get`: a cached URL, the rollout prefix rule and the request.
+        """`request`, `post` and `get`: where the call goes (a cached URL, or the server's route), its body, its
+        rollout key (worked out once, when something reads it: the path rule, the route, the span), its path,
+        then one `Call` through `send` (or the routed send), its observers chosen in one place
+        (gym_rpc.client.data._observers).
 
         What a call keeps alive while it waits is what the collector pays for at thousands in flight (bench/
         allocations.py): after the first call `client.post(...)` and `client.get(...)` are this coroutine itself
-        (ServerClient's direct calls), and the first attempt is made here, with no coroutine of `send`'s: the
-        resend path takes over only after a failure.
+        (ServerClient's direct calls), and a call nobody observes, to a server of one instance, makes its first
+        attempt here, with neither a `Call` nor a coroutine of `send`'s (the "inline first attempt" row of
+        bench/allocations.py counts what that saves): they are made only after a failure.
         """
-        resend = _resend_after_disconnect
         routing = self.routing
         if routing is None:
             routing = self.routing = await self.endpoints.ready_routing()
@@ -91,33 +93,36 @@ class DataPlane:
             if kwargs.get("data") is not None:
                 raise ValueError("data and json parameters can not be used at the same time")
             kwargs["data"] = json_payload(body)
-        config = self.config
-        if route is not None:
-            keys = sticky_keys(route, server_name, body, kwargs)
-        if self.path_rule is not None:  # decided once per client (gym_rpc.client.data._call_paths)
-            url_path = self.path_rule(config, server_name, url_path, body, kwargs)
+        observed = METRICS.enabled or TRACING.enabled  # what metrics and tracing cost when off: these two checks
+        rule = self.path_rule  # decided once per client (gym_rpc.client.data._call_paths)
+        rollout = call_rollout() if route is not None or rule is not None or observed else None
+        if rule is not None:
+            url_path = rule(self.config, server_name, url_path, rollout, body, kwargs)
         pools = self.pools
         sessions = pools.sessions()
         session = sessions.control if _control else sessions.data
-        retry = pools.settings.retry
         calls = sessions.calls  # the loop's calls in flight: the client-wide resend budget's measure of load
         calls.value += 1
         try:
             if route is not None:
-                return await send_routed(
-                    route, keys, session, method, server_name, url_path, retry, resend, kwargs
-                )
+                keys = sticky_keys(route, server_name, rollout, body, kwargs)
+                call = Call(
+                    session, method, url_path, kwargs, pools.settings.retry,
+                    server=server_name, resend=_resend_after_disconnect, rollout=rollout,
+                )  # fmt: skip
+                return await send_routed(call, route, keys, url_path)
             full_url = url + url_path
-            if METRICS.enabled:  # what metrics and tracing cost when off: these two checks
-                return await metered_send(session, method, url, full_url, retry, resend, kwargs, server_name)
-            if TRACING.enabled:
-                span = call_span(session, method, url, full_url, kwargs, server_name)
-                if span is not None:
-                    return await send(
-                        session, method, full_url, retry, resend, kwargs, span, server_name=server_name
-                    )
-                # no span (a child of an unsampled parent, its context in the headers): sent as untraced calls are
-            started = time.monotonic()  # the start of the call's deadline, as in `_http.send`
+            if observed:
+                call = Call(
+                    session, method, full_url, kwargs, pools.settings.retry,
+                    server=server_name, resend=_resend_after_disconnect, rollout=rollout,
+                )  # fmt: skip
+                call.observer = observer_for(call, url)
+                if call.observer is not None:
+                    return await send(call)
+                # nobody observes it (a child of an unsampled parent, its context in the headers): sent as below,
+                del call  # and the Call not kept alive while it waits
+            started = time.monotonic()  # the start of the call's deadline, as in `send`
             try:
                 response = await session.request(method, full_url, **kwargs)
             except BaseException as error:
@@ -127,8 +132,11 @@ class DataPlane:
                 if status < 429 or status not in BACKPRESSURE_STATUSES:  # most answers: one int comparison
                     return response
                 failure = Backpressure(response)  # busy: asked again after its Retry-After, within budget
-            return await resend_after_failure(
-                failure, session, method, full_url, retry, resend, kwargs, None, server_name, None, started
-            )
+            failed = Call(
+                session, method, full_url, kwargs, pools.settings.retry,
+                server=server_name, resend=_resend_after_disconnect, rollout=rollout,
+            )  # fmt: skip
+            failed.started = started
+            return await resend_after_failure(failed, failure)
         finally:
             calls.value -= 1

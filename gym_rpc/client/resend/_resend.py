@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable
 from time import monotonic
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import aiohttp
 
 from gym_rpc._aiohttp_errors import ServerDroppedError
 from gym_rpc.client.resend._budget import RESEND_BUDGET
+from gym_rpc.client.resend._call import Call, CallObserver, Reroute
 from gym_rpc.client.resend._failures import (
     Backpressure,
     failure_kind,
@@ -30,67 +30,33 @@ from gym_rpc.client.resend._failures import (
     retry_after_seconds,
 )
 from gym_rpc.client.resend._log import RESEND_LOG
-from gym_rpc.client.resend._policy import BACKPRESSURE_STATUSES, FailureKind, RetryPolicy
+from gym_rpc.client.resend._policy import BACKPRESSURE_STATUSES, FailureKind
 from gym_rpc.errors import RequestTimeoutError, ResendLimit, ResendsExhaustedError, ServerUnreachableError
 from gym_rpc.telemetry import instrumentation_failed
 
-if TYPE_CHECKING:
-    from aiohttp.client import _RequestOptions
 
-
-# The replicas hook, asked once a failed attempt may be resent, with that attempt's error: the URL of the next
-# attempt (another instance, or the same one). A URL not tried since the last pause is tried at once; one already
-# tried, after the backoff pause. Called only on failures, never on the happy path; the budgets count every
-# attempt, whatever its URL.
-Reroute = Callable[[BaseException], str]
-
-
-class CallObserver(Protocol):
-    """What `send` tells whoever observes a call (a span, the worker metrics): each attempt after the first and the
-    kind of failure that made it, then the answer or the error the caller gets, with the number of attempts made.
-    Told from inside `send`, so observing adds no coroutine between the caller and aiohttp (each one costs every
-    resumption of the call).
-
-    An observer may fail, a call may not: whatever an observer raises is logged under its `kind` ("tracing",
-    "metrics"; gym_rpc.telemetry.instrumentation_failed) and the call goes on, its answer returned (or its own
-    error raised) and its connection released."""
-
-    kind: str
-
-    def resent(self, attempt: int, kind: str) -> None: ...
-
-    def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None: ...
-
-    def failed(self, error: BaseException, attempts: int) -> None: ...
-
-
-async def resend_after_failure(
-    error: BaseException,
-    session: aiohttp.ClientSession,
-    method: str,
-    url: str,
-    retry: RetryPolicy,
-    resend_after_disconnect: bool,
-    kwargs: _RequestOptions,
-    observer: CallObserver | None,
-    server_name: str,
-    reroute: Reroute | None,
-    started: float,
-) -> aiohttp.ClientResponse:
-    """Resend the call whose first attempt, started at `started` (time.monotonic), failed with `error` (a
-    `Backpressure` for an answer of 429 or 503): its answer, or the error it ends with (told to `observer` either
-    way). A 429 or 503 that may not be resent (its budget, the deadline, the client's budget) is the answer."""
-    call = _FailingCall(session, method, url, retry, kwargs, server_name, started)
+async def resend_after_failure(call: Call, error: BaseException) -> aiohttp.ClientResponse:
+    """Resend `call`, whose first attempt (started at `call.started`) failed with `error` (a `Backpressure` for an
+    answer of 429 or 503): its answer, or the error it ends with (told to its observer either way). A 429 or 503
+    that may not be resent (its budget, the deadline, the client's budget) is the answer."""
+    failing = _FailingCall(call)
+    session, method, kwargs, observer, server_name = (
+        call.session,
+        call.method,
+        call.kwargs,
+        call.observer,
+        call.server,
+    )
     attempts = 1
     try:
         while True:
             kind = failure_kind(error)
             if kind is None:
                 raise error
-            failed_url = call.url
+            failed_url = failing.url
             busy = error.response if isinstance(error, Backpressure) else None
             try:
-                target = await call.next_attempt(error, kind, attempts, resend_after_disconnect, reroute)
+                target = await failing.next_attempt(error, kind, attempts, call.resend, call.reroute)
             except ResendsExhaustedError:
                 if busy is None:
                     raise
@@ -149,25 +115,18 @@ def _answer(
 class _FailingCall:
     """A call's failures so far, per kind, and what its next attempt may be."""
 
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        method: str,
-        url: str,
-        retry: RetryPolicy,
-        kwargs: _RequestOptions,
-        server_name: str,
-        started: float,
-    ) -> None:
-        self.method, self.url, self.retry, self.kwargs, self.server_name = method, url, retry, kwargs, server_name
-        self.started = started
-        given = kwargs.get("timeout")
-        self.timeout = given if isinstance(given, aiohttp.ClientTimeout) else session.timeout
+    def __init__(self, call: Call) -> None:
+        self.method, self.url, self.retry, self.kwargs, self.server_name = (
+            call.method, call.url, call.retry, call.kwargs, call.server,
+        )  # fmt: skip
+        self.started = started = call.started
+        given = call.kwargs.get("timeout")
+        self.timeout = given if isinstance(given, aiohttp.ClientTimeout) else call.session.timeout
         self.deadline = None if not self.timeout.total else started + self.timeout.total
         self.failures: Counter[FailureKind] = Counter()
         self.first_failed_at: float | None = None
         self.pauses = 0
-        self.tried_since_pause = {url}
+        self.tried_since_pause = {call.url}
 
     async def next_attempt(
         self,
