@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import math
@@ -26,7 +27,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,11 @@ class ScalePlan:
     follower_instances: int = 2000  # each change of the flooding head relabels this many instances
     follower_seconds: float = 3.0
     follower_rounds: int = 3
+    fleet_watchers: tuple[int, ...] = (1000,)  # `--only fleet`: memory and CPU per watcher at these W
+    fleet_per_process: int = 250  # watches per watcher process
+    fleet_pushes: int = 20  # relabels, each pushed on its own (spaced past the head's 50 ms quiet)
+    fleet_spacing: float = 0.2
+    fleet_instances: int = 10
 
 
 FULL = ScalePlan()
@@ -88,6 +94,9 @@ QUICK = ScalePlan(
     follower_instances=50,
     follower_seconds=0.5,
     follower_rounds=1,
+    fleet_watchers=(8,),
+    fleet_per_process=4,
+    fleet_pushes=3,
 )
 
 
@@ -561,6 +570,178 @@ async def measure_storms(ports: list[int], plan: ScalePlan) -> list[StormRow]:
     return rows
 
 
+# --- watchers at fleet size: memory and CPU per watcher ---------------------------------------------------------
+
+
+@dataclass
+class FleetRow:
+    watchers: int
+    server: str  # "gym_rpc head" or "bare grpc.aio"
+    connect_seconds: float = math.nan  # from the first watcher process started to the last one's streams all open
+    rss_kib_per_watcher: float = math.nan  # the server's RSS growth while the watchers connected, per watcher
+    cpu_us_per_message: float = math.nan  # server CPU per watcher per push: above idle, the changes' own cost off
+    alone_ms_per_change: float = math.nan  # the head's CPU per change with no watcher (the cost taken off)
+    messages: int = 0
+    missing: int = 0  # watchers that never had the last push
+
+
+async def _relabels(client: Any, instances: list[int], plan: ScalePlan, base: int) -> None:
+    """`plan.fleet_pushes` registrations one after another, `fleet_spacing` apart (each pushed on its own), each
+    relabelling instance k % len(instances) with step base + k."""
+    for k in range(plan.fleet_pushes):
+        await client.register_instance(
+            "server_0000",
+            listen_port=instances[k % len(instances)],
+            listen_host=LOOPBACK,
+            pid=200000 + k % len(instances),
+            labels={"step": str(base + k)},
+        )
+        await asyncio.sleep(plan.fleet_spacing)
+
+
+WATCHER_PROCESSES_AT_ONCE = 4
+
+
+async def _connect_watchers(address: str, w: int, plan: ScalePlan) -> tuple[list[Child], float]:
+    counts = [plan.fleet_per_process] * (w // plan.fleet_per_process)
+    if w % plan.fleet_per_process:
+        counts.append(w % plan.fleet_per_process)
+    # A few processes at a time: started all at once (six or more here), every stream of some came back
+    # CANCELLED before its first message, against a bare grpc.aio server too.
+    started, children = time.monotonic(), []
+    for first in range(0, len(counts), WATCHER_PROCESSES_AT_ONCE):
+        batch = counts[first : first + WATCHER_PROCESSES_AT_ONCE]
+        children += await asyncio.gather(
+            *(asyncio.to_thread(Child, "watchers", address, str(n), ready_timeout=1800) for n in batch)
+        )
+    return children, time.monotonic() - started
+
+
+async def _pushed_to_all(children: list[Child], target: int, push: Awaitable[None]) -> tuple[int, int]:
+    for child in children:
+        await asyncio.to_thread(child.ask, f"target {target}")
+    await push
+    answers = [await asyncio.to_thread(child.ask, "wait 300", 400) for child in children]
+    return sum(sum(a["messages"]) for a in answers), sum(a["missing"] for a in answers)
+
+
+async def _bare_pushes(bare: Child, plan: ScalePlan) -> None:
+    for _ in range(plan.fleet_pushes):
+        await asyncio.to_thread(bare.ask, "push")
+        await asyncio.sleep(plan.fleet_spacing)
+
+
+async def measure_fleet(ports: list[int], plan: ScalePlan) -> list[FleetRow]:
+    """Per W: the head's RSS per watcher, and its CPU per watcher per push with what the same changes cost it
+    with no watcher taken off; then the same on a bare grpc.aio server (the floor under any Python gRPC head)."""
+    from gym_rpc.client import ControlClient
+
+    rows: list[FleetRow] = []
+    instances = ports[10 : 10 + plan.fleet_instances]
+    for w in plan.fleet_watchers:
+        caps = {"max_concurrent_watches": w + 100, "max_watches_per_peer": w + 100}
+        with running_head(ports[:10], plan, **caps) as head:
+            address = head.info["address"]
+            await asyncio.to_thread(wait_until_probed, address, 60)
+            client = ControlClient(address, timeout_seconds=30)
+            await _relabels(client, instances, plan, 0)  # the instances registered, before anything is measured
+            row = FleetRow(w, "gym_rpc head")
+            idle, _ = await idle_cpu_rates(head.pid, plan.idle_seconds / 2)
+            cpu, started = cpu_seconds(head.pid), time.monotonic()
+            await _relabels(client, instances, plan, plan.fleet_pushes)
+            alone = cpu_seconds(head.pid) - cpu - idle * (time.monotonic() - started)
+            row.alone_ms_per_change = alone / plan.fleet_pushes * 1e3
+            rss_before = rss_mib(head.pid)
+            children, row.connect_seconds = await _connect_watchers(address, w, plan)
+            try:
+                await asyncio.sleep(2.0)
+                row.rss_kib_per_watcher = (rss_mib(head.pid) - rss_before) * 1024 / w
+                idle, _ = await idle_cpu_rates(head.pid, plan.idle_seconds / 2)
+                cpu, started = cpu_seconds(head.pid), time.monotonic()
+                base = 2 * plan.fleet_pushes
+                row.messages, row.missing = await _pushed_to_all(
+                    children, base + plan.fleet_pushes - 1, _relabels(client, instances, plan, base)
+                )
+                spent = cpu_seconds(head.pid) - cpu - idle * (time.monotonic() - started) - alone
+                row.cpu_us_per_message = spent / max(row.messages, 1) * 1e6
+            finally:
+                for child in children:
+                    child.stop()
+            rows.append(row)
+            print(f"  fleet W={w}: {row}", file=sys.stderr)
+        bare = Child("bare")
+        try:
+            row = FleetRow(w, "bare grpc.aio")
+            rss_before = rss_mib(bare.pid)
+            children, row.connect_seconds = await _connect_watchers(bare.info["address"], w, plan)
+            try:
+                await asyncio.sleep(2.0)
+                row.rss_kib_per_watcher = (rss_mib(bare.pid) - rss_before) * 1024 / w
+                idle, _ = await idle_cpu_rates(bare.pid, plan.idle_seconds / 2)
+                cpu, started = cpu_seconds(bare.pid), time.monotonic()
+                row.messages, row.missing = await _pushed_to_all(
+                    children, plan.fleet_pushes, _bare_pushes(bare, plan)
+                )
+                spent = cpu_seconds(bare.pid) - cpu - idle * (time.monotonic() - started)
+                row.cpu_us_per_message = spent / max(row.messages, 1) * 1e6
+            finally:
+                for child in children:
+                    child.stop()
+            rows.append(row)
+            print(f"  fleet W={w}: {row}", file=sys.stderr)
+        finally:
+            bare.stop()
+    return rows
+
+
+def _fleet_lines(rows: list[FleetRow], plan: ScalePlan, took: float) -> list[str]:
+    lines = [
+        FLEET_START,
+        "## Watchers at fleet size: the head's memory and CPU per watcher",
+        "",
+        f"W status watches from {plan.fleet_per_process} per process (a connection per 100 streams), the head in "
+        f"a process of its own. RSS: the head's growth while the watchers connected, per watcher. CPU: "
+        f"{plan.fleet_pushes} relabels of {plan.fleet_instances} registered instances, {plan.fleet_spacing:g} s "
+        "apart (each pushed on its own), the head's CPU above its idle rate, less what the same relabels cost it "
+        "with no watcher (measured just before), per message the watchers received. The bare grpc.aio row is "
+        "the floor under any Python gRPC head: a server with no interceptor, no slot and no stall bound whose "
+        "streams each wait on one shared future and write a pre-serialised message.",
+        "",
+        "| W | server | connecting took | RSS per watcher | CPU per watcher per push | head CPU per change, no "
+        "watcher | messages | never current |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        alone = "" if math.isnan(row.alone_ms_per_change) else f"{row.alone_ms_per_change:.2f} ms"
+        lines.append(
+            f"| {row.watchers} | {row.server} | {row.connect_seconds:.1f} s | {row.rss_kib_per_watcher:.1f} KiB | "
+            f"{_above_idle(row.cpu_us_per_message)} | {alone} | {row.messages} | {row.missing} |"
+        )
+    lines += ["", "| goal | figure | met |", "| --- | --- | --- |"]
+    for row in rows:
+        if row.server != "gym_rpc head":
+            continue
+        floor = [r for r in rows if r.watchers == row.watchers and r != row]
+        beside = f" (bare gRPC: {floor[0].rss_kib_per_watcher:.1f} KiB)" if floor else ""
+        kib = 20 * 1000 / 1024  # 20 KB
+        lines.append(
+            f"| head RSS <= 20 KB ({kib:.1f} KiB) per watcher at W = {row.watchers} | "
+            f"{row.rss_kib_per_watcher:.1f} KiB{beside} | {'yes' if row.rss_kib_per_watcher <= kib else 'NO'} |"
+        )
+        beside = f" (bare gRPC: {_above_idle(floor[0].cpu_us_per_message)})" if floor else ""
+        lines.append(
+            f"| head CPU <= 10 µs per watcher per push at W = {row.watchers} | "
+            f"{_above_idle(row.cpu_us_per_message)}{beside} | {'yes' if row.cpu_us_per_message <= 10 else 'NO'} |"
+        )
+    lines += [
+        "",
+        f"(This section: `python -m bench.scale --only fleet` in {took:.0f} s, load average {load_average()} at "
+        "the end.)",
+        FLEET_END,
+    ]
+    return lines
+
+
 # --- the follower under a flood ----------------------------------------------------------------------------------
 
 
@@ -631,6 +812,7 @@ def render(
     seconds: float,
     storms: list[StormRow] | None = None,
     follower: FollowerRow | None = None,
+    fleet: list[str] | None = None,
 ) -> str:
     lines = [
         "# Scale: one head's costs as servers, watchers and pollers grow",
@@ -725,6 +907,8 @@ def render(
     spliced = _storm_lines(storms or [], plan) + _follower_lines(follower, plan)
     if spliced:  # between markers, so `--only storms` can measure them again alone
         lines += ["", STORMS_START, *spliced[1:], STORMS_END]
+    if fleet:  # between markers too (`--only fleet`)
+        lines += ["", *fleet]
     lines += [
         "",
         f"## Pollers P on one server ({plan.poll_seconds:g} s closed loop each)",
@@ -886,6 +1070,30 @@ def _goals(
 
 STORMS_START = "<!-- storms and follower: python -m bench.scale --only storms -->"
 STORMS_END = "<!-- end of storms and follower -->"
+FLEET_START = "<!-- fleet watchers: python -m bench.scale --only fleet -->"
+FLEET_END = "<!-- end of fleet watchers -->"
+
+
+async def run_fleet(plan: ScalePlan, out: Path | None) -> str:
+    """Only the fleet-size watchers (`--only fleet`), spliced into the report at `out` between its markers."""
+    started = time.monotonic()
+    servers = Child("servers", str(10 + plan.fleet_instances))
+    try:
+        rows = await measure_fleet(servers.info["ports"], plan)
+    finally:
+        servers.stop()
+        await close_aio_channels()
+    section = "\n".join(_fleet_lines(rows, plan, time.monotonic() - started))
+    if out is None:
+        return section
+    text = await asyncio.to_thread(_read_if_there, out)
+    if FLEET_START in text and FLEET_END in text:
+        head, rest = text.split(FLEET_START, 1)
+        text = head + section + rest.split(FLEET_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    await asyncio.to_thread(out.write_text, text, encoding="utf-8")
+    return section
 
 
 def _read_if_there(path: Path) -> str:
@@ -933,7 +1141,7 @@ async def run_storms(plan: ScalePlan, out: Path | None) -> str:
 async def run(plan: ScalePlan, out: Path | None) -> str:
     load_start = load_average()
     started = time.monotonic()
-    servers = Child("servers", str(max(max(plan.servers), 10 + plan.storm_instances)))
+    servers = Child("servers", str(max(max(plan.servers), 10 + plan.storm_instances, 10 + plan.fleet_instances)))
     try:
         ports: list[int] = servers.info["ports"]
         print("servers:", file=sys.stderr)
@@ -946,6 +1154,9 @@ async def run(plan: ScalePlan, out: Path | None) -> str:
         storm_rows = await measure_storms(ports, plan)
         print("follower:", file=sys.stderr)
         follower_row = await asyncio.to_thread(measure_follower, ports, plan)
+        print("fleet:", file=sys.stderr)
+        fleet_started = time.monotonic()
+        fleet_lines = _fleet_lines(await measure_fleet(ports, plan), plan, time.monotonic() - fleet_started)
     finally:
         servers.stop()
         await close_aio_channels()
@@ -959,6 +1170,7 @@ async def run(plan: ScalePlan, out: Path | None) -> str:
         time.monotonic() - started,
         storm_rows,
         follower_row,
+        fleet_lines,
     )
     if out is not None:
         await asyncio.to_thread(out.write_text, text, encoding="utf-8")
@@ -971,8 +1183,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help=f"where to write the report (default: {SCALE_PATH})")
     parser.add_argument(
         "--only",
-        choices=["storms"],
-        help="only the change storms and the flooded follower, spliced into the report",
+        choices=["storms", "fleet"],
+        help="only the change storms and the flooded follower, or only the fleet-size watchers (memory and CPU "
+        "per watcher), spliced into the report",
+    )
+    parser.add_argument(
+        "--watchers",
+        type=lambda text: tuple(int(w) for w in text.split(",")),
+        help="with --only fleet: the W to measure, comma-separated (default: 1000)",
+    )
+    parser.add_argument(
+        "--per-process", type=int, help="with --only fleet: watches per watcher process (default: 250)"
     )
     args = parser.parse_args()
     for name in (
@@ -987,7 +1208,14 @@ def main() -> None:
         os.environ.pop(name, None)
     out = args.out if args.out is not None or args.quick else SCALE_PATH
     plan = QUICK if args.quick else FULL
-    text = asyncio.run(run_storms(plan, out) if args.only == "storms" else run(plan, out))
+    if args.watchers:
+        plan = dataclasses.replace(plan, fleet_watchers=args.watchers)
+    if args.per_process:
+        plan = dataclasses.replace(plan, fleet_per_process=args.per_process)
+    if args.only == "fleet":
+        text = asyncio.run(run_fleet(plan, out))
+    else:
+        text = asyncio.run(run_storms(plan, out) if args.only == "storms" else run(plan, out))
     print(text)
 
 

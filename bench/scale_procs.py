@@ -11,6 +11,9 @@
 * `flood CONFIG INSTANCES [quiet]`: bench/flood_head.py's hostile head (a flood of INSTANCES-instance changes).
 * `worker HEAD`: a rollout worker: a ServerClient loaded from the head at HEAD (so it follows the head's instances)
   calling `policy_model`; `run SECONDS` calls it back to back for that long and answers the calls per second.
+* `bare`: the floor under any head: a bare grpc.aio server (no interceptor, no slot, no stall bound) whose
+  WatchServerStatuses streams each send one message and then one per `push` command (a pre-serialised message, a
+  shared future: gRPC's own cost of a stream and of a write, nothing of gym_rpc's).
 * `head CONFIG OPTIONS`: a gym_rpc head serving the config document in the JSON file CONFIG, with HeadOptions
   from the JSON text OPTIONS, so its CPU and memory are its own (read from /proc by the bench).
 
@@ -219,6 +222,57 @@ async def serve_worker(head: str) -> None:
         print(json.dumps({"calls_per_second": calls / elapsed, "calls_per_cpu_second": calls / cpu}), flush=True)
 
 
+# --- the floor: a bare gRPC server ----------------------------------------------------------------------------
+
+
+async def serve_bare() -> None:
+    import grpc
+
+    from gym_rpc.v1 import control_plane_pb2 as pb
+
+    loop = asyncio.get_running_loop()
+    pushed: dict[str, Any] = {"revision": 0, "next": loop.create_future(), "messages": {}}
+
+    def message(revision: int) -> bytes:
+        change = pb.WatchServerStatusesResponse(type=pb.WATCH_EVENT_TYPE_CHANGE, revision=revision)
+        instance = change.reports.add(server_name="server_0000").instances.add(instance_id="x", url="http://x")
+        instance.labels["step"] = str(revision)
+        return change.SerializeToString()
+
+    pushed["messages"][0] = message(0)
+
+    async def watch(request: Any, context: Any) -> None:
+        seen = -1
+        while True:
+            while seen < pushed["revision"]:  # again after each write: a push may have come during it
+                seen = pushed["revision"]
+                await context.write(pushed["messages"][seen])
+            await asyncio.shield(pushed["next"])
+
+    handler = grpc.unary_stream_rpc_method_handler(
+        watch, request_deserializer=pb.WatchServerStatusesRequest.FromString, response_serializer=bytes
+    )
+    server = grpc.aio.server(options=[("grpc.max_concurrent_streams", 128)])
+    service = grpc.method_handlers_generic_handler(
+        "gym_rpc.v1.ControlPlaneService", {"WatchServerStatuses": handler}
+    )
+    server.add_generic_rpc_handlers((service,))
+    port = server.add_insecure_port(f"{LOOPBACK}:0")
+    await server.start()
+    print(READY_PREFIX + json.dumps({"address": f"{LOOPBACK}:{port}", "port": port}), flush=True)
+    while True:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line:
+            await server.stop(None)
+            return
+        revision = pushed["revision"] + 1
+        pushed["messages"][revision] = message(revision)
+        pushed["revision"] = revision
+        waiting, pushed["next"] = pushed["next"], loop.create_future()
+        waiting.set_result(None)
+        print(json.dumps({"revision": revision}), flush=True)
+
+
 # --- a head on its own -------------------------------------------------------------------------------------------
 
 
@@ -264,7 +318,10 @@ class Child:
             self._log.seek(0)
             log = self._log.read()[-2000:]
             self.stop()
-            raise RuntimeError(f"{args[0]} did not start (no READY line in {ready_timeout}s); stderr ends:\n{log}")
+            raise RuntimeError(
+                f"{args[0]} did not start (no READY line in {ready_timeout}s; it said {line.strip()!r}); stderr "
+                f"ends:\n{log}"
+            )
         self.info: dict[str, Any] = json.loads(line[len(READY_PREFIX) :])
 
     @property
@@ -320,6 +377,8 @@ def main() -> None:
         asyncio.run(serve_worker(sys.argv[2]))
     elif role == "watchers":
         asyncio.run(serve_watchers(sys.argv[2], int(sys.argv[3])))
+    elif role == "bare":
+        asyncio.run(serve_bare())
     elif role == "head":
         asyncio.run(serve_head(json.loads(Path(sys.argv[2]).read_text(encoding="utf-8")), sys.argv[3]))
     else:

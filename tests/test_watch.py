@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
-from typing import cast
 
 import yaml
 
 from gym_rpc.client.control._clients import ControlClient, WatchEvent
-from gym_rpc.server.service._servicer import ControlPlaneServicer
+from gym_rpc.server.service._servicer import ControlPlaneServicer, WatchStream
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import ServerStatus
 from gym_rpc.wire._convert import seconds_to_duration
@@ -175,17 +173,14 @@ async def test_changes_recorded_while_the_snapshot_is_being_sent_still_follow_it
     servicer = ControlPlaneServicer(head)
     request = pb.WatchServerStatusesRequest()
     request.heartbeat_interval.CopyFrom(seconds_to_duration(0.05))
-    stream = cast(AsyncGenerator[pb.WatchServerStatusesResponse, None], servicer._watch(request))
-    try:
-        snapshot = await anext(stream)  # the generator now stands at the snapshot's yield, as during a send
-        assert snapshot.type == pb.WATCH_EVENT_TYPE_SNAPSHOT
-        assert [r.status for r in snapshot.reports] == [pb.SERVER_STATUS_UNSPECIFIED]
-        await head.prober.probe_all()  # a change lands before the stream resumes
-        change = await asyncio.wait_for(anext(stream), 2.0)
-        assert change.type == pb.WATCH_EVENT_TYPE_CHANGE
-        assert [(r.server_name, r.status) for r in change.reports] == [("live", pb.SERVER_STATUS_SUCCESS)]
-        assert change.revision == head.prober.revision > snapshot.revision
-        heartbeat = await asyncio.wait_for(anext(stream), 2.0)
-        assert heartbeat.type == pb.WATCH_EVENT_TYPE_HEARTBEAT and heartbeat.revision == change.revision
-    finally:
-        await stream.aclose()
+    stream = WatchStream(head, servicer.watch_feed, request)
+    snapshot = await stream.next()  # the stream stands after its snapshot, as during a send
+    assert snapshot.type == pb.WATCH_EVENT_TYPE_SNAPSHOT
+    assert [r.status for r in snapshot.reports] == [pb.SERVER_STATUS_UNSPECIFIED]
+    await head.prober.probe_all()  # a change lands before the stream resumes
+    change = await asyncio.wait_for(stream.next(), 2.0)
+    assert change.type == pb.WATCH_EVENT_TYPE_CHANGE
+    assert [(r.server_name, r.status) for r in change.reports] == [("live", pb.SERVER_STATUS_SUCCESS)]
+    assert change.revision == head.prober.revision > snapshot.revision
+    heartbeat = await asyncio.wait_for(stream.next(), 2.0)
+    assert heartbeat.type == pb.WATCH_EVENT_TYPE_HEARTBEAT and heartbeat.revision == change.revision

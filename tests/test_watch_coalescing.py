@@ -10,6 +10,7 @@ import time
 
 from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.server._head import HeadServer
+from gym_rpc.server.fleet._pushes import Pushes
 from gym_rpc.wire import WatchEvent
 from tests.support.documents import document, server_entry
 from tests.support.loopback import LOOPBACK
@@ -140,3 +141,21 @@ async def test_changes_after_a_push_are_held_until_quiet_then_merged(head_factor
     finally:
         await stream.aclose()
     assert [_step(event) for event in events] == ["0", "2"]
+
+
+async def test_a_push_wakes_every_waiting_watcher_and_a_cancelled_one_disturbs_none() -> None:
+    """`Pushes.wake`: each watcher awaits a future of its own (thousands wait at once, with no timer each); a push
+    wakes them all with True, the tick of their period with False, and a watcher cancelled meanwhile (its client
+    went away) neither cancels nor wakes the others."""
+    revision = [1]
+    pushes = Pushes(lambda: revision[0], quiet_seconds=0.0)
+    waiters = [asyncio.ensure_future(pushes.wake(3600.0)) for _ in range(3)]
+    await asyncio.sleep(0)
+    waiters[0].cancel()
+    await asyncio.sleep(0)
+    assert not waiters[1].done() and not waiters[2].done()
+    revision[0] = 2
+    pushes.changed()
+    assert list(await asyncio.gather(waiters[1], waiters[2])) == [True, True]
+    assert waiters[0].cancelled()
+    assert await pushes.wake(0.01) is False  # the tick of its period, no push meanwhile

@@ -4,11 +4,9 @@ watcher that lags past the head's history gets a compacted snapshot instead of a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
-from typing import cast
 
 from gym_rpc.client.control._clients import ControlClient
-from gym_rpc.server.service._servicer import ControlPlaneServicer
+from gym_rpc.server.service._servicer import ControlPlaneServicer, WatchStream
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import RegistrationState
 from gym_rpc.wire._convert import seconds_to_duration
@@ -54,33 +52,28 @@ async def test_a_watcher_lagging_past_the_history_gets_a_compacted_snapshot(head
     servicer = ControlPlaneServicer(head)
     request = pb.WatchServerStatusesRequest()
     request.heartbeat_interval.CopyFrom(seconds_to_duration(60))
-    stream = cast(AsyncGenerator[pb.WatchServerStatusesResponse, None], servicer._watch(request))
-    try:
-        snapshot = await anext(stream)
-        # The watcher reads nothing while six changes land: more than the history of four keeps.
-        states: list[RegistrationState] = ["registered", "deregistered"] * 3
-        for state in states:
-            await head.prober.set_instances("live", registered_as(head.config.servers["live"], state))
-        caught_up = await asyncio.wait_for(anext(stream), 5)
-        assert (caught_up.type, caught_up.compacted) == (pb.WATCH_EVENT_TYPE_SNAPSHOT, True)
-        assert caught_up.revision == snapshot.revision + 6 == head.prober.revision
-        assert [(r.server_name, r.registration) for r in caught_up.reports] == [
-            ("live", pb.REGISTRATION_STATE_DEREGISTERED)
-        ]
+    stream = WatchStream(head, servicer.watch_feed, request)
+    snapshot = await stream.next()
+    # The watcher reads nothing while six changes land: more than the history of four keeps.
+    states: list[RegistrationState] = ["registered", "deregistered"] * 3
+    for state in states:
+        await head.prober.set_instances("live", registered_as(head.config.servers["live"], state))
+    caught_up = await asyncio.wait_for(stream.next(), 5)
+    assert (caught_up.type, caught_up.compacted) == (pb.WATCH_EVENT_TYPE_SNAPSHOT, True)
+    assert caught_up.revision == snapshot.revision + 6 == head.prober.revision
+    assert [(r.server_name, r.registration) for r in caught_up.reports] == [
+        ("live", pb.REGISTRATION_STATE_DEREGISTERED)
+    ]
 
-        # Two changes the history still holds: one merged CHANGE, the latest report per server.
-        await head.prober.set_instances(
-            "live", registered_as(head.config.servers["live"], "registered", "http://127.0.0.1:1")
-        )
-        await head.prober.set_instances("live", registered_as(head.config.servers["live"], "expired"))
-        merged = await asyncio.wait_for(anext(stream), 5)
-        assert (merged.type, merged.compacted, merged.revision) == (
-            pb.WATCH_EVENT_TYPE_CHANGE,
-            False,
-            caught_up.revision + 2,
-        )
-        assert [(r.server_name, r.registration) for r in merged.reports] == [
-            ("live", pb.REGISTRATION_STATE_EXPIRED)
-        ]
-    finally:
-        await stream.aclose()
+    # Two changes the history still holds: one merged CHANGE, the latest report per server.
+    await head.prober.set_instances(
+        "live", registered_as(head.config.servers["live"], "registered", "http://127.0.0.1:1")
+    )
+    await head.prober.set_instances("live", registered_as(head.config.servers["live"], "expired"))
+    merged = await asyncio.wait_for(stream.next(), 5)
+    assert (merged.type, merged.compacted, merged.revision) == (
+        pb.WATCH_EVENT_TYPE_CHANGE,
+        False,
+        caught_up.revision + 2,
+    )
+    assert [(r.server_name, r.registration) for r in merged.reports] == [("live", pb.REGISTRATION_STATE_EXPIRED)]

@@ -8,8 +8,10 @@ the last one `quiet_seconds` after the storm ends, and every watcher waiting on 
 same message (gym_rpc.server.fleet._watch_feed builds and encodes it once).
 
 The prober tells `Pushes` of every revision it makes (`changed`, in its event loop, synchronously); watchers wait
-on `wait` and read `revision`, the last revision pushed. Timers are the loop's own (`call_later`), so nothing is
-left running when the loop ends.
+on `wake` (or `wait`) and read `revision`, the last revision pushed. A push wakes every waiting watcher, and
+watchers that also look again every so often (heartbeats, engine loads) share one timer per period: a waiting
+watcher costs one future, no timer, task or callback of its own. Timers are the loop's own
+(`call_later`), so nothing is left running when the loop ends.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Pushes:
         self._last_change = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._next: asyncio.Future[None] | None = None  # made by the first waiter, in its running loop
+        self._wakes: dict[float, list[asyncio.Future[bool]]] = {}  # period -> its watchers' futures (`wake`)
 
     def changed(self) -> None:
         """The prober made a revision: push it now (after a quiet spell), or hold it for the debounce."""
@@ -81,6 +84,31 @@ class Pushes:
         waiting, self._next = self._next, None
         if waiting is not None and not waiting.done():
             waiting.set_result(None)
+        wakes, self._wakes = self._wakes, {}
+        for waiters in wakes.values():
+            for waiter in waiters:
+                if not waiter.done():  # a watcher cancelled meanwhile cancelled its own future
+                    waiter.set_result(True)
+
+    def wake(self, period: float) -> asyncio.Future[bool]:
+        """What a watcher that looks again every `period` seconds awaits: True at the next push, False at the next
+        tick of its period. A future of its own (cancelling its watcher cancels nothing else), kept in a list per
+        period that one timer of that period ends: a waiting watcher costs the future, no timer or callback."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[bool] = loop.create_future()
+        waiters = self._wakes.get(period)
+        if waiters is None:
+            waiters = self._wakes[period] = []
+            loop.call_later(period, self._tick, period, waiters)
+        waiters.append(waiter)
+        return waiter
+
+    def _tick(self, period: float, waiters: list[asyncio.Future[bool]]) -> None:
+        if self._wakes.get(period) is waiters:
+            del self._wakes[period]
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(False)
 
     async def wait(self, after_revision: int, timeout: float) -> bool:
         """Wait until a push passes `after_revision`; False when `timeout` ran out first."""

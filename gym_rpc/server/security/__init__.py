@@ -41,6 +41,7 @@ from gym_rpc.server.security._interceptors import Handler as Handler
 from gym_rpc.server.security._interceptors import HandlerInterceptor as HandlerInterceptor
 from gym_rpc.server.security._interceptors import ServerInterceptor as ServerInterceptor
 from gym_rpc.server.security._watch_slots import DEFAULT_STALL_SECONDS as DEFAULT_STALL_SECONDS
+from gym_rpc.server.security._watch_slots import BoundedWrites as BoundedWrites
 from gym_rpc.server.security._watch_slots import WatchSlots as WatchSlots
 from gym_rpc.server.security._watch_slots import client_key as client_key
 from gym_rpc.server.security._watch_slots import peer_address as peer_address

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 from urllib.parse import unquote
 
@@ -80,18 +80,27 @@ class WatchSlots:
     @contextlib.contextmanager
     def held(self, address: str) -> Iterator[None]:
         """One slot for `address` while the block runs (check `refusal` first)."""
-        key = client_key(address)
-        self.open += 1
-        self._by_client[key] = self._by_client.get(key, 0) + 1
+        key = self.take(address)
         try:
             yield
         finally:
-            self.open -= 1
-            left = self._by_client[key] - 1
-            if left:
-                self._by_client[key] = left
-            else:
-                del self._by_client[key]
+            self.release(key)
+
+    def take(self, address: str) -> str:
+        """One slot for `address` (check `refusal` first) until `release` of what this returns: for a stream that
+        holds no context manager of its own (a try/finally costs it nothing per stream)."""
+        key = client_key(address)
+        self.open += 1
+        self._by_client[key] = self._by_client.get(key, 0) + 1
+        return key
+
+    def release(self, key: str) -> None:
+        self.open -= 1
+        left = self._by_client[key] - 1
+        if left:
+            self._by_client[key] = left
+        else:
+            del self._by_client[key]
 
 
 _dropped = RateLimitedLog(logger)
@@ -127,6 +136,71 @@ async def write_all_or_drop(
             except Exception as exc:  # the call ended under the write: the client cancelled or disconnected
                 _gone.log(f"a stream's reader went away during a write ({type(exc).__name__})")
                 return
+
+
+class BoundedWrites:
+    """`write_all_or_drop`'s rule for many streams at the cost of none: each write bounded by `stall_seconds`,
+    checked by one sweep of every write in progress (a few times per `stall_seconds`, and only while one is)
+    instead of a timeout per write, which in asyncio is a task of its own. A write that stalls cancels its
+    stream's task, which ends the stream with UNAVAILABLE, as write_all_or_drop does."""
+
+    SWEEPS_PER_STALL = 4  # a stalled stream is dropped between stall_seconds and 1.25 times that
+
+    def __init__(self, stall_seconds: float) -> None:
+        self.stall_seconds = stall_seconds
+        self._writing: dict[asyncio.Task[Any], float] = {}  # stream task -> loop.time() its write began
+        self._stalled: set[asyncio.Task[Any]] = set()
+        self._sweep: asyncio.TimerHandle | None = None
+
+    async def write_all(
+        self, context: grpc.aio.ServicerContext[Any, Any], next_message: Callable[[], Awaitable[Any]], peer: str
+    ) -> None:
+        """Write `await next_message()` after `await next_message()` to the stream until its reader goes away or
+        stalls (the initial metadata first, on its own, as write_all_or_drop does). `peer`: the caller's peer
+        string, for the log (`PeerMap.caller`)."""
+        await context.send_initial_metadata(())
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        writing = self._writing
+        try:
+            while True:
+                message = await next_message()
+                writing[task] = loop.time()
+                if self._sweep is None:
+                    self._sweep = loop.call_later(self.stall_seconds / self.SWEEPS_PER_STALL, self._swept)
+                try:
+                    await context.write(message)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the call ended under the write: the client cancelled or disconnected
+                    _gone.log(f"a stream's reader went away during a write ({type(exc).__name__})")
+                    return
+                finally:
+                    writing.pop(task, None)
+        except asyncio.CancelledError:
+            if task not in self._stalled:
+                raise
+            self._stalled.discard(task)
+            task.uncancel()  # this cancellation was the sweep's: the stream ends with its status instead
+            _dropped.log(
+                f"dropped a stream to {peer_address(peer)}: its reader took nothing for {self.stall_seconds:g} s"
+            )
+            await _end(context, STALLED_DETAILS.format(seconds=self.stall_seconds))
+
+    def _swept(self) -> None:
+        """Cancel the streams whose write began `stall_seconds` ago or more; look again while any write is on."""
+        self._sweep = None
+        if not self._writing:
+            return
+        loop = asyncio.get_running_loop()
+        since = loop.time() - self.stall_seconds
+        for task in [task for task, began in self._writing.items() if began <= since]:
+            del self._writing[task]
+            self._stalled.add(task)
+            task.cancel()
+        if self._writing:
+            self._sweep = loop.call_later(self.stall_seconds / self.SWEEPS_PER_STALL, self._swept)
 
 
 async def _end(context: grpc.aio.ServicerContext[Any, Any], details: str) -> None:

@@ -52,6 +52,15 @@ def guard_handler(handler: Handler, method: str) -> Handler:
     if not handler.request_streaming:
         if handler.response_streaming:
             unary_stream: Any = handler.unary_stream  # async in grpc.aio; the stubs type it sync
+            if not inspect.isasyncgenfunction(unary_stream):  # a coroutine that writes its messages itself
+
+                async def unary_stream_writer(request: Any, context: Context) -> None:
+                    if isinstance(request, Undecodable):
+                        await _refuse(context, request)
+                    await unary_stream(request, context)
+
+                # Kept a coroutine: grpc awaits it, with no generator per stream around it.
+                return grpc.unary_stream_rpc_method_handler(unary_stream_writer, **codec)
 
             async def unary_stream_guarded(request: Any, context: Context) -> AsyncIterator[Any]:
                 if isinstance(request, Undecodable):

@@ -10,7 +10,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 import grpc
@@ -36,11 +36,11 @@ from gym_rpc.server.security import (
     DEFAULT_MAX_WATCHES_PER_PEER,
     DEFAULT_STALL_SECONDS,
     AddressPolicy,
+    BoundedWrites,
     PeerMap,
     WatchSlots,
     caller_is_authenticated,
     peer_address,
-    write_all_or_drop,
 )
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
@@ -108,6 +108,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             "status watches", max_concurrent_watches, max_watches_per_peer, instead="poll ListServerStatuses"
         )
         self.watch_stall_seconds = watch_stall_seconds
+        self.watch_writes = BoundedWrites(watch_stall_seconds)
 
     @property
     def watches(self) -> int:
@@ -168,44 +169,32 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
     async def WatchServerStatuses(
         self, request: pb.WatchServerStatusesRequest, context: Context
     ) -> AsyncIterator[pb.WatchServerStatusesResponse]:
+        """The watch as an async generator (the Connect port's; the gRPC port serves `write_watch`)."""
         address = peer_address(self.peers.caller(context))
         refusal = self.watch_slots.refusal(address)
         if refusal is not None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
         with self.watch_slots.held(address):
-            async for message in self._watch(request):
-                yield message
+            stream = WatchStream(self._head, self.watch_feed, request)
+            while True:
+                yield await stream.next()
 
-    async def _watch(
-        self, request: pb.WatchServerStatusesRequest
-    ) -> AsyncIterator[pb.WatchServerStatusesResponse]:
-        prober = self._head.prober
-        heartbeat = DEFAULT_HEARTBEAT_SECONDS
-        if request.HasField("heartbeat_interval"):
-            heartbeat = max(MIN_HEARTBEAT_SECONDS, request.heartbeat_interval.ToNanoseconds() / 1e9)
-        feed = self.watch_feed
-        seen = request.start_revision
-        if seen == 0 or seen > prober.revision:  # a revision from the future was issued by another head
-            # The revision is taken before the yield: the prober may record changes while the snapshot is being
-            # sent, and those must follow it rather than be skipped.
-            seen, snapshot = feed.snapshot(compacted=seen != 0)
-            yield snapshot
-        # ENGINE_LOAD messages for a watch that asks (gym_rpc.server.fleet._engine_load): coalesced, a few a
-        # second.
-        push = LoadPush(self._head.engine_loads) if request.include_engine_load else None
-        wait = heartbeat if push is None else push.wait_seconds(heartbeat)
-        while True:
-            # The stream holds nothing but `seen` while it waits or lags: what it missed is merged when it asks.
-            seen, message = feed.after(seen)
-            if message is not None:
-                yield message
-            if push is not None and push.due():
-                yield self._head.engine_loads.message(seen, prober.config_version)
-            if not await self._head.prober.pushes.wait(seen, wait) and (
-                push is None or push.heartbeat_due(heartbeat)
-            ):
-                # The revision this stream has delivered: a resume from it misses nothing.
-                yield feed.heartbeat(seen)
+    async def write_watch(self, request: pb.WatchServerStatusesRequest, context: Context) -> None:
+        """The watch on the gRPC port: one coroutine that writes each message itself, each write bounded by the
+        stall limit (gym_rpc.server.security.BoundedWrites). Thousands of these stay open, so a stream holds as
+        little as it can: no generator, task or timer of its own while it waits."""
+        peer = self.peers.caller(context)
+        address = peer_address(peer)
+        refusal = self.watch_slots.refusal(address)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        key = self.watch_slots.take(address)
+        try:
+            await self.watch_writes.write_all(
+                context, WatchStream(self._head, self.watch_feed, request).next, peer
+            )
+        finally:
+            self.watch_slots.release(key)
 
     async def ListServerInstances(
         self, request: pb.ListServerInstancesRequest, context: Context
@@ -388,19 +377,6 @@ def _config_response(config: GlobalConfig, include_secrets: bool) -> pb.GetGloba
     return convert.global_config_to_pb(config, include_secrets=True)
 
 
-def _bounded_writes(
-    stream: Callable[[Any, Context], AsyncIterator[Any]], stall_seconds: float, peers: PeerMap
-) -> Callable[[Any, Context], Awaitable[None]]:
-    """A gRPC server-streaming handler that writes what `stream` yields, each write bounded by `stall_seconds`: a
-    reader that stops reading ends its own stream (gym_rpc.server.security._watch_slots) instead of holding it
-    forever."""
-
-    async def handler(request: Any, context: Context) -> None:
-        await write_all_or_drop(context, stream(request, context), stall_seconds, peers.caller(context))
-
-    return handler
-
-
 def add_control_plane_service(servicer: ControlPlaneServicer, server: grpc.aio.Server) -> None:
     """Serve `servicer` as pb_grpc's generated registration would, except that watch messages go through the
     servicer's WatchFeed serializer, so a change sent to a thousand watchers is serialised once."""
@@ -419,11 +395,7 @@ def add_control_plane_service(servicer: ControlPlaneServicer, server: grpc.aio.S
             if method.server_streaming
             else grpc.unary_unary_rpc_method_handler
         )
-        handler = (
-            _bounded_writes(servicer.WatchServerStatuses, servicer.watch_stall_seconds, servicer.peers)
-            if method.name == "WatchServerStatuses"
-            else getattr(servicer, method.name)
-        )
+        handler = servicer.write_watch if method.name == "WatchServerStatuses" else getattr(servicer, method.name)
         handlers[method.name] = make(
             handler, request_deserializer=request_class.FromString, response_serializer=serializer
         )
@@ -433,3 +405,54 @@ def add_control_plane_service(servicer: ControlPlaneServicer, server: grpc.aio.S
     register: Any = getattr(server, "add_registered_method_handlers", None)
     if register is not None:
         register(service.full_name, handlers)
+
+
+class WatchStream:
+    """One status watch's state between messages: the revision it has delivered, and when it last sent anything.
+    `next()` waits for and returns the next message: the snapshot first (unless it resumes), then each push's
+    message (shared by every watcher at its revision), the engines' load when asked, heartbeats when quiet."""
+
+    __slots__ = ("_feed", "_head", "_heartbeat", "_load", "_quiet_since", "_seen", "_snapshot")
+
+    def __init__(self, head: HeadState, feed: WatchFeed, request: pb.WatchServerStatusesRequest) -> None:
+        self._head, self._feed = head, feed
+        heartbeat = DEFAULT_HEARTBEAT_SECONDS
+        if request.HasField("heartbeat_interval"):
+            heartbeat = max(MIN_HEARTBEAT_SECONDS, request.heartbeat_interval.ToNanoseconds() / 1e9)
+        self._heartbeat = heartbeat
+        seen = request.start_revision
+        self._snapshot: pb.WatchServerStatusesResponse | None = None
+        if seen == 0 or seen > head.prober.revision:  # a revision from the future was issued by another head
+            # The revision is taken with the snapshot: changes the prober records while it is being sent follow it
+            # rather than being skipped.
+            seen, self._snapshot = feed.snapshot(compacted=seen != 0)
+        self._seen = seen  # the revision delivered: a resume from it misses nothing
+        # ENGINE_LOAD messages for a watch that asks (gym_rpc.server._engine_load): coalesced, a few a second.
+        self._load = LoadPush(head.engine_loads) if request.include_engine_load else None
+        self._quiet_since = time.monotonic()
+
+    async def next(self) -> pb.WatchServerStatusesResponse:
+        self._quiet_since = time.monotonic()  # the caller sent the last message just now
+        if self._snapshot is not None:
+            snapshot, self._snapshot = self._snapshot, None
+            return snapshot
+        head, feed, load, heartbeat = self._head, self._feed, self._load, self._heartbeat
+        while True:
+            prober = head.prober  # read again each time: a reload replaces it
+            # The stream holds nothing but `seen` while it waits or lags: what it missed is merged when it asks.
+            self._seen, message = feed.after(self._seen)
+            if message is not None:
+                return message
+            if load is not None and load.due():
+                return head.engine_loads.message(self._seen, prober.config_version)
+            # A plain watch looks again twice an interval and sends a heartbeat once nothing was sent for 3/4 of
+            # it: never quiet much longer than the interval, and no chattier when idle. One that asks for the
+            # engines' load looks again at their push interval (its LoadPush says when a heartbeat is due).
+            period = heartbeat / 2 if load is None else load.wait_seconds(heartbeat)
+            if await prober.pushes.wake(period):
+                continue
+            if load.heartbeat_due(heartbeat) if load is not None else self._quiet(heartbeat):
+                return feed.heartbeat(self._seen)
+
+    def _quiet(self, heartbeat: float) -> bool:
+        return time.monotonic() - self._quiet_since >= 0.75 * heartbeat
