@@ -11,15 +11,15 @@ if TYPE_CHECKING:
     from gym_rpc.client.resend._budget import CallCount as CallCount
     from gym_rpc.client.resend._budget import ConcurrencyCap as ConcurrencyCap
     from gym_rpc.client.resend._budget import new_call_count as new_call_count
-    from gym_rpc.client.resend._call import Call as Call
-    from gym_rpc.client.resend._call import CallObserver as CallObserver
-    from gym_rpc.client.resend._call import Reroute as Reroute
     from gym_rpc.client.resend._failures import Backpressure as Backpressure
     from gym_rpc.client.resend._policy import BACKPRESSURE_STATUSES as BACKPRESSURE_STATUSES
     from gym_rpc.client.resend._policy import ClientBudget as ClientBudget
     from gym_rpc.client.resend._policy import FailureKind as FailureKind
     from gym_rpc.client.resend._policy import KindBudget as KindBudget
     from gym_rpc.client.resend._policy import RetryPolicy as RetryPolicy
+    from gym_rpc.client.resend._resend import Call as Call
+    from gym_rpc.client.resend._resend import CallObserver as CallObserver
+    from gym_rpc.client.resend._resend import Reroute as Reroute
     from gym_rpc.client.resend._resend import resend_after_failure as resend_after_failure
     from gym_rpc.client.resend._resend import with_total as with_total
 
@@ -27,9 +27,8 @@ __getattr__ = lazy_modules(
     __name__,
     {
         "_budget": "CallCount ConcurrencyCap new_call_count",
-        "_call": "Call CallObserver Reroute",
         "_failures": "Backpressure",
         "_policy": "BACKPRESSURE_STATUSES ClientBudget FailureKind KindBudget RetryPolicy",
-        "_resend": "resend_after_failure with_total",
+        "_resend": "Call CallObserver Reroute resend_after_failure with_total",
     },
 )

@@ -1,4 +1,5 @@
-"""The failure path of a data-plane call: `send` (gym_rpc.client.data._http) hands its first failed attempt here.
+"""The failure path of a data-plane call: `send` (gym_rpc.client.data._http) hands its first failed attempt here,
+with the call itself (`Call`: one object per call, as `send` and this loop read it).
 
 Each failure is classified (gym_rpc.client.resend._failures) and resent while its kind's budget (`RetryPolicy`)
 allows, after a jittered exponential pause, with one of its server's resend slots (gym_rpc.client.resend._budget)
@@ -14,14 +15,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Callable
 from time import monotonic
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
 from gym_rpc._aiohttp_errors import ServerDroppedError
 from gym_rpc.client.resend._budget import RESEND_BUDGET
-from gym_rpc.client.resend._call import Call, CallObserver, Reroute
 from gym_rpc.client.resend._failures import (
     Backpressure,
     failure_kind,
@@ -30,9 +31,89 @@ from gym_rpc.client.resend._failures import (
     retry_after_seconds,
 )
 from gym_rpc.client.resend._log import RESEND_LOG
-from gym_rpc.client.resend._policy import BACKPRESSURE_STATUSES, FailureKind
+from gym_rpc.client.resend._policy import BACKPRESSURE_STATUSES, FailureKind, RetryPolicy
 from gym_rpc.errors import RequestTimeoutError, ResendLimit, ResendsExhaustedError, ServerUnreachableError
 from gym_rpc.telemetry import instrumentation_failed
+
+if TYPE_CHECKING:
+    from aiohttp.client import _RequestOptions
+
+
+# The replicas hook, asked once a failed attempt may be resent, with that attempt's error: the URL of the next
+# attempt (another instance, or the same one). A URL not tried since the last pause is tried at once; one already
+# tried, after the backoff pause. Called only on failures, never on the happy path; the budgets count every
+# attempt, whatever its URL.
+Reroute = Callable[[BaseException], str]
+
+
+class CallObserver(Protocol):
+    """What `send` tells whoever observes a call (a span, the worker metrics): each attempt after the first and the
+    kind of failure that made it, then the answer or the error the caller gets, with the number of attempts made.
+    Told from inside `send`, so observing adds no coroutine between the caller and aiohttp (each one costs every
+    resumption of the call).
+
+    An observer may fail, a call may not: whatever an observer raises is logged under its `kind` ("tracing",
+    "metrics"; gym_rpc.telemetry.instrumentation_failed) and the call goes on, its answer returned (or its own
+    error raised) and its connection released."""
+
+    kind: str
+
+    def resent(self, attempt: int, kind: str) -> None: ...
+
+    def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None: ...
+
+    def failed(self, error: BaseException, attempts: int) -> None: ...
+
+
+class Call:
+    """One call: where it goes (`session`, `method`, `url`, aiohttp's `kwargs`), to which server and rollout (its
+    key, once worked out, or None), its budgets (`retry`) and whether a request that may have been written may
+    go out again (`resend`), who is told how it goes (`observer`) and, for a replicated server, where each resend
+    goes (`reroute`). `started` is the start of its deadline (time.monotonic), set when its first attempt goes
+    out."""
+
+    __slots__ = (
+        "kwargs",
+        "method",
+        "observer",
+        "reroute",
+        "resend",
+        "retry",
+        "rollout",
+        "server",
+        "session",
+        "started",
+        "url",
+    )
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        method: str,
+        url: str,
+        kwargs: _RequestOptions,
+        retry: RetryPolicy,
+        *,
+        server: str = "",
+        resend: bool = True,
+        rollout: str | None = None,
+        observer: CallObserver | None = None,
+        reroute: Reroute | None = None,
+    ) -> None:
+        self.session = session
+        self.method = method
+        self.url = url
+        self.kwargs = kwargs
+        self.retry = retry
+        self.server = server
+        self.resend = resend
+        self.rollout = rollout
+        self.observer = observer
+        self.reroute = reroute
+        self.started = 0.0
+
+    def __repr__(self) -> str:
+        return f"<Call {self.method} {self.url} to {self.server or '?'}>"
 
 
 async def resend_after_failure(call: Call, error: BaseException) -> aiohttp.ClientResponse:
