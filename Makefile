@@ -41,7 +41,7 @@ stubs: $(BUF)
 
 # Record proto/ as the released contract, with its version (proto/VERSION): `make lint` runs `buf breaking` against
 # this image. Run it only when releasing; within v1 the image must stay what it was, or breaking changes would slip
-# through. tests/test_interop.py checks that proto/VERSION is raised whenever proto/ differs from this image.
+# through. tests/wire/test_interop.py checks that proto/VERSION is raised whenever proto/ differs from this image.
 release-contract: $(BUF)
 	$(BUF) build -o $(RELEASED_CONTRACT)
 	cp proto/VERSION $(RELEASED_VERSION)
@@ -54,12 +54,12 @@ lint: install
 	$(BUF) lint
 	$(BUF) breaking --against $(RELEASED_CONTRACT)
 
-# NeMo Gym's own code (tests/test_nemo_gym_compat.py) runs in a venv of its own: Python >= 3.13, `nemo-gym` from the
+# NeMo Gym's own code (tests/nemo_gym/test_nemo_gym_compat.py) runs in a venv of its own: Python >= 3.13, `nemo-gym` from the
 # registry. Built once (a minute or two), then reused until its requirements change; prints SKIP without Python 3.13+.
 nemo-gym-venv: $(STAMP)
 	$(BIN)/python tools/nemo_gym_venv.py
 
-# Every runtime dependency at the lowest version pyproject.toml declares, for tests/test_lowest_versions.py (which
+# Every runtime dependency at the lowest version pyproject.toml declares, for tests/project/test_lowest_versions.py (which
 # runs tests/lowest_versions.txt there): built once (a few minutes), then reused until the floors change.
 lowest-versions-venv: $(STAMP)
 	$(BIN)/python tools/lowest_versions_venv.py
@@ -91,7 +91,7 @@ demo: $(DEMO_STAMP)
 	$(DEMO_VENV)/bin/gym-rpc demo
 
 # Benchmarks against baselines measured in the same run (~6 min); prints the ratio table, writes bench/RESULTS.md.
-# Not part of `make test` (tests/test_bench_smoke.py runs `python -m bench --quick` so the code cannot rot).
+# Not part of `make test` (tests/bench/test_bench_smoke.py runs `python -m bench --quick` so the code cannot rot).
 bench: $(STAMP)
 	$(BIN)/python -m bench
 

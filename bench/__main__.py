@@ -44,7 +44,7 @@ SECTIONS = (
     "memory",
     *replicas.SECTIONS,
 )
-# Left out of `--quick` unless asked for (`--only`): tests/test_bench_smoke.py runs each of these on its own.
+# Left out of `--quick` unless asked for (`--only`): tests/bench/test_bench_smoke.py runs each of these on its own.
 QUICK_LEAVES_OUT = {"relay"}
 # Loopback only: no proxy may divert a request, and no parent's config may stand in for the heads measured here.
 _ENV_TO_DROP = ("http_proxy", "https_proxy", "all_proxy", "NEMO_GYM_CONFIG_DICT", "GYM_RPC_HEAD")

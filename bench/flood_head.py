@@ -1,9 +1,9 @@
-"""A hostile head for the scale bench and tests/test_follower_bound.py (`python -m bench.flood_head CONFIG_JSON
-INSTANCES [quiet]`): a real grpc.aio server that answers GetGlobalConfig with the config document in the file
-CONFIG_JSON and, on every status watch, a snapshot and then changes as fast as it can write them, each relabelling
-INSTANCES instances of the server `flooded` (which the config names, and which no worker calls); `quiet` sends the
-snapshot alone (the same head without the flood, to compare with). It prints `READY {"port": N}` once it serves,
-and runs until its stdin closes."""
+"""A hostile head for the scale bench and tests/client/test_follower_bound.py (`python -m bench.flood_head
+CONFIG_JSON INSTANCES [quiet]`): a real grpc.aio server that answers GetGlobalConfig with the config document in
+the file CONFIG_JSON and, on every status watch, a snapshot and then changes as fast as it can write them, each
+relabelling INSTANCES instances of the server `flooded` (which the config names, and which no worker calls);
+`quiet` sends the snapshot alone (the same head without the flood, to compare with). It prints `READY {"port": N}`
+once it serves, and runs until its stdin closes."""
 
 from __future__ import annotations
 

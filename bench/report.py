@@ -155,11 +155,11 @@ NOTES = """\
   the hot path (never copied again), and the first attempt is made there with no coroutine of `send`'s (next to
   nothing of the client's own time, but two objects fewer held by each call in flight). `ServerClient.post` now
   keeps one more object alive than raw aiohttp while it waits (47 against 46, exact at 256 in flight; 49 before).
-  tests/test_hot_path_allocations.py bounds what the hot path holds at aiohttp's request start without I/O: 3
-  objects (the `post` and `_call` coroutines and `post`'s kwargs dict), so a change adding objects fails there. The
-  earlier method (each block on a freshly collected, frozen heap) removed exactly this cost: it gave 0.96 at c=512
-  where issue 29's run with the collector left alone gave 0.88 (112 against 98 µs of client CPU per request); it
-  went.
+  tests/client/data/test_hot_path_allocations.py bounds what the hot path holds at aiohttp's request start without
+  I/O: 3 objects (the `post` and `_call` coroutines and `post`'s kwargs dict), so a change adding objects fails
+  there. The earlier method (each block on a freshly collected, frozen heap) removed exactly this cost: it gave
+  0.96 at c=512 where issue 29's run with the collector left alone gave 0.88 (112 against 98 µs of client CPU per
+  request); it went.
 - **How many rounds.** Per-round ratios scatter by tens of percent when other work shares the cores; the median of
   many rounds does not. The bootstrap's 90 % range of the median (shown in each row) narrows as 1/sqrt(rounds): 80
   rounds of short blocks hold it within about ±0.03 at c=1 to 512 on a loaded machine. The longer blocks at 2,048
@@ -259,8 +259,9 @@ NOTES = """\
   probe interval when no call reaches it; a run longer than its 30 s ejection lets it back on probation (five
   more attempts, each failed over) unless the head reports it down meanwhile.
 - **Memory.** The import figure is mostly pydantic: aiohttp, grpc/protobuf, OmegaConf and PyYAML load with the
-  first call that needs them (tests/test_layers.py). With 10,000 requests in flight, memory is the connections and
-  the requests themselves: ServerClient adds nothing that grows per request, so its peak tracks raw aiohttp's.
+  first call that needs them (tests/project/test_layers.py). With 10,000 requests in flight, memory is the
+  connections and the requests themselves: ServerClient adds nothing that grows per request, so its peak tracks raw
+  aiohttp's.
 """
 
 

@@ -2,7 +2,8 @@
 
 Nothing else in gym_rpc reads `os.environ`: the library (head address, token, TLS, NeMo Gym's injected
 config), the CLI's flag defaults and OpenTelemetry's standard variables all come from `environment()`. The
-"Environment variables" table of docs/cli.md lists the same names (tests/test_environment.py keeps them in step).
+"Environment variables" table of docs/cli.md lists the same names (tests/cli/test_environment.py keeps them in
+step).
 """
 
 from __future__ import annotations

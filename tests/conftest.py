@@ -43,7 +43,7 @@ pytest_plugins = [
 
 # Hypothesis: the suite (CI included) runs a fixed, derandomised set of examples, so a red run can be re-run and a
 # green one means the same thing everywhere; `HYPOTHESIS_PROFILE=fuzz` explores far more, randomly, when fuzzing
-# by hand (`HYPOTHESIS_PROFILE=fuzz .venv/bin/python -m pytest tests/test_fuzz.py`).
+# by hand (`HYPOTHESIS_PROFILE=fuzz .venv/bin/python -m pytest tests/config/test_fuzz.py`).
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("fuzz", max_examples=3000, derandomize=False, database=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -1,7 +1,7 @@
 """Regenerate gym_rpc/v1/ from proto/: messages and gRPC stubs (grpcio-tools), typed .pyi stubs (mypy-protobuf).
 
 buf cannot drive grpcio-tools as a local plugin, so Python stubs are made here; `make proto` runs this and
-tests/test_generated_code.py runs it into a temporary folder to catch drift.
+tests/wire/test_generated_code.py runs it into a temporary folder to catch drift.
 
 The pinned generator writes code that refuses to run on any grpcio or protobuf older than itself (a version gate
 in each module) and uses grpcio 1.63's registered methods unconditionally. Nothing else in the code needs them, so

@@ -8,7 +8,8 @@ cache), and measures there:
 * `import gym_rpc.client.server_client` in fresh interpreters: the median wall time of the import and the median
   resident memory after it (VmRSS), over `--runs` processes.
 
-The README's figures come from this command. tests/test_packaging.py uses its functions for the fresh-venv checks.
+The README's figures come from this command. tests/project/test_packaging.py uses its functions for the fresh-venv
+checks.
 
     python tools/install_footprint.py [--runs 7] [--json]
 """

@@ -1,5 +1,5 @@
 """Build (once) a venv with every runtime dependency of gym_rpc at the lowest version pyproject.toml declares, and
-print its python; tests/test_lowest_versions.py runs the files tests/lowest_versions.txt lists there.
+print its python; tests/project/test_lowest_versions.py runs the files tests/lowest_versions.txt lists there.
 
 A floor that is declared but never installed is a guess. Here each `name>=X` of the base install and of the `head`
 extra (the tests start heads) is installed as `name==X`; what those pull in comes as pip resolves it, and the test
@@ -37,7 +37,8 @@ TEST_TOOLS = (
     "cryptography",
     "requests",
     "opentelemetry-instrumentation-aiohttp-client",  # tests/support/scenarios/tracing_fit.py
-    "opentelemetry-proto",  # tests/test_telemetry.py: a collector on loopback (its OTLP export tests skip here)
+    # tests/client/tracing/test_telemetry.py: a collector on loopback (its OTLP export tests skip here)
+    "opentelemetry-proto",
 )
 _FLOOR = re.compile(r"^(?P<name>[A-Za-z0-9._-]+)\s*>=\s*(?P<version>[^,;\s]+)")
 _NAME = re.compile(r"^[A-Za-z0-9._-]+")

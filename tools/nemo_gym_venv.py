@@ -1,4 +1,5 @@
-"""Build (once) the venv in which tests/test_nemo_gym_compat.py runs NeMo Gym's own code, and print its python.
+"""Build (once) the venv in which tests/nemo_gym/test_nemo_gym_compat.py runs NeMo Gym's own code, and print its
+python.
 
 NeMo Gym declares Python >= 3.13 and a heavy dependency list, so it gets a venv of its own, beside the project's:
 `nemo-gym` from the package registry without its dependencies, then the few it really imports

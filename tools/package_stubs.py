@@ -1,7 +1,7 @@
 """Make the stubs `buf generate` wrote into installable packages: stubs/npm/package.json (the TypeScript stubs
 as an npm package) and stubs/go/go.mod (the Go stubs as the module gym_rpc/stubs/go).
 
-`make stubs` runs this after `buf generate`; tests/test_interop.py runs it on stubs generated into a temporary
+`make stubs` runs this after `buf generate`; tests/wire/test_interop.py runs it on stubs generated into a temporary
 folder. Both packages carry the contract's version from proto/VERSION.
 """
 

@@ -2,7 +2,7 @@
 JSON lines or YAML.
 
 Imported by the CLI (and the demo) only: `import gym_rpc` or ServerClient in a rollout worker must not pay for
-it (tests/test_cli_operability.py checks).
+it (tests/cli/test_cli_operability.py checks).
 """
 
 from __future__ import annotations

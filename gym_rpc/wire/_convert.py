@@ -119,7 +119,7 @@ def _made_without_init(cls: Callable[_P, _T]) -> Callable[_P, _T]:
     put in its `__dict__`) instead of by its `__init__`, which sets each field through `object.__setattr__`: that
     was 40 % of converting the status reports of a ListServerStatuses or a watch (bench/control_plane.py, "status
     of 200 servers"). Every field must be given, by keyword (no defaults are filled in):
-    tests/test_wire_instances.py checks that the converters give them all."""
+    tests/wire/test_wire_instances.py checks that the converters give them all."""
 
     def made(*args: _P.args, **fields: _P.kwargs) -> _T:
         if args:

@@ -8,8 +8,8 @@ Per mode (client x observability) it starts, on loopback ports it holds from the
 * a stub model server speaking the Responses API: the first turn asks for `increment_counter`, the next answers.
 Then it posts rollouts to the agent's `/run` and records what every server saw: the raw request path (before any
 middleware strips a prefix) and whether the resources server's session cookie came with it. It prints one JSON
-object, `{mode: {"rewards": [...], "seen": {server: [[path, cookie], ...]}}}`, for tests/test_nemo_gym_compat.py
-to compare hop for hop.
+object, `{mode: {"rewards": [...], "seen": {server: [[path, cookie], ...]}}}`, for
+tests/nemo_gym/test_nemo_gym_compat.py to compare hop for hop.
 """
 
 from __future__ import annotations

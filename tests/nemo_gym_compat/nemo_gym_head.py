@@ -1,4 +1,5 @@
-"""NeMo Gym's real HTTP head, as `ng_run` starts it, for tests/test_ng_run.py: run in the NeMo Gym venv only.
+"""NeMo Gym's real HTTP head, as `ng_run` starts it, for tests/nemo_gym/test_ng_run.py: run in the NeMo Gym venv
+only.
 
     python nemo_gym_head.py CONFIG.yaml
 

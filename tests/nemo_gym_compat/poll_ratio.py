@@ -1,5 +1,5 @@
 """`poll_for_status` against NeMo Gym's real HTTP head: NeMo Gym's own client against gym_rpc's, in one process,
-interleaved (tests/test_ng_run.py): run in the NeMo Gym venv only.
+interleaved (tests/nemo_gym/test_ng_run.py): run in the NeMo Gym venv only.
 
     python poll_ratio.py HEAD_HOST HEAD_PORT SERVER_NAME
 

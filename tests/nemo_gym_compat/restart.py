@@ -1,6 +1,6 @@
 """Rollouts through NeMo Gym's real SimpleAgent and weather resources server (example_single_tool_call) with
 gym_rpc's ServerClient injected, while the resources server is killed with `kill -9`: run in the NeMo Gym venv by
-tests/test_nemo_gym_compat.py, never by pytest directly.
+tests/nemo_gym/test_nemo_gym_compat.py, never by pytest directly.
 
 The resources server runs in a process of its own (`restart.py serve-resources PORT`), so the kill is real: its
 connections are reset, its port refuses. Told `kill` on stdin, it sends itself SIGKILL from its event loop at a

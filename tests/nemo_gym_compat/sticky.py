@@ -1,6 +1,6 @@
 """Rollouts through NeMo Gym's real SimpleAgent and weather resources server (example_single_tool_call), the
 resources server as three instances, with gym_rpc's ServerClient injected into the agent: run in the NeMo Gym venv
-by tests/test_nemo_gym_compat.py, never by pytest directly.
+by tests/nemo_gym/test_nemo_gym_compat.py, never by pytest directly.
 
 Each rollout is `/run` on the agent, which calls the weather server three times: `/seed_session` (its body names
 the rollout by `_ng_task_index`/`_ng_rollout_index`; NeMo Gym binds its own rollout context around `/run` only with

@@ -1,6 +1,6 @@
 """What the test modules share (fixtures stay in tests/conftest.py or are registered there as plugins): the suite's
 tiers, and the helpers many modules use. No test module imports another test module; what two of them need lives
-here (tests/test_tiers.py checks it)."""
+here (tests/project/test_tiers.py checks it)."""
 
 from __future__ import annotations
 

@@ -39,7 +39,8 @@ def nemo_gym_path(tmp_path: Path) -> Path:
 
 
 STAND_IN = """
-    # A stand-in for NeMo Gym's module (the real one runs in tests/test_nemo_gym_compat.py): the same public API.
+    # A stand-in for NeMo Gym's module (the real one runs in tests/nemo_gym/test_nemo_gym_compat.py): the same
+    # public API.
     from contextlib import contextmanager
     from contextvars import ContextVar
 

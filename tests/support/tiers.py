@@ -7,11 +7,11 @@
 
 `make test-fast` runs the rest: in-process tests only. A test is marked by a decorator (`@pytest.mark.process`,
 or `pytestmark` for a module), or, for the tests written before the markers existed, by a line of tests/tiers.txt:
-`MARKER tests/test_x.py` (the whole module) or `MARKER tests/test_x.py::test_name` (every parametrisation), so that
-adding the markers did not edit every test module at once. An audit hook watches every test: one that starts a
-process while marked none of the three fails, naming the marker it lacks, so the fast tier cannot quietly start
-processes. `GYM_RPC_RECORD_PROCESS_TESTS=FILE` writes `process NAME` lines for those tests into FILE instead of
-failing them (one run finds them all).
+`MARKER tests/AREA/test_x.py` (the whole module) or `MARKER tests/AREA/test_x.py::test_name` (every
+parametrisation), so that adding the markers did not edit every test module at once. An audit hook watches every
+test: one that starts a process while marked none of the three fails, naming the marker it lacks, so the fast tier
+cannot quietly start processes. `GYM_RPC_RECORD_PROCESS_TESTS=FILE` writes `process NAME` lines for those tests
+into FILE instead of failing them (one run finds them all).
 """
 
 from __future__ import annotations
@@ -42,19 +42,19 @@ sys.addaudithook(_audit)  # for the life of this process: audit hooks cannot be 
 
 
 def listed_tiers() -> dict[str, set[str]]:
-    """tests/tiers.txt: each marker and the modules (`tests/test_x.py`) and tests (`::test_x`) it marks."""
+    """tests/tiers.txt: each marker and the modules (`tests/AREA/test_x.py`) and tests (`::test_x`) it marks."""
     listed: dict[str, set[str]] = {tier: set() for tier in TIERS}
     for number, line in enumerate(LISTED.read_text(encoding="utf-8").splitlines(), 1):
         if line.strip() and not line.startswith("#"):
             tier, _, name = line.partition(" ")
             if tier not in listed or not name.strip():
-                raise ValueError(f"{LISTED}:{number}: expected `MARKER tests/test_x.py[::test]` ({TIERS})")
+                raise ValueError(f"{LISTED}:{number}: expected `MARKER tests/AREA/test_x.py[::test]` ({TIERS})")
             listed[tier].add(name.strip())
     return listed
 
 
 def node_name(item: pytest.Item) -> str:
-    """The item's node id without its parameters: `tests/test_x.py::node_name`."""
+    """The item's node id without its parameters: `tests/AREA/test_x.py::node_name`."""
     return item.nodeid.split("[", 1)[0]
 
 

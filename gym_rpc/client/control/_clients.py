@@ -174,7 +174,8 @@ class ControlRpcs:
     """The table: every RPC the control clients offer, declared once for both flavours
     (gym_rpc.client.control._rpc).
 
-    tests/test_rpc_coverage.py checks it against the proto's service: every RPC has a row, on both clients.
+    tests/client/control/test_rpc_coverage.py checks it against the proto's service: every RPC has a row, on both
+    clients.
     """
 
     get_head_server_config = Rpc(

@@ -1,7 +1,7 @@
-"""Run by tests/test_hot_path_allocations.py in a fresh interpreter: what `ServerClient.post` keeps alive on its
-way to aiohttp, counted. A fresh process, and a client that follows no head, because the count is of every object
-the collector tracks: a thread allocating meanwhile (another test's gRPC channel or watch, an instance follower)
-would make it neither exact nor ours.
+"""Run by tests/client/data/test_hot_path_allocations.py in a fresh interpreter: what `ServerClient.post` keeps
+alive on its way to aiohttp, counted. A fresh process, and a client that follows no head, because the count is of
+every object the collector tracks: a thread allocating meanwhile (another test's gRPC channel or watch, an instance
+follower) would make it neither exact nor ours.
 
 Counted without I/O on a real aiohttp ClientSession: a TraceConfig's `on_request_start` (aiohttp's public tracing
 signal, sent inside `ClientSession._request` before any connection is made) counts the objects the garbage

@@ -1,8 +1,8 @@
-"""Run by tests/test_replicas_client.py in a fresh interpreter (the MeterProvider is set once per process): a
-ServerClient of an injected config with three static replicas of one server, one of them refusing, makes calls of
-no rollout and of rollouts; prints the per-instance worker metrics an in-memory reader collected, as JSON on the
-line starting "RESULT ". `python tests/support/scenarios/replicas_metrics.py traced` traces the calls too (the
-SDK's TracerProvider, observability on), and reports the CLIENT spans.
+"""Run by tests/client/replicas/test_replicas_client.py in a fresh interpreter (the MeterProvider is set once per
+process): a ServerClient of an injected config with three static replicas of one server, one of them refusing,
+makes calls of no rollout and of rollouts; prints the per-instance worker metrics an in-memory reader collected, as
+JSON on the line starting "RESULT ". `python tests/support/scenarios/replicas_metrics.py traced` traces the calls
+too (the SDK's TracerProvider, observability on), and reports the CLIENT spans.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One worker's rollout through real parts, run in a fresh process so that each scenario gets its own global
 TracerProvider and its own tracing decision (`python tests/support/scenarios/telemetry.py SCENARIO`, used by
-tests/test_telemetry.py). Prints one JSON object: the spans recorded, what the receiving servers saw, and which
-OpenTelemetry modules got imported.
+tests/client/tracing/test_telemetry.py). Prints one JSON object: the spans recorded, what the receiving servers
+saw, and which OpenTelemetry modules got imported.
 
 Scenarios (the environment, set by the caller, decides the OTEL_* variables):
 * `app-provider`: the application installs an SDK provider with an in-memory exporter before anything else.

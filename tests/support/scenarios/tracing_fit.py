@@ -1,5 +1,6 @@
-"""Run by tests/test_tracing_fit.py in fresh interpreters (tracing is decided once per process): how gym_rpc's
-tracing fits the OpenTelemetry set-ups NeMo Gym users run. Each mode prints one JSON line of finished spans.
+"""Run by tests/client/tracing/test_tracing_fit.py in fresh interpreters (tracing is decided once per process): how
+gym_rpc's tracing fits the OpenTelemetry set-ups NeMo Gym users run. Each mode prints one JSON line of finished
+spans.
 
 * `aiohttp-instrumented`: the application turned on opentelemetry-instrumentation-aiohttp-client; ServerClient
   posts (one call resent once): its spans are the CLIENT spans, carrying gym_rpc's attributes.

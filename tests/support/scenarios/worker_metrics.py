@@ -1,6 +1,6 @@
-"""Run by tests/test_worker_metrics.py in a fresh interpreter (the MeterProvider is set once per process): a
-ServerClient posts to real loopback servers, one that answers, one that drops the first connection, and a closed
-port; prints the metrics an in-memory reader collected, as JSON.
+"""Run by tests/client/data/test_worker_metrics.py in a fresh interpreter (the MeterProvider is set once per
+process): a ServerClient posts to real loopback servers, one that answers, one that drops the first connection, and
+a closed port; prints the metrics an in-memory reader collected, as JSON.
 
 `python tests/support/scenarios/worker_metrics.py app` installs the application's MeterProvider and calls
 `enable_client_metrics()`; `env` relies on OTEL_METRICS_EXPORTER (the test sets it), so gym_rpc installs the

@@ -1,0 +1,985 @@
+"""ServerClient over several instances of one server, against real aiohttp replicas on loopback: calls of no
+rollout by two random choices on calls in flight, rollouts pinned by rendezvous hashing, NeMo Gym sessions kept
+with the instance that opened them, failover on a refused connection, passive ejection (and its cap), label
+selectors, the typed error when no instance can take a call, and what a one-instance client keeps seeing."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import contextlib
+import json
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Awaitable
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gym_rpc.client.control._clients import ControlClient
+from gym_rpc.client.data._rollout import rollout_context
+from gym_rpc.client.replicas._instance_state import InstanceState
+from gym_rpc.client.replicas._outliers import OutlierDetection
+from gym_rpc.client.replicas._picker import (
+    SLOTS,
+    heaviest,
+    mix64,
+    slot_of,
+    stable_key,
+    top_choices,
+    two_choices,
+    weight,
+)
+from gym_rpc.client.replicas._prompt_key import prompt_key
+from gym_rpc.client.replicas._routing import ENGINE_LOAD_READ_SECONDS, RoutedCall, ServerRoute
+from gym_rpc.client.server_client import ServerClient
+from gym_rpc.config import BaseServerConfig, GlobalConfig
+from gym_rpc.errors import NoHealthyInstanceError, RequestTimeoutError, ServerUnreachableError
+from gym_rpc.wire import EngineLoad, InstanceReport, ServerStatus, StatusReport
+from tests.support import REPO_ROOT
+from tests.support.documents import document, server_entry
+from tests.support.loopback import LOOPBACK, closed_port
+from tests.support.replicas import ReplicaServer
+from tests.support.scenarios import script
+from tests.support.waiting import eventually
+
+NAME = "policy"
+SESSION_COOKIE = f"SimpleServer___{NAME}"  # NeMo Gym's session cookie of this server
+REPLICAS_LOGGER = "gym_rpc.client.replicas"
+
+
+def replicated_doc(ports: list[int], server_type: str = "responses_api_models", **global_keys: Any) -> dict:
+    entry = server_entry(ports[0], server_type, replicas=[f"{LOOPBACK}:{port}" for port in ports[1:]])
+    return document({NAME: entry}, **global_keys)
+
+
+def client_of(doc: dict[str, Any], head_port: int | None = None) -> ServerClient:
+    """A client of `doc` that does not follow a head (its instances are the config's), unless `head_port`."""
+    head = BaseServerConfig(host=LOOPBACK, port=head_port or closed_port())
+    client = ServerClient._from_global_config(head, GlobalConfig.from_document(doc))
+    if head_port is None:
+        client.follow_instances(False)
+    return client
+
+
+async def call(client: ServerClient, path: str = "/v1/responses", **kwargs: Any) -> int:
+    """One POST; the port of the instance that answered. Its body holds no prompt a model server's route reads
+    (gym_rpc.client.replicas._prompt_key), so a call of no rollout goes by two random choices there too."""
+    async with await client.post(NAME, path, json={"query": "hi"}, **kwargs) as response:
+        return int((await response.json())["instance"])
+
+
+def route_of(client: ServerClient) -> ServerRoute:
+    assert client._routing is not None
+    return client._routing.routes[NAME]
+
+
+# --- the picking rules, without I/O ------------------------------------------------------------------------------
+
+
+def test_rendezvous_weights_are_the_same_in_every_process() -> None:
+    """Workers on any interpreter (or a harness in another language) must rank a rollout's instances alike: keys
+    are blake2b, weights splitmix64's finalizer in plain 64-bit arithmetic (gym_rpc.client.replicas._picker's
+    docstring), never Python's `hash()`. Pinned values: a change of any breaks every deployment that mixes
+    versions, so it must show here. The first three are splitmix64's published outputs for seed 0."""
+    golden = 0x9E3779B97F4A7C15
+    assert [mix64(n * golden % 2**64) for n in (1, 2, 3)] == [
+        0xE220A8397B1DCDAF,
+        0x6E789E6AA1B965F4,
+        0x06C45D188009454F,
+    ]
+    assert stable_key("127.0.0.1:8000") == 0x174F928AD4ACFD58
+    assert slot_of("rollout-0") == 14866
+    assert weight(1, 2) == 10905525725756348110
+    assert weight(14866, 0x174F928AD4ACFD58) == 7014319819360387923
+    fleet = [SimpleNamespace(key=stable_key(f"127.0.0.1:{8000 + i}"), in_flight=0) for i in range(4)]
+    chosen = [fleet.index(heaviest(slot_of(f"rollout-{n}"), fleet)) for n in range(8)]
+    assert chosen == [3, 1, 1, 0, 0, 2, 0, 1]
+    assert all(max(fleet, key=lambda i: weight(slot, i.key)) is heaviest(slot, fleet) for slot in range(500))
+
+
+def test_slots_spread_evenly_and_only_a_removed_instances_slots_move() -> None:
+    many = [SimpleNamespace(key=stable_key(f"10.0.1.{i}:8000"), in_flight=0) for i in range(64)]
+    shares = collections.Counter(id(heaviest(slot, many)) for slot in range(SLOTS))
+    # 256 slots per instance: one standard deviation is about 6 %, the worst of 64 about 2.5 of them.
+    assert len(shares) == 64
+    assert min(shares.values()) / (SLOTS / 64) > 0.8 and max(shares.values()) / (SLOTS / 64) < 1.2
+    fleet = [SimpleNamespace(key=stable_key(f"10.0.0.{i}:8000"), in_flight=0) for i in range(8)]
+    before = {slot: heaviest(slot, fleet) for slot in range(SLOTS)}
+    shares = collections.Counter(id(instance) for instance in before.values())
+    assert min(shares.values()) / (SLOTS / 8) > 0.9 and max(shares.values()) / (SLOTS / 8) < 1.1
+    gone = fleet[2]
+    survivors = [instance for instance in fleet if instance is not gone]
+    for slot, instance in before.items():
+        after = heaviest(slot, survivors)
+        assert after is instance or instance is gone
+
+
+def test_remembered_slot_winners_stay_the_rendezvous_winners_as_the_instance_set_changes() -> None:
+    """The route keeps each slot's winner across changes and checks only what changed: after instances leave,
+    join, are ejected and return, every slot's remembered winner is still the heaviest instance taking new work."""
+    states = [InstanceState(f"10.0.0.{i}:8000", f"http://10.0.0.{i}:8000", "success") for i in range(8)]
+    route = ServerRoute(NAME, states, OutlierDetection())
+    for slot in range(0, SLOTS, 7):
+        route.slot_winner(slot, route.pool)
+    changes = [
+        states[:6],  # two leave
+        [*states[:6], InstanceState("10.0.1.1:8000", "http://10.0.1.1:8000", "success")],  # one joins
+        [*states[:6], InstanceState("10.0.1.1:8000", "http://10.0.1.1:8000", "timeout")],  # down by the head
+        states,  # all back, the joined one gone
+    ]
+    for change in changes:
+        route.update(change)
+        for slot in range(0, SLOTS, 7):
+            assert route.slot_winner(slot, route.pool) is heaviest(slot, route.pool)
+
+
+def test_two_choices_takes_the_less_loaded_of_two_distinct_instances() -> None:
+    busy, idle = SimpleNamespace(key=1, in_flight=3), SimpleNamespace(key=2, in_flight=0)
+    assert all(two_choices([busy, idle]) is idle for _ in range(50))
+    assert two_choices([busy]) is busy
+
+
+def test_calls_in_flight_are_counted_under_the_routes_lock() -> None:
+    """One client may serve the event loops of several threads: a call's count in flight changes only under its
+    route's lock, so two threads' `+= 1` cannot lose one (which would skew every later two-choices pick)."""
+    states = [InstanceState(f"10.0.0.{i}:8000", f"http://10.0.0.{i}:8000", "success") for i in range(3)]
+    route = ServerRoute(NAME, states, OutlierDetection())
+    calls: list[RoutedCall] = []
+
+    def in_flight() -> int:
+        return sum(instance.in_flight for instance in route.instances)
+
+    with route.lock:  # as the watch's thread holds it while it applies a list of instances
+        started = threading.Thread(target=lambda: calls.append(RoutedCall(route, None, "/v1/responses")))
+        started.start()
+        started.join(0.2)
+        assert in_flight() == 0 and calls == []  # waiting for the lock, not counting beside it
+    started.join(10)
+    assert in_flight() == 1 and len(calls) == 1
+    with route.lock:
+        ended = threading.Thread(target=calls[0].failed, args=(ConnectionRefusedError(),))
+        ended.start()
+        ended.join(0.2)
+        assert in_flight() == 1
+    ended.join(10)
+    assert in_flight() == 0
+
+
+# --- one instance: nothing changes -------------------------------------------------------------------------------
+
+
+async def test_a_server_with_one_instance_has_no_route_and_its_url_is_cached_as_before(replica_servers) -> None:
+    (replica,) = await replica_servers(1)
+    client = client_of(document({NAME: server_entry(replica.port)}))
+    assert await call(client) == replica.port
+    assert client._routing is not None and client._routing.routes == {}
+    assert client._server_base_urls == {NAME: f"http://{LOOPBACK}:{replica.port}"}
+
+
+# --- calls of no rollout -----------------------------------------------------------------------------------------
+
+
+async def test_calls_of_no_rollout_leave_an_instance_whose_calls_pile_up(replica_servers) -> None:
+    """Two random choices by calls in flight: once the stuck instance holds one call, no pair ever prefers it."""
+    stuck, *others = await replica_servers(3)
+    stuck.hold = asyncio.Event()
+    client = client_of(replicated_doc([stuck.port, *(replica.port for replica in others)]))
+    held: list[asyncio.Task[int]] = []
+    answered: collections.Counter[int] = collections.Counter()
+    for _ in range(60):
+        stuck.arrived.clear()
+        task = asyncio.create_task(call(client))
+        arrival = asyncio.create_task(stuck.arrived.wait())
+        await asyncio.wait({task, arrival}, return_when=asyncio.FIRST_COMPLETED)  # answered, or held there
+        arrival.cancel()
+        if task.done():
+            answered[task.result()] += 1
+        else:
+            held.append(task)
+    assert stuck.calls == len(held) == 1  # round robin would have sent it 20
+    assert sum(answered.values()) == 59 and set(answered) == {replica.port for replica in others}
+    stuck.hold.set()
+    assert [await task for task in held] == [stuck.port]
+    assert [instance.in_flight for instance in route_of(client).instances] == [0, 0, 0]
+
+
+async def test_a_refused_instance_costs_no_call_and_is_ejected_then_returns(replica_servers, caplog) -> None:
+    caplog.set_level(logging.INFO, REPLICAS_LOGGER)
+    gone, *others = await replica_servers(4)
+    port = gone.port
+    doc = replicated_doc(
+        [replica.port for replica in (gone, *others)],
+        http_client={"outlier_detection": {"base_ejection_seconds": 1.5}},
+    )
+    client = client_of(doc)
+    await call(client)
+    instance = route_of(client).by_id[f"{LOOPBACK}:{port}"]
+    picked_before = instance.picks
+    await gone.stop()  # refused from now on
+    answered: collections.Counter[int] = collections.Counter()
+    while not instance.ejections and answered.total() < 200:  # two choices reach it about one call in four
+        answered[await call(client)] += 1
+    assert port not in answered  # every call failed over: none failed
+    assert instance.ejections == 1 and not instance.alive
+    picks = instance.picks
+    assert picks - picked_before == 5  # five failures in a row eject it
+    ejected = [r.getMessage() for r in caplog.records if "ejected" in r.getMessage()]
+    assert len(ejected) == 1 and f"instance {LOOPBACK}:{port} of {NAME} ejected for 1.5 s" in ejected[0]
+    assert "connection refused" in ejected[0] and "3 of 4 instances stay in rotation" in ejected[0]
+    for _ in range(20):
+        await call(client)
+    assert instance.picks == picks  # known dead: no call goes there
+    await gone.start(port)  # back on its port
+    await asyncio.sleep(1.6)
+    answered = collections.Counter([await call(client) for _ in range(100)])
+    assert answered[port] > 0 and instance.alive
+    returned = [r.getMessage() for r in caplog.records if "returns to rotation" in r.getMessage()]
+    assert len(returned) == 1 and f"{LOOPBACK}:{port} of {NAME}" in returned[0]
+
+
+async def test_never_more_than_half_of_the_instances_are_ejected(replica_servers) -> None:
+    *dead, alive = await replica_servers(4)
+    client = client_of(replicated_doc([replica.port for replica in (*dead, alive)]))
+    for replica in dead:
+        await replica.stop()
+    outcomes: collections.Counter[int | str] = collections.Counter()
+    for _ in range(100):
+        try:
+            outcomes[await call(client)] += 1
+        except ServerUnreachableError:
+            outcomes["unreachable"] += 1  # three dead ones in a row, before two of them were ejected
+    assert sum(1 for instance in route_of(client).instances if instance.ejections) == 2
+    assert outcomes[alive.port] >= 95
+
+
+async def test_5xx_answers_count_towards_ejection_and_reach_the_caller(replica_servers) -> None:
+    failing, healthy = await replica_servers(2)
+    failing.status = 500
+    client = client_of(replicated_doc([failing.port, healthy.port]))
+    statuses: collections.Counter[int] = collections.Counter()
+    for _ in range(60):
+        async with await client.post(NAME, "/v1/responses", json={}) as response:
+            # a 500 is never resent (a 429 or 503 is: tests/client/resend/test_backpressure.py)
+            statuses[response.status] += 1
+    assert statuses[500] == 5 and statuses[200] == 55
+    assert route_of(client).by_id[f"{LOOPBACK}:{failing.port}"].ejections == 1
+
+
+async def test_every_way_a_call_ends_releases_its_count_in_flight(replica_servers) -> None:
+    """The count in flight per instance (what two choices weighs) comes back to 0 whatever ends a call: an answer,
+    a 5xx, a deadline, a cancelled caller, a dropped connection it may not resend, a refused one that fails over,
+    and none left to fail over to. A count left behind would steer calls away from a healthy instance forever."""
+    held, failing = await replica_servers(2)
+    dropping = socket.socket()
+    dropping.bind((LOOPBACK, 0))
+    dropping.listen(8)
+    dropping.setblocking(False)
+    refused = closed_port()
+    ports = [held.port, failing.port, dropping.getsockname()[1], refused]
+    client = client_of(replicated_doc(ports, http_client={"outlier_detection": {"consecutive_failures": 10**6}}))
+    dropper = asyncio.create_task(drop_everything(dropping))  # before any call: one in its backlog would hang
+    try:
+        await call(client)
+        route = route_of(client)
+        by_port = {int(instance.instance_id.rsplit(":", 1)[1]): instance for instance in route.instances}
+
+        def counts() -> list[int]:
+            return [instance.in_flight for instance in route.instances]
+
+        def only(port: int) -> None:
+            """As if the head reported every other instance down: every call now goes to `port`."""
+            states = [
+                InstanceState(
+                    f"{LOOPBACK}:{p}", f"http://{LOOPBACK}:{p}", None if p == port else "connection_error"
+                )
+                for p in ports
+            ]
+            route.update(states)
+
+        async def until_held(call_made: Awaitable[Any]) -> asyncio.Task[Any]:
+            held.arrived.clear()
+            task = asyncio.ensure_future(call_made)
+            await asyncio.wait_for(held.arrived.wait(), 10)
+            assert by_port[held.port].in_flight == 1
+            return task
+
+        failing.status = 503
+        for _ in range(40):  # answers, 5xx answers, failovers from the refused and the dropping instances
+            async with await client.post(NAME, "/v1/responses", json={}) as response:
+                await response.read()
+        assert counts() == [0, 0, 0, 0]
+
+        only(held.port)
+        held.hold = asyncio.Event()
+        task = await until_held(client.post(NAME, "/v1/responses", json={}))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert counts() == [0, 0, 0, 0]
+
+        timed = await until_held(client.post(NAME, "/v1/responses", json={}, timeout=aiohttp.ClientTimeout(0.2)))
+        with pytest.raises(RequestTimeoutError):
+            await timed
+        assert counts() == [0, 0, 0, 0]
+        held.hold.set()
+
+        only(dropping.getsockname()[1])
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await client.request(NAME, "/v1/responses", "POST", json={}, _resend_after_disconnect=False)
+        assert counts() == [0, 0, 0, 0]
+
+        only(refused)
+        with pytest.raises(ServerUnreachableError):
+            await client.post(NAME, "/v1/responses", json={})  # refused, and no other instance to go to
+        assert counts() == [0, 0, 0, 0]
+    finally:
+        if held.hold is not None:
+            held.hold.set()  # no call left held, so the replica can stop
+        dropper.cancel()
+        dropping.close()
+
+
+# --- rollouts ----------------------------------------------------------------------------------------------------
+
+
+async def test_rollouts_stick_and_only_the_gone_instances_rollouts_move(replica_servers, caplog) -> None:
+    caplog.set_level(logging.INFO, REPLICAS_LOGGER)
+    fleet = await replica_servers(4)
+    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    where: dict[str, int] = {}
+    for n in range(40):
+        with rollout_context(f"rollout-{n}"):
+            seen = {await call(client) for _ in range(3)}
+        assert len(seen) == 1
+        where[f"rollout-{n}"] = seen.pop()
+    assert len(set(where.values())) == 4  # spread over all four
+    gone = fleet[1]
+    await gone.stop()
+    for rollout, port in where.items():
+        with rollout_context(rollout):
+            now = {await call(client) for _ in range(2)}
+        assert len(now) == 1
+        assert (now.pop() == port) == (port != gone.port), rollout  # only the gone instance's rollouts moved
+    moved = sum(1 for port in where.values() if port == gone.port)
+    assert route_of(client).repins == moved
+    lines = [r.getMessage() for r in caplog.records if "move to other instances" in r.getMessage()]
+    assert len(lines) == 1 and f"{LOOPBACK}:{gone.port} of {NAME}" in lines[0]  # logged once, not per rollout
+
+
+async def test_a_rollout_on_a_resources_server_sticks_by_its_verify_body(replica_servers) -> None:
+    fleet = await replica_servers(3)
+    client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
+    body = {"_ng_task_index": 7, "_ng_rollout_index": 2}
+    seen = set()
+    for _ in range(6):
+        async with await client.post(NAME, "/verify", json=body) as response:
+            seen.add((await response.json())["instance"])
+    assert len(seen) == 1
+    assert route_of(client).pins.keys() == {"7-2"}
+
+
+def session_cookie(session_id: str) -> str:
+    """A cookie value as Starlette's SessionMiddleware writes it: base64 JSON, timestamp, signature."""
+    payload = base64.b64encode(json.dumps({"session_id": session_id}).encode()).decode()
+    return f"{payload}.{int(time.time())}.c2lnbmF0dXJl"
+
+
+async def test_a_nemo_gym_session_stays_with_the_instance_that_opened_it(replica_servers) -> None:
+    """No rollout bound: the first call (seed_session) opens the session where two random choices send it; the
+    answer's session cookie pins the session there, and every later call carrying it follows."""
+    fleet = await replica_servers(4)
+    client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
+    for n in range(12):
+        for replica in fleet:
+            replica.cookie = (SESSION_COOKIE, session_cookie(f"session-{n}"))
+        async with await client.post(NAME, "/seed_session", json={}) as response:
+            opened_at = (await response.json())["instance"]
+            cookies = response.cookies
+        for replica in fleet:
+            replica.cookie = None
+        for _ in range(3):
+            assert await call(client, "/execute", cookies=cookies) == opened_at
+        resigned = {SESSION_COOKIE: session_cookie(f"session-{n}")}  # a new timestamp, one session
+        assert await call(client, "/verify", cookies=resigned) == opened_at
+
+
+async def answered_at(
+    client: ServerClient, path: str, body: dict[str, Any] | None = None, cookies: Any = None
+) -> tuple[int, Any]:
+    """One POST: the port of the instance that answered, and the cookies the answer set."""
+    async with await client.post(NAME, path, json=body or {}, cookies=cookies) as response:
+        return int((await response.json())["instance"]), response.cookies
+
+
+def open_session(fleet: list[ReplicaServer], session_id: str | None) -> None:
+    """Every replica answers with this NeMo Gym session's cookie (None: with none), as a NeMo Gym server sets it
+    on every answer."""
+    for replica in fleet:
+        replica.cookie = None if session_id is None else (SESSION_COOKIE, session_cookie(session_id))
+
+
+async def test_a_session_opened_by_a_call_of_a_rollout_is_pinned_with_the_rollout(replica_servers) -> None:
+    """Observability on: NeMo Gym binds the rollout around /run, so /seed_session carries the rollout id; the tool
+    calls, made where no rollout is bound, carry only the session cookie the /seed_session answer set. They must
+    reach the rollout's instance (issue 39: they hashed away by the cookie, as the session was never pinned)."""
+    fleet = await replica_servers(4)
+    client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
+    for n in range(12):
+        open_session(fleet, f"session-{n}")
+        with rollout_context(f"rollout-{n}"):
+            opened_at, cookies = await answered_at(client, "/seed_session")
+        for _ in range(2):
+            assert (await answered_at(client, "/get_weather", cookies=cookies))[0] == opened_at
+        with rollout_context(f"rollout-{n}"):
+            assert (await answered_at(client, "/verify", cookies=cookies))[0] == opened_at
+
+
+async def test_the_rollout_a_verify_body_names_joins_its_sessions_instance(replica_servers) -> None:
+    """Observability off, no rollout bound anywhere, and /seed_session's body naming none: the session is opened
+    where two random choices send it. /verify names its rollout in its body and carries the cookie: it goes to the
+    session's instance (issue 39: it hashed away by the body's rollout id), and from then on a call known by the
+    rollout id alone goes there too."""
+    fleet = await replica_servers(4)
+    client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
+    for n in range(12):
+        open_session(fleet, f"session-{n}")
+        opened_at, cookies = await answered_at(client, "/seed_session")
+        open_session(fleet, None)
+        body = {"_ng_task_index": n, "_ng_rollout_index": 0}
+        assert (await answered_at(client, "/verify", body, cookies))[0] == opened_at
+        assert (await answered_at(client, "/verify", body))[0] == opened_at
+
+
+async def test_a_seed_session_body_pins_its_rollout_alike_in_every_worker(replica_servers) -> None:
+    """/seed_session's body names the rollout (`_ng_task_index`-`_ng_rollout_index`): with no rollout bound, it is
+    pinned by rendezvous on that id, so two workers that never shared a pin send it to the same instance, and the
+    session it opens is pinned with it."""
+    fleet = await replica_servers(4)
+    doc = replicated_doc([replica.port for replica in fleet], "resources_servers")
+    first, second = client_of(doc), client_of(doc)
+    for n in range(16):
+        open_session(fleet, f"session-{n}")
+        body = {"_ng_task_index": n // 4, "_ng_rollout_index": n % 4}
+        at, cookies = await answered_at(first, "/seed_session", body)
+        assert (await answered_at(second, "/verify", body))[0] == at
+        assert (await answered_at(first, "/get_weather", cookies=cookies))[0] == at
+    pins = route_of(first).pins
+    assert pins["1-2"] is pins["\0session-6"]  # one pin: the rollout id and its session are aliases
+
+
+async def test_a_rollouts_keys_move_together_when_its_instance_is_gone(replica_servers) -> None:
+    """The rollout id and the session share one pin: when the instance is gone, a call known by the session alone
+    moves the pin, and a later call known by the rollout alone follows it (not a rendezvous of its own)."""
+    fleet = await replica_servers(3)
+    client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
+    for n in range(6):
+        open_session(fleet, f"session-{n}")
+        with rollout_context(f"rollout-{n}"):
+            opened_at, cookies = await answered_at(client, "/seed_session")
+        gone = next(replica for replica in fleet if replica.port == opened_at)
+        await gone.stop()
+        now_at = (await answered_at(client, "/get_weather", cookies=cookies))[0]
+        assert now_at != opened_at
+        with rollout_context(f"rollout-{n}"):
+            assert (await answered_at(client, "/verify"))[0] == now_at
+        await gone.start(gone.port)  # back for the next rollout (one refusal neither ejects nor lists it down)
+    assert route_of(client).repins == 6
+
+
+async def test_a_session_wins_over_the_rollout_pinned_elsewhere(replica_servers) -> None:
+    """A call carrying a rollout id pinned to one instance and a session opened on another goes to the session's
+    (its state is there), and the rollout id follows it from then on."""
+    fleet = await replica_servers(4)
+    client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
+    with rollout_context("rollout-7"):
+        pinned_at = (await answered_at(client, "/step"))[0]
+    for n in range(64):  # a session opened (by two random choices) elsewhere
+        open_session(fleet, f"session-{n}")
+        opened_at, cookies = await answered_at(client, "/seed_session")
+        if opened_at != pinned_at:
+            break
+    assert opened_at != pinned_at
+    open_session(fleet, None)
+    with rollout_context("rollout-7"):
+        assert (await answered_at(client, "/step", cookies=cookies))[0] == opened_at
+        assert (await answered_at(client, "/step"))[0] == opened_at
+
+
+async def test_a_body_with_a_malformed_rollout_id_is_a_call_of_no_rollout(replica_servers) -> None:
+    """Observability off, the body rule finds no usable id: the call is sent (two random choices), not failed."""
+    fleet = await replica_servers(2)
+    client = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
+    for body in (
+        {"_ng_rollout_id": "../etc"},
+        {"_ng_task_index": 1, "_ng_rollout_index": 0, "_ng_attempt_index": []},
+    ):
+        assert (await answered_at(client, "/seed_session", body))[0] in {replica.port for replica in fleet}
+    assert route_of(client).pins == {}
+
+
+# --- prefix-affine picking (model servers) -----------------------------------------------------------------------
+
+SYSTEM = "You are a careful agent. " * 80  # a system prompt every prompt of the run shares (2,000 characters)
+
+
+def turn_body(task: int, turns: int = 0, rollout: int = 0) -> dict[str, Any]:
+    """A Responses API body of task `task`'s prompt, after `turns` turns of rollout `rollout` (each turn appends
+    the model's call and its tool's output, which differ per rollout)."""
+    items: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": [{"type": "input_text", "text": f"Task {task}: find the weather."}]},
+    ]
+    for turn in range(turns):
+        items.append({"type": "function_call", "call_id": f"c{turn}", "name": "get_weather", "arguments": "{}"})
+        items.append({"type": "function_call_output", "call_id": f"c{turn}", "output": f"r{rollout} t{turn}"})
+    return {"model": "m", "input": items}
+
+
+def test_a_prompt_key_is_one_for_a_groups_rollouts_and_their_turns_and_the_same_in_every_process() -> None:
+    keys = {prompt_key(turn_body(3, turns, rollout)) for turns in range(4) for rollout in range(8)}
+    assert len(keys) == 1 and None not in keys  # every turn of every rollout of task 3
+    assert len({prompt_key(turn_body(task)) for task in range(64)}) == 64  # the shared system prompt is not all
+    chat = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Task 1"}]}
+    assert prompt_key(chat) == prompt_key(
+        {"input": [{"role": "developer", "content": "S"}, *chat["messages"][1:]]}
+    )
+    assert prompt_key({"input": "hi"}) == zlib.crc32(b"hi")  # crc32 of UTF-8: no per-process hash seed
+    assert prompt_key({"input": "hi", "instructions": "S"}) == zlib.crc32(b"S\0hi")
+    grown = {prompt_key({"prompt": "P" * 2000 + "x" * turn}) for turn in range(3)}
+    assert len(grown) == 1  # a completions prompt grows with the turns: its head only
+    unreadable: list[Any] = [{"query": "hi"}, {"input": [{"type": "function_call_output"}]}, {"input": 7}, []]
+    for body in unreadable:
+        assert prompt_key(body) is None, body
+    odd = {"input": [{"role": "user", "content": [{"type": "input_text", "text": 7}, "x", {"text": "ok"}]}]}
+    assert prompt_key(odd) == zlib.crc32(b"\0ok")  # parts it cannot read are skipped, never raised on
+
+
+async def body_at(client: ServerClient, body: dict[str, Any], cookies: Any = None) -> int:
+    async with await client.post(NAME, "/v1/responses", json=body, cookies=cookies) as response:
+        return int((await response.json())["instance"])
+
+
+async def test_a_groups_rollouts_and_their_turns_go_to_one_model_instance_in_every_worker(replica_servers) -> None:
+    """GRPO: the rollouts of one prompt and each of their turns share the prompt's prefix. A model server's route
+    sends them all to the prompt's preferred instance (rendezvous hashing scattered them: one rollout id each),
+    the same in two workers that share nothing; different prompts spread over the instances."""
+    fleet = await replica_servers(4)
+    doc = replicated_doc([replica.port for replica in fleet])
+    workers = [client_of(doc), client_of(doc)]
+    where: dict[int, set[int]] = collections.defaultdict(set)
+    for task in range(16):
+        for rollout in range(8):
+            worker = workers[rollout % 2]
+            with rollout_context(f"{task}-{rollout}"):
+                for turns in range(3):
+                    where[task].add(await body_at(worker, turn_body(task, turns, rollout)))
+    assert all(len(ports) == 1 for ports in where.values()), where
+    assert len({ports.pop() for ports in where.values()}) == 4  # 16 prompts over all four
+    assert route_of(workers[0]).affine
+
+
+def task_preferring(client: ServerClient, port: int, skip: int = 0) -> int:
+    """A task whose prompt's first preferred instance (its slot's rendezvous order) is the one at `port`; the
+    `skip`-th such task from 1,000 on."""
+    route = route_of(client)
+    for task in range(1000, 100000):
+        key = prompt_key(turn_body(task))
+        assert key is not None
+        if top_choices(key % SLOTS, route.pool, 1)[0].instance_id == f"{LOOPBACK}:{port}":
+            if skip == 0:
+                return task
+            skip -= 1
+    raise AssertionError("no such task")
+
+
+async def test_a_groups_rollouts_arriving_together_stay_on_one_instance(replica_servers) -> None:
+    """GRPO dispatches a group's rollouts at once: they all go to the prompt's instance, which holds its prefix,
+    whatever their own number there (the old bound counted them and split the group from its 4th rollout on, so
+    each part prefilled the prompt again)."""
+    fleet = await replica_servers(4)
+    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    for replica in fleet:
+        replica.hold = asyncio.Event()
+    rollouts = []
+    for n in range(8):
+        with rollout_context(f"5-{n}"):
+            rollouts.append(asyncio.create_task(body_at(client, turn_body(5, 0, n))))
+    try:
+        await eventually(lambda: sum(replica.calls for replica in fleet) == 8, within=10, every=0.005)
+        assert sorted(replica.calls for replica in fleet) == [0, 0, 0, 8]
+    finally:
+        for replica in fleet:
+            replica.hold.set()
+    assert len({await task for task in rollouts}) == 1
+    route = route_of(client)
+    assert sum(instance.in_flight for instance in route.instances) == route.in_flight_total == 0
+    assert all(group.calls == 0 for group in route.groups.values())
+
+
+async def test_a_prompts_preferred_instance_under_load_sends_new_rollouts_to_its_next(replica_servers) -> None:
+    """Bounded load: while the prompt's preferred instance holds other prompts' calls past the bound to stay (2x
+    the average + 2), a new rollout of that prompt goes to its next preferred instance (the same for every such
+    rollout: the group moves there), and its later turns follow it there, even once the first is free again."""
+    fleet = await replica_servers(4)
+    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    first = await body_at(client, turn_body(5))
+    busy = next(replica for replica in fleet if replica.port == first)
+    other = task_preferring(client, first)
+    busy.hold = asyncio.Event()
+    held = [asyncio.create_task(body_at(client, turn_body(other, 0, n))) for n in range(8)]
+    try:
+        await eventually(lambda: busy.calls == 9, within=10, every=0.005)
+        moved = []
+        for n in range(3, 9):
+            with rollout_context(f"5-{n}"):
+                moved.append(await body_at(client, turn_body(5, 0, n)))
+        assert len(set(moved)) == 1 and moved[0] != first  # one next instance, not scattered
+    finally:
+        busy.hold.set()
+    assert [await task for task in held] == [first] * 8
+    next_port = moved[0]
+    with rollout_context("5-3"):  # a moved rollout's later turns stay where its first turn went
+        assert {await body_at(client, turn_body(5, turns, 3)) for turns in range(1, 4)} == {next_port}
+    assert {await body_at(client, turn_body(5, 0, 20))} == {next_port}  # and the group's new rollouts too
+    assert (
+        sum(instance.in_flight for instance in route_of(client).instances) == route_of(client).in_flight_total == 0
+    )
+
+
+async def test_an_engine_reporting_a_long_queue_loses_new_rollouts_until_its_figure_is_unknown(
+    replica_servers,
+) -> None:
+    """The engines' load the head pushes (Routing.engine_loads) counts in the bound: a prompt's preferred instance
+    whose engine reports 50 waiting gets no new rollout of it (the group moves to its next preferred instance);
+    once that figure is older than the table's bound it is unknown, never zero, and the calls in flight stand
+    alone again: a new prompt that prefers the instance goes there."""
+    fleet = await replica_servers(3)
+    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    preferred = await body_at(client, turn_body(9))
+    assert client._routing is not None
+    busy = EngineLoad(NAME, f"{LOOPBACK}:{preferred}", waiting=50, running=8, age_seconds=0.0)
+    client._routing.engine_loads.apply([busy])
+    await asyncio.sleep(ENGINE_LOAD_READ_SECONDS * 1.1)  # the route reads the table at most this often
+    elsewhere = {await body_at(client, turn_body(9)) for _ in range(6)}
+    assert len(elsewhere) == 1 and preferred not in elsewhere
+    fresh = task_preferring(client, preferred)
+    assert await body_at(client, turn_body(fresh)) != preferred  # a new prompt too, while the figure holds
+    stale = EngineLoad(NAME, f"{LOOPBACK}:{preferred}", waiting=50, running=8, age_seconds=60.0)
+    client._routing.engine_loads.apply([stale])
+    await asyncio.sleep(ENGINE_LOAD_READ_SECONDS * 1.1)
+    again = task_preferring(client, preferred, skip=1)
+    assert {await body_at(client, turn_body(again)) for _ in range(6)} == {preferred}
+
+
+async def test_a_slow_instance_gets_no_new_group_and_its_rollouts_move(replica_servers) -> None:
+    """An instance whose answers take over 2.5x the median instance's (an engine 4x slower, or one with a long
+    queue) takes no new group while the others can, and a rollout placed there moves at its next turn; the
+    calls in flight from this process alone would not show it (it holds no more calls than the others)."""
+    fleet = await replica_servers(3)
+    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    await call(client)  # the route is made at the first call
+    slow = fleet[0]
+    slow.delay = 3.0  # slow is over 2.5x the median: 3 s keeps that true while the others answer within 1.2 s
+    warm = [task_preferring(client, replica.port) for replica in fleet]
+    placed = {}
+    for task in warm:  # one group on each instance, answered: each instance's latency is known
+        with rollout_context(f"{task}-0"):
+            placed[task] = await body_at(client, turn_body(task, 0, 0))
+    assert placed[warm[0]] == slow.port
+    await asyncio.sleep(ENGINE_LOAD_READ_SECONDS * 1.1)
+    new = [task_preferring(client, slow.port, skip) for skip in range(1, 7)]
+    landed = await asyncio.gather(*(body_at(client, turn_body(task)) for task in new))
+    assert slow.port not in landed  # each prefers the slow instance: they go to their next preferred
+    with rollout_context(f"{warm[0]}-0"):  # the rollout on the slow instance moves, and stays where it moved
+        moved = {await body_at(client, turn_body(warm[0], turns, 0)) for turns in range(1, 3)}
+    assert len(moved) == 1 and slow.port not in moved
+    assert route_of(client).by_id[f"{LOOPBACK}:{slow.port}"].slow
+
+
+async def test_a_model_rollouts_turns_follow_its_session_or_rollout_and_resources_servers_stay_exact(
+    replica_servers,
+) -> None:
+    """Without a readable prompt, a model call of a rollout is placed by two random choices and its later turns
+    follow it (its rollout id, or the model session the first answer opened: NeMo Gym's SimpleAgent sends that
+    cookie on every later turn). A resources server's route is not prefix-affine: the same prompt in its calls
+    changes nothing, rollouts are pinned by rendezvous as before."""
+    fleet = await replica_servers(3)
+    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    for n in range(8):
+        open_session(fleet, f"model-session-{n}")
+        first, cookies = await answered_at(client, "/v1/responses", {"query": n})
+        open_session(fleet, None)
+        assert {(await answered_at(client, "/v1/responses", {"query": n}, cookies))[0] for _ in range(3)} == {
+            first
+        }
+        with rollout_context(f"r-{n}"):
+            pinned = await body_at(client, {"query": n})
+            assert {await body_at(client, {"query": n}) for _ in range(3)} == {pinned}
+    resources = client_of(replicated_doc([replica.port for replica in fleet], "resources_servers"))
+    spread = set()
+    for n in range(24):
+        with rollout_context(f"rollout-{n}"):
+            spread.add(await body_at(resources, turn_body(1)))
+    assert len(spread) == 3  # one prompt, 24 rollouts: spread by their ids
+    assert not route_of(resources).affine
+
+
+# --- label selectors ---------------------------------------------------------------------------------------------
+
+
+def labelled(ports: list[int], versions: list[str]) -> StatusReport:
+    """The head's report of the server with these instances and `weights_version` labels."""
+    instances = tuple(
+        InstanceReport(f"{LOOPBACK}:{port}", f"http://{LOOPBACK}:{port}", "success", labels={"weights_version": v})
+        for port, v in zip(ports, versions, strict=True)
+    )
+    return StatusReport(NAME, "success", instances[0].url, instances=instances)
+
+
+async def test_labels_send_new_rollouts_to_matching_instances_while_pinned_ones_finish_where_they_are(
+    replica_servers,
+) -> None:
+    fleet = await replica_servers(4)
+    ports = [replica.port for replica in fleet]
+    client = client_of(replicated_doc(ports))
+    await call(client)
+    assert client._routing is not None
+    client._routing.apply_reports([labelled(ports, ["42", "42", "42", "42"])])
+    before = {}
+    for n in range(20):
+        with rollout_context(f"old-{n}"):
+            before[n] = await call(client)
+    client._routing.apply_reports([labelled(ports, ["42", "42", "43", "43"])])  # two refitted
+    client.require_labels(NAME, {"weights_version": "43"})
+    for n, port in before.items():
+        with rollout_context(f"old-{n}"):
+            assert await call(client) == port  # in flight: finishes where it is
+    new: collections.Counter[int] = collections.Counter()
+    for n in range(20):
+        with rollout_context(f"new-{n}"):
+            new[await call(client)] += 1
+    new.update([await call(client) for _ in range(20)])  # calls of no rollout too
+    assert set(new) == {ports[2], ports[3]}
+    client.require_labels(NAME, {"weights_version": "44"})
+    with pytest.raises(NoHealthyInstanceError) as raised:
+        await call(client)
+    message = str(raised.value)
+    assert f"server {NAME!r}" in message and "none matches the labels weights_version=44" in message
+    assert all(f"{LOOPBACK}:{port} success weights_version=" in message for port in ports)
+    assert isinstance(raised.value, ServerUnreachableError)
+    client.require_labels(NAME, None)
+    assert await call(client) in ports
+    with pytest.raises(ValueError, match="labels must map"):
+        client.require_labels(NAME, {"weights_version": 43})  # type: ignore[dict-item]
+
+
+async def test_no_healthy_instance_fails_at_once_naming_each_instances_last_status(replica_servers) -> None:
+    fleet = await replica_servers(2)
+    ports = [replica.port for replica in fleet]
+    client = client_of(replicated_doc(ports))
+    await call(client)
+    assert client._routing is not None
+    statuses: list[ServerStatus] = ["connection_error", "timeout"]
+    down = tuple(
+        InstanceReport(f"{LOOPBACK}:{port}", f"http://{LOOPBACK}:{port}", status)
+        for port, status in zip(ports, statuses, strict=True)
+    )
+    client._routing.apply_reports([StatusReport(NAME, "connection_error", down[0].url, instances=down)])
+    started = time.monotonic()
+    with pytest.raises(NoHealthyInstanceError) as raised:
+        await call(client)
+    assert time.monotonic() - started < 1.0  # no wait for a deadline nothing can meet
+    assert f"{LOOPBACK}:{ports[0]} connection_error; {LOOPBACK}:{ports[1]} timeout" in str(raised.value)
+    assert [fleet[0].calls, fleet[1].calls] == [1, 0] or [fleet[0].calls, fleet[1].calls] == [0, 1]
+
+
+# --- the seed API's meaning --------------------------------------------------------------------------------------
+
+
+async def test_resolve_base_url_is_the_rollouts_instance_else_a_healthy_one(replica_servers) -> None:
+    fleet = await replica_servers(3)
+    ports = [replica.port for replica in fleet]
+    client = client_of(replicated_doc(ports))
+    with rollout_context("r-1"):
+        port = await call(client)
+        assert await asyncio.to_thread(client._resolve_base_url, NAME) == f"http://{LOOPBACK}:{port}"
+    assert await asyncio.to_thread(client._resolve_base_url, NAME) in {f"http://{LOOPBACK}:{p}" for p in ports}
+    assert client._server_base_urls == {}  # the cache of one-instance servers only
+
+
+async def test_a_pickled_client_makes_its_own_routes_and_keeps_its_labels(replica_servers) -> None:
+    fleet = await replica_servers(2)
+    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    client.require_labels(NAME, {"weights_version": "1"})
+    restored: ServerClient = pickle.loads(pickle.dumps(client))
+    assert restored._endpoints.routing is None
+    assert restored._endpoints.selectors == {NAME: {"weights_version": "1"}}
+    with pytest.raises(NoHealthyInstanceError, match="weights_version=1"):
+        await call(restored)  # its routes carry the selector (no instance reports labels here)
+
+
+async def test_an_injected_config_client_never_asks_the_head_for_instances(replica_servers, monkeypatch) -> None:
+    """SECURITY.md: a client of an injected NEMO_GYM_CONFIG_DICT routes over its config's static replicas without
+    following the head; the head's port is a listening socket nobody accepts on, so any attempt to ask it would
+    leave a connection in its backlog. follow_instances() is the opt-in, and then it does connect."""
+    fleet = await replica_servers(2)
+    with socket.create_server((LOOPBACK, 0)) as head_listener:
+        head_listener.setblocking(False)
+        doc = replicated_doc([replica.port for replica in fleet])
+        doc["head_server"]["port"] = int(head_listener.getsockname()[1])
+        monkeypatch.setenv("NEMO_GYM_CONFIG_DICT", json.dumps(doc))
+        client = ServerClient.load_from_global_config()
+        assert {await call(client) for _ in range(20)} == {replica.port for replica in fleet}
+        await asyncio.to_thread(client._resolve_base_url, NAME)
+        with pytest.raises(BlockingIOError):
+            head_listener.accept()  # nothing ever connected to the head
+        client.follow_instances()
+        await eventually(lambda: _accepts(head_listener), within=10, every=0.005)  # the follower's channel knocks
+
+
+async def test_a_wildcard_server_registered_at_two_addresses_is_routed_over_both(
+    replica_servers, head_factory, monkeypatch
+) -> None:
+    """lookup_registered_servers() puts every instance the head lists into the client's routes: a wildcard-bound
+    server whose processes registered at two addresses is routed over both, never dialled at whichever row came
+    last, and is not cached in `_server_base_urls` (which only servers of one instance use)."""
+    fleet = await replica_servers(2)
+    head = await head_factory(document({NAME: server_entry(closed_port(), host="0.0.0.0")}))
+    control = ControlClient(head.address)
+    for pid, replica in enumerate(fleet, start=101):
+        await control.register_instance(NAME, listen_port=replica.port, listen_host=LOOPBACK, pid=pid)
+    monkeypatch.setenv(
+        "NEMO_GYM_CONFIG_DICT",
+        json.dumps({**head.config.document, "head_server": {"host": LOOPBACK, "port": head.port}}),
+    )
+    client = ServerClient.load_from_global_config()
+
+    found = await asyncio.to_thread(client.lookup_registered_servers)
+
+    assert found == {} and NAME not in client._server_base_urls
+    assert {await call(client) for _ in range(30)} == {replica.port for replica in fleet}
+
+
+def _accepts(listener: socket.socket) -> bool:
+    try:
+        connection, _ = listener.accept()
+    except BlockingIOError:
+        return False
+    connection.close()
+    return True
+
+
+async def drop_everything(listener: socket.socket) -> None:
+    """Accept each connection, read its request and reset it (a server killed mid-call), until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        connection, _ = await loop.sock_accept(listener)
+        with connection, contextlib.suppress(OSError):  # a client gone first must not end the loop
+            await loop.sock_recv(connection, 65536)
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+
+
+async def test_a_connection_reset_while_the_call_is_in_flight_moves_a_call_of_no_rollout(replica_servers) -> None:
+    """Killed mid-call: the call in flight is resent elsewhere (it was written, and the caller allows resends)."""
+    dropping = socket.socket()
+    dropping.bind((LOOPBACK, 0))
+    dropping.listen(8)
+    dropping.setblocking(False)
+    (healthy,) = await replica_servers(1)
+    client = client_of(replicated_doc([dropping.getsockname()[1], healthy.port]))
+
+    dropper = asyncio.create_task(drop_everything(dropping))
+    try:
+        answered = collections.Counter([await call(client) for _ in range(40)])
+    finally:
+        dropper.cancel()
+        dropping.close()
+    assert answered == {healthy.port: 40}
+
+
+# --- followed from a real head -----------------------------------------------------------------------------------
+
+
+async def test_the_heads_view_of_each_instance_reaches_the_client_within_a_second(
+    replica_servers, head_factory
+) -> None:
+    """The head probes every instance and pushes each change on its watch; the client follows it in the background
+    (no call asks the head) and stops calling an instance the head found dead before any call of its fails."""
+    fleet = await replica_servers(3)
+    ports = [replica.port for replica in fleet]
+    head = await head_factory(replicated_doc(ports), probe_interval_seconds=0.1)
+    client = await asyncio.to_thread(
+        ServerClient.load_from_global_config, BaseServerConfig(host=LOOPBACK, port=head.port)
+    )
+    await call(client)
+    route = route_of(client)
+    await eventually(
+        lambda: all(instance.status == "success" for instance in route.instances), within=5, every=0.005
+    )
+    gone = fleet[0]
+    await gone.stop()
+    waited_from = time.monotonic()
+    await eventually(lambda: route.by_id[f"{LOOPBACK}:{gone.port}"].down, within=10, every=0.005)
+    known_after = time.monotonic() - waited_from
+    assert known_after < 1.0 + 0.1 * 10  # the head's probe interval, then the push (generous on a loaded machine)
+    instance = route.by_id[f"{LOOPBACK}:{gone.port}"]
+    assert not instance.alive and instance.consecutive_failures == 0  # known from the head, not from failed calls
+    picks = instance.picks
+    answered = collections.Counter([await call(client) for _ in range(30)])
+    assert gone.port not in answered and instance.picks == picks
+    await gone.start(gone.port)  # back: the head's next probe says so, and calls go there again
+    await eventually(lambda: instance.alive, within=10, every=0.005)
+    assert gone.port in collections.Counter([await call(client) for _ in range(60)])
+
+
+# --- worker metrics ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["metered", "traced"])
+def test_worker_metrics_count_picks_calls_in_flight_ejections_and_repins_per_instance(mode: str) -> None:
+    """Metered calls (and traced ones: the span's way passes the failover on) fail over and are counted alike."""
+    scenario = script("replicas_metrics")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_OTEL_", "NEMO_LENS_"))}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    completed = subprocess.run(
+        [sys.executable, str(scenario), mode], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert completed.returncode == 0, completed.stderr
+    result = json.loads(next(line for line in completed.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    ports, found = result["ports"], result["metrics"]
+
+    def per_instance(name: str) -> dict[int, Any]:
+        return {
+            int(point["attributes"]["gym.server.instance.id"].rsplit(":", 1)[1]): point["value"]
+            for point in found[name]
+            if point["attributes"]["gym.server.name"] == NAME
+        }
+
+    picks = per_instance("gym.client.instance.picks")
+    assert picks[ports["refused"]] == 5  # five refused in a row eject it; each failed over
+    calls = result["calls"]["unpinned"] + result["calls"]["rollouts"]
+    assert picks[ports["first"]] + picks[ports["second"]] == calls  # every call answered by a live one
+    assert per_instance("gym.client.instance.ejections") == {
+        ports["first"]: 0,
+        ports["second"]: 0,
+        ports["refused"]: 1,
+    }
+    assert set(per_instance("gym.client.instance.active_requests").values()) == {0}
+    repins = {
+        point["attributes"]["gym.server.name"]: point["value"] for point in found["gym.client.rollout.repins"]
+    }
+    assert repins == {NAME: 0}  # the refused instance was ejected before any rollout began
+    if mode == "traced":
+        assert len(result["spans"]) == calls
+        assert {span.get("http.response.status_code") for span in result["spans"]} == {200}
