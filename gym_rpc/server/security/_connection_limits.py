@@ -52,6 +52,29 @@ ACCEPT_RETRY_SECONDS = 0.5  # pause after a failed accept (EMFILE, ENOBUFS) inst
 TARGET_SOFT_FD_LIMIT = 65536
 
 
+async def accept_within(
+    loop: asyncio.AbstractEventLoop,
+    listener: socket.socket,
+    slots: asyncio.Semaphore,
+    failures: RateLimitedLog,
+    failure: str,
+) -> tuple[socket.socket, Any]:
+    """The next connection on `listener` and its address, holding one of `slots` (the caller releases it when the
+    connection ends). At the bound it stops accepting: clients wait in the kernel's backlog. Out of descriptors or
+    buffers, it pauses and logs `failure` with the reason once in a while, instead of spinning."""
+    while True:
+        await slots.acquire()
+        try:
+            return await loop.sock_accept(listener)
+        except OSError as exc:
+            slots.release()
+            failures.log(f"{failure}: {exc.strerror or exc}")
+            await asyncio.sleep(ACCEPT_RETRY_SECONDS)
+        except BaseException:
+            slots.release()
+            raise
+
+
 def raise_fd_soft_limit(target: int = TARGET_SOFT_FD_LIMIT) -> int:
     """Raise the soft RLIMIT_NOFILE towards `target` (never above the hard limit); the soft limit in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -176,17 +199,9 @@ class BoundedListener:
     async def _accept(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await self._slots.acquire()  # at the bound, stop accepting: clients wait in the kernel's backlog
-            try:
-                connection, _ = await loop.sock_accept(listener)
-            except OSError as exc:  # out of descriptors or buffers: pause, and say so once in a while
-                self._slots.release()
-                self._accept_failures.log(f"HTTP head cannot accept a connection: {exc.strerror or exc}")
-                await asyncio.sleep(ACCEPT_RETRY_SECONDS)
-                continue
-            except BaseException:
-                self._slots.release()
-                raise
+            connection, _ = await accept_within(
+                loop, listener, self._slots, self._accept_failures, "HTTP head cannot accept a connection"
+            )
             # Set up apart from the accept loop: a TLS handshake waits on the client.
             setup = loop.create_task(self._set_up(connection), name="gym_rpc http connection")
             self._setups.add(setup)

@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 
 from gym_rpc._logging import RateLimitedLog
+from gym_rpc.server.security._connection_limits import accept_within
 from gym_rpc.server.security._watch_slots import client_key, peer_address
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,6 @@ RELAY_SOURCE = "127.77.0.1"  # the relay's upstream sockets come from here (a lo
 UPSTREAM_HOST = "127.0.0.1"  # grpc listens here, on a free port, behind the relay
 DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 1024  # a busy node: 256 processes with a channel or two each, far below
 DESCRIPTORS_PER_CONNECTION = 3  # the client's socket, the relay's upstream socket, grpc's accepted one
-ACCEPT_RETRY_SECONDS = 0.5  # pause after a failed accept (EMFILE, ENOBUFS) instead of spinning
 # A connection's entry outlives it this long: a call grpc read before the connection ended still finds its caller.
 FORGET_AFTER_SECONDS = 10.0
 STOP_SECONDS = 5.0  # stop() waits at most this long for closed connections to end
@@ -174,17 +174,9 @@ class GrpcRelay:
     async def _accept(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await self._slots.acquire()  # at the bound, stop accepting: clients wait in the kernel's backlog
-            try:
-                connection, address = await loop.sock_accept(listener)
-            except OSError as exc:  # out of descriptors or buffers: pause, and say so once in a while
-                self._slots.release()
-                self._failures.log(f"the gRPC port cannot accept a connection: {exc.strerror or exc}")
-                await asyncio.sleep(ACCEPT_RETRY_SECONDS)
-                continue
-            except BaseException:
-                self._slots.release()
-                raise
+            connection, address = await accept_within(
+                loop, listener, self._slots, self._failures, "the gRPC port cannot accept a connection"
+            )
             real = grpc_peer(address)
             client = client_key(peer_address(real))
             if self._per_client[client] >= self.max_per_address:
