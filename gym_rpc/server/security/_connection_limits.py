@@ -52,6 +52,31 @@ ACCEPT_RETRY_SECONDS = 0.5  # pause after a failed accept (EMFILE, ENOBUFS) inst
 TARGET_SOFT_FD_LIMIT = 65536
 
 
+def listening_sockets(host: str, port: int, backlog: int) -> list[socket.socket]:
+    """Non-blocking sockets listening on every address of `host`, the same port on each (port 0: the others take
+    the port the first one got); none is left open when one cannot be bound."""
+    listeners: list[socket.socket] = []
+    addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    for family, kind, proto, _, address in addresses:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc does; never SO_REUSEPORT
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and listeners:
+                address = (address[0], listeners[0].getsockname()[1], *address[2:])
+            sock.bind(address)
+            sock.listen(backlog)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            for listener in listeners:
+                listener.close()
+            raise
+        listeners.append(sock)
+    return listeners
+
+
 async def accept_within(
     loop: asyncio.AbstractEventLoop,
     listener: socket.socket,
@@ -140,23 +165,7 @@ class BoundedListener:
 
     def listen(self, host: str, port: int) -> int:
         """Bind and listen on every address of `host` (the same port on each); the port bound."""
-        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        for family, kind, proto, _, address in addresses:
-            sock = socket.socket(family, kind, proto)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6:
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                if port == 0 and self._listeners:  # port 0: the others take the port the first one got
-                    address = (address[0], self._listeners[0].getsockname()[1], *address[2:])
-                sock.bind(address)
-                sock.listen(self.max_connections)
-                sock.setblocking(False)
-            except OSError:
-                sock.close()
-                self.close()
-                raise
-            self._listeners.append(sock)
+        self._listeners = listening_sockets(host, port, self.max_connections)
         return int(self._listeners[0].getsockname()[1])
 
     def start(self, runner: web.AppRunner) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 import grpc
 
 from gym_rpc._logging import RateLimitedLog
-from gym_rpc.server.security._connection_limits import accept_within
+from gym_rpc.server.security._connection_limits import accept_within, listening_sockets
 from gym_rpc.server.security._watch_slots import client_key, peer_address
 
 logger = logging.getLogger(__name__)
@@ -122,23 +122,7 @@ class GrpcRelay:
 
     def listen(self, host: str, port: int) -> int:
         """Bind and listen on every address of `host` (the same port on each); the port bound."""
-        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        for family, kind, proto, _, address in addresses:
-            sock = socket.socket(family, kind, proto)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc does; never SO_REUSEPORT
-                if family == socket.AF_INET6:
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                if port == 0 and self._listeners:  # port 0: the others take the port the first one got
-                    address = (address[0], self._listeners[0].getsockname()[1], *address[2:])
-                sock.bind(address)
-                sock.listen(min(socket.SOMAXCONN, 4096))
-                sock.setblocking(False)
-            except OSError:
-                sock.close()
-                self.close()
-                raise
-            self._listeners.append(sock)
+        self._listeners = listening_sockets(host, port, min(socket.SOMAXCONN, 4096))
         return int(self._listeners[0].getsockname()[1])
 
     def start(self, upstream_port: int) -> None:
