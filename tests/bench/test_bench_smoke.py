@@ -50,6 +50,20 @@ def test_quick_benches_print_their_tables_and_write_their_reports(tmp_path: Path
         check_scale_report(finished(tmp_path, "bench.scale", runs["bench.scale"])[1])
 
 
+@pytest.mark.timeout(180 + 30)  # `finished`'s hang guard
+def test_the_restart_bench_runs_its_three_runs_and_reports_them(tmp_path: Path) -> None:
+    """`python -m bench.restart --quick`: a head killed -9 and restarted with and without its file, and the
+    followed of two heads killed, each with rollouts in flight: each run has its row (its figures mean nothing)."""
+    with quick_runs(tmp_path, "bench.restart") as runs:
+        stdout, report = finished(tmp_path, "bench.restart", runs["bench.restart"])
+    for run in (
+        "restart, registrations file kept",
+        "restart, registrations file deleted",
+        "failover: the followed of two heads killed",
+    ):
+        assert f"| {run} | " in report and f"| {run} | " in stdout, run
+
+
 def check_ratio_table(stdout: str, report: str) -> None:
     table = [line for line in stdout.splitlines() if line.startswith("| ")]
     assert table[0] == "| area | measure | gym_rpc | baseline (same run) | ratio | goal | met |"
@@ -104,8 +118,16 @@ def check_ratio_table(stdout: str, report: str) -> None:
 def check_scale_report(report: str) -> None:
     """Every section is written with its rows, and the probes through the head stay within one per freshness
     window."""
-    for heading in ("## Servers N", "## Config at N = 6", "## Watchers W", "## Pollers P", "## Goals"):
+    for heading in (
+        "## Servers N",
+        "## Config at N = 6",
+        "## Watchers W",
+        "## Pollers P",
+        "## Goals",
+        "## Watchers at fleet size",
+    ):
         assert heading in report, heading
+    assert "| 8 | gym_rpc head | " in report and "| 8 | bare grpc.aio | " in report  # the fleet rows
     for row in ("| 3 | ", "| 6 | ", "| whole document | ", "| `known_version` = current"):
         assert row in report, row
     assert "| probes received per window <= 1, whatever P | " in report
