@@ -32,7 +32,14 @@ SELECTED_FILES = frozenset(
         "test_server_client.py",
         "test_nemo_gym_behaviours.py",
         "test_registration_hosts.py",
-        "test_exact_behaviour.py",
+        "test_config_messages.py",
+        "test_path_prefixes.py",
+        "test_prober_rounds.py",
+        "test_probes.py",
+        "test_resend_steps.py",
+        "test_sessions.py",
+        "test_token_check.py",
+        "test_watch_resume.py",
         "test_resend_budgets.py",
     }
 )
