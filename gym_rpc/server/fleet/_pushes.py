@@ -8,10 +8,10 @@ the last one `quiet_seconds` after the storm ends, and every watcher waiting on 
 same message (gym_rpc.server.fleet._watch_feed builds and encodes it once).
 
 The prober tells `Pushes` of every revision it makes (`changed`, in its event loop, synchronously); watchers wait
-on `wake` (or `wait`) and read `revision`, the last revision pushed. A push wakes every waiting watcher, and
-watchers that also look again every so often (heartbeats, engine loads) share one timer per period: a waiting
-watcher costs one future, no timer, task or callback of its own. Timers are the loop's own
-(`call_later`), so nothing is left running when the loop ends.
+on `wake` and read `revision`, the last revision pushed. A push wakes every waiting watcher, and watchers that also
+look again every so often (heartbeats, engine loads) share one timer per period: a waiting watcher costs one
+future, no timer, task or callback of its own. Timers are the loop's own (`call_later`), so nothing is left running
+when the loop ends.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ class Pushes:
         self._first_held = 0.0  # when the oldest change not pushed yet came
         self._last_change = 0.0
         self._timer: asyncio.TimerHandle | None = None
-        self._next: asyncio.Future[None] | None = None  # made by the first waiter, in its running loop
         self._wakes: dict[float, list[asyncio.Future[bool]]] = {}  # period -> its watchers' futures (`wake`)
 
     def changed(self) -> None:
@@ -81,9 +80,6 @@ class Pushes:
             return
         self.revision = revision
         self.pushed += 1
-        waiting, self._next = self._next, None
-        if waiting is not None and not waiting.done():
-            waiting.set_result(None)
         wakes, self._wakes = self._wakes, {}
         for waiters in wakes.values():
             for waiter in waiters:
@@ -109,19 +105,6 @@ class Pushes:
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(False)
-
-    async def wait(self, after_revision: int, timeout: float) -> bool:
-        """Wait until a push passes `after_revision`; False when `timeout` ran out first."""
-        deadline = time.monotonic() + timeout
-        while self.revision <= after_revision:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            # Every watcher waits on the one future of the next push: no task or event waiter per watcher.
-            if self._next is None:
-                self._next = asyncio.get_running_loop().create_future()
-            await asyncio.wait((self._next,), timeout=remaining)
-        return True
 
     def close(self) -> None:
         """Push what is held now and stop the timer (the head stops)."""
