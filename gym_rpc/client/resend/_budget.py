@@ -106,20 +106,15 @@ class ResendBudget:
     async def acquire(self, server_name: str, budget: ClientBudget, wait_seconds: float) -> bool:
         """Take a slot of `server_name`'s, waiting at most `wait_seconds` for one (first come, first served among
         that server's calls); False if none came."""
-        loop = asyncio.get_running_loop()
         with self._lock:
             pool = self._pools.get(server_name)
             if pool is None:
                 pool = self._pools[server_name] = _Pool()
-            waiters = pool.waiters
-            while waiters and waiters[0].abandoned:
-                waiters.popleft()
-            if not waiters and pool.held < budget.slots(self._attempts_in_flight()):
+            if _nobody_waits(pool.waiters) and pool.held < budget.slots(self._attempts_in_flight()):
                 pool.held += 1
                 self.held += 1
                 return True
-            waiter = _Waiter(loop, loop.create_future(), budget)
-            waiters.append(waiter)
+            waiter = _queued(pool.waiters, budget)
             pool.waiting += 1
             self.waiting += 1
 
@@ -185,16 +180,11 @@ class ConcurrencyCap:
 
     async def acquire(self, wait_seconds: float | None) -> bool:
         """Take a place, waiting at most `wait_seconds` (None: as long as it takes) for one; False if none came."""
-        loop = asyncio.get_running_loop()
         with self._lock:
-            waiters = self._waiters
-            while waiters and waiters[0].abandoned:
-                waiters.popleft()
-            if not waiters and self.in_flight < self.limit:
+            if _nobody_waits(self._waiters) and self.in_flight < self.limit:
                 self.in_flight += 1
                 return True
-            waiter = _Waiter(loop, loop.create_future(), None)
-            waiters.append(waiter)
+            waiter = _queued(self._waiters, None)
             self.waiting += 1
             self.queued += 1
         return await _granted(waiter, wait_seconds, self._lock, self._withdraw, self.release)
@@ -214,6 +204,22 @@ class ConcurrencyCap:
                 self.waiting -= 1
                 if _handed_over(waiter):
                     self.in_flight += 1
+
+
+def _nobody_waits(waiters: deque[_Waiter]) -> bool:
+    """Whether a newcomer may take a free slot or place, first come first served: no waiter is left in `waiters`
+    (under the lock; the abandoned ones at its head are dropped)."""
+    while waiters and waiters[0].abandoned:
+        waiters.popleft()
+    return not waiters
+
+
+def _queued(waiters: deque[_Waiter], budget: ClientBudget | None) -> _Waiter:
+    """A new waiter at the end of `waiters` (under the lock), to be woken in its own event loop."""
+    loop = asyncio.get_running_loop()
+    waiter = _Waiter(loop, loop.create_future(), budget)
+    waiters.append(waiter)
+    return waiter
 
 
 async def _granted(
