@@ -34,9 +34,12 @@ from opentelemetry.context import Context
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.propagators.textmap import TextMapPropagator
 
-from gym_rpc.client.resend import Call, CallObserver
+from gym_rpc.client.data._call_metrics import metered_call
+from gym_rpc.client.data._http import Call
+from gym_rpc.client.resend import CallObserver
 from gym_rpc.client.tracing import known_headers, remember_headers, session_instrumented
 from gym_rpc.client.tracing import request_context as instrumentation_request_context
+from gym_rpc.metrics import METRICS
 from gym_rpc.telemetry import (
     ROLLOUT_ID_ATTRIBUTE,
     SERVER_ADDRESS,
@@ -51,6 +54,7 @@ from gym_rpc.telemetry import (
     span_name,
     tracer,
 )
+from gym_rpc.telemetry import TRACING as TRACES  # the switch (TRACING below: the kind its failures log under)
 from gym_rpc.wire import TRACEPARENT_HEADER
 
 if TYPE_CHECKING:
@@ -119,6 +123,18 @@ def trace_context_headers(
         carried = trace.set_span_in_context(trace.NonRecordingSpan(span_context), current)
         textmap.inject(headers, context=carried)
     return headers
+
+
+def observer_for(call: Call, base_url: str) -> CallObserver | None:
+    """`call`'s observer, chosen here alone (to be sent at once: it is counted in flight and its span started
+    here): the worker metrics' (while `METRICS.enabled`), then its span (while `TRACING.enabled`), both told from
+    inside `send`; None when neither observes it. `base_url` is the server's (or its instance's), for the span.
+    A replicated server's route is told by its routed send (gym_rpc.client.data._routed_send), after them."""
+    metered = metered_call(call.server, call.method) if METRICS.enabled else None
+    span = call_span(call, base_url) if TRACES.enabled else None
+    if span is None:
+        return metered
+    return span if metered is None else ObserverPair(metered, span)
 
 
 def call_span(call: Call, base_url: str) -> CallObserver | None:

@@ -28,10 +28,10 @@ from gym_rpc.client.data._http_settings import HttpClientSettings
 from gym_rpc.client.resend import (
     BACKPRESSURE_STATUSES,
     Backpressure,
-    Call,
     CallCount,
     CallObserver,
     Reroute,
+    RetryPolicy,
     new_call_count,
     resend_after_failure,
 )
@@ -41,6 +41,9 @@ from gym_rpc.telemetry import instrumentation_failed
 
 if TYPE_CHECKING:
     pass
+
+if TYPE_CHECKING:
+    from aiohttp.client import _RequestOptions
 
 __all__ = [
     "Call",
@@ -182,6 +185,57 @@ async def close_http_sessions() -> None:
         per_loop = _sessions_by_loop.pop(asyncio.get_running_loop(), {})
     for sessions in per_loop.values():
         await sessions.close()
+
+
+class Call:
+    """One call: where it goes (`session`, `method`, `url`, aiohttp's `kwargs`), to which server and rollout (its
+    key, once worked out, or None), its budgets (`retry`) and whether a request that may have been written may
+    go out again (`resend`), who is told how it goes (`observer`) and, for a replicated server, where each resend
+    goes (`reroute`). `started` is the start of its deadline (time.monotonic), set when its first attempt goes
+    out."""
+
+    __slots__ = (
+        "kwargs",
+        "method",
+        "observer",
+        "reroute",
+        "resend",
+        "retry",
+        "rollout",
+        "server",
+        "session",
+        "started",
+        "url",
+    )
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        method: str,
+        url: str,
+        kwargs: _RequestOptions,
+        retry: RetryPolicy,
+        *,
+        server: str = "",
+        resend: bool = True,
+        rollout: str | None = None,
+        observer: CallObserver | None = None,
+        reroute: Reroute | None = None,
+    ) -> None:
+        self.session = session
+        self.method = method
+        self.url = url
+        self.kwargs = kwargs
+        self.retry = retry
+        self.server = server
+        self.resend = resend
+        self.rollout = rollout
+        self.observer = observer
+        self.reroute = reroute
+        self.started = 0.0
+
+    def __repr__(self) -> str:
+        return f"<Call {self.method} {self.url} to {self.server or '?'}>"
 
 
 async def send(call: Call) -> aiohttp.ClientResponse:

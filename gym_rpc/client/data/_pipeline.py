@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Protocol
 from pydantic import BaseModel
 
 from gym_rpc.client.data._call_paths import call_rollout, path_rule
-from gym_rpc.client.data._http import json_payload, send
-from gym_rpc.client.data._observers import observer_for
+from gym_rpc.client.data._call_spans import observer_for
+from gym_rpc.client.data._http import Call, json_payload, send
 from gym_rpc.client.data._routed_send import send_routed, sticky_keys
-from gym_rpc.client.resend import BACKPRESSURE_STATUSES, Backpressure, Call, resend_after_failure
+from gym_rpc.client.resend import BACKPRESSURE_STATUSES, Backpressure, resend_after_failure
 from gym_rpc.metrics import METRICS
 from gym_rpc.telemetry import TRACING
 
@@ -72,7 +72,7 @@ class DataPlane:
         """`request`, `post` and `get`: where the call goes (a cached URL, or the server's route), its body, its
         rollout key (worked out once, when something reads it: the path rule, the route, the span), its path,
         then one `Call` through `send` (or the routed send), its observers chosen in one place
-        (gym_rpc.client.data._observers).
+        (gym_rpc.client.data._call_spans.observer_for).
 
         What a call keeps alive while it waits is what the collector pays for at thousands in flight (bench/
         allocations.py): after the first call `client.post(...)` and `client.get(...)` are this coroutine itself

@@ -6,19 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from time import monotonic
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
-from gym_rpc.client.data._http import send
-from gym_rpc.client.data._observers import observer_for
+from gym_rpc.client.data._call_spans import observer_for
+from gym_rpc.client.data._http import Call, send
 from gym_rpc.client.nemo_gym import rollout_id_from_run_body
 from gym_rpc.client.replicas import RoutedCall, ServerRoute, prompt_key, session_pin_key
 from gym_rpc.client.resend import with_total
 from gym_rpc.errors import RequestTimeoutError
-
-if TYPE_CHECKING:
-    from gym_rpc.client.resend import Call
 
 # What a call to a replicated server sticks by: its rollout, its NeMo Gym session, its prompt's number.
 StickyKeys = tuple[str | None, str | None, int | None]
@@ -47,7 +44,7 @@ async def send_routed(call: Call, route: ServerRoute, keys: StickyKeys, url_path
     """`call` to a server with a route (several instances, labels, or a cap on calls in flight): it takes a place
     under the cap (waiting within its deadline), picks an instance, counts in flight there, moves on a refused
     connection or a busy answer (the resend loop asks the routed call's `reroute`), and tells the route how it
-    ended. Its observers are chosen once its instance is known (gym_rpc.client.data._observers)."""
+    ended. Its observers are chosen once its instance is known (gym_rpc.client.data._call_spans.observer_for)."""
     started = monotonic()
     kwargs = call.kwargs
     given = kwargs.get("timeout")

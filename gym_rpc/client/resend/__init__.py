@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from gym_rpc.client.resend._policy import FailureKind as FailureKind
     from gym_rpc.client.resend._policy import KindBudget as KindBudget
     from gym_rpc.client.resend._policy import RetryPolicy as RetryPolicy
-    from gym_rpc.client.resend._resend import Call as Call
     from gym_rpc.client.resend._resend import CallObserver as CallObserver
     from gym_rpc.client.resend._resend import Reroute as Reroute
+    from gym_rpc.client.resend._resend import ResentCall as ResentCall
     from gym_rpc.client.resend._resend import resend_after_failure as resend_after_failure
     from gym_rpc.client.resend._resend import with_total as with_total
 
@@ -29,6 +29,6 @@ __getattr__ = lazy_modules(
         "_budget": "CallCount ConcurrencyCap new_call_count",
         "_failures": "Backpressure",
         "_policy": "BACKPRESSURE_STATUSES ClientBudget FailureKind KindBudget RetryPolicy",
-        "_resend": "Call CallObserver Reroute resend_after_failure with_total",
+        "_resend": "CallObserver Reroute ResentCall resend_after_failure with_total",
     },
 )

@@ -1,5 +1,5 @@
 """The failure path of a data-plane call: `send` (gym_rpc.client.data._http) hands its first failed attempt here,
-with the call itself (`Call`: one object per call, as `send` and this loop read it).
+with the call itself (what it reads of it: `ResentCall`).
 
 Each failure is classified (gym_rpc.client.resend._failures) and resent while its kind's budget (`RetryPolicy`)
 allows, after a jittered exponential pause, with one of its server's resend slots (gym_rpc.client.resend._budget)
@@ -65,58 +65,24 @@ class CallObserver(Protocol):
     def failed(self, error: BaseException, attempts: int) -> None: ...
 
 
-class Call:
-    """One call: where it goes (`session`, `method`, `url`, aiohttp's `kwargs`), to which server and rollout (its
-    key, once worked out, or None), its budgets (`retry`) and whether a request that may have been written may
-    go out again (`resend`), who is told how it goes (`observer`) and, for a replicated server, where each resend
-    goes (`reroute`). `started` is the start of its deadline (time.monotonic), set when its first attempt goes
-    out."""
+class ResentCall(Protocol):
+    """What the resend loop reads of a call (gym_rpc.client.data's `Call`, one object per call): where it goes,
+    its budgets, whether what may have been written may go out again, its observer and reroute, and `started`,
+    the start of its deadline (time.monotonic)."""
 
-    __slots__ = (
-        "kwargs",
-        "method",
-        "observer",
-        "reroute",
-        "resend",
-        "retry",
-        "rollout",
-        "server",
-        "session",
-        "started",
-        "url",
-    )
-
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        method: str,
-        url: str,
-        kwargs: _RequestOptions,
-        retry: RetryPolicy,
-        *,
-        server: str = "",
-        resend: bool = True,
-        rollout: str | None = None,
-        observer: CallObserver | None = None,
-        reroute: Reroute | None = None,
-    ) -> None:
-        self.session = session
-        self.method = method
-        self.url = url
-        self.kwargs = kwargs
-        self.retry = retry
-        self.server = server
-        self.resend = resend
-        self.rollout = rollout
-        self.observer = observer
-        self.reroute = reroute
-        self.started = 0.0
-
-    def __repr__(self) -> str:
-        return f"<Call {self.method} {self.url} to {self.server or '?'}>"
+    session: aiohttp.ClientSession
+    method: str
+    url: str
+    kwargs: _RequestOptions
+    retry: RetryPolicy
+    server: str
+    resend: bool
+    observer: CallObserver | None
+    reroute: Reroute | None
+    started: float
 
 
-async def resend_after_failure(call: Call, error: BaseException) -> aiohttp.ClientResponse:
+async def resend_after_failure(call: ResentCall, error: BaseException) -> aiohttp.ClientResponse:
     """Resend `call`, whose first attempt (started at `call.started`) failed with `error` (a `Backpressure` for an
     answer of 429 or 503): its answer, or the error it ends with (told to its observer either way). A 429 or 503
     that may not be resent (its budget, the deadline, the client's budget) is the answer."""
@@ -196,7 +162,7 @@ def _answer(
 class _FailingCall:
     """A call's failures so far, per kind, and what its next attempt may be."""
 
-    def __init__(self, call: Call) -> None:
+    def __init__(self, call: ResentCall) -> None:
         self.method, self.url, self.retry, self.kwargs, self.server_name = (
             call.method, call.url, call.retry, call.kwargs, call.server,
         )  # fmt: skip

@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from gym_rpc.client.data import _call_metrics as client_metrics
-from gym_rpc.client.data._call_spans import ObserverPair, call_span
+from gym_rpc.client.data._call_spans import ObserverPair, call_span, observer_for
 from gym_rpc.client.data._http import (
     Call,
     LoopSessions,
@@ -27,7 +27,6 @@ from gym_rpc.client.data._http import (
     send,
 )
 from gym_rpc.client.data._http_settings import HttpClientSettings
-from gym_rpc.client.data._observers import observer_for
 from gym_rpc.client.resend._policy import RetryPolicy
 from gym_rpc.client.tracing._aiohttp_instrumentation import _ATTRIBUTES_KEY, _add_attributes
 from gym_rpc.config import (

@@ -21,9 +21,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from gym_rpc.client import rollout_context
 from gym_rpc.client.data import _call_spans as _http_tracing
-from gym_rpc.client.data._call_spans import is_default_propagator
+from gym_rpc.client.data._call_spans import is_default_propagator, observer_for
 from gym_rpc.client.data._http import Call, send
-from gym_rpc.client.data._observers import observer_for
 from gym_rpc.client.resend._policy import RetryPolicy
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.errors import ServerUnreachableError

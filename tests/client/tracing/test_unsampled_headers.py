@@ -17,7 +17,8 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 
 from gym_rpc.client import rollout_context
 from gym_rpc.client.data._call_spans import call_span
-from gym_rpc.client.resend import Call, RetryPolicy
+from gym_rpc.client.data._http import Call
+from gym_rpc.client.resend import RetryPolicy
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.client.tracing import _unsampled_headers
 from gym_rpc.client.tracing._unsampled_headers import known_headers
