@@ -50,10 +50,14 @@ async def read_until(
 
 
 async def wait_for_status(head: HeadServer, name: str, status: ServerStatus, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while head.prober.report(name).status != status:
-        assert time.monotonic() < deadline, f"{name} never became {status}: {head.prober.report(name)}"
-        await asyncio.sleep(0.02)
+    """Until the head's own cache reports `name` with `status` (bounded)."""
+    await eventually(
+        lambda: head.prober.report(name),
+        lambda report: report.status == status,
+        within=timeout,
+        what=f"{name} {status}",
+        every=0.02,
+    )
 
 
 def raw_stub(head: HeadServer) -> pb_grpc.ControlPlaneServiceAsyncStub:
@@ -85,11 +89,7 @@ async def wait_for_report(
     head: HeadServer, holds: Callable[[StatusReport], bool], what: str, timeout: float = 10.0
 ) -> StatusReport:
     """The head's report of `policy` once `holds` accepts it (bounded)."""
-    deadline = time.monotonic() + timeout
-    while not holds(report := head.prober.report("policy")):
-        assert time.monotonic() < deadline, f"never {what}: {report}"
-        await asyncio.sleep(0.02)
-    return report
+    return await eventually(lambda: head.prober.report("policy"), holds, within=timeout, what=what, every=0.02)
 
 
 async def health_of(head: HeadServer, service: str) -> int:

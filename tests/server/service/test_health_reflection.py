@@ -17,6 +17,7 @@ from gym_rpc.v1 import control_plane_pb2 as pb
 from tests.support.documents import document, server_entry
 from tests.support.loopback import closed_port
 from tests.support.servers import start_stoppable_server
+from tests.support.waiting import eventually
 
 SERVICE = "gym_rpc.v1.ControlPlaneService"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -46,10 +47,13 @@ async def check(stub: health_pb2_grpc.HealthStub, service: str) -> int:
 async def wait_for_health(
     stub: health_pb2_grpc.HealthStub, service: str, status: int, timeout: float = 5.0
 ) -> None:
-    deadline = time.monotonic() + timeout
-    while (current := await check(stub, service)) != status:
-        assert time.monotonic() < deadline, f"{service!r} stayed {current}, wanted {status}"
-        await asyncio.sleep(0.02)
+    await eventually(
+        lambda: check(stub, service),
+        lambda current: current == status,
+        within=timeout,
+        what=f"{service!r} {status}",
+        every=0.02,
+    )
 
 
 async def read_until_status(
