@@ -137,7 +137,10 @@ async def head_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
     async def start(doc: dict[str, Any], **options: Any) -> HeadServer:
         path = tmp_path / f"config{len(heads)}.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True), encoding="utf-8")
-        options = {"port": 0, "probe_interval_seconds": 0.1, "probe_timeout_seconds": 0.5, **options}
+        # Probes of 5 s: the head shares the test's event loop with the servers it probes, and on a loaded machine
+        # a stall of the loop past 0.5 s (the old default) reported live servers as timed out. A test of the
+        # timeout itself sets its own (or bounds the probe by its call's deadline).
+        options = {"port": 0, "probe_interval_seconds": 0.1, "probe_timeout_seconds": 5.0, **options}
         head = HeadServer(GlobalConfig.from_document(doc), HeadOptions(**options), config_path=path)
         await head.start()
         heads.append(head)

@@ -113,6 +113,7 @@ class GrpcRelay:
         self._upstream: tuple[str, int] = (UPSTREAM_HOST, 0)
         self._refusals = RateLimitedLog(logger)
         self._failures = RateLimitedLog(logger)
+        self.accepted = 0  # connections taken from the listen backlog, refused ones included
         self.refused = 0  # connections closed for their address's bound
         self._drained: asyncio.Event | None = None  # set when the last pair ends, while stopping
 
@@ -161,6 +162,7 @@ class GrpcRelay:
             connection, address = await accept_within(
                 loop, listener, self._slots, self._failures, "the gRPC port cannot accept a connection"
             )
+            self.accepted += 1
             real = grpc_peer(address)
             client = client_key(peer_address(real))
             if self._per_client[client] >= self.max_per_address:
