@@ -4,12 +4,16 @@ reaches nothing outside; `needs_namespace` skips them where unprivileged namespa
 from __future__ import annotations
 
 import fcntl
+import os
 import shutil
 import socket
 import struct
 import subprocess
+import sys
 
 import pytest
+
+from tests.support import REPO_ROOT
 
 
 def _namespaces_allowed() -> bool:
@@ -34,3 +38,29 @@ def add_address(name: bytes, ip: str) -> None:
     with socket.socket() as s:  # SIOCSIFADDR
         address = struct.pack("HH4s8x", socket.AF_INET, 0, socket.inet_aton(ip))
         fcntl.ioctl(s, 0x8916, struct.pack("16s16s", name, address))
+
+
+def pytest_in_namespace(test_id: str, marker: str) -> None:
+    """Run one test (`file::name`) with pytest in a network namespace of its own, `marker`=1 in its environment
+    (the test reads it to know it is inside); fails with its output unless it passed."""
+    done = subprocess.run(
+        [
+            "unshare",
+            "-rn",
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:randomly",
+            "-p",
+            "no:cacheprovider",
+            test_id,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, marker: "1"},
+        cwd=REPO_ROOT,
+    )
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]

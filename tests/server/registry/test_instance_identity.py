@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -31,11 +29,10 @@ from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig
 from gym_rpc.errors import ControlPlaneError, NoHealthyInstanceError
-from tests.support import REPO_ROOT
 from tests.support.cli import run_cli
 from tests.support.documents import document, server_entry
 from tests.support.loopback import LOOPBACK
-from tests.support.namespaces import add_address, interface_up, needs_namespace
+from tests.support.namespaces import add_address, interface_up, needs_namespace, pytest_in_namespace
 
 IN_NAMESPACE = "GYM_RPC_TEST_IN_NETNS"
 NODE = "10.43.0.1"  # the namespace's "other machine": an address of its loopback interface
@@ -45,27 +42,7 @@ ATTACKER_PID = 999
 @needs_namespace
 def test_an_instance_is_held_only_from_its_own_address() -> None:
     """Runs the attack below inside a network namespace of its own."""
-    done = subprocess.run(
-        [
-            "unshare",
-            "-rn",
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:randomly",
-            "-p",
-            "no:cacheprovider",
-            f"{__file__}::test_a_takeover_from_another_address_is_refused_and_logged",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, IN_NAMESPACE: "1"},
-        cwd=REPO_ROOT,
-    )
-    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+    pytest_in_namespace(f"{__file__}::test_a_takeover_from_another_address_is_refused_and_logged", IN_NAMESPACE)
 
 
 async def _answer(request: web.Request) -> web.Response:

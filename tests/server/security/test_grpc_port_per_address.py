@@ -26,10 +26,9 @@ from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.client.control._credentials import client_security
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError
 from gym_rpc.server.security._grpc_relay import PeerMap, per_address_bound
-from tests.support import REPO_ROOT
 from tests.support.documents import document, server_entry
 from tests.support.loopback import LOOPBACK, closed_port
-from tests.support.namespaces import add_address, interface_up, needs_namespace
+from tests.support.namespaces import add_address, interface_up, needs_namespace, pytest_in_namespace
 from tests.support.security import make_pki, tls_block
 
 IN_NAMESPACE = "GYM_RPC_TEST_PER_ADDRESS_NETNS"
@@ -43,27 +42,7 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("00000004000000000
 @needs_namespace
 def test_a_flood_of_idle_connections_from_one_address_leaves_room_for_others() -> None:
     """Runs the flood below inside a network namespace of its own."""
-    done = subprocess.run(
-        [
-            "unshare",
-            "-rn",
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:randomly",
-            "-p",
-            "no:cacheprovider",
-            f"{__file__}::test_the_flood_inside_a_namespace",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, IN_NAMESPACE: "1"},
-        cwd=REPO_ROOT,
-    )
-    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+    pytest_in_namespace(f"{__file__}::test_the_flood_inside_a_namespace", IN_NAMESPACE)
 
 
 def _flood(port: int) -> list[socket.socket]:
