@@ -13,13 +13,19 @@ start again there (their state died with it), and every rollout still ends with 
 
 On a Ray cluster, set RAY_ADDRESS (or pass --ray-address) and run the same file on the head node; the replicas
 then register the addresses their nodes are reached at.
+
+Without an address, ray.init starts a local Ray from this process, which already serves a head and follows it:
+gRPC's fork support is turned off first (docs/multi-host.md says why), before anything imports grpc.
 """
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # before the imports below, which load grpc
+
 import argparse
 import asyncio
-import os
 import socket
 import threading
 import time

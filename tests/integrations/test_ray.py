@@ -3,7 +3,10 @@ rollouts through pickled clients to a live data server.
 
 Ray runs on this machine only: a local cluster with two CPUs, no dashboard, no usage stats, a small object store,
 and the node address pinned to loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray take 127.0.0.1 as the
-node IP instead of the address of the machine's network interface).
+node IP instead of the address of the machine's network interface). Its files go to a directory of the test's own
+(RAY_TMPDIR), whose logs a failure shows. ray.init forks Ray's GCS and raylet from this process, beside the head
+serving in the test's loop: tests/__init__.py turns gRPC's fork support off, whose post-fork handler killed the
+forked GCS before its exec in about one start in five (then ray.init waited for a port file that never came).
 """
 
 from __future__ import annotations
@@ -14,9 +17,14 @@ import importlib.util
 import multiprocessing
 import os
 import pickle
+import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -40,9 +48,8 @@ RAY_TIME_BUDGET = 120  # starting Ray and three actor processes on a loaded 2-co
 RAY_ENVIRONMENT = {
     "RAY_USAGE_STATS_ENABLED": "0",  # no usage report
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # "no cluster": node IP 127.0.0.1, not the interface's address
-    # Ray's own wait for its GCS to start (default 30 s) ran out with the suite beside it on two cores
-    "RAY_gcs_server_port_wait_time_s": "120",
 }
+RAY_LOG_LINES = 40  # the last lines of each of Ray's logs that a failure shows
 
 
 class Recorder:
@@ -171,8 +178,45 @@ def load_example() -> ModuleType:
     return module
 
 
+def ray_logs(ray_dir: Path) -> str:
+    """What Ray wrote under `ray_dir` (its RAY_TMPDIR): each session's log files, with the end of the GCS's, the
+    raylet's and every non-empty .err."""
+    sessions = sorted(ray_dir.glob("ray/session_2*"))
+    if not sessions:
+        return f"Ray made no session under {ray_dir}\n"
+    lines = []
+    for session in sessions:
+        logs = sorted(path for path in (session / "logs").iterdir() if path.is_file())
+        lines.append(f"--- Ray session {session}: {len(logs)} log files")
+        if not any(path.name.startswith("gcs_server") for path in logs):
+            lines.append("no gcs_server log: the GCS never started logging (killed before its exec, or at once)")
+        for path in logs:
+            shown = path.name.startswith(("gcs_server", "raylet")) or path.suffix == ".err"
+            text = path.read_text(encoding="utf-8", errors="replace").splitlines() if shown else []
+            lines.append(f"--- {path.name}: {path.stat().st_size} bytes{', ends:' if text else ''}")
+            lines.extend(text[-RAY_LOG_LINES:])
+    return "\n".join(lines) + "\n"
+
+
+@contextmanager
+def ray_files(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A directory of this test's own for Ray's sessions and logs (RAY_TMPDIR: short, as Ray's socket paths must
+    be). On a failure Ray's logs go to stderr (pytest shows them with it) and the directory stays, else it goes."""
+    ray_dir = Path(tempfile.mkdtemp(prefix="gym-rpc-ray-"))
+    monkeypatch.setenv("RAY_TMPDIR", str(ray_dir))
+    try:
+        yield ray_dir
+    except BaseException:
+        sys.stderr.write(ray_logs(ray_dir) + f"Ray's files are kept in {ray_dir}\n")
+        raise
+    shutil.rmtree(ray_dir, ignore_errors=True)
+
+
 def start_local_ray(ray: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A local Ray on loopback: no dashboard, no usage stats, a small object store, workers that import tests."""
+    # ray.init forks its GCS and raylet from this process while the head serves in the test's loop: safe only with
+    # gRPC's fork support off (tests/__init__.py; tests/project/test_suite_guarantees.py shows why)
+    assert os.environ.get("GRPC_ENABLE_FORK_SUPPORT") == "0"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     constants = sys.modules.get("ray._private.ray_constants")  # read at import: right if ray came in earlier
     if constants is not None:
@@ -223,25 +267,26 @@ async def test_ray_rollouts_spread_over_replica_actors_and_survive_one_killed(
     client = await asyncio.to_thread(ServerClient.load_from_global_config, head_server)
     client._http.sessions()  # live state in the driver, which must not travel
 
-    await asyncio.to_thread(start_local_ray, ray, monkeypatch)
-    try:
-        start = asyncio.to_thread(example.start_replicas, f"{LOOPBACK}:{head.port}", 3, resources_port)
-        replicas, addresses = await asyncio.wait_for(start, RAY_TIME_BUDGET)
-        results = await asyncio.wait_for(
-            asyncio.to_thread(example.run_rollouts, client, 2, 12, replicas=replicas, kill_after_seeded=2),
-            RAY_TIME_BUDGET,
+    with ray_files(monkeypatch):
+        await asyncio.to_thread(start_local_ray, ray, monkeypatch)
+        try:
+            start = asyncio.to_thread(example.start_replicas, f"{LOOPBACK}:{head.port}", 3, resources_port)
+            replicas, addresses = await asyncio.wait_for(start, RAY_TIME_BUDGET)
+            results = await asyncio.wait_for(
+                asyncio.to_thread(example.run_rollouts, client, 2, 12, replicas=replicas, kill_after_seeded=2),
+                RAY_TIME_BUDGET,
+            )
+        finally:
+            await asyncio.to_thread(ray.shutdown)
+            await close_http_sessions()
+        seen = example.summary(results, addresses[1])
+        assert seen["rewards"] == [1.0] * 24
+        rollouts = [rollout for result in results for rollout in result["results"]]
+        assert {rollout["replicas"][0] for rollout in rollouts} == set(addresses)  # spread over all three
+        assert seen["moved"] == seen["moved_off_the_killed_one"]  # only the killed replica's rollouts moved
+        assert addresses[1] not in seen["finished_on"] or all(
+            rollout["attempts"] == 1 for rollout in rollouts if rollout["replicas"][-1] == addresses[1]
         )
-    finally:
-        await asyncio.to_thread(ray.shutdown)
-        await close_http_sessions()
-    seen = example.summary(results, addresses[1])
-    assert seen["rewards"] == [1.0] * 24
-    rollouts = [rollout for result in results for rollout in result["results"]]
-    assert {rollout["replicas"][0] for rollout in rollouts} == set(addresses)  # spread over all three
-    assert seen["moved"] == seen["moved_off_the_killed_one"]  # only the killed replica's rollouts moved
-    assert addresses[1] not in seen["finished_on"] or all(
-        rollout["attempts"] == 1 for rollout in rollouts if rollout["replicas"][-1] == addresses[1]
-    )
-    assert len({r["pid"] for r in results} | {os.getpid()}) == 3  # two worker processes besides this one
-    assert stats.rollout_ids_seen == {f"worker{w}-task{t}" for w in range(2) for t in range(12)}
-    assert time.monotonic() - started < RAY_TIME_BUDGET
+        assert len({r["pid"] for r in results} | {os.getpid()}) == 3  # two worker processes besides this one
+        assert stats.rollout_ids_seen == {f"worker{w}-task{t}" for w in range(2) for t in range(12)}
+        assert time.monotonic() - started < RAY_TIME_BUDGET

@@ -1,4 +1,5 @@
-"""The suite's own guarantees against flakes: closed ports stay closed for the test, hypothesis is repeatable.
+"""The suite's own guarantees against flakes: closed ports stay closed for the test, hypothesis is repeatable, a
+child forked beside busy grpc calls gets to exec.
 
 A "closed" port that was bound and released at once could be handed to the next `bind(port 0)` (the head under
 test included), turning an expected `connection_error` into something else about one run in seven under load.
@@ -7,19 +8,23 @@ test included), turning an expected `connection_error` into something else about
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 
 import grpc
 import pytest
 from hypothesis import settings
 
+from gym_rpc.client.control._clients import SyncControlClient
 from tests.support import REPO_ROOT
 from tests.support.cli import let_children_take_sigint
+from tests.support.documents import document, server_entry
 from tests.support.loopback import LOOPBACK, closed_port
 
 
@@ -72,6 +77,48 @@ def test_subprocesses_take_sigint_even_when_the_suite_was_started_ignoring_it() 
         assert _child_takes_sigint()
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def _block_sigint() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def _exit_codes_of_forked_children(count: int) -> collections.Counter[int]:
+    """Start `true` `count` times as Ray starts its GCS and raylet: a preexec_fn makes subprocess really fork()
+    (and run the at-fork handlers in the child), where without one it would vfork and run none."""
+    codes: collections.Counter[int] = collections.Counter()
+    for _ in range(count):
+        child = subprocess.Popen(["true"], preexec_fn=_block_sigint)  # as Ray's start_ray_process does
+        codes[child.wait(timeout=60)] += 1
+    return codes
+
+
+@pytest.mark.process
+async def test_a_child_forked_beside_busy_grpc_calls_gets_to_exec(head_factory) -> None:
+    """tests/__init__.py turns gRPC's fork support off before grpc is imported: with it on, grpcio's post-fork
+    handler killed about one such child in six before its exec (SIGSEGV, SIGABRT) while a thread of this process
+    called a head in the test's loop, as a local Ray's GCS died beside test_ray's head (grpc/grpc#43055)."""
+    assert os.environ.get("GRPC_ENABLE_FORK_SUPPORT") == "0"
+    head = await head_factory(document({"policy": server_entry(closed_port())}))
+    client = SyncControlClient(head.address, timeout_seconds=30.0)
+    stop = threading.Event()
+    calls = 0
+
+    def call_the_head() -> None:
+        nonlocal calls
+        while not stop.is_set():
+            client.list_server_statuses()
+            calls += 1
+
+    caller = threading.Thread(target=call_the_head, daemon=True)
+    caller.start()
+    try:
+        codes = await asyncio.to_thread(_exit_codes_of_forked_children, 200)
+    finally:
+        stop.set()
+        await asyncio.to_thread(caller.join, 60)
+    assert calls > 0  # the calls were under way while the children forked
+    assert codes == {0: 200}  # a child killed before its exec shows as -11 (SIGSEGV) or -6 (SIGABRT)
 
 
 @pytest.mark.skipif(os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci", reason="a local fuzzing profile is loaded")
