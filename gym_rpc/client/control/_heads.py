@@ -65,6 +65,7 @@ from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 from gym_rpc.wire import HEALTH_SERVICE_NAME, SERVICE_NAME, status_code
 
 Result = TypeVar("Result")
+Step = TypeVar("Step")
 AnyRpc = Rpc[..., Any, Any, Result]
 
 logger = logging.getLogger("gym_rpc.client.heads")
@@ -330,15 +331,16 @@ def _rest_of(rpc: AnyRpc[Any], call: Call[Any], client_timeout: float, started: 
     return Call(call.request, max(deadline - (time.monotonic() - started), 0.001))
 
 
-class _Run(Generic[Result]):
-    """`_unary_steps` run to its end by a driver that makes each step, blocking or awaited."""
+class _Run(Generic[Step, Result]):
+    """Steps (`_unary_steps`, `_failover_steps`) run to their end by a driver that makes each step, blocking or
+    awaited."""
 
-    def __init__(self, steps: Generator[_Step, Any, Result]) -> None:
+    def __init__(self, steps: Generator[Step, Any, Result]) -> None:
         self._steps = steps
         self._outcome: tuple[bool, Any] = (True, None)  # (made, what it returned) or (False, what it raised)
         self.result: Result
 
-    def next_step(self) -> _Step | None:
+    def next_step(self) -> Step | None:
         """The next step, given the last one's outcome; None when the call is over (`result`, or it raised)."""
         made, outcome = self._outcome
         try:
@@ -424,17 +426,24 @@ class _Transport:
 
     def _failover_steps(
         self, rpc: AnyRpc[Result], call: Call[Any]
-    ) -> Generator[tuple[Self, Call[Any]], Any, Result]:
+    ) -> Generator[tuple[Self, AnyRpc[Result], Call[Any]], Any, Result]:
         """A unary call over several heads: at the head followed, and, when it is unreachable, at the next one
         within what is left of the call's deadline (every control RPC may be made twice: they read state or are
-        idempotent, gym_rpc.client.control._channel). The head that answered is followed from then on."""
+        idempotent, gym_rpc.client.control._channel). The head that answered is followed from then on. Each step
+        is a member's `_unary` call; the runner sends back its result or throws its failure in."""
         assert self._members is not None
+        if rpc.on_error is not None:  # a row whose failure is a result: that result only once every head failed
+            raising: AnyRpc[Result] = _raising(rpc)
+            try:
+                return (yield from self._failover_steps(raising, call))
+            except ControlPlaneError as error:
+                return rpc.on_error(error.code)
         order, started = self._failover_order(), time.monotonic()
         deadline = rpc.deadline_for(call, self.timeout_seconds)
         for attempt, address in enumerate(order):
             this_call = call if attempt == 0 else _rest_of(rpc, call, self.timeout_seconds, started)
             try:
-                result: Result = yield self._members[address], this_call
+                result: Result = yield self._members[address], rpc, this_call
             except HeadUnreachableError:
                 left = None if deadline is None else deadline - (time.monotonic() - started)
                 if attempt == len(order) - 1 or (left is not None and left <= 0):
@@ -496,24 +505,11 @@ class BlockingTransport(_Transport, BlockingCallPath):
         return run.result
 
     def _failover(self, rpc: AnyRpc[Result], call: Call[Any]) -> Result:
-        if rpc.on_error is not None:  # a row whose failure is a result: that result only once every head failed
-            try:
-                raising: AnyRpc[Result] = _raising(rpc)
-                return self._failover(raising, call)
-            except ControlPlaneError as error:
-                return rpc.on_error(error.code)
-        steps = self._failover_steps(rpc, call)
-        member, this_call = next(steps)
-        while True:
-            try:
-                outcome = member._unary(rpc, this_call)
-            except HeadUnreachableError as error:
-                member, this_call = steps.throw(error)
-                continue
-            try:
-                steps.send(outcome)
-            except StopIteration as over:
-                return over.value  # type: ignore[no-any-return]
+        run = _Run(self._failover_steps(rpc, call))
+        while (step := run.next_step()) is not None:
+            member, member_rpc, this_call = step
+            run.make(member._unary, member_rpc, this_call)
+        return run.result
 
     def _make(self, rpc: AnyRpc[Any], step: _Step) -> Any:
         if step.head is None:
@@ -542,24 +538,11 @@ class AsyncTransport(_Transport, AsyncCallPath):
         return run.result
 
     async def _failover(self, rpc: AnyRpc[Result], call: Call[Any]) -> Result:
-        if rpc.on_error is not None:  # a row whose failure is a result: that result only once every head failed
-            try:
-                raising: AnyRpc[Result] = _raising(rpc)
-                return await self._failover(raising, call)
-            except ControlPlaneError as error:
-                return rpc.on_error(error.code)
-        steps = self._failover_steps(rpc, call)
-        member, this_call = next(steps)
-        while True:
-            try:
-                outcome = await member._unary(rpc, this_call)
-            except HeadUnreachableError as error:
-                member, this_call = steps.throw(error)
-                continue
-            try:
-                steps.send(outcome)
-            except StopIteration as over:
-                return over.value  # type: ignore[no-any-return]
+        run = _Run(self._failover_steps(rpc, call))
+        while (step := run.next_step()) is not None:
+            member, member_rpc, this_call = step
+            await run.amake(member._unary(member_rpc, this_call))
+        return run.result
 
     async def _amake(self, rpc: AnyRpc[Any], step: _Step) -> Any:
         if step.head is None:
