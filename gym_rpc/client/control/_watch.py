@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
-from typing import Generic, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator
+from typing import Generic, TypeVar, overload
 
 import grpc
 
@@ -86,6 +86,19 @@ class _Watch(Generic[Client]):
         self.source = following
         return self.revision
 
+    @overload
+    def _open(self: _Watch[SyncControlClient]) -> Generator[WatchEvent, None, None]: ...
+    @overload
+    def _open(self: _Watch[ControlClient]) -> AsyncGenerator[WatchEvent, None]: ...
+    def _open(self) -> Generator[WatchEvent, None, None] | AsyncGenerator[WatchEvent, None]:
+        """A new stream of the head's events, from where the view stands."""
+        return self._client.watch_server_statuses(
+            self._start_revision(),
+            heartbeat_seconds=self._heartbeat_seconds,
+            timeout=self._stream_timeout(),
+            engine_load=self._engine_load,
+        )
+
     def _stream_timeout(self) -> float | None:
         """What is left until `until`: a connected stream ends then too (DEADLINE_EXCEEDED, not retried)."""
         return None if self._until is None else max(0.001, self._until - time.monotonic())
@@ -123,12 +136,7 @@ class SyncStatusWatch(_Watch[SyncControlClient]):
 
     def __iter__(self) -> Iterator[WatchEvent]:
         while True:
-            stream = self._client.watch_server_statuses(
-                self._start_revision(),
-                heartbeat_seconds=self._heartbeat_seconds,
-                timeout=self._stream_timeout(),
-                engine_load=self._engine_load,
-            )
+            stream = self._open()
             try:
                 for event in stream:
                     yield self._apply(event)
@@ -149,12 +157,7 @@ class StatusWatch(_Watch[ControlClient]):
         """The events, as an async generator (for `contextlib.aclosing`: a caller that stops early closes its
         stream at once)."""
         while True:
-            stream = self._client.watch_server_statuses(
-                self._start_revision(),
-                heartbeat_seconds=self._heartbeat_seconds,
-                timeout=self._stream_timeout(),
-                engine_load=self._engine_load,
-            )
+            stream = self._open()
             try:
                 async for event in stream:
                     yield self._apply(event)
