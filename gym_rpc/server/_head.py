@@ -46,7 +46,7 @@ from gym_rpc.server.fleet import events as events
 from gym_rpc.server.http import ConnectServer, HttpHead, PageServer, StatusPage
 from gym_rpc.server.observability import MetricsServer, server_interceptors
 from gym_rpc.server.observability import head_metrics as head_metrics
-from gym_rpc.server.registry import InstanceRegistry, RegistrationCaps, RegistrationLimits
+from gym_rpc.server.registry import InstanceRegistry, RegistrationLimits
 from gym_rpc.server.registry import registrations_file as registrations_file
 from gym_rpc.server.security import (
     CONNECTION_IDLE_SECONDS,
@@ -319,7 +319,7 @@ class HeadServer:
             self.config.observability_enabled, service_name=self._service_name, telemetry_block=telemetry_block
         )
         setup_metrics(service_name=self._service_name, prometheus=True, telemetry_block=telemetry_block)
-        self.registry.limits = RegistrationLimits(RegistrationCaps.from_settings(own.registration))
+        self.registry.limits = RegistrationLimits(own.registration)
         self.registrations_off = registration_refusal(self.host, security, self.options.open_registrations)
         if self.registrations_off is not None:
             logger.warning("%s", self.registrations_off)

@@ -1,7 +1,6 @@
 """Instances that register themselves: their leases and advertised hosts, the caps on them, the file that keeps
 them across a restart (`registrations_file`, a public module), which IPs a host name stands for."""
 
-from gym_rpc.server.registry._limits import RegistrationCaps as RegistrationCaps
 from gym_rpc.server.registry._limits import RegistrationLimits as RegistrationLimits
 from gym_rpc.server.registry._registry import DEFAULT_LEASE_SECONDS as DEFAULT_LEASE_SECONDS
 from gym_rpc.server.registry._registry import MAX_LEASE_SECONDS as MAX_LEASE_SECONDS
