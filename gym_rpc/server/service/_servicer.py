@@ -231,8 +231,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self, request: pb.RegisterServerInstanceRequest, context: Context
     ) -> pb.RegisterServerInstanceResponse:
         name = request.server_name
-        await self._require_registrations_on(context)
-        await self._require_server(name, context)
+        await self._require_registrations_of(name, context)
         if not 0 < request.listen_port < 65536:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "listen_port must be in 1..65535")
         if request.pid < 0:
@@ -290,8 +289,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self, request: pb.DeregisterServerInstanceRequest, context: Context
     ) -> pb.DeregisterServerInstanceResponse:
         name = request.server_name
-        await self._require_registrations_on(context)
-        await self._require_server(name, context)
+        await self._require_registrations_of(name, context)
         if request.pid <= 0:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -317,10 +315,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
                 events.server_deregistered(name, registration.pid, instance_id, left)
         return pb.DeregisterServerInstanceResponse(deregistered=bool(removed))
 
-    async def _require_registrations_on(self, context: Context) -> None:
-        """PERMISSION_DENIED, saying which flag or setting turns them on, on a head that takes no registrations."""
+    async def _require_registrations_of(self, name: str, context: Context) -> None:
+        """What a registration or deregistration of `name` needs first: PERMISSION_DENIED, saying which flag or
+        setting turns them on, on a head that takes no registrations; then `_require_server`."""
         if self._registrations_off is not None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, self._registrations_off)
+        await self._require_server(name, context)
 
     async def _require_server(self, name: str, context: Context, field: str = "server_name") -> None:
         """INVALID_ARGUMENT for no name, NOT_FOUND (with the known names) for one the config does not have."""
