@@ -17,6 +17,7 @@ import functools
 import socket
 import threading
 import weakref
+from dataclasses import KW_ONLY, dataclass, field
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
@@ -187,6 +188,7 @@ async def close_http_sessions() -> None:
         await sessions.close()
 
 
+@dataclass(slots=True, eq=False)
 class Call:
     """One call: where it goes (`session`, `method`, `url`, aiohttp's `kwargs`), to which server and rollout (its
     key, once worked out, or None), its budgets (`retry`) and whether a request that may have been written may
@@ -194,45 +196,18 @@ class Call:
     goes (`reroute`). `started` is the start of its deadline (time.monotonic), set when its first attempt goes
     out."""
 
-    __slots__ = (
-        "kwargs",
-        "method",
-        "observer",
-        "reroute",
-        "resend",
-        "retry",
-        "rollout",
-        "server",
-        "session",
-        "started",
-        "url",
-    )
-
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        method: str,
-        url: str,
-        kwargs: _RequestOptions,
-        retry: RetryPolicy,
-        *,
-        server: str = "",
-        resend: bool = True,
-        rollout: str | None = None,
-        observer: CallObserver | None = None,
-        reroute: Reroute | None = None,
-    ) -> None:
-        self.session = session
-        self.method = method
-        self.url = url
-        self.kwargs = kwargs
-        self.retry = retry
-        self.server = server
-        self.resend = resend
-        self.rollout = rollout
-        self.observer = observer
-        self.reroute = reroute
-        self.started = 0.0
+    session: aiohttp.ClientSession
+    method: str
+    url: str
+    kwargs: _RequestOptions
+    retry: RetryPolicy
+    _: KW_ONLY
+    server: str = ""
+    resend: bool = True
+    rollout: str | None = None
+    observer: CallObserver | None = None
+    reroute: Reroute | None = None
+    started: float = field(default=0.0, init=False)
 
     def __repr__(self) -> str:
         return f"<Call {self.method} {self.url} to {self.server or '?'}>"
