@@ -555,18 +555,7 @@ def cmd_head(args: argparse.Namespace) -> int:
     else:
         config, source = GlobalConfig.from_document(parse_config_text(default_config_text())), "embedded default"
     options = HeadOptions(
-        host=args.host,
-        port=args.port,
-        probe_interval_seconds=args.probe_interval,
-        probe_timeout_seconds=args.probe_timeout,
-        reflection=not args.no_reflection,
-        http_port=args.http_port,
-        metrics_port=args.metrics_port,
-        ui_port=args.ui_port,
-        status_max_age_seconds=args.status_max_age,
-        connect_port=args.connect_port,
-        open_registrations=args.open_registrations,
-        **_max_watches(args),
+        host=args.host, port=args.port, status_max_age_seconds=args.status_max_age, **_serving_options(args)
     )
     head = HeadServer(config, options, source=FileSource(args.config, loaded))
 
@@ -588,16 +577,8 @@ def cmd_bridge(args: argparse.Namespace) -> int:
         port=port,
         refresh_interval_seconds=args.refresh_interval,
         fetch_timeout_seconds=args.fetch_timeout,
-        probe_interval_seconds=args.probe_interval,
-        probe_timeout_seconds=args.probe_timeout,
-        reflection=not args.no_reflection,
         head_server=own,
-        http_port=args.http_port,
-        metrics_port=args.metrics_port,
-        ui_port=args.ui_port,
-        connect_port=args.connect_port,
-        open_registrations=args.open_registrations,
-        **_max_watches(args),
+        **_serving_options(args),
     )
 
     def announce(started: BridgeHead) -> None:
@@ -623,9 +604,18 @@ def _announce(kind: str, started: HeadServer, source: str) -> None:
     print(f"gym-rpc {kind} listening on {started.address} ({source}, {guard}){''.join(extras)}", flush=True)
 
 
-def _max_watches(args: argparse.Namespace) -> dict[str, Any]:
-    """The watch and connection bounds given on the command line (the rest keep HeadOptions' defaults)."""
+def _serving_options(args: argparse.Namespace) -> dict[str, Any]:
+    """HeadOptions' fields from the flags `_add_serving_flags` adds, for `head` and `bridge` alike; a flag not
+    given (None) keeps HeadOptions' default (the ports' is None too)."""
     given = {
+        "probe_interval_seconds": args.probe_interval,
+        "probe_timeout_seconds": args.probe_timeout,
+        "reflection": not args.no_reflection,
+        "http_port": args.http_port,
+        "metrics_port": args.metrics_port,
+        "ui_port": args.ui_port,
+        "connect_port": args.connect_port,
+        "open_registrations": args.open_registrations,
         "max_concurrent_watches": args.max_watches,
         "max_watches_per_peer": args.max_watches_per_address,
         "max_connections_per_address": args.max_connections_per_address,
