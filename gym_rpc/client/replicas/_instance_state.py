@@ -8,7 +8,7 @@ the client's own counts survive every change the watch pushes. Nothing here does
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gym_rpc.client.replicas._picker import stable_key
 from gym_rpc.config import ServerEntry, url_authority
@@ -34,6 +34,11 @@ class InstanceState:
     registration: RegistrationState | None = None
     origin: InstanceOrigin | None = None
     http_status: int = 0  # the code the head's last probe got; 0 when none came (or an older head)
+
+
+# What a route is told of an instance: the head's own report of it as it came (its fields are InstanceState's,
+# and more), or an InstanceState the client put together (the config's instances, ListServerInstances rows).
+InstanceView = InstanceState | InstanceReport
 
 
 class Instance:
@@ -76,7 +81,7 @@ class Instance:
         "url",
     )
 
-    def __init__(self, state: InstanceState) -> None:
+    def __init__(self, state: InstanceView) -> None:
         self.instance_id = state.instance_id
         self.key = stable_key(state.instance_id)
         self.url = state.url
@@ -114,7 +119,7 @@ class Instance:
         self.candidate = False  # in its route's pool of instances that take new work
         self.apply(state)
 
-    def apply(self, state: InstanceState) -> None:
+    def apply(self, state: InstanceView) -> None:
         self.url = state.url
         self.status = state.status
         self.checked_at = state.checked_at
@@ -158,29 +163,13 @@ def config_states(entry: ServerEntry) -> list[InstanceState]:
     ]
 
 
-def report_states(report: StatusReport) -> list[InstanceState]:
-    """The instances a head's report lists; a head older than replicas lists none, and then the report itself is
-    the server's one instance (at its advertised URL while registered)."""
-    if report.instances:
-        return [_instance_state(instance) for instance in report.instances]
-    url = report.advertised_url or report.url
+def report_states(report: StatusReport) -> list[InstanceView]:
+    """The instances a head's report lists, as the report has them (one without an id by its URL's authority).
+    A head older than replicas lists none: the route's `apply_reports` takes the report itself for its one."""
     return [
-        InstanceState(url_authority(url), url, report.status, report.checked_at, registration=report.registration)
+        instance if instance.instance_id else replace(instance, instance_id=url_authority(instance.url))
+        for instance in report.instances
     ]
-
-
-def _instance_state(instance: InstanceReport) -> InstanceState:
-    return InstanceState(
-        instance_id=instance.instance_id or url_authority(instance.url),
-        url=instance.url,
-        status=instance.status,
-        checked_at=instance.checked_at,
-        draining=instance.draining,
-        labels=instance.labels,
-        registration=instance.registration,
-        origin=instance.origin,
-        http_status=instance.http_status,
-    )
 
 
 def matches(labels: Mapping[str, str], selector: Mapping[str, str] | None) -> bool:
@@ -192,7 +181,7 @@ def selector_text(selector: Mapping[str, str]) -> str:
     return ",".join(f"{key}={value}" for key, value in sorted(selector.items()))
 
 
-def distinct(states: Iterable[InstanceState]) -> list[InstanceState]:
+def distinct(states: Iterable[InstanceView]) -> list[InstanceView]:
     """The states with one per instance id, the first kept (a config listing an address twice is refused by the
     config; a head may still send what it sends)."""
     seen: set[str] = set()

@@ -36,7 +36,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -46,6 +46,7 @@ from gym_rpc.client.replicas._engine_load_table import EngineLoadTable
 from gym_rpc.client.replicas._instance_state import (
     Instance,
     InstanceState,
+    InstanceView,
     config_states,
     distinct,
     matches,
@@ -194,7 +195,7 @@ class ServerRoute:
     def __init__(
         self,
         name: str,
-        states: list[InstanceState],
+        states: Sequence[InstanceView],
         policy: OutlierDetection,
         selector: Selector | None = None,
         affine: bool = False,
@@ -237,7 +238,7 @@ class ServerRoute:
         self.moves_rollouts = False
         self.update(states)
 
-    def update(self, states: list[InstanceState]) -> None:
+    def update(self, states: Sequence[InstanceView]) -> None:
         """The instance set as the head (or the config) lists it now; each instance keeps the client's counts."""
         with self.lock:
             kept = []
@@ -829,7 +830,7 @@ class Routing:
 
     def apply_rows(self, rows: Iterable[ServerInstance]) -> None:
         """ListServerInstances rows (one per instance of every server), as `lookup_registered_servers` has them."""
-        by_name: dict[str, list[InstanceState]] = {}
+        by_name: dict[str, list[InstanceView]] = {}
         for row in rows:
             if not row.instance_id:
                 continue  # the head's own row, or a head older than replicas (one instance per server)
@@ -847,7 +848,7 @@ class Routing:
         for name, states in by_name.items():
             self._set(name, states)
 
-    def _set(self, name: str, states: list[InstanceState]) -> None:
+    def _set(self, name: str, states: Sequence[InstanceView]) -> None:
         if name in self.skipped:
             return
         route = self.routes.get(name)
@@ -856,7 +857,7 @@ class Routing:
         elif len(states) > 1 or name in self.selectors or name in self.caps:
             self.routes[name] = self._route(name, states)
 
-    def _route(self, name: str, states: list[InstanceState]) -> ServerRoute:
+    def _route(self, name: str, states: Sequence[InstanceView]) -> ServerRoute:
         affine = name in self.affine
         loads = self.engine_loads if affine else None
         route = ServerRoute(name, states, self.policy, self.selectors.get(name), affine, loads)
