@@ -73,6 +73,13 @@ class ScalePlan:
     fleet_pushes: int = 20  # relabels, each pushed on its own (spaced past the head's 50 ms quiet)
     fleet_spacing: float = 0.2
     fleet_instances: int = 10
+    # `--only fleet-storms`: storms of `fleet_storm_changes` registrations offered within `fleet_storm_seconds`
+    fleet_storm_watchers: tuple[int, ...] = (1000,)
+    fleet_storm_changes: int = 1000
+    fleet_storm_seconds: float = 1.0
+    fleet_storm_rounds: int = 3
+    fleet_storm_registrars: int = 2  # registering processes, each sending its share of the storm on time
+    fleet_storm_connections: int = 8  # connections per registering process (the head takes 128 streams on one)
 
 
 FULL = ScalePlan()
@@ -97,6 +104,10 @@ QUICK = ScalePlan(
     fleet_watchers=(8,),
     fleet_per_process=4,
     fleet_pushes=3,
+    fleet_storm_watchers=(8,),
+    fleet_storm_changes=20,
+    fleet_storm_seconds=0.2,
+    fleet_storm_rounds=1,
 )
 
 
@@ -602,7 +613,7 @@ async def _relabels(client: Any, instances: list[int], plan: ScalePlan, base: in
 WATCHER_PROCESSES_AT_ONCE = 4
 
 
-async def _connect_watchers(address: str, w: int, plan: ScalePlan) -> tuple[list[Child], float]:
+async def _connect_watchers(address: str, w: int, plan: ScalePlan, *mode: str) -> tuple[list[Child], float]:
     counts = [plan.fleet_per_process] * (w // plan.fleet_per_process)
     if w % plan.fleet_per_process:
         counts.append(w % plan.fleet_per_process)
@@ -612,7 +623,7 @@ async def _connect_watchers(address: str, w: int, plan: ScalePlan) -> tuple[list
     for first in range(0, len(counts), WATCHER_PROCESSES_AT_ONCE):
         batch = counts[first : first + WATCHER_PROCESSES_AT_ONCE]
         children += await asyncio.gather(
-            *(asyncio.to_thread(Child, "watchers", address, str(n), ready_timeout=1800) for n in batch)
+            *(asyncio.to_thread(Child, "watchers", address, str(n), *mode, ready_timeout=1800) for n in batch)
         )
     return children, time.monotonic() - started
 
@@ -740,6 +751,329 @@ def _fleet_lines(rows: list[FleetRow], plan: ScalePlan, took: float) -> list[str
         FLEET_END,
     ]
     return lines
+
+
+# --- a storm at fleet size: 1,000 changes within a second, W watchers ------------------------------------------
+
+
+@dataclass
+class FleetStormRow:
+    watchers: int
+    server: str  # "gym_rpc head" or "bare grpc.aio"
+    rss_kib_per_watcher: float = math.nan  # the server's RSS growth while the watchers connected, per watcher
+    connect_seconds: float = math.nan
+    offered_seconds: list[float] = field(default_factory=list)  # per storm: first change sent -> last sent
+    storm_seconds: list[float] = field(default_factory=list)  # per storm: first change sent -> last answered
+    last_after_ms: list[float] = field(default_factory=list)  # per storm: last answered -> last watcher current
+    messages: list[float] = field(default_factory=list)  # per storm: the median watcher's messages
+    cpu_us: list[float] = field(default_factory=list)  # per storm: CPU per watcher per message (coalesced push)
+    registration_p50_ms: list[float] = field(default_factory=list)
+    registration_max_ms: list[float] = field(default_factory=list)
+    alone_ms_per_storm: float = math.nan  # the head's CPU for the same storm with no watcher (taken off)
+    missing: int = 0  # watchers never current within the bound
+    failed: int = 0  # registrations that failed
+    unchecked: int = 0  # storms whose checking watchers did not hold the last change's label
+
+
+async def _registrars(address: str, ports: list[int], plan: ScalePlan) -> list[Child]:
+    instances = json.dumps(ports[10 : 10 + plan.storm_instances])
+    return list(
+        await asyncio.gather(
+            *(
+                asyncio.to_thread(Child, "registrar", address, str(plan.fleet_storm_connections), instances)
+                for _ in range(plan.fleet_storm_registrars)
+            )
+        )
+    )
+
+
+async def _registrar_storm(registrars: list[Child], plan: ScalePlan, base: int) -> dict[str, Any]:
+    """One storm: `fleet_storm_changes` relabels offered evenly over `fleet_storm_seconds` (open loop), shared
+    among the registering processes, which start together half a second from now."""
+    at = time.time() + 0.5
+    count, seconds = plan.fleet_storm_changes, plan.fleet_storm_seconds
+    answers = await asyncio.gather(
+        *(
+            asyncio.to_thread(
+                child.ask, f"storm {base} {count} {seconds} {at} {i} {len(registrars)}", 300 + seconds
+            )
+            for i, child in enumerate(registrars)
+        )
+    )
+    sent = [t for a in answers for t in a["sent"]]
+    answered = [t for a in answers for t in a["answered"]]
+    latencies = [
+        (done - began) * 1e3 for a in answers for began, done in zip(a["sent"], a["answered"], strict=True)
+    ]
+    failed = sum(a["failed"] for a in answers)
+    if failed:
+        print(f"    {failed} registrations failed: {[a['errors'] for a in answers]}", file=sys.stderr)
+    return {
+        "first_sent": min(sent),
+        "last_sent": max(sent),
+        "last_answered": max(answered),
+        "p50_ms": median(latencies),
+        "max_ms": max(latencies),
+        "failed": failed,
+    }
+
+
+def _head_revision(address: str, step: int) -> tuple[int, bool]:
+    """The head's revision now (ListServerStatuses), and whether its server_0000 carries `step`'s label."""
+    with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        answer = pb_grpc.ControlPlaneServiceStub(channel).ListServerStatuses(
+            pb.ListServerStatusesRequest(), timeout=60
+        )
+    steps = {
+        instance.labels.get("step")
+        for report in answer.reports
+        if report.server_name == "server_0000"
+        for instance in report.instances
+    }
+    return answer.revision, str(step) in steps
+
+
+async def _reached(children: list[Child], revision: int) -> list[dict[str, Any]]:
+    return list(
+        await asyncio.gather(*(asyncio.to_thread(child.ask, f"reach {revision} 120", 180) for child in children))
+    )
+
+
+def _note_reached(row: FleetStormRow, answers: list[dict[str, Any]], since: float, target_step: int) -> int:
+    """Add a storm's delivery to the row: the last watcher's time after `since`, messages; the messages in all."""
+    lasts = [a["last"] for a in answers if a["last"] is not None]
+    row.missing += sum(a["missing"] for a in answers)
+    row.unchecked += int(any(a["best_step"] < target_step for a in answers))
+    row.last_after_ms.append((max(lasts) - since) * 1e3 if lasts else math.nan)
+    per_watcher = [m for a in answers for m in a["messages"]]
+    row.messages.append(median(per_watcher))
+    return sum(per_watcher)
+
+
+async def measure_fleet_storms(ports: list[int], plan: ScalePlan) -> list[FleetStormRow]:
+    """Per W: storms of `fleet_storm_changes` registrations offered within `fleet_storm_seconds` to a head with W
+    watchers: time from the storm's last answer to the last watcher holding it, the head's CPU per watcher per
+    coalesced push (the same storm's cost with no watcher taken off), its RSS per watcher; then a bare grpc.aio
+    server pushing as many messages over the same time, the floor under any Python gRPC head."""
+    rows: list[FleetStormRow] = []
+    settle = _settle(plan)
+    for w in plan.fleet_storm_watchers:
+        row = FleetStormRow(w, "gym_rpc head")
+        caps = {"max_concurrent_watches": w + 100, "max_watches_per_peer": w + 100}
+        with running_head(ports[:10], plan, **caps) as head:
+            address = head.info["address"]
+            await asyncio.to_thread(wait_until_probed, address, 60)
+            registrars = await _registrars(address, ports, plan)
+            try:
+                await _registrar_storm(registrars, plan, 0)  # the instances registered before anything is measured
+                await asyncio.sleep(settle)
+                idle, _ = await idle_cpu_rates(head.pid, plan.idle_seconds / 2)
+                alone = []
+                for base in (plan.fleet_storm_changes, 2 * plan.fleet_storm_changes):
+                    cpu, started = cpu_seconds(head.pid), time.monotonic()
+                    await _registrar_storm(registrars, plan, base)
+                    await asyncio.sleep(settle)  # the pushes' timers done
+                    alone.append(cpu_seconds(head.pid) - cpu - idle * (time.monotonic() - started))
+                row.alone_ms_per_storm = median(alone) * 1e3
+                rss_before = rss_mib(head.pid)
+                children, row.connect_seconds = await _connect_watchers(address, w, plan, "revisions")
+                try:
+                    await asyncio.sleep(settle)
+                    row.rss_kib_per_watcher = (rss_mib(head.pid) - rss_before) * 1024 / w
+                    idle, _ = await idle_cpu_rates(head.pid, plan.idle_seconds / 2)
+                    for round_index in range(plan.fleet_storm_rounds):
+                        base = (round_index + 3) * plan.fleet_storm_changes
+                        for child in children:
+                            await asyncio.to_thread(child.ask, "mark")
+                        cpu, started = cpu_seconds(head.pid), time.monotonic()
+                        storm = await _registrar_storm(registrars, plan, base)
+                        target_step = base + plan.fleet_storm_changes - 1
+                        revision, holds = await asyncio.to_thread(_head_revision, address, target_step)
+                        row.unchecked += int(not holds)
+                        answers = await _reached(children, revision)
+                        spent = cpu_seconds(head.pid) - cpu - idle * (time.monotonic() - started) - median(alone)
+                        total = _note_reached(row, answers, storm["last_answered"], target_step)
+                        row.cpu_us.append(spent / max(total, 1) * 1e6)
+                        row.offered_seconds.append(storm["last_sent"] - storm["first_sent"])
+                        row.storm_seconds.append(storm["last_answered"] - storm["first_sent"])
+                        row.registration_p50_ms.append(storm["p50_ms"])
+                        row.registration_max_ms.append(storm["max_ms"])
+                        row.failed += storm["failed"]
+                        print(
+                            f"    W={w} storm {round_index}: answered in {row.storm_seconds[-1]:.2f} s, last "
+                            f"watcher +{row.last_after_ms[-1]:.0f} ms, {row.messages[-1]:.0f} messages each, "
+                            f"{row.cpu_us[-1]:.0f} µs per watcher per message (load {load_average()})",
+                            file=sys.stderr,
+                        )
+                        await asyncio.sleep(settle)
+                finally:
+                    for child in children:
+                        child.stop()
+            finally:
+                for registrar in registrars:
+                    registrar.stop()
+        rows.append(row)
+        print(f"  fleet storm W={w}: {row}", file=sys.stderr)
+        rows.append(await _bare_storms(w, row, plan))
+    return rows
+
+
+def _settle(plan: ScalePlan) -> float:
+    """How long to let a head settle between a storm and the next measurement (its push timers run out, the
+    watchers' processes connect): 2 s, a fifth of that in a quick run."""
+    return min(2.0, plan.idle_seconds / 5)
+
+
+async def _bare_storms(w: int, head_row: FleetStormRow, plan: ScalePlan) -> FleetStormRow:
+    """The bare server with W watchers: per storm, as many pushes as the head's median watcher got, spread over
+    the head's median storm time (the last one at its end); the last watcher after the last push."""
+    row = FleetStormRow(w, "bare grpc.aio")
+    settle = _settle(plan)
+    pushes = max(1, round(median(head_row.messages)))
+    spread = median(head_row.storm_seconds)
+    bare = Child("bare")
+    try:
+        rss_before = rss_mib(bare.pid)
+        children, row.connect_seconds = await _connect_watchers(bare.info["address"], w, plan, "revisions")
+        try:
+            await asyncio.sleep(settle)
+            row.rss_kib_per_watcher = (rss_mib(bare.pid) - rss_before) * 1024 / w
+            idle, _ = await idle_cpu_rates(bare.pid, plan.idle_seconds / 2)
+            revision = 0
+            for _ in range(plan.fleet_storm_rounds):
+                for child in children:
+                    await asyncio.to_thread(child.ask, "mark")
+                cpu, started = cpu_seconds(bare.pid), time.monotonic()
+                first = time.time()
+                for index in range(pushes):
+                    await asyncio.sleep(max(0.0, first + spread * (index + 1) / pushes - time.time()))
+                    revision = (await asyncio.to_thread(bare.ask, "push"))["revision"]
+                last_push = time.time()
+                answers = await _reached(children, revision)
+                spent = cpu_seconds(bare.pid) - cpu - idle * (time.monotonic() - started)
+                total = _note_reached(row, answers, last_push, revision)
+                row.cpu_us.append(spent / max(total, 1) * 1e6)
+                row.storm_seconds.append(last_push - first)
+                await asyncio.sleep(settle)
+        finally:
+            for child in children:
+                child.stop()
+    finally:
+        bare.stop()
+    print(f"  fleet storm W={w}: {row}", file=sys.stderr)
+    return row
+
+
+FLEET_STORMS_START = "<!-- fleet storms: python -m bench.scale --only fleet-storms -->"
+FLEET_STORMS_END = "<!-- end of fleet storms -->"
+FLEET_STORMS_TITLE = "## A storm of 1,000 changes within a second, at fleet size"
+
+
+def _spread(values: list[float], unit: str, digits: int = 0) -> str:
+    """The median, and each value when there are several."""
+    shown = f"{median(values):.{digits}f}" + (f" {unit}" if unit else "")
+    if len(values) > 1:
+        shown += " (" + ", ".join(f"{v:.{digits}f}" for v in values) + ")"
+    return shown
+
+
+def _fleet_storm_lines(
+    rows: list[FleetStormRow], plan: ScalePlan, took: float, load: tuple[str, str]
+) -> list[str]:
+    connections = plan.fleet_storm_registrars * plan.fleet_storm_connections
+    lines = [
+        FLEET_STORMS_START,
+        FLEET_STORMS_TITLE,
+        "",
+        f"The issue's storm: {plan.fleet_storm_changes} instance changes offered within "
+        f"{plan.fleet_storm_seconds:g} s to a head (its own process) with W status watchers. Each change is a "
+        f"registration relabelling one of {plan.storm_instances} registered instances of one server, sent at its "
+        "time whether or not the earlier ones were answered (open loop, as a fleet's registering servers send "
+        f"them), by {plan.fleet_storm_registrars} registering processes over {connections} connections. Watchers: "
+        f"{plan.fleet_per_process} per process (a connection per 100 streams), processes started "
+        f"{WATCHER_PROCESSES_AT_ONCE} at a time; each watcher notes when each message came and its revision, and "
+        "one per process also checks the last change's label. The storm ends when its last registration is "
+        "answered; the last watcher is current when it has the head's revision of that moment. CPU per watcher "
+        "per coalesced push: the head's CPU from the storm's start until every watcher was current, above its "
+        "idle rate, less the same storm's cost with no watcher (measured before they connected), per message the "
+        "watchers received. RSS: the head's growth while the watchers connected, per watcher. The bare grpc.aio "
+        "row is the floor under any Python gRPC head (no interceptor, slot or stall bound; one pre-serialised "
+        "message per push, shared): per storm it pushes as many messages as the head's median watcher got, spread"
+        " over the head's median storm time, and its last watcher is timed from its last push. Medians over the "
+        "storms, each storm in brackets.",
+        "",
+        "| W | server | storms | changes offered within | storm answered within | registration p50 / max | last "
+        "watcher current after the storm | messages per watcher per storm | CPU per watcher per push | RSS per "
+        "watcher | head CPU per storm, no watcher | never current | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        head = row.server == "gym_rpc head"
+        offered = _spread(row.offered_seconds, "s", 2) if head else ""
+        registration = (
+            f"{median(row.registration_p50_ms):.0f} / {max(row.registration_max_ms):.0f} ms" if head else ""
+        )
+        alone = f"{row.alone_ms_per_storm:.0f} ms" if head else ""
+        lines.append(
+            f"| {row.watchers} | {row.server} | {len(row.last_after_ms)} | {offered} | "
+            f"{_spread(row.storm_seconds, 's', 2)} | {registration} | {_spread(row.last_after_ms, 'ms')} | "
+            f"{_spread(row.messages, '')} | {_spread(row.cpu_us, 'µs')} | {row.rss_kib_per_watcher:.1f} KiB | "
+            f"{alone} | {row.missing} | {row.failed if head else ''} |"
+        )
+    kib = 20 * 1000 / 1024  # 20 KB
+    lines += ["", "| goal | figure | bare grpc.aio, same W | met |", "| --- | --- | --- | --- |"]
+    for row in rows:
+        if row.server != "gym_rpc head":
+            continue
+        bare = next((r for r in rows if r.watchers == row.watchers and r is not row), None)
+        last, cpu = median(row.last_after_ms), median(row.cpu_us)
+        current = last <= 1000 and row.missing == 0 and row.failed == 0 and row.unchecked == 0
+        lines += [
+            f"| last watcher current within 1 s of the storm's end at W = {row.watchers} | {last:.0f} ms | "
+            f"{f'{median(bare.last_after_ms):.0f} ms' if bare else ''} | {'yes' if current else 'NO'} |",
+            f"| head RSS <= 20 KB ({kib:.1f} KiB) per watcher at W = {row.watchers} | "
+            f"{row.rss_kib_per_watcher:.1f} KiB | {f'{bare.rss_kib_per_watcher:.1f} KiB' if bare else ''} | "
+            f"{'yes' if row.rss_kib_per_watcher <= kib else 'NO'} |",
+            f"| head CPU <= 10 µs per watcher per coalesced push at W = {row.watchers} | {cpu:.0f} µs | "
+            f"{f'{median(bare.cpu_us):.0f} µs' if bare else ''} | {'yes' if cpu <= 10 else 'NO'} |",
+        ]
+    unchecked = sum(r.unchecked for r in rows)
+    lines += [
+        "",
+        f"(This section: `python -m bench.scale --only fleet-storms` in {took:.0f} s, load average {load[0]} at "
+        f"the start and {load[1]} at the end; storms whose head or checking watchers lacked the last change's "
+        f"label: {unchecked}.)",
+        FLEET_STORMS_END,
+    ]
+    return lines
+
+
+async def run_fleet_storms(plan: ScalePlan, out: Path | None) -> str:
+    """Only the storms at fleet size (`--only fleet-storms`), spliced into the report at `out` between markers."""
+    load_start, started = load_average(), time.monotonic()
+    servers = Child("servers", str(10 + plan.storm_instances))
+    try:
+        rows = await measure_fleet_storms(servers.info["ports"], plan)
+    finally:
+        servers.stop()
+        await close_aio_channels()
+    lines = _fleet_storm_lines(rows, plan, time.monotonic() - started, (load_start, load_average()))
+    return await _splice(out, "\n".join(lines), FLEET_STORMS_START, FLEET_STORMS_END)
+
+
+async def _splice(out: Path | None, section: str, start: str, end: str) -> str:
+    """Write `section` (which begins with `start` and ends with `end`) into the report at `out` in place of the
+    text between those markers, or at its end; the other sections stay as their last run wrote them."""
+    if out is None:
+        return section
+    text = await asyncio.to_thread(_read_if_there, out)
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + section + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    await asyncio.to_thread(out.write_text, text, encoding="utf-8")
+    return section
 
 
 # --- the follower under a flood ----------------------------------------------------------------------------------
@@ -1084,16 +1418,7 @@ async def run_fleet(plan: ScalePlan, out: Path | None) -> str:
         servers.stop()
         await close_aio_channels()
     section = "\n".join(_fleet_lines(rows, plan, time.monotonic() - started))
-    if out is None:
-        return section
-    text = await asyncio.to_thread(_read_if_there, out)
-    if FLEET_START in text and FLEET_END in text:
-        head, rest = text.split(FLEET_START, 1)
-        text = head + section + rest.split(FLEET_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    await asyncio.to_thread(out.write_text, text, encoding="utf-8")
-    return section
+    return await _splice(out, section, FLEET_START, FLEET_END)
 
 
 def _read_if_there(path: Path) -> str:
@@ -1126,16 +1451,7 @@ async def run_storms(plan: ScalePlan, out: Path | None) -> str:
             STORMS_END,
         ]
     )
-    if out is None:
-        return section
-    text = await asyncio.to_thread(_read_if_there, out)
-    if STORMS_START in text and STORMS_END in text:
-        head, rest = text.split(STORMS_START, 1)
-        text = head + section + rest.split(STORMS_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    await asyncio.to_thread(out.write_text, text, encoding="utf-8")
-    return section
+    return await _splice(out, section, STORMS_START, STORMS_END)
 
 
 async def run(plan: ScalePlan, out: Path | None) -> str:
@@ -1157,6 +1473,15 @@ async def run(plan: ScalePlan, out: Path | None) -> str:
         print("fleet:", file=sys.stderr)
         fleet_started = time.monotonic()
         fleet_lines = _fleet_lines(await measure_fleet(ports, plan), plan, time.monotonic() - fleet_started)
+        print("fleet storms:", file=sys.stderr)
+        storms_load, storms_started = load_average(), time.monotonic()
+        fleet_storm_rows = await measure_fleet_storms(ports, plan)
+        fleet_lines += [
+            "",
+            *_fleet_storm_lines(
+                fleet_storm_rows, plan, time.monotonic() - storms_started, (storms_load, load_average())
+            ),
+        ]
     finally:
         servers.stop()
         await close_aio_channels()
@@ -1183,18 +1508,19 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help=f"where to write the report (default: {SCALE_PATH})")
     parser.add_argument(
         "--only",
-        choices=["storms", "fleet"],
-        help="only the change storms and the flooded follower, or only the fleet-size watchers (memory and CPU "
-        "per watcher), spliced into the report",
+        choices=["storms", "fleet", "fleet-storms"],
+        help="only the change storms and the flooded follower, only the fleet-size watchers (memory and CPU "
+        "per watcher), or only the storm of 1,000 changes within a second at fleet size, spliced into the report",
     )
     parser.add_argument(
         "--watchers",
         type=lambda text: tuple(int(w) for w in text.split(",")),
-        help="with --only fleet: the W to measure, comma-separated (default: 1000)",
+        help="with --only fleet or fleet-storms: the W to measure, comma-separated (default: 1000)",
     )
     parser.add_argument(
-        "--per-process", type=int, help="with --only fleet: watches per watcher process (default: 250)"
+        "--per-process", type=int, help="with --only fleet or fleet-storms: watches per watcher process (250)"
     )
+    parser.add_argument("--rounds", type=int, help="with --only fleet-storms: storms per W (default: 3)")
     args = parser.parse_args()
     for name in (
         "http_proxy",
@@ -1209,11 +1535,15 @@ def main() -> None:
     out = args.out if args.out is not None or args.quick else SCALE_PATH
     plan = QUICK if args.quick else FULL
     if args.watchers:
-        plan = dataclasses.replace(plan, fleet_watchers=args.watchers)
+        plan = dataclasses.replace(plan, fleet_watchers=args.watchers, fleet_storm_watchers=args.watchers)
     if args.per_process:
         plan = dataclasses.replace(plan, fleet_per_process=args.per_process)
+    if args.rounds:
+        plan = dataclasses.replace(plan, fleet_storm_rounds=args.rounds)
     if args.only == "fleet":
         text = asyncio.run(run_fleet(plan, out))
+    elif args.only == "fleet-storms":
+        text = asyncio.run(run_fleet_storms(plan, out))
     else:
         text = asyncio.run(run_storms(plan, out) if args.only == "storms" else run(plan, out))
     print(text)

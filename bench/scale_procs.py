@@ -8,6 +8,16 @@
   noting the highest `step` label any instance carried in what it received. Commands: `target STEP` (from now on,
   each watch notes when it first holds STEP, and counts its messages), `wait TIMEOUT` (until every watch holds the
   target: when the last one got there, and each watch's message count).
+* `watchers ADDRESS COUNT revisions`: the same watches, each reading only its messages' revision (from the bytes,
+  no full parse: at W = 10,000 the watchers' own parsing would take the head's CPU on a two-core machine), and
+  the process's first watch also every `step` label, a check that the revision carries the change. Commands:
+  `mark` (each watch counts its messages from now on), `reach REVISION TIMEOUT` (until every watch has received
+  REVISION or later: when the last one first did, each watch's message count, the checking watch's highest step).
+* `registrar ADDRESS CONNECTIONS PORTS`: registers instances of `server_0000` at the JSON list of PORTS over
+  CONNECTIONS connections. `storm BASE COUNT SECONDS AT SHARE SHARES`: of the storm's COUNT changes, those with
+  k % SHARES == SHARE, change k sent at wall time AT + k * SECONDS / COUNT whether or not earlier ones were
+  answered (open loop: the storm arrives as a fleet makes it, not as fast as the head answers), each relabelling
+  instance k % len(PORTS) with `step` BASE + k; answers when each was sent and answered.
 * `flood CONFIG INSTANCES [quiet]`: bench/flood_head.py's hostile head (a flood of INSTANCES-instance changes).
 * `worker HEAD`: a rollout worker: a ServerClient loaded from the head at HEAD (so it follows the head's instances)
   calling `policy_model`; `run SECONDS` calls it back to back for that long and answers the calls per second.
@@ -174,8 +184,122 @@ class WatchProcess:
         raise ValueError(f"unknown command {line!r}")
 
 
-async def serve_watchers(address: str, count: int) -> None:
-    watchers = WatchProcess(address, count)
+def revision_of(data: bytes) -> int:
+    """Field 2 (`revision`, a varint) of a serialised WatchServerStatusesResponse, read without parsing the rest:
+    fields are walked by their tags, the length-delimited ones (reports) skipped by their length."""
+    at, end = 0, len(data)
+    while at < end:
+        tag, at = _varint(data, at)
+        field, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, at = _varint(data, at)
+            if field == 2:
+                return value
+        elif wire == 2:
+            length, at = _varint(data, at)
+            at += length
+        elif wire == 1:
+            at += 8
+        elif wire == 5:
+            at += 4
+        else:
+            raise ValueError(f"wire type {wire} in a WatchServerStatusesResponse")
+    return 0  # proto3 leaves a zero revision out
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+
+
+class RevisionWatchers:
+    """COUNT raw status watches that note when each message came and the revision it brings them to; the first
+    also parses its messages and keeps the highest `step` label, a check that a revision carries the change."""
+
+    def __init__(self, address: str, count: int) -> None:
+        self.address, self.count = address, count
+        self.current = [-1] * count  # each watch's latest revision
+        self.arrivals: list[list[tuple[float, int]]] = [[] for _ in range(count)]  # since `mark`: (time, revision)
+        self.best_step = -1  # the checking watch's highest step label
+        self.ready = 0
+        self.errors: list[str] = []
+
+    async def start(self) -> list[Any]:
+        import grpc
+
+        from gym_rpc.v1 import control_plane_pb2 as pb
+
+        channels = [
+            grpc.aio.insecure_channel(self.address, options=[("grpc.enable_http_proxy", 0), ("bench.watchers", i)])
+            for i in range((self.count + 99) // 100)
+        ]
+        request = pb.WatchServerStatusesRequest()
+        request.heartbeat_interval.FromSeconds(60)
+        method = "/gym_rpc.v1.ControlPlaneService/WatchServerStatuses"
+        raw = [
+            channel.unary_stream(
+                method,
+                request_serializer=pb.WatchServerStatusesRequest.SerializeToString,
+                response_deserializer=None,  # the bytes as they came
+            )
+            for channel in channels
+        ]
+
+        async def follow(index: int) -> None:
+            current = self.current
+            try:
+                async for data in raw[index // 100](request):
+                    revision = revision_of(data)
+                    self.arrivals[index].append((time.time(), revision))  # `mark` replaces the lists
+                    if current[index] < 0:
+                        self.ready += 1
+                    current[index] = revision
+                    if index == 0:
+                        self._check(pb.WatchServerStatusesResponse.FromString(data))
+            except grpc.aio.AioRpcError as error:
+                self.errors.append(f"{error.code().name}: {error.details()}")
+
+        return [asyncio.create_task(follow(i)) for i in range(self.count)]
+
+    def _check(self, message: Any) -> None:
+        for report in message.reports:
+            for instance in report.instances:
+                step = instance.labels.get("step")
+                if step is not None and int(step) > self.best_step:
+                    self.best_step = int(step)
+
+    async def command(self, line: str) -> Any:
+        verb, *arguments = line.split()
+        if verb == "mark":
+            self.arrivals = [[] for _ in range(self.count)]
+            return {"ok": verb}
+        if verb == "reach":
+            revision, timeout = int(arguments[0]), float(arguments[1])
+            deadline = time.monotonic() + timeout
+            while min(self.current) < revision and time.monotonic() < deadline:  # noqa: ASYNC110 (polled)
+                await asyncio.sleep(0.01)
+            firsts = [next((t for t, r in arrived if r >= revision), None) for arrived in self.arrivals]
+            reached = [t for t in firsts if t is not None]
+            return {
+                "last": max(reached) if reached else None,
+                "missing": self.count - len(reached),
+                "messages": [len(arrived) for arrived in self.arrivals],
+                "best_step": self.best_step,
+                "errors": self.errors[:3],
+            }
+        raise ValueError(f"unknown command {line!r}")
+
+
+async def serve_watchers(address: str, count: int, revisions: bool = False) -> None:
+    watchers: WatchProcess | RevisionWatchers = (
+        RevisionWatchers(address, count) if revisions else WatchProcess(address, count)
+    )
     tasks = await watchers.start()
     deadline = time.monotonic() + 300
     while watchers.ready < count and not watchers.errors and time.monotonic() < deadline:  # noqa: ASYNC110
@@ -192,6 +316,66 @@ async def serve_watchers(address: str, count: int) -> None:
                 task.cancel()
             return
         print(json.dumps(await watchers.command(line)), flush=True)
+
+
+# --- a storm of registrations ------------------------------------------------------------------------------------
+
+
+async def serve_registrar(address: str, connections: int, ports: list[int]) -> None:
+    import grpc
+
+    from gym_rpc.v1 import control_plane_pb2 as pb
+    from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
+
+    channels = [
+        grpc.aio.insecure_channel(address, options=[("grpc.enable_http_proxy", 0), ("bench.registrar", i)])
+        for i in range(connections)
+    ]
+    for channel in channels:
+        await asyncio.wait_for(channel.channel_ready(), 60)
+    stubs = [pb_grpc.ControlPlaneServiceStub(channel) for channel in channels]
+
+    async def change(k: int, base: int, at: float) -> tuple[float, float, str]:
+        await asyncio.sleep(max(0.0, at - time.time()))
+        request = pb.RegisterServerInstanceRequest(
+            server_name="server_0000",
+            listen_host=LOOPBACK,
+            listen_port=ports[k % len(ports)],
+            pid=100000 + k % len(ports),
+        )
+        request.labels["step"] = str(base + k)
+        sent = time.time()
+        try:
+            await stubs[k % len(stubs)].RegisterServerInstance(request, timeout=120)
+        except grpc.aio.AioRpcError as error:
+            return sent, time.time(), f"{error.code().name}: {error.details()}"
+        return sent, time.time(), ""
+
+    print(READY_PREFIX + json.dumps({"connections": connections}), flush=True)
+    loop = asyncio.get_running_loop()
+    while True:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line:
+            for channel in channels:
+                await channel.close(None)
+            return
+        verb, base, count, seconds, at, share, shares = line.split()
+        assert verb == "storm", line
+        total, spacing, start = int(count), float(seconds) / int(count), float(at)
+        mine = range(int(share), total, int(shares))
+        done = await asyncio.gather(*(change(k, int(base), start + k * spacing) for k in mine))
+        errors = [error for _, _, error in done if error]
+        print(
+            json.dumps(
+                {
+                    "sent": [sent for sent, _, _ in done],
+                    "answered": [answered for _, answered, _ in done],
+                    "errors": errors[:3],
+                    "failed": len(errors),
+                }
+            ),
+            flush=True,
+        )
 
 
 # --- a worker ----------------------------------------------------------------------------------------------------
@@ -376,13 +560,18 @@ def main() -> None:
     elif role == "worker":
         asyncio.run(serve_worker(sys.argv[2]))
     elif role == "watchers":
-        asyncio.run(serve_watchers(sys.argv[2], int(sys.argv[3])))
+        asyncio.run(serve_watchers(sys.argv[2], int(sys.argv[3]), revisions=sys.argv[4:] == ["revisions"]))
+    elif role == "registrar":
+        asyncio.run(serve_registrar(sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])))
     elif role == "bare":
         asyncio.run(serve_bare())
     elif role == "head":
         asyncio.run(serve_head(json.loads(Path(sys.argv[2]).read_text(encoding="utf-8")), sys.argv[3]))
     else:
-        raise SystemExit(f"unknown role {role!r}: servers K | watchers ADDRESS COUNT | flood | worker | head")
+        raise SystemExit(
+            f"unknown role {role!r}: servers K | watchers ADDRESS COUNT [revisions] | registrar | flood | worker "
+            "| bare | head"
+        )
 
 
 if __name__ == "__main__":

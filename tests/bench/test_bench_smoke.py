@@ -125,9 +125,12 @@ def check_scale_report(report: str) -> None:
         "## Pollers P",
         "## Goals",
         "## Watchers at fleet size",
+        "## A storm of 1,000 changes within a second, at fleet size",
     ):
         assert heading in report, heading
     assert "| 8 | gym_rpc head | " in report and "| 8 | bare grpc.aio | " in report  # the fleet rows
+    assert "| 8 | gym_rpc head | 1 | " in report and "| 8 | bare grpc.aio | 1 | " in report  # a storm each
+    assert "| last watcher current within 1 s of the storm's end at W = 8 | " in report
     for row in ("| 3 | ", "| 6 | ", "| whole document | ", "| `known_version` = current"):
         assert row in report, row
     assert "| probes received per window <= 1, whatever P | " in report

@@ -7,6 +7,15 @@ dies) costs no delay. A storm of a thousand changes in a second thus reaches eac
 the last one `quiet_seconds` after the storm ends, and every watcher waiting on the same pushed revision gets the
 same message (gym_rpc.server.fleet._watch_feed builds and encodes it once).
 
+A push is written to thousands of watchers one after another on the head's one event loop, and while it is, the
+loop takes new calls only between those writes (a few a second at W = 1,000 under load). So the debounce's clock
+starts when the watchers woken by the last push have written it and come back to wait, not when it began: a change
+made while they are still writing is held, and goes out `quiet_seconds` after they are done (or `max_delay_seconds`
+after that, while changes keep coming). Pushed back to back instead, each push carried the one registration the
+loop took during the last, and a storm of 1,000 changes took a minute to register (bench/SCALE.md). Watchers that
+have not come back after `max_delay_seconds` of no other coming back (a stream that ended mid-write) are not
+waited for.
+
 The prober tells `Pushes` of every revision it makes (`changed`, in its event loop, synchronously); watchers wait
 on `wake` and read `revision`, the last revision pushed. A push wakes every waiting watcher, and watchers that also
 look again every so often (heartbeats, engine loads) share one timer per period: a waiting watcher costs one
@@ -43,6 +52,8 @@ class Pushes:
         self._last_push = -float("inf")  # time.monotonic() of the last push
         self._first_held = 0.0  # when the oldest change not pushed yet came
         self._last_change = 0.0
+        self._out = 0  # watchers a push woke that have not come back to wait (still writing it)
+        self._last_back = -float("inf")  # when the last of them came back
         self._timer: asyncio.TimerHandle | None = None
         self._wakes: dict[float, list[asyncio.Future[bool]]] = {}  # period -> its watchers' futures (`wake`)
 
@@ -57,21 +68,41 @@ class Pushes:
         except RuntimeError:  # no loop (a prober driven synchronously): nobody waits, nothing to hold
             self._push(now)
             return
-        if now - self._last_push >= self.quiet_seconds:
+        if self.quiet_seconds == 0 or (not self._writing(now) and now - self._written_at() >= self.quiet_seconds):
             self._push(now)
             return
         self._first_held = now
         self._timer = loop.call_later(self.quiet_seconds, self._due)
 
+    def _writing(self, now: float) -> bool:
+        """Whether watchers are still writing the last push: some have not come back, and one did (or the push
+        was made) less than `max_delay_seconds` ago. Those that stay away longer are not waited for."""
+        if self._out and now - self._written_at() < self.max_delay_seconds:
+            return True
+        self._out = 0
+        return False
+
+    def _written_at(self) -> float:
+        """When the last push was written to the watchers that came back for more (when it was made, before)."""
+        return max(self._last_push, self._last_back)
+
     def _due(self) -> None:
         now = time.monotonic()
-        quiet_at = self._last_change + self.quiet_seconds
-        latest_at = self._first_held + self.max_delay_seconds
+        loop = asyncio.get_running_loop()
+        if self._writing(now) and now < self._first_held + MAX_PUSH_DELAY_SECONDS:
+            # the debounce starts once they are done: look again a quiet time from now
+            self._timer = loop.call_later(self.quiet_seconds, self._due)
+            return
+        written = self._written_at()
+        quiet_at = max(self._last_change, written) + self.quiet_seconds
+        latest_at = min(
+            max(self._first_held, written) + self.max_delay_seconds, self._first_held + MAX_PUSH_DELAY_SECONDS
+        )
         if now >= min(quiet_at, latest_at):
             self._timer = None
             self._push(now)
             return
-        self._timer = asyncio.get_running_loop().call_later(min(quiet_at, latest_at) - now, self._due)
+        self._timer = loop.call_later(min(quiet_at, latest_at) - now, self._due)
 
     def _push(self, now: float) -> None:
         self._last_push = now
@@ -85,11 +116,15 @@ class Pushes:
             for waiter in waiters:
                 if not waiter.done():  # a watcher cancelled meanwhile cancelled its own future
                     waiter.set_result(True)
+                    self._out += 1
 
     def wake(self, period: float) -> asyncio.Future[bool]:
         """What a watcher that looks again every `period` seconds awaits: True at the next push, False at the next
         tick of its period. A future of its own (cancelling its watcher cancels nothing else), kept in a list per
         period that one timer of that period ends: a waiting watcher costs the future, no timer or callback."""
+        if self._out:  # back from writing a push
+            self._out -= 1
+            self._last_back = time.monotonic()
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[bool] = loop.create_future()
         waiters = self._wakes.get(period)

@@ -14,6 +14,7 @@ from gym_rpc.server.fleet._pushes import Pushes
 from gym_rpc.wire import WatchEvent
 from tests.support.documents import document, server_entry
 from tests.support.loopback import LOOPBACK
+from tests.support.waiting import eventually
 
 NAME = "policy_model"
 WATCHERS = 20
@@ -159,3 +160,37 @@ async def test_a_push_wakes_every_waiting_watcher_and_a_cancelled_one_disturbs_n
     assert list(await asyncio.gather(waiters[1], waiters[2])) == [True, True]
     assert waiters[0].cancelled()
     assert await pushes.wake(0.01) is False  # the tick of its period, no push meanwhile
+
+
+async def test_a_change_made_while_watchers_still_write_the_last_push_waits_until_they_are_back() -> None:
+    """The debounce's clock starts when the watchers woken by a push have written it: a change made while they are
+    still writing is held (however long they take), and pushed a quiet time after they came back to wait. Pushed
+    at once instead, every push carried the one registration the head's loop took while writing the last."""
+    revision = [1]
+    pushes = Pushes(lambda: revision[0], quiet_seconds=0.01, max_delay_seconds=3600.0)
+    waiters = [pushes.wake(3600.0) for _ in range(3)]
+    revision[0] = 2
+    pushes.changed()  # a lone change after a quiet spell: pushed at once
+    assert pushes.revision == 2 and [w.result() for w in waiters] == [True, True, True]
+    revision[0] = 3
+    pushes.changed()  # the three are still writing revision 2
+    await asyncio.sleep(0.1)  # ten quiet times: the debounce alone would have pushed it
+    assert pushes.revision == 2
+    back = [pushes.wake(3600.0) for _ in range(3)]  # each wrote it and waits again
+    await eventually(lambda: pushes.revision, lambda pushed: pushed == 3, within=10, what="the held push")
+    assert [await w for w in back] == [True, True, True]
+
+
+async def test_watchers_that_never_come_back_from_a_push_are_not_waited_for() -> None:
+    """A watcher whose stream ended while it wrote never waits again: a held change goes out once nobody came back
+    for the max delay."""
+    revision = [1]
+    pushes = Pushes(lambda: revision[0], quiet_seconds=0.01, max_delay_seconds=0.1)
+    gone = pushes.wake(3600.0)
+    revision[0] = 2
+    pushes.changed()
+    assert gone.result() is True
+    revision[0] = 3
+    pushes.changed()
+    await eventually(lambda: pushes.revision, lambda pushed: pushed == 3, within=10, what="the held push")
+    assert await pushes.wake(0.01) is False  # nothing more to push: the tick
