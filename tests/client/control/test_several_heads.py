@@ -303,12 +303,18 @@ async def test_a_hung_head_delays_no_registration_at_the_others(head_factory) ->
 
 
 async def test_the_heads_health_is_down_only_when_no_head_answers(head_factory) -> None:
-    """`head_status` turns a failure into a status; with several heads that status comes only once none answers."""
+    """`head_status` turns a failure into a status; with several heads that status comes only once none answers,
+    for the blocking and the asyncio client alike (one failover, two drivers)."""
+    from gym_rpc.client.control._clients import ControlClient
+
     live = await head_factory(document({}))
     dead = f"{LOOPBACK}:{closed_port()}"
     try:
         assert await asyncio.to_thread(SyncControlClient(f"{dead},{live.address}").head_status) == "success"
+        _followed_heads.clear()  # the asyncio client starts at the dead head too
+        assert await ControlClient(f"{dead},{live.address}").head_status() == "success"
         other = f"{LOOPBACK}:{closed_port()}"
         assert await asyncio.to_thread(SyncControlClient(f"{dead},{other}").head_status) == "connection_error"
+        assert await ControlClient(f"{dead},{other}").head_status() == "connection_error"
     finally:
         _followed_heads.clear()
