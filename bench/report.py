@@ -291,9 +291,30 @@ def render(rows: Sequence[Row], elapsed_seconds: float, quick: bool) -> str:
         "",
         NOTES,
     ]
+    fleet = fleet_lines()
+    if fleet:  # bench/scale.py's last fleet runs, as bench/SCALE.md has them
+        parts += ["", *fleet]
     if ENGINES_PATH.exists():  # bench/engines.py's last run (`python -m bench.engines run --out bench/ENGINES.md`)
         parts += ["", ENGINES_TITLE, "", ENGINES_PATH.read_text(encoding="utf-8").rstrip()]
     return "\n".join(parts)
+
+
+FLEET_TITLE = "## Fleet: one head, thousands of watchers (bench/scale.py, as in bench/SCALE.md)"
+
+
+def fleet_lines(scale: Path | None = None) -> list[str]:
+    """The fleet sections of bench/SCALE.md (`--only fleet`, `--only fleet-storms`; each written by its own run),
+    their headings a level down under one of their own; none when SCALE.md has neither."""
+    from bench.scale import FLEET_END, FLEET_START, FLEET_STORMS_END, FLEET_STORMS_START, SCALE_PATH
+
+    path = scale if scale is not None else SCALE_PATH
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    lines: list[str] = []
+    for start, end in ((FLEET_STORMS_START, FLEET_STORMS_END), (FLEET_START, FLEET_END)):
+        if start in text and end in text:
+            section = text.split(start, 1)[1].split(end, 1)[0].strip("\n")
+            lines += ["", *(("#" + line if line.startswith("## ") else line) for line in section.splitlines())]
+    return [FLEET_TITLE, *lines] if lines else []
 
 
 ENGINES_PATH = Path(__file__).resolve().parent / "ENGINES.md"

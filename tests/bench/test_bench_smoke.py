@@ -254,3 +254,30 @@ def quick_runs_of(tmp_path: Path, module_and_args: list[str]) -> Iterator[subpro
         if run.poll() is None:
             run.kill()
         run.wait(timeout=10)
+
+
+def test_results_take_the_fleet_sections_of_the_scale_report(tmp_path: Path) -> None:
+    """`make bench` rewrites bench/RESULTS.md; its fleet section is what bench/SCALE.md's fleet runs last wrote
+    (each between its markers), headings a level down, and none when SCALE.md has neither."""
+    from bench.report import FLEET_TITLE, fleet_lines
+    from bench.scale import FLEET_END, FLEET_START, FLEET_STORMS_END, FLEET_STORMS_START
+
+    scale = tmp_path / "SCALE.md"
+    scale.write_text("# Scale\n\n## Servers N\n\nnot fleet\n", encoding="utf-8")
+    assert fleet_lines(scale) == []
+    scale.write_text(
+        f"# Scale\n\n## Servers N\n\nnot fleet\n\n{FLEET_START}\n## Watchers at fleet size\n\n| 1000 | a |\n"
+        f"{FLEET_END}\n\n{FLEET_STORMS_START}\n## A storm\n\n| 1000 | b |\n{FLEET_STORMS_END}\nafter\n",
+        encoding="utf-8",
+    )
+    assert fleet_lines(scale) == [
+        FLEET_TITLE,
+        "",
+        "### A storm",
+        "",
+        "| 1000 | b |",
+        "",
+        "### Watchers at fleet size",
+        "",
+        "| 1000 | a |",
+    ]
