@@ -270,7 +270,7 @@ def test_head_that_never_answers_fails_within_the_deadline() -> None:
 def test_malformed_yaml_stops_the_head_naming_file_and_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("head_server:\n  host: 127.0.0.1\n  port: [0\nother: 1\n", encoding="utf-8")
-    result = run_cli(["head", "--config", str(bad), "--port", "0"], timeout=15)
+    result = run_cli(["head", "--config", str(bad), "--port", "0"])
     line = assert_one_line_error(result, str(bad))
     assert re.search(re.escape(str(bad)) + r":[34]:\d+", line), line
     assert "YAML" in line
@@ -286,13 +286,13 @@ def test_malformed_yaml_stops_the_head_naming_file_and_line(tmp_path: Path) -> N
 def test_invalid_config_stops_the_head_naming_the_file(tmp_path: Path, text: str, needle: str) -> None:
     path = tmp_path / "invalid.yaml"
     path.write_text(text, encoding="utf-8")
-    result = run_cli(["head", "--config", str(path), "--port", "0"], timeout=15)
+    result = run_cli(["head", "--config", str(path), "--port", "0"])
     assert_one_line_error(result, str(path), needle)
 
 
 def test_missing_config_file_stops_the_head(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere.yaml"
-    result = run_cli(["head", "--config", str(missing), "--port", "0"], timeout=15)
+    result = run_cli(["head", "--config", str(missing), "--port", "0"])
     assert_one_line_error(result, str(missing))
 
 

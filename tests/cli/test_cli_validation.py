@@ -45,14 +45,14 @@ def assert_one_line(result: subprocess.CompletedProcess[str], code: int, *needle
     ],
 )
 def test_bad_numbers_are_refused_with_one_line(args: list[str], needle: str) -> None:
-    assert_one_line(run_cli(args, timeout=20), 2, needle, "(see gym-rpc")
+    assert_one_line(run_cli(args), 2, needle, "(see gym-rpc")
 
 
 @pytest.mark.parametrize(
     "address", ["http://127.0.0.1:11000", "https://head.example:443", "127.0.0.1", "127.0.0.1:99999"]
 )
 def test_a_head_address_that_is_not_host_port_says_so(address: str) -> None:
-    line = assert_one_line(run_cli(["status", "--head", address], timeout=20), 2, "expected HOST:PORT")
+    line = assert_one_line(run_cli(["status", "--head", address]), 2, "expected HOST:PORT")
     assert "Misformatted" not in line and "unreachable" not in line
 
 
@@ -61,7 +61,7 @@ def test_a_busy_port_is_one_line_without_c_core_noise() -> None:
         taken.bind((LOOPBACK, 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = run_cli(["head", "--port", str(port)], timeout=20)
+        result = run_cli(["head", "--port", str(port)])
     line = assert_one_line(result, 1, f"cannot listen on 127.0.0.1:{port}", "in use by another process")
     assert "add_port.cc" not in result.stderr and "GRPC_VERBOSITY" not in line
 

@@ -50,7 +50,7 @@ async def served_names(client: ControlClient) -> set[str]:
 def test_an_empty_or_null_config_stops_the_head_with_one_line(tmp_path: Path, text: str) -> None:
     path = tmp_path / "gym.yaml"
     write(path, text)
-    result = run_cli(["head", "--config", str(path), "--port", "0"], timeout=20)
+    result = run_cli(["head", "--config", str(path), "--port", "0"])
     assert result.returncode == 1 and "Traceback" not in result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert str(path) in line and "holds no config" in line

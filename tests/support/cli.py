@@ -58,9 +58,10 @@ def cli_command(args: Sequence[str]) -> list[str]:
 
 
 def run_cli(
-    args: Sequence[str], *, timeout: float = 20.0, env: Mapping[str, str] | None = None
+    args: Sequence[str], *, timeout: float = STARTUP_SECONDS, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run `gym-rpc ARGS` to completion (killed after `timeout` seconds)."""
+    """Run `gym-rpc ARGS` to completion (killed after `timeout` seconds: a hang guard, as a cold start alone took
+    15-24 s at a load average of 20)."""
     return subprocess.run(
         cli_command(args), capture_output=True, text=True, timeout=timeout, env=cli_env(env), check=False
     )

@@ -52,7 +52,7 @@ GO_IMPORT_PATH = f"{GO_MODULE_PATH}/gym_rpc/v1"  # buf.gen.yaml maps the .proto 
 GO_DEBIAN_PACKAGES = "golang-go protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev golang-google-protobuf-dev"
 TOOL_SECONDS = 60.0
 GO_BUILD_SECONDS = 240.0  # the first build on a machine compiles grpc: ~45-90 s on two busy cores
-CLIENT_SECONDS = 15.0
+CLIENT_SECONDS = 60.0  # a hang guard: Node starting at a load average of 20 printed nothing within 15 s
 TOKEN = "interop-token-5d1e"
 
 

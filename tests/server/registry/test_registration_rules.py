@@ -100,7 +100,7 @@ async def test_allowed_networks_limit_what_may_be_advertised(tmp_path: Path) -> 
 
 def test_a_malformed_allowed_network_stops_the_head_with_one_line(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"registration": {"allowed_networks": ["10.0.0.0/33"]}})
-    result = run_cli(["head", "--config", str(config), "--port", "0"], timeout=20)
+    result = run_cli(["head", "--config", str(config), "--port", "0"])
     assert result.returncode == 1 and "Traceback" not in result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert "head_server.registration.allowed_networks" in line and "10.0.0.0/33" in line

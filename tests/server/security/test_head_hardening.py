@@ -70,13 +70,13 @@ def test_blank_or_placeholder_auth_token_stops_the_head(tmp_path: Path, auth_tok
     path.write_text(
         yaml.safe_dump({"head_server": {"host": LOOPBACK, "port": 0, "auth_token": auth_token}}), encoding="utf-8"
     )
-    result = run_cli(["head", "--config", str(path), "--port", "0"], timeout=20)
+    result = run_cli(["head", "--config", str(path), "--port", "0"])
     line = assert_one_line_error(result, str(path), "head_server.auth_token", "remove the key")
     assert "<token>" not in line  # the value itself is never echoed
 
 
 def test_placeholder_token_in_the_environment_stops_the_head() -> None:
-    result = run_cli(["head", "--port", "0"], env={TOKEN_ENV_VAR: "<redacted>"}, timeout=20)
+    result = run_cli(["head", "--port", "0"], env={TOKEN_ENV_VAR: "<redacted>"})
     assert_one_line_error(result, TOKEN_ENV_VAR, "placeholder")
 
 
@@ -242,7 +242,7 @@ def test_a_garbage_certificate_stops_the_head_with_one_line_naming_the_files(tmp
     path = tmp_path / "tls.yaml"
     tls = {"cert_file": str(cert), "key_file": str(key)}
     path.write_text(yaml.safe_dump({"head_server": {"host": LOOPBACK, "port": 0, "tls": tls}}), encoding="utf-8")
-    result = run_cli(["head", "--config", str(path), "--port", "0"], timeout=20)
+    result = run_cli(["head", "--config", str(path), "--port", "0"])
     assert_one_line_error(result, str(path), str(cert), str(key), "not a PEM certificate chain")
 
 
