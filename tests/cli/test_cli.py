@@ -48,6 +48,8 @@ WAIT_SECONDS = 10.0
 # On top of a deadline and the command's start measured beside it (cli_start_seconds): that start varying
 # between two runs on a loaded 2-core machine, and the command's own work after its call.
 CLI_SLACK_SECONDS = 4.0
+# A command bounded by its deadline may take twice a bare start on top of it: what it does after starting
+# (connect, render, exit) stretches with the load as the start does (load 20: a 14.9 s start, a 24.1 s run).
 
 
 def head_port(head: HeadProcess) -> int:
@@ -252,7 +254,7 @@ def test_unreachable_head_fails_fast_with_one_line(command: list[str]) -> None:
     elapsed = time.monotonic() - started
     assert_one_line_error(result, address, "unreachable", code=3)
     start = max(start, cli_start_seconds())  # the machine's load, before and after
-    assert elapsed < start + 2.0 + CLI_SLACK_SECONDS, f"took {elapsed:.1f}s, a bare start {start:.1f}s"
+    assert elapsed < 2 * start + 2.0 + CLI_SLACK_SECONDS, f"took {elapsed:.1f}s, a bare start {start:.1f}s"
 
 
 def test_head_that_never_answers_fails_within_the_deadline() -> None:
@@ -264,7 +266,7 @@ def test_head_that_never_answers_fails_within_the_deadline() -> None:
         elapsed = time.monotonic() - started
         start = max(start, cli_start_seconds())
     assert_one_line_error(result, address, code=3)
-    assert elapsed < start + 1.0 + CLI_SLACK_SECONDS, f"took {elapsed:.1f}s, a bare start {start:.1f}s"
+    assert elapsed < 2 * start + 1.0 + CLI_SLACK_SECONDS, f"took {elapsed:.1f}s, a bare start {start:.1f}s"
 
 
 def test_malformed_yaml_stops_the_head_naming_file_and_line(tmp_path: Path) -> None:
