@@ -133,6 +133,7 @@ class Engine:
 
     def __init__(self, slow: float) -> None:
         self.slow = slow
+        self.port = 0  # set once it listens: each answer names its engine (the timeline's)
         self.cache: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.waiting: collections.deque[_Call] = collections.deque()
         self.running: list[_Call] = []
@@ -233,7 +234,8 @@ class Engine:
         self.wake.set()
         await call.done
         answer = _text(OUTPUT_TOKENS, f"answer {len(text)}")
-        return web.json_response({"output": [{"type": "message", "role": "assistant", "content": answer}]})
+        output = [{"type": "message", "role": "assistant", "content": answer}]
+        return web.json_response({"output": output, "engine": self.port})
 
     async def metrics(self, request: web.Request) -> web.Response:
         usage = len(self.cache) / CACHE_BLOCKS
@@ -279,7 +281,8 @@ async def serve(count: int, slow_index: int | None) -> None:
         await site.start()
         runners.append(runner)
         engines.append(engine)
-        ports.append(int(runner.addresses[0][1]))
+        engine.port = int(runner.addresses[0][1])
+        ports.append(engine.port)
     print(json.dumps({"ports": ports}), flush=True)
     await asyncio.to_thread(sys.stdin.read)  # until the bench closes our stdin
     for engine in engines:
@@ -360,6 +363,7 @@ async def work(
             assert time.monotonic() < deadline, "the head pushed no load for every engine within 60 s"
             await asyncio.sleep(0.05)
     latencies: list[float] = []
+    calls: list[tuple[int, int, int, int, float, float]] = []  # prompt, rollout, turn, engine port, sent, answered
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
     seed = workload.seed
@@ -373,13 +377,13 @@ async def work(
             if picker == "default (ServerClient)":
                 with rollout_context(rollout_id):
                     async with await client.post(NAME, "/v1/responses", json=body) as response:
-                        await response.read()
+                        answer = await response.json()
                         assert response.status == 200, (picker, response.status)
             elif picker == "default":  # ServerClient's routing code, sent as the other pickers send
                 call = RoutedCall(route, rollout_id, "/v1/responses", None, prompt_key(body))
                 try:
                     async with session.post(call.instance.url + "/v1/responses", json=body) as response:
-                        await response.read()
+                        answer = await response.json()
                 except BaseException as error:
                     call.failed(error)
                     raise
@@ -395,9 +399,11 @@ async def work(
                 else:  # oracle
                     url = urls[prompt % len(urls)]
                 async with session.post(url + "/v1/responses", json=body, headers=headers) as response:
-                    await response.read()
+                    answer = await response.json()
                     assert response.status == 200, (picker, response.status)
-            latencies.append(time.monotonic() - started)
+            ended = time.monotonic()
+            latencies.append(ended - started)
+            calls.append((prompt, rollout, number, answer["engine"], started, ended))
 
         async def rollout(prompt: int, index: int) -> None:
             for number in range(workload.turns):
@@ -419,7 +425,7 @@ async def work(
         await asyncio.gather(*(limited(prompt) for prompt in mine))
         ended = time.monotonic()
     await close_http_sessions()
-    return {"started": started, "ended": ended, "latencies": latencies}
+    return {"started": started, "ended": ended, "latencies": latencies, "calls": calls}
 
 
 # --- the bench -------------------------------------------------------------------------------------------------
@@ -566,7 +572,81 @@ def _run_picker(
         "hit_rate": cached / (cached + prefill),
         "p99": percentile(latencies, 0.99),
         "calls": [engine["calls"] for engine in per_engine],
+        "started": min(result["started"] for result in results),
+        "timeline": [
+            [worker, *call] for worker, result in enumerate(results) for call in result["calls"]
+        ],  # worker, prompt, rollout, turn, engine port, sent, answered
+        "ports": ports,
     }
+
+
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds the union of the spans covers."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def timeline_summary(row: dict[str, Any]) -> dict[str, Any]:
+    """Where one run's time went, from each call's engine, send and answer times (`row["timeline"]`): per engine,
+    the share of the makespan it had no call (idle) and had calls of 2+ groups at once (shared), the time from its
+    last answer to the run's end (its tail); per group, the time from its first call sent to its last answered."""
+    t0, makespan = row["started"], row["makespan"]
+    end = t0 + makespan
+    by_engine: dict[int, list[tuple[int, float, float]]] = collections.defaultdict(list)
+    groups: dict[int, list[float]] = {}
+    for _worker, prompt, _rollout, _turn, engine, sent, answered in row["timeline"]:
+        by_engine[engine].append((prompt, sent, answered))
+        span = groups.setdefault(prompt, [sent, answered])
+        span[0], span[1] = min(span[0], sent), max(span[1], answered)
+    idle, shared, tails, groups_on = [], [], [], []
+    for port in row["ports"]:
+        calls = by_engine.get(port, [])
+        idle.append(1 - _covered([(sent, answered) for _, sent, answered in calls]) / makespan)
+        tails.append(end - max((answered for _, _, answered in calls), default=t0))
+        # a group is at an engine from its first call sent there to its last answered there
+        spans: dict[int, list[float]] = {}
+        for prompt, sent, answered in calls:
+            span = spans.setdefault(prompt, [sent, answered])
+            span[0], span[1] = min(span[0], sent), max(span[1], answered)
+        groups_on.append(len(spans))
+        edges = sorted([(start, 1) for start, _ in spans.values()] + [(stop, -1) for _, stop in spans.values()])
+        depth, last, two = 0, t0, 0.0
+        for at, step in edges:
+            if depth >= 2:
+                two += at - last
+            depth, last = depth + step, at
+        shared.append(two / makespan)
+    durations = [stop - start for start, stop in groups.values()]
+    return {
+        "idle": idle,
+        "shared": shared,
+        "tails": tails,
+        "groups_on": groups_on,
+        "group_median": statistics.median(durations),
+        "group_max": max(durations),
+        "group_sum": sum(durations),
+    }
+
+
+def timeline_lines(runs: list[list[dict[str, Any]]]) -> list[str]:
+    """One line per picker and run: the engines' idle and shared shares, tails, groups, and the groups' times."""
+    lines = []
+    for seed, run in enumerate(runs):
+        for row in run:
+            summary = timeline_summary(row)
+            idle = " ".join(f"{value:.0%}" for value in summary["idle"])
+            shared = " ".join(f"{value:.0%}" for value in summary["shared"])
+            tails = " ".join(f"{value:.2f}" for value in summary["tails"])
+            lines.append(
+                f"seed {seed} {row['picker']:<28} makespan {row['makespan']:.2f} s | idle {idle} | 2+ groups "
+                f"{shared} | tail {tails} s | groups {summary['groups_on']} | group median "
+                f"{summary['group_median']:.2f} max {summary['group_max']:.2f} sum {summary['group_sum']:.1f} s"
+            )
+    return lines
 
 
 PICKERS = ("round robin", "rendezvous", "default", "default (ServerClient)", "oracle")
@@ -701,6 +781,10 @@ def main() -> None:
     run_args.add_argument("--seeds", type=int, default=3, help="runs of each scenario, each its own texts and ids")
     run_args.add_argument("--only", choices=("even", "slow", "pick"), help="one scenario only")
     run_args.add_argument(
+        "--timeline",
+        help="also write every call's engine, send and answer times there (JSON), and print where time went",
+    )
+    run_args.add_argument(
         "--out", help="also write the tables there (make bench puts bench/ENGINES.md in RESULTS.md)"
     )
     args = parser.parse_args()
@@ -721,6 +805,7 @@ def main() -> None:
         f"where calls land; times are simulated steps (x{TIME_SCALE:g}) on a machine shared with other work, so "
         "each ratio is taken within one run, then its median (and range) over the seeds' runs."
     ]
+    timelines: dict[str, list[list[dict[str, Any]]]] = {}
     if args.only in (None, "even"):
         runs = []
         for seed in range(args.seeds):
@@ -729,6 +814,7 @@ def main() -> None:
         shape = f"{args.prompts} prompts x {args.group} rollouts x {args.turns} turns, 2 workers, 2 groups each"
         time_base = ROUTER_PICKERS[0] if routers else None
         parts.append(table(f"4 engines, {shape}", runs, "rendezvous", time_base))
+        timelines["even"] = runs
     if args.only in (None, "slow"):
         runs = []
         for seed in range(args.seeds):
@@ -740,6 +826,7 @@ def main() -> None:
         parts.append(
             table(f"8 engines, the first 4x slower (prefill and decode), {shape}", runs, "rendezvous", None)
         )
+        timelines["slow"] = runs
     if args.only in (None, "pick"):
         cost = pick_cost()
         parts.append(
@@ -753,6 +840,10 @@ def main() -> None:
         )
     report = "\n\n".join(parts)
     print(report)
+    if args.timeline:
+        Path(args.timeline).write_text(json.dumps(timelines), encoding="utf-8")
+        for name, runs in timelines.items():
+            print(f"\nWhere time went ({name}):", *timeline_lines(runs), sep="\n")
     if args.out:  # the file's hand-written head (the constants' sources) is kept, up to the marker
         out = Path(args.out)
         old = out.read_text(encoding="utf-8") if out.exists() else ""

@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 
-from bench.engines import BLOCK_TOKENS, OUTPUT_TOKENS, SYSTEM_TOKENS, TASK_TOKENS, TOOL_TOKENS, turn_body
+from bench.engines import (
+    BLOCK_TOKENS,
+    OUTPUT_TOKENS,
+    SYSTEM_TOKENS,
+    TASK_TOKENS,
+    TOOL_TOKENS,
+    timeline_summary,
+    turn_body,
+)
 from tests.support import REPO_ROOT
 
 
@@ -49,7 +57,7 @@ def call(port: int, path: str, body: dict[str, Any] | None = None) -> Any:
 def test_the_simulated_engine_prefills_only_what_its_cache_lacks(engines: list[int]) -> None:
     first, other = engines
     prompt = SYSTEM_TOKENS + TASK_TOKENS
-    call(first, "/v1/responses", turn_body(3, 0, 0))
+    assert call(first, "/v1/responses", turn_body(3, 0, 0))["engine"] == first  # each answer names its engine
     assert call(first, "/stats") == {"prefill": prompt, "cached": 0, "calls": 1}
     call(first, "/v1/responses", turn_body(3, 1, 1))  # rollout 1's second turn: the prompt's full blocks are held
     held = prompt // BLOCK_TOKENS * BLOCK_TOKENS
@@ -65,3 +73,25 @@ def test_the_simulated_engine_prefills_only_what_its_cache_lacks(engines: list[i
         assert name in metrics
     call(first, "/reset")
     assert call(first, "/stats") == {"prefill": 0, "cached": 0, "calls": 0}
+
+
+def test_the_timeline_tells_idle_engines_and_groups_sharing_one() -> None:
+    """Where a run's time went, from each call's engine and times: engine 1 holds two groups at once for 1 s of
+    the run's 4 and is idle for none; engine 2 is idle for 3 s of it, its last answer 1 s before the end."""
+    row = {
+        "started": 100.0,
+        "makespan": 4.0,
+        "ports": [1, 2],
+        "timeline": [  # worker, prompt, rollout, turn, engine, sent, answered
+            [0, 0, 0, 0, 1, 100.0, 102.0],
+            [0, 0, 1, 0, 1, 100.0, 102.0],
+            [1, 1, 0, 0, 1, 101.0, 104.0],
+            [1, 2, 0, 0, 2, 102.0, 103.0],
+        ],
+    }
+    summary = timeline_summary(row)
+    assert summary["idle"] == [0.0, 0.75]
+    assert summary["shared"] == [0.25, 0.0]
+    assert summary["tails"] == [0.0, 1.0]
+    assert summary["groups_on"] == [2, 1]
+    assert summary["group_max"] == 3.0 and summary["group_sum"] == 6.0
