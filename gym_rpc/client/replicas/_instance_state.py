@@ -69,6 +69,7 @@ class Instance:
         "last_failure",
         "latency",
         "latency_at",
+        "left_at",
         "on_probation",
         "origin",
         "own_peak",
@@ -99,6 +100,10 @@ class Instance:
         self.engine_load = 0
         self.own_peak = 0
         self.own_peak_at = 0.0
+        # When this process's last model call here was answered with none left in flight (0.0: never): a figure
+        # the head read after that counts none of this process's calls; and a worker's next group goes where its
+        # last one just ended (its `home`, prefix-affine picking).
+        self.left_at = 0.0
         # A model server's calls' time to their answers' headers as this process saw them (an EWMA; 0.0: none yet),
         # when the last came, and whether that makes it slow against the others (prefix-affine picking).
         self.latency = 0.0

@@ -102,6 +102,9 @@ SLOW_FORGET_SECONDS = 30.0
 # How far back this process's own calls at an instance are taken off its engine's figure: the head reads each
 # engine every 0.5 s and pushes at most every 0.25 s, so a figure is up to about a second old when read here.
 OWN_PEAK_SECONDS = 1.0
+# A worker's next group goes where its last one ended (no call of its own left there) within this long: a GRPO
+# dispatcher starts the next group as the last ends, within milliseconds.
+HOME_SECONDS = 0.25
 
 Selector = Mapping[str, str]
 
@@ -169,6 +172,7 @@ class ServerRoute:
         "affine",
         "any_slow",
         "by_id",
+        "by_task",
         "cap",
         "engine_loads",
         "engine_total",
@@ -177,6 +181,8 @@ class ServerRoute:
         "in_flight_total",
         "instances",
         "joins",
+        "key_order",
+        "last_left",
         "loads_at",
         "lock",
         "moves_rollouts",
@@ -213,6 +219,11 @@ class ServerRoute:
         # prompt slot -> its PREFERRED instances, for the pool they were ranked in (`preferred_pool`)
         self.preferred: dict[int, tuple[Instance, ...]] = {}
         self.preferred_pool: tuple[Instance, ...] = ()
+        # task number modulo the pool's size -> its PREFERRED instances: the pool in its keys' order (`key_order`),
+        # from that position on
+        self.by_task: dict[int, tuple[Instance, ...]] = {}
+        self.key_order: tuple[Instance, ...] = ()
+        self.last_left: Instance | None = None  # where a group's call last left none of this process's: the home
         self.groups: dict[int, Group] = {}  # prompt number -> where its group goes
         self.any_slow = False  # whether an instance is `slow` now (the picks then leave it out)
         self.policy = policy
@@ -414,11 +425,11 @@ class ServerRoute:
         else:
             fresh = FRESH_RATIO * average + FRESH_SLACK
             if group is None:
-                chosen = self._preferred_under(prompt % SLOTS, candidates, fresh, None)
+                chosen = self._place_group(prompt, rollout, candidates, fresh, None)
             else:
                 chosen = group.instance
                 if not chosen.candidate or chosen.slow or _load_beside(chosen, group) >= stay:
-                    chosen = self._preferred_under(prompt % SLOTS, candidates, fresh, group)
+                    chosen = self._place_group(prompt, rollout, candidates, fresh, group)
             if group is None or group.instance is not chosen:
                 group = self._group_at(prompt, chosen)
         if pin is None:
@@ -441,22 +452,88 @@ class ServerRoute:
         groups[prompt] = group = Group(instance)
         return group
 
-    def _preferred_under(
-        self, slot: int, candidates: tuple[Instance, ...], bound: float, group: Group | None
+    def _place_group(
+        self, prompt: int, rollout: str | None, candidates: tuple[Instance, ...], bound: float, group: Group | None
     ) -> Instance:
-        """The least loaded (beside the group's own calls) of the slot's preferred instances that are not slow,
-        the first preferred on a tie, while its load is under `bound`; else two random choices among the
-        instances that are not slow. Of d choices the least loaded spreads whole groups evenly (Mitzenmacher),
-        and every worker has the same d to choose from."""
-        if self.preferred_pool is not candidates:  # the pool changed: every slot is ranked again when next used
-            self.preferred, self.preferred_pool = {}, candidates
+        """Where a group (new, or leaving an instance it cannot stay on) goes.
+
+        * While other calls run on the route: where this process's last group just ended (`home`: none of its
+          calls left there, within HOME_SECONDS), if the engine reports no other worker's calls there. This
+          process knows that instance is free now; the figures of the others are up to a second old, and two
+          workers placing at once by them pile onto one instance while another idles.
+        * If the engine there reports no more calls than this process had (two workers' groups met there and may
+          end together, or the figure is from before they did), the home counts as free among the prompt's
+          preferred instances: each prompt's order differs, so one of the two workers stays and the other goes.
+        * Else the least loaded of the group's preferred instances under `bound`, the first on a tie
+          (`preferred_for`: by its task number when its rollout id has one, so that groups dispatched in task
+          order spread over the instances before any load shows)."""
+        home = self.last_left
+        if (
+            home is not None
+            and not home.in_flight
+            and home.candidate
+            and not home.slow
+            and _monotonic() - home.left_at < HOME_SECONDS
+            and self.in_flight_total + self.engine_total
+        ):
+            if not home.engine_load:
+                return home
+            if home.engine_load <= home.own_peak:  # no more than its own were: a group ending with its own?
+                preferred = self._by_prompt(prompt, candidates)
+                if home in preferred:
+                    return self._least_loaded(preferred, candidates, bound, group, home)
+        return self._least_loaded(self.preferred_for(prompt, rollout, candidates), candidates, bound, group, None)
+
+    def preferred_for(
+        self, prompt: int, rollout: str | None, candidates: tuple[Instance, ...]
+    ) -> tuple[Instance, ...]:
+        """A new group's PREFERRED instances, in order, the same in every worker: when its rollout id is NeMo
+        Gym's `<task>-<rollout>`, the instances (in their keys' order) from its task number modulo their count
+        on, so consecutive tasks start on consecutive instances; else its prompt's slot's rendezvous order."""
+        task = _task_of(rollout)
+        if task is None:
+            return self._by_prompt(prompt, candidates)
+        if self.preferred_pool is not candidates:
+            self._rank(candidates)
+        start = task % len(candidates)
+        preferred = self.by_task.get(start)
+        if preferred is None:
+            ordered = self.key_order
+            count = min(PREFERRED, len(ordered))
+            preferred = self.by_task[start] = tuple(ordered[(start + i) % len(ordered)] for i in range(count))
+        return preferred
+
+    def _by_prompt(self, prompt: int, candidates: tuple[Instance, ...]) -> tuple[Instance, ...]:
+        """The prompt's PREFERRED instances: its slot's rendezvous order (Group placement when no task number)."""
+        if self.preferred_pool is not candidates:
+            self._rank(candidates)
+        slot = prompt % SLOTS
         preferred = self.preferred.get(slot)
         if preferred is None:
             preferred = self.preferred[slot] = top_choices(slot, candidates, PREFERRED)
+        return preferred
+
+    def _rank(self, candidates: tuple[Instance, ...]) -> None:
+        """The pool changed: every order is made again when next used."""
+        self.preferred, self.by_task, self.preferred_pool = {}, {}, candidates
+        self.key_order = tuple(sorted(candidates, key=lambda instance: instance.key))
+
+    def _least_loaded(
+        self,
+        preferred: tuple[Instance, ...],
+        candidates: tuple[Instance, ...],
+        bound: float,
+        group: Group | None,
+        free: Instance | None,
+    ) -> Instance:
+        """The least loaded (beside the group's own calls; `free` taken as 0) of the preferred instances that are
+        not slow, the first preferred on a tie, while its load is under `bound`; else two random choices among the
+        instances that are not slow. Of d choices the least loaded spreads whole groups evenly (Mitzenmacher),
+        and every worker has the same d to choose from."""
         best, least = None, bound
         for instance in preferred:
             if not instance.slow:
-                load = _load_beside(instance, group)
+                load = 0 if instance is free else _load_beside(instance, group)
                 if load < least:
                     best, least = instance, load
         if best is not None:
@@ -479,7 +556,11 @@ class ServerRoute:
                 if own >= instance.own_peak or now - instance.own_peak_at > OWN_PEAK_SECONDS:
                     instance.own_peak, instance.own_peak_at = own, now
                 figure = 0 if load is None else int((load.waiting or 0) + (load.running or 0))
-                instance.engine_load = figure - instance.own_peak if figure > instance.own_peak else 0
+                mine = instance.own_peak
+                read_at = None if load is None or load.age_seconds is None else now - load.age_seconds
+                if not own and read_at is not None and read_at > instance.left_at:  # read after they all ended
+                    mine = 0
+                instance.engine_load = figure - mine if figure > mine else 0
                 total += instance.engine_load
             if instance.latency and now - instance.latency_at > SLOW_FORGET_SECONDS:
                 instance.latency = 0.0  # no answer lately: forgotten, so a slow instance gets a try again
@@ -501,11 +582,11 @@ class ServerRoute:
             self.any_slow = False
         self.loads_at = now + ENGINE_LOAD_READ_SECONDS
 
-    def answered_in(self, instance: Instance, seconds: float) -> None:
-        """A model call's answer (its headers) came after `seconds`: the instance's latency figure."""
+    def answered_in(self, instance: Instance, seconds: float, now: float) -> None:
+        """A model call's answer (its headers) came after `seconds`, at `now`: the instance's latency figure."""
         previous = instance.latency
         instance.latency = seconds if not previous else previous + LATENCY_WEIGHT * (seconds - previous)
-        instance.latency_at = _monotonic()
+        instance.latency_at = now
 
     def _alias(self, pin: Pin, rollout: str | None, session: str | None) -> None:
         pins = self.pins
@@ -606,6 +687,16 @@ class ServerRoute:
         if len(pins) >= MAX_PINS and key not in pins:
             pins = self.pins = dict(itertools.islice(pins.items(), MAX_PINS // 2, None))
         pins[key] = pin
+
+
+def _task_of(rollout: str | None) -> int | None:
+    """The task number of a NeMo Gym rollout id (`<task>-<rollout>`, `-a<n>` after for a retry), else None."""
+    if rollout is None:
+        return None
+    task, dash, _ = rollout.partition("-")
+    if not dash or not task.isdigit() or len(task) > 18:
+        return None
+    return int(task)
 
 
 def _load_beside(instance: Instance, group: Group | None) -> int:
@@ -713,18 +804,23 @@ class RoutedCall:
     def answered(self, response: aiohttp.ClientResponse, deadline: float | None = None) -> None:
         """The answer's headers came: a 5xx is a failure; any other answer succeeds once its body is read whole
         (told by its connection's release: `ServerRoute.body_ended`), or at once when it came whole already."""
-        instance = self.instance
-        with self.route.lock:
+        instance, route = self.instance, self.route
+        now = _monotonic() if self.started else 0.0  # a model call's (prefix-affine picking reads these)
+        with route.lock:
             instance.in_flight -= 1
-            self.route.in_flight_total -= 1
+            route.in_flight_total -= 1
+            if now and not instance.in_flight:  # this process's last call there ended
+                instance.left_at = now
+                if self.group is not None:  # a group's: its worker's next group's home
+                    route.last_left = instance
             if self.group is not None:
                 self.group.calls -= 1
                 self.group = None
         if response.status >= 500:
-            self.route.failed_with(instance, f"HTTP {response.status}")
+            route.failed_with(instance, f"HTTP {response.status}")
             return
-        if self.started and response.status < 400:  # an answer, not a refusal (a 429 comes back fast)
-            self.route.answered_in(instance, _monotonic() - self.started)
+        if now and response.status < 400:  # an answer, not a refusal (a 429 comes back fast)
+            route.answered_in(instance, now - self.started, now)
         connection = response.connection
         if connection is None:  # no body, or all of it read with the headers: the connection is free already
             self.route.succeeded(instance)

@@ -28,6 +28,7 @@ import pytest
 
 from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.client.data._rollout import rollout_context
+from gym_rpc.client.replicas import _routing
 from gym_rpc.client.replicas._instance_state import InstanceState
 from gym_rpc.client.replicas._outliers import OutlierDetection
 from gym_rpc.client.replicas._picker import (
@@ -580,7 +581,9 @@ async def test_a_groups_rollouts_and_their_turns_go_to_one_model_instance_in_eve
     await call(workers[0])  # the route is made at the first call
     # 4 prompts preferring each instance (16 prompts taken in turn left one instance without any in 1 run of ~25)
     preferred = {
-        task_preferring(workers[0], replica.port, skip): replica.port for replica in fleet for skip in range(4)
+        task_preferring(workers[0], replica.port, skip, by_task=True): replica.port
+        for replica in fleet
+        for skip in range(4)
     }
     where: dict[int, set[int]] = collections.defaultdict(set)
     for task in preferred:
@@ -593,14 +596,16 @@ async def test_a_groups_rollouts_and_their_turns_go_to_one_model_instance_in_eve
     assert route_of(workers[0]).affine
 
 
-def task_preferring(client: ServerClient, port: int, skip: int = 0) -> int:
-    """A task whose prompt's first preferred instance (its slot's rendezvous order) is the one at `port`; the
-    `skip`-th such task from 1,000 on."""
+def task_preferring(client: ServerClient, port: int, skip: int = 0, by_task: bool = False) -> int:
+    """A task whose group's first preferred instance is the one at `port`, the `skip`-th such task from 1,000 on:
+    its prompt's slot's rendezvous order, or with `by_task` the order of a call whose rollout id names the task
+    (`<task>-<rollout>`)."""
     route = route_of(client)
     for task in range(1000, 100000):
         key = prompt_key(turn_body(task))
         assert key is not None
-        if top_choices(key % SLOTS, route.pool, 1)[0].instance_id == f"{LOOPBACK}:{port}":
+        rollout = f"{task}-0" if by_task else None
+        if route.preferred_for(key, rollout, route.pool)[0].instance_id == f"{LOOPBACK}:{port}":
             if skip == 0:
                 return task
             skip -= 1
@@ -686,6 +691,100 @@ async def test_an_engine_reporting_a_long_queue_loses_new_rollouts_until_its_fig
     assert {await body_at(client, turn_body(again)) for _ in range(6)} == {preferred}
 
 
+def first_by_prompt(client: ServerClient, task: int) -> str:
+    """The instance id first in the task's prompt's slot's rendezvous order (where a new group went before task
+    numbers ordered them)."""
+    route = route_of(client)
+    key = prompt_key(turn_body(task))
+    assert key is not None
+    return top_choices(key % SLOTS, route.pool, 1)[0].instance_id
+
+
+async def test_groups_of_consecutive_tasks_from_two_workers_start_on_distinct_instances(replica_servers) -> None:
+    """Two workers dispatch groups in task order, each every other task, all at once, before any load shows:
+    consecutive task numbers start on consecutive instances (in their keys' order, the same in every worker),
+    so the four groups take the four instances. By prompt alone (each prompt's rendezvous order), two workers
+    that see nothing of each other put two of these groups on one instance."""
+    fleet = await replica_servers(4)
+    doc = replicated_doc([replica.port for replica in fleet])
+    workers = [client_of(doc), client_of(doc)]
+    await call(workers[0])  # the routes are made at the first call
+    await call(workers[1])
+    for replica in fleet:
+        replica.calls = 0
+        replica.hold = asyncio.Event()
+    # tasks whose prompts' rendezvous orders put the first two groups on one instance
+    first = next(
+        t for t in range(1000, 100000) if first_by_prompt(workers[0], t) == first_by_prompt(workers[0], t + 1)
+    )
+    rollouts = []
+    for task in range(first, first + 4):
+        for n in range(8):
+            with rollout_context(f"{task}-{n}"):
+                rollouts.append(asyncio.create_task(body_at(workers[task % 2], turn_body(task, 0, n))))
+    try:
+        await eventually(lambda: sum(replica.calls for replica in fleet) == 32, within=10, every=0.005)
+        assert sorted(replica.calls for replica in fleet) == [8, 8, 8, 8]
+    finally:
+        for replica in fleet:
+            replica.hold.set()
+    placed = [await task for task in rollouts]
+    assert all(len(set(placed[g * 8 : g * 8 + 8])) == 1 for g in range(4))  # each group on one instance
+    for worker in workers:
+        route = route_of(worker)
+        assert sum(instance.in_flight for instance in route.instances) == route.in_flight_total == 0
+
+
+async def test_a_workers_next_group_goes_where_its_last_group_just_ended(replica_servers, monkeypatch) -> None:
+    """While other calls run, a worker's next group goes to the instance its last group just left (that one is
+    free now for certain; the others' figures may be a second old, and two workers placing at once by them pile
+    onto one), not to its own first preferred instance; unless the engine there reports more calls of other
+    workers than this worker had there: then by its order."""
+    monkeypatch.setattr(_routing, "HOME_SECONDS", 0.0)  # no home until the group that makes one has ended
+    fleet = await replica_servers(4)
+    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    await call(client)
+    route = route_of(client)
+    held, done = fleet[0], fleet[1]
+    free = [replica.port for replica in fleet[2:]]
+
+    def task_first_at(port: int) -> int:  # a task whose task number and prompt both put it first at `port`
+        for task in range(1000, 100000):
+            key = prompt_key(turn_body(task))
+            assert key is not None
+            by_task = route.preferred_for(key, f"{task}-0", route.pool)[0].instance_id
+            if by_task == first_by_prompt(client, task) == f"{LOOPBACK}:{port}":
+                return task
+        raise AssertionError("no such task")
+
+    held.hold = asyncio.Event()
+    busy = task_first_at(held.port)
+    running = []
+    for n in range(8):  # another group of this worker, in flight all along
+        with rollout_context(f"{busy}-{n}"):
+            running.append(asyncio.create_task(body_at(client, turn_body(busy, 0, n))))
+    try:
+        await eventually(lambda: held.calls >= 8, within=10, every=0.005)
+        last = task_first_at(done.port)
+        for n in range(8):  # a group that ends at `done`
+            with rollout_context(f"{last}-{n}"):
+                assert await body_at(client, turn_body(last, 0, n)) == done.port
+        monkeypatch.setattr(_routing, "HOME_SECONDS", 3600.0)  # however long the machine takes between the calls
+        following = task_first_at(free[0])
+        with rollout_context(f"{following}-0"):
+            assert await body_at(client, turn_body(following, 0, 0)) == done.port  # home, not its own first
+        assert client._routing is not None
+        others = EngineLoad(NAME, f"{LOOPBACK}:{done.port}", waiting=0, running=8, age_seconds=0.0)
+        client._routing.engine_loads.apply([others])  # another worker's group there, read after ours ended
+        await asyncio.sleep(ENGINE_LOAD_READ_SECONDS * 1.1)  # the route reads the table at most this often
+        after = task_first_at(free[1])
+        with rollout_context(f"{after}-0"):
+            assert await body_at(client, turn_body(after, 0, 0)) == free[1]
+    finally:
+        held.hold.set()
+    assert {await task for task in running} == {held.port}
+
+
 async def test_a_slow_instance_gets_no_new_group_and_its_rollouts_move(replica_servers) -> None:
     """An instance whose answers take over 2.5x the median instance's (an engine 4x slower, or one with a long
     queue) takes no new group while the others can, and a rollout placed there moves at its next turn; the
@@ -695,7 +794,7 @@ async def test_a_slow_instance_gets_no_new_group_and_its_rollouts_move(replica_s
     await call(client)  # the route is made at the first call
     slow = fleet[0]
     slow.delay = 3.0  # slow is over 2.5x the median: 3 s keeps that true while the others answer within 1.2 s
-    warm = [task_preferring(client, replica.port) for replica in fleet]
+    warm = [task_preferring(client, replica.port, by_task=True) for replica in fleet]
     placed = {}
     for task in warm:  # one group on each instance, answered: each instance's latency is known
         with rollout_context(f"{task}-0"):
