@@ -14,7 +14,8 @@ made while they are still writing is held, and goes out `quiet_seconds` after th
 after that, while changes keep coming). Pushed back to back instead, each push carried the one registration the
 loop took during the last, and a storm of 1,000 changes took a minute to register (bench/SCALE.md). Watchers that
 have not come back after `max_delay_seconds` of no other coming back (a stream that ended mid-write) are not
-waited for.
+waited for; before the first comes back (the loop's first pass over 10,000 of them can take longer than that on a
+loaded machine) a push is waited for up to MAX_PUSH_DELAY_SECONDS.
 
 The prober tells `Pushes` of every revision it makes (`changed`, in its event loop, synchronously); watchers wait
 on `wake` and read `revision`, the last revision pushed. A push wakes every waiting watcher, and watchers that also
@@ -75,10 +76,16 @@ class Pushes:
         self._timer = loop.call_later(self.quiet_seconds, self._due)
 
     def _writing(self, now: float) -> bool:
-        """Whether watchers are still writing the last push: some have not come back, and one did (or the push
-        was made) less than `max_delay_seconds` ago. Those that stay away longer are not waited for."""
-        if self._out and now - self._written_at() < self.max_delay_seconds:
-            return True
+        """Whether watchers are still writing the last push: some have not come back, and either none has yet
+        (the loop's first pass over thousands of them can outlast the max delay; waited for up to
+        MAX_PUSH_DELAY_SECONDS) or one came back less than `max_delay_seconds` ago. Those that stay away longer
+        after the rest (a stream that ended mid-write) are not waited for."""
+        if self._out:
+            if self._last_back < self._last_push:  # none back yet
+                if now - self._last_push < MAX_PUSH_DELAY_SECONDS:
+                    return True
+            elif now - self._last_back < self.max_delay_seconds:
+                return True
         self._out = 0
         return False
 
