@@ -66,9 +66,11 @@ lowest-versions-venv: $(STAMP)
 
 # The suite runs on parallel workers (pytest-xdist), each test module whole on one worker, so its module fixtures (a
 # PKI, a Go build, a wheel) are made once. More workers than the 2 cores: most tests wait on sockets, timers and
-# subprocesses. Tests marked `load` (floods, timings) then run alone, after the rest; either run failing fails.
+# subprocesses. Modules are handed out in the order tests/support/tiers.py sorts them (builds, then the modules that
+# start the most processes), not xdist's by number of tests, which handed the long build modules out late. Tests
+# marked `load` (floods, timings) then run alone, after the rest; either run failing fails.
 TEST_WORKERS ?= 4
-PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadscope
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 test: lint nemo-gym-venv lowest-versions-venv
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not load"; parallel=$$?; \

@@ -100,6 +100,47 @@ def test_the_unmarked_ones_can_be_recorded_instead(tmp_path: Path) -> None:
     ]
 
 
+def _module(*tests: tuple[str, str]) -> str:
+    """A test module of empty tests, each `(marker or "", name)`."""
+    return "import pytest\n" + "".join(
+        f"\n{f'@pytest.mark.{marker}' if marker else ''}\ndef test_{name}():\n    pass\n" for marker, name in tests
+    )
+
+
+@pytest.mark.process
+def test_modules_with_builds_then_with_the_most_processes_are_handed_out_first(tmp_path: Path) -> None:
+    """Parallel workers take whole modules in collection order (`--no-loadscope-reorder`): a module with a build
+    first, then the one with more tests that start processes, in-process ones last, each in its own order. xdist's
+    own order (by number of tests) would hand out the in-process module of three tests first."""
+    (tmp_path / "conftest.py").write_text(_CONFTEST, encoding="utf-8")
+    (tmp_path / "test_a_in_process.py").write_text(_module(("", "1"), ("", "2"), ("", "3")), encoding="utf-8")
+    (tmp_path / "test_b_processes.py").write_text(_module(("process", "1"), ("process", "2")), encoding="utf-8")
+    (tmp_path / "test_c_build.py").write_text(
+        _module(("", "first"), ("build", "built"), ("process", "started")), encoding="utf-8"
+    )
+    command = [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    result = subprocess.run(
+        [*command, "--rootdir", str(tmp_path), str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    collected = [line for line in result.stdout.splitlines() if "::" in line]
+    assert collected == [
+        "test_c_build.py::test_first",
+        "test_c_build.py::test_built",
+        "test_c_build.py::test_started",
+        "test_b_processes.py::test_1",
+        "test_b_processes.py::test_2",
+        "test_a_in_process.py::test_1",
+        "test_a_in_process.py::test_2",
+        "test_a_in_process.py::test_3",
+    ], result.stdout + result.stderr
+    parallel = re.search(r"^PYTEST_PARALLEL := (.*)$", (ROOT / "Makefile").read_text(encoding="utf-8"), re.M)
+    assert parallel is not None and "--dist loadscope --no-loadscope-reorder" in parallel.group(1)
+
+
 def test_every_module_and_test_tiers_txt_lists_exists() -> None:
     listed = listed_tiers()
     assert set(listed) == set(TIERS)
