@@ -314,7 +314,13 @@ def fleet_lines(scale: Path | None = None) -> list[str]:
         if start in text and end in text:
             section = text.split(start, 1)[1].split(end, 1)[0].strip("\n")
             lines += ["", *(("#" + line if line.startswith("## ") else line) for line in section.splitlines())]
-    return [FLEET_TITLE, *lines] if lines else []
+    if not lines:
+        return []
+    note = (
+        "What each run was, what changed between runs and later runs of one W: the notes after each section in "
+        "bench/SCALE.md."
+    )
+    return [FLEET_TITLE, "", note, *lines]
 
 
 ENGINES_PATH = Path(__file__).resolve().parent / "ENGINES.md"

@@ -273,6 +273,9 @@ def test_results_take_the_fleet_sections_of_the_scale_report(tmp_path: Path) -> 
     assert fleet_lines(scale) == [
         FLEET_TITLE,
         "",
+        "What each run was, what changed between runs and later runs of one W: the notes after each section in "
+        "bench/SCALE.md.",
+        "",
         "### A storm",
         "",
         "| 1000 | b |",
