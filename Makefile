@@ -93,7 +93,8 @@ demo: $(DEMO_STAMP)
 	$(DEMO_VENV)/bin/gym-rpc demo
 
 # Benchmarks against baselines measured in the same run (~6 min); prints the ratio table, writes bench/RESULTS.md.
-# Not part of `make test` (tests/bench/test_bench_smoke.py runs `python -m bench --quick` so the code cannot rot).
+# Not part of `make test` (tests/bench/test_bench_smoke.py runs `python -m bench --quick`, test_bench_restart.py and
+# test_bench_relay.py the others, so the code cannot rot).
 bench: $(STAMP)
 	$(BIN)/python -m bench
 

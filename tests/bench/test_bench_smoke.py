@@ -1,45 +1,17 @@
 """`python -m bench --quick` runs every benchmark at tiny sizes (real server processes on loopback) and prints the
 ratio table, and `python -m bench.scale --quick` does the same for the scale report, so the bench code cannot rot
 between `make bench` runs. The figures of a quick run mean nothing; only that each benchmark ran and reported is
-checked. Both run at once: each spends most of its 10 s (quiet machine) starting and awaiting its own processes."""
+checked. Both run at once: each spends much of its time starting and awaiting its own processes. They flood the
+machine (2,048 connections at once), so `make test` runs them alone (`load`); the smaller restart and relay runs
+have modules of their own (test_bench_restart.py, test_bench_relay.py), run by the parallel workers (`build`)."""
 
 from __future__ import annotations
 
-import contextlib
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support import REPO_ROOT
-
-
-@contextlib.contextmanager
-def quick_runs(tmp_path: Path, *modules: str) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
-    """`python -m MODULE --quick --out tmp/MODULE.md` for each module at once, stdout and stderr into files (no
-    pipe to fill while the other is awaited); every one still running at exit is killed."""
-    runs: dict[str, subprocess.Popen[bytes]] = {}
-    try:
-        for module in modules:
-            with (tmp_path / f"{module}.out").open("wb") as out, (tmp_path / f"{module}.err").open("wb") as err:
-                command = [sys.executable, "-m", module, "--quick", "--out", str(tmp_path / f"{module}.md")]
-                runs[module] = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=err)
-        yield runs
-    finally:
-        for run in runs.values():
-            if run.poll() is None:
-                run.kill()
-            run.wait(timeout=10)
-
-
-def finished(tmp_path: Path, module: str, run: subprocess.Popen[bytes]) -> tuple[str, str]:
-    """The run's stdout and report, once it exited 0 (180 s: a hang guard, several times a loaded machine's)."""
-    code = run.wait(timeout=180)
-    assert code == 0, (tmp_path / f"{module}.err").read_text(encoding="utf-8")[-3000:]
-    stdout = (tmp_path / f"{module}.out").read_text(encoding="utf-8")
-    return stdout, (tmp_path / f"{module}.md").read_text(encoding="utf-8")
+from tests.support.bench import finished, quick_runs
 
 
 @pytest.mark.timeout(2 * 180 + 30)  # the runs' own hang guards (`finished`), not the suite's 60 s per test
@@ -48,20 +20,6 @@ def test_quick_benches_print_their_tables_and_write_their_reports(tmp_path: Path
         stdout, report = finished(tmp_path, "bench", runs["bench"])
         check_ratio_table(stdout, report)
         check_scale_report(finished(tmp_path, "bench.scale", runs["bench.scale"])[1])
-
-
-@pytest.mark.timeout(180 + 30)  # `finished`'s hang guard
-def test_the_restart_bench_runs_its_three_runs_and_reports_them(tmp_path: Path) -> None:
-    """`python -m bench.restart --quick`: a head killed -9 and restarted with and without its file, and the
-    followed of two heads killed, each with rollouts in flight: each run has its row (its figures mean nothing)."""
-    with quick_runs(tmp_path, "bench.restart") as runs:
-        stdout, report = finished(tmp_path, "bench.restart", runs["bench.restart"])
-    for run in (
-        "restart, registrations file kept",
-        "restart, registrations file deleted",
-        "failover: the followed of two heads killed",
-    ):
-        assert f"| {run} | " in report and f"| {run} | " in stdout, run
 
 
 def check_ratio_table(stdout: str, report: str) -> None:
@@ -228,32 +186,6 @@ def test_the_hot_path_comparison_runs_the_shipped_call_and_reads_state_through_t
     assert plane.routing is client._endpoints.routing and plane.routing is not None
     assert plane.pools is client._http and plane.base_urls is client._server_base_urls
     assert plane.config is client._global_config
-
-
-@pytest.mark.timeout(180 + 30)
-def test_the_relay_bench_prints_its_rows(tmp_path: Path) -> None:
-    """`python -m bench --only relay` (left out of `--quick`'s whole run, which is long enough): its four rows."""
-    with quick_runs_of(tmp_path, ["bench", "--quick", "--only", "relay"]) as run:
-        code = run.wait(timeout=180)
-    assert code == 0, (tmp_path / "run.err").read_text(encoding="utf-8")[-3000:]
-    stdout = (tmp_path / "run.out").read_text(encoding="utf-8")
-    rows = [line for line in stdout.splitlines() if "per-address relay:" in line]
-    assert len(rows) == 4, stdout
-    for measure in ("GetServerStatus calls/s", "head CPU per GetServerStatus call", "watch fan-out"):
-        assert any(measure in row for row in rows), measure
-
-
-@contextlib.contextmanager
-def quick_runs_of(tmp_path: Path, module_and_args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
-    """`python -m MODULE ARGS...`, stdout and stderr into files; killed at exit if still running."""
-    with (tmp_path / "run.out").open("wb") as out, (tmp_path / "run.err").open("wb") as err:
-        run = subprocess.Popen([sys.executable, "-m", *module_and_args], cwd=REPO_ROOT, stdout=out, stderr=err)
-    try:
-        yield run
-    finally:
-        if run.poll() is None:
-            run.kill()
-        run.wait(timeout=10)
 
 
 def test_results_take_the_fleet_sections_of_the_scale_report(tmp_path: Path) -> None:

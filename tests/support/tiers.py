@@ -1,7 +1,7 @@
 """The suite's tiers: the `process`, `build` and `load` markers, applied and kept true.
 
 * `process`: the test starts a subprocess (the CLI, a head or a worker in a process of its own, a tool).
-* `build`: it builds something slow (a venv, a wheel, Go or npm packages) or starts Ray.
+* `build`: it builds something slow (a venv, a wheel, Go or npm packages), starts Ray, or smoke-runs a benchmark.
 * `load`: it floods the machine or measures times that other work on it would change; `make test` runs these
   alone, after the parallel run.
 
