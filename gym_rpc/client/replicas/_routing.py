@@ -178,11 +178,11 @@ class ServerRoute:
         "engine_total",
         "generation",
         "groups",
+        "homes",
         "in_flight_total",
         "instances",
         "joins",
         "key_order",
-        "last_left",
         "loads_at",
         "lock",
         "moves_rollouts",
@@ -223,7 +223,9 @@ class ServerRoute:
         # from that position on
         self.by_task: dict[int, tuple[Instance, ...]] = {}
         self.key_order: tuple[Instance, ...] = ()
-        self.last_left: Instance | None = None  # where a group's call last left none of this process's: the home
+        # instance -> when a group's call there last left none of this process's calls in flight: its homes (a
+        # worker running several groups at once has one for each that just ended)
+        self.homes: dict[Instance, float] = {}
         self.groups: dict[int, Group] = {}  # prompt number -> where its group goes
         self.any_slow = False  # whether an instance is `slow` now (the picks then leave it out)
         self.policy = policy
@@ -457,8 +459,9 @@ class ServerRoute:
     ) -> Instance:
         """Where a group (new, or leaving an instance it cannot stay on) goes.
 
-        * While other calls run on the route: where this process's last group just ended (`home`: none of its
-          calls left there, within HOME_SECONDS), if the engine reports no other worker's calls there. This
+        * While other calls run on the route: where a group of this process just ended (a `home`: none of its
+          calls left there, within HOME_SECONDS; the latest first), if the engine reports no other worker's
+          calls there. This
           process knows that instance is free now; the figures of the others are up to a second old, and two
           workers placing at once by them pile onto one instance while another idles.
         * If the engine there reports no more calls than this process had (two workers' groups met there and may
@@ -467,21 +470,27 @@ class ServerRoute:
         * Else the least loaded of the group's preferred instances under `bound`, the first on a tie
           (`preferred_for`: by its task number when its rollout id has one, so that groups dispatched in task
           order spread over the instances before any load shows)."""
-        home = self.last_left
-        if (
-            home is not None
-            and not home.in_flight
-            and home.candidate
-            and not home.slow
-            and _monotonic() - home.left_at < HOME_SECONDS
-            and self.in_flight_total + self.engine_total
-        ):
-            if not home.engine_load:
-                return home
-            if home.engine_load <= home.own_peak:  # no more than its own were: a group ending with its own?
+        if self.homes and self.in_flight_total + self.engine_total:
+            now = _monotonic()
+            with self.lock:  # the homes of the last HOME_SECONDS, latest first; older ones forgotten
+                fresh = sorted(
+                    ((at, home) for home, at in self.homes.items() if now - at < HOME_SECONDS),
+                    key=_first,
+                    reverse=True,
+                )
+                self.homes = {home: at for at, home in fresh}
+            met = None
+            for _, home in fresh:
+                if home.in_flight or not home.candidate or home.slow:
+                    continue
+                if not home.engine_load:
+                    return home
+                if met is None and home.engine_load <= home.own_peak:  # no more than its own were: met there?
+                    met = home
+            if met is not None:
                 preferred = self._by_prompt(prompt, candidates)
-                if home in preferred:
-                    return self._least_loaded(preferred, candidates, bound, group, home)
+                if met in preferred:
+                    return self._least_loaded(preferred, candidates, bound, group, met)
         return self._least_loaded(self.preferred_for(prompt, rollout, candidates), candidates, bound, group, None)
 
     def preferred_for(
@@ -689,6 +698,10 @@ class ServerRoute:
         pins[key] = pin
 
 
+def _first(pair: tuple[float, Instance]) -> float:
+    return pair[0]
+
+
 def _task_of(rollout: str | None) -> int | None:
     """The task number of a NeMo Gym rollout id (`<task>-<rollout>`, `-a<n>` after for a retry), else None."""
     if rollout is None:
@@ -811,8 +824,8 @@ class RoutedCall:
             route.in_flight_total -= 1
             if now and not instance.in_flight:  # this process's last call there ended
                 instance.left_at = now
-                if self.group is not None:  # a group's: its worker's next group's home
-                    route.last_left = instance
+                if self.group is not None:  # a group's: a home for its worker's next group
+                    route.homes[instance] = now
             if self.group is not None:
                 self.group.calls -= 1
                 self.group = None

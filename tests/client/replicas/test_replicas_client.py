@@ -785,6 +785,54 @@ async def test_a_workers_next_group_goes_where_its_last_group_just_ended(replica
     assert {await task for task in running} == {held.port}
 
 
+async def test_a_worker_whose_two_groups_just_ended_places_its_next_two_on_their_instances(
+    replica_servers, monkeypatch
+) -> None:
+    """A worker running two groups at once that end together (the bench's chains of groups) has two homes: its next
+    two groups take them, latest first, not the two new prompts' own first preferred instance."""
+    monkeypatch.setattr(_routing, "HOME_SECONDS", 3600.0)  # however long the machine takes between the calls
+    fleet = await replica_servers(4)
+    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    await call(client)
+    route = route_of(client)
+    held, first, second, other = fleet
+
+    def task_first_at(port: int, skip: int = 0) -> int:  # first at `port` by its task number and by its prompt
+        for task in range(1000, 100000):
+            key = prompt_key(turn_body(task))
+            assert key is not None
+            by_task = route.preferred_for(key, f"{task}-0", route.pool)[0].instance_id
+            if by_task == first_by_prompt(client, task) == f"{LOOPBACK}:{port}":
+                if skip == 0:
+                    return task
+                skip -= 1
+        raise AssertionError("no such task")
+
+    for replica in fleet:
+        replica.hold = asyncio.Event()
+    placed = {}
+    for replica in (held, first, second):  # three groups at once (no home yet: each by its task number)
+        task = task_first_at(replica.port)
+        with rollout_context(f"{task}-0"):
+            placed[replica.port] = asyncio.create_task(body_at(client, turn_body(task, 0, 0)))
+    try:
+        await eventually(lambda: held.calls + first.calls + second.calls >= 3, within=10, every=0.005)
+        for replica in (first, second):  # two of them end, `second`'s last; `held`'s runs on
+            replica.hold.set()
+            assert await placed[replica.port] == replica.port
+        other.hold.set()
+        landed = []
+        for skip in range(2):  # two new groups, each preferring the fourth instance, start at once
+            task = task_first_at(other.port, skip)
+            with rollout_context(f"{task}-0"):
+                landed.append(asyncio.create_task(body_at(client, turn_body(task, 0, 0))))
+        assert sorted([await task for task in landed]) == sorted([second.port, first.port])
+    finally:
+        for replica in fleet:
+            replica.hold.set()
+    assert await placed[held.port] == held.port
+
+
 async def test_a_slow_instance_gets_no_new_group_and_its_rollouts_move(replica_servers) -> None:
     """An instance whose answers take over 2.5x the median instance's (an engine 4x slower, or one with a long
     queue) takes no new group while the others can, and a rollout placed there moves at its next turn; the
