@@ -103,6 +103,7 @@ class Workload:
     workers: int = 2
     seed: int = 0
     groups_in_flight: int = 2  # per worker
+    blocks: bool = False  # each worker takes a contiguous block of prompts (a check), not every other one
 
 
 def _text(tokens: int, seed: str) -> str:
@@ -413,6 +414,8 @@ async def work(
             await asyncio.gather(*(rollout(prompt, index) for index in range(workload.group)))
 
         mine = [prompt for prompt in range(workload.prompts) if prompt % workload.workers == worker]
+        if workload.blocks:
+            mine = [p for p in range(workload.prompts) if p * workload.workers // workload.prompts == worker]
         limit = asyncio.Semaphore(workload.groups_in_flight)
 
         async def limited(prompt: int) -> None:
@@ -781,6 +784,12 @@ def main() -> None:
     run_args.add_argument("--seeds", type=int, default=3, help="runs of each scenario, each its own texts and ids")
     run_args.add_argument("--only", choices=("even", "slow", "pick"), help="one scenario only")
     run_args.add_argument(
+        "--blocks",
+        action="store_true",
+        help="a check, not the issue's workload: each worker takes a contiguous block of the prompts (tasks "
+        "in flight are then not consecutive) instead of every other one",
+    )
+    run_args.add_argument(
         "--timeline",
         help="also write every call's engine, send and answer times there (JSON), and print where time went",
     )
@@ -809,9 +818,13 @@ def main() -> None:
     if args.only in (None, "even"):
         runs = []
         for seed in range(args.seeds):
-            workload = Workload(args.prompts, args.group, args.turns, seed=seed, groups_in_flight=2)
+            workload = Workload(
+                args.prompts, args.group, args.turns, seed=seed, groups_in_flight=2, blocks=args.blocks
+            )
             runs.append(scenario(4, None, workload, (*PICKERS, *routers)))
         shape = f"{args.prompts} prompts x {args.group} rollouts x {args.turns} turns, 2 workers, 2 groups each"
+        if args.blocks:
+            shape += ", each worker a contiguous block of the prompts"
         time_base = ROUTER_PICKERS[0] if routers else None
         parts.append(table(f"4 engines, {shape}", runs, "rendezvous", time_base))
         timelines["even"] = runs
