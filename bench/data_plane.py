@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 
 from bench.servers import ServerProcess, pinned_apart
 from bench.side_worker import rounds_per_pair, side_pair
-from bench.stats import Row, interleaved_latencies, median, ratio_row, spread_text, table_lines
+from bench.stats import Row, interleaved_latencies, median, ratio_row, settled, spread_text, table_lines
 from gym_rpc.client.data._http import json_payload
 from gym_rpc.client.data._http_settings import HttpClientSettings
 from gym_rpc.client.server_client import ServerClient
@@ -309,11 +309,21 @@ async def run(port: int, plan: DataPlanePlan) -> list[Row]:
     rows = [serialisation_row(plan.serialisation_pairs)]
     comparisons = [Comparison(concurrency) for concurrency in plan.concurrencies]
     heap = ""
-    for _ in range(plan.pairs):
+    for pair in range(plan.pairs):
+        # A row whose median is known well enough takes no more pairs (bench.stats.settled): the long blocks at
+        # 2,048 and 4,096 calls in flight are most of the run.
+        remaining = [
+            (comparison, requests, rounds)
+            for comparison, requests, rounds in zip(comparisons, plan.requests, plan.rounds, strict=True)
+            if not settled(comparison.ratios, comparison.by_pair)
+        ]
+        if not remaining:
+            break
         with side_pair("ours", "raw", port, plan.live_heap_records) as (ours, raw):
             heap = ours.heap
-            for comparison, requests, rounds in zip(comparisons, plan.requests, plan.rounds, strict=True):
+            for comparison, requests, rounds in remaining:
                 concurrency = comparison.concurrency
+                started = time.monotonic()
 
                 async def ours_block(concurrency: int = concurrency, requests: int = requests) -> Block:
                     return Block(*ours.block(concurrency, requests))
@@ -325,6 +335,11 @@ async def run(port: int, plan: DataPlanePlan) -> list[Row]:
                     ours_block, raw_block, concurrency, rounds_per_pair(rounds, plan.pairs)
                 )
                 comparison.add_pair(share)
+                print(
+                    f"  data plane c={concurrency}: pair {pair + 1} of {plan.pairs} took "
+                    f"{time.monotonic() - started:.0f} s",
+                    file=sys.stderr,
+                )
     return rows + [row for comparison in comparisons for row in rows_of(comparison, heap)]
 
 

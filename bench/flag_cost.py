@@ -30,7 +30,7 @@ from typing import Any
 from bench.data_plane import LIVE_HEAP_RECORDS, Block, Post, abba_rounds, one_round
 from bench.servers import ServerProcess
 from bench.side_worker import SideWorker, rounds_per_pair, side_pair
-from bench.stats import Row, median, ratio_row, spread_text, table_lines
+from bench.stats import Row, median, ratio_row, settled, spread_text, table_lines
 
 
 @dataclass(frozen=True)
@@ -145,9 +145,16 @@ async def run(cost: FlagCost, port: int, plan: FlagPlan) -> list[Row]:
     results = [Rounds(concurrency) for concurrency in plan.concurrencies]
     heap = ""
     for _ in range(plan.pairs):
+        remaining = [
+            (result, requests)
+            for result, requests in zip(results, plan.requests, strict=True)
+            if not settled(result.ratios, result.by_pair)  # known well enough: no more pairs (bench.stats)
+        ]
+        if not remaining:
+            break
         with side_pair(f"{cost.module}:on", f"{cost.module}:off", port, plan.live_heap_records) as (on, off):
             heap = on.heap
-            for result, requests in zip(results, plan.requests, strict=True):
+            for result, requests in remaining:
                 await interleaved(cost, on, off, result, requests, rounds_per_pair(plan.rounds, plan.pairs))
     return [row_of(cost, result, heap, cost.goals.get(result.concurrency)) for result in results]
 
@@ -219,12 +226,21 @@ async def run_against_peer(cost: FlagCost, peer: FlagCost, port: int, plan: Flag
     heap = ""
     share = rounds_per_pair(plan.rounds, plan.pairs)
     for _ in range(plan.pairs):
+        # A concurrency takes no more pairs once its three rows are known well enough (bench.stats.settled).
+        remaining = [
+            index
+            for index in range(len(plan.requests))
+            if not all(settled(r.ratios, r.by_pair) for r in (ours[index], theirs[index], quotients[index]))
+        ]
+        if not remaining:
+            break
         with (
             side_pair(f"{cost.module}:on", f"{cost.module}:off", port, plan.live_heap_records) as mine,
             side_pair(f"{peer.module}:on", f"{peer.module}:off", port, plan.live_heap_records) as peers,
         ):
             heap = mine[0].heap
-            for index, requests in enumerate(plan.requests):
+            for index in remaining:
+                requests = plan.requests[index]
                 await against_peer_rounds(
                     (*mine, *peers), ours[index], theirs[index], quotients[index], requests, share
                 )

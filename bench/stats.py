@@ -56,6 +56,28 @@ def spread_text(ratios: Sequence[float], by_pair: Sequence[Sequence[float]] = ()
     return text
 
 
+# A row's median is known well enough, and its later process pairs are skipped (bench.data_plane, bench.flag_cost),
+# once the bootstrap's 90 % range of its median lies within this of the median (what a full row's 80 rounds aim
+# for on a loaded machine) and its pairs' medians agree within PAIRS_AGREE: the process luck that more rounds of
+# one pair do not average away. Never before MIN_PAIRS pairs and MIN_ROUNDS rounds.
+SETTLED_WITHIN = 0.03
+PAIRS_AGREE = 0.04
+MIN_PAIRS = 2
+MIN_ROUNDS = 10
+
+
+def settled(ratios: Sequence[float], by_pair: Sequence[Sequence[float]]) -> bool:
+    """Whether more pairs of processes would add nothing the row needs: its median within ±SETTLED_WITHIN (90 %)
+    and its pairs' medians within PAIRS_AGREE of each other. On a quiet machine the rows settle after two or three
+    of their four pairs; on a loaded one they take every pair, as before."""
+    if len(by_pair) < MIN_PAIRS or len(ratios) < MIN_ROUNDS:
+        return False
+    low, high = median_interval(ratios)
+    middle = median(ratios)
+    medians = [median(pair) for pair in by_pair]
+    return max(high - middle, middle - low) <= SETTLED_WITHIN and max(medians) - min(medians) <= PAIRS_AGREE
+
+
 def p99(values: Sequence[float]) -> float:
     return percentile(values, 0.99)
 

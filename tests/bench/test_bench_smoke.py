@@ -129,6 +129,22 @@ def test_every_pair_of_processes_makes_rounds_even_when_asked_for_fewer_than_pai
     assert [rounds_per_pair(rounds, 4) for rounds in (80, 60, 40, 2, 1)] == [20, 15, 10, 1, 1]
 
 
+def test_a_row_stops_taking_process_pairs_once_its_median_is_known_and_its_pairs_agree() -> None:
+    """bench.stats.settled: never on one pair, however tight; yes on two tight pairs that agree; no when the pairs'
+    medians differ by more than PAIRS_AGREE, or when the rounds scatter too widely to pin the median."""
+    from bench.stats import PAIRS_AGREE, settled
+
+    tight = [[0.99, 1.00, 1.01] * 4, [0.99, 1.00, 1.01] * 4]
+    assert settled([r for pair in tight for r in pair], tight)
+    assert not settled(tight[0], tight[:1])
+    apart = [[0.98] * 12, [0.98 + PAIRS_AGREE + 0.01] * 12]
+    assert not settled([r for pair in apart for r in pair], apart)
+    scattered = [[0.7, 1.0, 1.3] * 4, [0.7, 1.0, 1.3] * 4]
+    assert not settled([r for pair in scattered for r in pair], scattered)
+    few = [[1.0] * 4, [1.0] * 4]
+    assert not settled([1.0] * 8, few)
+
+
 class _FixedSide:
     """A side whose every block runs at `rps` requests per second (bench.side_worker.SideWorker's `block`)."""
 
