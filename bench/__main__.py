@@ -113,7 +113,9 @@ def data_plane_rows(plan: Plan, sections: set[str], data_port: int) -> list[Row]
     if "hotpath" in sections:
         _progress("hot path: the speed trick of ServerClient.request")
         hot = plan.data
-        rows += asyncio.run(hot_path.run(data_port, hot.concurrencies[:2], hot.requests[:2], hot.rounds[:2]))
+        rows += asyncio.run(
+            hot_path.run(data_port, hot.concurrencies[:2], hot.requests[:2], hot.rounds[:2], hot.seconds[:2])
+        )
     if "tracing" in sections:
         _progress("tracing cost")
         rows += asyncio.run(flag_cost.run(tracing_cost.COST, data_port, flag_plan))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import math
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -34,7 +35,18 @@ from omegaconf import OmegaConf
 
 from bench.servers import ServerProcess, pinned_apart
 from bench.side_worker import rounds_per_pair, side_pair
-from bench.stats import Row, interleaved_latencies, median, ratio_row, settled, spread_text, table_lines
+from bench.stats import (
+    UNLIMITED,
+    Budget,
+    Row,
+    interleaved_latencies,
+    median,
+    pair_budget,
+    ratio_row,
+    settled,
+    spread_text,
+    table_lines,
+)
 from gym_rpc.client.data._http import json_payload
 from gym_rpc.client.data._http_settings import HttpClientSettings
 from gym_rpc.client.server_client import ServerClient
@@ -187,17 +199,24 @@ async def one_round(
 
 
 async def abba_rounds(
-    side_a: Callable[[], Awaitable[Block]], side_b: Callable[[], Awaitable[Block]], rounds: int
+    side_a: Callable[[], Awaitable[Block]],
+    side_b: Callable[[], Awaitable[Block]],
+    rounds: int,
+    budget: Budget = UNLIMITED,
 ) -> tuple[list[float], list[Block], list[Block]]:
     """Rounds of four blocks, ABBA then BAAB: whichever side runs first after a switch pays for the switch (idle
     connections, caches), and in a round each side runs once first and once second, so that cost cancels. The
     collector is left alone, as in a worker: a collection runs in whichever block its threshold is crossed, each
     side's as often over many rounds, and a side that keeps more objects alive crosses it more often. Returns the
-    per-round ratios (A's requests per second over B's) and the blocks of A and of B."""
+    per-round ratios (A's requests per second over B's) and the blocks of A and of B; fewer than `rounds` once the
+    `budget` is spent."""
     ratios: list[float] = []
     blocks_a: list[Block] = []
     blocks_b: list[Block] = []
+    started = time.monotonic()
     for index in range(rounds):
+        if budget.spent(index, started):
+            break
         ratio, round_a, round_b = await one_round(side_a, side_b, index % 2 == 0)
         ratios.append(ratio)
         blocks_a += round_a
@@ -205,24 +224,31 @@ async def abba_rounds(
     return ratios, blocks_a, blocks_b
 
 
-async def compare(ours: Post, raw: Post, concurrency: int, requests: int, rounds: int) -> Comparison:
+async def compare(
+    ours: Post, raw: Post, concurrency: int, requests: int, rounds: int, budget: Budget = UNLIMITED
+) -> Comparison:
     """`compare_blocks` of two posts in this process (bench.hot_path: two clients of the same library)."""
     return await compare_blocks(
         lambda: run_block(ours, requests, concurrency),
         lambda: run_block(raw, requests, concurrency),
         concurrency,
         rounds,
+        budget,
     )
 
 
 async def compare_blocks(
-    ours: Callable[[], Awaitable[Block]], raw: Callable[[], Awaitable[Block]], concurrency: int, rounds: int
+    ours: Callable[[], Awaitable[Block]],
+    raw: Callable[[], Awaitable[Block]],
+    concurrency: int,
+    rounds: int,
+    budget: Budget = UNLIMITED,
 ) -> Comparison:
     """`abba_rounds` of gym_rpc's blocks against the raw ones, after a warm block of each (connections, caches)."""
     await ours()
     await raw()
     result = Comparison(concurrency)
-    result.ratios, result.ours, result.raw = await abba_rounds(ours, raw, rounds)
+    result.ratios, result.ours, result.raw = await abba_rounds(ours, raw, rounds, budget)
     print(
         f"  data plane c={concurrency}: per-round ratios {' '.join(f'{r:.2f}' for r in result.ratios)}",
         file=sys.stderr,
@@ -285,6 +311,10 @@ class DataPlanePlan:
     # Rounds per concurrency: what keeps each row's middle half within about ±0.03 of its median in a few tens of
     # seconds (bench/RESULTS.md's notes say how that was found).
     rounds: tuple[int, ...] = (80, 80, 80, 60, 40)
+    # Seconds of rounds per concurrency, over all pairs (bench.stats.Budget): about what the rounds above take on
+    # a quiet machine (c=4,096: 40 rounds of four 1.1 s blocks), so a loaded one makes fewer rounds (at least 10)
+    # instead of a run several times as long: at load 8-10 one pair's 15 rounds at 2,048 took 262 s.
+    seconds: tuple[float, ...] = (20.0, 20.0, 40.0, 120.0, 150.0)
     # Pairs of side processes (bench.side_worker.side_pair), one after the other, each making an equal share of
     # every row's rounds: with one pair, a row moved by up to ±0.04 with the processes it happened to get.
     pairs: int = 4
@@ -298,6 +328,7 @@ QUICK_DATA_PLANE = DataPlanePlan(
     concurrencies=(1, 64, 512, 2048),
     requests=(20, 64, 512, 2048),
     rounds=(1, 1, 1, 1),
+    seconds=(20.0, 20.0, 40.0, 120.0),
     pairs=1,
     serialisation_pairs=3,
     live_heap_records=10_000,
@@ -313,15 +344,17 @@ async def run(port: int, plan: DataPlanePlan) -> list[Row]:
         # A row whose median is known well enough takes no more pairs (bench.stats.settled): the long blocks at
         # 2,048 and 4,096 calls in flight are most of the run.
         remaining = [
-            (comparison, requests, rounds)
-            for comparison, requests, rounds in zip(comparisons, plan.requests, plan.rounds, strict=True)
+            (comparison, requests, rounds, seconds)
+            for comparison, requests, rounds, seconds in zip(
+                comparisons, plan.requests, plan.rounds, plan.seconds, strict=True
+            )
             if not settled(comparison.ratios, comparison.by_pair)
         ]
         if not remaining:
             break
         with side_pair("ours", "raw", port, plan.live_heap_records) as (ours, raw):
             heap = ours.heap
-            for comparison, requests, rounds in remaining:
+            for comparison, requests, rounds, seconds in remaining:
                 concurrency = comparison.concurrency
                 started = time.monotonic()
 
@@ -332,7 +365,11 @@ async def run(port: int, plan: DataPlanePlan) -> list[Row]:
                     return Block(*raw.block(concurrency, requests))
 
                 share = await compare_blocks(
-                    ours_block, raw_block, concurrency, rounds_per_pair(rounds, plan.pairs)
+                    ours_block,
+                    raw_block,
+                    concurrency,
+                    rounds_per_pair(rounds, plan.pairs),
+                    pair_budget(seconds, plan.pairs),
                 )
                 comparison.add_pair(share)
                 print(
@@ -356,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         concurrencies=tuple(full.concurrencies[i] for i in chosen),
         requests=tuple(full.requests[i] for i in chosen),
         rounds=tuple(args.rounds or full.rounds[i] for i in chosen),
+        # rounds asked for are made whatever they take
+        seconds=tuple(math.inf if args.rounds else full.seconds[i] for i in chosen),
     )
     with ServerProcess("data") as data, pinned_apart(data.pid):
         rows = asyncio.run(run(int(data.info["port"]), plan))

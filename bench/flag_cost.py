@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from typing import Any
 from bench.data_plane import LIVE_HEAP_RECORDS, Block, Post, abba_rounds, one_round
 from bench.servers import ServerProcess
 from bench.side_worker import SideWorker, rounds_per_pair, side_pair
-from bench.stats import Row, median, ratio_row, settled, spread_text, table_lines
+from bench.stats import UNLIMITED, Budget, Row, median, pair_budget, ratio_row, settled, spread_text, table_lines
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class FlagPlan:
     concurrencies: tuple[int, ...] = (1, 64)
     requests: tuple[int, ...] = (100, 512)
     rounds: int = 80
+    # Seconds of rounds per concurrency over all pairs (bench.stats.Budget; data_plane.DataPlanePlan.seconds says
+    # why): about what 80 rounds take on a quiet machine; a round against the peer counts as two.
+    seconds: tuple[float, ...] = (30.0, 40.0)
     pairs: int = 4  # of side processes, one after the other (bench.data_plane.DataPlanePlan.pairs says why)
     live_heap_records: int = LIVE_HEAP_RECORDS
 
@@ -95,7 +99,13 @@ class Rounds:
 
 
 async def interleaved(
-    cost: FlagCost, on: SideWorker, off: SideWorker, result: Rounds, requests: int, rounds: int
+    cost: FlagCost,
+    on: SideWorker,
+    off: SideWorker,
+    result: Rounds,
+    requests: int,
+    rounds: int,
+    budget: Budget = UNLIMITED,
 ) -> None:
     """bench.data_plane's `abba_rounds` of the switch on (A) against off (B), after a warm block of each, the
     collector left alone in each side: a side that keeps more objects alive (spans held until export) pays for
@@ -109,7 +119,7 @@ async def interleaved(
     await block(on, warm)
     await block(off, warm)
     ratios, on_blocks, off_blocks = await abba_rounds(
-        lambda: block(on, requests), lambda: block(off, requests), rounds
+        lambda: block(on, requests), lambda: block(off, requests), rounds, budget
     )
     result.ratios += ratios
     result.on += on_blocks
@@ -146,16 +156,24 @@ async def run(cost: FlagCost, port: int, plan: FlagPlan) -> list[Row]:
     heap = ""
     for _ in range(plan.pairs):
         remaining = [
-            (result, requests)
-            for result, requests in zip(results, plan.requests, strict=True)
+            (result, requests, seconds)
+            for result, requests, seconds in zip(results, plan.requests, plan.seconds, strict=True)
             if not settled(result.ratios, result.by_pair)  # known well enough: no more pairs (bench.stats)
         ]
         if not remaining:
             break
         with side_pair(f"{cost.module}:on", f"{cost.module}:off", port, plan.live_heap_records) as (on, off):
             heap = on.heap
-            for result, requests in remaining:
-                await interleaved(cost, on, off, result, requests, rounds_per_pair(plan.rounds, plan.pairs))
+            for result, requests, seconds in remaining:
+                await interleaved(
+                    cost,
+                    on,
+                    off,
+                    result,
+                    requests,
+                    rounds_per_pair(plan.rounds, plan.pairs),
+                    pair_budget(seconds, plan.pairs),
+                )
     return [row_of(cost, result, heap, cost.goals.get(result.concurrency)) for result in results]
 
 
@@ -166,10 +184,11 @@ async def against_peer_rounds(
     quotients: Rounds,
     requests: int,
     rounds: int,
+    budget: Budget = UNLIMITED,
 ) -> None:
-    """`rounds` rounds, each one of ours (on against off) and one of the peer's, in turn first, each ABBA or BAAB
-    in turn (so all four orders come round): a burst of load hits both comparisons of a round. Each round's
-    quotient, our ratio over the peer's, goes to `quotients`."""
+    """`rounds` rounds (fewer once the `budget` is spent), each one of ours (on against off) and one of the peer's,
+    in turn first, each ABBA or BAAB in turn (so all four orders come round): a burst of load hits both comparisons
+    of a round. Each round's quotient, our ratio over the peer's, goes to `quotients`."""
     concurrency = ours.concurrency
 
     def block(side: SideWorker) -> Callable[[], Awaitable[Block]]:
@@ -183,7 +202,10 @@ async def against_peer_rounds(
         await warm()
     comparisons = ((ours, on, off), (theirs, peer_on, peer_off))
     made: dict[int, list[float]] = {id(ours): [], id(theirs): [], id(quotients): []}  # this pair's ratios
+    started = time.monotonic()
     for index in range(rounds):
+        if budget.spent(index, started):
+            break
         ratio_of: dict[int, float] = {}
         for result, side_on, side_off in comparisons if index % 2 == 0 else comparisons[::-1]:
             ratio, on_blocks, off_blocks = await one_round(side_on, side_off, (index // 2) % 2 == 0)
@@ -242,7 +264,13 @@ async def run_against_peer(cost: FlagCost, peer: FlagCost, port: int, plan: Flag
             for index in remaining:
                 requests = plan.requests[index]
                 await against_peer_rounds(
-                    (*mine, *peers), ours[index], theirs[index], quotients[index], requests, share
+                    (*mine, *peers),
+                    ours[index],
+                    theirs[index],
+                    quotients[index],
+                    requests,
+                    share,
+                    pair_budget(2 * plan.seconds[index], plan.pairs),
                 )
     rows: list[Row] = []
     for mine_rounds, peer_rounds, quotient_rounds in zip(ours, theirs, quotients, strict=True):

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from bench.data_plane import PATH, PAYLOAD, SERVER_NAME, Block, compare, make_client, ours_post
-from bench.stats import Row, median, percentile, ratio_row
+from bench.stats import UNLIMITED, Row, median, pair_budget, percentile, ratio_row
 from gym_rpc.client.data import DataPlane
 from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.resend._budget import new_call_count
@@ -107,13 +107,22 @@ def make_without(port: int) -> WithoutTrick:
 
 
 async def run(
-    port: int, concurrencies: tuple[int, ...], requests: tuple[int, ...], rounds: tuple[int, ...]
+    port: int,
+    concurrencies: tuple[int, ...],
+    requests: tuple[int, ...],
+    rounds: tuple[int, ...],
+    seconds: tuple[float, ...] | None = None,
 ) -> list[Row]:
+    """The rows at each concurrency (`seconds`: each row's budget, bench.stats.Budget; none: every round), then
+    the no-I/O row."""
     rows: list[Row] = []
     shipped, without = make_client(port), make_without(port)
+    budgets = [pair_budget(s, 1) for s in seconds] if seconds else [UNLIMITED] * len(rounds)
     try:
-        for concurrency, count, round_count in zip(concurrencies, requests, rounds, strict=True):
-            comparison = await compare(ours_post(shipped), ours_post(without), concurrency, count, round_count)
+        for concurrency, count, round_count, budget in zip(concurrencies, requests, rounds, budgets, strict=True):
+            comparison = await compare(
+                ours_post(shipped), ours_post(without), concurrency, count, round_count, budget
+            )
             ratios = comparison.ratios
             middle = f"{percentile(ratios, 0.25):.2f}-{percentile(ratios, 0.75):.2f}"
             rows.append(

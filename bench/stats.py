@@ -78,6 +78,28 @@ def settled(ratios: Sequence[float], by_pair: Sequence[Sequence[float]]) -> bool
     return max(high - middle, middle - low) <= SETTLED_WITHIN and max(medians) - min(medians) <= PAIRS_AGREE
 
 
+@dataclass(frozen=True)
+class Budget:
+    """How long one pair's share of a row's rounds may take: its rounds stop once `seconds` are spent, never before
+    `at_least` of them. On a quiet machine a row makes every round its plan gives it; on a loaded one (a block of
+    4,096 calls took 8 s at load 10, 1.1 s at load 1) it makes fewer, which its row shows (its rounds, and how well
+    its median is known)."""
+
+    seconds: float = math.inf
+    at_least: int = 0
+
+    def spent(self, rounds_made: int, started: float) -> bool:
+        return rounds_made >= self.at_least and time.monotonic() - started >= self.seconds
+
+
+UNLIMITED = Budget()
+
+
+def pair_budget(row_seconds: float, pairs: int) -> Budget:
+    """A pair's even share of a row's seconds, with at least its share of MIN_ROUNDS (so a row has 10 or more)."""
+    return Budget(row_seconds / pairs, -(-MIN_ROUNDS // pairs))
+
+
 def p99(values: Sequence[float]) -> float:
     return percentile(values, 0.99)
 

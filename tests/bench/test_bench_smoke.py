@@ -145,6 +145,24 @@ def test_a_row_stops_taking_process_pairs_once_its_median_is_known_and_its_pairs
     assert not settled([1.0] * 8, few)
 
 
+def test_a_spent_budget_stops_the_rounds_but_never_before_its_share_of_ten() -> None:
+    """bench.stats.Budget: a pair's rounds stop once its seconds are spent, after at least its share of 10 rounds
+    (3 of 4 pairs' 40); with no budget every round the plan gives is made."""
+    import asyncio
+
+    from bench.data_plane import Block, abba_rounds
+    from bench.stats import MIN_ROUNDS, pair_budget
+
+    async def block() -> Block:
+        return Block(100.0, 100.0)
+
+    spent = pair_budget(0.0, 4)
+    assert spent.at_least == 3 and 4 * spent.at_least >= MIN_ROUNDS
+    assert len(asyncio.run(abba_rounds(block, block, 20, spent))[0]) == 3
+    assert len(asyncio.run(abba_rounds(block, block, 20))[0]) == 20
+    assert len(asyncio.run(abba_rounds(block, block, 20, pair_budget(3600.0, 4)))[0]) == 20
+
+
 class _FixedSide:
     """A side whose every block runs at `rps` requests per second (bench.side_worker.SideWorker's `block`)."""
 
