@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
+import signal
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import (
@@ -99,41 +102,81 @@ def _progress(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
 
 
-def data_plane_rows(plan: Plan, sections: set[str], data_port: int) -> list[Row]:
+class Stopped(Exception):
+    """SIGTERM (as `timeout` sends): the sections not yet run are left out, and the rows made are still written."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise Stopped(f"stopped by signal {signum}")
+
+
+@dataclass
+class Collected:
+    """The rows made so far. A section that fails leaves a row naming its error (its goal "runs", not met) and the
+    others still run: a run of half an hour loses no finished section to a late one failing under load (the memory
+    section's 10,000 connections once timed out at load 20, after 32 minutes of rows)."""
+
+    rows: list[Row] = field(default_factory=list)
+    stopped: bool = False
+
+    def take(self, area: str, make: Callable[[], list[Row]]) -> None:
+        if self.stopped:
+            return
+        try:
+            self.rows += make()
+        except Stopped as stop:
+            self.stopped = True
+            self.rows.append(Row(area, f"not finished: {stop}", "—", "—", math.nan, "runs", False))
+        except Exception as error:  # reported in the table, not lost with the rows before it
+            _progress(f"{area} failed: {error!r}")
+            message = f"failed: {type(error).__name__}: {error}"[:300]
+            self.rows.append(Row(area, message.replace("|", "/"), "—", "—", math.nan, "runs", False))
+
+    @property
+    def failed(self) -> bool:
+        return any(row.goal_text == "runs" for row in self.rows)
+
+
+def data_plane_rows(plan: Plan, sections: set[str], data_port: int, collected: Collected) -> None:
     """The rows that time ServerClient.post: client and data server pinned apart (`pinned_apart`)."""
-    rows: list[Row] = []
     # Each switch's sides run in processes of their own (bench.side_worker): this process never turns one on.
     flag_plan = flag_cost.QUICK_PLAN if plan.quick else flag_cost.FULL_PLAN
     if "data" in sections:
         _progress("data plane")
-        rows += asyncio.run(data_plane.run(data_port, plan.data))
+        collected.take("data plane", lambda: asyncio.run(data_plane.run(data_port, plan.data)))
         _progress("data plane: objects a call keeps alive")
-        rows += asyncio.run(allocations.run(data_port, plan.allocations))
-        rows += [asyncio.run(allocations.inline_first_attempt_row(data_port, plan.allocations))]
+        collected.take("data plane", lambda: asyncio.run(allocations.run(data_port, plan.allocations)))
+        collected.take(
+            "data plane", lambda: [asyncio.run(allocations.inline_first_attempt_row(data_port, plan.allocations))]
+        )
     if "hotpath" in sections:
         _progress("hot path: the speed trick of ServerClient.request")
         hot = plan.data
-        rows += asyncio.run(
-            hot_path.run(data_port, hot.concurrencies[:2], hot.requests[:2], hot.rounds[:2], hot.seconds[:2])
+        collected.take(
+            "hot path",
+            lambda: asyncio.run(
+                hot_path.run(data_port, hot.concurrencies[:2], hot.requests[:2], hot.rounds[:2], hot.seconds[:2])
+            ),
         )
     if "tracing" in sections:
         _progress("tracing cost")
-        rows += asyncio.run(flag_cost.run(tracing_cost.COST, data_port, flag_plan))
-        rows += asyncio.run(flag_cost.run(tracing_sampled_cost.COST, data_port, flag_plan))
+        collected.take("tracing", lambda: asyncio.run(flag_cost.run(tracing_cost.COST, data_port, flag_plan)))
+        collected.take(
+            "tracing", lambda: asyncio.run(flag_cost.run(tracing_sampled_cost.COST, data_port, flag_plan))
+        )
     if "metrics" in sections:
         _progress("metrics cost")
-        rows += asyncio.run(flag_cost.run(metrics_cost.COST, data_port, flag_plan))
-    return rows
+        collected.take("metrics", lambda: asyncio.run(flag_cost.run(metrics_cost.COST, data_port, flag_plan)))
 
 
-def run(plan: Plan, sections: set[str]) -> list[Row]:
-    rows: list[Row] = []
+def run(plan: Plan, sections: set[str], collected: Collected | None = None) -> list[Row]:
+    collected = Collected() if collected is None else collected
     with ServerProcess("data") as data:
         data_port = int(data.info["port"])
         if sections & {"data", "hotpath", "tracing", "metrics"}:
             with pinned_apart(data.pid):
-                rows += data_plane_rows(plan, sections, data_port)
-        if sections & {"control", "isolation"}:
+                data_plane_rows(plan, sections, data_port, collected)
+        if sections & {"control", "isolation"} and not collected.stopped:
             control_args = [
                 f"--servers={plan.control.servers}",
                 f"--silent={plan.control.silent}",
@@ -143,21 +186,23 @@ def run(plan: Plan, sections: set[str]) -> list[Row]:
             with ServerProcess("control", *control_args) as control:
                 if "control" in sections:
                     _progress("control plane")
-                    rows += control_plane.run(control.info, plan.control)
+                    collected.take("control plane", lambda: control_plane.run(control.info, plan.control))
                 if "isolation" in sections:
                     _progress("isolation")
                     head = f"127.0.0.1:{control.info['head_a']}"
                     name = str(control.info["names_a"][0])
-                    rows += asyncio.run(isolation.run(data_port, head, name, plan.isolation))
+                    collected.take(
+                        "isolation", lambda: asyncio.run(isolation.run(data_port, head, name, plan.isolation))
+                    )
         if "relay" in sections:
             _progress("control plane: the per-address relay on the gRPC port, with and without")
-            rows += relay_cost.rows(plan.relay)
+            collected.take("control plane", lambda: relay_cost.rows(plan.relay))
         if "memory" in sections:
             _progress("memory")
-            rows += memory.import_rows(plan.memory)
-            rows += memory.in_flight_rows(data_port, plan.memory)
-    rows += replicas.rows(plan.replicas, sections)
-    return rows
+            collected.take("memory", lambda: memory.import_rows(plan.memory))
+            collected.take("memory", lambda: memory.in_flight_rows(data_port, plan.memory))
+    collected.take("replicas", lambda: replicas.rows(plan.replicas, sections))
+    return collected.rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,7 +220,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only takes {','.join(SECTIONS)}")
     _clean_environment()
     started = time.monotonic()
-    rows = run(QUICK if args.quick else FULL, sections)
+    collected = Collected()
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        run(QUICK if args.quick else FULL, sections, collected)
+    except Stopped as stop:  # between sections: the rows made are written
+        collected.rows.append(Row("bench", f"not finished: {stop}", "—", "—", math.nan, "runs", False))
+    rows = collected.rows
     elapsed = time.monotonic() - started
     print("\n".join(table_lines(rows)))
     print(report.summary_line(rows))
@@ -183,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if out is not None:
         report.write(out, rows, elapsed, args.quick)
         _progress(f"wrote {out} ({elapsed:.0f} s)")
-    return 0
+    return 1 if collected.failed else 0
 
 
 if __name__ == "__main__":
