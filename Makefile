@@ -92,7 +92,8 @@ $(DEMO_STAMP): pyproject.toml
 demo: $(DEMO_STAMP)
 	$(DEMO_VENV)/bin/gym-rpc demo
 
-# Benchmarks against baselines measured in the same run (~6 min); prints the ratio table, writes bench/RESULTS.md.
+# Benchmarks against baselines measured in the same run (about 15 min on a quiet 2-core machine, 25 at load 13-16:
+# each row's rounds have a time budget, bench.stats.Budget); prints the ratio table, writes bench/RESULTS.md.
 # Not part of `make test` (tests/bench/test_bench_smoke.py runs `python -m bench --quick`, test_bench_restart.py and
 # test_bench_relay.py the others, so the code cannot rot).
 bench: $(STAMP)
