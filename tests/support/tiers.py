@@ -69,21 +69,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=_slowest_modules_first(items))
 
 
-def _slowest_modules_first(items: list[pytest.Item]) -> Callable[[pytest.Item], tuple[int, int]]:
+def _slowest_modules_first(items: list[pytest.Item]) -> Callable[[pytest.Item], tuple[int, int, int]]:
     """Sort key: modules with a build first, then those with the most tests that start processes (each start costs
-    a second or more), in-process modules last; each module keeps its own order. `make test` hands whole modules to
+    a second or more), then (in-process modules, and all of `make test-fast`) those with the most tests, as xdist's
+    own order; each module keeps its own order. `make test` hands whole modules to
     the parallel workers in this order (`--dist loadscope --no-loadscope-reorder`), so the long ones start first
     and the short ones fill the gaps at the end. xdist's own order (most tests first) handed the build modules out
     late, having few tests: Ray's and the lowest-versions venv's 76th and 77th of 107 modules."""
     builds: dict[str, int] = {}
     processes: dict[str, int] = {}
+    tests: dict[str, int] = {}
     for item in items:
         module = node_name(item).partition("::")[0]
         builds[module] = builds.get(module, 0) + (item.get_closest_marker("build") is not None)
         processes[module] = processes.get(module, 0) + any(item.get_closest_marker(t) for t in TIERS)
+        tests[module] = tests.get(module, 0) + 1
     return lambda item: (
         -min(builds[module := node_name(item).partition("::")[0]], 1),
         -processes[module],
+        -tests[module],
     )
 
 
