@@ -50,7 +50,9 @@ async def _register(client: ControlClient, name: str, index: int, **extra: Any) 
 async def test_an_instance_flood_is_capped_and_the_head_serves_on(tmp_path: Path) -> None:
     with contextlib.ExitStack() as stack:
         ports = {name: stack.enter_context(threaded_http_server()).port for name in ("policy", "other")}
-        with running_head(_config(tmp_path, ports)) as head:
+        # Probes of 5 s: the servers answer from this process's thread while its loop sends the flood, and at load
+        # 12 the policy server's probe timed out at 0.5 s (status exit 1: "down: policy (timeout)").
+        with running_head(_config(tmp_path, ports), "--probe-timeout", "5") as head:
             client = ControlClient(head.address)
             outcomes: list[str] = []
             for start in range(0, 1500, 100):  # 1,500 instances of one name, no lease, the largest labels
