@@ -1,8 +1,12 @@
-"""Smoke runs of the benchmarks: `python -m MODULE --quick ...` in a subprocess, its output in files."""
+"""Smoke runs of the benchmarks: `python -m MODULE --quick ...` in a subprocess, its output in files. Each run is a
+process group of its own, killed whole if still running at the end: a bench killed alone (its hang guard) left the
+heads and servers it had started running."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,13 +24,13 @@ def quick_runs(tmp_path: Path, *modules: str) -> Iterator[dict[str, subprocess.P
         for module in modules:
             with (tmp_path / f"{module}.out").open("wb") as out, (tmp_path / f"{module}.err").open("wb") as err:
                 command = [sys.executable, "-m", module, "--quick", "--out", str(tmp_path / f"{module}.md")]
-                runs[module] = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=err)
+                runs[module] = subprocess.Popen(
+                    command, cwd=REPO_ROOT, stdout=out, stderr=err, start_new_session=True
+                )
         yield runs
     finally:
         for run in runs.values():
-            if run.poll() is None:
-                run.kill()
-            run.wait(timeout=10)
+            _kill_group(run)
 
 
 def finished(tmp_path: Path, module: str, run: subprocess.Popen[bytes]) -> tuple[str, str]:
@@ -41,10 +45,18 @@ def finished(tmp_path: Path, module: str, run: subprocess.Popen[bytes]) -> tuple
 def quick_runs_of(tmp_path: Path, module_and_args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
     """`python -m MODULE ARGS...`, stdout and stderr into files; killed at exit if still running."""
     with (tmp_path / "run.out").open("wb") as out, (tmp_path / "run.err").open("wb") as err:
-        run = subprocess.Popen([sys.executable, "-m", *module_and_args], cwd=REPO_ROOT, stdout=out, stderr=err)
+        run = subprocess.Popen(
+            [sys.executable, "-m", *module_and_args], cwd=REPO_ROOT, stdout=out, stderr=err, start_new_session=True
+        )
     try:
         yield run
     finally:
-        if run.poll() is None:
-            run.kill()
-        run.wait(timeout=10)
+        _kill_group(run)
+
+
+def _kill_group(run: subprocess.Popen[bytes]) -> None:
+    """The run's whole process group, if the run is still going (its children die with it), then the run reaped."""
+    if run.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+    run.wait(timeout=10)
