@@ -251,13 +251,17 @@ def test_every_call_has_a_5_second_deadline_by_default() -> None:
 
 def test_head_host_flag_binds_that_address_only() -> None:
     """README: `gym-rpc head [--host H]`: the head listens on H (here 127.0.0.2), not on 127.0.0.1."""
-    with running_head(None, "--host", "127.0.0.2") as head:
-        host, port = head.address.rsplit(":", 1)
-        assert host == "127.0.0.2"
-        result = run_cli(["config", "--json", "--head", head.address])
-        assert result.returncode == 0, result.stderr
-        with socket.socket() as probe:
-            assert probe.connect_ex((LOOPBACK, int(port))) == 111  # refused on another loopback address
+    # The port held on 127.0.0.1 (bound, never listening) for the whole test: no other process on the machine can
+    # listen there while the head takes it on 127.0.0.2, so "refused" can only mean the head is not there.
+    with socket.socket() as held:
+        held.bind((LOOPBACK, 0))
+        port = held.getsockname()[1]
+        with running_head(None, "--host", "127.0.0.2", "--port", str(port)) as head:
+            assert head.address == f"127.0.0.2:{port}"
+            result = run_cli(["config", "--json", "--head", head.address])
+            assert result.returncode == 0, result.stderr
+            with socket.socket() as probe:
+                assert probe.connect_ex((LOOPBACK, port)) == 111  # refused on another loopback address
 
 
 def test_proxy_variables_are_ignored_by_control_calls() -> None:
