@@ -130,15 +130,9 @@ class WatchProcess:
     async def start(self) -> list[Any]:
         import grpc
 
-        from gym_rpc.v1 import control_plane_pb2 as pb
         from gym_rpc.v1 import control_plane_pb2_grpc as pb_grpc
 
-        channels = [
-            grpc.aio.insecure_channel(self.address, options=[("grpc.enable_http_proxy", 0), ("bench.watchers", i)])
-            for i in range((self.count + 99) // 100)
-        ]
-        request = pb.WatchServerStatusesRequest()
-        request.heartbeat_interval.FromSeconds(60)
+        channels, request = _watch_channels(self.address, self.count)
 
         async def follow(index: int) -> None:
             stub = pb_grpc.ControlPlaneServiceStub(channels[index // 100])
@@ -182,6 +176,22 @@ class WatchProcess:
                 "errors": self.errors[:3],
             }
         raise ValueError(f"unknown command {line!r}")
+
+
+def _watch_channels(address: str, count: int) -> tuple[list[Any], Any]:
+    """Channels for `count` watches, 100 streams to each (distinct channel args: not shared by grpc), and the one
+    WatchServerStatuses request every watch sends."""
+    import grpc
+
+    from gym_rpc.v1 import control_plane_pb2 as pb
+
+    channels = [
+        grpc.aio.insecure_channel(address, options=[("grpc.enable_http_proxy", 0), ("bench.watchers", i)])
+        for i in range((count + 99) // 100)
+    ]
+    request = pb.WatchServerStatusesRequest()
+    request.heartbeat_interval.FromSeconds(60)
+    return channels, request
 
 
 def revision_of(data: bytes) -> int:
@@ -235,12 +245,7 @@ class RevisionWatchers:
 
         from gym_rpc.v1 import control_plane_pb2 as pb
 
-        channels = [
-            grpc.aio.insecure_channel(self.address, options=[("grpc.enable_http_proxy", 0), ("bench.watchers", i)])
-            for i in range((self.count + 99) // 100)
-        ]
-        request = pb.WatchServerStatusesRequest()
-        request.heartbeat_interval.FromSeconds(60)
+        channels, request = _watch_channels(self.address, self.count)
         method = "/gym_rpc.v1.ControlPlaneService/WatchServerStatuses"
         raw = [
             channel.unary_stream(
