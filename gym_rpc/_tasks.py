@@ -8,7 +8,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 
 async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
@@ -18,6 +18,18 @@ async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+class _Closable(Protocol):
+    def close(self) -> Awaitable[object]: ...
+
+
+async def stop_poller(task: asyncio.Task[Any] | None, session: _Closable | None) -> None:
+    """End background work that reads over a session of its own (the bridge's refresher, the engines' load): the
+    task first, then the session it may use (or open) until it has ended. None: nothing to end."""
+    await cancel_and_wait(task)
+    if session is not None:
+        await session.close()
 
 
 async def run_every(

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import grpc
 
-from gym_rpc._tasks import cancel_and_wait, run_every
+from gym_rpc._tasks import run_every, stop_poller
 from gym_rpc.config import (
     DEFAULT_HEAD_HOST,
     DEFAULT_HEAD_PORT,
@@ -205,11 +205,9 @@ class UpstreamSource:
 
     async def stop(self) -> None:
         """Stop refreshing; the server stops serving after this."""
-        await cancel_and_wait(self._refresher)
+        await stop_poller(self._refresher, self._session)
         self._refresher = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self._session = None
 
     async def reload(self, head: ConfigTarget) -> bool:
         """Fetch from the upstream now (ReloadGlobalConfig, SIGHUP); True when the config changed."""

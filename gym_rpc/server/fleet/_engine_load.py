@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from gym_rpc._tasks import cancel_and_wait
+from gym_rpc._tasks import stop_poller
 from gym_rpc.config import ServerEntry
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import ENGINE_LOAD_MAX_AGE_SECONDS, EngineLoad, StatusReport, convert
@@ -134,11 +134,9 @@ class EngineLoads:
             self._task = asyncio.create_task(self._run(), name="gym-rpc engine load")
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._task)
+        await stop_poller(self._task, self._session)
         self._task = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self._session = None
 
     def loads(self) -> list[EngineLoad]:
         """Every engine instance's load now, in the config's order; a figure older than the bound is unknown."""

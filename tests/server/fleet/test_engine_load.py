@@ -11,8 +11,10 @@ import json
 import time
 from typing import Any
 
+import aiohttp
 import pytest
 
+from gym_rpc._tasks import stop_poller
 from gym_rpc.client._follower import close_instance_followers
 from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.client.data._http import close_http_sessions
@@ -113,6 +115,40 @@ async def test_an_engine_that_is_gone_keeps_its_figures_only_until_the_bound(htt
         assert (up.instance_id, up.waiting) == ("up", 3)
     finally:
         await loads.stop()
+
+
+async def test_stopped_loads_read_again_over_a_new_session(http_server) -> None:
+    """`stop` ends the reads and closes their session (gym_rpc._tasks.stop_poller) and forgets it: loads read again
+    afterwards open a new one instead of failing on the closed one."""
+    port = await http_server(FakeEngine("e", dict(VLLM_METRICS)).app())
+    loads = EngineLoads(lambda: [EngineTarget("policy", "up", f"http://{LOOPBACK}:{port}")], max_age_seconds=5.0)
+    try:
+        await loads.read_all()
+        await loads.stop()
+        version = loads.version
+        await loads.read_all()
+        assert loads.version == version + 1  # a round that read figures (over a closed session it would read none)
+    finally:
+        await loads.stop()
+
+
+async def test_a_poller_ends_before_the_session_it_reads_over_closes() -> None:
+    """gym_rpc._tasks.stop_poller: the task is cancelled and has ended before its session is closed, so the task
+    never meets a closed session (nor opens one anew) while it ends."""
+    session = aiohttp.ClientSession()
+    seen: list[bool] = []
+
+    async def poll() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            seen.append(session.closed)
+
+    task = asyncio.create_task(poll())
+    await asyncio.sleep(0)  # the task is waiting in its sleep
+    await stop_poller(task, session)
+    assert (seen, task.cancelled(), session.closed) == ([False], True, True)
+    await stop_poller(None, None)  # nothing started: nothing to end
 
 
 # --- the head ----------------------------------------------------------------------------------------------------
