@@ -703,7 +703,7 @@ def pick_cost(instances: int = 64, blocks: int = 15, per_block: int = 2000) -> d
     groups, per_group = 4096, 8
     rollouts = [(f"{g}-{r}", g * 2654435761 % 2**32) for g in range(groups) for r in range(per_group)]
     for rollout, prompt in rollouts:
-        route.pick_affine(rollout, None, prompt)  # every group and rollout placed
+        route.pick_affine(rollout, None, prompt, time.monotonic())  # every group and rollout placed
     plain = {rollout: route.instances[index % instances] for index, (rollout, _) in enumerate(rollouts)}
     picked = itertools.cycle(rollouts)
     keys = [slot_of(rollout) for rollout, _ in rollouts]
@@ -712,7 +712,7 @@ def pick_cost(instances: int = 64, blocks: int = 15, per_block: int = 2000) -> d
         batch = [next(picked) for _ in range(per_block)]
         began = time.perf_counter()
         for rollout, prompt in batch:
-            route.pick_affine(rollout, None, prompt)
+            route.pick_affine(rollout, None, prompt, time.monotonic())
         sides["affine"].append((time.perf_counter() - began) / per_block * 1e6)
         began = time.perf_counter()
         for rollout, _ in batch:

@@ -36,7 +36,7 @@ from typing import Protocol, TypeVar
 SLOTS = 16384
 _MASK64 = (1 << 64) - 1
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio, odd: slot * it spreads slots over all 64 bits
-_random = random.random
+_getrandbits = random.getrandbits
 
 
 class Candidate(Protocol):
@@ -93,12 +93,16 @@ def top_choices(slot: int, candidates: Sequence[C], count: int) -> tuple[C, ...]
 
 
 def two_choices(candidates: Sequence[C]) -> C:
-    """Of two distinct candidates drawn at random, the one with fewer calls in flight (the first on a tie)."""
+    """Of two distinct candidates drawn at random, the one with fewer calls in flight (the first on a tie).
+
+    Both draws come from one 32-bit random number, 16 bits each (a third of the cost of two `int(random() * n)`
+    on CPython 3.11: bench/replicas.py, replicas-pick): uniform to within n / 65536 of each instance's share."""
     count = len(candidates)
     if count == 1:
         return candidates[0]
-    first = int(_random() * count)
-    second = int(_random() * (count - 1))  # among the others: skip over the first
+    bits = _getrandbits(32)
+    first = (bits & 0xFFFF) * count >> 16
+    second = (bits >> 16) * (count - 1) >> 16  # among the others: skip over the first
     if second >= first:
         second += 1
     a, b = candidates[first], candidates[second]

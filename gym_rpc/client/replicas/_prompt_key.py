@@ -23,64 +23,60 @@ from typing import Any
 
 HEAD = 256  # characters read from the prompt's start
 TAIL = 256  # and from its end (the task text, after a system prompt the whole run shares)
-_SYSTEM_ROLES = frozenset({"system", "developer"})
+_BOUND = HEAD + TAIL
 _SCANNED = 8  # input items looked at for the first user message
+_crc32 = zlib.crc32
 
 
 def prompt_key(body: Any) -> int | None:
     """The number of the prompt a Responses, Chat Completions or Completions body starts from; None when it has
-    none this can read (the call is then picked by its rollout, or by load alone)."""
+    none this can read (the call is then picked by its rollout, or by load alone).
+
+    One pass, on every model call of a replicated server: no helper call in the common case (string contents),
+    and the joined text is built once, then bounded."""
     if type(body) is not dict:
         return None
     items = body.get("input")
     if items is None:
         items = body.get("messages")
     instructions = body.get("instructions")
-    text: str | None
-    if type(items) is str:
-        text = items if not instructions else f"{instructions}\0{items}"
-    elif type(items) is list:
-        text = _prompt_text(items, instructions)
-        if text is None:
+    if type(items) is list:
+        # The system texts and the first user message, joined; None without a user message among the first
+        # _SCANNED items (nothing a group of rollouts shares is readable).
+        text = instructions if type(instructions) is str else ""
+        for item in items if len(items) <= _SCANNED else items[:_SCANNED]:
+            if type(item) is not dict:
+                return None
+            role = item.get("role")
+            if role == "user":
+                content = item.get("content")
+                text = f"{text}\0{content if type(content) is str else _content_text(content)}"
+                break
+            if role == "system" or role == "developer":
+                content = item.get("content")
+                text = f"{text}\0{content if type(content) is str else _content_text(content)}"
+        else:
             return None
+        if len(text) > _BOUND:
+            text = f"{text[:HEAD]}\0{text[-TAIL:]}\0{len(text)}"
+    elif type(items) is str:
+        text = items if not instructions else f"{instructions}\0{items}"
+        if len(text) > _BOUND:
+            text = f"{text[:HEAD]}\0{text[-TAIL:]}\0{len(text)}"
     else:
         prompt = body.get("prompt")
         if type(prompt) is not str or not prompt:
             return None
-        return _crc(prompt[:HEAD])  # it grows with the turns: its head only
-    if len(text) > HEAD + TAIL:
-        text = f"{text[:HEAD]}\0{text[-TAIL:]}\0{len(text)}"
-    return _crc(text)
-
-
-def _crc(text: str) -> int:
+        text = prompt[:HEAD]  # it grows with the turns: its head only
     try:
-        data = text.encode()
+        return _crc32(text.encode())
     except UnicodeEncodeError:  # a lone surrogate (JSON can carry one): kept, never raised on
-        data = text.encode("utf-8", "surrogatepass")
-    return zlib.crc32(data)
-
-
-def _prompt_text(items: list[Any], instructions: Any) -> str | None:
-    """The system texts and the first user message of a list of input items, joined; None without a user message
-    among the first 8 items (nothing a group of rollouts shares is readable)."""
-    text = instructions if type(instructions) is str else ""
-    for item in items if len(items) <= _SCANNED else items[:_SCANNED]:
-        if type(item) is not dict:
-            return None
-        role = item.get("role")
-        if role == "user" or role in _SYSTEM_ROLES:
-            content = item.get("content")
-            text = f"{text}\0{content if type(content) is str else _content_text(content)}"
-            if role == "user":
-                return text
-    return None
+        return _crc32(text.encode("utf-8", "surrogatepass"))
 
 
 def _content_text(content: Any) -> str:
-    if type(content) is str:
-        return content
-    if type(content) is list:  # content parts: [{"type": "input_text", "text": ...}, ...]
+    """The text of a message's content parts ([{"type": "input_text", "text": ...}, ...]); "" for anything else."""
+    if type(content) is list:
         texts = (part.get("text") for part in content if type(part) is dict)
         return "".join(text for text in texts if type(text) is str)
     return ""

@@ -393,45 +393,49 @@ class ServerRoute:
                 )
 
     def pick_affine(
-        self, rollout: str | None, session: str | None, prompt: int | None
+        self, rollout: str | None, session: str | None, prompt: int | None, now: float
     ) -> tuple[Instance, Pin | None, Group | None]:
         """A model call's instance, the pin its rollout (or model session) keeps its turns on, if it has one, and
         its prompt's group when the call goes where the group is: the pin's instance while alive, not slow and
         under the bound to stay; else the group's instance under the same bound; else the least loaded of its
         prompt's preferred instances under the bound for new work (two random choices when none is, or the call
-        has no prompt), where the pin and the group then move."""
-        if self.refresh_at != _NEVER and _monotonic() >= self.refresh_at:
+        has no prompt), where the pin and the group then move. `now`: time.monotonic(), read by the caller."""
+        if now >= self.refresh_at:  # an ejection ended (never while none is ejected: refresh_at is infinite)
             self.refresh()
         candidates = self.pool
         if not candidates:
             raise self.no_instance()
-        if _monotonic() >= self.loads_at:
+        if now >= self.loads_at:
             self._read_loads()
         average = (self.in_flight_total + self.engine_total + 1) / len(candidates)
         stay = STICK_RATIO * average + STICK_SLACK
         group = None if prompt is None else self.groups.get(prompt)
         pins = self.pins
-        pin = None
-        if session is not None:
-            pin = pins.get(session)
+        pin = None if session is None else pins.get(session)
         if rollout is not None and (pin is None or not pin.instance.alive):
             pin = pins.get(rollout)
         if pin is not None:
             last = pin.instance
-            if last.alive and not last.slow and _load_beside(last, group) < stay:
-                if rollout is not None and session is not None:
-                    self._alias(pin, rollout, session)
-                return last, pin, group if group is not None and group.instance is last else None
+            if last.alive and not last.slow:
+                # _load_beside(last, group), inlined: a rollout's later turn, the commonest model call
+                at_group = group if group is not None and group.instance is last else None
+                load = last.in_flight + last.engine_load
+                if at_group is not None:
+                    load -= at_group.calls
+                if load < stay:
+                    if rollout is not None and session is not None:
+                        self._alias(pin, rollout, session)
+                    return last, pin, at_group
         if prompt is None:
             chosen = _two_fast_choices(candidates) if self.any_slow else two_choices(candidates)
         else:
             fresh = FRESH_RATIO * average + FRESH_SLACK
             if group is None:
-                chosen = self._place_group(prompt, rollout, candidates, fresh, None)
+                chosen = self._place_group(prompt, rollout, candidates, fresh, None, now)
             else:
                 chosen = group.instance
                 if not chosen.candidate or chosen.slow or _load_beside(chosen, group) >= stay:
-                    chosen = self._place_group(prompt, rollout, candidates, fresh, group)
+                    chosen = self._place_group(prompt, rollout, candidates, fresh, group, now)
             if group is None or group.instance is not chosen:
                 group = self._group_at(prompt, chosen)
         if pin is None:
@@ -455,7 +459,13 @@ class ServerRoute:
         return group
 
     def _place_group(
-        self, prompt: int, rollout: str | None, candidates: tuple[Instance, ...], bound: float, group: Group | None
+        self,
+        prompt: int,
+        rollout: str | None,
+        candidates: tuple[Instance, ...],
+        bound: float,
+        group: Group | None,
+        now: float,
     ) -> Instance:
         """Where a group (new, or leaving an instance it cannot stay on) goes.
 
@@ -471,7 +481,6 @@ class ServerRoute:
           (`preferred_for`: by its task number when its rollout id has one, so that groups dispatched in task
           order spread over the instances before any load shows)."""
         if self.homes and self.in_flight_total + self.engine_total:
-            now = _monotonic()
             with self.lock:  # the homes of the last HOME_SECONDS, latest first; older ones forgotten
                 fresh = sorted(
                     ((at, home) for home, at in self.homes.items() if now - at < HOME_SECONDS),
@@ -590,12 +599,6 @@ class ServerRoute:
                 instance.slow = False
             self.any_slow = False
         self.loads_at = now + ENGINE_LOAD_READ_SECONDS
-
-    def answered_in(self, instance: Instance, seconds: float, now: float) -> None:
-        """A model call's answer (its headers) came after `seconds`, at `now`: the instance's latency figure."""
-        previous = instance.latency
-        instance.latency = seconds if not previous else previous + LATENCY_WEIGHT * (seconds - previous)
-        instance.latency_at = now
 
     def _alias(self, pin: Pin, rollout: str | None, session: str | None) -> None:
         pins = self.pins
@@ -762,24 +765,31 @@ class RoutedCall:
         self.tried: tuple[Instance, ...] = ()
         self.counted = 0  # the attempts whose failure `reroute` counted: the call's end counts none twice
         self.pin: Pin | None
-        self.group: Group | None = None  # a model call's group, while the call is at the group's instance
-        self.started = 0.0  # when a model call was placed (its answer's latency counts for its instance)
+        group: Group | None = None  # a model call's group, while the call is at the group's instance
         if route.affine:
-            instance, self.pin, group = route.pick_affine(key, session, prompt)
-            self.group, self.started = group, _monotonic()
-        elif key is None and session is None:
-            self.pin = None
-            instance = route.pick(None)
+            # when a model call was placed (its answer's latency counts for its instance)
+            self.started = now = _monotonic()
+            instance, self.pin, group = route.pick_affine(key, session, prompt, now)
         else:
-            self.pin = pin = route.pin_of(key, session)
-            instance = pin.instance
+            self.started = 0.0
+            if key is None and session is None:
+                self.pin = None
+                instance = route.pick(None)
+            else:
+                self.pin = pin = route.pin_of(key, session)
+                instance = pin.instance
         self.instance = instance
-        with route.lock:
+        self.group = group
+        lock = route.lock  # acquire/release, not `with`: a third of the cost on CPython 3.11 (replicas-pick rows)
+        lock.acquire()
+        try:
             instance.in_flight += 1
             instance.picks += 1
             route.in_flight_total += 1
-            if self.group is not None:
-                self.group.calls += 1
+            if group is not None:
+                group.calls += 1
+        finally:
+            lock.release()
 
     def reroute(self, error: BaseException) -> str:
         """The URL of the next attempt after `error` (the resend loop asks): another instance after a refused
@@ -817,33 +827,41 @@ class RoutedCall:
     def answered(self, response: aiohttp.ClientResponse, deadline: float | None = None) -> None:
         """The answer's headers came: a 5xx is a failure; any other answer succeeds once its body is read whole
         (told by its connection's release: `ServerRoute.body_ended`), or at once when it came whole already."""
-        instance, route = self.instance, self.route
-        now = _monotonic() if self.started else 0.0  # a model call's (prefix-affine picking reads these)
-        with route.lock:
+        instance, route, group, started = self.instance, self.route, self.group, self.started
+        now = _monotonic() if started else 0.0  # a model call's (prefix-affine picking reads these)
+        lock = route.lock
+        lock.acquire()
+        try:
             instance.in_flight -= 1
             route.in_flight_total -= 1
             if now and not instance.in_flight:  # this process's last call there ended
                 instance.left_at = now
-                if self.group is not None:  # a group's: a home for its worker's next group
+                if group is not None:  # a group's: a home for its worker's next group
                     route.homes[instance] = now
-            if self.group is not None:
-                self.group.calls -= 1
+            if group is not None:
+                group.calls -= 1
                 self.group = None
-        if response.status >= 500:
-            route.failed_with(instance, f"HTTP {response.status}")
+        finally:
+            lock.release()
+        status = response.status
+        if status >= 500:
+            route.failed_with(instance, f"HTTP {status}")
             return
-        if now and response.status < 400:  # an answer, not a refusal (a 429 comes back fast)
-            route.answered_in(instance, now - self.started, now)
+        if now and status < 400:  # an answer, not a refusal (a 429 comes back fast): the instance's latency
+            seconds, previous = now - started, instance.latency  # an EWMA of its answers' times (`slow`)
+            instance.latency = seconds if not previous else previous + LATENCY_WEIGHT * (seconds - previous)
+            instance.latency_at = now
         connection = response.connection
         if connection is None:  # no body, or all of it read with the headers: the connection is free already
-            self.route.succeeded(instance)
+            if instance.consecutive_failures or instance.on_probation:  # else a success ends nothing
+                route.succeeded(instance)
         else:
-            connection.add_callback(functools.partial(self.route.body_ended, instance, response, deadline))
+            connection.add_callback(functools.partial(route.body_ended, instance, response, deadline))
         # A call that carried no session may have opened one (a NeMo Gym server sets its cookie on every answer;
         # a call carrying one keeps it): pinned with the call's rollout.
         if self.session is None and "Set-Cookie" in response.headers:
             try:
-                self.route.learn_session(response, instance, self.pin)
+                route.learn_session(response, instance, self.pin)
             except Exception:  # a malformed cookie must not fail an answered call
                 logger.debug("cannot read the session cookie of an answer", exc_info=True)
 

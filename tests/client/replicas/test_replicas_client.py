@@ -151,6 +151,15 @@ def test_two_choices_takes_the_less_loaded_of_two_distinct_instances() -> None:
     assert two_choices([busy]) is busy
 
 
+def test_two_choices_over_equal_loads_spreads_calls_evenly_over_every_instance() -> None:
+    """Both draws come from one random number (16 bits each): every instance is drawn, and each of 48 (a count
+    that does not divide 65,536) gets its share to within a third (the chance of a miss is below 1e-9)."""
+    candidates = [SimpleNamespace(key=n, in_flight=0) for n in range(48)]
+    counts = collections.Counter(id(two_choices(candidates)) for _ in range(48 * 400))
+    assert len(counts) == 48
+    assert all(400 * 2 / 3 < count < 400 * 4 / 3 for count in counts.values()), sorted(counts.values())
+
+
 def test_calls_in_flight_are_counted_under_the_routes_lock() -> None:
     """One client may serve the event loops of several threads: a call's count in flight changes only under its
     route's lock, so two threads' `+= 1` cannot lose one (which would skew every later two-choices pick)."""
@@ -564,6 +573,8 @@ def test_a_prompt_key_is_one_for_a_groups_rollouts_and_their_turns_and_the_same_
         assert prompt_key(body) is None, body
     odd = {"input": [{"role": "user", "content": [{"type": "input_text", "text": 7}, "x", {"text": "ok"}]}]}
     assert prompt_key(odd) == zlib.crc32(b"\0ok")  # parts it cannot read are skipped, never raised on
+    unhashable_role = {"input": [{"role": ["user"], "content": "x"}, {"role": "user", "content": "ok"}]}
+    assert prompt_key(unhashable_role) == zlib.crc32(b"\0ok")  # an item of no role it knows is passed over
 
 
 async def body_at(client: ServerClient, body: dict[str, Any], cookies: Any = None) -> int:
