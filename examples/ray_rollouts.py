@@ -64,7 +64,7 @@ def stateful_resources_app(replica: str, seeded: set[str]) -> web.Application:
     async def alive(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
-    app = web.Application(middlewares=[TraceContextPathMiddleware.aiohttp()])
+    app = TraceContextPathMiddleware.install(web.Application())
     app.router.add_get("/", alive)
     app.router.add_post("/seed_session", seed_session)
     app.router.add_post("/verify", verify)

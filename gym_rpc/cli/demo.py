@@ -54,7 +54,7 @@ def model_app(stats: DemoStats) -> web.Application:
             {"object": "response", "output": [{"type": "message", "role": "assistant", "content": text}]}
         )
 
-    app = web.Application(middlewares=[TraceContextPathMiddleware.aiohttp()])
+    app = TraceContextPathMiddleware.install(web.Application())
     app.router.add_get("/", _alive)
     app.router.add_post("/v1/responses", responses)
     return app
@@ -69,7 +69,7 @@ def resources_app(stats: DemoStats) -> web.Application:
         reward = 1.0 if str(body.get("response", "")).startswith("echo:") else 0.0
         return web.json_response({"reward": reward})
 
-    app = web.Application(middlewares=[TraceContextPathMiddleware.aiohttp()])
+    app = TraceContextPathMiddleware.install(web.Application())
     app.router.add_get("/", _alive)
     app.router.add_post("/verify", verify)
     return app

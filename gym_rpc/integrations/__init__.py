@@ -1,7 +1,8 @@
 """Integrations for the Gym servers themselves (aiohttp and ASGI apps). Exports import on first use, so a server
 that only wants the middleware does not load the control-plane client that registration needs.
 
-* `_middleware`: `TraceContextPathMiddleware`, which strips the rollout and trace-context path prefixes.
+* `_middleware`: `TraceContextPathMiddleware`, which strips the rollout and trace-context path prefixes
+  (`_prefix_routes`: the aiohttp routes its `install(app)` registers).
 * `_registration`: registering a server process with the head (`ServerRegistration` and app helpers);
   `_draining`: draining it on SIGTERM before it stops.
 """

@@ -9,7 +9,8 @@ a short reason instead of being routed somewhere surprising.
 Two forms share one pure parser, `gym_rpc.wire.split_gym_prefixes` (next to the builder), so the rules live in
 one place:
 
-* aiohttp.web: `web.Application(middlewares=[TraceContextPathMiddleware.aiohttp(), ...])`, first in the list.
+* aiohttp.web: `TraceContextPathMiddleware.install(app)` before the app starts: the middleware first, and the
+  routes for the prefixed paths (`_prefix_routes`: aiohttp routes before any middleware runs).
 * plain ASGI: `TraceContextPathMiddleware(asgi_app)`, the outermost wrapper.
 
 A rollout id is one plain segment (gym_rpc.wire's rule, the client's): one with `/`, `..`, a control, NUL or bidi
@@ -20,7 +21,6 @@ With tracing on (`gym_rpc.telemetry`), both run the handler inside a SERVER span
 
 from __future__ import annotations
 
-import functools
 import logging
 import warnings
 import weakref
@@ -35,6 +35,7 @@ from yarl import URL
 
 from gym_rpc.client import rollout_context
 from gym_rpc.errors import MalformedGymPrefixError
+from gym_rpc.integrations._prefix_routes import ROUTED_PREFIXES, has_prefix_routes, install_prefix_routes
 from gym_rpc.telemetry import propagation, record_failure, server_span, set_response_status, tracing_enabled
 from gym_rpc.wire import GYM_PREFIX_HEAD, TRACEPARENT_HEADER, GymPrefixes, split_gym_prefixes
 
@@ -60,31 +61,37 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 @web.middleware
 async def _aiohttp_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """aiohttp form; see `TraceContextPathMiddleware`."""
-    if request.app not in _apps_checked:
-        _check_outermost(request.app)
+    installed = _apps_checked.get(request.app)
+    if installed is None:
+        installed = _check_app(request.app)
     raw_path = request.rel_url.raw_path
-    if not raw_path.startswith(GYM_PREFIX_HEAD):
-        if tracing_enabled():
-            return await _traced_aiohttp(request, request, handler, None)
-        return await handler(request)
-    try:
-        prefixes = split_gym_prefixes(raw_path)
-    except MalformedGymPrefixError as error:
-        return web.Response(status=400, text=f"{error}\n")
-    if not prefixes.stripped:
-        if tracing_enabled():
-            return await _traced_aiohttp(request, request, handler, None)
-        return await handler(request)
-    rerouted = await _rerouted_request(request, prefixes)
-    _store_prefixes(rerouted, prefixes)
-    with rollout_context(prefixes.rollout_id):
-        if tracing_enabled():
-            return await _traced_aiohttp(request, rerouted, _inner_chain(rerouted), prefixes.rollout_id)
-        return await _inner_chain(rerouted)(rerouted)
+    if raw_path.startswith(GYM_PREFIX_HEAD):
+        prefixes = request.get(ROUTED_PREFIXES)
+        if prefixes is not None:  # routed by the prefix resources: aiohttp has assigned the stripped path's route
+            rerouted = _rerouted_request(request, prefixes)
+            _store_prefixes(rerouted, prefixes)
+            with rollout_context(prefixes.rollout_id):
+                if tracing_enabled():
+                    return await _traced_aiohttp(request, rerouted, handler, prefixes.rollout_id)
+                return await handler(rerouted)
+        try:
+            if split_gym_prefixes(raw_path).stripped and not installed:
+                return web.Response(status=500, text=_NOT_INSTALLED + "\n")
+        except MalformedGymPrefixError as error:
+            return web.Response(status=400, text=f"{error}\n")
+    # A plain path, or a prefixed one the resources left to aiohttp's own route (see _prefix_routes)
+    if tracing_enabled():
+        return await _traced_aiohttp(request, request, handler, None)
+    return await handler(request)
 
 
-_apps_checked: weakref.WeakSet[web.Application] = weakref.WeakSet()
+# Per app, at its first request: whether TraceContextPathMiddleware.install(app) registered the prefix routes.
+_apps_checked: weakref.WeakKeyDictionary[web.Application, bool] = weakref.WeakKeyDictionary()
 _keys_stored = False  # whether the documented str keys were stored once (aiohttp warns once per str key)
+_NOT_INSTALLED = (
+    "TraceContextPathMiddleware cannot route a Gym-prefixed path in an aiohttp app it was not installed in: "
+    "call TraceContextPathMiddleware.install(app) before the app starts"
+)
 
 
 def _store_prefixes(request: web.Request, prefixes: GymPrefixes) -> None:
@@ -105,18 +112,25 @@ def _store_prefixes(request: web.Request, prefixes: GymPrefixes) -> None:
     _keys_stored = True
 
 
-def _check_outermost(app: web.Application) -> None:
-    """Warn, once per app, when a middleware runs before this one: it sees the path with the prefix, not the path
-    the handler sees, so a guard there (auth by path, say) judges `/ng-rollout/x/admin` but serves `/admin`."""
-    _apps_checked.add(app)
+def _check_app(app: web.Application) -> bool:
+    """Once per app, at its first request: whether the prefix routes are installed (an error in the log when not),
+    and a warning when a middleware runs before this one: it sees the path with the prefix, not the path the
+    handler sees, so a guard there (auth by path, say) judges `/ng-rollout/x/admin` but serves `/admin`."""
+    installed = has_prefix_routes(app)
+    _apps_checked[app] = installed
+    if not installed:
+        logger.error(
+            "%s (web.Application(middlewares=[...]) alone no longer routes /ng-rollout/... paths)", _NOT_INSTALLED
+        )
     position = list(app.middlewares).index(_aiohttp_middleware) if _aiohttp_middleware in app.middlewares else 0
     if position > 0:
         logger.warning(
             "TraceContextPathMiddleware is middleware %d of this aiohttp app: put it first "
-            "(web.Application(middlewares=[TraceContextPathMiddleware.aiohttp(), ...])), so every middleware sees "
+            "(TraceContextPathMiddleware.install(app) does when it is not listed), so every middleware sees "
             "the path the handler sees",
             position + 1,
         )
+    return installed
 
 
 async def _traced_aiohttp(
@@ -150,69 +164,15 @@ async def _traced_aiohttp(
         return response
 
 
-async def _rerouted_request(request: web.Request, prefixes: GymPrefixes) -> web.Request:
-    """A clone of the request at the stripped path, resolved against the root app's router like a fresh request."""
+def _rerouted_request(request: web.Request, prefixes: GymPrefixes) -> web.Request:
+    """A clone of the request at the stripped path: `clone()` keeps the route aiohttp assigned, which the prefix
+    resources resolved from that same path; `/ng-trace/<tp>` becomes the `traceparent` header."""
     rel_url = URL.build(path=prefixes.rest, query_string=request.rel_url.raw_query_string, encoded=True)
+    if prefixes.traceparent is None:
+        return request.clone(rel_url=rel_url)
     headers = CIMultiDict(request.headers)
-    if prefixes.traceparent is not None:
-        headers[TRACEPARENT_HEADER] = prefixes.traceparent  # replaces every existing value
-    clone = request.clone(rel_url=rel_url, headers=headers)
-    if prefixes.rest.startswith("//"):
-        # clone() sets raw_path to str(rel_url), which yarl writes with two extra slashes when the path starts
-        # with "//" (an empty authority), and no public way takes a raw path: keep raw_path what was actually left
-        # after the prefix. Only this edge (an empty segment after the prefix, which no Gym client sends).
-        query = request.rel_url.raw_query_string
-        clone._message = clone._message._replace(path=prefixes.rest + (f"?{query}" if query else ""))
-    root = request.app
-    match_info = await root.router.resolve(clone)
-    match_info.add_app(root)  # what Application._handle does: sub-app resolution already added the sub-app
-    match_info.freeze()
-    # aiohttp has no public way to give a request its route (Request.clone copies the old one; aiohttp's own
-    # normalize_path_middleware assigns a resolved clone's the same way), so the handler sees the stripped
-    # route's match_info, app and config_dict only through this.
-    clone._match_info = match_info
-    return clone
-
-
-def _inner_chain(request: web.Request) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    """The handler the stripped path resolves to, wrapped in the middlewares aiohttp would run inside this one.
-
-    For the root app those are the ones listed after this middleware (all of them if it is not listed, e.g.
-    wrapped by the user); for sub-apps on the new route, all of theirs. Each app's layer runs with
-    `request.app` set to that app, as aiohttp does.
-    """
-    match_info = request.match_info
-    handler: Callable[[web.Request], Awaitable[web.StreamResponse]] = match_info.handler
-    apps = match_info.apps
-    for app in reversed(apps):
-        middlewares = list(app.middlewares)
-        if app is apps[0]:
-            middlewares = middlewares[_position_after_self(middlewares) :]
-        for middleware in reversed(middlewares):
-            handler = functools.partial(middleware, handler=handler)
-        handler = functools.partial(_with_current_app, app, handler)
-    return handler
-
-
-def _position_after_self(middlewares: list[Any]) -> int:
-    for index, middleware in enumerate(middlewares):
-        if middleware is _aiohttp_middleware:
-            return index + 1
-    return 0
-
-
-async def _with_current_app(
-    app: web.Application,
-    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
-    request: web.Request,
-) -> web.StreamResponse:
-    match_info = request.match_info
-    previous = match_info.current_app
-    match_info.current_app = app
-    try:
-        return await handler(request)
-    finally:
-        match_info.current_app = previous
+    headers[TRACEPARENT_HEADER] = prefixes.traceparent  # replaces every existing value
+    return request.clone(rel_url=rel_url, headers=headers)
 
 
 # --- the public class: plain ASGI, and aiohttp via .aiohttp() -----------------------------------------------
@@ -228,15 +188,17 @@ class TraceContextPathMiddleware:
     `raw_path` (without it, from the decoded `path`); an id that is not one plain segment is answered with 400.
     Query strings are untouched. Wrap the app with it outermost: a wrapper outside it sees the prefixed path.
 
-    aiohttp.web: `web.Application(middlewares=[TraceContextPathMiddleware.aiohttp(), ...])` on the root app,
-    first in the list: a middleware before it (a path guard) would judge the path with the prefix while the
-    handler serves the stripped one, so it logs a warning once, at the first request, when it is not first.
-    aiohttp resolves the route before middlewares run, so for a prefixed path this middleware clones the request
-    at the stripped path (with the new `traceparent` header), resolves the clone against `request.app.router`
-    exactly as a fresh request would be (sub-apps included), then runs the resolved handler
-    through the middlewares aiohttp would have run inside this one. Middlewares listed before it see the original
-    request; the handler and those after it see the clone, with `request["rollout_id"]` and
-    `request["token_capture"]` set (absent on requests that carried no prefix: use `request.get`).
+    aiohttp.web: `TraceContextPathMiddleware.install(app)` on the root app, before it starts. aiohttp picks a
+    request's route before any middleware runs, so install registers two routes (custom resources) for
+    `/ng-rollout/...` and `/ng-trace/...` that resolve the stripped path in the same router (sub-apps included)
+    and stand for the route found there: aiohttp then runs that route's apps' middlewares with `request.app` set as
+    for a fresh request. It also puts this middleware first in `app.middlewares` unless it is listed already
+    (`TraceContextPathMiddleware.aiohttp()`): a middleware before it (a path guard) would judge the path with the
+    prefix while the handler serves the stripped one, so it logs a warning once, at the first request, when it is
+    not first. It hands the handler and the middlewares after it a `request.clone()` at the stripped path (with the
+    new `traceparent` header) and `request["rollout_id"]` and `request["token_capture"]` set (absent on requests
+    that carried no prefix: use `request.get`); middlewares listed before it see the original request. An app that
+    lists the middleware without install answers a prefixed path with 500 and logs an error once.
 
     Tracing (`gym_rpc.telemetry`; off by default): while on, every request's handler runs inside a SERVER span that
     continues the caller's trace from the `traceparent` header (the one the path segment became, or the one Gym's
@@ -245,8 +207,18 @@ class TraceContextPathMiddleware:
     """
 
     @staticmethod
+    def install(app: web.Application) -> web.Application:
+        """Set up the aiohttp.web form on the root `app` before it starts (once; again is a no-op): the routes for
+        the prefixed paths, and the middleware first in `app.middlewares` unless it is listed already."""
+        install_prefix_routes(app)
+        if _aiohttp_middleware not in app.middlewares:
+            app.middlewares.insert(0, _aiohttp_middleware)
+        return app
+
+    @staticmethod
     def aiohttp() -> Middleware:
-        """The aiohttp.web form, for `web.Application(middlewares=[TraceContextPathMiddleware.aiohttp()])`."""
+        """The aiohttp.web middleware itself, to list it in a chosen place (`web.Application(middlewares=[...])`);
+        `install(app)` is still needed, for the routes."""
         return _aiohttp_middleware
 
     def __init__(self, app: ASGIApp) -> None:

@@ -155,7 +155,7 @@ class ThreadedApp:
         return web.json_response(body)
 
     async def _start(self) -> None:
-        app = web.Application(middlewares=[TraceContextPathMiddleware.aiohttp()])
+        app = TraceContextPathMiddleware.install(web.Application())
         app.router.add_route("*", "/{tail:.*}", self._echo)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -145,6 +146,8 @@ def aiohttp_app() -> web.Application:
     async def outer(request: web.Request, handler: Handler) -> web.StreamResponse:
         response = await handler(request)
         response.headers["x-outer-path"] = request.rel_url.raw_path  # as received: header-safe
+        resource = request.match_info.route.resource  # the route aiohttp assigned, before any middleware ran
+        response.headers["x-outer-route"] = resource.canonical if resource is not None else "-"
         return response
 
     @web.middleware
@@ -179,7 +182,7 @@ def aiohttp_app() -> web.Application:
     app.router.add_route("*", "/v1/responses", responses)
     app.router.add_get("/items/{name}", item)
     app.add_subapp("/sub", sub)
-    return app
+    return TraceContextPathMiddleware.install(app)
 
 
 class RawAsgiApp:
@@ -371,12 +374,88 @@ async def test_aiohttp_reroute_behaves_like_a_fresh_request(http_server: Any, se
 
     async with session.get(URL(base + "/ng-rollout/r1/items/a%20b", encoded=True)) as response:
         assert await response.json() == {"name": "a b", "rollout_id": "r1"}  # match_info of the new route
+        assert response.headers["x-outer-route"] == "/items/{name}"  # aiohttp assigned it, for every middleware
+
+    async with session.post(URL(base + "/ng-rollout/r1/items/a", encoded=True)) as response:
+        assert response.status == 405  # as for POST /items/a
+        assert set(response.headers["Allow"].split(",")) == {"GET", "HEAD"}
 
     async with session.get(
         URL(base + f"/ng-rollout/r1/ng-trace/{TRACEPARENT}/sub/where", encoded=True)
     ) as response:
         assert await response.json() == {"app_is_sub": True, "rollout_id": "r1"}
         assert response.headers["x-inner-path"] == "/sub/where"  # the sub-app's own middleware ran
+
+
+def _catch_all_app(seen: list[tuple[str, Any]], *middlewares: Any) -> web.Application:
+    """An app whose one route serves every path (and records what it saw): a path it does not see was refused."""
+
+    async def anything(request: web.Request) -> web.Response:
+        seen.append((request.raw_path, request.get("rollout_id")))
+        return web.Response(text="served")
+
+    app = web.Application(middlewares=list(middlewares))
+    app.router.add_route("*", "/{tail:.*}", anything)
+    return app
+
+
+async def test_an_empty_segment_after_the_prefix_is_answered_404_and_never_reaches_a_handler(
+    http_server: Any, session: ClientSession
+):
+    """`/ng-rollout/<id>//x`: the stripped path would start with "//", which a request clone cannot carry as its
+    raw path (yarl writes it with an empty authority); it is answered as aiohttp answers a path without a route,
+    even where a catch-all route would serve it."""
+    seen: list[tuple[str, Any]] = []
+    base = f"http://{LOOPBACK}:{await http_server(TraceContextPathMiddleware.install(_catch_all_app(seen)))}"
+    for path in ("/ng-rollout/r1//v1/responses?x=1", f"/ng-trace/{TRACEPARENT}//v1/responses", "/ng-rollout/r1//"):
+        status, text = await _call(session, base, path, "POST")
+        assert (status, text) == (404, "404: Not Found"), path
+    assert seen == []
+    assert await _call(session, base, "/ng-rollout/r1/v1/responses?x=1") == (200, "served")
+    # A second prefix inside the stripped path is a plain path there, as it always was.
+    assert await _call(session, base, "/ng-rollout/r1/ng-rollout/r2/x") == (200, "served")
+    assert seen == [("/v1/responses?x=1", "r1"), ("/ng-rollout/r2/x", "r1")]
+
+
+async def test_an_app_that_lists_the_middleware_without_install_refuses_prefixed_paths_with_500(
+    http_server: Any, session: ClientSession, caplog: pytest.LogCaptureFixture
+):
+    """The middleware alone cannot give a request another route (aiohttp routes before middlewares run, and
+    has no public way to re-route): a prefixed path is answered 500 with what to do, never served at the
+    prefixed path, and the log says so once. Plain paths and the 400s are as with install."""
+    seen: list[tuple[str, Any]] = []
+    app = _catch_all_app(seen, TraceContextPathMiddleware.aiohttp())
+    base = f"http://{LOOPBACK}:{await http_server(app)}"
+    with caplog.at_level(logging.ERROR, logger="gym_rpc.integrations._middleware"):
+        for _ in range(3):
+            status, text = await _call(session, base, FULL_PREFIX + "/v1/responses")
+            assert status == 500 and "TraceContextPathMiddleware.install(app)" in text, text
+        assert (await _call(session, base, "/ng-rollout/r%2F1/v1/responses"))[0] == 400
+        assert await _call(session, base, "/v1/responses") == (200, "served")
+    assert seen == [("/v1/responses", None)]
+    errors = [record for record in caplog.records if "install(app)" in record.getMessage()]
+    assert len(errors) == 1, caplog.text
+
+
+async def test_install_puts_the_middleware_first_once_and_only_before_the_root_app_starts(http_server: Any):
+    @web.middleware
+    async def other(request: web.Request, handler: Handler) -> web.StreamResponse:
+        return await handler(request)
+
+    middleware = TraceContextPathMiddleware.aiohttp()
+    app = web.Application(middlewares=[other])
+    assert TraceContextPathMiddleware.install(app) is app
+    TraceContextPathMiddleware.install(app)  # again: nothing more
+    assert (list(app.middlewares), len(app.router.resources())) == ([middleware, other], 2)
+    listed = TraceContextPathMiddleware.install(web.Application(middlewares=[other, middleware]))
+    assert list(listed.middlewares) == [other, middleware]  # where the user put it (warned about at run time)
+
+    started = web.Application()
+    await http_server(started)
+    with pytest.raises(RuntimeError, match="before the aiohttp app starts"):
+        TraceContextPathMiddleware.install(started)
+    with pytest.raises(RuntimeError, match="on the root aiohttp application"):
+        web.Application().add_subapp("/sub", TraceContextPathMiddleware.install(web.Application()))
 
 
 # --- ASGI specifics ----------------------------------------------------------------------------------------------
@@ -465,7 +544,7 @@ async def handler(request):
     return web.json_response({"rollout_id": request["rollout_id"], "token_capture": request["token_capture"]})
 
 async def main():
-    app = web.Application(middlewares=[TraceContextPathMiddleware.aiohttp()])
+    app = TraceContextPathMiddleware.install(web.Application())
     app.router.add_post("/v1/responses", handler)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

@@ -42,7 +42,7 @@ middleware = TraceContextPathMiddleware.aiohttp()
 order = [guard, middleware] if sys.argv[2] == "guard-first" else [middleware, guard]
 
 async def main():
-    app = web.Application(middlewares=order)
+    app = TraceContextPathMiddleware.install(web.Application(middlewares=order))
     app.router.add_route("*", "/{tail:.*}", record)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

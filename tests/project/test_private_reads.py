@@ -35,15 +35,10 @@ NAMED_BY_THE_LEAD = {
     "_span_processors", "_active_span_processor", "_batch_processor", "_tracer_config", "_tracer_metrics",
     "_span_limits", "_RUNTIME_CONTEXT",
 }  # fmt: skip
-# aiohttp internals the receiving servers' middleware still rewrites a request with, as aiohttp has no public way
-# to re-route one: the route the stripped path resolves to (`_match_info`: Request.clone copies the old one, and
-# aiohttp's own normalize_path_middleware assigns a resolved clone's the same way), and the raw path of the one
-# edge yarl cannot spell (`_message`: a path left starting with "//"). integrations/_middleware.py says why at
-# each; this list may only shrink.
-KNOWN_ELSEWHERE = {
-    ("integrations/_middleware.py", "_message"),
-    ("integrations/_middleware.py", "_match_info"),
-}
+# Private names left in another's module: none. The receiving servers' middleware used to rewrite a request's
+# route (`_match_info`) and raw path (`_message`); aiohttp now routes a prefixed path itself, through custom
+# resources (integrations/_prefix_routes.py), and the middleware only clones. This list may only shrink.
+KNOWN_ELSEWHERE: set[tuple[str, str]] = set()
 # Being removed by other work under way; each may be gone already (then drop it here).
 PENDING_ELSEWHERE = {
     # ServerClient.__getstate__/__setstate__ read and write pydantic's pickled-state key: the pickling rework of

@@ -16,9 +16,13 @@ async def _ok(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
-async def start_ok_server(middlewares: Sequence[Any] = ()) -> tuple[web.AppRunner, int]:
-    """An aiohttp server answering every method and path with {"ok": true}."""
+async def start_ok_server(
+    middlewares: Sequence[Any] = (), setup: Callable[[web.Application], object] | None = None
+) -> tuple[web.AppRunner, int]:
+    """An aiohttp server answering every method and path with {"ok": true}; `setup(app)` runs before it starts."""
     app = web.Application(middlewares=list(middlewares))
+    if setup is not None:
+        setup(app)
     app.router.add_route("*", "/{tail:.*}", _ok)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

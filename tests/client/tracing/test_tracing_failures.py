@@ -278,7 +278,7 @@ def middleware_app() -> web.Application:
     async def answer(request: web.Request) -> web.Response:
         return web.json_response({"rollout": request.get("rollout_id")})
 
-    app = web.Application(middlewares=[TraceContextPathMiddleware.aiohttp()])
+    app = TraceContextPathMiddleware.install(web.Application())
     app.router.add_post("/verify", answer)
     return app
 

@@ -80,7 +80,7 @@ async def asgi_app(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 async def start_aiohttp_receiver() -> tuple[web.AppRunner, int]:
-    app = web.Application(middlewares=[TraceContextPathMiddleware.aiohttp()])
+    app = TraceContextPathMiddleware.install(web.Application())
     app.router.add_post("/v1/responses", aiohttp_responses)
     app.router.add_post("/fail", aiohttp_failing)
     runner = web.AppRunner(app, access_log=None)

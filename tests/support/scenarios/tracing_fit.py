@@ -32,7 +32,7 @@ LOOPBACK = "127.0.0.1"
 async def start_server(*, middleware: bool = False) -> tuple[web.AppRunner, int]:
     from gym_rpc.integrations import TraceContextPathMiddleware
 
-    return await start_ok_server([TraceContextPathMiddleware.aiohttp()] if middleware else [])
+    return await start_ok_server(setup=TraceContextPathMiddleware.install if middleware else None)
 
 
 def inject_config(servers: dict[str, Any]) -> None:
