@@ -75,10 +75,13 @@ async def _aiohttp_middleware(request: web.Request, handler: Handler) -> web.Str
                     return await _traced_aiohttp(request, rerouted, handler, prefixes.rollout_id)
                 return await handler(rerouted)
         try:
-            if split_gym_prefixes(raw_path).stripped and not installed:
-                return web.Response(status=500, text=_NOT_INSTALLED + "\n")
+            stripped = split_gym_prefixes(raw_path).stripped
         except MalformedGymPrefixError as error:
             return web.Response(status=400, text=f"{error}\n")
+        if stripped and not installed:
+            return web.Response(status=500, text=_NOT_INSTALLED + "\n")
+        if stripped:
+            _check_claimed(request)
     # A plain path, or a prefixed one the resources left to aiohttp's own route (see _prefix_routes)
     if tracing_enabled():
         return await _traced_aiohttp(request, request, handler, None)
@@ -87,6 +90,7 @@ async def _aiohttp_middleware(request: web.Request, handler: Handler) -> web.Str
 
 # Per app, at its first request: whether TraceContextPathMiddleware.install(app) registered the prefix routes.
 _apps_checked: weakref.WeakKeyDictionary[web.Application, bool] = weakref.WeakKeyDictionary()
+_subapps_warned: weakref.WeakSet[web.Application] = weakref.WeakSet()
 _keys_stored = False  # whether the documented str keys were stored once (aiohttp warns once per str key)
 _NOT_INSTALLED = (
     "TraceContextPathMiddleware cannot route a Gym-prefixed path in an aiohttp app it was not installed in: "
@@ -131,6 +135,21 @@ def _check_app(app: web.Application) -> bool:
             position + 1,
         )
     return installed
+
+
+def _check_claimed(request: web.Request) -> None:
+    """A well-formed prefixed path the prefix routes did not take, in a sub-app: a domain sub-app
+    (`app.add_domain`) is tried before any path route of the root app, so it needs install of its own. Said once
+    per sub-app; the request is served as routed (usually a 404)."""
+    apps = request.match_info.apps
+    if len(apps) > 1 and apps[-1] not in _subapps_warned:
+        _subapps_warned.add(apps[-1])
+        logger.warning(
+            "a sub-app took the Gym-prefixed path %s before TraceContextPathMiddleware's routes did (a domain "
+            "sub-app, app.add_domain, is tried first): call TraceContextPathMiddleware.install(subapp) before "
+            "adding it",
+            request.rel_url.raw_path[:200],
+        )
 
 
 async def _traced_aiohttp(

@@ -437,6 +437,40 @@ async def test_an_app_that_lists_the_middleware_without_install_refuses_prefixed
     assert len(errors) == 1, caplog.text
 
 
+async def test_a_domain_sub_app_routes_prefixed_paths_with_its_own_install(
+    http_server: Any, session: ClientSession, caplog: pytest.LogCaptureFixture
+):
+    """aiohttp tries a domain sub-app (`app.add_domain`) before any path route of the root app, so the root's
+    prefix routes never see its requests: without install of its own, a prefixed path there is a 404 and the log
+    says what to do, once; with it, the sub-app's handler gets the stripped path and the rollout id."""
+
+    def served(install_sub: bool) -> web.Application:
+        sub = web.Application()
+
+        async def where(request: web.Request) -> web.Response:
+            return web.json_response([request.app is sub, request.get("rollout_id"), request.path])
+
+        sub.router.add_get("/where", where)
+        if install_sub:
+            TraceContextPathMiddleware.install(sub)
+        app = TraceContextPathMiddleware.install(web.Application())
+        app.add_domain("rollouts.test", sub)
+        return app
+
+    host = {"Host": "rollouts.test"}
+    with caplog.at_level(logging.WARNING, logger="gym_rpc.integrations._middleware"):
+        bare = f"http://{LOOPBACK}:{await http_server(served(install_sub=False))}"
+        assert await _call(session, bare, "/where", headers=host) == (200, '[true, null, "/where"]')
+        for _ in range(2):
+            assert (await _call(session, bare, "/ng-rollout/r1/where", headers=host))[0] == 404
+    claimed = [record for record in caplog.records if "install(subapp)" in record.getMessage()]
+    assert len(claimed) == 1, caplog.text
+
+    installed = f"http://{LOOPBACK}:{await http_server(served(install_sub=True))}"
+    status, text = await _call(session, installed, f"/ng-rollout/r1/ng-trace/{TRACEPARENT}/where", headers=host)
+    assert (status, json.loads(text)) == (200, [True, "r1", "/where"])
+
+
 async def test_install_puts_the_middleware_first_once_and_only_before_the_root_app_starts(http_server: Any):
     @web.middleware
     async def other(request: web.Request, handler: Handler) -> web.StreamResponse:
