@@ -177,7 +177,11 @@ def aiohttp_app() -> web.Application:
     async def in_sub(request: web.Request) -> web.Response:
         return web.json_response({"app_is_sub": request.app is sub, "rollout_id": request.get("rollout_id")})
 
+    async def prepared_in_sub(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["x-sub-prepared"] = "yes"
+
     sub.router.add_get("/where", in_sub)
+    sub.on_response_prepare.append(prepared_in_sub)
     app = web.Application(middlewares=[outer, TraceContextPathMiddleware.aiohttp(), inner])
     app.router.add_route("*", "/v1/responses", responses)
     app.router.add_get("/items/{name}", item)
@@ -385,6 +389,7 @@ async def test_aiohttp_reroute_behaves_like_a_fresh_request(http_server: Any, se
     ) as response:
         assert await response.json() == {"app_is_sub": True, "rollout_id": "r1"}
         assert response.headers["x-inner-path"] == "/sub/where"  # the sub-app's own middleware ran
+        assert response.headers.get("x-sub-prepared") == "yes"  # and its on_response_prepare signal
 
 
 def _catch_all_app(seen: list[tuple[str, Any]], *middlewares: Any) -> web.Application:
