@@ -41,8 +41,13 @@ from gym_rpc.integrations import ServerRegistration, TraceContextPathMiddleware
 from gym_rpc.server import HeadOptions, HeadServer
 
 LOOPBACK = "127.0.0.1"
-# A replica renews its registration this often; the head drops one that stopped renewing after three periods.
-REFRESH_SECONDS = 0.5
+# The replicas keep ServerRegistration's default renewal (every 10 s, on a lease of 30 s). A short lease does not
+# take a killed replica out of rotation any sooner: the head's next probe finds it refusing (within one probe
+# interval) and each worker's own refused call moves the rollouts pinned to it at once; the lease only clears a
+# process gone without deregistering off the head's list. What a short lease does do is drop live replicas: with
+# renewals every 0.5 s (a 1.5 s lease), a replica whose renewal came a second late on a busy node (this example
+# on a loaded 2-core machine) was dropped dozens of times in two minutes, and each drop moved the rollouts pinned
+# to it to another replica, where they started over. Size a lease for the slowest renewal you expect.
 MAX_ATTEMPTS = 3  # a rollout whose replica died under it starts again (its state is gone), at most this often
 
 
@@ -96,12 +101,11 @@ class ResourcesReplica:
             self.port,
             listen_host=LOOPBACK,
             head=BaseServerConfig(host=host, port=head_port),
-            refresh_seconds=REFRESH_SECONDS,
         )
         registered = asyncio.Event()
 
         async def registered_while_alive() -> None:
-            async with registration:  # registers, renews every REFRESH_SECONDS, deregisters on the way out
+            async with registration:  # registers, renews every 10 s, deregisters on the way out
                 registered.set()
                 await asyncio.Event().wait()
 

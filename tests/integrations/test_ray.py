@@ -48,6 +48,11 @@ RAY_TIME_BUDGET = 120  # starting Ray and three actor processes on a loaded 2-co
 RAY_ENVIRONMENT = {
     "RAY_USAGE_STATS_ENABLED": "0",  # no usage report
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # "no cluster": node IP 127.0.0.1, not the interface's address
+    # Ray runs its workers at nice 15 (so its raylet and GCS win on a node of its own). Here they share 2 cores
+    # with the rest of the suite at nice 0, and the actors, the code under test, starved: in a `make test` at load
+    # 7-9, constructing each actor (an import of the example) took 16-31 s, and the rollouts had not ended when
+    # the 120 s guard ran out. At nice 0 they get the share any other test's processes get.
+    "RAY_worker_niceness": "0",
 }
 RAY_LOG_LINES = 40  # the last lines of each of Ray's logs that a failure shows
 
