@@ -79,7 +79,7 @@ async def _aiohttp_middleware(request: web.Request, handler: Handler) -> web.Str
         except MalformedGymPrefixError as error:
             return web.Response(status=400, text=f"{error}\n")
         if stripped and not installed:
-            return web.Response(status=500, text=_NOT_INSTALLED + "\n")
+            return _refused_not_installed(request.app)
         if stripped:
             _check_claimed(request)
     # A plain path, or a prefixed one the resources left to aiohttp's own route (see _prefix_routes)
@@ -91,6 +91,7 @@ async def _aiohttp_middleware(request: web.Request, handler: Handler) -> web.Str
 # Per app, at its first request: whether TraceContextPathMiddleware.install(app) registered the prefix routes.
 _apps_checked: weakref.WeakKeyDictionary[web.Application, bool] = weakref.WeakKeyDictionary()
 _subapps_warned: weakref.WeakSet[web.Application] = weakref.WeakSet()
+_refusals_logged: weakref.WeakSet[web.Application] = weakref.WeakSet()
 _keys_stored = False  # whether the documented str keys were stored once (aiohttp warns once per str key)
 _NOT_INSTALLED = (
     "TraceContextPathMiddleware cannot route a Gym-prefixed path in an aiohttp app it was not installed in: "
@@ -117,15 +118,11 @@ def _store_prefixes(request: web.Request, prefixes: GymPrefixes) -> None:
 
 
 def _check_app(app: web.Application) -> bool:
-    """Once per app, at its first request: whether the prefix routes are installed (an error in the log when not),
-    and a warning when a middleware runs before this one: it sees the path with the prefix, not the path the
-    handler sees, so a guard there (auth by path, say) judges `/ng-rollout/x/admin` but serves `/admin`."""
+    """Once per app, at its first request: whether the prefix routes are installed, and a warning when a
+    middleware runs before this one: it sees the path with the prefix, not the path the handler sees, so a guard
+    there (auth by path, say) judges `/ng-rollout/x/admin` but serves `/admin`."""
     installed = has_prefix_routes(app)
     _apps_checked[app] = installed
-    if not installed:
-        logger.error(
-            "%s (web.Application(middlewares=[...]) alone no longer routes /ng-rollout/... paths)", _NOT_INSTALLED
-        )
     position = list(app.middlewares).index(_aiohttp_middleware) if _aiohttp_middleware in app.middlewares else 0
     if position > 0:
         logger.warning(
@@ -135,6 +132,19 @@ def _check_app(app: web.Application) -> bool:
             position + 1,
         )
     return installed
+
+
+def _refused_not_installed(app: web.Application) -> web.Response:
+    """A prefixed path in an app without the prefix routes: a middleware cannot give the request the stripped
+    path's route, so it is refused rather than served at the prefixed path. Logged once per app."""
+    if app not in _refusals_logged:
+        _refusals_logged.add(app)
+        logger.error(
+            "%s (web.Application(middlewares=[TraceContextPathMiddleware.aiohttp()]) alone no longer routes "
+            "/ng-rollout/... paths)",
+            _NOT_INSTALLED,
+        )
+    return web.Response(status=500, text=_NOT_INSTALLED + "\n")
 
 
 def _check_claimed(request: web.Request) -> None:
