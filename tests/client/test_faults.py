@@ -140,7 +140,12 @@ SLOW_SERVER = """
 import asyncio
 from aiohttp import web
 
+SITES = []
+
 async def slow(request):
+    # Stop listening first (the connection stays): a resend after the kill is refused, never accepted by a port
+    # the dying process has not closed yet (the kernel closes its sockets one by one).
+    await SITES[0].stop()
     print("in flight", flush=True)
     await asyncio.sleep(60)
     return web.Response(text="too late")
@@ -150,7 +155,8 @@ async def main():
     app.router.add_route("*", "/{tail:.*}", slow)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    SITES.append(web.TCPSite(runner, "127.0.0.1", 0))
+    await SITES[0].start()
     print(runner.addresses[0][1], flush=True)
     await asyncio.Event().wait()
 
@@ -167,7 +173,8 @@ async def _read_line(process: asyncio.subprocess.Process, timeout: float) -> str
 
 @pytest.fixture
 async def slow_server() -> AsyncIterator[tuple[asyncio.subprocess.Process, int]]:
-    """A real aiohttp server in its own process whose every request takes a minute."""
+    """A real aiohttp server in its own process whose first request takes a minute, and which stops listening
+    when that request arrives."""
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-c", SLOW_SERVER, stdout=asyncio.subprocess.PIPE
     )
