@@ -98,6 +98,10 @@ class Instance:
         # this process's own calls there (the most it had lately, `own_peak`), for a model server's prefix-affine
         # picking; 0 while unknown (the calls in flight then stand alone).
         self.engine_load = 0
+        # The most calls this process had here within OWN_PEAK_SECONDS (and when), as each model call sent here
+        # and each read of the engines' load counts them: a figure the head read while they ran counts them all,
+        # so all are taken off it. Counted at the reads alone, which come with picks (a call just answered, the
+        # next not sent yet), it missed one, and a phantom call of another worker sent a group off its home.
         self.own_peak = 0
         self.own_peak_at = 0.0
         # When this process's last model call here was answered with none left in flight (0.0: never): a figure

@@ -569,7 +569,8 @@ class ServerRoute:
             if table is not None:
                 load = table.of(name, instance.instance_id)
                 # The figure, read up to a second ago, counts this process's calls of then too: those are taken
-                # off as the most this process had there within OWN_PEAK_SECONDS (never counted twice).
+                # off as the most this process had there within OWN_PEAK_SECONDS (never counted twice), as each
+                # call sent there counts it (RoutedCall), and here its count now.
                 own = instance.in_flight
                 if own >= instance.own_peak or now - instance.own_peak_at > OWN_PEAK_SECONDS:
                     instance.own_peak, instance.own_peak_at = own, now
@@ -771,7 +772,7 @@ class RoutedCall:
             self.started = now = _monotonic()
             instance, self.pin, group = route.pick_affine(key, session, prompt, now)
         else:
-            self.started = 0.0
+            self.started = now = 0.0
             if key is None and session is None:
                 self.pin = None
                 instance = route.pick(None)
@@ -788,6 +789,8 @@ class RoutedCall:
             route.in_flight_total += 1
             if group is not None:
                 group.calls += 1
+            if now and instance.in_flight >= instance.own_peak:  # a model call: see `Instance.own_peak`
+                instance.own_peak, instance.own_peak_at = instance.in_flight, now
         finally:
             lock.release()
 
@@ -816,6 +819,8 @@ class RoutedCall:
             old.in_flight -= 1
             new.in_flight += 1
             new.picks += 1
+            if self.started and new.in_flight >= new.own_peak:
+                new.own_peak, new.own_peak_at = new.in_flight, _monotonic()
             if self.group is not None:  # no longer at its group's instance
                 self.group.calls -= 1
                 self.group = None
