@@ -164,7 +164,9 @@ def test_per_instance_series_follow_each_instance_up_to_the_cap(tmp_path: Path) 
         dead = closed_port()
         replicated = server_entry(first.port, replicas=[f"{LOOPBACK}:{second.port}"])
         config = write_config(tmp_path / "gym.yaml", {"policy_model": replicated}, http_port=0)
-        with running_head(config, "--instance-series", "3") as head:
+        # Probes of 5 s: the live replica must never count a down, and at a load of 12 its threaded server once
+        # answered a probe after running_head's 0.5 s. The dead ones are refused at once, whatever the timeout.
+        with running_head(config, "--instance-series", "3", "--probe-timeout", "5") as head:
             url = announced(head, HTTP_HEAD_PATTERN) + "/metrics"
             SyncControlClient(head.address).register_server_instance(
                 "policy_model", listen_port=dead, listen_host=LOOPBACK, pid=77, in_flight=6
