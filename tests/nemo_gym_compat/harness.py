@@ -57,6 +57,7 @@ SESSION_COOKIE = f"StatefulCounterResourcesServer___{RESOURCES}"  # NeMo Gym's S
 ROLLOUTS = ((0, 0, 1, 2, 3), (0, 1, 5, 4, 9), (1, 0, 2, 2, 0))
 HEAD_START_TIMEOUT_SECONDS = 30.0
 ROLLOUT_TIMEOUT_SECONDS = 30.0
+KEEP_ALIVE_SECONDS = 30  # what NeMo Gym gives uvicorn (timeout_keep_alive): longer than the clients' 15 s pool
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -166,9 +167,16 @@ def gym_rpc_head(doc: dict[str, Any]) -> Any:
 
 @contextlib.asynccontextmanager
 async def serving(apps: dict[str, tuple[Asgi, socket.socket]]) -> AsyncIterator[None]:
-    """uvicorn on the held sockets, one server per app, until the block ends."""
+    """uvicorn on the held sockets, one server per app, until the block ends. Idle connections are kept 30 s, as
+    NeMo Gym runs its servers ("server keepalive > client keepalive"): with uvicorn's default 5 s, under the
+    clients' 15 s pool, a pooled connection could be reused just as the server closed it, and the call dropped
+    after its request was written (a restart run saw one such drop of a call to the agent)."""
     servers = [
-        uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
+        uvicorn.Server(
+            uvicorn.Config(
+                app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=KEEP_ALIVE_SECONDS
+            )
+        )
         for app, _ in apps.values()
     ]
     tasks = [

@@ -39,7 +39,7 @@ from typing import Any
 
 import aiohttp
 import uvicorn
-from harness import LOOPBACK, Asgi, _held_socket, serving, simple_agent, stub_turn
+from harness import KEEP_ALIVE_SECONDS, LOOPBACK, Asgi, _held_socket, serving, simple_agent, stub_turn
 from omegaconf import OmegaConf
 from resources_servers.example_single_tool_call.app import (
     SimpleWeatherResourcesServer,
@@ -56,6 +56,9 @@ ROLLOUT_TIMEOUT_SECONDS = 120.0  # far beyond any budget: a rollout still runnin
 BUDGET_SECONDS = 2.0  # every kind's time budget in the gone mode (the default refused budget is 30 s)
 SHORT_BUDGET_SECONDS = 0.2  # restart-short: shorter than the restart
 START_TIMEOUT_SECONDS = 120.0  # importing NeMo Gym on a loaded 2-core machine takes tens of seconds
+# What a failed rollout's report keeps of the agent's answer: its end, where the error's cause is (the last 300
+# characters, kept before, cut the cause off and left only "... host and port in the global config are right").
+ERROR_CHARS = 4000
 
 
 async def _responses(request: Request) -> JSONResponse:
@@ -121,7 +124,9 @@ def _kill_when_told(loop: asyncio.AbstractEventLoop, app: KillBetweenResponses) 
 
 async def _serve(app: KillBetweenResponses, sock: socket.socket) -> None:
     threading.Thread(target=_kill_when_told, args=(asyncio.get_running_loop(), app), daemon=True).start()
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=30)
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=KEEP_ALIVE_SECONDS
+    )
     print("listening", flush=True)
     await uvicorn.Server(config).serve(sockets=[sock])
 
@@ -234,7 +239,7 @@ async def _rollout(session: aiohttp.ClientSession, url: str, index: int) -> dict
         if response.status == 200:
             outcome["reward"] = json.loads(text).get("reward")
         else:
-            outcome["error"] = text[-300:]
+            outcome["error"] = text[-ERROR_CHARS:]
     except TimeoutError:
         outcome["hung"] = True
     except Exception as exc:  # the agent itself failing to answer is a failed rollout too
