@@ -34,6 +34,7 @@ from gym_rpc.client.resend import (
     Reroute,
     RetryPolicy,
     new_call_count,
+    register_fresh_twin,
     resend_after_failure,
 )
 from gym_rpc.client.tracing import instrumentation_active, note_instrumented_session
@@ -86,21 +87,32 @@ def _keepalive_socket(
 
 
 def _new_session(
-    settings: HttpClientSettings, limit: int, limit_per_host: int, timeout: aiohttp.ClientTimeout
+    settings: HttpClientSettings,
+    limit: int,
+    limit_per_host: int,
+    timeout: aiohttp.ClientTimeout,
+    *,
+    fresh: bool = False,
 ) -> aiohttp.ClientSession:
-    """No proxies (trust_env=False: a proxy variable must never divert calls to Gym servers), no cookie jar."""
+    """No proxies (trust_env=False: a proxy variable must never divert calls to Gym servers), no cookie jar.
+    `fresh`: every request on a new connection, closed after its answer (resends after a drop)."""
     sockets = functools.partial(
         _keepalive_socket,
         idle_seconds=settings.tcp_keepalive_idle_seconds,
         interval_seconds=settings.tcp_keepalive_interval_seconds,
         probes=settings.tcp_keepalive_probes,
     )
-    connector = aiohttp.TCPConnector(
-        limit=limit,
-        limit_per_host=limit_per_host,
-        keepalive_timeout=settings.keepalive_timeout_seconds,
-        socket_factory=sockets,
-    )
+    if fresh:
+        connector = aiohttp.TCPConnector(
+            limit=limit, limit_per_host=limit_per_host, force_close=True, socket_factory=sockets
+        )
+    else:
+        connector = aiohttp.TCPConnector(
+            limit=limit,
+            limit_per_host=limit_per_host,
+            keepalive_timeout=settings.keepalive_timeout_seconds,
+            socket_factory=sockets,
+        )
     instrumented = instrumentation_active()  # decided once per session: the instrumentation adds its own config
     session = aiohttp.ClientSession(
         connector=connector,
@@ -117,30 +129,60 @@ def _new_session(
 class LoopSessions:
     """The data and reserved control sessions of one event loop (for one HttpClientSettings)."""
 
-    __slots__ = ("calls", "control", "data", "is_closed", "loop")
+    __slots__ = ("calls", "control", "data", "is_closed", "loop", "twins")
 
     def __init__(self, settings: HttpClientSettings) -> None:
         self.loop = asyncio.get_running_loop()
         self.calls: CallCount = new_call_count()  # ServerClient.request's, for the client-wide resend budget
         connect = settings.connect_timeout_seconds
-        self.data = _new_session(
+        data = (
             settings,
             settings.max_connections,
             settings.max_connections_per_host,
             aiohttp.ClientTimeout(total=settings.total_timeout_seconds, sock_connect=connect),
         )
-        self.control = _new_session(
+        control = (
             settings,
             settings.control_max_connections,
             0,
             aiohttp.ClientTimeout(total=settings.control_total_timeout_seconds, sock_connect=connect),
         )
+        self.data = _new_session(*data)
+        self.control = _new_session(*control)
+        # Each one's twin for resends after a drop (gym_rpc.client.resend._fresh), made at the first such resend.
+        self.twins = (FreshTwin(*data), FreshTwin(*control))
+        register_fresh_twin(self.data, self.twins[0].session)
+        register_fresh_twin(self.control, self.twins[1].session)
         self.is_closed = False
 
     async def close(self) -> None:
         self.is_closed = True
         await self.data.close()
         await self.control.close()
+        for twin in self.twins:
+            await twin.close()
+
+
+class FreshTwin:
+    """A pooled session's twin that opens a new connection for every request, made on first use with the pooled
+    one's settings, limits and timeout (and instrumentation). It holds no reference to the pooled session."""
+
+    __slots__ = ("_made", "limit", "limit_per_host", "settings", "timeout")
+
+    def __init__(
+        self, settings: HttpClientSettings, limit: int, limit_per_host: int, timeout: aiohttp.ClientTimeout
+    ) -> None:
+        self.settings, self.limit, self.limit_per_host, self.timeout = settings, limit, limit_per_host, timeout
+        self._made: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._made is None or self._made.closed:
+            self._made = _new_session(self.settings, self.limit, self.limit_per_host, self.timeout, fresh=True)
+        return self._made
+
+    async def close(self) -> None:
+        if self._made is not None:
+            await self._made.close()
 
 
 _sessions_by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[HttpClientSettings, LoopSessions]] = (

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from gym_rpc.client.resend._budget import ConcurrencyCap as ConcurrencyCap
     from gym_rpc.client.resend._budget import new_call_count as new_call_count
     from gym_rpc.client.resend._failures import Backpressure as Backpressure
+    from gym_rpc.client.resend._fresh import register_fresh_twin as register_fresh_twin
     from gym_rpc.client.resend._policy import BACKPRESSURE_STATUSES as BACKPRESSURE_STATUSES
     from gym_rpc.client.resend._policy import ClientBudget as ClientBudget
     from gym_rpc.client.resend._policy import FailureKind as FailureKind
@@ -28,6 +29,7 @@ __getattr__ = lazy_modules(
     {
         "_budget": "CallCount ConcurrencyCap new_call_count",
         "_failures": "Backpressure",
+        "_fresh": "register_fresh_twin",
         "_policy": "BACKPRESSURE_STATUSES ClientBudget FailureKind KindBudget RetryPolicy",
         "_resend": "CallObserver Reroute ResentCall resend_after_failure with_total",
     },

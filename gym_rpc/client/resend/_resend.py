@@ -30,6 +30,7 @@ from gym_rpc.client.resend._failures import (
     nothing_sent,
     retry_after_seconds,
 )
+from gym_rpc.client.resend._fresh import session_after_drop
 from gym_rpc.client.resend._log import RESEND_LOG
 from gym_rpc.client.resend._policy import BACKPRESSURE_STATUSES, FailureKind, RetryPolicy
 from gym_rpc.errors import RequestTimeoutError, ResendLimit, ResendsExhaustedError, ServerUnreachableError
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 # tried, after the backoff pause. Called only on failures, never on the happy path; the budgets count every
 # attempt, whatever its URL.
 Reroute = Callable[[BaseException], str]
+_DROPPED = (FailureKind.DROPPED_BEFORE_WRITE, FailureKind.DROPPED_AFTER_WRITE)
 
 
 class CallObserver(Protocol):
@@ -95,11 +97,14 @@ async def resend_after_failure(call: ResentCall, error: BaseException) -> aiohtt
         call.server,
     )
     attempts = 1
+    sends_on = session  # the pool until an attempt is dropped, then new connections (gym_rpc.client.resend._fresh)
     try:
         while True:
             kind = failure_kind(error)
             if kind is None:
                 raise error
+            if kind in _DROPPED and sends_on is session:
+                sends_on = session_after_drop(session)
             failed_url = failing.url
             busy = error.response if isinstance(error, Backpressure) else None
             try:
@@ -123,7 +128,7 @@ async def resend_after_failure(call: ResentCall, error: BaseException) -> aiohtt
                     instrumentation_failed(observer.kind, observer_error)
             RESEND_BUDGET.resend_started()  # out at the server: it widens no one's budget
             try:
-                response = await session.request(method, target, **kwargs)
+                response = await sends_on.request(method, target, **kwargs)
             except BaseException as failure:
                 error = failure
                 continue
