@@ -5,12 +5,13 @@ data-plane rows' middle halves span 0.92-1.12); the instructions a process execu
 A client process runs under valgrind's callgrind, which counts every instruction it executes in user space (the
 interpreter, aiohttp, orjson, libc; not the kernel's work for its system calls, the same on every side). The data
 server runs natively in a process of its own (`python -m bench.servers data`, as for the data-plane rows). The
-client warms every side up (its connection, caches, the client's data plane), collects and freezes its heap, then
-counts one side at a time: `os.getppid()` opens a window (callgrind's `--zero-before=os_getppid` zeroes the
-count) and `os.getpgrp()` closes it (`--dump-before=os_getpgrp` writes it), so start-up, imports and warm-up are
-left out. A window is REQUESTS sequential calls (one in flight) of the data-plane rows' ~1 KB `POST
-/v1/responses`, each answer read with `orjson.loads`, right after a rollout's calls that keep the side's pooled
-connection fresh (the other windows outlast aiohttp's 15 s keep-alive under valgrind). The sides:
+client warms every side up with a window's worth of calls (its connection, caches, the client's data plane, the
+URLs of every rollout a window uses), collects and freezes its heap, then counts one side at a time:
+`os.getppid()` opens a window (callgrind's `--zero-before=os_getppid` zeroes the count) and `os.getpgrp()` closes
+it (`--dump-before=os_getpgrp` writes it), so start-up, imports and warm-up are left out. A window is REQUESTS
+sequential calls (one in flight) of the data-plane rows' ~1 KB `POST /v1/responses`, each answer read with
+`orjson.loads`, right after a rollout's calls that keep the side's pooled connection fresh (the other windows
+outlast aiohttp's 15 s keep-alive under valgrind). The sides:
 
 * raw: raw aiohttp + orjson as a careful user writes it, the data-plane rows' baseline (bench.data_plane
   `raw_post`: `session.post(url, data=orjson.dumps(body))` with a JSON Content-Type, on a session with gym_rpc's
@@ -34,7 +35,7 @@ What else could move a count, and what holds it still:
 * A follower thread: the clients follow no head (`follow_instances(False)`); the bench's head (port 1) never
   answers, and its retries would land in whichever window they fall in.
 * The event loop's waits (`epoll_wait`): when the server's answer lands decides whether a call waits 3 or 4 times,
-  each wait about 13,000 instructions (asyncio's `_run_once` and its selector). Windows of one side ran 3.1-3.8
+  each wait 13,000-15,000 instructions (asyncio's `_run_once` and its selector). Windows of one side ran 3.1-3.8
   waits per call and differed by up to 1.5 % in their counts; that is their whole scatter. So each window's waits
   are counted (calls of `epoll_wait` in its dump) and the figure that judges is the count at the run's mean waits
   per call: each window's count less the cost of its waits beyond the mean (the cost per wait fitted over all
@@ -133,7 +134,9 @@ COMPARISONS = (
 @dataclass(frozen=True)
 class CountPlan:
     requests: int = 400  # per window: a multiple of ROLLOUT_CALLS
-    warmup: int = 40
+    # Calls per side before the windows: a window's worth, so every rollout id a window uses has been seen (yarl's
+    # URL cache, the rollout prefix cache) and no window pays a first parse that another side's window spared.
+    warmup: int = 400
     rounds: int = 3  # windows per side in each process
     repeats: int = 3  # processes
     timeout: float = 900.0  # per client process under valgrind (about 50x slower than natively): a hang guard
@@ -144,7 +147,7 @@ class CountPlan:
         )
 
 
-QUICK_COUNT = CountPlan(requests=16, warmup=8, rounds=1, repeats=1)
+QUICK_COUNT = CountPlan(requests=16, warmup=16, rounds=1, repeats=1)
 
 
 @dataclass(frozen=True)
@@ -476,6 +479,7 @@ def rows(counts: Counts, plan: CountPlan) -> list[Row]:
                 ratio,
                 "" if goal is None else f"≤ {goal:.2f}x",
                 None if goal is None else not math.isnan(ratio) and ratio <= goal,
+                goal,  # shown with three digits where two would read as the goal itself
             )
         )
     return result
@@ -524,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     base = QUICK_COUNT if args.quick else CountPlan()
     plan = CountPlan(
         requests=args.requests or base.requests,
-        warmup=base.warmup,
+        warmup=args.requests or base.warmup,
         rounds=args.rounds or base.rounds,
         repeats=args.repeats or base.repeats,
     )

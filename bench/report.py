@@ -261,21 +261,23 @@ NOTES = """\
   neither shows nor refutes it. The objects a call keeps alive are exact: 46.0 against raw's 46.0. The session's
   first full run (load 24) lost all its rows when the memory section's raw side had 536 of 10,000 connections
   time out after 32 minutes; a failed section is now a row of its own and SIGTERM writes the rows made.
-- **Client instructions per request (2026-12-06 11:04-11:12 UTC, a7d678b's gym_rpc; bench/cpu_count.py, its section
-  below).** The timed CPU per request above cannot tell 2 % on these cores, so the same calls are counted in
-  instructions under valgrind's callgrind: 3 processes of 3 rounds, a window of 400 sequential calls per side each
-  round. `ServerClient.post(json=)` 461,144 instructions per call against raw aiohttp + orjson's 459,512: 1.0035x
-  (the processes' 1.0028-1.0042), the issue's 2 % met with 1.6 points to spare. Windows of one side agree within
-  0.2 % once read at equal event-loop waits (as counted, within 1.3-1.6 %: a call waits 3 or 4 times, about 13,700
-  instructions each, as the server's answer lands). In rollouts of 8 calls (`rollout_context`, observability off):
-  1.008x. With observability on, 1.024x (1.022-1.025), not met: the rollout path rule runs four Python functions
-  per call (`call_rollout`, `observed_path`, `prefixed_path`, `rollout_path_prefix`), where the raw code builds its
-  URL once per rollout. Against the leanest aiohttp call (the `BytesPayload` request gym_rpc's pipeline itself
-  makes, with no header mapping to merge and no `async with session.post()`) the pipeline costs 10,700
-  instructions per call (1.024x): the `call` coroutine (its frame resumed at each of the loop's waits),
-  `json_payload`, `sessions()`, the calls-in-flight counter and the deadline's `time.monotonic()` (cProfile: 10
-  calls more per request, 3 of them Python functions); the usual raw code spends about as much (9,100) merging its
-  header mapping and entering its request context manager.
+- **Client instructions per request (2026-12-06 11:33-11:40 UTC; bench/cpu_count.py, its section below).** The
+  timed CPU per request above cannot tell 2 % on these cores, so the same calls are counted in instructions under
+  valgrind's callgrind: 3 processes of 3 rounds, a window of 400 sequential calls per side each round.
+  `ServerClient.post(json=)` 458,378 instructions per call against raw aiohttp + orjson's 457,008: 1.003x (the
+  processes' 1.0023-1.0052), the issue's 2 % met with 1.7 points to spare. Windows of one side agree within
+  0.1-0.5 % once read at equal event-loop waits (as counted, within 0.7-2.2 %: a call waits 3 or 4 times, about
+  14,000 instructions each, as the server's answer lands). In rollouts of 8 calls (`rollout_context`,
+  observability off): 1.008x. With observability on, 1.023x (1.0225-1.0233), not met: the rollout path rule
+  (`call_rollout`, `observed_path`, `prefixed_path`) costs about 10,000 instructions per call, where the raw code
+  builds its URL once per rollout; `prefixed_path` alone cost 4,900 per call (callgrind, 2,000 calls in a loop)
+  and 3,400 since its prefix cache is keyed by the id alone (no tuple per call) and a plain model path skips the
+  query split. Against the leanest aiohttp call (the `BytesPayload` request gym_rpc's pipeline itself makes, with
+  no header mapping to merge and no `async with session.post()`) the pipeline costs 10,500 instructions per call
+  (1.024x): the `call` coroutine (its frame resumed at each of the loop's waits), `json_payload`, `sessions()`,
+  the calls-in-flight counter and the deadline's `time.monotonic()` (cProfile: 10 calls more per request, 3 of
+  them Python functions); the usual raw code spends about as much (9,200) merging its header mapping and entering
+  its request context manager.
 - **Isolation.** gRPC control calls travel on their own HTTP/2 channel and `_control=True` calls on a reserved
   aiohttp pool, so a saturated data pool does not delay them; what remains in their p99 is the shared event loop
   and CPU, which the saturating traffic keeps busy.

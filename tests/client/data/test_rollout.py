@@ -126,6 +126,14 @@ def test_non_string_id_raises_the_typed_error():
         rollout_path_prefix(["not", "hashable"])  # type: ignore[arg-type]
     with pytest.raises(InvalidRolloutIdError):
         rollout_path_prefix(7)  # type: ignore[arg-type]
+    # prefixed_path takes a str id straight from the prefix cache; anything else still gets the typed error
+    with pytest.raises(InvalidRolloutIdError):
+        prefixed_path("/v1/responses", MODEL, ["not", "hashable"])  # type: ignore[arg-type]
+    assert prefixed_path("/v1/responses", MODEL, _Id("r1")) == "/ng-rollout/r1/v1/responses"
+
+
+class _Id(str):
+    """A str subclass: not `type(...) is str`, still an id."""
 
 
 def test_invalid_id_error_is_a_value_error_and_a_gym_rpc_error():
