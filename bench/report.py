@@ -111,9 +111,9 @@ METHOD = """\
   whole work per call among 64 instances (pick, count in flight, hear the answer) with no I/O, the best of
   interleaved blocks in the bench thread's CPU time (wall time on a shared machine also counts the time slices
   other processes took: 2-3x at load 20), against `next(cycle(urls))`; rollouts of 8 calls among 4, 16 and 64
-  instances with every
-  slot's winner remembered against the same route weighing every candidate for each new rollout (plain
-  rendezvous), and the route's first rollouts from a fresh start (few winners remembered) beside them. Slow
+  instances with every slot's winner remembered against the same route weighing every candidate for each new
+  rollout (plain rendezvous), and the route's first rollouts from a fresh start (few winners remembered) beside
+  them. Slow
   replica: 4 replicas of 4 slots, one 10x slower; ServerClient against round robin and random picking with raw
   aiohttp + orjson, rotating blocks of a fixed time (throughput: calls answered within the block; latencies: every
   call started in it). Kill: SIGKILL to one of 4
