@@ -72,19 +72,23 @@ async def replica_processes(replica_pool: Replicas) -> Callable[[int], Awaitable
     return take
 
 
-def config(ports: list[int]) -> dict[str, Any]:
+def config(ports: list[int], server_type: str = "responses_api_models") -> dict[str, Any]:
     replicas = [f"{LOOPBACK}:{port}" for port in ports[1:]]
-    return document({NAME: server_entry(ports[0], replicas=replicas)})
+    return document({NAME: server_entry(ports[0], server_type, replicas=replicas)})
 
 
 async def behind_a_head(
-    replica_processes: Callable[[int], Awaitable[list[ServerProcess]]], head_factory: Any, count: int, listed: int
+    replica_processes: Callable[[int], Awaitable[list[ServerProcess]]],
+    head_factory: Any,
+    count: int,
+    listed: int,
+    server_type: str = "responses_api_models",
 ) -> tuple[list[ServerProcess], list[int], Any, ServerClient]:
-    """`count` replica processes, a head whose config lists the first `listed`, and a client of it (one call made,
-    so it follows the head)."""
+    """`count` replica processes, a head whose config lists the first `listed` as a server of `server_type`, and a
+    client of it (one call made, so it follows the head)."""
     processes = await replica_processes(count)
     ports = [int(process.info["port"]) for process in processes]
-    head = await head_factory(config(ports[:listed]), probe_interval_seconds=0.2)
+    head = await head_factory(config(ports[:listed], server_type), probe_interval_seconds=0.2)
     head_server = BaseServerConfig(host=LOOPBACK, port=head.port)
     client = await asyncio.to_thread(ServerClient.load_from_global_config, head_server)
     await call(client)
@@ -171,7 +175,10 @@ async def test_kill_9_of_one_of_four_replicas_costs_no_call_of_no_rollout(
 async def test_kill_9_during_rollouts_moves_only_the_dead_replicas_rollouts(
     replica_processes, head_factory, closing
 ) -> None:
-    processes, ports, _, client = await behind_a_head(replica_processes, head_factory, 4, 4)
+    """A resources server's rollouts stick to their instance exactly (its state lives there): a kill -9 moves only
+    the dead replica's. A model server's rollouts may also leave an instance that is slow or overloaded, which a
+    loaded machine makes happen (soak run 6: rollouts of live replicas moved), so this is the resources rule."""
+    processes, ports, _, client = await behind_a_head(replica_processes, head_factory, 4, 4, "resources_servers")
     paths: dict[int, list[int]] = {}
     per_rollout = 5
 
