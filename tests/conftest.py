@@ -95,23 +95,17 @@ async def http_server() -> AsyncIterator[Callable[..., Awaitable[int]]]:
 
 @pytest.fixture
 async def silent_server() -> AsyncIterator[int]:
-    """A port that accepts connections and never answers; a connection its client closes closes here too.
+    """A port that accepts connections and never answers."""
+    held: list[asyncio.StreamWriter] = []
 
-    A bare protocol, not asyncio's streams: a stream keeps a connection open after its client's EOF (half-closed)
-    and is handed over by a task of its own, so a connection accepted just before teardown (a poller's last
-    fetch) was in no list to close, and `wait_closed` waited on it for ever (soak run B1, load 10: the teardown
-    ran into pytest's 120 s guard). Here the transport is held as it is made, and closes at its client's EOF."""
-    held: list[asyncio.BaseTransport] = []
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
 
-    class Mute(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            held.append(transport)
-
-    server = await asyncio.get_running_loop().create_server(Mute, LOOPBACK, 0)
+    server = await asyncio.start_server(hold, LOOPBACK, 0)
     yield int(server.sockets[0].getsockname()[1])
+    for writer in held:
+        writer.close()
     server.close()
-    for transport in held:
-        transport.close()
     await server.wait_closed()
 
 
