@@ -15,7 +15,9 @@ from bench.cpu_count import COMPARISONS, SIDES, Counts, Window, read_dump
 from tests.support.bench import finished, quick_runs
 
 
-@pytest.mark.load  # a minute and more of valgrind's full core on a loaded machine
+# A benchmark smoke run: a minute and more of one core under valgrind. It counts instructions, so it needs no
+# machine of its own (the `load` tier is for what floods the machine or measures times).
+@pytest.mark.build
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
 @pytest.mark.timeout(180 + 30)  # `finished`'s hang guard
 def test_the_count_runs_every_side_under_callgrind_and_reports_its_rows(tmp_path: Path) -> None:
