@@ -746,6 +746,20 @@ async def test_groups_of_consecutive_tasks_from_two_workers_start_on_distinct_in
         assert sum(instance.in_flight for instance in route.instances) == route.in_flight_total == 0
 
 
+def task_first_at(client: ServerClient, port: int, skip: int = 0) -> int:
+    """A task whose task number and prompt both put its group first at `port` (the `skip`+1-th such task)."""
+    route = route_of(client)
+    for task in range(1000, 100000):
+        key = prompt_key(turn_body(task))
+        assert key is not None
+        by_task = route.preferred_for(key, f"{task}-0", route.pool)[0].instance_id
+        if by_task == first_by_prompt(client, task) == f"{LOOPBACK}:{port}":
+            if skip == 0:
+                return task
+            skip -= 1
+    raise AssertionError("no such task")
+
+
 async def test_a_workers_next_group_goes_where_its_last_group_just_ended(replica_servers, monkeypatch) -> None:
     """While other calls run, a worker's next group goes to the instance its last group just left (that one is
     free now for certain; the others' figures may be a second old, and two workers placing at once by them pile
@@ -755,40 +769,30 @@ async def test_a_workers_next_group_goes_where_its_last_group_just_ended(replica
     fleet = await replica_servers(4)
     client = client_of(replicated_doc([replica.port for replica in fleet]))
     await call(client)
-    route = route_of(client)
     held, done = fleet[0], fleet[1]
     free = [replica.port for replica in fleet[2:]]
 
-    def task_first_at(port: int) -> int:  # a task whose task number and prompt both put it first at `port`
-        for task in range(1000, 100000):
-            key = prompt_key(turn_body(task))
-            assert key is not None
-            by_task = route.preferred_for(key, f"{task}-0", route.pool)[0].instance_id
-            if by_task == first_by_prompt(client, task) == f"{LOOPBACK}:{port}":
-                return task
-        raise AssertionError("no such task")
-
     held.hold = asyncio.Event()
-    busy = task_first_at(held.port)
+    busy = task_first_at(client, held.port)
     running = []
     for n in range(8):  # another group of this worker, in flight all along
         with rollout_context(f"{busy}-{n}"):
             running.append(asyncio.create_task(body_at(client, turn_body(busy, 0, n))))
     try:
         await eventually(lambda: held.calls >= 8, within=10, every=0.005)
-        last = task_first_at(done.port)
+        last = task_first_at(client, done.port)
         for n in range(8):  # a group that ends at `done`
             with rollout_context(f"{last}-{n}"):
                 assert await body_at(client, turn_body(last, 0, n)) == done.port
         monkeypatch.setattr(_routing, "HOME_SECONDS", 3600.0)  # however long the machine takes between the calls
-        following = task_first_at(free[0])
+        following = task_first_at(client, free[0])
         with rollout_context(f"{following}-0"):
             assert await body_at(client, turn_body(following, 0, 0)) == done.port  # home, not its own first
         assert client._routing is not None
         others = EngineLoad(NAME, f"{LOOPBACK}:{done.port}", waiting=0, running=8, age_seconds=0.0)
         client._routing.engine_loads.apply([others])  # another worker's group there, read after ours ended
         await asyncio.sleep(ENGINE_LOAD_READ_SECONDS * 1.1)  # the route reads the table at most this often
-        after = task_first_at(free[1])
+        after = task_first_at(client, free[1])
         with rollout_context(f"{after}-0"):
             assert await body_at(client, turn_body(after, 0, 0)) == free[1]
     finally:
@@ -809,27 +813,17 @@ async def test_an_engine_figure_read_while_a_group_ran_counts_all_its_calls_as_t
     fleet = await replica_servers(4)
     client = client_of(replicated_doc([replica.port for replica in fleet]))
     await call(client)
-    route = route_of(client)
     assert client._routing is not None
     held, home = fleet[0], fleet[1]
     free = [replica.port for replica in fleet[2:]]
 
-    def task_first_at(port: int) -> int:  # a task whose task number and prompt both put it first at `port`
-        for task in range(1000, 100000):
-            key = prompt_key(turn_body(task))
-            assert key is not None
-            by_task = route.preferred_for(key, f"{task}-0", route.pool)[0].instance_id
-            if by_task == first_by_prompt(client, task) == f"{LOOPBACK}:{port}":
-                return task
-        raise AssertionError("no such task")
-
     held.hold, home.hold = asyncio.Event(), asyncio.Event()
-    busy = task_first_at(held.port)
+    busy = task_first_at(client, held.port)
     with rollout_context(f"{busy}-0"):  # another group of this worker, in flight all along
         running = asyncio.create_task(body_at(client, turn_body(busy, 0, 0)))
     try:
         await eventually(lambda: held.calls >= 1, within=10, every=0.005)
-        group = task_first_at(home.port)
+        group = task_first_at(client, home.port)
         rollouts = []
         for n in range(8):  # a group whose 8 calls all run at `home` at once
             with rollout_context(f"{group}-{n}"):
@@ -841,7 +835,7 @@ async def test_an_engine_figure_read_while_a_group_ran_counts_all_its_calls_as_t
         home.hold.set()
         assert {await rollout for rollout in rollouts} == {home.port}
         await asyncio.sleep(ENGINE_LOAD_READ_SECONDS * 1.1)  # the route reads the table at most this often
-        following = task_first_at(free[0])
+        following = task_first_at(client, free[0])
         with rollout_context(f"{following}-0"):
             assert await body_at(client, turn_body(following, 0, 0)) == home.port  # home: free, not its own first
     finally:
@@ -859,25 +853,13 @@ async def test_a_worker_whose_two_groups_just_ended_places_its_next_two_on_their
     fleet = await replica_servers(4)
     client = client_of(replicated_doc([replica.port for replica in fleet]))
     await call(client)
-    route = route_of(client)
     held, first, second, other = fleet
-
-    def task_first_at(port: int, skip: int = 0) -> int:  # first at `port` by its task number and by its prompt
-        for task in range(1000, 100000):
-            key = prompt_key(turn_body(task))
-            assert key is not None
-            by_task = route.preferred_for(key, f"{task}-0", route.pool)[0].instance_id
-            if by_task == first_by_prompt(client, task) == f"{LOOPBACK}:{port}":
-                if skip == 0:
-                    return task
-                skip -= 1
-        raise AssertionError("no such task")
 
     for replica in fleet:
         replica.hold = asyncio.Event()
     placed = {}
     for replica in (held, first, second):  # three groups at once (no home yet: each by its task number)
-        task = task_first_at(replica.port)
+        task = task_first_at(client, replica.port)
         with rollout_context(f"{task}-0"):
             placed[replica.port] = asyncio.create_task(body_at(client, turn_body(task, 0, 0)))
     try:
@@ -888,7 +870,7 @@ async def test_a_worker_whose_two_groups_just_ended_places_its_next_two_on_their
         other.hold.set()
         landed = []
         for skip in range(2):  # two new groups, each preferring the fourth instance, start at once
-            task = task_first_at(other.port, skip)
+            task = task_first_at(client, other.port, skip)
             with rollout_context(f"{task}-0"):
                 landed.append(asyncio.create_task(body_at(client, turn_body(task, 0, 0))))
         assert sorted([await task for task in landed]) == sorted([second.port, first.port])
