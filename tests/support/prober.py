@@ -14,4 +14,4 @@ def registered_as(
 ) -> tuple[InstanceTarget, ...]:
     """The server's config instances with its config instance's registration `state` (at `advertised_url`)."""
     own, *replicas = config_targets(entry)
-    return (dataclasses.replace(own, registration=state, advertised_url=advertised_url), *replicas)
+    return (dataclasses.replace(own.with_registration(state), advertised_url=advertised_url), *replicas)

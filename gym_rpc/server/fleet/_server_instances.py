@@ -13,60 +13,53 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gym_rpc.config import ServerEntry
-from gym_rpc.wire import InstanceOrigin, InstanceReport, RegistrationState, ServerStatus, StatusReport
+from gym_rpc.wire import InstanceReport, RegistrationState, ServerStatus, StatusReport
 
 UP = "success"
 
 
 @dataclass(frozen=True)
 class InstanceTarget:
-    """One instance to probe and report, as the config and the registry describe it (no probe result)."""
+    """One instance to probe and report, as the config and the registry describe it: its report before any probe,
+    and where its registration said clients reach it ("" when not registered)."""
 
-    instance_id: str  # the authority of `url` (gym_rpc.config.InstanceAddress.instance_id)
-    url: str
-    origin: InstanceOrigin
-    registration: RegistrationState | None = None
-    advertised_url: str = ""  # where its registration said clients reach it; "" when not registered
-    draining: bool = False
-    labels: Mapping[str, str] = field(default_factory=dict)
-    pid: int = 0
-    start_time: float = 0.0  # epoch seconds; 0 when unknown
+    unprobed: InstanceReport
+    advertised_url: str = ""
+
+    @property
+    def instance_id(self) -> str:
+        """The authority of `url` (gym_rpc.config.InstanceAddress.instance_id)."""
+        return self.unprobed.instance_id
+
+    @property
+    def url(self) -> str:
+        return self.unprobed.url
 
     def report(self, probed: InstanceReport | None = None) -> InstanceReport:
-        """The instance's report: the probe fields of `probed` (when it was probed at this URL), the rest from this
-        target."""
-        probe = probed if probed is not None and probed.url == self.url else None
-        return InstanceReport(
-            instance_id=self.instance_id,
-            url=self.url,
-            status=probe.status if probe else None,
-            detail=probe.detail if probe else "",
-            http_status=probe.http_status if probe else 0,
-            latency_seconds=probe.latency_seconds if probe else 0.0,
-            checked_at=probe.checked_at if probe else 0.0,
-            registration=self.registration,
-            draining=self.draining,
-            labels=self.labels,
-            origin=self.origin,
-            pid=self.pid,
-            start_time=self.start_time,
-        )
+        """The instance's report: with the probe fields of `probed` when it was probed at this URL."""
+        if probed is None or probed.url != self.url:
+            return self.unprobed
+        return with_probe(self.unprobed, probed)
+
+    def with_registration(self, registration: RegistrationState | None) -> InstanceTarget:
+        """This target with `registration` (why its last registration ended, or None)."""
+        return dataclasses.replace(self, unprobed=dataclasses.replace(self.unprobed, registration=registration))
 
 
 def config_targets(entry: ServerEntry) -> tuple[InstanceTarget, ...]:
     """The instances the config names, none registered: the entry's own address, then its static replicas."""
     own, *replicas = entry.instances
     return (
-        InstanceTarget(own.instance_id, own.url, "config"),
-        *(InstanceTarget(r.instance_id, r.url, "static_replica") for r in replicas),
+        InstanceTarget(InstanceReport(own.instance_id, own.url, origin="config")),
+        *(InstanceTarget(InstanceReport(r.instance_id, r.url, origin="static_replica")) for r in replicas),
     )
 
 
-def with_probe(instance: InstanceReport, probe: StatusReport) -> InstanceReport:
-    """`instance` with the result of a probe of its URL."""
+def with_probe(instance: InstanceReport, probe: StatusReport | InstanceReport) -> InstanceReport:
+    """`instance` with the result of a probe of its URL (the probe fields are the same in both types)."""
     return dataclasses.replace(
         instance,
         status=probe.status,

@@ -36,7 +36,7 @@ from gym_rpc.server.fleet import InstanceTarget, config_targets
 from gym_rpc.server.fleet import events as events
 from gym_rpc.server.registry._host_addresses import HostAddresses
 from gym_rpc.server.registry._limits import RegistrationLimits
-from gym_rpc.wire import InstanceRegistration, RegistrationState
+from gym_rpc.wire import InstanceRegistration, InstanceReport, RegistrationState
 
 logger = logging.getLogger("gym_rpc.server._registry")  # its name from before the move
 
@@ -319,23 +319,23 @@ class InstanceRegistry:
         if holder is not None:
             held = registrations[holder]
             url = held.advertised_url if is_wildcard_host(entry.host) else own.url
-            own = _held(dataclasses.replace(own, instance_id=url_authority(url), url=url), held)
+            own = _held(InstanceTarget(InstanceReport(url_authority(url), url, origin="config")), held)
         else:
             slot = _WILDCARD_SLOT if is_wildcard_host(entry.host) else own.instance_id
-            own = dataclasses.replace(own, registration=ended.get(slot))
+            own = own.with_registration(ended.get(slot))
         targets = [own]
         for replica in replicas:
             held_replica = registrations.get(replica.instance_id)
             targets.append(
                 _held(replica, held_replica)
                 if held_replica is not None
-                else dataclasses.replace(replica, registration=ended.get(replica.instance_id))
+                else replica.with_registration(ended.get(replica.instance_id))
             )
         config_ids = _config_ids(entry)
         for key, registration in registrations.items():
             if key != holder and key not in config_ids:
                 url = registration.advertised_url
-                targets.append(_held(InstanceTarget(key, url, "registered"), registration))
+                targets.append(_held(InstanceTarget(InstanceReport(key, url, origin="registered")), registration))
         return tuple(targets)
 
     def _config_holder(self, entry: ServerEntry) -> str | None:
@@ -438,9 +438,11 @@ class InstanceRegistry:
             return (
                 _held(config, held)
                 if held is not None
-                else dataclasses.replace(config, registration=self._ended.get(entry.name, {}).get(key))
+                else config.with_registration(self._ended.get(entry.name, {}).get(key))
             )
-        return _held(InstanceTarget(key, held.advertised_url, "registered"), held) if held is not None else None
+        if held is None:
+            return None
+        return _held(InstanceTarget(InstanceReport(key, held.advertised_url, origin="registered")), held)
 
     def entries(self) -> list[tuple[str, InstanceRegistration]]:
         """Every registration with the id of the instance it holds, in the order they first registered."""
@@ -511,15 +513,15 @@ def _config_ids(entry: ServerEntry) -> set[str]:
 
 def _held(target: InstanceTarget, registration: InstanceRegistration) -> InstanceTarget:
     """`target` held by `registration`: registered, with its process, labels and draining flag."""
-    return dataclasses.replace(
-        target,
+    held = dataclasses.replace(
+        target.unprobed,
         registration="registered",
-        advertised_url=registration.advertised_url,
         draining=registration.draining,
         labels=registration.labels,
         pid=registration.pid,
         start_time=registration.start_time,
     )
+    return InstanceTarget(held, registration.advertised_url)
 
 
 def _kind(previous: InstanceRegistration | None, registration: InstanceRegistration) -> RegistrationKind:

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2
 
 from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.server.fleet._server_instances import InstanceTarget, watched
-from gym_rpc.wire import InstanceOrigin, StatusReport
+from gym_rpc.wire import InstanceOrigin, InstanceReport, StatusReport
 from tests.support.cli import running_head, threaded_http_server
 from tests.support.documents import document, server_entry
 from tests.support.heads import authority, health_of, read_until, rewrite_config, wait_for_report, watching
@@ -197,7 +197,9 @@ async def test_a_draining_instance_gets_no_new_work_so_it_does_not_make_the_name
         await head.prober.set_instances(
             "policy",
             [
-                InstanceTarget(authority(port), f"http://{authority(port)}", origin, draining=flag)
+                InstanceTarget(
+                    InstanceReport(authority(port), f"http://{authority(port)}", origin=origin, draining=flag)
+                )
                 for port, origin, flag in zip((first, second), origins, draining, strict=True)
             ],
         )
