@@ -107,16 +107,28 @@ class DataPlane:
             if route is not None:
                 keys = sticky_keys(route, server_name, rollout, body, kwargs)
                 call = Call(
-                    session, method, url_path, kwargs, pools.settings.retry,
-                    server=server_name, resend=_resend_after_disconnect, rollout=rollout,
-                )  # fmt: skip
+                    session,
+                    method,
+                    url_path,
+                    kwargs,
+                    pools.settings.retry,
+                    server=server_name,
+                    resend=_resend_after_disconnect,
+                    rollout=rollout,
+                )
                 return await send_routed(call, route, keys, url_path)
             full_url = url + url_path
             if observed:
                 call = Call(
-                    session, method, full_url, kwargs, pools.settings.retry,
-                    server=server_name, resend=_resend_after_disconnect, rollout=rollout,
-                )  # fmt: skip
+                    session,
+                    method,
+                    full_url,
+                    kwargs,
+                    pools.settings.retry,
+                    server=server_name,
+                    resend=_resend_after_disconnect,
+                    rollout=rollout,
+                )
                 call.observer = observer_for(call, url)
                 if call.observer is not None:
                     return await send(call)
@@ -133,9 +145,15 @@ class DataPlane:
                     return response
                 failure = Backpressure(response)  # busy: asked again after its Retry-After, within budget
             failed = Call(
-                session, method, full_url, kwargs, pools.settings.retry,
-                server=server_name, resend=_resend_after_disconnect, rollout=rollout,
-            )  # fmt: skip
+                session,
+                method,
+                full_url,
+                kwargs,
+                pools.settings.retry,
+                server=server_name,
+                resend=_resend_after_disconnect,
+                rollout=rollout,
+            )
             failed.started = started
             return await resend_after_failure(failed, failure)
         finally:
