@@ -385,20 +385,18 @@ class ServerClient(BaseModel):
             method, server_name, url_path, _control, _resend_after_disconnect, **kwargs
         )
 
+    # As in NeMo Gym, `get` and `post` are `request` (a subclass's own too). These run on a client's first call and
+    # for a subclass with its own `request`, `post` or `get`; a plain client's later calls are the data plane's
+    # (_bind_direct_calls).
     async def get(
         self, server_name: str, url_path: str, **kwargs: Unpack[_RequestOptions]
     ) -> aiohttp.ClientResponse:
-        # As in NeMo Gym, `get` and `post` go through a subclass's own `request`.
-        if type(self).request is not ServerClient.request:
-            return await self.request(server_name, url_path, "GET", **kwargs)
-        return await self._data_plane.call("GET", server_name, url_path, **kwargs)
+        return await self.request(server_name, url_path, "GET", **kwargs)
 
     async def post(
         self, server_name: str, url_path: str, **kwargs: Unpack[_RequestOptions]
     ) -> aiohttp.ClientResponse:
-        if type(self).request is not ServerClient.request:
-            return await self.request(server_name, url_path, "POST", **kwargs)
-        return await self._data_plane.call("POST", server_name, url_path, **kwargs)
+        return await self.request(server_name, url_path, "POST", **kwargs)
 
     get.__doc__ = post.__doc__ = _CALL_ARGS_DOC
 
