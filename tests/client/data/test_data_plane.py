@@ -209,6 +209,23 @@ async def test_post_patched_on_the_class_before_a_clients_first_call_is_what_it_
     assert recorder.paths == ["/v1/responses"]
 
 
+async def test_request_patched_on_the_class_before_a_clients_first_call_is_what_its_post_and_get_call(
+    http_server,
+) -> None:
+    """As in NeMo Gym, `post` and `get` are `request` with the method: a patch of `ServerClient.request` reaches
+    them on a client that has not called yet."""
+    recorder = Recorder()
+    client = make_client({"policy": server_entry(await http_server(recorder.app))})
+    with unittest.mock.patch.object(ServerClient, "request", autospec=True) as patched:
+        await client.post("policy", "/v1/responses", json={})
+        await client.get("policy", "/health")
+    assert [call.args[1:4] for call in patched.await_args_list] == [
+        ("policy", "/v1/responses", "POST"),
+        ("policy", "/health", "GET"),
+    ]
+    assert recorder.paths == []
+
+
 # --- hosts -------------------------------------------------------------------------------------------------------
 
 
