@@ -1,14 +1,18 @@
 """Background work runs and ends one way everywhere (the prober, the bridge's refresher, a registration's
-refresher): a loop that outlives any bad round, and a cancel that waits for the task to end."""
+refresher): a loop that outlives any bad round, and a cancel that waits for the task to end. What a process keeps
+for reuse (the client's followers and channels) is closed one way too: taken out under its lock, closed outside."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+Held = TypeVar("Held")
 
 
 async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
@@ -48,3 +52,12 @@ async def run_every(
         except Exception:
             logger.exception("%s failed", what)
         await asyncio.sleep(max(0.0, seconds - (time.monotonic() - started)))
+
+
+def taken(registry: dict[Any, Held], lock: threading.Lock) -> list[Held]:
+    """Everything `registry` held, which is left empty, under `lock`: the caller closes it outside the lock (a
+    follower's stop joins its thread), and the next lookup makes a new one."""
+    with lock:
+        held = list(registry.values())
+        registry.clear()
+    return held

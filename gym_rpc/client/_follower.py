@@ -29,6 +29,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
+from gym_rpc._tasks import taken
 from gym_rpc.client._relearn_grace import RelearnGrace
 from gym_rpc.client.control import ControlClient, StatusWatch, close_aio_channels, head_for
 from gym_rpc.errors import ControlPlaneError
@@ -284,10 +285,7 @@ def follower_for(address: str, security: ClientSecurity) -> InstanceFollower:
 
 def close_instance_followers() -> None:
     """Stop every follower of this process (tests; interpreter exit); clients start new ones at their next call."""
-    with _followers_lock:
-        followers = list(_followers.values())
-        _followers.clear()
-    for follower in followers:
+    for follower in taken(_followers, _followers_lock):
         follower.stop()
 
 

@@ -15,6 +15,7 @@ import weakref
 import grpc
 
 from gym_rpc._environment import environment
+from gym_rpc._tasks import taken
 from gym_rpc.client.control._credentials import CLIENT_MESSAGE_OPTIONS, ClientTls
 from gym_rpc.client.nemo_gym import GRPC_TARGET_SCHEMES
 from gym_rpc.client.tracing import aio_client_interceptors, traced_sync_channel
@@ -148,8 +149,5 @@ async def close_aio_channels() -> None:
 
 
 def close_sync_channels() -> None:
-    with _lock:
-        channels = list(_sync_channels.values())
-        _sync_channels.clear()
-    for channel in channels:
+    for channel in taken(_sync_channels, _lock):
         channel.close()

@@ -11,10 +11,12 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from gym_rpc.client.control._channel import close_aio_channels
+import pytest
+
+from gym_rpc.client.control._channel import close_aio_channels, close_sync_channels, sync_channel
 from gym_rpc.client.control._clients import ControlClient
 from tests.support.documents import document
-from tests.support.loopback import LOOPBACK
+from tests.support.loopback import LOOPBACK, closed_port
 
 
 class CountingProxy:
@@ -62,3 +64,19 @@ async def test_a_client_of_another_event_loop_dials_a_connection_of_its_own(head
         await ControlClient(address, timeout_seconds=5.0).list_server_statuses()
         assert proxy.connections == first + 1  # this loop's channel is still the one reused
         await close_aio_channels()
+
+
+def test_closing_the_blocking_channels_closes_each_and_the_next_lookup_makes_a_new_one() -> None:
+    """`close_sync_channels` (tests, interpreter exit) closes every blocking channel the process keeps and forgets
+    them: a later lookup of the address never hands out a closed one. (A channel dials on its first call: none
+    is made on the open ones here.)"""
+    address = f"{LOOPBACK}:{closed_port()}"
+    first = sync_channel(address)
+    assert sync_channel(address) is first
+    close_sync_channels()
+    with pytest.raises(ValueError, match="closed channel"):
+        first.unary_unary("/gym_rpc.Test/Call", None, None)(b"", timeout=1)
+    again = sync_channel(address)
+    assert again is not first
+    close_sync_channels()
+    assert sync_channel(address) is not again
