@@ -32,6 +32,7 @@ TOKEN = "tok-connect-hardening-3f9a1c"
 METHOD = "/gym_rpc.v1.ControlPlaneService/GetServerStatus"
 BOMB = gzip.compress(json.dumps({"serverName": "a" * (4 << 20)}).encode(), 9)  # 4 KB that inflate to 4 MiB
 ATTACK_SECONDS = 3.0
+ROUNDS = 3
 ATTACKERS = 4
 
 
@@ -143,16 +144,17 @@ def test_request_bodies_cannot_take_the_loop_of_a_head_without_a_token(tmp_path:
         assert connect_post(port, BOMB, gzipped=True) == 429  # RESOURCE_EXHAUSTED: too large once inflated
         client = SyncControlClient(head.address, timeout_seconds=30.0)
         p50_of_calls(client, 0.5)  # warm
-        grpc_flood: list[object] = []
-        with attacking(lambda: unauthenticated_grpc_call(head.address), grpc_flood):
-            p50_under_grpc_flood = p50_of_calls(client, ATTACK_SECONDS)
         body = many_keys()
+        under_grpc_flood: list[float] = []
+        under_connect_flood: list[float] = []
         connect_flood: list[object] = []
-        with attacking(lambda: connect_post(port, body, gzipped=False), connect_flood):
-            p50_under_connect_flood = p50_of_calls(client, ATTACK_SECONDS)
+        for _ in range(ROUNDS):  # the floods alternate, so load from outside the test falls on both alike
+            with attacking(lambda: unauthenticated_grpc_call(head.address), []):
+                under_grpc_flood.append(p50_of_calls(client, ATTACK_SECONDS / ROUNDS))
+            with attacking(lambda: connect_post(port, body, gzipped=False), connect_flood):
+                under_connect_flood.append(p50_of_calls(client, ATTACK_SECONDS / ROUNDS))
         assert 429 in connect_flood, set(connect_flood)  # the budget refused some before reading them
-        assert p50_under_connect_flood <= 4 * p50_under_grpc_flood + 0.02, (
-            p50_under_connect_flood,
-            p50_under_grpc_flood,
-        )
+        p50_under_grpc_flood = statistics.median(under_grpc_flood)
+        p50_under_connect_flood = statistics.median(under_connect_flood)
+        assert p50_under_connect_flood <= 4 * p50_under_grpc_flood + 0.02, (under_connect_flood, under_grpc_flood)
     assert "Traceback" not in head.stderr_text
