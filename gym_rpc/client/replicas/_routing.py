@@ -93,8 +93,9 @@ STICK_RATIO, STICK_SLACK = 2.0, 2.0
 MAX_GROUPS = 16384
 # An instance is slow while its answers' latency (an EWMA, weight LATENCY_WEIGHT per answer) is over SLOW_RATIO
 # times the median over the instances that answered lately, and over it by SLOW_MARGIN_SECONDS at least (a few
-# milliseconds' jitter is no slowness): a slow engine (or one with a long queue) gets no new group. A figure with
-# no answer for SLOW_FORGET_SECONDS is forgotten, so a slow instance is tried again.
+# milliseconds' jitter is no slowness): a slow engine (or one with a long queue) gets no new group. The bound is
+# made at each read of the loads; an answer over it makes its instance slow at once. A figure with no answer for
+# SLOW_FORGET_SECONDS is forgotten, so a slow instance is tried again.
 SLOW_RATIO = 2.5
 SLOW_MARGIN_SECONDS = 0.1
 LATENCY_WEIGHT = 0.25
@@ -195,6 +196,7 @@ class ServerRoute:
         "refresh_at",
         "repins",
         "selector",
+        "slow_bound",
         "winners",
     )
 
@@ -228,6 +230,9 @@ class ServerRoute:
         self.homes: dict[Instance, float] = {}
         self.groups: dict[int, Group] = {}  # prompt number -> where its group goes
         self.any_slow = False  # whether an instance is `slow` now (the picks then leave it out)
+        # the latency over which an instance is `slow`, as of the last read (`_read_loads`): an answer over it
+        # makes its instance slow at once (RoutedCall.answered), not at the next read
+        self.slow_bound = math.inf
         self.policy = policy
         self.selector = selector
         self.instances: tuple[Instance, ...] = ()
@@ -589,7 +594,7 @@ class ServerRoute:
         if len(latencies) >= 2:
             latencies.sort()
             median = latencies[(len(latencies) - 1) // 2]
-            bound = max(SLOW_RATIO * median, median + SLOW_MARGIN_SECONDS)
+            bound = self.slow_bound = max(SLOW_RATIO * median, median + SLOW_MARGIN_SECONDS)
             any_slow = False
             for instance in self.instances:
                 instance.slow = instance.latency > bound
@@ -598,7 +603,7 @@ class ServerRoute:
         else:
             for instance in self.instances:
                 instance.slow = False
-            self.any_slow = False
+            self.any_slow, self.slow_bound = False, math.inf
         self.loads_at = now + ENGINE_LOAD_READ_SECONDS
 
     def _alias(self, pin: Pin, rollout: str | None, session: str | None) -> None:
@@ -854,8 +859,12 @@ class RoutedCall:
             return
         if now and status < 400:  # an answer, not a refusal (a 429 comes back fast): the instance's latency
             seconds, previous = now - started, instance.latency  # an EWMA of its answers' times (`slow`)
-            instance.latency = seconds if not previous else previous + LATENCY_WEIGHT * (seconds - previous)
-            instance.latency_at = now
+            latency = seconds if not previous else previous + LATENCY_WEIGHT * (seconds - previous)
+            instance.latency, instance.latency_at = latency, now
+            # Slow from this answer on, not from the next read (up to ENGINE_LOAD_READ_SECONDS later): a group's
+            # rollouts are answered together and send their next turns at once, which would all stay there.
+            if latency > route.slow_bound and not instance.slow:
+                instance.slow = route.any_slow = True
         connection = response.connection
         if connection is None:  # no body, or all of it read with the headers: the connection is free already
             if instance.consecutive_failures or instance.on_probation:  # else a success ends nothing

@@ -905,6 +905,36 @@ async def test_a_slow_instance_gets_no_new_group_and_its_rollouts_move(replica_s
     assert route_of(client).by_id[f"{LOOPBACK}:{slow.port}"].slow
 
 
+async def test_the_answer_that_shows_an_instance_slow_moves_its_groups_next_turns_at_once(
+    replica_servers, monkeypatch
+) -> None:
+    """A group's rollouts are answered together and send their next turns at once. The answers that show their
+    instance slow make it slow then, not at the next read of the loads (up to ENGINE_LOAD_READ_SECONDS later):
+    before, every next turn of the group stayed on the slow instance (bench/engines.py's engine 4x slower took a
+    group's second turns that way). Reads are turned off once the bound is made, so no timing decides it."""
+    fleet = await replica_servers(3)
+    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    await call(client)  # the route is made at the first call
+    slow = fleet[0]
+    for replica in fleet[1:]:  # the other instances' latencies known
+        task = task_preferring(client, replica.port, by_task=True)
+        with rollout_context(f"{task}-0"):
+            assert await body_at(client, turn_body(task, 0, 0)) == replica.port
+    monkeypatch.setattr(_routing, "ENGINE_LOAD_READ_SECONDS", 3600.0)
+    await asyncio.sleep(ENGINE_LOAD_READ_SECONDS * 1.1)  # the group's first pick reads (the bound made); no more
+    slow.delay = 3.0  # over 2.5x the median while the others answer within 1.2 s
+    task = task_preferring(client, slow.port, by_task=True)
+
+    async def turn(rollout: int, turns: int) -> int:
+        with rollout_context(f"{task}-{rollout}"):
+            return await body_at(client, turn_body(task, turns, rollout))
+
+    assert await asyncio.gather(*(turn(rollout, 0) for rollout in range(4))) == [slow.port] * 4
+    moved = await asyncio.gather(*(turn(rollout, 1) for rollout in range(4)))
+    assert slow.port not in moved and len(set(moved)) == 1  # the group left together
+    assert route_of(client).by_id[f"{LOOPBACK}:{slow.port}"].slow
+
+
 async def test_a_model_rollouts_turns_follow_its_session_or_rollout_and_resources_servers_stay_exact(
     replica_servers,
 ) -> None:
