@@ -18,6 +18,8 @@ TOKEN_ENV_VAR = "GYM_RPC_TOKEN"
 TLS_CA_ENV_VAR = "GYM_RPC_TLS_CA"
 TLS_CERT_ENV_VAR = "GYM_RPC_TLS_CERT"
 TLS_KEY_ENV_VAR = "GYM_RPC_TLS_KEY"
+# A node's watch relay (`gym-rpc relay`): workers follow the head's instances through it (docs/multi-host.md).
+WATCH_RELAY_ENV_VAR = "GYM_RPC_WATCH_RELAY"
 # What a NeMo Gym launcher sets for the processes it starts.
 NEMO_GYM_CONFIG_DICT_ENV_VAR = "NEMO_GYM_CONFIG_DICT"
 NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR = "NEMO_GYM_MODEL_SERVER_BASE_URL"
@@ -77,6 +79,7 @@ class Environment:
     tls_ca_file: str | None = _variable(TLS_CA_ENV_VAR)
     tls_cert_file: str | None = _variable(TLS_CERT_ENV_VAR)
     tls_key_file: str | None = _variable(TLS_KEY_ENV_VAR)
+    watch_relay: str | None = _variable(WATCH_RELAY_ENV_VAR)
     nemo_gym_config_dict: str | None = _variable(NEMO_GYM_CONFIG_DICT_ENV_VAR, secret=True)
     model_server_base_url: str | None = _variable(NEMO_GYM_MODEL_SERVER_BASE_URL_ENV_VAR)
     model_server_name: str | None = _variable(NEMO_GYM_MODEL_SERVER_NAME_ENV_VAR)

@@ -69,6 +69,7 @@ from gym_rpc.config import (
 from gym_rpc.errors import ConfigError, ControlPlaneError, GymRpcError, HeadUnreachableError, UnknownServerError
 from gym_rpc.wire import (
     HEAD_ADDRESS_ENV_VAR,
+    WATCH_RELAY_ENV_VAR,
     EngineLoad,
     InstanceReport,
     ServerInstance,
@@ -89,6 +90,9 @@ EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell shows for a command whose reader went away
 
 DEFAULT_HEAD = "127.0.0.1:11000"
+DEFAULT_RELAY_LISTEN = (
+    "127.0.0.1:11090"  # gym_rpc.server.watch_relay.DEFAULT_LISTEN (the server loads when it runs)
+)
 DEFAULT_WAIT_TIMEOUT_SECONDS = 300.0
 WARM_UP_POLL_SECONDS = 0.1  # `status` asks a warming head again this often
 OUTPUT_FORMATS = ("table", "json", "jsonl", "yaml")
@@ -134,7 +138,9 @@ def _add_log_flags(parser: argparse.ArgumentParser, default_level: str) -> None:
     )
 
 
-def _add_head_flags(parser: argparse.ArgumentParser, *, call_timeout: bool = True) -> None:
+def _add_head_flags(
+    parser: argparse.ArgumentParser, *, call_timeout: bool = True, log_level: str = "warning"
+) -> None:
     env_flag(
         parser,
         "--head",
@@ -172,7 +178,7 @@ def _add_head_flags(parser: argparse.ArgumentParser, *, call_timeout: bool = Tru
             metavar="S",
             help="deadline of each call to the head, in seconds",
         )
-    _add_log_flags(parser, "warning")
+    _add_log_flags(parser, log_level)
 
 
 def _add_output_flag(parser: argparse.ArgumentParser, choices: Sequence[str], default: str) -> None:
@@ -332,6 +338,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_serving_flags(bridge)
 
+    relay = command(
+        "relay", "follow the head's status watch once for this node and serve it to the node's own processes"
+    )
+    _add_head_flags(relay, call_timeout=False, log_level="info")
+    env_flag(
+        relay,
+        "--listen",
+        env=WATCH_RELAY_ENV_VAR,
+        default=DEFAULT_RELAY_LISTEN,
+        parse=str,
+        metavar="unix:PATH|HOST:PORT",
+        help="where the node's processes reach the relay: a unix socket or a loopback port, 0 for a free one "
+        "(workers take the same value in GYM_RPC_WATCH_RELAY)",
+    )
+    relay.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="listen on an address beyond loopback (the relay serves the head's view to whoever reaches it)",
+    )
+    relay.add_argument(
+        "--max-watches", type=_positive_int, metavar="N", help="local watches served at once (none: 16384)"
+    )
+    relay.add_argument(
+        "--watch-stall",
+        type=positive_float,
+        metavar="S",
+        help="seconds a local watch may wait for its reader to take a message before it is dropped (none: 10)",
+    )
+    relay.add_argument("-v", "--verbose", action="store_true", help="log at least at info level")
+
     status = command("status", "show every server's status (or the named ones'); exit 1 when one is not up")
     status.add_argument("servers", nargs="*", metavar="NAME", help="only these servers (none: every server)")
     _add_head_flags(status)
@@ -444,6 +480,7 @@ _HEAD_MODULES = (
 COMMAND_EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "head": ("head", _HEAD_MODULES),
     "bridge": ("head", _HEAD_MODULES),
+    "relay": ("head", _HEAD_MODULES),
     "demo": ("head", _HEAD_MODULES),
     "completion": ("completion", ("shtab",)),
 }
@@ -481,6 +518,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         commands = {
             "head": cmd_head,
             "bridge": cmd_bridge,
+            "relay": cmd_relay,
             "status": cmd_status,
             "wait": cmd_wait,
             "config": cmd_config,
@@ -585,6 +623,31 @@ def cmd_bridge(args: argparse.Namespace) -> int:
         _announce("bridge", started, started.upstream_url)
 
     asyncio.run(run_head(BridgeHead(options), announce))
+    return EXIT_OK
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    from gym_rpc.server.watch_relay import WatchRelay, run_relay  # lazy: see cmd_head
+
+    security = _security(args)
+    options: dict[str, Any] = {}
+    if args.max_watches is not None:
+        options["max_watches"] = args.max_watches
+    if args.watch_stall is not None:
+        options["watch_stall_seconds"] = args.watch_stall
+    try:
+        relay = WatchRelay(args.head, args.listen, security=security, allow_remote=args.allow_remote, **options)
+    except GymRpcError as exc:  # an address it may not listen on
+        raise UsageError(f"--listen: {exc}") from None
+
+    def announce(started: WatchRelay) -> None:
+        guard = "token required" if security.token else "no token"
+        print(
+            f"gym-rpc relay listening on {started.address} (following the head at {args.head}, {guard})",
+            flush=True,
+        )
+
+    asyncio.run(run_relay(relay, announce))
     return EXIT_OK
 
 

@@ -14,6 +14,12 @@ heartbeat, so it looks at least that often), at `close_instance_followers()`, an
 A snapshot after the first (a head restarted, or another head of the list) that leaves out instances the follower
 knew does not drop them at once: they are kept for a grace while the fresh head relearns them
 (gym_rpc.client._relearn_grace), so their rollouts stay where they are.
+
+With a node's watch relay (GYM_RPC_WATCH_RELAY=unix:PATH or 127.0.0.1:PORT; `gym-rpc relay`) the follower follows
+the head's watch through it: the head then holds one stream per node, not per process. Nothing else goes there
+(config, registrations and every unary call still go to the head). A relay that cannot be reached, or that has
+not reached the head yet, is logged once, and the follower follows the head directly meanwhile, trying the relay
+again every RELAY_RETRY_SECONDS.
 """
 
 from __future__ import annotations
@@ -29,13 +35,22 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
+import grpc
+
+from gym_rpc._environment import environment
 from gym_rpc._tasks import taken
 from gym_rpc.client._relearn_grace import RelearnGrace
-from gym_rpc.client.control import ControlClient, StatusWatch, close_aio_channels, head_for
-from gym_rpc.errors import ControlPlaneError
+from gym_rpc.client.control import (
+    ClientSecurity,
+    ControlClient,
+    StatusWatch,
+    checked_head_address,
+    close_aio_channels,
+    head_for,
+)
+from gym_rpc.errors import ConfigError, ControlPlaneError
 
 if TYPE_CHECKING:
-    from gym_rpc.client.control import ClientSecurity
     from gym_rpc.client.replicas import Routing
     from gym_rpc.wire import StatusReport, WatchEvent
 
@@ -49,6 +64,14 @@ _STOP_JOIN_SECONDS = 2.0
 # this long it resumes the watch from its revision instead of reading what queued meanwhile (the head merges it).
 MAX_PAUSE_SECONDS = 5.0
 RESUME_AFTER_PAUSE_SECONDS = 1.0
+# Following the head directly because the node's watch relay could not be reached: the relay is tried again this
+# often (a relay restarted takes its node's processes back within this long).
+RELAY_RETRY_SECONDS = 30.0
+# How a watch of the head followed meanwhile ends when RELAY_RETRY_SECONDS are over: connected (its deadline) or
+# still waiting for the head (the last error of its retries).
+_FALLBACK_OVER = frozenset(
+    {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+)
 
 
 # A background thread's share of the CPU: how long it must pause so its work costs the process at most `share` of
@@ -110,6 +133,9 @@ class InstanceFollower:
         self._grace = RelearnGrace()
         self._expiry: asyncio.TimerHandle | None = None  # pushes the view without the kept instances run out
         self._thread = threading.Thread(target=self._run, name=f"gym-rpc instances of {address}", daemon=True)
+        self.relay = watch_relay_address()  # the node's watch relay (None: the head's watch directly)
+        self.via_relay = False  # whether the watch followed now is the relay's
+        self._relay_down_logged = False
 
     @property
     def running(self) -> bool:
@@ -124,6 +150,11 @@ class InstanceFollower:
             if self._thread.ident is None:
                 self._thread.start()
         routing.apply_reports(reports)
+
+    def reports(self) -> dict[str, StatusReport]:
+        """Each server's report as the follower knows it now (what its clients' routes were given)."""
+        with self._lock:
+            return dict(self._reports)
 
     def unsubscribe(self, routing: Routing) -> None:
         with self._lock:
@@ -151,27 +182,67 @@ class InstanceFollower:
 
     async def _follow(self, client: ControlClient) -> None:
         budget = CpuBudget()  # made here: it reads this thread's CPU time
+        relay = None
+        if self.relay is not None:  # plaintext on the node, the node's token (the relay asks it of its callers)
+            relay = ControlClient(self.relay, security=ClientSecurity(token=self._security.token))
+        relay_due = time.monotonic()  # when to try the relay (again)
         while True:
+            via_relay = relay is not None and time.monotonic() >= relay_due
+            source = relay if via_relay and relay is not None else client
             watch = StatusWatch(
-                client,
-                start_revision=self.revision if self.source in (None, client.following()) else 0,
+                source,
+                start_revision=self.revision if self.source in (None, source.following()) else 0,
                 heartbeat_seconds=HEARTBEAT_SECONDS,
                 on_retry=self._retrying,
                 engine_load=True,  # the engines' load too (gym_rpc.client.replicas._engine_load_table)
+                # Through a relay, its first failure says to follow the head; following the head instead, the
+                # relay is tried again after a while.
+                max_wait_seconds=0.0 if via_relay else None,
+                until=time.monotonic() + RELAY_RETRY_SECONDS if relay is not None and not via_relay else None,
             )
-            async with contextlib.aclosing(watch.events()) as events:
-                async for event in events:
-                    if not self._apply(event):
+            self.via_relay = via_relay
+            try:
+                async with contextlib.aclosing(watch.events()) as events:
+                    async for event in events:
+                        if not self._apply(event):
+                            return
+                        self.source = watch.source
+                        if via_relay and self._relay_down_logged:
+                            self._relay_down_logged = False
+                            logger.info(
+                                "following the instances of the head through the watch relay at %s again",
+                                self.relay,
+                            )
+                        pause = budget.pause()
+                        if pause > 0:
+                            # Over its share of the CPU: the head pushes more than this process should spend on it.
+                            await asyncio.sleep(min(pause, MAX_PAUSE_SECONDS))
+                            if pause >= RESUME_AFTER_PAUSE_SECONDS:
+                                break  # what queued meanwhile is stale: resume, and the head sends it merged
+                    else:
                         return
-                    self.source = watch.source
-                    pause = budget.pause()
-                    if pause > 0:
-                        # Over its share of the CPU: the head pushes more than this process should spend on it.
-                        await asyncio.sleep(min(pause, MAX_PAUSE_SECONDS))
-                        if pause >= RESUME_AFTER_PAUSE_SECONDS:
-                            break  # what queued meanwhile is stale: resume, and the head sends it merged
-                else:
+            except ControlPlaneError as error:
+                if relay is None or (not via_relay and error.code not in _FALLBACK_OVER):
+                    raise  # the head refuses the watch (a wrong token, say): as without a relay
+                if via_relay:
+                    relay_due = time.monotonic() + RELAY_RETRY_SECONDS
+                    self._relay_failed(error)
+                elif not self._subscribers:
                     return
+                # else: the head followed directly for RELAY_RETRY_SECONDS: the relay is tried again
+
+    def _relay_failed(self, error: ControlPlaneError) -> None:
+        if not self._relay_down_logged:
+            self._relay_down_logged = True
+            logger.warning(
+                "cannot follow the instances through the watch relay at %s (%s: %s); following the head at %s "
+                "directly, and trying the relay again every %g s",
+                self.relay,
+                error.code.name,
+                error,
+                self.address,
+                RELAY_RETRY_SECONDS,
+            )
 
     def _apply(self, event: WatchEvent) -> bool:
         """Fold one event into what the follower knows and push it to every subscriber; False when none is left."""
@@ -267,6 +338,19 @@ class InstanceFollower:
                 loop.call_soon_threadsafe(task.cancel)
         if self._thread.ident is not None and self._thread is not threading.current_thread():
             self._thread.join(_STOP_JOIN_SECONDS)
+
+
+def watch_relay_address() -> str | None:
+    """The node's watch relay from GYM_RPC_WATCH_RELAY (None: unset); a malformed one is logged and ignored (the
+    head's watch is followed directly), never a worker's failure."""
+    relay = environment().watch_relay
+    if not relay:
+        return None
+    try:
+        return checked_head_address(relay)
+    except ConfigError as error:
+        logger.warning("GYM_RPC_WATCH_RELAY is ignored: %s", error)
+        return None
 
 
 _followers: dict[tuple[int, str, ClientSecurity], InstanceFollower] = {}

@@ -30,6 +30,7 @@ from gym_rpc.wire._names import (
     TLS_CERT_ENV_VAR,
     TLS_KEY_ENV_VAR,
     TOKEN_ENV_VAR,
+    WATCH_RELAY_ENV_VAR,
 )
 from gym_rpc.wire._paths import (
     GYM_PREFIX_HEAD,
@@ -124,6 +125,7 @@ __all__ = [
     "TRACEPARENT_PATTERN",
     "TRACEPARENT_RE",
     "TRACE_SEGMENT",
+    "WATCH_RELAY_ENV_VAR",
     "EngineLoad",
     "GymPrefixes",
     "InstanceOrigin",

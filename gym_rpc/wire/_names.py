@@ -8,6 +8,7 @@ from gym_rpc._environment import TLS_CA_ENV_VAR as TLS_CA_ENV_VAR
 from gym_rpc._environment import TLS_CERT_ENV_VAR as TLS_CERT_ENV_VAR
 from gym_rpc._environment import TLS_KEY_ENV_VAR as TLS_KEY_ENV_VAR
 from gym_rpc._environment import TOKEN_ENV_VAR as TOKEN_ENV_VAR
+from gym_rpc._environment import WATCH_RELAY_ENV_VAR as WATCH_RELAY_ENV_VAR
 
 # The contract's service (proto/gym_rpc/v1): spelt out, so naming it loads no generated code (a test checks it is
 # the descriptor's name).

@@ -173,6 +173,27 @@ class EngineLoads:
             self._message = (key, engine_load_message(self.loads(), revision, config_version))
         return self._message[1]
 
+    def take(self, loads: Iterable[EngineLoad]) -> None:
+        """Another head's table as this one's latest round (a node's watch relay passes the head's on): each
+        figure as read there, its age going on from what the head said."""
+        now = self._clock()
+        readings: dict[tuple[str, str], _Reading] = {}
+        for load in loads:
+            figures = {
+                name: value
+                for name, value in (
+                    ("waiting", load.waiting),
+                    ("running", load.running),
+                    ("kv_cache_usage", load.kv_cache_usage),
+                )
+                if value is not None
+            }
+            read_at = None if load.age_seconds is None else now - load.age_seconds
+            readings[(load.server_name, load.instance_id)] = _Reading(figures, read_at)
+        self._order = list(readings)
+        self._readings = readings
+        self.version += 1
+
     async def read_all(self) -> None:
         """One round: every engine instance's /metrics, concurrently, each bounded."""
         targets = list(self._targets())

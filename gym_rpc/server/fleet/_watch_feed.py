@@ -12,8 +12,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from typing import Protocol
 
-from gym_rpc.server.fleet._prober import StatusProber
+from gym_rpc.server.fleet._prober import Changes
+from gym_rpc.server.fleet._pushes import Pushes
 from gym_rpc.v1 import control_plane_pb2 as pb
 from gym_rpc.wire import StatusReport, convert
 
@@ -24,6 +26,24 @@ DEFAULT_CACHE_SIZE = 64
 # A snapshot is rebuilt at least this often even without a change: it carries latencies and probe times, which
 # move without bumping the revision.
 SNAPSHOT_REUSE_SECONDS = 1.0
+
+
+class WatchedStatuses(Protocol):
+    """What a watch reads of the statuses it follows: the head's StatusProber, or a node's watch relay's mirror of
+    a head (gym_rpc.server.watch_relay)."""
+
+    @property
+    def revision(self) -> int: ...
+
+    @property
+    def config_version(self) -> str: ...
+
+    @property
+    def pushes(self) -> Pushes: ...
+
+    def reports(self) -> list[StatusReport]: ...
+
+    def changes_since(self, revision: int, until: int | None = None) -> Changes: ...
 
 
 class ReportMessages:
@@ -60,7 +80,7 @@ class WatchFeed:
 
     def __init__(
         self,
-        prober: Callable[[], StatusProber],
+        prober: Callable[[], WatchedStatuses],
         reports: ReportMessages | None = None,
         cache_size: int = DEFAULT_CACHE_SIZE,
     ) -> None:
@@ -125,7 +145,7 @@ class WatchFeed:
         return message
 
 
-def _snapshot(prober: StatusProber, reports: ReportMessages, revision: int, compacted: bool) -> Message:
+def _snapshot(prober: WatchedStatuses, reports: ReportMessages, revision: int, compacted: bool) -> Message:
     return Message(
         type=pb.WATCH_EVENT_TYPE_SNAPSHOT,
         revision=revision,
@@ -135,7 +155,7 @@ def _snapshot(prober: StatusProber, reports: ReportMessages, revision: int, comp
     )
 
 
-def _changes(prober: StatusProber, reports: ReportMessages, seen: int, until: int) -> Message:
+def _changes(prober: WatchedStatuses, reports: ReportMessages, seen: int, until: int) -> Message:
     """The reports changed after `seen` up to `until` (latest per server), or a compacted snapshot when history is
     gone. A CHANGE without reports says the config version moved."""
     changes = prober.changes_since(seen, until)

@@ -10,7 +10,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 import grpc
@@ -18,7 +18,7 @@ import grpc
 from gym_rpc._logging import RateLimitedLog
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url, is_wildcard_host
 from gym_rpc.errors import ConfigError, quoted
-from gym_rpc.server.fleet import EngineLoads, LoadPush, ReportMessages, StatusProber, WatchFeed
+from gym_rpc.server.fleet import EngineLoads, LoadPush, ReportMessages, StatusProber, WatchedStatuses, WatchFeed
 from gym_rpc.server.fleet import events as events
 from gym_rpc.server.registry import (
     DEFAULT_LEASE_SECONDS,
@@ -55,6 +55,17 @@ DEADLINE_MARGIN_SECONDS = 0.1
 MAX_PROBE_SECONDS = 30.0
 
 Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class WatchedHead(Protocol):
+    """What a status watch reads: the statuses it follows and the engines' load (the head, or a node's watch
+    relay, gym_rpc.server.watch_relay)."""
+
+    @property
+    def prober(self) -> WatchedStatuses: ...
+
+    @property
+    def engine_loads(self) -> EngineLoads: ...
 
 
 class HeadState(Protocol):
@@ -407,6 +418,23 @@ def add_control_plane_service(servicer: ControlPlaneServicer, server: grpc.aio.S
         register(service.full_name, handlers)
 
 
+WatchWriter = Callable[[pb.WatchServerStatusesRequest, Context], Awaitable[None]]
+
+
+def add_watch_service(write_watch: WatchWriter, feed: WatchFeed, server: grpc.aio.Server) -> None:
+    """Serve the ControlPlaneService's WatchServerStatuses alone (a node's watch relay): `write_watch` writes each
+    stream, `feed` serialises each shared message once; every other method of the service is UNIMPLEMENTED."""
+    service = pb.DESCRIPTOR.services_by_name["ControlPlaneService"]
+    handler = grpc.unary_stream_rpc_method_handler(
+        write_watch,
+        request_deserializer=pb.WatchServerStatusesRequest.FromString,
+        response_serializer=feed.serialize,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, {"WatchServerStatuses": handler}),)
+    )
+
+
 class WatchStream:
     """One status watch's state between messages: the revision it has delivered, and when it last sent anything.
     `next()` waits for and returns the next message: the snapshot first (unless it resumes), then each push's
@@ -414,7 +442,7 @@ class WatchStream:
 
     __slots__ = ("_feed", "_head", "_heartbeat", "_load", "_quiet_since", "_seen", "_snapshot")
 
-    def __init__(self, head: HeadState, feed: WatchFeed, request: pb.WatchServerStatusesRequest) -> None:
+    def __init__(self, head: WatchedHead, feed: WatchFeed, request: pb.WatchServerStatusesRequest) -> None:
         self._head, self._feed = head, feed
         heartbeat = DEFAULT_HEARTBEAT_SECONDS
         if request.HasField("heartbeat_interval"):
