@@ -74,8 +74,8 @@ TEST_WORKERS ?= 6
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 test: lint nemo-gym-venv lowest-versions-venv
-	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not load"; parallel=$$?; \
-	$(BIN)/python -m pytest -q -m load; alone=$$?; \
+	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_PARALLEL) -m "not load"; parallel=$$?; \
+	$(BIN)/python -m pytest -q --durations=5 -m load; alone=$$?; \
 	if [ $$parallel -ne 0 ]; then exit $$parallel; fi; exit $$alone
 
 # The edit loop: in-process tests only (no test marked process, build or load; tests/support/tiers.py), no lint.
