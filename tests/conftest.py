@@ -34,6 +34,7 @@ from tests.support.tiers import (  # noqa: F401  (hooks: the process/build/load 
 pytest_plugins = [
     "tests.support.bridge",
     "tests.support.fd_limits",
+    "tests.support.hangs",
     "tests.support.nemo_gym",
     "tests.support.processes",
     "tests.support.replicas",

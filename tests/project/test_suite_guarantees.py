@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import grpc
 import pytest
@@ -119,6 +120,60 @@ async def test_a_child_forked_beside_busy_grpc_calls_gets_to_exec(head_factory) 
         await asyncio.to_thread(caller.join, 60)
     assert calls > 0  # the calls were under way while the children forked
     assert codes == {0: 200}  # a child killed before its exec shows as -11 (SIGSEGV) or -6 (SIGABRT)
+
+
+HANGING_TEARDOWN = """
+import asyncio
+
+import pytest
+
+
+async def wait_for_nothing(never: asyncio.Event) -> None:
+    await never.wait()
+
+
+@pytest.fixture
+async def stuck():
+    yield
+    await wait_for_nothing(asyncio.Event())
+
+
+def test_stuck_in_teardown(stuck):
+    pass
+"""
+
+
+@pytest.mark.process
+def test_a_test_past_its_timeout_shows_where_each_task_of_its_loop_waits(tmp_path: Path) -> None:
+    """tests/support/hangs.py: pytest-timeout names the threads, and the loop's thread sits in its selector; the
+    dump of the loop's tasks names the await that never returned (a fixture's teardown here)."""
+    (tmp_path / "test_hanging.py").write_text(HANGING_TEARDOWN, encoding="utf-8")
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["tests.support.hangs"]\n', encoding="utf-8")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_mode = auto\n", encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:randomly",
+        "-p",
+        "no:cacheprovider",
+        "--timeout",
+        "2",
+    ]
+    result = subprocess.run(
+        [*command, "test_hanging.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100
+    )
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    dump = result.stdout.rpartition("+ Tasks of the running event loop +")[2]
+    assert "Timeout (>2.0s) from pytest-timeout" in result.stdout
+    assert re.search(
+        r'test_hanging.py", line 14, in stuck\n.*test_hanging.py", line 8, in wait_for_nothing\n', dump
+    ), dump
+    assert re.search(r"in wait\n    awaiting <Future pending", dump), dump  # the Event's own wait, then its future
 
 
 @pytest.mark.skipif(os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci", reason="a local fuzzing profile is loaded")

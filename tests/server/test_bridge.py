@@ -4,6 +4,7 @@ the config as a JSON string literal of YAML, the /server_instances list, `{"stat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -24,7 +25,7 @@ from gym_rpc.client.control._credentials import ClientSecurity
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, BaseServerConfig
 from gym_rpc.errors import ControlPlaneError, HeadUnreachableError
-from gym_rpc.server._bridge import BridgeHead
+from gym_rpc.server._bridge import BridgeHead, BridgeOptions
 from tests.support.bridge import (
     UPSTREAM_PID,
     UPSTREAM_START,
@@ -213,6 +214,57 @@ async def test_a_silent_upstream_is_unavailable_within_the_fetch_timeout(silent_
     message = await refusal(ControlClient(bridge.address))
 
     assert "no answer in time" in message
+
+
+def test_a_bridge_stopped_as_its_fetch_times_out_stops() -> None:
+    """The teardown hang of the silent-upstream test (soak run B1, past pytest's 120 s): stop() cancelled the
+    refresher in the loop iteration where aiohttp's fetch timeout fired, aiohttp took the cancel back (a
+    TimeoutError instead: gym_rpc._tasks says how), the refresher counted a failed round and fetched on, and stop()
+    waited for it forever. Here the loop is held still past the fetch's deadline (as pytest holds it between a test
+    and its teardown), so the timeout fires in the iteration that runs stop()'s cancel."""
+    fetch_timeout = 1.0
+    loop = asyncio.new_event_loop()
+    try:
+        requests: asyncio.Queue[bytes] = asyncio.Queue()
+        held: list[asyncio.StreamWriter] = []
+
+        async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            held.append(writer)  # never answered
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                await requests.put(await reader.readuntil(b"\r\n\r\n"))
+
+        async def start() -> tuple[asyncio.Server, BridgeHead]:
+            upstream = await asyncio.start_server(hold, LOOPBACK, 0)
+            url = f"http://{LOOPBACK}:{upstream.sockets[0].getsockname()[1]}"
+            options = BridgeOptions(
+                upstream_url=url,
+                host=LOOPBACK,
+                port=0,
+                refresh_interval_seconds=0.05,
+                fetch_timeout_seconds=fetch_timeout,
+            )
+            bridge = BridgeHead(options)
+            await bridge.start()  # its own first fetch, timed out
+            await requests.get()
+            await requests.get()  # the refresher's fetch is in flight: its timeout is 1 s away
+            return upstream, bridge
+
+        upstream, bridge = loop.run_until_complete(start())
+        time.sleep(fetch_timeout + 0.2)  # the loop still: the fetch's timer is due when it turns again
+
+        async def stop() -> None:
+            try:
+                # A hang guard only: stop() returns at once, or (before the fix) never.
+                await asyncio.wait_for(asyncio.shield(bridge.stop()), 30)
+            finally:
+                for writer in held:
+                    writer.close()
+                upstream.close()
+
+        loop.run_until_complete(stop())
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
 
 async def test_a_bridge_pointed_at_a_grpc_port_says_so_in_one_line(head_factory, bridge_factory, caplog):
