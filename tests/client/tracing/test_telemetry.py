@@ -12,6 +12,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tracemalloc
@@ -31,7 +32,8 @@ from tests.support.scenarios import script
 SCENARIO = script("telemetry")
 ROLLOUT_ID = "rollout-7"
 CONTROL_SERVICE = "gym_rpc.v1.ControlPlaneService"
-SCENARIO_TIMEOUT_SECONDS = 30
+# A hang guard: a scenario takes 2-4 s at a load average of 10 and 7-16 s at 30-50 (where 30 s was once passed).
+SCENARIO_TIMEOUT_SECONDS = 90
 
 
 def scenario_environment(**otel: str) -> dict[str, str]:
@@ -47,16 +49,22 @@ def run_scenario(*args: str, **otel: str) -> dict[str, Any]:
 
 def run_json(command: list[str], **otel: str) -> dict[str, Any]:
     """Run a traced scenario in a fresh interpreter (tracing is decided once per process) and read its JSON."""
-    completed = subprocess.run(
-        command,
+    python, *rest = command
+    process = subprocess.Popen(
+        [python, "-X", "faulthandler", *rest],
         env=scenario_environment(**otel),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=SCENARIO_TIMEOUT_SECONDS,
-        check=False,
     )
-    assert completed.returncode == 0, completed.stderr
-    result: dict[str, Any] = json.loads(completed.stdout)
+    try:
+        stdout, stderr = process.communicate(timeout=SCENARIO_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)  # faulthandler writes every thread's stack to stderr, then it ends
+        stdout, stderr = process.communicate(timeout=10)
+        raise AssertionError(f"{rest} ran past {SCENARIO_TIMEOUT_SECONDS} s; its stacks:\n{stderr}") from None
+    assert process.returncode == 0, stderr
+    result: dict[str, Any] = json.loads(stdout)
     return result
 
 
