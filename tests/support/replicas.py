@@ -1,5 +1,5 @@
 """Replica servers: instances of one replicated server on loopback, whose answers (statuses, Retry-After, holds,
-resets, probes) a test sets, and the `replica_servers` fixture that starts them."""
+resets, probes) a test sets, the `replica_servers` fixture that starts them, and `slowness_rule_off`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from aiohttp import web
 
 from gym_rpc.client.data._http import close_http_sessions
+from gym_rpc.client.replicas import _routing
 from tests.support.loopback import LOOPBACK
 
 
@@ -125,3 +126,13 @@ async def replica_servers() -> AsyncIterator[Callable[..., Awaitable[list[Replic
     await close_http_sessions()
     for server in started:
         await server.stop()
+
+
+@pytest.fixture
+def slowness_rule_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model server's route leaves an instance whose answers are slow (latency EWMA over 2.5x the median
+    instance's and SLOW_MARGIN_SECONDS above it: gym_rpc.client.replicas._routing), by design; its first answer
+    counts in full, so one call a loaded machine stalls a few hundred ms makes it so, and a rollout placed there
+    moves. A test of where a model server's rollouts go that is not about that rule turns it off (the rule's own
+    tests are in tests/client/replicas/test_replicas_client.py); a resources server's rollouts stick exactly."""
+    monkeypatch.setattr(_routing, "SLOW_MARGIN_SECONDS", 3600.0)

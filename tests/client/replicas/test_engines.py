@@ -15,7 +15,6 @@ from omegaconf import OmegaConf
 
 from gym_rpc.client.data import _call_paths
 from gym_rpc.client.data._http import close_http_sessions
-from gym_rpc.client.replicas import _routing
 from gym_rpc.client.server_client import ServerClient, apply_rollout_prefix, rollout_context
 from gym_rpc.config import BaseServerConfig, GlobalConfig, config_from_bytes
 from gym_rpc.errors import ConfigError, InvalidRolloutIdError
@@ -178,7 +177,7 @@ async def test_without_the_key_an_engine_answers_404_to_the_rollout_path(http_se
 
 
 async def test_engines_as_replicas_of_one_entry_keep_each_rollout_on_one_engine(
-    http_server, monkeypatch: pytest.MonkeyPatch
+    http_server, slowness_rule_off
 ) -> None:
     """gym_rpc in front of the engines directly: the entry's instances are engines, the client pins each rollout
     to one of them, and every call carries the header and no prefix. A model server's rollout also leaves an
@@ -186,7 +185,6 @@ async def test_engines_as_replicas_of_one_entry_keep_each_rollout_on_one_engine(
     (no head: no engine figures; sequential calls: no load; every answer a 200: no ejection), and one rollout
     moved in a CI run at load 6: one call stalled a few hundred ms. This test, about pins and headers, has no
     slowness rule."""
-    monkeypatch.setattr(_routing, "SLOW_MARGIN_SECONDS", 3600.0)
     engines = [FakeEngine(f"e{index}") for index in range(3)]
     ports = [await http_server(engine.app()) for engine in engines]
     entry = engine_entry(ports[0], replicas=[f"{LOOPBACK}:{port}" for port in ports[1:]])

@@ -363,10 +363,16 @@ async def test_every_way_a_call_ends_releases_its_count_in_flight(replica_server
 # --- rollouts ----------------------------------------------------------------------------------------------------
 
 
-async def test_rollouts_stick_and_only_the_gone_instances_rollouts_move(replica_servers, caplog) -> None:
+@pytest.mark.parametrize("server_type", ["resources_servers", "responses_api_models"])
+async def test_rollouts_stick_and_only_the_gone_instances_rollouts_move(
+    replica_servers, slowness_rule_off, caplog, server_type: str
+) -> None:
+    """A resources server's rollouts stick exactly (their state lives there); a model server's too while no
+    instance is slow or overloaded (sequential calls: never overloaded; the slowness rule off: a loaded machine
+    stalling one answer would move a rollout, soak run 6)."""
     caplog.set_level(logging.INFO, REPLICAS_LOGGER)
     fleet = await replica_servers(4)
-    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    client = client_of(replicated_doc([replica.port for replica in fleet], server_type))
     where: dict[str, int] = {}
     for n in range(40):
         with rollout_context(f"rollout-{n}"):
@@ -582,7 +588,9 @@ async def body_at(client: ServerClient, body: dict[str, Any], cookies: Any = Non
         return int((await response.json())["instance"])
 
 
-async def test_a_groups_rollouts_and_their_turns_go_to_one_model_instance_in_every_worker(replica_servers) -> None:
+async def test_a_groups_rollouts_and_their_turns_go_to_one_model_instance_in_every_worker(
+    replica_servers, slowness_rule_off
+) -> None:
     """GRPO: the rollouts of one prompt and each of their turns share the prompt's prefix. A model server's route
     sends them all to the prompt's preferred instance (rendezvous hashing scattered them: one rollout id each),
     the same in two workers that share nothing; different prompts spread over the instances."""
@@ -647,7 +655,9 @@ async def test_a_groups_rollouts_arriving_together_stay_on_one_instance(replica_
     assert all(group.calls == 0 for group in route.groups.values())
 
 
-async def test_a_prompts_preferred_instance_under_load_sends_new_rollouts_to_its_next(replica_servers) -> None:
+async def test_a_prompts_preferred_instance_under_load_sends_new_rollouts_to_its_next(
+    replica_servers, slowness_rule_off
+) -> None:
     """Bounded load: while the prompt's preferred instance holds other prompts' calls past the bound to stay (2x
     the average + 2), a new rollout of that prompt goes to its next preferred instance (the same for every such
     rollout: the group moves there), and its later turns follow it there, even once the first is free again."""
@@ -678,7 +688,7 @@ async def test_a_prompts_preferred_instance_under_load_sends_new_rollouts_to_its
 
 
 async def test_an_engine_reporting_a_long_queue_loses_new_rollouts_until_its_figure_is_unknown(
-    replica_servers,
+    replica_servers, slowness_rule_off
 ) -> None:
     """The engines' load the head pushes (Routing.engine_loads) counts in the bound: a prompt's preferred instance
     whose engine reports 50 waiting gets no new rollout of it (the group moves to its next preferred instance);
@@ -760,7 +770,9 @@ def task_first_at(client: ServerClient, port: int, skip: int = 0) -> int:
     raise AssertionError("no such task")
 
 
-async def test_a_workers_next_group_goes_where_its_last_group_just_ended(replica_servers, monkeypatch) -> None:
+async def test_a_workers_next_group_goes_where_its_last_group_just_ended(
+    replica_servers, slowness_rule_off, monkeypatch
+) -> None:
     """While other calls run, a worker's next group goes to the instance its last group just left (that one is
     free now for certain; the others' figures may be a second old, and two workers placing at once by them pile
     onto one), not to its own first preferred instance; unless the engine there reports more calls of other
@@ -801,7 +813,7 @@ async def test_a_workers_next_group_goes_where_its_last_group_just_ended(replica
 
 
 async def test_an_engine_figure_read_while_a_group_ran_counts_all_its_calls_as_the_workers_own(
-    replica_servers, monkeypatch
+    replica_servers, slowness_rule_off, monkeypatch
 ) -> None:
     """The engine's figure of a group's calls, read while they all ran, is taken off in full once the group ends:
     the instance is this worker's free home for its next group. The most calls this worker had there counts every
@@ -845,7 +857,7 @@ async def test_an_engine_figure_read_while_a_group_ran_counts_all_its_calls_as_t
 
 
 async def test_a_worker_whose_two_groups_just_ended_places_its_next_two_on_their_instances(
-    replica_servers, monkeypatch
+    replica_servers, slowness_rule_off, monkeypatch
 ) -> None:
     """A worker running two groups at once that end together (the bench's chains of groups) has two homes: its next
     two groups take them, latest first, not the two new prompts' own first preferred instance."""
@@ -936,7 +948,7 @@ async def test_the_answer_that_shows_an_instance_slow_moves_its_groups_next_turn
 
 
 async def test_a_model_rollouts_turns_follow_its_session_or_rollout_and_resources_servers_stay_exact(
-    replica_servers,
+    replica_servers, slowness_rule_off
 ) -> None:
     """Without a readable prompt, a model call of a rollout is placed by two random choices and its later turns
     follow it (its rollout id, or the model session the first answer opened: NeMo Gym's SimpleAgent sends that
@@ -976,7 +988,7 @@ def labelled(ports: list[int], versions: list[str]) -> StatusReport:
 
 
 async def test_labels_send_new_rollouts_to_matching_instances_while_pinned_ones_finish_where_they_are(
-    replica_servers,
+    replica_servers, slowness_rule_off
 ) -> None:
     fleet = await replica_servers(4)
     ports = [replica.port for replica in fleet]

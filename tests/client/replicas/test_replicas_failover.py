@@ -247,6 +247,7 @@ async def test_a_replica_added_while_calls_run_gets_calls_within_a_second_or_so(
 async def test_sigterm_drains_a_registered_replica_new_work_leaves_it_and_its_pinned_rollouts_finish_there(
     replica,  # noqa: F811 (tests.test_draining's fixture)
     closing,
+    slowness_rule_off,  # a model server: the rollouts pinned to the draining process must not leave it as slow
 ) -> None:
     """A registered server process gets SIGTERM (integrations' draining) while a call of one of its rollouts is
     in flight: the client learns from the head's watch that it drains; then no new rollout and no call of no
