@@ -24,6 +24,9 @@
 * `bare`: the floor under any head: a bare grpc.aio server (no interceptor, no slot, no stall bound) whose
   WatchServerStatuses streams each send one message and then one per `push` command (a pre-serialised message, a
   shared future: gRPC's own cost of a stream and of a write, nothing of gym_rpc's).
+* `relay HEAD`: a node's watch relay (gym_rpc.server.watch_relay) following the head at HEAD, serving on a free
+  loopback port; READY once it holds the head's snapshot. `local REVISION TIMEOUT`: once it has taken the head's
+  REVISION (or a later one), its own revision then, which its watchers reach when it has pushed that.
 * `head CONFIG OPTIONS`: a gym_rpc head serving the config document in the JSON file CONFIG, with HeadOptions
   from the JSON text OPTIONS, so its CPU and memory are its own (read from /proc by the bench).
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -462,6 +466,41 @@ async def serve_bare() -> None:
         print(json.dumps({"revision": revision}), flush=True)
 
 
+# --- a node's watch relay --------------------------------------------------------------------------------------
+
+
+async def serve_relay(head: str) -> None:
+    from gym_rpc.server.watch_relay import WatchRelay
+
+    relay = WatchRelay(head, f"{LOOPBACK}:0")
+    await relay.start()
+    deadline = time.monotonic() + 300
+    while not relay.mirror.synced and time.monotonic() < deadline:  # noqa: ASYNC110 (polled)
+        await asyncio.sleep(0.05)
+    if not relay.mirror.synced:
+        print(f"the relay took no snapshot from {head} within 300 s", flush=True)
+        await relay.stop()
+        return
+    print(READY_PREFIX + json.dumps({"address": relay.address}), flush=True)
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line:
+                return
+            verb, *arguments = line.split()
+            if verb != "local":
+                raise ValueError(f"unknown command {line!r}")
+            revision, timeout = int(arguments[0]), float(arguments[1])
+            until = time.monotonic() + timeout
+            while relay.mirror.head_revision < revision and time.monotonic() < until:  # noqa: ASYNC110 (polled)
+                await asyncio.sleep(0.005)
+            reached = relay.mirror.head_revision >= revision
+            print(json.dumps({"revision": relay.mirror.revision, "reached": reached}), flush=True)
+    finally:
+        await relay.stop()
+
+
 # --- a head on its own -------------------------------------------------------------------------------------------
 
 
@@ -488,7 +527,9 @@ async def serve_head(document: dict[str, Any], options_json: str) -> None:
 class Child:
     """A `python -m bench.scale_procs ...` child: started, waited for (bounded), talked to, stopped."""
 
-    def __init__(self, *args: str, ready_timeout: float = 120.0) -> None:
+    def __init__(self, *args: str, ready_timeout: float = 120.0, nice: int = 0) -> None:
+        """`nice`: the child's niceness (a process standing in for work on another machine: it takes only the
+        cores the measured processes leave)."""
         # The child's log (the head logs status changes of overloaded servers) is not the report, but says why
         # a child did not start.
         self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in stop(), after the child)
@@ -499,6 +540,7 @@ class Child:
             stderr=self._log,
             text=True,
             cwd=REPO_ROOT,
+            preexec_fn=(lambda: os.nice(nice)) if nice else None,
         )
         line = self._read_line(ready_timeout)
         if not line.startswith(READY_PREFIX):
@@ -570,12 +612,14 @@ def main() -> None:
         asyncio.run(serve_registrar(sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])))
     elif role == "bare":
         asyncio.run(serve_bare())
+    elif role == "relay":
+        asyncio.run(serve_relay(sys.argv[2]))
     elif role == "head":
         asyncio.run(serve_head(json.loads(Path(sys.argv[2]).read_text(encoding="utf-8")), sys.argv[3]))
     else:
         raise SystemExit(
             f"unknown role {role!r}: servers K | watchers ADDRESS COUNT [revisions] | registrar | flood | worker "
-            "| bare | head"
+            "| bare | relay | head"
         )
 
 

@@ -89,6 +89,8 @@ def check_scale_report(report: str) -> None:
     assert "| 8 | gym_rpc head | " in report and "| 8 | bare grpc.aio | " in report  # the fleet rows
     assert "| 8 | gym_rpc head | 1 | " in report and "| 8 | bare grpc.aio | 1 | " in report  # a storm each
     assert "| last watcher current within 1 s of the storm's end at W = 8 | " in report
+    assert "| 8 | gym_rpc head, 2 relays | 1 | " in report  # the same storm through watch relays
+    assert "| last watcher current within 1 s of the storm's end at W = 8, through 2 relays | " in report
     for row in ("| 3 | ", "| 6 | ", "| whole document | ", "| `known_version` = current"):
         assert row in report, row
     assert "| probes received per window <= 1, whatever P | " in report
