@@ -250,7 +250,7 @@ class Endpoints:
         """This process's follower of the head's instances; gRPC loads here, with the first call that needs it."""
         from gym_rpc.client._follower import follower_for
 
-        return follower_for(self.head.address, self.head.security)
+        return follower_for(self.head.address, self.head.security, self.config.head_settings.watch_relay)
 
     def _follows(self) -> bool:
         return self.asks_head if self.follows_instances is None else self.follows_instances

@@ -44,11 +44,12 @@ from gym_rpc.client.control import (
     ClientSecurity,
     ControlClient,
     StatusWatch,
-    checked_head_address,
     close_aio_channels,
     head_for,
 )
+from gym_rpc.config import checked_watch_relay
 from gym_rpc.errors import ConfigError, ControlPlaneError
+from gym_rpc.wire import WATCH_RELAY_ENV_VAR
 
 if TYPE_CHECKING:
     from gym_rpc.client.replicas import Routing
@@ -117,7 +118,7 @@ class _NoClientsLeft(Exception):
 class InstanceFollower:
     """Follows one head's watch for the routes of every client of that head in this process."""
 
-    def __init__(self, address: str, security: ClientSecurity) -> None:
+    def __init__(self, address: str, security: ClientSecurity, relay: str | None = None) -> None:
         self.address = address
         self._security = security
         self._subscribers: weakref.WeakSet[Routing] = weakref.WeakSet()
@@ -133,7 +134,7 @@ class InstanceFollower:
         self._grace = RelearnGrace()
         self._expiry: asyncio.TimerHandle | None = None  # pushes the view without the kept instances run out
         self._thread = threading.Thread(target=self._run, name=f"gym-rpc instances of {address}", daemon=True)
-        self.relay = watch_relay_address()  # the node's watch relay (None: the head's watch directly)
+        self.relay = relay  # the node's watch relay (None: the head's watch directly)
         self.via_relay = False  # whether the watch followed now is the relay's
         self._relay_down_logged = False
 
@@ -340,30 +341,32 @@ class InstanceFollower:
             self._thread.join(_STOP_JOIN_SECONDS)
 
 
-def watch_relay_address() -> str | None:
-    """The node's watch relay from GYM_RPC_WATCH_RELAY (None: unset); a malformed one is logged and ignored (the
-    head's watch is followed directly), never a worker's failure."""
+def watch_relay_address(configured: str | None = None) -> str | None:
+    """The node's watch relay: GYM_RPC_WATCH_RELAY, else `configured` (the config's `head_server.watch_relay`);
+    None: neither. A malformed variable is logged and left out, never a worker's failure."""
     relay = environment().watch_relay
     if not relay:
-        return None
+        return configured
     try:
-        return checked_head_address(relay)
+        return checked_watch_relay(relay, WATCH_RELAY_ENV_VAR)
     except ConfigError as error:
-        logger.warning("GYM_RPC_WATCH_RELAY is ignored: %s", error)
-        return None
+        logger.warning("%s; it is ignored", error)
+        return configured
 
 
-_followers: dict[tuple[int, str, ClientSecurity], InstanceFollower] = {}
+_followers: dict[tuple[int, str, ClientSecurity, str | None], InstanceFollower] = {}
 _followers_lock = threading.Lock()
 
 
-def follower_for(address: str, security: ClientSecurity) -> InstanceFollower:
-    """This process's follower of the head at `address` (started on first use, again if it stopped)."""
-    key = (os.getpid(), address, security)  # a forked child never shares its parent's thread
+def follower_for(address: str, security: ClientSecurity, watch_relay: str | None = None) -> InstanceFollower:
+    """This process's follower of the head at `address` (started on first use, again if it stopped), through the
+    node's watch relay when GYM_RPC_WATCH_RELAY or `watch_relay` (`head_server.watch_relay`) names one."""
+    relay = watch_relay_address(watch_relay)
+    key = (os.getpid(), address, security, relay)  # a forked child never shares its parent's thread
     with _followers_lock:
         follower = _followers.get(key)
         if follower is None or not follower.running:
-            follower = _followers[key] = InstanceFollower(address, security)
+            follower = _followers[key] = InstanceFollower(address, security, relay)
         return follower
 
 

@@ -15,6 +15,7 @@ things up in. One module per job, each importing only those listed after it:
 from gym_rpc.config._addresses import (
     InstanceAddress,
     base_url,
+    checked_watch_relay,
     connectable_host,
     is_wildcard_host,
     parse_head_addresses,
@@ -92,6 +93,7 @@ __all__ = [
     "checked_port",
     "checked_probe_interval",
     "checked_seconds",
+    "checked_watch_relay",
     "config_from_bytes",
     "configured_token",
     "connectable_host",

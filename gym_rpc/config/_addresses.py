@@ -50,6 +50,21 @@ def parse_host_port(text: str, what: str) -> tuple[str, int]:
     return host, port
 
 
+def checked_watch_relay(value: str, what: str) -> str:
+    """A node's watch relay address: `unix:PATH`, or HOST:PORT with a port in 1..65535 (GYM_RPC_WATCH_RELAY,
+    `head_server.watch_relay`); a ConfigError naming `what` (empty: the caller names it) otherwise."""
+    prefix = f"{what}: " if what else ""
+    text = value.strip()
+    if text.startswith("unix:"):
+        if not text[len("unix:") :]:
+            raise ConfigError(f"{prefix}unix: needs a path, e.g. unix:/run/gym-rpc/relay.sock")
+        return text
+    host, port = parse_host_port(text, f"{prefix}watch relay")
+    if not 0 < port < 65536:
+        raise ConfigError(f"{prefix}watch relay {text!r}: the port must be in 1..65535")
+    return f"{url_host(host)}:{port}"
+
+
 def parse_head_addresses(value: str | Sequence[str], what: str) -> tuple[str, ...]:
     """Every head of a deployment, in the order clients try them: "a:11000,b:11000" (GYM_RPC_HEAD, --head) or a
     list of HOST:PORT (`head_server.addresses`). Each must be HOST:PORT with a port in 1..65535, none twice; `what`

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
-from gym_rpc.config._addresses import InstanceAddress, parse_head_addresses
+from gym_rpc.config._addresses import InstanceAddress, checked_watch_relay, parse_head_addresses
 from gym_rpc.config._redaction import REDACTED, is_secret_key, may_be_secret, redact_secrets
 from gym_rpc.config._validators import checked_network_or_host, validation_error_line
 from gym_rpc.errors import ConfigError
@@ -87,6 +87,18 @@ class HeadServerSettings(BaseModel):
     # Every head of the deployment, HOST:PORT each, in the order clients try them (docs/multi-host.md, "Several
     # heads"); empty: the one head at host and port. A head binds its own host and port and reads none of these.
     addresses: tuple[str, ...] = ()
+    # A node's watch relay (`gym-rpc relay`), unix:PATH or HOST:PORT on each node, through which clients follow the
+    # head's instances (docs/multi-host.md, "A watch relay per node"); GYM_RPC_WATCH_RELAY wins. None: the head.
+    watch_relay: str | None = None
+
+    @field_validator("watch_relay", mode="before")
+    @classmethod
+    def _check_watch_relay(cls, value: Any) -> str | None:
+        if value is None or value == "":
+            return None
+        if not isinstance(value, str):
+            raise ValueError("expected unix:PATH or HOST:PORT, e.g. unix:/run/gym-rpc/relay.sock")
+        return checked_watch_relay(value, "")
 
     @field_validator("addresses", mode="before")
     @classmethod

@@ -452,3 +452,24 @@ def test_a_harness_package_that_fails_to_import_is_a_config_error(
     )
     with pytest.raises(ConfigError, match=rf"'agent'.*{module_name}.*{error}"):
         config.assistant_message_header("model")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("unix:/run/gym-rpc/relay.sock", "unix:/run/gym-rpc/relay.sock"),
+        ("127.0.0.1:11090", "127.0.0.1:11090"),
+        ("[::1]:11090", "[::1]:11090"),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_head_server_watch_relay_is_a_unix_socket_or_host_and_port(value: Any, expected: str | None) -> None:
+    block = {"host": "127.0.0.1", "port": 1, "watch_relay": value}
+    assert GlobalConfig.from_document({"head_server": block}).head_settings.watch_relay == expected
+
+
+@pytest.mark.parametrize("value", ["unix:", "127.0.0.1:0", "::1", 11090])
+def test_a_bad_head_server_watch_relay_fails_at_load_naming_the_key(value: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^head_server\.watch_relay: "):
+        GlobalConfig.from_document({"head_server": {"host": "127.0.0.1", "port": 1, "watch_relay": value}})

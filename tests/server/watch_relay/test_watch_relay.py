@@ -129,3 +129,23 @@ def test_the_relay_listens_on_loopback_or_a_unix_socket_only_unless_told() -> No
     assert checked_listen_address("0.0.0.0:11090", allow_remote=True) == "0.0.0.0:11090"
     with pytest.raises(GymRpcError, match="needs a path"):
         checked_listen_address("unix:")
+
+
+async def test_the_configs_head_server_watch_relay_sends_workers_through_the_relay(
+    head_factory, tmp_path: Path
+) -> None:
+    socket = f"unix:{tmp_path / 'relay.sock'}"
+    doc = document({"policy": server_entry(closed_port())})
+    doc["head_server"]["watch_relay"] = socket  # every node's relay at the same path: one line of the config
+    head = await head_factory(doc)
+    relay = WatchRelay(head.address, socket)
+    await relay.start()
+    try:
+        client = ServerClient._from_global_config(BaseServerConfig(host=LOOPBACK, port=head.port), head.config)
+        client.engine_loads("policy")
+        follower = follower_for(client._head.address, client._head.security, socket)
+        url = await register(head, closed_port())
+        await eventually(lambda: url in instances(follower), within=WAIT_SECONDS, what="through the relay")
+        assert follower.via_relay and relay.watches == 1
+    finally:
+        await relay.stop()
