@@ -78,6 +78,7 @@ class Instance:
         "registration",
         "repins_logged",
         "slow",
+        "slow_at",
         "status",
         "url",
     )
@@ -109,10 +110,13 @@ class Instance:
         # last one just ended (its `home`, prefix-affine picking).
         self.left_at = 0.0
         # A model server's calls' time to their answers' headers as this process saw them (an EWMA; 0.0: none yet),
-        # when the last came, and whether that makes it slow against the others (prefix-affine picking).
+        # when the last came, whether that makes it slow against the others (prefix-affine picking), and when a
+        # read of the loads last judged it so: the verdict stands until an answer from it comes after that, or its
+        # figure is forgotten (the others answering slower since, under more load, do not clear it).
         self.latency = 0.0
         self.latency_at = 0.0
         self.slow = False
+        self.slow_at = 0.0
         self.picks = 0  # calls (and resends) sent here, for the worker metrics
         self.consecutive_failures = 0
         self.last_failure = ""

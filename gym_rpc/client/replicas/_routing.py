@@ -94,8 +94,10 @@ MAX_GROUPS = 16384
 # An instance is slow while its answers' latency (an EWMA, weight LATENCY_WEIGHT per answer) is over SLOW_RATIO
 # times the median over the instances that answered lately, and over it by SLOW_MARGIN_SECONDS at least (a few
 # milliseconds' jitter is no slowness): a slow engine (or one with a long queue) gets no new group. The bound is
-# made at each read of the loads; an answer over it makes its instance slow at once. A figure with no answer for
-# SLOW_FORGET_SECONDS is forgotten, so a slow instance is tried again.
+# made at each read of the loads; an answer over it makes its instance slow at once. A verdict stands until an
+# answer from the instance comes after it: the others answering slower (under more load than the slow one had)
+# does not clear it. A figure with no answer for SLOW_FORGET_SECONDS is forgotten, so a slow instance is tried
+# again.
 SLOW_RATIO = 2.5
 SLOW_MARGIN_SECONDS = 0.1
 LATENCY_WEIGHT = 0.25
@@ -597,7 +599,11 @@ class ServerRoute:
             bound = self.slow_bound = max(SLOW_RATIO * median, median + SLOW_MARGIN_SECONDS)
             any_slow = False
             for instance in self.instances:
-                instance.slow = instance.latency > bound
+                latency = instance.latency
+                if latency > bound:
+                    instance.slow, instance.slow_at = True, now
+                elif instance.slow:  # cleared by an answer since the verdict, or its figure forgotten
+                    instance.slow = bool(latency) and instance.latency_at <= instance.slow_at
                 any_slow = any_slow or instance.slow
             self.any_slow = any_slow
         else:
@@ -862,7 +868,8 @@ class RoutedCall:
             latency = seconds if not previous else previous + LATENCY_WEIGHT * (seconds - previous)
             instance.latency, instance.latency_at = latency, now
             # Slow from this answer on, not from the next read (up to ENGINE_LOAD_READ_SECONDS later): a group's
-            # rollouts are answered together and send their next turns at once, which would all stay there.
+            # rollouts are answered together and send their next turns at once, which would all stay there. The
+            # next read judges it again by a bound made then (a verdict stands from a read's on: `slow_at`).
             if latency > route.slow_bound and not instance.slow:
                 instance.slow = route.any_slow = True
         connection = response.connection

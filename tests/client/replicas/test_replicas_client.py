@@ -947,6 +947,47 @@ async def test_the_answer_that_shows_an_instance_slow_moves_its_groups_next_turn
     assert route_of(client).by_id[f"{LOOPBACK}:{slow.port}"].slow
 
 
+async def test_a_slow_verdict_stands_while_the_others_slow_down_until_an_answer_from_it_comes(
+    replica_servers, monkeypatch
+) -> None:
+    """An instance's latency figure is from its last answers (an engine 4x slower, holding one group); when the
+    others then answer slower under more load, the ratio to their median alone would clear the verdict and send a
+    new group back there (bench/engines.py saw a third group go to the engine 4x slower 9 s into the run). The
+    verdict stands until an answer from the instance comes after it. Its figure is never forgotten here
+    (SLOW_FORGET_SECONDS 3600), so no timing decides it."""
+    monkeypatch.setattr(_routing, "SLOW_FORGET_SECONDS", 3600.0)
+    fleet = await replica_servers(4)
+    client = client_of(replicated_doc([replica.port for replica in fleet]))
+    await call(client)  # the route is made at the first call
+    slow, others = fleet[0], fleet[1:]
+    tasks = {replica.port: task_preferring(client, replica.port, by_task=True) for replica in fleet}
+
+    async def group_at(port: int, rollouts: int, task: int | None = None) -> list[int]:
+        task = tasks[port] if task is None else task
+
+        async def turn(rollout: int) -> int:
+            with rollout_context(f"{task}-{rollout}"):
+                return await body_at(client, turn_body(task, 0, rollout))
+
+        return await asyncio.gather(*(turn(rollout) for rollout in range(rollouts)))
+
+    for replica in others:  # their latencies known, fast
+        assert await group_at(replica.port, 1) == [replica.port]
+    await asyncio.sleep(ENGINE_LOAD_READ_SECONDS * 1.1)  # the next pick makes the bound
+    slow.delay = 3.0
+    assert await group_at(slow.port, 1) == [slow.port]
+    route = route_of(client)
+    assert route.by_id[f"{LOOPBACK}:{slow.port}"].slow
+    for replica in others:  # 3 answers each of 2.9 s: their latencies rise to about 1.7 s, over 3.0 s / 2.5
+        replica.delay = 2.9
+    placed = await asyncio.gather(*(group_at(replica.port, 3) for replica in others))
+    assert placed == [[replica.port] * 3 for replica in others]
+    await asyncio.sleep(ENGINE_LOAD_READ_SECONDS * 1.1)  # the next pick reads the loads again
+    task = task_preferring(client, slow.port, 1, by_task=True)
+    assert await group_at(slow.port, 1, task) != [slow.port]
+    assert route.by_id[f"{LOOPBACK}:{slow.port}"].slow
+
+
 async def test_a_model_rollouts_turns_follow_its_session_or_rollout_and_resources_servers_stay_exact(
     replica_servers, slowness_rule_off
 ) -> None:
