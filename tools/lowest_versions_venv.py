@@ -33,6 +33,7 @@ TEST_TOOLS = (
     "pytest",
     "pytest-asyncio",
     "pytest-timeout",
+    "pytest-xdist",  # the listed files run on 3 workers: alone they were the longest test of `make test`
     "hypothesis",
     "cryptography",
     "requests",

@@ -22,6 +22,9 @@ BUILDER = REPO_ROOT / "tools" / "lowest_versions_venv.py"
 LISTED = REPO_ROOT / "tests" / "lowest_versions.txt"
 BUILD_TIMEOUT_SECONDS = 900  # a first build on a fresh machine downloads the old releases
 RUN_TIMEOUT_SECONDS = 600
+# On workers of their own: run in one process, the listed files took 300 s at load 15, the longest test of the
+# parallel run (which then took 465 s), so the whole suite waited on them.
+LISTED_WORKERS = ("-n", "3", "--dist", "loadscope")
 
 
 def _builder() -> ModuleType:
@@ -78,7 +81,7 @@ def test_the_venv_holds_exactly_the_floors(lowest_python: str) -> None:
 @pytest.mark.timeout(BUILD_TIMEOUT_SECONDS + RUN_TIMEOUT_SECONDS)
 def test_the_listed_tests_pass_on_the_lowest_versions(lowest_python: str) -> None:
     run = subprocess.run(
-        [lowest_python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *listed_files()],
+        [lowest_python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *LISTED_WORKERS, *listed_files()],
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_SECONDS,
