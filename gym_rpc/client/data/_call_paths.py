@@ -2,7 +2,8 @@
 NeMo Gym's rule) or, for an engine or router entry (`session_affinity_header`), in a header.
 
 `ServerClient` decides once per client which of the two functions below its calls run (`path_rule`): a config
-without engine entries keeps `observed_path`, exactly the rule it always had, at the cost it always had.
+without engine entries keeps `observed_path`, exactly the rule it always had. Its calls of a rollout ask the rule
+once per path: `RolloutPaths` remembers what it gave (bench/cpu_count.py: about 3,800 instructions per call less).
 """
 
 from __future__ import annotations
@@ -71,6 +72,40 @@ def path_rule(config: GlobalConfig) -> PathRule | None:
     if any(entry.session_affinity_header is not None for entry in config.servers.values()):
         return engine_aware_path
     return observed_path if config.observability_enabled else None
+
+
+# Entries a client's RolloutPaths holds at most before it starts over: a rollout is one or two entries (its
+# model calls, its /verify), so this covers a worker's rollouts in flight at once; past it, calls pay the rule.
+ROLLOUT_PATHS_LIMIT = 4096
+
+
+class RolloutPaths(dict[tuple[str, str, str], str]):
+    """What `observed_path` gives a call of a rollout, by (rollout id, server name, path): every call of a rollout
+    asks for the same path, so the rule runs for its first only. Read as `paths[rollout, server_name, url_path]`
+    (a hit is one dict lookup, no Python call); a miss runs the rule (its typed error raised, nothing kept).
+
+    Only for a call with a rollout: without one, `/verify` takes its id from the body, which is not in the key.
+    Bounded: when full it is cleared (a rollout id space has no end). The config is the client's, never rebound."""
+
+    __slots__ = ("config",)
+
+    def __init__(self, config: GlobalConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def __missing__(self, key: tuple[str, str, str]) -> str:
+        rollout, server_name, url_path = key
+        path = observed_path(self.config, server_name, url_path, rollout, None, {})
+        if len(self) >= ROLLOUT_PATHS_LIMIT:
+            self.clear()
+        self[key] = path
+        return path
+
+
+def rollout_paths(config: GlobalConfig, rule: PathRule | None) -> RolloutPaths | None:
+    """The memo of a client whose rule is `observed_path` (decided once per client with `path_rule`); None for
+    any other rule (an engine entry's header is added to each call's own options: nothing to remember)."""
+    return RolloutPaths(config) if rule is observed_path else None
 
 
 def with_session_header(given: Any, header: str, rollout_id: str) -> Any:

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from pydantic import BaseModel
 
-from gym_rpc.client.data._call_paths import call_rollout, path_rule
+from gym_rpc.client.data._call_paths import call_rollout, path_rule, rollout_paths
 from gym_rpc.client.data._call_spans import observer_for
 from gym_rpc.client.data._http import Call, json_payload, send
+from gym_rpc.client.data._rollout import rollout_id_in_context
 from gym_rpc.client.data._routed_send import send_routed, sticky_keys
 from gym_rpc.client.resend import BACKPRESSURE_STATUSES, Backpressure, resend_after_failure
 from gym_rpc.metrics import METRICS
@@ -49,7 +50,7 @@ class DataPlane:
     """One client's calls. It refers to the client's own base URLs, config, pools and endpoints, which are never
     rebound once set; a copy or an unpickled client gets its own (ServerClient never copies or pickles this)."""
 
-    __slots__ = ("base_urls", "config", "endpoints", "path_rule", "pools", "routing")
+    __slots__ = ("base_urls", "config", "endpoints", "path_rule", "pools", "rollout_paths", "routing")
 
     def __init__(self, endpoints: Targets, pools: HttpPools) -> None:
         self.endpoints = endpoints
@@ -57,6 +58,7 @@ class DataPlane:
         self.config: GlobalConfig = endpoints.config
         # Where calls carry their rollout (None: nowhere, no observability and no engine entry), decided once.
         self.path_rule = path_rule(self.config)
+        self.rollout_paths = rollout_paths(self.config, self.path_rule)  # what the rule gave a rollout's calls
         self.pools = pools
         self.routing: Routing | None = endpoints.routing  # None until the first call waited for the instances
 
@@ -95,9 +97,16 @@ class DataPlane:
             kwargs["data"] = json_payload(body)
         observed = METRICS.enabled or TRACING.enabled  # what metrics and tracing cost when off: these two checks
         rule = self.path_rule  # decided once per client (gym_rpc.client.data._call_paths)
-        rollout = call_rollout() if route is not None or rule is not None or observed else None
-        if rule is not None:
-            url_path = rule(self.config, server_name, url_path, rollout, body, kwargs)
+        if rule is None:
+            rollout = call_rollout() if route is not None or observed else None
+        else:
+            # call_rollout's first choice without its Python call: `rollout_context`'s id, else the whole lookup
+            rollout = rollout_id_in_context() or call_rollout()
+            paths = self.rollout_paths
+            if paths is not None and type(rollout) is str:  # a rollout (never ""): the key's own type
+                url_path = paths[rollout, server_name, url_path]  # the rule's path, asked once per rollout
+            else:
+                url_path = rule(self.config, server_name, url_path, rollout, body, kwargs)
         pools = self.pools
         sessions = pools.sessions()
         session = sessions.control if _control else sessions.data

@@ -20,11 +20,12 @@ from omegaconf import OmegaConf
 from pydantic import BaseModel
 
 from gym_rpc.client.data import _http as http
+from gym_rpc.client.data._call_paths import ROLLOUT_PATHS_LIMIT, path_rule, rollout_paths
 from gym_rpc.client.data._http import close_http_sessions
 from gym_rpc.client.data._http_settings import HttpClientSettings
 from gym_rpc.client.server_client import ServerClient, rollout_context
-from gym_rpc.config import BaseServerConfig
-from gym_rpc.errors import GymRpcError, ServerUnreachableError
+from gym_rpc.config import BaseServerConfig, GlobalConfig
+from gym_rpc.errors import GymRpcError, InvalidRolloutIdError, ServerUnreachableError
 from tests.support.documents import document, server_entry
 from tests.support.loopback import LOOPBACK, closed_port
 from tests.support.servers import start_dropping_server
@@ -98,6 +99,58 @@ async def test_rollout_prefixes_reach_the_server(http_server) -> None:
         "/ng-rollout/task-9.r_2/v1/messages",
         "/v1/responses",
     ]
+
+
+async def test_a_rollouts_repeated_calls_keep_their_own_paths(http_server) -> None:
+    """A client remembers the path each rollout's calls were given (RolloutPaths): a call of another rollout, to
+    another server or path, or with a query string, still gets its own; a call without a rollout gets none."""
+    recorder = Recorder()
+    port = await http_server(recorder.app)
+    servers = {"policy": server_entry(port), "tools": server_entry(port, "resources_servers")}
+    client = make_client(servers, observability_enabled=True)
+    for rollout_id in ("r-1", "r-2", "r-1"):
+        with rollout_context(rollout_id):
+            for _ in range(2):
+                await call(client, "policy", "/v1/responses")
+            await call(client, "policy", "/v1/responses?stream=false")
+            await call(client, "tools", "/verify")
+        await call(client, "policy", "/v1/responses")
+        await call(client, "tools", "/verify", json={"_ng_rollout_id": f"body-{rollout_id}"})
+    expected = []
+    for rollout_id in ("r-1", "r-2", "r-1"):
+        expected += [
+            f"/ng-rollout/{rollout_id}/v1/responses",
+            f"/ng-rollout/{rollout_id}/v1/responses",
+            f"/ng-rollout/{rollout_id}/v1/responses?stream=false",
+            f"/ng-rollout/{rollout_id}/verify",
+            "/v1/responses",
+            f"/ng-rollout/body-{rollout_id}/verify",
+        ]
+    assert recorder.paths == expected
+
+
+def test_rollout_paths_are_bounded_and_keep_no_refused_id() -> None:
+    servers = {"policy": server_entry(1), "tools": server_entry(1, "resources_servers")}
+    config = GlobalConfig.from_document(document(servers, observability_enabled=True))
+    paths = rollout_paths(config, path_rule(config))
+    assert paths is not None
+    for index in range(ROLLOUT_PATHS_LIMIT + 10):
+        assert paths[f"r{index}", "policy", "/v1/responses"] == f"/ng-rollout/r{index}/v1/responses"
+        assert len(paths) <= ROLLOUT_PATHS_LIMIT
+    assert paths["r1", "tools", "/verify"] == "/ng-rollout/r1/verify"
+    assert paths["r1", "policy", "/health"] == "/health"
+    held = len(paths)
+    for _ in range(2):  # refused each time, the typed error of the rule, and nothing kept
+        with pytest.raises(InvalidRolloutIdError):
+            paths["not one/segment", "policy", "/v1/responses"]
+    assert len(paths) == held
+    # a client with engine entries adds a header to each call instead: nothing to remember
+    engines = GlobalConfig.from_document(
+        document({"policy": server_entry(1, session_affinity_header="x-session-id")}, observability_enabled=True)
+    )
+    assert rollout_paths(engines, path_rule(engines)) is None
+    plain = GlobalConfig.from_document(document({"policy": server_entry(1)}))
+    assert rollout_paths(plain, path_rule(plain)) is None
 
 
 async def test_no_prefix_without_observability(http_server) -> None:
