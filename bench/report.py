@@ -261,23 +261,24 @@ NOTES = """\
   neither shows nor refutes it. The objects a call keeps alive are exact: 46.0 against raw's 46.0. The session's
   first full run (load 24) lost all its rows when the memory section's raw side had 536 of 10,000 connections
   time out after 32 minutes; a failed section is now a row of its own and SIGTERM writes the rows made.
-- **Client instructions per request (2026-12-06 11:33-11:40 UTC; bench/cpu_count.py, its section below).** The
-  timed CPU per request above cannot tell 2 % on these cores, so the same calls are counted in instructions under
-  valgrind's callgrind: 3 processes of 3 rounds, a window of 400 sequential calls per side each round.
-  `ServerClient.post(json=)` 458,378 instructions per call against raw aiohttp + orjson's 457,008: 1.003x (the
-  processes' 1.0023-1.0052), the issue's 2 % met with 1.7 points to spare. Windows of one side agree within
-  0.1-0.5 % once read at equal event-loop waits (as counted, within 0.7-2.2 %: a call waits 3 or 4 times, about
-  14,000 instructions each, as the server's answer lands). In rollouts of 8 calls (`rollout_context`,
-  observability off): 1.008x. With observability on, 1.023x (1.0225-1.0233), not met: the rollout path rule
-  (`call_rollout`, `observed_path`, `prefixed_path`) costs about 10,000 instructions per call, where the raw code
-  builds its URL once per rollout; `prefixed_path` alone cost 4,900 per call (callgrind, 2,000 calls in a loop)
-  and 3,400 since its prefix cache is keyed by the id alone (no tuple per call) and a plain model path skips the
-  query split. Against the leanest aiohttp call (the `BytesPayload` request gym_rpc's pipeline itself makes, with
-  no header mapping to merge and no `async with session.post()`) the pipeline costs 10,500 instructions per call
-  (1.024x): the `call` coroutine (its frame resumed at each of the loop's waits), `json_payload`, `sessions()`,
-  the calls-in-flight counter and the deadline's `time.monotonic()` (cProfile: 10 calls more per request, 3 of
-  them Python functions); the usual raw code spends about as much (9,200) merging its header mapping and entering
-  its request context manager.
+- **Client instructions per request (2026-12-06 14:36-14:48 UTC, load average 7-10; bench/cpu_count.py, its
+  section below).** The timed CPU per request above cannot tell 2 % on these cores, so the same calls are counted
+  in instructions under valgrind's callgrind: 3 processes of 3 rounds, a window of 400 sequential calls per side
+  each round. `ServerClient.post(json=)` 458,232 instructions per call against raw aiohttp + orjson's 456,720:
+  1.003x (the processes' 1.0027-1.0033), the issue's 2 % met with 1.7 points to spare. Windows of one side agree
+  within 0.3-0.4 % once read at equal event-loop waits (as counted, within 1.0-1.9 %: a call waits 3 or 4 times,
+  about 14,500 instructions each, as the server's answer lands). In rollouts of 8 calls (`rollout_context`,
+  observability off): 1.008x. With observability on, 1.014x (1.0138-1.0144), met: a client remembers the path its
+  rule gave each rollout's calls (`RolloutPaths` in gym_rpc/client/data/_call_paths.py, by rollout id, server and
+  path, at most 4,096 entries), so a rollout's later calls skip `call_rollout`, `observed_path` and
+  `prefixed_path` for one dict lookup. The code before it, counted in the same session (14:36-14:52 UTC), gave
+  467,512 against 456,769 there: 1.023x (1.0222-1.0235), about 4,900 instructions per call more; plain calls
+  1.004x and rollouts with observability off 1.008x, as now. Against the leanest aiohttp call (the `BytesPayload`
+  request gym_rpc's pipeline itself makes, with no header mapping to merge and no `async with session.post()`)
+  the pipeline costs 10,100 instructions per call (1.023x): the `call` coroutine (its frame resumed at each of
+  the loop's waits), `json_payload`, `sessions()`, the calls-in-flight counter and the deadline's
+  `time.monotonic()` (cProfile: 10 calls more per request, 3 of them Python functions); the usual raw code spends
+  about as much (9,200) merging its header mapping and entering its request context manager.
 - **Isolation.** gRPC control calls travel on their own HTTP/2 channel and `_control=True` calls on a reserved
   aiohttp pool, so a saturated data pool does not delay them; what remains in their p99 is the shared event loop
   and CPU, which the saturating traffic keeps busy.
