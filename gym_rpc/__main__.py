@@ -5,23 +5,66 @@ Exit code 130 is documented for Ctrl-C whenever it comes, yet `gym_rpc.cli` take
 process by SIGINT instead (returncode -2). So nothing but `signal` and `sys` is imported before the `try`.
 """
 
+from __future__ import annotations
+
 import signal
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 EXIT_INTERRUPTED = 130  # gym_rpc.cli.EXIT_INTERRUPTED: importing it from there is what may be interrupted
+REDELIVERY_SECONDS = 0.01  # long enough for the callback that dropped a Ctrl-C to have returned
 
 
 def main() -> None:
+    run_until_interrupted(_command_line)
+
+
+def _command_line() -> None:
+    from gym_rpc.cli import main as run_command
+
+    run_command()  # ends in SystemExit with the command's code
+
+
+def run_until_interrupted(command: Callable[[], None]) -> None:
+    """Run `command`; a Ctrl-C at any point of it (its imports included) ends the process with exit code 130."""
+    sys.unraisablehook = _redelivering_interrupts(sys.unraisablehook)
     try:
         try:
-            from gym_rpc.cli import main as run_command
-
-            run_command()  # ends in SystemExit with the command's code
+            command()
         finally:
             _ending()
     except KeyboardInterrupt:  # also a second Ctrl-C that came before `_ending` ignored SIGINT
         _ending()
         sys.exit(EXIT_INTERRUPTED)
+
+
+def _redelivering_interrupts(previous: Callable[[sys.UnraisableHookArgs], object]) -> Callable[..., None]:
+    """An unraisable-exception hook that delivers a dropped Ctrl-C again.
+
+    A SIGINT that lands while Python runs code that cannot raise (a weakref callback, such as the one importlib
+    runs to drop a module lock, or a __del__) is printed as "Exception ignored" and lost: the command runs on, a
+    watch forever. A timer thread sends it again once that code has returned (the hook must not raise itself).
+    """
+
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            previous(unraisable)
+            return
+        import _thread
+        import threading
+
+        if hasattr(signal, "pthread_kill"):  # a real signal to the main thread: a sleep or a blocking call wakes
+            main_thread = (threading.main_thread().ident, signal.SIGINT)
+            redelivery = threading.Timer(REDELIVERY_SECONDS, signal.pthread_kill, main_thread)
+        else:  # Windows: flagged for the main thread's next Python instruction
+            redelivery = threading.Timer(REDELIVERY_SECONDS, _thread.interrupt_main)
+        redelivery.daemon = True
+        redelivery.start()
+
+    return hook
 
 
 def _ending() -> None:

@@ -449,6 +449,32 @@ def test_a_caught_ctrl_c_inside_code_run_from_a_string_still_exits_130(tmp_path:
     assert (result.returncode, result.stderr) == (130, "")
 
 
+@pytest.mark.process
+def test_a_ctrl_c_dropped_inside_a_weakref_callback_is_delivered_again(tmp_path: Path) -> None:
+    """A SIGINT that lands while Python runs a weakref callback is printed as "Exception ignored" and lost: soak
+    run 7 (2026-12-06) saw `gym-rpc status --watch` interrupted as its imports began run on past 20 s, the
+    KeyboardInterrupt dropped inside importlib's module-lock callback. gym_rpc.__main__ delivers it again."""
+    (tmp_path / "dropped_in_a_callback.py").write_text(
+        "import time, weakref\n"
+        "from gym_rpc.__main__ import run_until_interrupted\n"
+        "class Held:\n"
+        "    pass\n"
+        "def dropped(_: object) -> None:\n"
+        "    raise KeyboardInterrupt  # where a Ctrl-C amid imports may land\n"
+        "def command() -> None:\n"
+        "    held = Held()\n"
+        "    ref = weakref.ref(held, dropped)\n"
+        "    del held\n"
+        "    time.sleep(60)  # runs on unless the interrupt comes again\n"
+        "run_until_interrupted(command)\n",
+        encoding="utf-8",
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # gym_rpc itself is installed
+    command = [sys.executable, "-m", "dropped_in_a_callback"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=50, check=False)
+    assert (result.returncode, result.stderr) == (130, "")
+
+
 def test_the_gym_rpc_command_starts_where_ctrl_c_is_caught() -> None:
     """The installed `gym-rpc` script runs gym_rpc.__main__ (which catches Ctrl-C from the CLI's first import on),
     as `python -m gym_rpc` does, not gym_rpc.cli directly."""
