@@ -3,6 +3,7 @@ completion, and a truthful LAST CHECKED in watch mode. Real subprocesses against
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -415,7 +416,10 @@ def test_watch_table_on_a_terminal_redraws_with_fresh_last_checked(tmp_path: Pat
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", output.decode(errors="replace"))
     revisions = re.findall(r"revision (\d+)", text)
     assert len(revisions) >= 6, text
-    assert len(set(revisions)) == 1  # nothing changed: the redraws came from the one-second refresh
+    # Three drawings in a row at one revision: redraws by the one-second refresh, not by a change. (Not one
+    # revision in all: on a loaded machine a probe of the steady server can pass its 0.5 s timeout, a status change
+    # and its recovery another; soak run 7 drew 624, 624, 624, 625, 626, 626.)
+    assert max(len(list(run)) for _, run in itertools.groupby(revisions)) >= 3, revisions
     ages = [float(age) for age in re.findall(r"(\d+\.\d)s ago", text)]
     # Five whole drawings at least (the last may be cut off mid-read); the head probes every 0.1 s.
     assert len(ages) >= 5 and max(ages) < 2.0, ages
