@@ -479,7 +479,13 @@ async def test_asgi_app_under_uvicorn(head_factory) -> None:
             return server.started and (await instances(head))["policy"].advertised_url != ""
 
         await eventually(up, within=5.0, every=0.02)
-        assert (await ControlClient(head.address).get_server_status("policy")).status == "success"
+
+        async def status() -> str | None:
+            return (await ControlClient(head.address).get_server_status("policy")).status
+
+        # uvicorn runs the lifespan startup (the registration) before it binds its port: a probe of the head in
+        # between is refused, and that connection_error stands until the head's next probe (soak run 10, load 6)
+        await eventually(status, lambda now: now == "success", within=10.0, every=0.05)
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, 10)
