@@ -7,6 +7,7 @@ from gym_rpc.server.fleet._engine_load import LoadPush as LoadPush
 from gym_rpc.server.fleet._engine_load import engine_targets as engine_targets
 from gym_rpc.server.fleet._prober import Changes as Changes
 from gym_rpc.server.fleet._prober import StatusProber as StatusProber
+from gym_rpc.server.fleet._prober import changes_in_history as changes_in_history
 from gym_rpc.server.fleet._pushes import DEFAULT_MAX_DELAY_SECONDS as DEFAULT_MAX_DELAY_SECONDS
 from gym_rpc.server.fleet._pushes import DEFAULT_QUIET_SECONDS as DEFAULT_QUIET_SECONDS
 from gym_rpc.server.fleet._pushes import MAX_PUSH_DELAY_SECONDS as MAX_PUSH_DELAY_SECONDS

@@ -127,6 +127,29 @@ class Changes:
     compacted: bool
 
 
+def changes_in_history(
+    history: deque[tuple[int, StatusReport]],
+    current: int,
+    revision: int,
+    until: int | None,
+    snapshot: Callable[[], list[StatusReport]],
+) -> Changes:
+    """What a watcher at `revision` has not seen up to `until` (None: `current`), from a bounded history of
+    (revision, report): the latest report of each changed server, or a compacted `snapshot()` of now when the
+    history no longer reaches back to `revision`. The prober and the watch relay's mirror each keep one."""
+    top = current if until is None else min(until, current)
+    if revision >= top:
+        return Changes(top, [], compacted=False)
+    oldest = history[0][0] if history else current + 1
+    if revision < oldest - 1:
+        return Changes(current, snapshot(), compacted=True)
+    latest: dict[str, StatusReport] = {}
+    for rev, report in history:
+        if revision < rev <= top:
+            latest[report.server_name] = report
+    return Changes(top, list(latest.values()), compacted=False)
+
+
 @dataclass
 class _Server:
     """One server as the prober holds it: its instances' targets and reports (in the registry's order), when each
@@ -348,17 +371,7 @@ class StatusProber:
         """Everything a watcher at `revision` has not seen up to `until` (None: the current revision; a push's
         revision, so every watcher at `revision` gets the same message): the changed reports (the latest of each
         server), or a compacted snapshot of now when the history no longer reaches back to `revision`."""
-        top = self.revision if until is None else min(until, self.revision)
-        if revision >= top:
-            return Changes(top, [], compacted=False)
-        oldest = self._history[0][0] if self._history else self.revision + 1
-        if revision < oldest - 1:
-            return Changes(self.revision, self.reports(), compacted=True)
-        latest: dict[str, StatusReport] = {}
-        for rev, report in self._history:
-            if revision < rev <= top:
-                latest[report.server_name] = report
-        return Changes(top, list(latest.values()), compacted=False)
+        return changes_in_history(self._history, self.revision, revision, until, self.reports)
 
     async def wait_for_change(self, after_revision: int, timeout: float) -> bool:
         """Wait until the revision passes `after_revision`; False when `timeout` ran out first."""

@@ -14,7 +14,14 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from gym_rpc.server.fleet import DEFAULT_MAX_DELAY_SECONDS, DEFAULT_QUIET_SECONDS, Changes, EngineLoads, Pushes
+from gym_rpc.server.fleet import (
+    DEFAULT_MAX_DELAY_SECONDS,
+    DEFAULT_QUIET_SECONDS,
+    Changes,
+    EngineLoads,
+    Pushes,
+    changes_in_history,
+)
 from gym_rpc.wire import StatusReport, WatchEvent
 
 DEFAULT_HISTORY_SIZE = 1024
@@ -71,17 +78,7 @@ class StatusMirror:
 
     def changes_since(self, revision: int, until: int | None = None) -> Changes:
         """StatusProber.changes_since's answer, from the mirror's history."""
-        top = self.revision if until is None else min(until, self.revision)
-        if revision >= top:
-            return Changes(top, [], compacted=False)
-        oldest = self._history[0][0] if self._history else self.revision + 1
-        if revision < oldest - 1:
-            return Changes(self.revision, self.reports(), compacted=True)
-        latest: dict[str, StatusReport] = {}
-        for rev, report in self._history:
-            if revision < rev <= top:
-                latest[report.server_name] = report
-        return Changes(top, list(latest.values()), compacted=False)
+        return changes_in_history(self._history, self.revision, revision, until, self.reports)
 
     def close(self) -> None:
         self.pushes.close()
