@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from gym_rpc.client.control._clients import ControlClient
+from gym_rpc.config import RegistrationSettings
 from gym_rpc.errors import ControlPlaneError
 from gym_rpc.server.registry._registry import DEFAULT_LEASE_SECONDS
 from gym_rpc.wire import MAX_LABEL_KEY_LENGTH, MAX_LABEL_VALUE_LENGTH, MAX_LABELS
@@ -25,6 +26,8 @@ from tests.support.loopback import LOOPBACK, closed_port
 LARGEST_LABELS = {
     f"{i:02d}".ljust(MAX_LABEL_KEY_LENGTH, "k"): "v" * MAX_LABEL_VALUE_LENGTH for i in range(MAX_LABELS)
 }
+
+FLOOD = 1500  # registrations of one name
 
 
 def _config(tmp_path: Path, ports: dict[str, int], **registration: Any) -> Path:
@@ -55,16 +58,22 @@ async def test_an_instance_flood_is_capped_and_the_head_serves_on(tmp_path: Path
         with running_head(_config(tmp_path, ports), "--probe-timeout", "5") as head:
             client = ControlClient(head.address)
             outcomes: list[str] = []
-            for start in range(0, 1500, 100):  # 1,500 instances of one name, no lease, the largest labels
+            flood_began = time.monotonic()
+            for start in range(0, FLOOD, 100):  # 1,500 instances of one name, no lease, the largest labels
                 outcomes += await asyncio.gather(
                     *(_register(client, "policy", i, labels=LARGEST_LABELS) for i in range(start, start + 100))
                 )
+            flood_seconds = time.monotonic() - flood_began
             accepted = [o for o in outcomes if o == "OK"]
             refused = [o for o in outcomes if o != "OK"]
             assert len(accepted) == 128, outcomes[:3]  # max_instances_per_server
             assert all(o.startswith("RESOURCE_EXHAUSTED") for o in refused), {o[:200] for o in refused}
             assert any("head_server.registration.max_instances_per_server: 128" in o for o in refused)
-            assert any("head_server.registration.registrations_per_second" in o for o in refused)
+            # The default rate is met only by a flood sent faster than it: soak run B5 of 2026-12-06 (load 13) sent
+            # this one too slowly to be refused by it. The rate's refusal has its own test below.
+            defaults = RegistrationSettings()
+            if flood_seconds < (FLOOD - defaults.registration_burst) / defaults.registrations_per_second:
+                assert any("registration.registrations_per_second" in o for o in refused), flood_seconds
 
             instances = await client.list_server_instances(timeout=30)
             assert sum(1 for i in instances if i.name == "policy") == 1 + 128
