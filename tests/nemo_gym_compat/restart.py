@@ -191,10 +191,15 @@ class ResourcesProcess:
 # --- the rollouts ------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
+def _reserved_port() -> socket.socket:
+    """A loopback port kept bound, never listening, while its mode runs: a connection to it is refused, and no
+    bind(port 0) or outgoing connection on the machine can be given it in the tens of seconds a resources process
+    imports NeMo Gym before binding it (SO_REUSEADDR on both sides). A port released at once was taken in that time
+    (soak run B5 of 2026-12-06: the first process's bind failed with EADDRINUSE)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((LOOPBACK, 0))
+    return sock
 
 
 def global_config(ports: dict[str, int], mode: str) -> dict[str, Any]:
@@ -253,7 +258,8 @@ class Servers:
     one serving at once, and, for a restart, the one that binds the same port when told."""
 
     def __init__(self, mode: str) -> None:
-        self.port = _free_port()
+        self.reserved = _reserved_port()
+        self.port = int(self.reserved.getsockname()[1])
         self.first = ResourcesProcess(self.port, wait_for_go=False)
         self.second = ResourcesProcess(self.port, wait_for_go=True) if mode.startswith("restart") else None
 
@@ -267,6 +273,7 @@ class Servers:
         for process in (self.first, self.second):
             if process is not None:
                 process.stop()
+        self.reserved.close()
 
 
 async def run_mode(mode: str, rollouts: int, servers: Servers) -> dict[str, Any]:
