@@ -429,24 +429,29 @@ def test_ctrl_c_exits_130_even_while_the_cli_starts(quiet_head: HeadProcess, mod
         assert "Traceback" not in watcher.stderr_text
 
 
+def exit_and_stderr_of_module(folder: Path, name: str, source: str) -> tuple[int, str]:
+    """Run `source` as `python -m name` from `folder` (gym_rpc itself is installed): its exit code and stderr."""
+    (folder / f"{name}.py").write_text(source, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(folder)}
+    command = [sys.executable, "-m", name]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60, check=False)
+    return result.returncode, result.stderr
+
+
 def test_a_caught_ctrl_c_inside_code_run_from_a_string_still_exits_130(tmp_path: Path) -> None:
     """CPython marks a KeyboardInterrupt raised in code run from a string (a namedtuple or dataclass made while a
     module imports: where a Ctrl-C during the CLI's start-up often lands) as unhandled even once caught, and
     `python -m` then kills itself with SIGINT (-2) whatever it exits with. gym_rpc.__main__ clears the mark."""
-    (tmp_path / "interrupted_in_a_string.py").write_text(
+    source = (
         "import sys\n"
         "from gym_rpc.__main__ import _ending\n"
         "try:\n"
         "    exec('raise KeyboardInterrupt')\n"
         "except KeyboardInterrupt:\n"
         "    _ending()\n"
-        "    sys.exit(130)\n",
-        encoding="utf-8",
+        "    sys.exit(130)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # gym_rpc itself is installed
-    command = [sys.executable, "-m", "interrupted_in_a_string"]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60, check=False)
-    assert (result.returncode, result.stderr) == (130, "")
+    assert exit_and_stderr_of_module(tmp_path, "interrupted_in_a_string", source) == (130, "")
 
 
 @pytest.mark.process
@@ -454,7 +459,7 @@ def test_a_ctrl_c_dropped_inside_a_weakref_callback_is_delivered_again(tmp_path:
     """A SIGINT that lands while Python runs a weakref callback is printed as "Exception ignored" and lost: soak
     run 7 (2026-12-06) saw `gym-rpc status --watch` interrupted as its imports began run on past 20 s, the
     KeyboardInterrupt dropped inside importlib's module-lock callback. gym_rpc.__main__ delivers it again."""
-    (tmp_path / "dropped_in_a_callback.py").write_text(
+    source = (
         "import time, weakref\n"
         "from gym_rpc.__main__ import run_until_interrupted\n"
         "class Held:\n"
@@ -466,13 +471,9 @@ def test_a_ctrl_c_dropped_inside_a_weakref_callback_is_delivered_again(tmp_path:
         "    ref = weakref.ref(held, dropped)\n"
         "    del held\n"
         "    time.sleep(60)  # runs on unless the interrupt comes again\n"
-        "run_until_interrupted(command)\n",
-        encoding="utf-8",
+        "run_until_interrupted(command)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # gym_rpc itself is installed
-    command = [sys.executable, "-m", "dropped_in_a_callback"]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=50, check=False)
-    assert (result.returncode, result.stderr) == (130, "")
+    assert exit_and_stderr_of_module(tmp_path, "dropped_in_a_callback", source) == (130, "")
 
 
 def test_the_gym_rpc_command_starts_where_ctrl_c_is_caught() -> None:
