@@ -113,12 +113,11 @@ METHOD = """\
   other processes took: 2-3x at load 20), against `next(cycle(urls))`; rollouts of 8 calls among 4, 16 and 64
   instances with every slot's winner remembered against the same route weighing every candidate for each new
   rollout (plain rendezvous), and the route's first rollouts from a fresh start (few winners remembered) beside
-  them. Slow
-  replica: 4 replicas of 4 slots, one 10x slower; ServerClient against round robin and random picking with raw
-  aiohttp + orjson, rotating blocks of a fixed time (throughput: calls answered within the block; latencies: every
-  call started in it). Kill: SIGKILL to one of 4
-  replicas a quarter into 20,000 calls (concurrency 64), for calls of no rollout (against round robin with raw
-  aiohttp, on a fresh set) and for rollouts of 8 calls (against how many rollouts `hash(rollout) % N` would move);
+  them. Slow replica: 4 replicas of 4 slots, one 10x slower; ServerClient against round robin and random picking
+  with raw aiohttp + orjson, rotating blocks of a fixed time (throughput: calls answered within the block;
+  latencies: every call started in it). Kill: SIGKILL to one of 4 replicas a quarter into 20,000 calls
+  (concurrency 64), for calls of no rollout (against round robin with raw aiohttp, on a fresh set) and for rollouts
+  of 8 calls (against how many rollouts `hash(rollout) % N` would move);
   static replicas, no head, so what is measured is the client's own detection. Join: a `gym-rpc head` subprocess, 4
   replicas registered, calls of no rollout at concurrency 16; a fifth registers: the time to its first answer.
 - Memory: each figure from a fresh interpreter (peak RSS is VmHWM). The import figure is set against DESIGN's
@@ -368,4 +367,4 @@ ENGINES_TITLE = "## Engines: where model calls land (bench/engines.py, simulated
 
 
 def write(path: Path, rows: Sequence[Row], elapsed_seconds: float, quick: bool) -> None:
-    path.write_text(render(rows, elapsed_seconds, quick), encoding="utf-8")
+    path.write_text(render(rows, elapsed_seconds, quick) + "\n", encoding="utf-8")
