@@ -77,6 +77,14 @@ class WatchSlots:
             )
         return None
 
+    async def take_or_abort(self, context: grpc.aio.ServicerContext[Any, Any], address: str) -> str:
+        """`take` for a gRPC stream from `address`; when `refusal` says it may not open, its call ends with
+        RESOURCE_EXHAUSTED and that message instead. Awaited once, as the stream opens: it holds nothing after."""
+        refusal = self.refusal(address)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        return self.take(address)
+
     @contextlib.contextmanager
     def held(self, address: str) -> Iterator[None]:
         """One slot for `address` while the block runs (check `refusal` first)."""

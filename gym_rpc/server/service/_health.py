@@ -81,12 +81,11 @@ class HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: Context) -> None:
         """The service's status now, then each change (intermediate ones may be skipped: the latest is sent)."""
         peer = self.peers.caller(context)
-        address = peer_address(peer)
-        refusal = self.slots.refusal(address)
-        if refusal is not None:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
-        with self.slots.held(address):
+        key = await self.slots.take_or_abort(context, peer_address(peer))
+        try:
             await write_all_or_drop(context, self._changes(request.service), self.stall_seconds, peer)
+        finally:
+            self.slots.release(key)
 
     async def _changes(self, service: str) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         """The service's status now and after each change; a change made while the last one was being written

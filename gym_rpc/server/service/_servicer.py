@@ -181,25 +181,20 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self, request: pb.WatchServerStatusesRequest, context: Context
     ) -> AsyncIterator[pb.WatchServerStatusesResponse]:
         """The watch as an async generator (the Connect port's; the gRPC port serves `write_watch`)."""
-        address = peer_address(self.peers.caller(context))
-        refusal = self.watch_slots.refusal(address)
-        if refusal is not None:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
-        with self.watch_slots.held(address):
+        key = await self.watch_slots.take_or_abort(context, peer_address(self.peers.caller(context)))
+        try:
             stream = WatchStream(self._head, self.watch_feed, request)
             while True:
                 yield await stream.next()
+        finally:
+            self.watch_slots.release(key)
 
     async def write_watch(self, request: pb.WatchServerStatusesRequest, context: Context) -> None:
         """The watch on the gRPC port: one coroutine that writes each message itself, each write bounded by the
         stall limit (gym_rpc.server.security.BoundedWrites). Thousands of these stay open, so a stream holds as
         little as it can: no generator, task or timer of its own while it waits."""
         peer = self.peers.caller(context)
-        address = peer_address(peer)
-        refusal = self.watch_slots.refusal(address)
-        if refusal is not None:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
-        key = self.watch_slots.take(address)
+        key = await self.watch_slots.take_or_abort(context, peer_address(peer))
         try:
             await self.watch_writes.write_all(
                 context, WatchStream(self._head, self.watch_feed, request).next, peer

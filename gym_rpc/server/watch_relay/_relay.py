@@ -203,11 +203,7 @@ class WatchRelay:
                 grpc.StatusCode.UNAVAILABLE, NOT_SYNCED.format(listen=self.address, head=self.head_address)
             )
         peer = context.peer()
-        address = peer_address(peer)
-        refusal = self.slots.refusal(address)
-        if refusal is not None:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
-        key = self.slots.take(address)
+        key = await self.slots.take_or_abort(context, peer_address(peer))
         try:
             await self.writes.write_all(context, WatchStream(self, self.feed, request).next, peer)
         finally:

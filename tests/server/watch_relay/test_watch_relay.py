@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import grpc
 import pytest
 
 from gym_rpc.client import ServerClient
 from gym_rpc.client._follower import InstanceFollower, follower_for
 from gym_rpc.client.control import ControlClient, StatusWatch
 from gym_rpc.config import BaseServerConfig
-from gym_rpc.errors import GymRpcError
+from gym_rpc.errors import ControlPlaneError, GymRpcError
 from gym_rpc.server import HeadServer
 from gym_rpc.server.watch_relay import WatchRelay, checked_listen_address
 from gym_rpc.wire import WATCH_RELAY_ENV_VAR
@@ -147,5 +148,29 @@ async def test_the_configs_head_server_watch_relay_sends_workers_through_the_rel
         url = await register(head, closed_port())
         await eventually(lambda: url in instances(follower), within=WAIT_SECONDS, what="through the relay")
         assert follower.via_relay and relay.watches == 1
+    finally:
+        await relay.stop()
+
+
+async def test_a_relay_serves_at_most_max_watches_and_frees_a_slot_when_one_closes(
+    head_factory, tmp_path: Path
+) -> None:
+    head = await head_factory(document({"policy": server_entry(closed_port())}))
+    relay = WatchRelay(head.address, f"unix:{tmp_path / 'relay.sock'}", max_watches=1)
+    await relay.start()
+    try:
+        await eventually(lambda: relay.mirror.synced, within=WAIT_SECONDS, what="the relay reached the head")
+        local = ControlClient(str(relay.address), timeout_seconds=10)
+        held = local.watch_server_statuses()
+        assert (await anext(held)).kind == "snapshot"
+        with pytest.raises(ControlPlaneError) as caught:
+            await anext(local.watch_server_statuses())
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "already serves 1 relayed watches; retry later or follow the head directly" in str(caught.value)
+        await held.aclose()
+        await eventually(lambda: relay.watches == 0, within=WAIT_SECONDS, what="the slot freed")
+        again = local.watch_server_statuses()
+        assert (await anext(again)).kind == "snapshot"
+        await again.aclose()
     finally:
         await relay.stop()
