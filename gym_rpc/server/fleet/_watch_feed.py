@@ -32,14 +32,9 @@ class WatchedStatuses(Protocol):
     """What a watch reads of the statuses it follows: the head's StatusProber, or a node's watch relay's mirror of
     a head (gym_rpc.server.watch_relay)."""
 
-    @property
-    def revision(self) -> int: ...
-
-    @property
-    def config_version(self) -> str: ...
-
-    @property
-    def pushes(self) -> Pushes: ...
+    revision: int
+    config_version: str
+    pushes: Pushes
 
     def reports(self) -> list[StatusReport]: ...
 
