@@ -113,36 +113,28 @@ class DataPlane:
         calls = sessions.calls  # the loop's calls in flight: the client-wide resend budget's measure of load
         calls.value += 1
         try:
-            if route is not None:
-                keys = sticky_keys(route, server_name, rollout, body, kwargs)
+            if route is not None or observed:  # a Call from the start: its route or its observers read it
                 call = Call(
                     session,
                     method,
-                    url_path,
+                    url_path if route is not None else url + url_path,  # routed: its instance's URL goes in front
                     kwargs,
                     pools.settings.retry,
                     server=server_name,
                     resend=_resend_after_disconnect,
                     rollout=rollout,
                 )
-                return await send_routed(call, route, keys, url_path)
-            full_url = url + url_path
-            if observed:
-                call = Call(
-                    session,
-                    method,
-                    full_url,
-                    kwargs,
-                    pools.settings.retry,
-                    server=server_name,
-                    resend=_resend_after_disconnect,
-                    rollout=rollout,
-                )
+                if route is not None:
+                    keys = sticky_keys(route, server_name, rollout, body, kwargs)
+                    return await send_routed(call, route, keys, url_path)
                 call.observer = observer_for(call, url)
                 if call.observer is not None:
                     return await send(call)
                 # nobody observes it (a child of an unsampled parent, its context in the headers): sent as below,
+                full_url = call.url
                 del call  # and the Call not kept alive while it waits
+            else:
+                full_url = url + url_path
             started = time.monotonic()  # the start of the call's deadline, as in `send`
             try:
                 response = await session.request(method, full_url, **kwargs)
@@ -153,7 +145,7 @@ class DataPlane:
                 if status < 429 or status not in BACKPRESSURE_STATUSES:  # most answers: one int comparison
                     return response
                 failure = Backpressure(response)  # busy: asked again after its Retry-After, within budget
-            failed = Call(
+            failed = Call(  # a call sent here becomes a Call only now, for its resends
                 session,
                 method,
                 full_url,
