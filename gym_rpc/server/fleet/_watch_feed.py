@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Protocol
 
+from gym_rpc.server.fleet._engine_load import EngineLoads
 from gym_rpc.server.fleet._prober import Changes
 from gym_rpc.server.fleet._pushes import Pushes
 from gym_rpc.v1 import control_plane_pb2 as pb
@@ -71,15 +72,19 @@ class ReportMessages:
 
 
 class WatchFeed:
-    """What a watcher at some revision must be sent next, shared by every watcher at that revision."""
+    """What a watcher at some revision must be sent next, shared by every watcher at that revision: everything a
+    watch reads, the statuses it follows (`prober()`) and the engines' load (`engine_loads()`)."""
 
     def __init__(
         self,
         prober: Callable[[], WatchedStatuses],
+        engine_loads: Callable[[], EngineLoads],
         reports: ReportMessages | None = None,
         cache_size: int = DEFAULT_CACHE_SIZE,
     ) -> None:
-        self._prober = prober  # read on every call: the head may replace its prober
+        # Both read on every call: a reload replaces the head's prober.
+        self.prober = prober
+        self.engine_loads = engine_loads
         self._reports = reports if reports is not None else ReportMessages()
         self._cache_size = cache_size
         self._messages: OrderedDict[Hashable, Message] = OrderedDict()
@@ -90,7 +95,7 @@ class WatchFeed:
 
     def snapshot(self, *, compacted: bool) -> tuple[int, Message]:
         """Every server's status at the current revision, and that revision."""
-        prober = self._prober()
+        prober = self.prober()
         revision, version = prober.revision, prober.config_version
         key = ("snapshot", revision, version, compacted, int(time.monotonic() / SNAPSHOT_REUSE_SECONDS))
         return revision, self._get(key, lambda: _snapshot(prober, self._reports, revision, compacted))
@@ -99,7 +104,7 @@ class WatchFeed:
         """What a watcher that has delivered `seen` must be sent as of the last push (None: nothing), and the
         revision it reaches. Every watcher at `seen` gets the one message of (`seen`, the pushed revision): a
         watcher that fell behind gets the changes it missed merged, the latest report of each server."""
-        prober = self._prober()
+        prober = self.prober()
         pushed, version = prober.pushes.revision, prober.config_version
         if seen >= pushed:
             return seen, None
@@ -109,7 +114,7 @@ class WatchFeed:
         return message.revision, message
 
     def heartbeat(self, seen: int) -> Message:
-        version = self._prober().config_version
+        version = self.prober().config_version
         return self._get(
             ("heartbeat", seen, version),
             lambda: Message(type=pb.WATCH_EVENT_TYPE_HEARTBEAT, revision=seen, config_version=version),

@@ -18,7 +18,7 @@ import grpc
 from gym_rpc._logging import RateLimitedLog
 from gym_rpc.config import HEAD_SERVER_KEY, REDACTED, GlobalConfig, base_url, is_wildcard_host
 from gym_rpc.errors import ConfigError, quoted
-from gym_rpc.server.fleet import EngineLoads, LoadPush, ReportMessages, StatusProber, WatchedStatuses, WatchFeed
+from gym_rpc.server.fleet import EngineLoads, LoadPush, ReportMessages, StatusProber, WatchFeed
 from gym_rpc.server.fleet import events as events
 from gym_rpc.server.registry import (
     DEFAULT_LEASE_SECONDS,
@@ -55,17 +55,6 @@ DEADLINE_MARGIN_SECONDS = 0.1
 MAX_PROBE_SECONDS = 30.0
 
 Context = grpc.aio.ServicerContext[Any, Any]
-
-
-class WatchedHead(Protocol):
-    """What a status watch reads: the statuses it follows and the engines' load (the head, or a node's watch
-    relay, gym_rpc.server.watch_relay)."""
-
-    @property
-    def prober(self) -> WatchedStatuses: ...
-
-    @property
-    def engine_loads(self) -> EngineLoads: ...
 
 
 class HeadState(Protocol):
@@ -112,7 +101,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         self._address_policy = address_policy if address_policy is not None else AddressPolicy()
         self._config_responses: dict[bool, tuple[str, pb.GetGlobalConfigResponse]] = {}
         self._report_messages = ReportMessages()  # each probe result converted once
-        self.watch_feed = WatchFeed(lambda: self._head.prober, self._report_messages)  # one message per change
+        # One message per change, built once for every watcher.
+        self.watch_feed = WatchFeed(
+            lambda: self._head.prober, lambda: self._head.engine_loads, self._report_messages
+        )
         # Per client address (not per connection: a client opening more connections is still one peer), so one
         # client cannot take every slot of the head and lock the other watchers out.
         self.watch_slots = WatchSlots(
@@ -183,7 +175,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         """The watch as an async generator (the Connect port's; the gRPC port serves `write_watch`)."""
         key = await self.watch_slots.take_or_abort(context, peer_address(self.peers.caller(context)))
         try:
-            stream = WatchStream(self._head, self.watch_feed, request)
+            stream = WatchStream(self.watch_feed, request)
             while True:
                 yield await stream.next()
         finally:
@@ -196,9 +188,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         peer = self.peers.caller(context)
         key = await self.watch_slots.take_or_abort(context, peer_address(peer))
         try:
-            await self.watch_writes.write_all(
-                context, WatchStream(self._head, self.watch_feed, request).next, peer
-            )
+            await self.watch_writes.write_all(context, WatchStream(self.watch_feed, request).next, peer)
         finally:
             self.watch_slots.release(key)
 
@@ -433,25 +423,26 @@ def add_watch_service(write_watch: WatchWriter, feed: WatchFeed, server: grpc.ai
 class WatchStream:
     """One status watch's state between messages: the revision it has delivered, and when it last sent anything.
     `next()` waits for and returns the next message: the snapshot first (unless it resumes), then each push's
-    message (shared by every watcher at its revision), the engines' load when asked, heartbeats when quiet."""
+    message (shared by every watcher at its revision), the engines' load when asked, heartbeats when quiet. It
+    reads all of it through `feed` (the head's, or a node relay's over its mirror of the head)."""
 
-    __slots__ = ("_feed", "_head", "_heartbeat", "_load", "_quiet_since", "_seen", "_snapshot")
+    __slots__ = ("_feed", "_heartbeat", "_load", "_quiet_since", "_seen", "_snapshot")
 
-    def __init__(self, head: WatchedHead, feed: WatchFeed, request: pb.WatchServerStatusesRequest) -> None:
-        self._head, self._feed = head, feed
+    def __init__(self, feed: WatchFeed, request: pb.WatchServerStatusesRequest) -> None:
+        self._feed = feed
         heartbeat = DEFAULT_HEARTBEAT_SECONDS
         if request.HasField("heartbeat_interval"):
             heartbeat = max(MIN_HEARTBEAT_SECONDS, request.heartbeat_interval.ToNanoseconds() / 1e9)
         self._heartbeat = heartbeat
         seen = request.start_revision
         self._snapshot: pb.WatchServerStatusesResponse | None = None
-        if seen == 0 or seen > head.prober.revision:  # a revision from the future was issued by another head
+        if seen == 0 or seen > feed.prober().revision:  # a revision from the future was issued by another head
             # The revision is taken with the snapshot: changes the prober records while it is being sent follow it
             # rather than being skipped.
             seen, self._snapshot = feed.snapshot(compacted=seen != 0)
         self._seen = seen  # the revision delivered: a resume from it misses nothing
         # ENGINE_LOAD messages for a watch that asks (gym_rpc.server._engine_load): coalesced, a few a second.
-        self._load = LoadPush(head.engine_loads) if request.include_engine_load else None
+        self._load = LoadPush(feed.engine_loads()) if request.include_engine_load else None
         self._quiet_since = time.monotonic()
 
     async def next(self) -> pb.WatchServerStatusesResponse:
@@ -459,15 +450,15 @@ class WatchStream:
         if self._snapshot is not None:
             snapshot, self._snapshot = self._snapshot, None
             return snapshot
-        head, feed, load, heartbeat = self._head, self._feed, self._load, self._heartbeat
+        feed, load, heartbeat = self._feed, self._load, self._heartbeat
         while True:
-            prober = head.prober  # read again each time: a reload replaces it
+            prober = feed.prober()  # read again each time: a reload replaces it
             # The stream holds nothing but `seen` while it waits or lags: what it missed is merged when it asks.
             self._seen, message = feed.after(self._seen)
             if message is not None:
                 return message
             if load is not None and load.due():
-                return head.engine_loads.message(self._seen, prober.config_version)
+                return feed.engine_loads().message(self._seen, prober.config_version)
             # A plain watch looks again twice an interval and sends a heartbeat once nothing was sent for 3/4 of
             # it: never quiet much longer than the interval, and no chattier when idle. One that asks for the
             # engines' load looks again at their push interval (its LoadPush says when a heartbeat is due).

@@ -36,7 +36,7 @@ from gym_rpc._tasks import cancel_and_wait
 from gym_rpc.client.control import ClientSecurity, ControlClient, StatusWatch, client_security
 from gym_rpc.config import parse_host_port, url_host
 from gym_rpc.errors import ControlPlaneError, GymRpcError
-from gym_rpc.server.fleet import DEFAULT_MAX_DELAY_SECONDS, DEFAULT_QUIET_SECONDS, EngineLoads, WatchFeed
+from gym_rpc.server.fleet import DEFAULT_MAX_DELAY_SECONDS, DEFAULT_QUIET_SECONDS, WatchFeed
 from gym_rpc.server.security import (
     DEFAULT_STALL_SECONDS,
     BoundedWrites,
@@ -103,7 +103,7 @@ class WatchRelay:
         self.mirror = StatusMirror(
             push_quiet_seconds=push_quiet_seconds, push_max_delay_seconds=push_max_delay_seconds
         )
-        self.feed = WatchFeed(lambda: self.mirror)
+        self.feed = WatchFeed(lambda: self.mirror, lambda: self.mirror.engine_loads)
         self.slots = WatchSlots("relayed watches", max_watches, max_watches, instead="follow the head directly")
         self.writes = BoundedWrites(watch_stall_seconds)
         self.address: str | None = None
@@ -112,15 +112,6 @@ class WatchRelay:
         self._follow: asyncio.Task[None] | None = None
         self._refusals = RateLimitedLog(logger)
         self._head_down = False
-
-    # What a WatchStream reads (gym_rpc.server.service.WatchedHead).
-    @property
-    def prober(self) -> StatusMirror:
-        return self.mirror
-
-    @property
-    def engine_loads(self) -> EngineLoads:
-        return self.mirror.engine_loads
 
     @property
     def watches(self) -> int:
@@ -205,7 +196,7 @@ class WatchRelay:
         peer = context.peer()
         key = await self.slots.take_or_abort(context, peer_address(peer))
         try:
-            await self.writes.write_all(context, WatchStream(self, self.feed, request).next, peer)
+            await self.writes.write_all(context, WatchStream(self.feed, request).next, peer)
         finally:
             self.slots.release(key)
 

@@ -173,7 +173,7 @@ async def test_changes_recorded_while_the_snapshot_is_being_sent_still_follow_it
     servicer = ControlPlaneServicer(head)
     request = pb.WatchServerStatusesRequest()
     request.heartbeat_interval.CopyFrom(seconds_to_duration(0.05))
-    stream = WatchStream(head, servicer.watch_feed, request)
+    stream = WatchStream(servicer.watch_feed, request)
     snapshot = await stream.next()  # the stream stands after its snapshot, as during a send
     assert snapshot.type == pb.WATCH_EVENT_TYPE_SNAPSHOT
     assert [r.status for r in snapshot.reports] == [pb.SERVER_STATUS_UNSPECIFIED]

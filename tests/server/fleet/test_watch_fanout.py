@@ -52,7 +52,7 @@ async def test_a_watcher_lagging_past_the_history_gets_a_compacted_snapshot(head
     servicer = ControlPlaneServicer(head)
     request = pb.WatchServerStatusesRequest()
     request.heartbeat_interval.CopyFrom(seconds_to_duration(60))
-    stream = WatchStream(head, servicer.watch_feed, request)
+    stream = WatchStream(servicer.watch_feed, request)
     snapshot = await stream.next()
     # The watcher reads nothing while six changes land: more than the history of four keeps.
     states: list[RegistrationState] = ["registered", "deregistered"] * 3
