@@ -14,7 +14,11 @@ hung rollout is reported, never waited for). Modes:
 * restart: after half of the rollouts, the server is killed and a new process is back on the same port 1 s later
   (started beforehand, so its imports are done and it binds when told), with gym_rpc's default settings;
 * restart-short: the same with every kind's time budget at 0.2 s, shorter than the restart (as gym_rpc's policy was
-  before budgets in time: 3 attempts from 0.05 s): the contrast that shows the restart is felt;
+  before budgets in time: 3 attempts from 0.05 s): the contrast that shows the restart is felt. So that it is felt
+  on a loaded machine too, where the rollouts in flight may take the whole second to reach their next call to the
+  server or be past their last one (soak run B1 of the 2026-12-06 evening: none of 128 failed), the kill comes
+  after a quarter of the rollouts (a quarter have yet to start), and the server is back after 1 s and once a
+  rollout has failed since the kill (at most SHORT_OUTAGE_MAX_SECONDS);
 * gone: after a quarter of them, the server is killed for good; the config's `http_client.retry` gives every kind
   a budget of BUDGET_SECONDS, so the rollouts that need the server fail within it.
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -55,6 +60,7 @@ CONCURRENCY = 64
 ROLLOUT_TIMEOUT_SECONDS = 120.0  # far beyond any budget: a rollout still running then has hung
 BUDGET_SECONDS = 2.0  # every kind's time budget in the gone mode (the default refused budget is 30 s)
 SHORT_BUDGET_SECONDS = 0.2  # restart-short: shorter than the restart
+SHORT_OUTAGE_MAX_SECONDS = 30.0  # restart-short: the longest it waits for a failed rollout before coming back
 START_TIMEOUT_SECONDS = 120.0  # importing NeMo Gym on a loaded 2-core machine takes tens of seconds
 # What a failed rollout's report keeps of the agent's answer: its end, where the error's cause is (the last 300
 # characters, kept before, cut the cause off and left only "... host and port in the global config are right").
@@ -276,6 +282,10 @@ class Servers:
         self.reserved.close()
 
 
+def _answered(outcome: dict[str, Any]) -> bool:
+    return outcome.get("status") == 200 and outcome.get("reward") == 1.0
+
+
 async def run_mode(mode: str, rollouts: int, servers: Servers) -> dict[str, Any]:
     from gym_rpc.client.server_client import ServerClient
     from gym_rpc.config import BaseServerConfig
@@ -297,10 +307,11 @@ async def run_mode(mode: str, rollouts: int, servers: Servers) -> dict[str, Any]
             MODEL: (weather_model_app(), sockets[MODEL]),
             AGENT: (agent_app, sockets[AGENT]),
         }
-        kill_after = rollouts // 4 if mode == "gone" else rollouts // 2
+        kill_after = rollouts // 2 if mode == "restart" else rollouts // 4
         done = 0
         killed_at: float | None = None
         back_at: float | None = None
+        failed_since_kill = asyncio.Event()
         limit = asyncio.Semaphore(CONCURRENCY)
         url = f"http://{LOOPBACK}:{ports[AGENT]}/run"
 
@@ -309,11 +320,16 @@ async def run_mode(mode: str, rollouts: int, servers: Servers) -> dict[str, Any]
             async with limit:
                 outcome = await _rollout(session, url, index)
             done += 1
+            if killed_at is not None and not _answered(outcome):
+                failed_since_kill.set()
             if done == kill_after:
                 first.kill()
                 killed_at = time.monotonic()
                 if second is not None:
                     await asyncio.sleep(1.0)
+                    if mode == "restart-short":
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(failed_since_kill.wait(), SHORT_OUTAGE_MAX_SECONDS)
                     second.go()
                     await second.expect("listening")
                     back_at = time.monotonic()
@@ -327,7 +343,7 @@ async def run_mode(mode: str, rollouts: int, servers: Servers) -> dict[str, Any]
         await client.aclose()
     finally:
         servers.stop()
-    answered = [o for o in outcomes if o.get("status") == 200 and o.get("reward") == 1.0]
+    answered = [o for o in outcomes if _answered(o)]
     failed = [o for o in outcomes if o not in answered]
     return {
         "rollouts": rollouts,
