@@ -22,8 +22,8 @@ in the `traceparent` header.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVarTuple
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -188,6 +188,9 @@ def _end_quietly(span: trace.Span | None) -> None:
         instrumentation_failed(TRACING, error)
 
 
+_Event = TypeVarTuple("_Event")  # what a CallObserver method is told
+
+
 class ObserverPair:
     """Two observers of one call (the worker metrics, then the call's span), each told everything, in order:
     what the first raises is logged and the second is told all the same (what the second raises, `send` logs)."""
@@ -198,25 +201,23 @@ class ObserverPair:
         self.first, self.second, self.kind = first, second, second.kind
 
     def resent(self, attempt: int, kind: str) -> None:
-        try:
-            self.first.resent(attempt, kind)
-        except Exception as error:
-            instrumentation_failed(self.first.kind, error)
+        self._tell_first(self.first.resent, attempt, kind)
         self.second.resent(attempt, kind)
 
     def answered(self, response: aiohttp.ClientResponse, attempts: int) -> None:
-        try:
-            self.first.answered(response, attempts)
-        except Exception as error:
-            instrumentation_failed(self.first.kind, error)
+        self._tell_first(self.first.answered, response, attempts)
         self.second.answered(response, attempts)
 
     def failed(self, error: BaseException, attempts: int) -> None:
-        try:
-            self.first.failed(error, attempts)
-        except Exception as observer_error:
-            instrumentation_failed(self.first.kind, observer_error)
+        self._tell_first(self.first.failed, error, attempts)
         self.second.failed(error, attempts)
+
+    def _tell_first(self, tell: Callable[[*_Event], None], *event: *_Event) -> None:
+        """The first observer told of `event`; what it raises is logged, so the second is told all the same."""
+        try:
+            tell(*event)
+        except Exception as error:
+            instrumentation_failed(self.first.kind, error)
 
 
 class _CallSpan:
