@@ -46,25 +46,42 @@ def _redelivering_interrupts(previous: Callable[[sys.UnraisableHookArgs], object
 
     A SIGINT that lands while Python runs code that cannot raise (a weakref callback, such as the one importlib
     runs to drop a module lock, or a __del__) is printed as "Exception ignored" and lost: the command runs on, a
-    watch forever. A timer thread sends it again once that code has returned (the hook must not raise itself).
+    watch forever. A thread sends it again once that code has returned, and never while this hook runs: raised in
+    the hook, it would be lost with the hook's own error (soak run B3 of 2026-12-06: a timer due 10 ms on fired
+    while the hook, starved on a loaded machine, still waited in `Thread.start`).
     """
+    hooks_running = [0]  # how many calls of the hook have not returned yet (a callback may run inside one)
 
     def hook(unraisable: sys.UnraisableHookArgs) -> None:
         if not isinstance(unraisable.exc_value, KeyboardInterrupt):
             previous(unraisable)
             return
-        import _thread
-        import threading
+        hooks_running[0] += 1
+        try:
+            import _thread
+            import functools
+            import threading
 
-        if hasattr(signal, "pthread_kill"):  # a real signal to the main thread: a sleep or a blocking call wakes
-            main_thread = (threading.main_thread().ident, signal.SIGINT)
-            redelivery = threading.Timer(REDELIVERY_SECONDS, signal.pthread_kill, main_thread)
-        else:  # Windows: flagged for the main thread's next Python instruction
-            redelivery = threading.Timer(REDELIVERY_SECONDS, _thread.interrupt_main)
-        redelivery.daemon = True
-        redelivery.start()
+            send: Callable[[], object] = _thread.interrupt_main  # Windows: flagged for the next instruction
+            if hasattr(signal, "pthread_kill"):  # a real signal: a sleep or a blocking call wakes
+                main_thread = threading.main_thread().ident
+                assert main_thread is not None  # it runs: this process is running Python
+                send = functools.partial(signal.pthread_kill, main_thread, signal.SIGINT)
+            threading.Thread(target=_send_once_returned, args=(hooks_running, send), daemon=True).start()
+        finally:
+            # The hook's last statement: Python checks for signals nowhere between it and the return.
+            hooks_running[0] -= 1
 
     return hook
+
+
+def _send_once_returned(hooks_running: list[int], send: Callable[[], object]) -> None:
+    import time
+
+    time.sleep(REDELIVERY_SECONDS)
+    while hooks_running[0]:  # the hook is still running (a starved main thread): wait for its return
+        time.sleep(REDELIVERY_SECONDS)
+    send()
 
 
 def _ending() -> None:

@@ -455,13 +455,26 @@ def test_a_caught_ctrl_c_inside_code_run_from_a_string_still_exits_130(tmp_path:
 
 
 @pytest.mark.process
-def test_a_ctrl_c_dropped_inside_a_weakref_callback_is_delivered_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hook_held", [False, True], ids=["hook-quick", "hook-held-after-its-thread-starts"])
+def test_a_ctrl_c_dropped_inside_a_weakref_callback_is_delivered_again(tmp_path: Path, hook_held: bool) -> None:
     """A SIGINT that lands while Python runs a weakref callback is printed as "Exception ignored" and lost: soak
     run 7 (2026-12-06) saw `gym-rpc status --watch` interrupted as its imports began run on past 20 s, the
-    KeyboardInterrupt dropped inside importlib's module-lock callback. gym_rpc.__main__ delivers it again."""
+    KeyboardInterrupt dropped inside importlib's module-lock callback. gym_rpc.__main__ delivers it again, and
+    only once its hook has returned: soak run B3 (2026-12-06, load 13-21) saw the redelivery land while the starved
+    hook still waited for its thread to start, lost there too. `hook_held` holds the hook 0.3 s after it starts
+    its thread, as a loaded machine may."""
+    held = (
+        "import threading\n"
+        "_start = threading.Thread.start\n"
+        "def _start_then_hold(thread: threading.Thread) -> None:\n"
+        "    _start(thread)\n"
+        "    time.sleep(0.3)\n"
+        "threading.Thread.start = _start_then_hold\n"
+    )
     source = (
         "import time, weakref\n"
         "from gym_rpc.__main__ import run_until_interrupted\n"
+        f"{held if hook_held else ''}"
         "class Held:\n"
         "    pass\n"
         "def dropped(_: object) -> None:\n"
