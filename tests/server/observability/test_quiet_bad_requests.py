@@ -25,6 +25,10 @@ MALFORMED = (
     b"GARBAGE\r\n\r\n",
 )
 PER_PORT = 1500
+# Each of ours is counted once, and a few more may come from elsewhere: the ports are numbers that other processes
+# of this shared machine may still dial (soak run 3 of 2026-12-06, two whole suites at once: 1,501 on the HTTP head
+# port). Each request counted twice would make 3,000; 54,000 sent to one head at load 14 were counted exactly.
+STRAYS = 3
 
 
 def _status_of(url: str) -> int:
@@ -69,7 +73,8 @@ async def test_malformed_requests_are_counted_and_logged_once_per_window(tmp_pat
         windows = 1 + int((time.monotonic() - started) // BAD_REQUEST_WINDOW_SECONDS)  # 1 unless very loaded
         samples = await asyncio.to_thread(scrape, metrics)
         for name in ("http", "metrics", "connect"):
-            assert value(samples, "gym_head_bad_requests_total", gym_port=name) == PER_PORT, name
+            counted = value(samples, "gym_head_bad_requests_total", gym_port=name)
+            assert counted is not None and PER_PORT <= counted <= PER_PORT + STRAYS, (name, counted)
         assert await asyncio.to_thread(_status_of, f"{http}/") == 200  # the head serves on
         head.process.terminate()
         head.process.wait(timeout=30)
