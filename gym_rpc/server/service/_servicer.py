@@ -50,8 +50,10 @@ logger = logging.getLogger("gym_rpc.server._servicer")  # its name from before t
 
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 MIN_HEARTBEAT_SECONDS = 0.05
-# Time kept back from the caller's deadline so a TIMEOUT answer still reaches the caller before it gives up.
+# Time kept back from the caller's deadline so a TIMEOUT answer still reaches the caller before it gives up: a
+# tenth of the time left, at least 0.1 s (a busy head's event loop can take that long to send it).
 DEADLINE_MARGIN_SECONDS = 0.1
+DEADLINE_MARGIN_SHARE = 0.1
 MAX_PROBE_SECONDS = 30.0
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -155,7 +157,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
         cached = prober.fresh_report(name, max_age)
         if cached is not None:
             return pb.GetServerStatusResponse(report=convert.report_to_pb(cached))
-        budget = self._probe_budget(context, prober.probe_timeout_seconds)
+        budget = probe_budget(context.time_remaining(), prober.probe_timeout_seconds)
         report = await prober.probe_now(name, budget, max_age)  # the instances whose results are too old
         return pb.GetServerStatusResponse(report=convert.report_to_pb(report))
 
@@ -336,13 +338,14 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServiceServicer):
             checked_at=time.time(),
         )
 
-    @staticmethod
-    def _probe_budget(context: Context, default: float) -> float:
-        """Probe for as long as the caller waits (less a margin to deliver the answer), default without one."""
-        remaining = context.time_remaining()
-        if remaining is None:
-            return default
-        return max(0.001, min(MAX_PROBE_SECONDS, remaining - DEADLINE_MARGIN_SECONDS))
+
+def probe_budget(remaining: float | None, default: float) -> float:
+    """How long a status call may probe: as long as its caller waits (`remaining` seconds, None: no deadline, then
+    `default`), less a margin to deliver the answer, at most MAX_PROBE_SECONDS."""
+    if remaining is None:
+        return default
+    margin = max(DEADLINE_MARGIN_SECONDS, remaining * DEADLINE_MARGIN_SHARE)
+    return max(0.001, min(MAX_PROBE_SECONDS, remaining - margin))
 
 
 async def _require_valid_hosts(request: pb.RegisterServerInstanceRequest, context: Context) -> None:
