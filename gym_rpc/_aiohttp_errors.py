@@ -6,9 +6,11 @@ must not load.
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import aiohttp
 
-from gym_rpc.errors import ResendLimit, ResendsExhaustedError
+from gym_rpc.errors import GivenUpFacts, ResendsExhaustedError
 
 
 class ServerDroppedError(
@@ -16,7 +18,7 @@ class ServerDroppedError(
 ):
     """A connection to a Gym server dropped, and the call was given up on (kind `dropped_before_write` or
     `dropped_after_write`). An aiohttp ServerDisconnectedError and ClientOSError too (what aiohttp raises for a
-    drop, and what callers caught before), and a ConnectionError."""
+    drop, and what callers caught before), and a ConnectionError. Its other keywords: GivenUpFacts."""
 
     def __init__(
         self,
@@ -25,23 +27,10 @@ class ServerDroppedError(
         reason: str,
         *,
         kind: str,
-        server_name: str = "",
-        method: str = "",
-        elapsed_seconds: float = 0.0,
-        limit: ResendLimit = "attempts",
-        detail: str = "",
         errno: int | None = None,
+        **facts: Unpack[GivenUpFacts],
     ) -> None:
-        self._record(
-            server_name=server_name,
-            method=method,
-            url=url,
-            kind=kind,
-            attempts=attempts,
-            elapsed_seconds=elapsed_seconds,
-            limit=limit,
-            detail=detail,
-        )
+        self._record(url, kind, attempts, **facts)
         message = f"{self._story()}: {reason}"
         super().__init__(message)  # ServerDisconnectedError's: args and message
         self.errno = errno  # the OS error's number, as aiohttp's ClientOSError carries it

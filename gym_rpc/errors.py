@@ -9,7 +9,7 @@ nothing heavy, so `import gym_rpc` stays cheap.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack
 
 if TYPE_CHECKING:
     import grpc
@@ -99,6 +99,18 @@ _KIND_WORDS = {
 }
 
 
+class GivenUpFacts(TypedDict, total=False):
+    """The keywords ServerUnreachableError and ServerDroppedError take besides their own, each optional: the
+    call's `server_name` and `method` (empty if not known), the `elapsed_seconds` of its attempts (0.0), what
+    ended its resends (`limit`, `attempts` if not said) and any more `detail` (empty)."""
+
+    server_name: str
+    method: str
+    elapsed_seconds: float
+    limit: ResendLimit
+    detail: str
+
+
 class ResendsExhaustedError(GymRpcError):
     """A data-plane call given up on: its last attempt failed with `kind` (gym_rpc.client's FailureKind values:
     refused, dropped_before_write, dropped_after_write, timeout) and `limit` ended its resends: its kind's
@@ -116,15 +128,15 @@ class ResendsExhaustedError(GymRpcError):
 
     def _record(
         self,
-        *,
-        server_name: str,
-        method: str,
         url: str,
         kind: str,
         attempts: int,
-        elapsed_seconds: float,
-        limit: ResendLimit,
-        detail: str,
+        *,
+        server_name: str = "",
+        method: str = "",
+        elapsed_seconds: float = 0.0,
+        limit: ResendLimit = "attempts",
+        detail: str = "",
     ) -> None:
         self.server_name, self.method, self.url, self.kind = server_name, method, url, kind
         self.attempts, self.elapsed_seconds, self.limit, self.detail = attempts, elapsed_seconds, limit, detail
@@ -164,30 +176,11 @@ def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, A
 
 
 class ServerUnreachableError(ResendsExhaustedError, ConnectionError):
-    """A Gym server refused or could not be reached at `url`, after the bounded resends (kind `refused`)."""
+    """A Gym server refused or could not be reached at `url`, after the bounded resends (kind `refused`). Its
+    keywords: GivenUpFacts."""
 
-    def __init__(
-        self,
-        url: str,
-        attempts: int,
-        reason: str,
-        *,
-        server_name: str = "",
-        method: str = "",
-        elapsed_seconds: float = 0.0,
-        limit: ResendLimit = "attempts",
-        detail: str = "",
-    ) -> None:
-        self._record(
-            server_name=server_name,
-            method=method,
-            url=url,
-            kind="refused",
-            attempts=attempts,
-            elapsed_seconds=elapsed_seconds,
-            limit=limit,
-            detail=detail,
-        )
+    def __init__(self, url: str, attempts: int, reason: str, **facts: Unpack[GivenUpFacts]) -> None:
+        self._record(url, "refused", attempts, **facts)
         super().__init__(
             f"{self._story()}: {reason}; check that it runs and that its host and port in the global config are "
             f"right"
@@ -207,16 +200,7 @@ class NoHealthyInstanceError(ServerUnreachableError):
             f"no healthy instance of server {server_name!r} can take the call ({reason}{len(instances)} "
             f"instance(s): {listed}); check that its processes run and register with the head"
         )
-        self._record(
-            server_name=server_name,
-            method="",
-            url=instances[0][0] if instances else "",
-            kind="refused",
-            attempts=0,
-            elapsed_seconds=0.0,
-            limit="attempts",
-            detail=why,
-        )
+        self._record(instances[0][0] if instances else "", "refused", 0, server_name=server_name, detail=why)
         GymRpcError.__init__(self, message)
 
 

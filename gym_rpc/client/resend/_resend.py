@@ -17,7 +17,7 @@ import asyncio
 from collections import Counter
 from collections.abc import Callable
 from time import monotonic
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 
@@ -33,7 +33,13 @@ from gym_rpc.client.resend._failures import (
 from gym_rpc.client.resend._fresh import session_after_drop
 from gym_rpc.client.resend._log import RESEND_LOG
 from gym_rpc.client.resend._policy import BACKPRESSURE_STATUSES, FailureKind, RetryPolicy
-from gym_rpc.errors import RequestTimeoutError, ResendLimit, ResendsExhaustedError, ServerUnreachableError
+from gym_rpc.errors import (
+    GivenUpFacts,
+    RequestTimeoutError,
+    ResendLimit,
+    ResendsExhaustedError,
+    ServerUnreachableError,
+)
 from gym_rpc.telemetry import instrumentation_failed
 
 if TYPE_CHECKING:
@@ -247,27 +253,28 @@ class _FailingCall:
         self, error: BaseException, kind: FailureKind, attempts: int, limit: ResendLimit, detail: str = ""
     ) -> ResendsExhaustedError:
         """The error the call ends with (its cause: `error`, the last attempt's)."""
-        common: dict[str, Any] = {
+        elapsed = monotonic() - self.started
+        facts: GivenUpFacts = {
             "server_name": self.server_name,
             "method": self.method,
-            "elapsed_seconds": monotonic() - self.started,
+            "elapsed_seconds": elapsed,
             "limit": limit,
             "detail": detail,
         }
         given_up: ResendsExhaustedError
         if kind is FailureKind.REFUSED:
             reason = getattr(error, "os_error", None) or error
-            given_up = ServerUnreachableError(self.url, attempts, str(reason), **common)
+            given_up = ServerUnreachableError(self.url, attempts, str(reason), **facts)
         elif kind is FailureKind.TIMEOUT:
             timeout = self.timeout
             given_up = RequestTimeoutError(
                 self.server_name, self.method, self.url, timeout.total, timeout.sock_connect, attempts=attempts,
-                **{key: value for key, value in common.items() if key not in ("server_name", "method")},
+                elapsed_seconds=elapsed, limit=limit, detail=detail,
             )  # fmt: skip
         else:
             reason = str(error) or type(error).__name__
             errno = error.errno if isinstance(error, OSError) else None
-            given_up = ServerDroppedError(self.url, attempts, reason, kind=kind, errno=errno, **common)
+            given_up = ServerDroppedError(self.url, attempts, reason, kind=kind, errno=errno, **facts)
         given_up.__cause__ = error
         return given_up
 
