@@ -345,7 +345,7 @@ async def work(
     from gym_rpc.client.replicas._outliers import OutlierDetection
     from gym_rpc.client.replicas._picker import heaviest, slot_of
     from gym_rpc.client.replicas._prompt_key import prompt_key
-    from gym_rpc.client.replicas._routing import RoutedCall, ServerRoute
+    from gym_rpc.client.replicas._server_route import RoutedCall, ServerRoute
     from gym_rpc.config import BaseServerConfig, GlobalConfig
 
     urls = [f"http://{LOOPBACK}:{port}" for port in ports]
@@ -690,7 +690,7 @@ def pick_cost(instances: int = 64, blocks: int = 15, per_block: int = 2000) -> d
     from gym_rpc.client.replicas._instance_state import InstanceState
     from gym_rpc.client.replicas._outliers import OutlierDetection
     from gym_rpc.client.replicas._picker import heaviest, slot_of
-    from gym_rpc.client.replicas._routing import ServerRoute
+    from gym_rpc.client.replicas._server_route import ServerRoute
     from gym_rpc.wire import EngineLoad
 
     urls = [f"http://10.0.{i // 250}.{i % 250}:8000" for i in range(instances)]

@@ -48,7 +48,7 @@ from gym_rpc.client.replicas._instance_state import Instance, InstanceState
 from gym_rpc.client.replicas._outliers import OutlierDetection
 from gym_rpc.client.replicas._picker import SLOTS, heaviest, stable_key
 from gym_rpc.client.replicas._prompt_key import prompt_key
-from gym_rpc.client.replicas._routing import RoutedCall, ServerRoute
+from gym_rpc.client.replicas._server_route import RoutedCall, ServerRoute
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 
 NAME = "policy_model"

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from gym_rpc.client.data._http import close_http_sessions
-from gym_rpc.client.replicas import _routing
+from gym_rpc.client.replicas import _server_route
 from tests.support.loopback import LOOPBACK
 
 
@@ -131,8 +131,9 @@ async def replica_servers() -> AsyncIterator[Callable[..., Awaitable[list[Replic
 @pytest.fixture
 def slowness_rule_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """A model server's route leaves an instance whose answers are slow (latency EWMA over 2.5x the median
-    instance's and SLOW_MARGIN_SECONDS above it: gym_rpc.client.replicas._routing), by design; its first answer
-    counts in full, so one call a loaded machine stalls a few hundred ms makes it so, and a rollout placed there
-    moves. A test of where a model server's rollouts go that is not about that rule turns it off (the rule's own
-    tests are in tests/client/replicas/test_replicas_client.py); a resources server's rollouts stick exactly."""
-    monkeypatch.setattr(_routing, "SLOW_MARGIN_SECONDS", 3600.0)
+    instance's and SLOW_MARGIN_SECONDS above it: gym_rpc.client.replicas._server_route), by design; its first
+    answer counts in full, so one call a loaded machine stalls a few hundred ms makes it so, and a rollout placed
+    there moves. A test of where a model server's rollouts go that is not about that rule turns it off (the rule's
+    own tests are in tests/client/replicas/test_replicas_client.py); a resources server's rollouts stick exactly.
+    """
+    monkeypatch.setattr(_server_route, "SLOW_MARGIN_SECONDS", 3600.0)

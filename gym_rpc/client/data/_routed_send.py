@@ -1,6 +1,6 @@
 """A call to a server with several instances, as `ServerClient.request` makes it: what it sticks by (its rollout,
 its NeMo Gym session) and its send, which picks the instance, fails over through the resend loop's `reroute`
-and tells the route how the call ended (gym_rpc.client.replicas._routing)."""
+and tells the route how the call ended (gym_rpc.client.replicas._server_route)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def sticky_keys(
     cookies carry for that server, and for a model server's route its prompt's number
     (gym_rpc.client.replicas._prompt_key). No rollout and no session: a call of no rollout. A rollout's calls carry
     different ones (a tool call made where no rollout is bound carries only the cookie): the route keeps them as
-    aliases of one pin (gym_rpc.client.replicas._routing)."""
+    aliases of one pin (gym_rpc.client.replicas._server_route)."""
     if not rollout and isinstance(body, Mapping):
         try:
             rollout = rollout_id_from_run_body(body)

@@ -9,7 +9,7 @@ pays one dictionary lookup, and only on calls made with observability on and no 
 
 A call to a replicated server sticks by its rollout (the contexts, else its body by the same rule) and by the NeMo
 Gym session its cookies carry (`session_key_from_cookies`): the route keeps both as keys of one pin, so a session's
-calls stay with the instance that holds its state (gym_rpc.client.replicas._routing).
+calls stay with the instance that holds its state (gym_rpc.client.replicas._server_route).
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ if TYPE_CHECKING:
     from gym_rpc.client.replicas._outliers import OutlierDetection as OutlierDetection
     from gym_rpc.client.replicas._prompt_key import prompt_key as prompt_key
     from gym_rpc.client.replicas._routing import ROUTINGS as ROUTINGS
-    from gym_rpc.client.replicas._routing import RoutedCall as RoutedCall
     from gym_rpc.client.replicas._routing import Routing as Routing
-    from gym_rpc.client.replicas._routing import ServerRoute as ServerRoute
-    from gym_rpc.client.replicas._routing import session_pin_key as session_pin_key
+    from gym_rpc.client.replicas._server_route import RoutedCall as RoutedCall
+    from gym_rpc.client.replicas._server_route import ServerRoute as ServerRoute
+    from gym_rpc.client.replicas._server_route import session_pin_key as session_pin_key
 
 __getattr__ = lazy_modules(
     __name__,
@@ -23,6 +23,7 @@ __getattr__ = lazy_modules(
         "_instance_state": "Instance",
         "_outliers": "OutlierDetection",
         "_prompt_key": "prompt_key",
-        "_routing": "RoutedCall Routing ROUTINGS ServerRoute session_pin_key",
+        "_routing": "Routing ROUTINGS",
+        "_server_route": "RoutedCall ServerRoute session_pin_key",
     },
 )

@@ -7,8 +7,8 @@ candidates, no I/O.
   from hashing it with the rollout, and the rollout goes to the heaviest. Every worker ranks a rollout's
   instances alike, and when an instance leaves only the rollouts whose heaviest it was move, each to its next
   heaviest. Rollouts hash into `SLOTS` slots and the weights are computed per slot, so that the route can remember
-  each slot's heaviest instance (gym_rpc.client.replicas._routing: `bench/replicas.py`'s `replicas-pick` rows show
-  what that saves); with 16,384 slots, each of 8 instances holds its share to within 5 %, each of 64 to within
+  each slot's heaviest instance (gym_rpc.client.replicas._server_route: `bench/replicas.py`'s `replicas-pick` rows
+  show what that saves); with 16,384 slots, each of 8 instances holds its share to within 5 %, each of 64 to within
   about a sixth (256 slots each: one standard deviation is 6 %).
 * **Power of two choices** (Mitzenmacher, 2001): of two instances drawn at random, the one with fewer calls in
   flight. Nearly as even as asking every instance, and a slow or stuck instance, whose calls pile up, is left

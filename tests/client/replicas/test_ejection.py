@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from gym_rpc.client.replicas._instance_state import Instance
-from gym_rpc.client.replicas._routing import ServerRoute
+from gym_rpc.client.replicas._server_route import ServerRoute
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from tests.support.documents import document, server_entry

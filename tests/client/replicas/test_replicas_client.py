@@ -28,7 +28,7 @@ import pytest
 
 from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.client.data._rollout import rollout_context
-from gym_rpc.client.replicas import _routing
+from gym_rpc.client.replicas import _server_route
 from gym_rpc.client.replicas._instance_state import InstanceState
 from gym_rpc.client.replicas._outliers import OutlierDetection
 from gym_rpc.client.replicas._picker import (
@@ -42,7 +42,7 @@ from gym_rpc.client.replicas._picker import (
     weight,
 )
 from gym_rpc.client.replicas._prompt_key import prompt_key
-from gym_rpc.client.replicas._routing import ENGINE_LOAD_READ_SECONDS, RoutedCall, ServerRoute
+from gym_rpc.client.replicas._server_route import ENGINE_LOAD_READ_SECONDS, RoutedCall, ServerRoute
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.errors import NoHealthyInstanceError, RequestTimeoutError, ServerUnreachableError
@@ -777,7 +777,7 @@ async def test_a_workers_next_group_goes_where_its_last_group_just_ended(
     free now for certain; the others' figures may be a second old, and two workers placing at once by them pile
     onto one), not to its own first preferred instance; unless the engine there reports more calls of other
     workers than this worker had there: then by its order."""
-    monkeypatch.setattr(_routing, "HOME_SECONDS", 0.0)  # no home until the group that makes one has ended
+    monkeypatch.setattr(_server_route, "HOME_SECONDS", 0.0)  # no home until the group that makes one has ended
     fleet = await replica_servers(4)
     client = client_of(replicated_doc([replica.port for replica in fleet]))
     await call(client)
@@ -796,7 +796,8 @@ async def test_a_workers_next_group_goes_where_its_last_group_just_ended(
         for n in range(8):  # a group that ends at `done`
             with rollout_context(f"{last}-{n}"):
                 assert await body_at(client, turn_body(last, 0, n)) == done.port
-        monkeypatch.setattr(_routing, "HOME_SECONDS", 3600.0)  # however long the machine takes between the calls
+        # however long the machine takes between the calls
+        monkeypatch.setattr(_server_route, "HOME_SECONDS", 3600.0)
         following = task_first_at(client, free[0])
         with rollout_context(f"{following}-0"):
             assert await body_at(client, turn_body(following, 0, 0)) == done.port  # home, not its own first
@@ -820,8 +821,8 @@ async def test_an_engine_figure_read_while_a_group_ran_counts_all_its_calls_as_t
     call sent, not only what the route saw at its reads of the load table, which come with picks, when a call has
     just been answered and its next not counted yet (so they saw 7 of 8 at most: a phantom call of another worker
     stayed on the home, and the next group went elsewhere; issue 39's 0.89x seed of bench.engines)."""
-    monkeypatch.setattr(_routing, "HOME_SECONDS", 3600.0)  # however long the machine takes between the calls
-    monkeypatch.setattr(_routing, "OWN_PEAK_SECONDS", 3600.0)
+    monkeypatch.setattr(_server_route, "HOME_SECONDS", 3600.0)  # however long the machine takes between the calls
+    monkeypatch.setattr(_server_route, "OWN_PEAK_SECONDS", 3600.0)
     fleet = await replica_servers(4)
     client = client_of(replicated_doc([replica.port for replica in fleet]))
     await call(client)
@@ -861,7 +862,7 @@ async def test_a_worker_whose_two_groups_just_ended_places_its_next_two_on_their
 ) -> None:
     """A worker running two groups at once that end together (the bench's chains of groups) has two homes: its next
     two groups take them, latest first, not the two new prompts' own first preferred instance."""
-    monkeypatch.setattr(_routing, "HOME_SECONDS", 3600.0)  # however long the machine takes between the calls
+    monkeypatch.setattr(_server_route, "HOME_SECONDS", 3600.0)  # however long the machine takes between the calls
     fleet = await replica_servers(4)
     client = client_of(replicated_doc([replica.port for replica in fleet]))
     await call(client)
@@ -932,7 +933,7 @@ async def test_the_answer_that_shows_an_instance_slow_moves_its_groups_next_turn
         task = task_preferring(client, replica.port, by_task=True)
         with rollout_context(f"{task}-0"):
             assert await body_at(client, turn_body(task, 0, 0)) == replica.port
-    monkeypatch.setattr(_routing, "ENGINE_LOAD_READ_SECONDS", 3600.0)
+    monkeypatch.setattr(_server_route, "ENGINE_LOAD_READ_SECONDS", 3600.0)
     await asyncio.sleep(ENGINE_LOAD_READ_SECONDS * 1.1)  # the group's first pick reads (the bound made); no more
     slow.delay = 3.0  # over 2.5x the median while the others answer within 1.2 s
     task = task_preferring(client, slow.port, by_task=True)
@@ -955,7 +956,7 @@ async def test_a_slow_verdict_stands_while_the_others_slow_down_until_an_answer_
     new group back there (bench/engines.py saw a third group go to the engine 4x slower 9 s into the run). The
     verdict stands until an answer from the instance comes after it. Its figure is never forgotten here
     (SLOW_FORGET_SECONDS 3600), so no timing decides it."""
-    monkeypatch.setattr(_routing, "SLOW_FORGET_SECONDS", 3600.0)
+    monkeypatch.setattr(_server_route, "SLOW_FORGET_SECONDS", 3600.0)
     fleet = await replica_servers(4)
     client = client_of(replicated_doc([replica.port for replica in fleet]))
     await call(client)  # the route is made at the first call
