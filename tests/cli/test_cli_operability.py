@@ -301,6 +301,20 @@ def test_the_library_never_imports_rich() -> None:
     assert result.stdout.strip() == "[]"
 
 
+@pytest.mark.parametrize(
+    "command", [["status"], ["wait", "--json"], ["config"], ["reload"]], ids=["status", "wait", "config", "reload"]
+)
+def test_the_commands_that_ask_a_head_load_no_server_code(all_up_head: HeadProcess, command: list[str]) -> None:
+    """`gym-rpc status`, `wait`, `config` and `reload` (cli/_asking.py) import no gym_rpc.server module, neither as
+    the CLI loads nor as they ask and print: the serving commands (cli/_serving.py) import the server only when
+    they run. The interpreter names each module as its import ends (PYTHONPROFILEIMPORTTIME, on stderr)."""
+    result = run_cli([*command, "--head", all_up_head.address], env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    imported = re.findall(r"\| +(gym_rpc\.\S+)$", result.stderr, re.M)
+    assert "gym_rpc.cli._asking" in imported  # the profile is read: it names the CLI's own modules
+    assert [name for name in imported if name.startswith("gym_rpc.server")] == []
+
+
 # --- watch: LAST CHECKED is the last probe, not the last change ---
 
 
