@@ -341,11 +341,12 @@ async def work(
     picker: str, ports: list[int], worker: int, workload: Workload, router: str = "", head_port: int = 0
 ) -> dict[str, Any]:
     from gym_rpc.client import ServerClient, close_http_sessions, rollout_context
+    from gym_rpc.client.replicas._call_in_flight import RoutedCall
     from gym_rpc.client.replicas._instance_state import InstanceState
     from gym_rpc.client.replicas._outliers import OutlierDetection
     from gym_rpc.client.replicas._picker import heaviest, slot_of
     from gym_rpc.client.replicas._prompt_key import prompt_key
-    from gym_rpc.client.replicas._server_route import RoutedCall, ServerRoute
+    from gym_rpc.client.replicas._server_route import ServerRoute
     from gym_rpc.config import BaseServerConfig, GlobalConfig
 
     urls = [f"http://{LOOPBACK}:{port}" for port in ports]

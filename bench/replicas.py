@@ -44,11 +44,12 @@ from bench.data_plane import JSON_HEADERS, PAYLOAD, raw_session
 from bench.servers import LOOPBACK, REPO_ROOT, ServerProcess, terminate, wait_until
 from bench.stats import Row, median, percentile
 from gym_rpc.client import ServerClient, close_http_sessions, rollout_context
+from gym_rpc.client.replicas._call_in_flight import RoutedCall
 from gym_rpc.client.replicas._instance_state import Instance, InstanceState
 from gym_rpc.client.replicas._outliers import OutlierDetection
 from gym_rpc.client.replicas._picker import SLOTS, heaviest, stable_key
 from gym_rpc.client.replicas._prompt_key import prompt_key
-from gym_rpc.client.replicas._server_route import RoutedCall, ServerRoute
+from gym_rpc.client.replicas._server_route import ServerRoute
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 
 NAME = "policy_model"

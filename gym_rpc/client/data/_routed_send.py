@@ -1,6 +1,6 @@
 """A call to a server with several instances, as `ServerClient.request` makes it: what it sticks by (its rollout,
 its NeMo Gym session) and its send, which picks the instance, fails over through the resend loop's `reroute`
-and tells the route how the call ended (gym_rpc.client.replicas._server_route)."""
+and tells the route how the call ended (gym_rpc.client.replicas._call_in_flight)."""
 
 from __future__ import annotations
 

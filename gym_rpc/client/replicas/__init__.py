@@ -8,22 +8,23 @@ from typing import TYPE_CHECKING
 from gym_rpc._lazy import lazy_modules
 
 if TYPE_CHECKING:
+    from gym_rpc.client.replicas._call_in_flight import RoutedCall as RoutedCall
     from gym_rpc.client.replicas._instance_state import Instance as Instance
     from gym_rpc.client.replicas._outliers import OutlierDetection as OutlierDetection
     from gym_rpc.client.replicas._prompt_key import prompt_key as prompt_key
     from gym_rpc.client.replicas._routing import ROUTINGS as ROUTINGS
     from gym_rpc.client.replicas._routing import Routing as Routing
-    from gym_rpc.client.replicas._server_route import RoutedCall as RoutedCall
     from gym_rpc.client.replicas._server_route import ServerRoute as ServerRoute
     from gym_rpc.client.replicas._server_route import session_pin_key as session_pin_key
 
 __getattr__ = lazy_modules(
     __name__,
     {
+        "_call_in_flight": "RoutedCall",
         "_instance_state": "Instance",
         "_outliers": "OutlierDetection",
         "_prompt_key": "prompt_key",
         "_routing": "Routing ROUTINGS",
-        "_server_route": "RoutedCall ServerRoute session_pin_key",
+        "_server_route": "ServerRoute session_pin_key",
     },
 )

@@ -29,6 +29,7 @@ import pytest
 from gym_rpc.client.control._clients import ControlClient
 from gym_rpc.client.data._rollout import rollout_context
 from gym_rpc.client.replicas import _server_route
+from gym_rpc.client.replicas._call_in_flight import RoutedCall
 from gym_rpc.client.replicas._instance_state import InstanceState
 from gym_rpc.client.replicas._outliers import OutlierDetection
 from gym_rpc.client.replicas._picker import (
@@ -42,7 +43,7 @@ from gym_rpc.client.replicas._picker import (
     weight,
 )
 from gym_rpc.client.replicas._prompt_key import prompt_key
-from gym_rpc.client.replicas._server_route import ENGINE_LOAD_READ_SECONDS, RoutedCall, ServerRoute
+from gym_rpc.client.replicas._server_route import ENGINE_LOAD_READ_SECONDS, ServerRoute
 from gym_rpc.client.server_client import ServerClient
 from gym_rpc.config import BaseServerConfig, GlobalConfig
 from gym_rpc.errors import NoHealthyInstanceError, RequestTimeoutError, ServerUnreachableError
