@@ -27,6 +27,10 @@ from tests.support.replicas import ReplicaServer
 from tests.support.waiting import eventually
 
 NAME = "policy"
+# Every call here is a model server's call of no rollout, which the slowness rule would keep off an instance whose
+# first answer a loaded machine stalled (tests/support/replicas.py, slowness_rule_off): not what these tests are
+# about.
+pytestmark = pytest.mark.usefixtures("slowness_rule_off")
 
 
 @pytest.fixture
