@@ -64,6 +64,9 @@ logger = logging.getLogger("gym_rpc.client.replicas")
 # Rollouts pinned per server, oldest forgotten first: a forgotten rollout is pinned again by the same rendezvous,
 # so the bound only matters for rollouts whose instance set changed while they ran.
 MAX_PINS = 65536
+# Instances no longer listed, remembered per server (oldest forgotten first) so that one listed again is the same
+# instance: a lease that lapsed and was renewed, or a deregistration and a registration at the same address.
+MAX_GONE = 1024
 # Keys of NeMo Gym sessions among the pins: never a rollout id (a rollout id cannot hold a NUL).
 _SESSION_PREFIX = "\0"
 _monotonic = time.monotonic
@@ -170,6 +173,7 @@ class ServerRoute:
         "engine_loads",
         "engine_total",
         "generation",
+        "gone",
         "groups",
         "homes",
         "in_flight_total",
@@ -229,6 +233,8 @@ class ServerRoute:
         self.selector = selector
         self.instances: tuple[Instance, ...] = ()
         self.by_id: dict[str, Instance] = {}
+        # id -> an instance no longer listed, with its pins, groups and counts: listed again, it takes them up
+        self.gone: dict[str, Instance] = {}
         self.pins: dict[str, Pin] = {}  # rollout ids and session keys; aliases of one rollout share a Pin
         self.repins = 0  # rollouts moved off an instance that was gone, for the worker metrics
         self.pool: tuple[Instance, ...] = ()  # the instances that take new work (`candidate` set on each)
@@ -249,20 +255,27 @@ class ServerRoute:
         self.update(states)
 
     def update(self, states: Sequence[InstanceView]) -> None:
-        """The instance set as the head (or the config) lists it now; each instance keeps the client's counts."""
+        """The instance set as the head (or the config) lists it now; each instance keeps the client's counts. An
+        instance listed again (its lease lapsed and was renewed, its process registered again at its address) is
+        the one it was: the rollouts pinned to it that made no call meanwhile stay, with their sessions and groups,
+        and its calls still in flight are counted where they end."""
         with self.lock:
             kept = []
+            gone = self.gone
             for state in distinct(states):
-                instance = self.by_id.get(state.instance_id)
+                instance = self.by_id.get(state.instance_id) or gone.pop(state.instance_id, None)
                 if instance is None:
                     instance = Instance(state)
                 else:
                     instance.apply(state)
                 kept.append(instance)
             listed = {instance.instance_id for instance in kept}
-            for gone in self.instances:
-                if gone.instance_id not in listed:
-                    gone.alive = False  # rollouts pinned to it move at their next call
+            for instance in self.instances:
+                if instance.instance_id not in listed:
+                    instance.alive = False  # rollouts pinned to it move at their next call
+                    gone[instance.instance_id] = instance
+            while len(gone) > MAX_GONE:
+                del gone[next(iter(gone))]
             self.instances = tuple(kept)
             self.by_id = {instance.instance_id: instance for instance in kept}
             self._refresh(_monotonic())

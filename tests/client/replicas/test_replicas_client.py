@@ -146,6 +146,27 @@ def test_remembered_slot_winners_stay_the_rendezvous_winners_as_the_instance_set
             assert route.slot_winner(slot, route.pool) is heaviest(slot, route.pool)
 
 
+def test_an_instance_listed_again_is_the_one_it_was_and_keeps_its_rollouts() -> None:
+    """An instance the head stopped listing and lists again (a lease that lapsed and was renewed, a process that
+    registered again at its address) is the same instance: its rollouts that made no call meanwhile stay, not
+    counted as moved; a rollout whose call came while it was gone moved, and stays where it went."""
+    states = [InstanceState(f"10.0.0.{i}:8000", f"http://10.0.0.{i}:8000", "success") for i in range(4)]
+    route = ServerRoute(NAME, states, OutlierDetection())
+    pinned = {f"rollout-{n}": route.pick(f"rollout-{n}") for n in range(64)}
+    lapsed = pinned["rollout-0"]
+    route.update([state for state in states if state.instance_id != lapsed.instance_id])
+    mover = next(key for key, at in pinned.items() if at is lapsed and key != "rollout-0")
+    moved_to = route.pick(mover)  # its call while the instance was gone
+    assert moved_to is not lapsed and route.repins == 1
+
+    route.update(states)
+
+    assert route.by_id[lapsed.instance_id] is lapsed and lapsed.alive
+    stayed = {key: at for key, at in pinned.items() if key != mover}
+    assert {key: route.pick(key) for key in stayed} == stayed
+    assert route.pick(mover) is moved_to and route.repins == 1
+
+
 def test_two_choices_takes_the_less_loaded_of_two_distinct_instances() -> None:
     busy, idle = SimpleNamespace(key=1, in_flight=3), SimpleNamespace(key=2, in_flight=0)
     assert all(two_choices([busy, idle]) is idle for _ in range(50))
@@ -1229,6 +1250,44 @@ async def test_the_heads_view_of_each_instance_reaches_the_client_within_a_secon
     await gone.start(gone.port)  # back: the head's next probe says so, and calls go there again
     await eventually(lambda: instance.alive, within=10, every=0.005)
     assert gone.port in collections.Counter([await call(client) for _ in range(60)])
+
+
+async def test_sessions_stay_with_an_instance_that_registers_again(replica_servers, head_factory) -> None:
+    """A registered instance that left the head's list and came back (its lease lapsed and was renewed, or its
+    process registered again at its address) keeps its NeMo Gym sessions: each is on the instance that holds its
+    state, and would fail anywhere else. Before, the worker took it for a new instance and moved every session
+    opened there by the session's rendezvous."""
+    fleet = await replica_servers(4)
+    head = await head_factory(
+        document({NAME: server_entry(fleet[0].port, "resources_servers")}), probe_interval_seconds=0.1
+    )
+    control = ControlClient(head.address)
+    pids = {replica.port: pid for pid, replica in enumerate(fleet[1:], start=101)}
+    for port, pid in pids.items():
+        await control.register_instance(NAME, listen_port=port, listen_host=LOOPBACK, pid=pid)
+    client = await asyncio.to_thread(
+        ServerClient.load_from_global_config, BaseServerConfig(host=LOOPBACK, port=head.port)
+    )
+    await call(client)
+    route = route_of(client)
+    await eventually(lambda: len(route.instances) == 4, within=10, every=0.005)
+    sessions = []
+    for n in range(16):
+        open_session(fleet, f"session-{n}")
+        sessions.append(await answered_at(client, "/seed_session"))
+    open_session(fleet, None)
+    lapsed = next(port for port, _ in sessions if port in pids)  # a registered instance holding a session
+    lapsed_id = f"{LOOPBACK}:{lapsed}"
+
+    assert await control.deregister_server_instance(NAME, pid=pids[lapsed], instance_id=lapsed_id) is True
+    await eventually(lambda: lapsed_id not in route.by_id, within=10, every=0.005)
+    await control.register_instance(NAME, listen_port=lapsed, listen_host=LOOPBACK, pid=pids[lapsed])
+    await eventually(lambda: lapsed_id in route.by_id, within=10, every=0.005)
+
+    assert [(await answered_at(client, "/get_weather", cookies=cookies))[0] for _, cookies in sessions] == [
+        opened_at for opened_at, _ in sessions
+    ]
+    assert route.repins == 0
 
 
 # --- worker metrics ----------------------------------------------------------------------------------------------
