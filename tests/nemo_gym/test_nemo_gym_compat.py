@@ -21,7 +21,7 @@ from tests.support.nemo_gym import BUILD_TIMEOUT_SECONDS
 HARNESS = REPO_ROOT / "tests" / "nemo_gym_compat" / "harness.py"
 RESTART_HARNESS = REPO_ROOT / "tests" / "nemo_gym_compat" / "restart.py"
 STICKY_HARNESS = REPO_ROOT / "tests" / "nemo_gym_compat" / "sticky.py"
-STICKY_TIMEOUT_SECONDS = 240  # four modes of 96 rollouts: 15-35 s on a 2-core machine, idle to loaded
+STICKY_TIMEOUT_SECONDS = 240  # six modes of 96 rollouts: 16-60 s on a 2-core machine, idle to loaded
 RESTART_TIMEOUT_SECONDS = 600  # three modes, each starting NeMo Gym's servers afresh, on a loaded 2-core machine
 HARNESS_TIMEOUT_SECONDS = 240
 
@@ -126,13 +126,21 @@ def test_a_resources_server_that_never_returns_fails_every_rollout_within_its_bu
         assert failed["seconds"] < 2 * gone["budget_seconds"] + 20, failed
 
 
-STICKY_MODES = ("static/off", "static/on", "registered/off", "registered/on")
+STICKY_MODES = (
+    "static/off",
+    "static/on",
+    "registered/off",
+    "registered/on",
+    "registered-relisted/off",
+    "registered-relisted/on",
+)
 STICKY_ROLLOUTS = 96
 
 
 @pytest.fixture(scope="module")
 def sticky_results(nemo_gym_python: str) -> dict[str, Any]:
-    command = [nemo_gym_python, str(STICKY_HARNESS), "--rollouts", str(STICKY_ROLLOUTS), "--concurrency", "48"]
+    command = [nemo_gym_python, str(STICKY_HARNESS), "--modes", ",".join(STICKY_MODES)]
+    command += ["--rollouts", str(STICKY_ROLLOUTS), "--concurrency", "48"]
     return run_harness(command, STICKY_TIMEOUT_SECONDS)
 
 
@@ -145,10 +153,17 @@ def test_every_call_of_a_rollout_reaches_one_instance_of_the_resources_server(
     (static `replicas:`, or three registrations followed from a head), observability off and on, 96 rollouts at
     48 at once. Counted on the servers' side: each rollout's /seed_session (known by its body, or NeMo Gym's
     context), /get_weather (by the session cookie alone) and /verify (by its body, or the context, and the cookie)
-    reached one instance, and the rollouts spread over all three. The old client split 57-66 of 96 rollouts."""
+    reached one instance, and the rollouts spread over all three. The old client split 57-66 of 96 rollouts.
+
+    Relisted: while the first 48 rollouts wait between their /seed_session and their /get_weather, a registered
+    instance holding 14-23 of their sessions deregisters and registers again at its address (a lapsed lease
+    renewed), and the client follows it off the list and back. Its sessions stay with it: before the client took
+    such an instance back as the one it was, 11-16 of 96 rollouts split (their later calls moved)."""
     result = sticky_results[mode]
+    if mode.startswith("registered-relisted/"):
+        assert result["relisted"]["sessions"] > 0, result["relisted"]
     assert result["route_instances"] == 3
     assert (result["incomplete"], result["unexpected"]) == ([], [])
     assert result["rewarded"] == result["rollouts"] == STICKY_ROLLOUTS
-    assert result["split"] == []
+    assert result["split"] == [], f"{len(result['split'])} rollouts split; relisted: {result['relisted']}"
     assert len(result["per_instance"]) == 3 and sum(result["per_instance"].values()) == 3 * STICKY_ROLLOUTS
