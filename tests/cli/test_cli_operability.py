@@ -50,6 +50,12 @@ def one_line(stderr: str) -> str:
     return lines[0]
 
 
+# The heads the status tests share probe their "live" server (a thread of this test process) with 5 s to answer,
+# not running_head's 0.5 s: beside a whole suite (load 12-15) a probe took longer once, and every format then read
+# "live" as timeout (soak run B5, stop 51). "gone" is a closed port: refused at once either way.
+PATIENT_PROBES = ("--probe-timeout", "5")
+
+
 @pytest.fixture(scope="module")
 def live_server() -> Iterator[ThreadedHttpServer]:
     with threaded_http_server(200) as server:
@@ -62,7 +68,8 @@ def up_and_down_head(
 ) -> Iterator[HeadProcess]:
     """A head with one server up ("live") and one down ("gone", a held closed port)."""
     servers = {"live": server_entry(live_server.port), "gone": server_entry(closed_port(), "resources_servers")}
-    with running_head(write_config(tmp_path_factory.mktemp("mixed") / "config.yaml", servers)) as head:
+    config = write_config(tmp_path_factory.mktemp("mixed") / "config.yaml", servers)
+    with running_head(config, *PATIENT_PROBES) as head:
         wait_until_probed_by(head.address, within=WAIT_SECONDS)
         yield head
 
@@ -71,9 +78,8 @@ def up_and_down_head(
 def all_up_head(
     tmp_path_factory: pytest.TempPathFactory, live_server: ThreadedHttpServer
 ) -> Iterator[HeadProcess]:
-    with running_head(
-        write_config(tmp_path_factory.mktemp("up") / "config.yaml", {"live": server_entry(live_server.port)})
-    ) as head:
+    config = write_config(tmp_path_factory.mktemp("up") / "config.yaml", {"live": server_entry(live_server.port)})
+    with running_head(config, *PATIENT_PROBES) as head:
         wait_until_probed_by(head.address, within=WAIT_SECONDS)
         yield head
 
