@@ -16,22 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import socket
-import subprocess
-import sys
-import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from pathlib import Path
 from typing import Any
 
 import aiohttp
-import uvicorn
-import yaml
 from nemo_gym.config_types import BaseServerConfig as NemoGymServerConfig
-from nemo_gym.config_types import ModelServerRef, ResourcesServerRef
 from nemo_gym.server_utils import (
     GlobalAIOHTTPAsyncClientConfig,
     is_global_aiohttp_client_setup,
@@ -43,26 +34,29 @@ from resources_servers.example_session_state_mgmt.app import (
     StatefulCounterResourcesServer,
     StatefulCounterResourcesServerConfig,
 )
-from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
+from shared import (
+    LOOPBACK,
+    Asgi,
+    Receive,
+    Scope,
+    Send,
+    gym_rpc_head,
+    held_socket,
+    serving,
+    simple_agent,
+    stub_turn,
+)
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-LOOPBACK = "127.0.0.1"
 MODEL, RESOURCES, AGENT = "policy_model", "counter", "agent"
 SESSION_COOKIE = f"StatefulCounterResourcesServer___{RESOURCES}"  # NeMo Gym's SimpleServer names it so
 # (task index, rollout index, initial count, increment the model asks for, expected count). The last expectation is
 # wrong on purpose: its reward must be 0.0, so a reward of 1.0 elsewhere means the session's counter was right.
 ROLLOUTS = ((0, 0, 1, 2, 3), (0, 1, 5, 4, 9), (1, 0, 2, 2, 0))
-HEAD_START_TIMEOUT_SECONDS = 30.0
 ROLLOUT_TIMEOUT_SECONDS = 30.0
-KEEP_ALIVE_SECONDS = 30  # what NeMo Gym gives uvicorn (timeout_keep_alive): longer than the clients' 15 s pool
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-Asgi = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class Recorder:
@@ -87,43 +81,19 @@ def _requested_increment(body: dict[str, Any]) -> int:
     raise ValueError("no user message in the input")
 
 
-def stub_turn(body: dict[str, Any], tool: str, arguments: Callable[[], str], text: str) -> JSONResponse:
-    """A Responses API model's turn: a call of `tool` with `arguments()`, then, once the input holds the tool's
-    output, the message `text`."""
-    output: dict[str, Any]
-    if any(item.get("type") == "function_call_output" for item in body["input"]):
-        content = [{"type": "output_text", "text": text, "annotations": []}]
-        output = {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed", "content": content}
-    else:
-        output = {
-            "type": "function_call",
-            "id": "fc_1",
-            "call_id": "call_1",
-            "name": tool,
-            "arguments": arguments(),
-            "status": "completed",
-        }
-    response = {"id": "resp_1", "object": "response", "created_at": 0, "model": "stub", "output": [output]}
-    return JSONResponse({**response, "parallel_tool_calls": False, "tool_choice": "auto", "tools": []})
-
-
 async def _responses(request: Request) -> JSONResponse:
     body = await request.json()
-    return stub_turn(body, "increment_counter", lambda: json.dumps({"count": _requested_increment(body)}), "done")
+    # shared.stub_turn is untyped here (mypy reads it as Any): the annotation says what it returns
+    answer: JSONResponse = stub_turn(
+        body, "increment_counter", lambda: json.dumps({"count": _requested_increment(body)}), "done"
+    )
+    return answer
 
 
 def stub_model_app() -> Starlette:
     """A Responses API model server answering on every path that ends in /v1/responses (with or without a rollout
     prefix), as NeMo Gym's model servers do."""
     return Starlette(routes=[Route("/{prefix:path}v1/responses", _responses, methods=["POST"])])
-
-
-def _held_socket() -> socket.socket:
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((LOOPBACK, 0))
-    sock.listen(128)
-    return sock
 
 
 def global_config(ports: dict[str, int], observability: bool) -> dict[str, Any]:
@@ -145,71 +115,6 @@ def global_config(ports: dict[str, int], observability: bool) -> dict[str, Any]:
     }
 
 
-@contextlib.contextmanager
-def gym_rpc_head(doc: dict[str, Any]) -> Any:
-    """A gym_rpc head in its own process; yields its port."""
-    with tempfile.TemporaryDirectory() as directory:
-        path = Path(directory) / "config.yaml"
-        path.write_text(yaml.safe_dump(doc), encoding="utf-8")
-        command = [sys.executable, "-m", "gym_rpc", "head", "--config", str(path), "--port", "0"]
-        with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:
-            try:
-                assert process.stdout is not None
-                line = process.stdout.readline()  # the banner; the head exits (EOF) when it cannot start
-                if "listening on" not in line:
-                    raise RuntimeError(f"the gym_rpc head did not start: {line!r}")
-                address = line.split("listening on", 1)[1].split()[0]
-                yield int(address.rsplit(":", 1)[1])
-            finally:
-                process.terminate()
-                process.wait(timeout=HEAD_START_TIMEOUT_SECONDS)
-
-
-@contextlib.asynccontextmanager
-async def serving(apps: dict[str, tuple[Asgi, socket.socket]]) -> AsyncIterator[None]:
-    """uvicorn on the held sockets, one server per app, until the block ends. Idle connections are kept 30 s, as
-    NeMo Gym runs its servers ("server keepalive > client keepalive"): with uvicorn's default 5 s, under the
-    clients' 15 s pool, a pooled connection could be reused just as the server closed it, and the call dropped
-    after its request was written (a restart run saw one such drop of a call to the agent)."""
-    servers = [
-        uvicorn.Server(
-            uvicorn.Config(
-                app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=KEEP_ALIVE_SECONDS
-            )
-        )
-        for app, _ in apps.values()
-    ]
-    tasks = [
-        asyncio.create_task(server.serve(sockets=[sock]))
-        for server, (_, sock) in zip(servers, apps.values(), strict=True)
-    ]
-    try:
-        while not all(server.started for server in servers):
-            if any(task.done() for task in tasks):
-                raise RuntimeError("a server failed to start")
-            await asyncio.sleep(0.02)
-        yield
-    finally:
-        for server in servers:
-            server.should_exit = True
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def simple_agent(port: int, client: Any, resources: str = RESOURCES) -> SimpleAgent:
-    """NeMo Gym's SimpleAgent on `port`, calling `resources` and the model through `client`."""
-    return SimpleAgent.model_construct(
-        config=SimpleAgentConfig(
-            host=LOOPBACK,
-            port=port,
-            entrypoint="app.py",
-            name=AGENT,
-            resources_server=ResourcesServerRef(type="resources_servers", name=resources),
-            model_server=ModelServerRef(type="responses_api_models", name=MODEL),
-        ),
-        server_client=client,
-    )
-
-
 def make_client(kind: str, doc: dict[str, Any], head_port: int) -> Any:
     """The client the servers get: NeMo Gym's own, or gym_rpc's given NeMo Gym's own head config model."""
     head = NemoGymServerConfig(host=LOOPBACK, port=head_port)
@@ -221,7 +126,7 @@ def make_client(kind: str, doc: dict[str, Any], head_port: int) -> Any:
 
 
 async def run_mode(kind: str, observability: bool) -> dict[str, Any]:
-    sockets = {name: _held_socket() for name in (MODEL, RESOURCES, AGENT)}
+    sockets = {name: held_socket() for name in (MODEL, RESOURCES, AGENT)}
     ports = {name: int(sock.getsockname()[1]) for name, sock in sockets.items()}
     doc = global_config(ports, observability)
     seen: dict[str, list[list[Any]]] = {name: [] for name in sockets}
@@ -234,7 +139,7 @@ async def run_mode(kind: str, observability: bool) -> dict[str, Any]:
             ),
             server_client=client,
         )
-        agent = simple_agent(ports[AGENT], client)
+        agent = simple_agent(ports[AGENT], client, RESOURCES)
         apps: dict[str, tuple[Asgi, socket.socket]] = {}
         for name, server in ((RESOURCES, resources), (AGENT, agent)):
             app = server.setup_webserver()

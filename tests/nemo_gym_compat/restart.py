@@ -44,12 +44,12 @@ from typing import Any
 
 import aiohttp
 import uvicorn
-from harness import KEEP_ALIVE_SECONDS, LOOPBACK, Asgi, _held_socket, serving, simple_agent, stub_turn
 from omegaconf import OmegaConf
 from resources_servers.example_single_tool_call.app import (
     SimpleWeatherResourcesServer,
     SimpleWeatherResourcesServerConfig,
 )
+from shared import KEEP_ALIVE_SECONDS, LOOPBACK, Asgi, held_socket, serving, simple_agent, stub_turn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -290,7 +290,7 @@ async def run_mode(mode: str, rollouts: int, servers: Servers) -> dict[str, Any]
     from gym_rpc.client.server_client import ServerClient
     from gym_rpc.config import BaseServerConfig
 
-    sockets = {name: _held_socket() for name in (MODEL, AGENT)}
+    sockets = {name: held_socket() for name in (MODEL, AGENT)}
     ports = {name: int(sock.getsockname()[1]) for name, sock in sockets.items()}
     ports[RESOURCES] = servers.port
     doc = global_config(ports, mode)

@@ -40,13 +40,13 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import aiohttp
-from harness import LOOPBACK, Asgi, _held_socket, gym_rpc_head, serving, simple_agent, stub_turn
 from nemo_gym.config_types import BaseServerConfig as NemoGymServerConfig
 from omegaconf import OmegaConf
 from resources_servers.example_single_tool_call.app import (
     SimpleWeatherResourcesServer,
     SimpleWeatherResourcesServerConfig,
 )
+from shared import LOOPBACK, Asgi, gym_rpc_head, held_socket, serving, simple_agent, stub_turn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -97,7 +97,7 @@ def model_app(hold: Hold | None = None) -> Starlette:
         first = not any(item.get("type") == "function_call_output" for item in body["input"])
         if hold is not None and first:
             await hold.first_turn()
-        # harness's stub_turn is untyped here (mypy reads it as Any): the annotation says what it returns
+        # shared.stub_turn is untyped here (mypy reads it as Any): the annotation says what it returns
         answer: JSONResponse = stub_turn(body, "get_weather", lambda: json.dumps({"city": city.group(0)}), "cold")
         return answer
 
@@ -241,8 +241,8 @@ async def run_mode(mode: str, rollouts: int, concurrency: int) -> dict[str, Any]
     instances, observability = mode.split("/")
     static = instances == "static"
     hold = Hold(min(rollouts, concurrency)) if instances == "registered-relisted" else None
-    sockets = {name: _held_socket() for name in (MODEL, AGENT)}
-    weather_sockets = [_held_socket() for _ in range(INSTANCES)]
+    sockets = {name: held_socket() for name in (MODEL, AGENT)}
+    weather_sockets = [held_socket() for _ in range(INSTANCES)]
     ports = {name: int(sock.getsockname()[1]) for name, sock in sockets.items()}
     weather = [int(sock.getsockname()[1]) for sock in weather_sockets]
     doc = global_config(ports, weather, static, observability == "on")
